@@ -1,0 +1,278 @@
+"""Token shards on disk and the loader that turns them into (x, y) training batches.
+
+Shard format (llm.c's): a header of 256 little-endian int32 (magic 20240520, version 1, token
+count, then zeros), followed by the tokens as little-endian uint16. Every document is preceded
+by the end-of-text token 50256. prepare_data.py writes these; the loader also reads nanoGPT's
+headerless uint16 `.bin` files and build-nanogpt's uint16 `.npy` shards.
+
+Samples are non-overlapping windows of block_size+1 tokens at stride block_size within a shard
+(x = window[:-1], y = window[1:]); a window never crosses a shard boundary.
+"""
+import glob
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MAGIC = 20240520
+VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+EOT = 50256  # <|endoftext|>; every document starts with it
+SHARD_SUFFIXES = (".bin", ".npy")
+
+
+class ShardError(ValueError):
+    """A shard file that cannot be used; the message names the file and what was expected."""
+
+
+def shard_header(num_tokens):
+    """The 1024 header bytes of an llm.c shard holding num_tokens tokens."""
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = (MAGIC, VERSION, num_tokens)
+    return header.tobytes()
+
+
+def write_shard(path, tokens):
+    """Write tokens (any integer array, values < 65536) as an llm.c shard, atomically:
+    a temporary file in the same directory is fsynced and renamed over path."""
+    path = Path(path)
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+        raise ValueError(f"{path}: expected a 1-D integer token array, got {tokens.dtype} of shape {tokens.shape}")
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= 2**16):
+        raise ValueError(f"{path}: token ids must lie in [0, 65535] to fit uint16")
+    if tokens.size >= 2**31:
+        raise ValueError(f"{path}: {tokens.size} tokens do not fit the int32 count of the header")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(shard_header(tokens.size))
+            f.write(tokens.astype("<u2", copy=False).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only
+        os.replace(tmp, path)  # readers see the old file or the whole new one, never a partial one
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _looks_like_header(head):
+    """True if the first bytes of a .bin file are an llm.c header (possibly a damaged one).
+
+    A header is recognised by its magic, or -- so that a wrong magic is reported rather than the
+    file silently read as raw tokens -- by version 1 followed by 253 zero ints. Raw GPT-2 token
+    files can match neither: the magic read as uint16 is the token pair (55432, 308) and 55432 is
+    beyond GPT-2's vocabulary (50257, or 50304 padded), and the second pattern would need tokens
+    2..3 to be (1, 0) and tokens 6..511 to be 506 copies of token 0 ('!').
+    """
+    ints = np.frombuffer(head[: len(head) // 4 * 4], dtype="<i4")
+    if len(ints) and ints[0] == MAGIC:
+        return True
+    return len(ints) == HEADER_INTS and ints[1] == VERSION and not ints[3:].any()
+
+
+def load_shard(path, vocab_size=None):
+    """Memory-map the tokens of one shard as a 1-D uint16 array (header skipped).
+
+    .bin with an llm.c header (see _looks_like_header) -> validated header; any other .bin ->
+    headerless raw uint16 (nanoGPT); .npy -> np.load(mmap_mode='r'), must be 1-D uint16
+    (build-nanogpt). With vocab_size, every token id must be < vocab_size (one pass over the file).
+    Raises ShardError naming the file on anything else.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ShardError(f"{path}: no such shard file")
+    size = path.stat().st_size
+    if path.suffix == ".npy":
+        try:
+            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise ShardError(f"{path}: not a readable .npy token shard ({e})") from None
+        if tokens.ndim != 1 or tokens.dtype != np.uint16:
+            raise ShardError(f"{path}: .npy shard must be a 1-D uint16 array, got {tokens.dtype} of shape {tokens.shape}"
+                             " (convert with np.save(path, a.astype(np.uint16)) if all ids are < 65536)")
+    else:
+        with open(path, "rb") as f:
+            head = f.read(HEADER_BYTES)
+        if _looks_like_header(head):
+            if len(head) < HEADER_BYTES:
+                raise ShardError(f"{path}: truncated llm.c shard: {size} bytes, shorter than the {HEADER_BYTES}-byte header")
+            magic, version, count = (int(v) for v in np.frombuffer(head, dtype="<i4")[:3])
+            if magic != MAGIC:
+                raise ShardError(f"{path}: bad magic {magic} in the llm.c shard header (expected {MAGIC})")
+            if version != VERSION:
+                raise ShardError(f"{path}: unsupported llm.c shard version {version} (expected {VERSION}, uint16 tokens)")
+            if count < 0 or size != HEADER_BYTES + 2 * count:
+                kind = "truncated" if size < HEADER_BYTES + 2 * count else "corrupt"
+                raise ShardError(f"{path}: {kind} llm.c shard: header says {count} tokens "
+                                 f"({HEADER_BYTES + 2 * count} bytes), file has {size} bytes")
+            if count == 0:
+                raise ShardError(f"{path}: empty shard (0 tokens)")
+            tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
+        else:
+            if size % 2:
+                raise ShardError(f"{path}: {size} bytes is an odd size; neither an llm.c shard nor raw uint16 tokens")
+            if size == 0:
+                raise ShardError(f"{path}: empty shard (0 tokens)")
+            tokens = np.memmap(path, dtype="<u2", mode="r")
+    if tokens.size == 0:
+        raise ShardError(f"{path}: empty shard (0 tokens)")
+    if vocab_size is not None:
+        check_vocab(tokens, vocab_size, path)
+    return tokens
+
+
+def check_vocab(tokens, vocab_size, path):
+    """Raise ShardError if any token id in the shard is >= vocab_size."""
+    top = int(tokens.max())
+    if top >= vocab_size:
+        where = int(np.argmax(tokens >= vocab_size))
+        raise ShardError(f"{path}: token id {top} >= vocab_size {vocab_size} (first bad id at token {where})")
+
+
+def find_shards(data_dir, split):
+    """Sorted shard files (.bin/.npy) of one split in data_dir: names whose stem contains the split
+    as a word, e.g. `x_train_000001.bin`, `train.bin`, `edufineweb_val_000000.npy`.
+    data_dir may also be a glob pattern (`data/fw/fineweb_edu_*`)."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    data_dir = str(data_dir)
+    if any(c in data_dir for c in "*?["):
+        candidates = [Path(p) for p in sorted(glob.glob(data_dir))]
+    elif os.path.isdir(data_dir):
+        candidates = sorted(Path(data_dir).iterdir())
+    else:
+        raise ShardError(f"{data_dir}: no such data directory")
+    word = re.compile(rf"(^|[_.-]){split}($|[_.-])")
+    paths = [p for p in candidates if p.suffix in SHARD_SUFFIXES and p.is_file() and word.search(p.stem)]
+    if not paths:
+        raise ShardError(f"{data_dir}: no {split} shards (*.bin or *.npy files with '{split}' in the name)")
+    return paths
+
+
+class DataLoader:
+    """(x, y) batches of B x T token ids from the shards of one split.
+
+    The data is a sequence of samples (windows, see the module docstring). The stream is the
+    infinite concatenation of epochs; epoch e visits every sample once, in an order fixed by
+    (seed, e): shards in a permuted order, each shard's samples in a permuted order (or in file
+    order when shuffle is False). Micro-step k of the whole job consumes stream positions
+    [k*B*W, (k+1)*B*W) and rank r reads only [k*B*W + r*B, k*B*W + (r+1)*B). So the samples of an
+    optimizer step depend only on W*B*accumulation, and an epoch is covered exactly once across
+    ranks. A micro-batch that reaches the end of an epoch continues into the next one (the stream
+    position is just a number: nothing is dropped or repeated within any epoch).
+    """
+
+    def __init__(self, data_dir, split, batch_size, block_size, rank=0, world_size=1, seed=0,
+                 vocab_size=None, shuffle=None):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        if batch_size < 1 or block_size < 1 or seed < 0:
+            raise ValueError(f"batch_size and block_size must be >= 1 and seed >= 0 (got {batch_size}, {block_size}, {seed})")
+        self.B, self.T = batch_size, block_size
+        self.rank, self.world_size = rank, world_size
+        self.seed = seed
+        self.vocab_size = vocab_size
+        self.shuffle = (split == "train") if shuffle is None else bool(shuffle)
+        self.paths = find_shards(data_dir, split)
+        self.shards = [load_shard(p) for p in self.paths]  # memory-mapped once, headers validated
+        self._vocab_checked = set()  # the vocab check reads a whole shard: done the first time it is used
+        self.samples_per_shard = np.array([max(0, (len(s) - 1) // block_size) for s in self.shards], dtype=np.int64)
+        self.num_samples = int(self.samples_per_shard.sum())
+        if self.num_samples == 0:
+            total = sum(len(s) for s in self.shards)
+            raise ShardError(f"{data_dir}: the {split} shards hold {total} tokens; none has the "
+                             f"block_size+1 = {block_size + 1} tokens of one sample")
+        self._plans = {}  # epoch -> (shard order, cumulative sample counts in that order)
+        self._perms = {}  # (epoch, shard) -> permutation of that shard's samples
+        self.position = 0  # global stream position: samples consumed by all ranks together
+
+    @property
+    def num_batches(self):
+        """Global micro-batches (all ranks together) that fit in one epoch."""
+        return self.num_samples // (self.B * self.world_size)
+
+    @property
+    def epoch(self):
+        return self.position // self.num_samples
+
+    def reset(self):
+        """Back to the start of the stream (validation: the same fixed batches again)."""
+        self.position = 0
+
+    def _plan(self, epoch):
+        if epoch not in self._plans:
+            if len(self._plans) > 2:
+                self._plans.clear()
+                self._perms.clear()
+            n = len(self.shards)
+            # SeedSequence pads short entropy with zeros, so the tags 0 / 1 keep the streams distinct.
+            order = (np.random.Generator(np.random.PCG64([self.seed, epoch, 0])).permutation(n)
+                     if self.shuffle else np.arange(n))
+            self._plans[epoch] = (order, np.cumsum(self.samples_per_shard[order]))
+        return self._plans[epoch]
+
+    def _perm(self, epoch, shard):
+        key = (epoch, shard)
+        if key not in self._perms:
+            n = int(self.samples_per_shard[shard])
+            rng = np.random.Generator(np.random.PCG64([self.seed, epoch, 1, shard]))
+            self._perms[key] = rng.permutation(n) if self.shuffle else np.arange(n)
+        return self._perms[key]
+
+    def _locate(self, positions):
+        """Stream positions -> (shard index, first token of the window), as int64 arrays."""
+        epochs, offsets = np.divmod(positions, self.num_samples)
+        shard = np.empty_like(positions)
+        start = np.empty_like(positions)
+        for e in np.unique(epochs):  # one or two epochs per batch
+            sel = epochs == e
+            order, cum = self._plan(int(e))
+            slot = np.searchsorted(cum, offsets[sel], side="right")  # place in the epoch's shard order
+            local = offsets[sel] - (cum[slot] - self.samples_per_shard[order[slot]])
+            shard_sel = order[slot]
+            sample = np.empty_like(local)
+            for s in np.unique(shard_sel):
+                m = shard_sel == s
+                sample[m] = self._perm(int(e), int(s))[local[m]]
+            shard[sel], start[sel] = shard_sel, sample * self.T
+        return shard, start
+
+    def next_batch(self):
+        """The next (x, y) of this rank: int64 CPU tensors of shape (B, T); y[:, t] == x[:, t+1]."""
+        B, T = self.B, self.T
+        first = self.position + self.rank * B
+        shard, start = self._locate(np.arange(first, first + B, dtype=np.int64))
+        window = np.empty((B, T + 1), dtype=np.uint16)
+        offsets = np.arange(T + 1)
+        for s in np.unique(shard):  # usually one shard per batch
+            tokens = self.shards[s]
+            if self.vocab_size is not None and s not in self._vocab_checked:
+                check_vocab(tokens, self.vocab_size, self.paths[s])
+                self._vocab_checked.add(int(s))
+            m = shard == s
+            window[m] = tokens[start[m, None] + offsets]  # (b, T+1) gather from the memmap
+        self.position += B * self.world_size
+        x = torch.from_numpy(window[:, :-1].astype(np.int64))  # (B, T)
+        y = torch.from_numpy(window[:, 1:].astype(np.int64))  # (B, T)
+        return x, y
+
+    def state_dict(self):
+        """Plain ints/bools: the stream position and what identifies the stream."""
+        return {"position": int(self.position), "seed": int(self.seed), "block_size": int(self.T),
+                "num_samples": int(self.num_samples), "shuffle": bool(self.shuffle)}
+
+    def load_state_dict(self, state):
+        """Continue the exact stream of the loader that saved state (any B/world_size split)."""
+        for key in ("seed", "block_size", "num_samples", "shuffle"):
+            mine = getattr(self, {"block_size": "T"}.get(key, key))
+            if state.get(key) != mine:
+                raise ValueError(f"loader state is for a different stream: {key} is {state.get(key)!r} "
+                                 f"in the saved state but {mine!r} here (data or settings changed?)")
+        self.position = int(state["position"])

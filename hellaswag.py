@@ -1,0 +1,242 @@
+"""HellaSwag validation accuracy, scored exactly the way llm.c and build-nanogpt score it.
+
+Each example has a context and 4 endings. Row i is the tokens of `ctx` followed by the tokens of
+" " + endings[i]; the model's cross-entropy is taken over the ending tokens only. The summed loss
+gives `acc` (argmin of the sum), the mean loss per ending token gives `acc_norm` (argmin of the
+mean) -- so numbers compare with their published ones (GPT-2 124M: acc 0.2859, acc_norm 0.2955).
+
+Batched: many examples share one forward pass (4 rows each), right-padded to the longest row of
+the batch; causal attention means the padding never reaches a real position, so predictions are
+the ones of one example at a time. Examples are sorted by length so batches waste little padding.
+
+    python hellaswag.py --init_from gpt2              # default data: assets.fetch_hellaswag()
+    python hellaswag.py --ckpt out/ --limit 1000 --json --per_example preds.jsonl
+"""
+import argparse
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+PAD_MULTIPLE = 32  # rows are padded to a multiple of this, so a compiled model sees few distinct shapes
+
+
+def load_examples(path, limit=None):
+    """Examples from a HellaSwag jsonl file: dicts with ind, ctx, endings (4 strings), label (0..3).
+
+    A malformed line raises ValueError naming the file and the line number. Blank lines are skipped.
+    `ind` defaults to the example's 0-based position when the line has none.
+    """
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(examples) >= limit:
+                break
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                ex = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(ex, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(ex).__name__}")
+            missing = [k for k in ("ctx", "endings", "label") if k not in ex]
+            if missing:
+                raise ValueError(f"{where}: missing key(s) {', '.join(missing)}")
+            if not isinstance(ex["ctx"], str):
+                raise ValueError(f"{where}: 'ctx' must be a string, got {type(ex['ctx']).__name__}")
+            endings = ex["endings"]
+            if not (isinstance(endings, list) and len(endings) == 4 and all(isinstance(e, str) for e in endings)):
+                raise ValueError(f"{where}: 'endings' must be a list of 4 strings, got {json.dumps(endings)[:80]}")
+            label = ex["label"]
+            if isinstance(label, str) and label in ("0", "1", "2", "3"):  # the HF copy stores labels as strings
+                label = int(label)
+            if isinstance(label, bool) or label not in (0, 1, 2, 3):
+                raise ValueError(f"{where}: 'label' must be 0, 1, 2 or 3, got {json.dumps(ex['label'])}")
+            examples.append({"ind": ex.get("ind", len(examples)), "ctx": ex["ctx"],
+                             "endings": endings, "label": label})
+    return examples
+
+
+def render_example(example, enc):
+    """(tokens, mask, label): tokens are 4 rows ctx + " " + ending; mask is 1 on ending tokens."""
+    ctx = enc.encode_ordinary(example["ctx"])  # ordinary: "<|endoftext|>" in text is just text
+    tokens, mask = [], []
+    for ending in example["endings"]:
+        end = enc.encode_ordinary(" " + ending)  # the leading space is part of GPT-2's next token
+        tokens.append(ctx + end)
+        mask.append([0] * len(ctx) + [1] * len(end))
+    return tokens, mask, example["label"]
+
+
+def _crop(row, row_mask, block_size):
+    """Rows longer than the model's context lose tokens from the left (the start of the context);
+    the ending and the tokens right before it are what the score depends on most."""
+    if len(row) > block_size:
+        return row[-block_size:], row_mask[-block_size:]
+    return row, row_mask
+
+
+@torch.no_grad()
+def score_rows(model, rows, masks, device, block_size, dtype=None):
+    """Summed and mean cross-entropy over the masked (ending) tokens of each row, in one forward.
+
+    rows, masks: lists of R token lists / 0-1 lists. Returns two float32 CPU tensors of shape (R,).
+    """
+    from devices import autocast
+
+    rows, masks = zip(*(_crop(r, m, block_size) for r, m in zip(rows, masks)))
+    R = len(rows)
+    T = max(len(r) for r in rows)
+    T = min(-(-T // PAD_MULTIPLE) * PAD_MULTIPLE, block_size)  # round up: few distinct shapes under compile
+    idx = torch.zeros((R, T), dtype=torch.long)  # right padding with token 0; causal attention ignores it
+    targets = torch.full((R, T), -1, dtype=torch.long)  # -1 = not scored
+    for i, (row, m) in enumerate(zip(rows, masks)):
+        row_t = torch.tensor(row)
+        idx[i, :len(row)] = row_t
+        # position t predicts token t+1; score it only where token t+1 is an ending token
+        scored = torch.tensor(m[1:], dtype=torch.bool)
+        targets[i, :len(row) - 1] = torch.where(scored, row_t[1:], -1)
+    idx, targets = idx.to(device), targets.to(device)
+    with autocast(device, dtype):
+        # with targets the model returns the logits of every position (B, T, V); its own loss is unused
+        logits, _ = model(idx, targets)
+    scored = targets != -1  # (R, T)
+    # per-token CE in fp32 on the scored positions only: (N, V) -> (N,)
+    token_loss = F.cross_entropy(logits[scored].float(), targets[scored], reduction="none")
+    row_of_token = scored.nonzero(as_tuple=True)[0]  # (N,)
+    sum_loss = torch.zeros(R, device=token_loss.device).index_add_(0, row_of_token, token_loss)
+    mean_loss = sum_loss / scored.sum(1).clamp(min=1)
+    return sum_loss.cpu(), mean_loss.cpu()
+
+
+def _unwrap(model):
+    """The model to call for evaluation: DDP's forward may run collectives, and ranks here run
+    different numbers of batches, so call the wrapped module directly (compiled or not)."""
+    from torch.nn.parallel import DistributedDataParallel
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def evaluate(model, examples, device, batch_size=8, rank=None, world_size=None, dtype=None,
+             enc=None, progress=False):
+    """HellaSwag accuracy of `model` on `examples` (dicts from load_examples).
+
+    batch_size: examples per forward (4 rows each). dtype: None/'float32' (plain fp32) or an
+    autocast dtype name/torch.dtype; losses are always computed in fp32. Under torch.distributed
+    (rank/world_size default to the process group's) this rank scores examples[rank::world_size]
+    and n/correct counts are all-reduced, so totals equal a single process's.
+    Returns dict(n, correct, correct_norm, acc, acc_norm, preds): preds has one dict per example
+    of THIS rank, in input order: ind, label, pred, pred_norm, sum_loss[4], mean_loss[4].
+    The model is put in eval mode and its previous train/eval mode is restored afterwards.
+    """
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    if rank is None:
+        rank = dist.get_rank() if distributed else 0
+    if world_size is None:
+        world_size = dist.get_world_size() if distributed else 1
+    if enc is None:
+        from assets import get_tokenizer
+        enc = get_tokenizer()
+    model = _unwrap(model)
+    block_size = model.config.block_size
+
+    mine = examples[rank::world_size]
+    rendered = [render_example(ex, enc) for ex in mine]
+    # longest first: similar lengths share a batch (little padding), and an out-of-memory shows at once
+    order = sorted(range(len(mine)), key=lambda i: -max(len(row) for row in rendered[i][0]))
+    sum_loss = torch.zeros(len(mine), 4)
+    mean_loss = torch.zeros(len(mine), 4)
+
+    was_training = model.training
+    model.eval()
+    try:
+        batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+        if progress:
+            from tqdm import tqdm
+            batches = tqdm(batches, desc="hellaswag", unit="batch", dynamic_ncols=True)
+        for batch in batches:
+            rows = [row for i in batch for row in rendered[i][0]]
+            masks = [m for i in batch for m in rendered[i][1]]
+            s, m = score_rows(model, rows, masks, device, block_size, dtype)
+            sum_loss[batch] = s.view(-1, 4)
+            mean_loss[batch] = m.view(-1, 4)
+    finally:
+        model.train(was_training)
+
+    preds = []
+    for ex, s, m in zip(mine, sum_loss, mean_loss):
+        preds.append({"ind": ex["ind"], "label": ex["label"], "pred": int(s.argmin()),
+                      "pred_norm": int(m.argmin()), "sum_loss": s.tolist(), "mean_loss": m.tolist()})
+    counts = torch.tensor([len(preds), sum(p["pred"] == p["label"] for p in preds),
+                           sum(p["pred_norm"] == p["label"] for p in preds)], dtype=torch.long)
+    if distributed and world_size > 1:
+        on = device if dist.get_backend() == "nccl" else "cpu"
+        counts = counts.to(on)
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    n, correct, correct_norm = counts.tolist()
+    return {"n": n, "correct": correct, "correct_norm": correct_norm, "acc": correct / max(n, 1),
+            "acc_norm": correct_norm / max(n, 1), "preds": preds}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="HellaSwag accuracy of a checkpoint or a pretrained GPT-2.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--ckpt", help="training checkpoint file, or an out_dir (its latest checkpoint)")
+    source.add_argument("--init_from", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a Hugging Face model dir")
+    parser.add_argument("--data", help="HellaSwag jsonl file (default: the validation set, fetched and cached)")
+    parser.add_argument("--limit", type=int, default=None, help="score only the first N examples")
+    parser.add_argument("--batch_size", type=int, default=8, help="examples per forward pass (4 rows each)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="autocast dtype; auto = bfloat16 on cuda, else float32")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model first")
+    parser.add_argument("--json", action="store_true", help='last stdout line: {"n": ..., "acc": ..., "acc_norm": ...}')
+    parser.add_argument("--per_example", help="write one JSON line per example: ind, label, pred, pred_norm")
+    parser.add_argument("--cache_dir", help="cache for the tokenizer and the data (default $GPT2_CACHE_DIR or ~/.cache/gpt2-train)")
+    args = parser.parse_args(argv)
+    if args.batch_size < 1:
+        parser.error(f"--batch_size must be >= 1, got {args.batch_size}")
+
+    import os
+    import assets
+    from checkpoint import CheckpointError, load_model
+    from devices import resolve_device, resolve_dtype
+
+    if args.cache_dir:
+        os.environ["GPT2_CACHE_DIR"] = args.cache_dir  # get_tokenizer() reads its cache from here
+    device = resolve_device(args.device)
+    try:
+        dtype = resolve_dtype(args.dtype, device)
+        data = args.data or assets.fetch_hellaswag(args.cache_dir)
+        examples = load_examples(data, args.limit)
+        model, _ = load_model(ckpt=args.ckpt, init_from=args.init_from, device=device)
+    except (CheckpointError, ValueError, OSError) as e:
+        print(f"hellaswag.py: error: {e}", file=sys.stderr)
+        return 2
+    if args.compile:
+        model = torch.compile(model)
+
+    t0 = time.time()
+    result = evaluate(model, examples, device, batch_size=args.batch_size, dtype=dtype,
+                      progress=sys.stderr.isatty())
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    elapsed = time.time() - t0
+    if args.per_example:
+        with open(args.per_example, "w") as f:
+            for p in result["preds"]:
+                f.write(json.dumps({k: p[k] for k in ("ind", "label", "pred", "pred_norm")}) + "\n")
+    print(f"hellaswag: n={result['n']} acc={result['acc']:.4f} acc_norm={result['acc_norm']:.4f} "
+          f"({result['n'] / elapsed:.1f} examples/s, {device}, {dtype})")
+    if args.json:
+        print(json.dumps({"n": result["n"], "acc": result["acc"], "acc_norm": result["acc_norm"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

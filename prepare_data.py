@@ -1,0 +1,470 @@
+"""Tokenize text into llm.c-format shards for training (format: see data.py).
+
+    python prepare_data.py --dataset shakespeare
+    python prepare_data.py --dataset fineweb-edu --num_proc 16
+    python prepare_data.py --input books/ notes/*.jsonl --out_dir data/mine --val_tokens 100000
+
+Writes out_dir/<name>_val_000000.bin (whole documents, at least --val_tokens tokens, taken from
+the start of the input), then <name>_train_000000.bin, <name>_train_000001.bin, ... of
+--shard_tokens tokens each (the last one shorter; a document may continue into the next shard),
+and <name>_manifest.json, which records the input, the settings and every finished shard (its
+size, sha256 and where in the document stream it starts and ends). A re-run verifies the
+finished shards, skips them and tokenizes only what is missing; a directory holding <name>
+shards from another input or settings is refused.
+
+Documents: a .txt file is one document; a .jsonl file has one per line (field --text_key);
+a .parquet file one per row (column --text_key); directories are searched recursively for those.
+The shakespeare preset splits Tiny Shakespeare at blank lines, so each speech is one document.
+"""
+import argparse
+import glob
+import hashlib
+import json
+import multiprocessing
+import os
+import re
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from assets import EOT, fetch_shakespeare, get_tokenizer
+from data import HEADER_BYTES, write_shard
+
+TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c / build-nanogpt: 100M tokens (200 MB) per shard
+DEFAULT_VAL_TOKENS = 1_000_000
+
+# Ready-made datasets. fineweb-edu follows build-nanogpt / llm.c: sample-10BT in 100M-token
+# shards, the first shard validation. Hugging Face presets stream unless they are small.
+PRESETS = {
+    "shakespeare": dict(val_tokens=32_768),  # ~10% of its ~0.34M tokens, like nanoGPT's 90/10 split
+    "fineweb-edu": dict(hf_path="HuggingFaceFW/fineweb-edu", hf_config="sample-10BT", split="train",
+                        streaming=True, shard_tokens=100_000_000, val_tokens=100_000_000),
+    "tinystories": dict(hf_path="roneneldan/TinyStories", split="train", streaming=False, val_tokens=4_000_000),
+    # The original repository is a loading script, which `datasets` >= 4 refuses; the hub's
+    # automatic parquet conversion of it loads directly.
+    "openwebtext": dict(hf_path="Skylion007/openwebtext", revision="refs/convert/parquet", split="train",
+                        streaming=True, val_tokens=4_000_000),
+}
+
+
+class PrepError(Exception):
+    """A one-line problem with the input or output that the user must fix."""
+
+
+# ---------------------------------------------------------------------------- document sources
+
+def split_speeches(text):
+    """Tiny Shakespeare -> documents: one per speech (blocks separated by blank lines), stripped."""
+    return [block.strip() for block in re.split(r"\n\s*\n", text) if block.strip()]
+
+
+def expand_inputs(patterns):
+    """Input files, in argument order: plain files as given; directories (searched recursively)
+    and globs contribute their .txt/.jsonl/.parquet files in sorted order."""
+    files = []
+    for pattern in patterns:
+        if any(c in pattern for c in "*?["):
+            matches = sorted(glob.glob(pattern, recursive=True))
+        else:
+            matches = [pattern] if os.path.exists(pattern) else []
+        found = []
+        for m in map(Path, matches):
+            if m.is_dir():
+                found += sorted(p for p in m.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+            elif m.suffix in TEXT_SUFFIXES:
+                found.append(m)
+            elif m.is_file() and m == Path(pattern):
+                raise PrepError(f"{m}: unsupported input type {m.suffix!r} (expected .txt, .jsonl or .parquet)")
+        if not found:
+            raise PrepError(f"no input files matched {pattern!r} (expected .txt, .jsonl or .parquet files, directories or globs)")
+        files += found
+    return list(dict.fromkeys(files))  # drop repeats, keep order
+
+
+def _jsonl_documents(path, text_key):
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PrepError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict) or text_key not in row:
+                raise PrepError(f"{path}:{lineno}: no {text_key!r} field (choose it with --text_key)")
+            yield row[text_key]
+
+
+def _parquet_documents(path, text_key):
+    import pyarrow.parquet as pq  # installed with `datasets`; only needed for parquet input
+
+    parquet = pq.ParquetFile(path)
+    if text_key not in parquet.schema_arrow.names:
+        raise PrepError(f"{path}: no {text_key!r} column (columns: {', '.join(parquet.schema_arrow.names)}; use --text_key)")
+    for batch in parquet.iter_batches(columns=[text_key], batch_size=4096):
+        yield from batch.column(0).to_pylist()
+
+
+def file_documents(files, text_key):
+    """Texts of all documents in the input files, in order; read errors name the file."""
+    for path in files:
+        try:
+            if path.suffix == ".txt":
+                yield path.read_text(encoding="utf-8")
+            elif path.suffix == ".jsonl":
+                yield from _jsonl_documents(path, text_key)
+            else:
+                yield from _parquet_documents(path, text_key)
+        except PrepError:
+            raise
+        except Exception as e:  # OSError, UnicodeDecodeError, pyarrow errors: all mean "cannot read this file"
+            raise PrepError(f"{path}: cannot read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def count_documents(files):
+    """Number of documents in the files (jsonl: its lines), for the progress bar's ETA."""
+    total = 0
+    for path in files:
+        try:
+            if path.suffix == ".txt":
+                total += 1
+            elif path.suffix == ".jsonl":
+                with open(path, "rb") as f:
+                    total += sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 24), b""))
+            else:
+                import pyarrow.parquet as pq
+                total += pq.ParquetFile(path).metadata.num_rows
+        except Exception as e:
+            raise PrepError(f"{path}: cannot read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    return total
+
+
+def hf_documents(hf_path, config, split, revision, streaming, text_key):
+    """(texts, number of rows or None) of a Hugging Face dataset."""
+    import datasets  # imported here: local inputs need no `datasets`
+
+    ds = datasets.load_dataset(hf_path, name=config, split=split, revision=revision, streaming=streaming)
+    try:
+        total = len(ds) if not streaming else ds.info.splits[split].num_examples
+    except Exception:  # streaming datasets may not know their size
+        total = None
+
+    def texts():
+        for row in ds:
+            if text_key not in row:
+                raise PrepError(f"{hf_path}: rows have no {text_key!r} column (columns: {', '.join(row)}; use --text_key)")
+            yield row[text_key]
+    return texts(), total
+
+
+def non_empty(texts):
+    """Drop empty documents (they would be a lone EOT); anything but a string is an error."""
+    for i, text in enumerate(texts):
+        if text is None or text == "":
+            continue
+        if not isinstance(text, str):
+            raise PrepError(f"document {i} is a {type(text).__name__}, not a string (check --text_key)")
+        yield text
+
+
+# ---------------------------------------------------------------------------- tokenizing
+
+def tokenize_batch(texts):
+    """Pool worker: documents -> (uint16 tokens with EOT before each document, tokens per document).
+
+    A module-level function so that it pickles under the spawn start method; each process builds
+    the tokenizer once (get_tokenizer is cached). encode_to_numpy with no special tokens encodes
+    exactly like encode_ordinary (which encode_ordinary_batch runs in a thread pool), but hands back
+    a buffer instead of a list of Python ints.
+    """
+    enc = get_tokenizer()
+    eot = np.array([EOT], dtype=np.uint32)
+    parts, lengths = [], np.empty(len(texts), dtype=np.int64)
+    for i, text in enumerate(texts):
+        try:
+            ids = enc.encode_to_numpy(text, disallowed_special=())
+        except UnicodeEncodeError:  # lone surrogates: encode_ordinary's own fallback
+            ids = np.array(enc.encode_ordinary(text), dtype=np.uint32)
+        parts += (eot, ids)
+        lengths[i] = len(ids) + 1
+    return np.concatenate(parts).astype(np.uint16), lengths
+
+
+def document_batches(texts, batch_chars, start_doc):
+    """(index of first document, texts) batches of about batch_chars characters each, skipping the
+    documents before start_doc (already in finished shards) without tokenizing them."""
+    batch, chars, first = [], 0, start_doc
+    for i, text in enumerate(texts):
+        if i < start_doc:
+            continue
+        batch.append(text)
+        chars += len(text)
+        if chars >= batch_chars:
+            yield first, batch
+            batch, chars, first = [], 0, i + 1
+    if batch:
+        yield first, batch
+
+
+def tokenized(batches, num_proc, start_method):
+    """(first document, tokens, lengths) per batch, in input order.
+
+    apply_async with a bounded queue instead of Pool.imap: imap's feeder thread reads the whole
+    input ahead of the workers, which for a streamed 10B-token dataset means unbounded memory.
+    """
+    if num_proc == 1:
+        for first, texts in batches:
+            yield (first, *tokenize_batch(texts))
+        return
+    with multiprocessing.get_context(start_method).Pool(num_proc) as pool:
+        pending = deque()
+        for first, texts in batches:
+            pending.append((first, pool.apply_async(tokenize_batch, (texts,))))
+            if len(pending) >= 4 * num_proc:
+                first, result = pending.popleft()
+                yield (first, *result.get())
+        while pending:
+            first, result = pending.popleft()
+            yield (first, *result.get())
+
+
+# ---------------------------------------------------------------------------- shards and manifest
+
+def file_sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def shard_is_complete(out_dir, record):
+    path = out_dir / record["file"]
+    return (path.is_file() and path.stat().st_size == HEADER_BYTES + 2 * record["tokens"]
+            and file_sha256(path) == record["sha256"])
+
+
+def write_json_atomic(path, obj):
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+class ShardWriter:
+    """Cuts the stream of tokenized documents into the val shard and the train shards.
+
+    A stream position is [document index, token offset inside that document's tokens]; each shard
+    record keeps where it starts and ends, so a re-run can resume right after the last good shard.
+    """
+
+    def __init__(self, out_dir, name, shard_tokens, val_tokens, manifest):
+        self.out_dir, self.name = out_dir, name
+        self.shard_tokens, self.val_tokens = shard_tokens, val_tokens
+        self.manifest = manifest
+        self.records = manifest["shards"]  # finished shards, val first
+        self.val_parts, self.val_count = [], 0
+        self.buffer = np.empty(shard_tokens, dtype=np.uint16)
+        self.fill = 0
+        self.start = self.records[-1]["end"] if self.records else [0, 0]  # stream position of buffer[0]
+        self.tokens_added = 0
+
+    @property
+    def in_val(self):
+        return not self.records
+
+    def add(self, first_doc, tokens, lengths):
+        """Tokens of documents first_doc, first_doc+1, ...; leading tokens before self.start
+        (a resumed run's first, partly written document) are skipped."""
+        ends = np.cumsum(lengths)  # token position just after each document
+
+        def position(pos):
+            i = int(np.searchsorted(ends, pos, side="right"))
+            return [first_doc + i, int(pos - (ends[i - 1] if i else 0))]
+
+        pos = skip = self.start[1] if first_doc == self.start[0] else 0
+        self.tokens_added += len(tokens) - skip
+        if self.in_val:  # whole documents until there are val_tokens of them
+            k = min(int(np.searchsorted(ends, self.val_tokens - self.val_count, side="left")) + 1, len(ends))
+            self.val_parts.append(tokens[: ends[k - 1]])
+            self.val_count += int(ends[k - 1])
+            pos = int(ends[k - 1])
+            if self.val_count >= self.val_tokens:
+                self._write("val", np.concatenate(self.val_parts), [0, 0], [first_doc + k, 0])
+                self.val_parts = []
+        while pos < len(tokens):
+            n = min(len(tokens) - pos, self.shard_tokens - self.fill)
+            self.buffer[self.fill: self.fill + n] = tokens[pos: pos + n]
+            self.fill, pos = self.fill + n, pos + n
+            if self.fill == self.shard_tokens:
+                self._write_train(position(pos))
+
+    def finish(self, num_docs):
+        if self.in_val:
+            raise PrepError(f"the whole input ({num_docs} documents, {self.val_count} tokens) is smaller than "
+                            f"--val_tokens {self.val_tokens} plus anything to train on; lower --val_tokens")
+        if self.fill:
+            self._write_train([num_docs, 0])
+        if len(self.records) < 2:
+            raise PrepError(f"no tokens left for training: all {num_docs} documents went to the validation split "
+                            f"(--val_tokens {self.val_tokens}); lower --val_tokens")
+
+    def _write_train(self, end):
+        self._write("train", self.buffer[: self.fill], self.start, end)
+        self.fill = 0
+
+    def _write(self, split, tokens, start, end):
+        index = len(self.records) - 1 if split == "train" else 0
+        path = self.out_dir / f"{self.name}_{split}_{index:06d}.bin"
+        write_shard(path, tokens)
+        self.records.append({"file": path.name, "split": split, "tokens": int(len(tokens)),
+                             "sha256": file_sha256(path), "start": list(start), "end": list(end)})
+        self.start = list(end)
+        write_json_atomic(self.out_dir / f"{self.name}_manifest.json", self.manifest)
+
+
+# ---------------------------------------------------------------------------- main
+
+def resolve_source(inputs, dataset, text_key, hf_config, split, revision, streaming):
+    """-> (description for the manifest, texts iterator factory, documents total or None, preset dict, default name)."""
+    if bool(inputs) == bool(dataset):
+        raise PrepError("give exactly one of --input PATH [PATH ...] or --dataset NAME")
+    if inputs:
+        files = expand_inputs(inputs)
+        describe = {"files": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+                    "text_key": text_key}
+        single = len(inputs) == 1 and not any(c in inputs[0] for c in "*?[")
+        name = Path(inputs[0]).stem if single else "data"
+        return describe, lambda: file_documents(files, text_key), lambda: count_documents(files), {}, name
+    preset = PRESETS.get(dataset, {})
+    if dataset == "shakespeare":
+        path = Path(fetch_shakespeare())
+        docs = split_speeches(path.read_text(encoding="utf-8"))
+        describe = {"dataset": "shakespeare", "bytes": path.stat().st_size, "documents": "speeches"}
+        return describe, lambda: iter(docs), lambda: len(docs), preset, "shakespeare"
+    hf = dict(hf_path=preset.get("hf_path", dataset), config=hf_config or preset.get("hf_config"),
+              split=split or preset.get("split", "train"), revision=revision or preset.get("revision"),
+              streaming=preset.get("streaming", True) if streaming is None else streaming)
+    describe = {"hf": hf["hf_path"], "config": hf["config"], "split": hf["split"], "revision": hf["revision"],
+                "text_key": text_key}
+    loaded = {}
+
+    def texts():
+        loaded["texts"], loaded["total"] = hf_documents(**hf, text_key=text_key)
+        return loaded["texts"]
+    return describe, texts, lambda: loaded.get("total"), preset, dataset.split("/")[-1]
+
+
+def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=None, val_tokens=None,
+            num_proc=None, text_key="text", dataset_config=None, split=None, revision=None, streaming=None,
+            start_method=None, batch_chars=1 << 18, progress=True):
+    """Tokenize the input into shards (see the module docstring); returns a summary dict."""
+    describe, texts, count, preset, default_name = resolve_source(
+        inputs, dataset, text_key, dataset_config, split, revision, streaming)
+    t0 = time.time()  # after fetching the shakespeare file, if that was needed
+    name = re.sub(r"[^A-Za-z0-9]+", "_", name or default_name).strip("_") or "data"
+    out_dir = Path(out_dir or Path("data") / name)
+    shard_tokens = shard_tokens or preset.get("shard_tokens", DEFAULT_SHARD_TOKENS)
+    val_tokens = val_tokens or preset.get("val_tokens", DEFAULT_VAL_TOKENS)
+    num_proc = num_proc or os.cpu_count() or 1
+    if shard_tokens < 1 or val_tokens < 1 or num_proc < 1 or shard_tokens >= 2**31:
+        raise PrepError(f"--shard_tokens (< 2^31), --val_tokens and --num_proc must be >= 1")
+    settings = {"format": "llm.c uint16 shards v1", "tokenizer": "gpt2", "input": describe,
+                "shard_tokens": shard_tokens, "val_tokens": val_tokens}
+    fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+    # What is already there: our own finished shards (verified) or somebody else's.
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest_path = out_dir / f"{name}_manifest.json"
+    ours = re.compile(rf"{re.escape(name)}_(train|val)_\d{{6}}\.bin")
+    existing = sorted(p.name for p in out_dir.iterdir() if ours.fullmatch(p.name))
+    manifest = {"fingerprint": fingerprint, "settings": settings, "complete": False, "shards": []}
+    if manifest_path.exists():
+        try:
+            old = json.loads(manifest_path.read_text())
+        except (OSError, ValueError) as e:
+            raise PrepError(f"{manifest_path}: unreadable manifest ({e}); delete it and the {name}_* shards") from None
+        if old.get("fingerprint") != fingerprint:
+            raise PrepError(f"{out_dir} holds {name} shards from a different input or settings ({manifest_path.name}); "
+                            f"use another --out_dir or --name, or delete them")
+        for record in old["shards"]:
+            if not shard_is_complete(out_dir, record):
+                break
+            manifest["shards"].append(record)
+        if old.get("complete") and len(manifest["shards"]) == len(old["shards"]):
+            manifest.update(complete=True, documents=old["documents"], tokens=old["tokens"])
+    elif existing:
+        raise PrepError(f"{out_dir} holds {name} shards ({existing[0]}, ...) but no {manifest_path.name}, so they come "
+                        f"from another run or tool; use another --out_dir or --name, or delete them")
+
+    writer = ShardWriter(out_dir, name, shard_tokens, val_tokens, manifest)
+    num_docs = writer.start[0]
+    if not manifest["complete"]:
+        if manifest["shards"]:
+            print(f"prepare_data: {len(manifest['shards'])} finished shards verified; resuming at document {num_docs}")
+        stream = non_empty(texts())
+        batches = document_batches(stream, batch_chars, start_doc=writer.start[0])
+        bar = tqdm(total=count(), initial=num_docs, unit="doc", disable=not progress, dynamic_ncols=True,
+                   desc=f"tokenizing ({num_proc} proc)")
+        for first, tokens, lengths in tokenized(batches, num_proc, start_method):
+            writer.add(first, tokens, lengths)
+            num_docs = first + len(lengths)
+            bar.update(len(lengths))
+            bar.set_postfix_str(f"{writer.tokens_added / max(time.time() - t0, 1e-9) / 1e6:.2f}M tok/s", refresh=False)
+        bar.close()
+        if num_docs == 0:
+            raise PrepError("no documents with text in the input (all empty)")
+        writer.finish(num_docs)
+        manifest.update(complete=True, documents=num_docs, tokens=sum(r["tokens"] for r in manifest["shards"]))
+        write_json_atomic(manifest_path, manifest)
+    keep = {r["file"] for r in manifest["shards"]}
+    for stale in set(existing) - keep:  # our shards from an earlier, longer run with the same input
+        (out_dir / stale).unlink()
+
+    seconds = time.time() - t0
+    records = manifest["shards"]
+    return {"out_dir": str(out_dir), "name": name, "documents": manifest["documents"],
+            "tokens": manifest["tokens"], "val_tokens": records[0]["tokens"],
+            "train_tokens": sum(r["tokens"] for r in records[1:]), "shards": len(records),
+            "tokenized": writer.tokens_added, "seconds": seconds, "tokens_per_s": writer.tokens_added / seconds}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", nargs="+", metavar="PATH", help=".txt/.jsonl/.parquet files, directories or globs")
+    p.add_argument("--dataset", metavar="NAME", help=f"preset ({', '.join(PRESETS)}) or a Hugging Face dataset path")
+    p.add_argument("--dataset_config", help="Hugging Face dataset configuration (subset) name")
+    p.add_argument("--split", help="Hugging Face split to read (default train)")
+    p.add_argument("--revision", help="Hugging Face dataset revision")
+    p.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=None,
+                   help="stream the Hugging Face dataset instead of downloading it first (default: preset's, else on)")
+    p.add_argument("--text_key", default="text", help="jsonl field / parquet or dataset column holding the text")
+    p.add_argument("--out_dir", help="output directory (default data/<name>)")
+    p.add_argument("--name", help="shard name prefix (default: the preset, dataset or single input's name)")
+    p.add_argument("--shard_tokens", type=int, help=f"tokens per train shard (default {DEFAULT_SHARD_TOKENS:,})")
+    p.add_argument("--val_tokens", type=int, help=f"validation tokens, whole documents (default {DEFAULT_VAL_TOKENS:,}; presets differ)")
+    p.add_argument("--num_proc", type=int, help="tokenizer processes (default: all CPUs)")
+    p.add_argument("--start_method", choices=multiprocessing.get_all_start_methods(),
+                   help="multiprocessing start method (default: the platform's)")
+    p.add_argument("--batch_chars", type=int, default=1 << 18, help="characters of text per worker task")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    try:
+        s = prepare(inputs=args.input, dataset=args.dataset, out_dir=args.out_dir, name=args.name,
+                    shard_tokens=args.shard_tokens, val_tokens=args.val_tokens, num_proc=args.num_proc,
+                    text_key=args.text_key, dataset_config=args.dataset_config, split=args.split,
+                    revision=args.revision, streaming=args.streaming, start_method=args.start_method,
+                    batch_chars=args.batch_chars, progress=not args.no_progress)
+    except PrepError as e:
+        sys.exit(f"prepare_data.py: error: {e}")
+    print(f"{s['documents']:,} documents, {s['tokens']:,} tokens ({s['val_tokens']:,} val + {s['train_tokens']:,} train) "
+          f"in {s['shards']} shards, {s['seconds']:.1f} s, {s['tokens_per_s']:,.0f} tokens/s -> {s['out_dir']}/{s['name']}_*.bin")
+    return s
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Text from a trained checkpoint or a pretrained GPT-2, streamed to stdout as it is generated.
+
+    python sample.py --ckpt out/                      # latest checkpoint of a training run
+    python sample.py --init_from gpt2 --prompt "Hello, I'm a language model,"
+    python sample.py --ckpt out/ckpt_000500.pt --prompt FILE:prompt.txt --temperature 0
+    echo "Once upon a time" | python sample.py --ckpt out/ --num_samples 3 --seed 7
+
+Without --prompt, the prompt is read from stdin when stdin is not a terminal; an empty prompt
+starts from <|endoftext|>, i.e. the beginning of a new document. The same --seed gives the same text.
+"""
+import argparse
+import codecs
+import sys
+
+import torch
+
+SEPARATOR = "-" * 40
+REPLACEMENT = "\ufffd".encode()  # printed for ids the tokenizer lacks (the padded vocab 50257..50303)
+
+
+def read_prompt(prompt_arg, stdin=None):
+    """Prompt text from --prompt TEXT, --prompt FILE:path, or stdin when it is not a terminal ('' if none)."""
+    if prompt_arg is not None:
+        if prompt_arg.startswith("FILE:"):
+            with open(prompt_arg[len("FILE:"):], encoding="utf-8") as f:
+                return f.read()
+        return prompt_arg
+    stdin = sys.stdin if stdin is None else stdin
+    if stdin is not None and not stdin.isatty():
+        return stdin.read()
+    return ""
+
+
+def token_bytes(enc, token):
+    """The bytes of one token id; multi-byte UTF-8 characters may be split across tokens."""
+    try:
+        return enc.decode_single_token_bytes(token)
+    except KeyError:
+        return REPLACEMENT
+
+
+@torch.no_grad()
+def stream_samples(model, enc, prompt, num_samples=1, max_new_tokens=200, temperature=1.0, top_k=None,
+                   top_p=None, seed=1337, device="cpu", dtype=None, out=None):
+    """Generate num_samples continuations of `prompt`, writing each to `out` token by token.
+
+    Each sample is written as prompt + continuation, then a newline and a separator line. One
+    torch.Generator seeded with `seed` drives all samples, so a seed fixes the whole output.
+    Returns the list of texts (prompt + continuation).
+    """
+    from assets import EOT
+    from devices import autocast
+
+    out = sys.stdout if out is None else out
+    tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [EOT]
+    generator = torch.Generator(device=device).manual_seed(seed)
+    model.eval()
+    texts = []
+    for _ in range(num_samples):
+        idx = torch.tensor([tokens], dtype=torch.long, device=device)  # (1, T)
+        # tokens may end mid-character: an incremental decoder holds partial UTF-8 sequences back
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        pieces = [prompt]
+        out.write(prompt)
+        out.flush()
+        with autocast(device, dtype):
+            for new in model.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k,
+                                             top_p=top_p, generator=generator):  # new: (1,)
+                piece = decoder.decode(token_bytes(enc, int(new[0])))
+                pieces.append(piece)
+                out.write(piece)
+                out.flush()
+        pieces.append(decoder.decode(b"", final=True))
+        out.write(pieces[-1] + "\n" + SEPARATOR + "\n")
+        out.flush()
+        texts.append("".join(pieces))
+    return texts
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Sample text from a checkpoint or a pretrained GPT-2.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--ckpt", help="training checkpoint file, or an out_dir (its latest checkpoint)")
+    source.add_argument("--init_from", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a Hugging Face model dir")
+    parser.add_argument("--prompt", help="prompt text, or FILE:path to read it from a file (default: stdin if piped)")
+    parser.add_argument("--num_samples", type=int, default=1)
+    parser.add_argument("--max_new_tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (argmax)")
+    parser.add_argument("--top_k", type=int, default=None, help="sample only among the k most likely tokens")
+    parser.add_argument("--top_p", type=float, default=None, help="nucleus sampling: smallest set with this much mass")
+    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="autocast dtype; auto = bfloat16 on cuda, else float32")
+    parser.add_argument("--cache_dir", help="tokenizer cache (default $GPT2_CACHE_DIR or ~/.cache/gpt2-train)")
+    args = parser.parse_args(argv)
+    if args.num_samples < 1 or args.max_new_tokens < 0:
+        parser.error("--num_samples must be >= 1 and --max_new_tokens >= 0")
+    if args.temperature < 0:
+        parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        parser.error(f"--top_k must be >= 1, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        parser.error(f"--top_p must be in (0, 1], got {args.top_p}")
+
+    import os
+    from assets import get_tokenizer
+    from checkpoint import CheckpointError, load_model
+    from devices import resolve_device, resolve_dtype
+
+    if args.cache_dir:
+        os.environ["GPT2_CACHE_DIR"] = args.cache_dir  # get_tokenizer() reads its cache from here
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    try:
+        prompt = read_prompt(args.prompt)
+        model, _ = load_model(ckpt=args.ckpt, init_from=args.init_from, device=device)
+    except (CheckpointError, OSError, ValueError) as e:
+        print(f"sample.py: error: {e}", file=sys.stderr)
+        return 2
+    enc = get_tokenizer()
+    stream_samples(model, enc, prompt, num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                   device=device, dtype=dtype)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,411 @@
+"""Shard format, prepare_data.py and the DataLoader (issue 4)."""
+import json
+import random
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+import data
+import prepare_data
+from assets import get_tokenizer
+from data import DataLoader, ShardError, find_shards, load_shard, write_shard
+
+EOT = 50256
+
+
+@pytest.fixture(scope="module")
+def enc():
+    return get_tokenizer()
+
+
+def make_docs(n, seed=0):
+    """Varied documents: plain words, unicode, digits and the literal text of the EOT token
+    (which must be encoded as ordinary text, never as the separator)."""
+    rng = random.Random(seed)
+    words = ["the", "Shard", "token", "naïve", "café", "日本語", "42", "\n", "  ", "x" * 13, "<|endoftext|>", "ok."]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(1, 40))) for _ in range(n)]
+
+
+def write_jsonl(path, docs, key="text"):
+    path.write_text("".join(json.dumps({key: d}) + "\n" for d in docs), encoding="utf-8")
+    return path
+
+
+def run_prep(*args):
+    return prepare_data.main([*map(str, args), "--no_progress"])
+
+
+def shard_tokens(directory, name, split):
+    return [np.fromfile(p, dtype="<u2", offset=1024) for p in sorted(directory.glob(f"{name}_{split}_*.bin"))]
+
+
+def split_docs(tokens, enc):
+    """Token stream -> decoded documents; asserts every document starts with EOT."""
+    assert tokens[0] == EOT, "the stream must start with the EOT that precedes the first document"
+    starts = np.flatnonzero(tokens == EOT)
+    return [enc.decode(tokens[a + 1:b].tolist()) for a, b in zip(starts, [*starts[1:], len(tokens)])]
+
+
+# ---------------------------------------------------------------------------- shard format
+
+def test_header_bytes_match_spec(tmp_path):
+    tokens = [EOT, 15496, 995, 0, 65535]
+    path = tmp_path / "s.bin"
+    write_shard(path, np.array(tokens, dtype=np.int64))
+    expected = struct.pack("<256i", 20240520, 1, len(tokens), *[0] * 253) + struct.pack(f"<{len(tokens)}H", *tokens)
+    assert path.read_bytes() == expected
+    assert list(path.parent.iterdir()) == [path]  # no temporary file left behind
+
+
+def test_failed_write_keeps_the_old_shard(tmp_path):
+    path = tmp_path / "s.bin"
+    write_shard(path, np.array([1, 2, 3]))
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match="65535"):
+        write_shard(path, np.array([1, 70000]))
+    assert path.read_bytes() == before and list(tmp_path.iterdir()) == [path]
+
+
+# ---------------------------------------------------------------------------- prepare_data.py
+
+def test_round_trip_documents_shards_documents(tmp_path, enc):
+    docs = make_docs(80)
+    src = write_jsonl(tmp_path / "docs.jsonl", docs)
+    out = tmp_path / "out"
+    summary = run_prep("--input", src, "--out_dir", out, "--shard_tokens", 400, "--val_tokens", 300, "--num_proc", 1)
+
+    val, = shard_tokens(out, "docs", "val")
+    train = shard_tokens(out, "docs", "train")
+    assert (out / "docs_val_000000.bin").exists() and (out / "docs_train_000000.bin").exists()
+    assert len(train) >= 3 and all(len(t) == 400 for t in train[:-1]) and 0 < len(train[-1]) <= 400
+    assert any(t[0] != EOT for t in train[1:]), "the test should cover a document split across shards"
+
+    val_docs = split_docs(val, enc)
+    assert val_docs == docs[:len(val_docs)]  # val holds whole documents, the first ones
+    lengths = [len(enc.encode_ordinary(d)) + 1 for d in val_docs]
+    assert sum(lengths) == len(val) >= 300 > sum(lengths[:-1])  # the fewest documents reaching --val_tokens
+    assert split_docs(np.concatenate(train), enc) == docs[len(val_docs):]  # concatenated shards restore them
+    total = len(val) + sum(map(len, train))
+    assert int((np.concatenate([val, *train]) == EOT).sum()) == len(docs)  # literal "<|endoftext|>" is text
+    assert summary["documents"] == len(docs) and summary["tokens"] == total and summary["shards"] == 1 + len(train)
+
+
+def test_txt_jsonl_parquet_directories_and_globs(tmp_path, enc):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = make_docs(9, seed=1)
+    (tmp_path / "in" / "sub").mkdir(parents=True)
+    (tmp_path / "in" / "a.txt").write_text(docs[0], encoding="utf-8")
+    (tmp_path / "in" / "b.txt").write_text(docs[1], encoding="utf-8")
+    (tmp_path / "in" / "notes.md").write_text("not an input")
+    write_jsonl(tmp_path / "in" / "sub" / "c.jsonl", docs[2:5], key="content")
+    pq.write_table(pa.table({"content": docs[5:7], "id": [1, 2]}), tmp_path / "d.parquet")
+    (tmp_path / "e1.txt").write_text(docs[7], encoding="utf-8")
+    (tmp_path / "e2.txt").write_text(docs[8], encoding="utf-8")
+    out = tmp_path / "out"
+    run_prep("--input", tmp_path / "in", tmp_path / "d.parquet", tmp_path / "e*.txt", "--text_key", "content",
+             "--out_dir", out, "--name", "mix", "--val_tokens", 1, "--num_proc", 1)
+    val, = shard_tokens(out, "mix", "val")
+    stream = np.concatenate([val, *shard_tokens(out, "mix", "train")])
+    assert split_docs(stream, enc) == docs
+    assert split_docs(val, enc) == docs[:1]
+
+
+def test_shakespeare_preset_makes_one_document_per_speech(tmp_path, monkeypatch, enc):
+    text = "First Citizen:\nBefore we proceed,\nhear me.\n\nAll:\nSpeak, speak.\n\n\nFirst Citizen:\nYou are resolved.\n"
+    (tmp_path / "input.txt").write_text(text)
+    monkeypatch.setattr(prepare_data, "fetch_shakespeare", lambda: tmp_path / "input.txt")
+    out = tmp_path / "out"
+    run_prep("--dataset", "shakespeare", "--out_dir", out, "--val_tokens", 1, "--num_proc", 1)
+    val, = shard_tokens(out, "shakespeare", "val")
+    train, = shard_tokens(out, "shakespeare", "train")
+    assert split_docs(val, enc) == ["First Citizen:\nBefore we proceed,\nhear me."]
+    assert split_docs(train, enc) == ["All:\nSpeak, speak.", "First Citizen:\nYou are resolved."]
+
+
+def test_hugging_face_preset_streams_through_datasets(tmp_path, monkeypatch, enc):
+    import datasets
+
+    docs = make_docs(30, seed=2)
+    calls = []
+
+    def fake_load_dataset(path, name=None, split=None, revision=None, streaming=False):
+        calls.append((path, name, split, revision, streaming))
+        return ({"text": d, "id": i} for i, d in enumerate(docs))  # an IterableDataset is just iterable
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    out = tmp_path / "out"
+    summary = run_prep("--dataset", "fineweb-edu", "--out_dir", out, "--shard_tokens", 200, "--val_tokens", 100, "--num_proc", 1)
+    assert calls == [("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", None, True)]
+    assert summary["name"] == "fineweb_edu"
+    stream = np.concatenate([*shard_tokens(out, "fineweb_edu", "val"), *shard_tokens(out, "fineweb_edu", "train")])
+    assert split_docs(stream, enc) == docs
+
+    calls.clear()
+    run_prep("--dataset", "someone/corpus", "--dataset_config", "en", "--split", "validation", "--no-streaming",
+             "--out_dir", tmp_path / "out2", "--val_tokens", 100, "--num_proc", 1)
+    assert calls == [("someone/corpus", "en", "validation", None, False)]
+    assert (tmp_path / "out2" / "corpus_val_000000.bin").exists()
+
+
+def test_multiprocess_spawn_writes_identical_shards(tmp_path):
+    src = write_jsonl(tmp_path / "docs.jsonl", make_docs(120, seed=3))
+    common = ["--input", src, "--shard_tokens", 700, "--val_tokens", 250, "--batch_chars", 300]
+    run_prep(*common, "--out_dir", tmp_path / "one", "--num_proc", 1)
+    run_prep(*common, "--out_dir", tmp_path / "two", "--num_proc", 2, "--start_method", "spawn")
+    one = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert len(one) >= 4 and one == sorted(p.name for p in (tmp_path / "two").iterdir())
+    for name in one:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+
+
+def test_rerun_skips_finished_shards_and_resumes_after_damage(tmp_path, monkeypatch):
+    src = write_jsonl(tmp_path / "docs.jsonl", make_docs(100, seed=4))
+    out = tmp_path / "out"
+    args = ["--input", src, "--out_dir", out, "--shard_tokens", 300, "--val_tokens", 200, "--num_proc", 1]
+    first = run_prep(*args)
+    reference = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert first["shards"] >= 5
+
+    writes = []
+    real_write = prepare_data.write_shard
+    monkeypatch.setattr(prepare_data, "write_shard", lambda path, tokens: (writes.append(path.name), real_write(path, tokens)))
+    again = run_prep(*args)
+    assert writes == [] and again["tokenized"] == 0 and again["tokens"] == first["tokens"]
+
+    # Damage train shard 2: shards before it are kept, it and the rest are rebuilt from its start.
+    damaged = out / "docs_train_000002.bin"
+    raw = bytearray(damaged.read_bytes())
+    raw[-1] ^= 1
+    damaged.write_bytes(bytes(raw))
+    resumed = run_prep(*args)
+    assert writes[0] == "docs_train_000002.bin" and "docs_train_000001.bin" not in writes
+    assert 0 < resumed["tokenized"] < first["tokens"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == reference
+
+
+def test_interrupted_run_resumes_to_identical_output(tmp_path, monkeypatch):
+    src = write_jsonl(tmp_path / "docs.jsonl", make_docs(100, seed=5))
+    args = ["--input", src, "--shard_tokens", 250, "--val_tokens", 150, "--num_proc", 1]
+    run_prep(*args, "--out_dir", tmp_path / "clean")
+
+    real_write = prepare_data.write_shard
+    count = []
+
+    def crashing_write(path, tokens):
+        if len(count) == 3:
+            raise KeyboardInterrupt
+        count.append(path)
+        real_write(path, tokens)
+    monkeypatch.setattr(prepare_data, "write_shard", crashing_write)
+    with pytest.raises(KeyboardInterrupt):
+        run_prep(*args, "--out_dir", tmp_path / "crashed")
+    monkeypatch.setattr(prepare_data, "write_shard", real_write)
+    resumed = run_prep(*args, "--out_dir", tmp_path / "crashed")
+    assert 0 < resumed["tokenized"] < resumed["tokens"]
+    names = sorted(p.name for p in (tmp_path / "clean").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "crashed").iterdir())
+    for name in names:
+        assert (tmp_path / "clean" / name).read_bytes() == (tmp_path / "crashed" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("case", ["no_match", "only_empty", "bad_utf8", "bad_json", "missing_key", "too_small",
+                                  "different_input", "foreign_shards"])
+def test_prepare_errors_are_one_clear_line(tmp_path, case):
+    out = tmp_path / "out"
+    src = write_jsonl(tmp_path / "docs.jsonl", make_docs(20))
+    args = ["--input", src, "--out_dir", out, "--val_tokens", 10, "--num_proc", 1]
+    expected = {"no_match": "no input files matched", "only_empty": "no documents with text",
+                "bad_utf8": "bad.txt: cannot read", "bad_json": "bad.jsonl:2: not valid JSON",
+                "missing_key": "docs.jsonl:1: no 'body' field", "too_small": "lower --val_tokens",
+                "different_input": "from a different input", "foreign_shards": "but no docs_manifest.json"}[case]
+    if case == "no_match":
+        args[1] = tmp_path / "missing" / "*.jsonl"
+    elif case == "only_empty":
+        write_jsonl(src, ["", "", ""])
+    elif case == "bad_utf8":
+        (tmp_path / "bad.txt").write_bytes(b"caf\xe9 au lait")
+        args[1] = tmp_path / "bad.txt"
+    elif case == "bad_json":
+        (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": oops}\n')
+        args[1] = tmp_path / "bad.jsonl"
+    elif case == "missing_key":
+        args += ["--text_key", "body"]
+    elif case == "too_small":
+        args[5] = 10**6
+    elif case == "different_input":
+        run_prep(*args)
+        write_jsonl(src, make_docs(25))
+    elif case == "foreign_shards":
+        write_shard(out / "docs_train_000000.bin", np.arange(10))
+    with pytest.raises(SystemExit) as e:
+        run_prep(*args)
+    message = str(e.value.code)
+    assert expected in message and "\n" not in message
+
+
+# ---------------------------------------------------------------------------- load_shard
+
+def llmc_bytes(tokens, magic=20240520, version=1, count=None):
+    header = struct.pack("<256i", magic, version, len(tokens) if count is None else count, *[0] * 253)
+    return header + np.asarray(tokens, dtype="<u2").tobytes()
+
+
+@pytest.mark.parametrize("content, expected", [
+    (llmc_bytes(range(100), magic=20240521), "bad magic 20240521"),
+    (llmc_bytes(range(100))[:-10], "truncated"),
+    (llmc_bytes(range(100))[:500], "truncated"),
+    (llmc_bytes(range(100), count=90), "corrupt"),
+    (llmc_bytes(range(100), version=2), "version 2"),
+    (llmc_bytes([]), "empty shard"),
+    (b"", "empty shard"),
+    (b"\x01\x02\x03", "odd size"),
+])
+def test_bad_shards_give_clear_errors(tmp_path, content, expected):
+    path = tmp_path / "x_train_000000.bin"
+    path.write_bytes(content)
+    with pytest.raises(ShardError) as e:
+        load_shard(path)
+    assert expected in str(e.value) and str(path) in str(e.value)
+
+
+def test_out_of_vocab_token_is_reported(tmp_path):
+    path = tmp_path / "x_train_000000.bin"
+    write_shard(path, [EOT, 10, 50300, 7] * 10)
+    assert len(load_shard(path)) == 40  # no vocab given: not checked
+    with pytest.raises(ShardError, match=r"token id 50300 >= vocab_size 50257 \(first bad id at token 2\)"):
+        load_shard(path, vocab_size=50257)
+    loader = DataLoader(tmp_path, "train", batch_size=2, block_size=4, vocab_size=50257)
+    with pytest.raises(ShardError, match="x_train_000000.bin: token id 50300"):
+        loader.next_batch()
+
+
+def test_npy_must_be_uint16_and_missing_shards_are_named(tmp_path):
+    np.save(tmp_path / "x_train_000000.npy", np.arange(10, dtype=np.int32))
+    with pytest.raises(ShardError, match="x_train_000000.npy: .npy shard must be a 1-D uint16 array, got int32"):
+        load_shard(tmp_path / "x_train_000000.npy")
+    with pytest.raises(ShardError, match=f"{tmp_path}: no val shards"):
+        find_shards(tmp_path, "val")
+    with pytest.raises(ShardError, match="nowhere: no such data directory"):
+        DataLoader(tmp_path / "nowhere", "train", batch_size=1, block_size=4)
+
+
+def test_headerless_bin_and_npy_load_to_the_same_tokens(tmp_path):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 50257, size=5000).astype(np.uint16)
+    for d in ("llmc", "raw", "npy"):
+        (tmp_path / d).mkdir()
+    write_shard(tmp_path / "llmc" / "fw_train_000000.bin", tokens)
+    tokens.astype("<u2").tofile(tmp_path / "raw" / "train.bin")  # nanoGPT's prepare.py layout
+    np.save(tmp_path / "npy" / "edufineweb_train_000000.npy", tokens)  # build-nanogpt's
+    for path in (tmp_path / "llmc" / "fw_train_000000.bin", tmp_path / "raw" / "train.bin",
+                 tmp_path / "npy" / "edufineweb_train_000000.npy"):
+        loaded = load_shard(path, vocab_size=50257)
+        assert loaded.dtype == np.uint16 and np.array_equal(loaded, tokens), path
+    batches = []
+    for d in ("llmc", "raw", "npy"):
+        loader = DataLoader(tmp_path / d, "train", batch_size=4, block_size=32, seed=1)
+        batches.append([loader.next_batch() for _ in range(3)])
+    for other in batches[1:]:
+        for (x0, y0), (x1, y1) in zip(batches[0], other):
+            assert torch.equal(x0, x1) and torch.equal(y0, y1)
+
+
+# ---------------------------------------------------------------------------- DataLoader
+
+T = 8
+SHARD_LENGTHS = [41, 33, 57]  # 5 + 4 + 7 = 16 samples of T+1 tokens at stride T
+
+
+@pytest.fixture
+def numbered(tmp_path):
+    """Shards whose token at position p of shard i is 10000*i + p, so a window's first token names it."""
+    for i, n in enumerate(SHARD_LENGTHS):
+        write_shard(tmp_path / f"num_train_{i:06d}.bin", 10000 * i + np.arange(n))
+        write_shard(tmp_path / f"num_val_{i:06d}.bin", 10000 * i + np.arange(n))
+    return tmp_path
+
+
+ALL_SAMPLES = sorted(10000 * i + T * j for i, n in enumerate(SHARD_LENGTHS) for j in range((n - 1) // T))
+
+
+def sample_ids(loader, steps):
+    out = []
+    for _ in range(steps):
+        x, y = loader.next_batch()
+        out += x[:, 0].tolist()
+    return out
+
+
+def test_batches_are_shifted_windows(numbered):
+    loader = DataLoader(numbered, "train", batch_size=3, block_size=T)
+    assert loader.num_samples == len(ALL_SAMPLES) == 16
+    for _ in range(8):
+        x, y = loader.next_batch()
+        assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (3, T)
+        assert torch.equal(x, x[:, :1] + torch.arange(T)) and torch.equal(y, x + 1)  # contiguous window, shifted by one
+        assert all(s in ALL_SAMPLES for s in x[:, 0].tolist())
+
+
+def test_two_ranks_cover_each_sample_of_an_epoch_exactly_once(numbered):
+    ranks = [DataLoader(numbered, "train", batch_size=2, block_size=T, rank=r, world_size=2, seed=3) for r in range(2)]
+    per_epoch = 16 // (2 * 2)
+    epochs = []
+    for _ in range(2):
+        seen = [s for loader in ranks for s in sample_ids(loader, per_epoch)]
+        assert sorted(seen) == ALL_SAMPLES  # every sample once, none twice
+        epochs.append(seen)
+    assert epochs[0] != epochs[1]  # reshuffled each epoch
+
+
+def test_epoch_tail_continues_into_the_next_epoch(numbered):
+    loader = DataLoader(numbered, "train", batch_size=3, block_size=T, seed=7)  # 16 samples, batches of 3
+    stream = sample_ids(loader, 11)  # 33 samples: two epochs and one more
+    assert sorted(stream[:16]) == ALL_SAMPLES and sorted(stream[16:32]) == ALL_SAMPLES
+    assert loader.epoch == 2
+
+
+@pytest.mark.parametrize("world_size, accum", [(2, 2), (4, 1)])
+def test_world_size_times_accumulation_gives_the_same_global_batches(numbered, world_size, accum):
+    def step_samples(world_size, accum, steps):
+        loaders = [DataLoader(numbered, "train", batch_size=3, block_size=T, rank=r, world_size=world_size, seed=5)
+                   for r in range(world_size)]
+        return [sorted(s for _ in range(accum) for loader in loaders for s in sample_ids(loader, 1))
+                for _ in range(steps)]
+    # A global batch of 12 does not divide 16 samples, so steps straddle epochs too.
+    assert step_samples(world_size, accum, 6) == step_samples(1, world_size * accum, 6)
+
+
+def test_shuffle_is_deterministic_from_seed(numbered):
+    def stream(seed):
+        return sample_ids(DataLoader(numbered, "train", batch_size=4, block_size=T, seed=seed), 8)
+    assert stream(0) == stream(0)
+    assert stream(0) != stream(1)
+    assert stream(0)[:16] != ALL_SAMPLES  # actually shuffled
+
+
+def test_resume_continues_the_exact_stream(numbered):
+    loader = DataLoader(numbered, "train", batch_size=3, block_size=T, seed=2)
+    sample_ids(loader, 4)
+    state = json.loads(json.dumps(loader.state_dict()))  # plain python values
+    rest = sample_ids(loader, 9)  # crosses an epoch boundary
+
+    resumed = DataLoader(numbered, "train", batch_size=3, block_size=T, seed=2)
+    resumed.load_state_dict(state)
+    assert sample_ids(resumed, 9) == rest
+
+    with pytest.raises(ValueError, match="seed is 2 in the saved state but 9 here"):
+        DataLoader(numbered, "train", batch_size=3, block_size=T, seed=9).load_state_dict(state)
+
+
+def test_val_loader_reads_fixed_batches_in_file_order(numbered):
+    loader = DataLoader(numbered, "val", batch_size=4, block_size=T, seed=123)
+    first = sample_ids(loader, 4)
+    assert first == ALL_SAMPLES  # no shuffling for val, whatever the seed
+    loader.reset()
+    assert sample_ids(loader, 2) == first[:8]
+    halves = [sample_ids(DataLoader(numbered, "val", batch_size=2, block_size=T, rank=r, world_size=2), 1) for r in range(2)]
+    assert halves[0] + halves[1] == first[:4]  # ranks split each global batch

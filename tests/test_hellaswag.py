@@ -1,0 +1,247 @@
+"""hellaswag.py: scoring equals a plain Hugging Face reference; batching, compile and DDP change nothing."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from assets import get_tokenizer
+from hellaswag import evaluate, load_examples, main, render_example
+from model import GPT
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK_SIZE = 64  # small enough that one example below is cropped from the left
+
+# Hand-written examples in the HellaSwag format, of varied lengths (one longer than BLOCK_SIZE).
+EXAMPLES = [
+    {"ind": 4, "ctx": "A man is sitting on a roof. He", "label": 3,
+     "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
+                 "is holding a rubik's cube.", "starts pulling up roofing on a roof."]},
+    {"ind": 7, "ctx": "The chef cracks two eggs into a bowl and", "label": 0,
+     "endings": ["whisks them with a fork.", "throws the bowl out of the window into the garden below.",
+                 "sings.", "paints the ceiling blue while the soup boils over."]},
+    {"ind": 12, "ctx": "Kids", "label": 2,
+     "endings": ["are.", "run around the playground, laughing loudly as the bell rings for lunch.",
+                 "play tag in the park.", "eat."]},
+    {"ind": 15, "ctx": "A woman walks her dog along the beach at sunset. The dog chases a seagull and then",
+     "label": 1, "endings": ["flies away.", "comes back wagging its tail.", "reads a newspaper.",
+                             "the sun explodes in a shower of confetti over the quiet water."]},
+    {"ind": 21, "ctx": "[header] How to tie a tie [title] Drape the tie around your neck. [step] Make sure "
+                       "the wide end hangs lower than the narrow end, about twelve inches, and cross the "
+                       "wide end over the narrow end near your collar. [title] Loop the wide end",
+     "label": 0, "endings": ["up through the neck loop from underneath.", "into the washing machine.",
+                             "around your left ankle twice.", "and then call a friend for advice."]},
+    {"ind": 30, "ctx": "Naïve café owners — “déjà vu” 😀 — greet", "label": 3,
+     "endings": ["the customers.", "nobody at all, ever, under any circumstances whatsoever.", "cats.",
+                 "each guest with a smile and a warm croissant."]},
+    {"ind": 33, "ctx": "He lifts the barbell over his head, holds it for a second, and", "label": 1,
+     "endings": ["eats it.", "drops it onto the mat.", "flies to the moon.", "sleeps."]},
+    {"ind": 41, "ctx": "A group of people are rafting down a river. They", "label": 2,
+     "endings": ["are in a kitchen.", "stop.", "paddle hard through the rapids as water splashes them.",
+                 "knit sweaters."]},
+]
+
+
+@pytest.fixture(scope="module")
+def enc():
+    return get_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A small random transformers GPT2LMHeadModel saved with save_pretrained."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    # a larger init than GPT-2's 0.02 makes the distributions far from uniform, so endings differ clearly
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=BLOCK_SIZE, vocab_size=50257,
+                        initializer_range=0.2)
+    path = tmp_path_factory.mktemp("hf_gpt2")
+    GPT2LMHeadModel(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(hf_dir):
+    return GPT.from_pretrained(str(hf_dir)).eval()
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hellaswag") / "small.jsonl"
+    path.write_text("".join(json.dumps(ex) + "\n" for ex in EXAMPLES))
+    return path
+
+
+def reference_losses(hf, enc, example, block_size):
+    """One row at a time through transformers: CE of the ending tokens, as (sums, means) over 4 endings."""
+    ctx = enc.encode(example["ctx"])
+    sums, means = [], []
+    for ending in example["endings"]:
+        end = enc.encode(" " + ending)
+        row = (ctx + end)[-block_size:]  # too long: keep the last block_size tokens
+        with torch.no_grad():
+            logits = hf(torch.tensor([row])).logits[0]  # (T, V)
+        token_loss = F.cross_entropy(logits[:-1], torch.tensor(row[1:]), reduction="none")
+        ending_loss = token_loss[-len(end):]  # predictions of the ending tokens
+        sums.append(ending_loss.sum().item())
+        means.append(ending_loss.mean().item())
+    return sums, means
+
+
+def test_render_example_masks_exactly_the_ending_tokens(enc):
+    ex = EXAMPLES[0]
+    tokens, mask, label = render_example(ex, enc)
+    assert label == ex["label"] and len(tokens) == len(mask) == 4
+    ctx = enc.encode(ex["ctx"])
+    for row, row_mask, ending in zip(tokens, mask, ex["endings"]):
+        end = enc.encode(" " + ending)
+        assert row == ctx + end
+        assert row_mask == [0] * len(ctx) + [1] * len(end)
+
+
+def test_scores_and_predictions_equal_hf_reference(hf_dir, model, enc, data_file):
+    from transformers import GPT2LMHeadModel
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    examples = load_examples(data_file)
+    assert any(len(r) > BLOCK_SIZE for ex in examples for r in render_example(ex, enc)[0])  # cropping is exercised
+    result = evaluate(model, examples, "cpu", batch_size=3, enc=enc)
+
+    correct = correct_norm = 0
+    assert [p["ind"] for p in result["preds"]] == [ex["ind"] for ex in EXAMPLES]
+    for ex, p in zip(examples, result["preds"]):
+        sums, means = reference_losses(hf, enc, ex, BLOCK_SIZE)
+        assert p["sum_loss"] == pytest.approx(sums, abs=1e-4)
+        assert p["mean_loss"] == pytest.approx(means, abs=1e-4)
+        assert p["pred"] == min(range(4), key=sums.__getitem__)
+        assert p["pred_norm"] == min(range(4), key=means.__getitem__)
+        assert p["label"] == ex["label"]
+        correct += p["pred"] == ex["label"]
+        correct_norm += p["pred_norm"] == ex["label"]
+    assert result["n"] == len(EXAMPLES)
+    assert result["acc"] == correct / len(EXAMPLES)
+    assert result["acc_norm"] == correct_norm / len(EXAMPLES)
+    # sum and mean disagree somewhere, so the two accuracies are really computed separately
+    assert any(p["pred"] != p["pred_norm"] for p in result["preds"])
+
+
+def test_batched_predictions_equal_one_at_a_time(model, enc, data_file):
+    examples = load_examples(data_file)
+    single = evaluate(model, examples, "cpu", batch_size=1, enc=enc)
+    for batch_size in (3, 8):
+        batched = evaluate(model, examples, "cpu", batch_size=batch_size, enc=enc)
+        assert [(p["ind"], p["pred"], p["pred_norm"]) for p in batched["preds"]] == \
+               [(p["ind"], p["pred"], p["pred_norm"]) for p in single["preds"]]
+        for b, s in zip(batched["preds"], single["preds"]):
+            assert b["sum_loss"] == pytest.approx(s["sum_loss"], abs=1e-4)
+        assert (batched["acc"], batched["acc_norm"]) == (single["acc"], single["acc_norm"])
+
+
+def test_evaluate_restores_training_mode(model, enc):
+    model.train()
+    evaluate(model, EXAMPLES[:2], "cpu", enc=enc)
+    assert model.training
+    model.eval()
+    evaluate(model, EXAMPLES[:2], "cpu", enc=enc)
+    assert not model.training
+
+
+@pytest.mark.slow
+def test_compiled_model_gives_the_same_predictions(model, enc):
+    # aot_eager traces the model through dynamo + autograd like inductor does, without the C++ build time
+    compiled = torch.compile(model, backend="aot_eager")
+    plain = evaluate(model, EXAMPLES, "cpu", batch_size=3, enc=enc)
+    result = evaluate(compiled, EXAMPLES, "cpu", batch_size=3, enc=enc)
+    assert [(p["pred"], p["pred_norm"]) for p in result["preds"]] == \
+           [(p["pred"], p["pred_norm"]) for p in plain["preds"]]
+
+
+DDP_SCRIPT = """
+import json, sys
+import torch.distributed as dist
+from hellaswag import evaluate, load_examples
+from model import GPT
+dist.init_process_group("gloo")
+result = evaluate(GPT.from_pretrained(sys.argv[1]), load_examples(sys.argv[2]), "cpu", batch_size=3)
+with open(sys.argv[3] + str(dist.get_rank()), "w") as f:
+    json.dump(result, f)
+dist.destroy_process_group()
+"""
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_total_the_single_process_counts(model, enc, hf_dir, data_file, tmp_path):
+    single = evaluate(model, load_examples(data_file), "cpu", batch_size=3, enc=enc)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
+               PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    out = tmp_path / "rank"
+    procs = [subprocess.Popen([sys.executable, "-c", DDP_SCRIPT, str(hf_dir), str(data_file), str(out)],
+                              cwd=ROOT, env=dict(env, RANK=str(rank)), stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    ranks = [json.loads((tmp_path / f"rank{r}").read_text()) for r in range(2)]
+    for r in ranks:  # every rank holds the all-reduced totals
+        assert (r["n"], r["correct"], r["correct_norm"]) == (single["n"], single["correct"], single["correct_norm"])
+        assert (r["acc"], r["acc_norm"]) == (single["acc"], single["acc_norm"])
+    # each rank scored its own share, and together they scored every example once, the same way
+    assert [len(r["preds"]) for r in ranks] == [4, 4]
+    by_ind = {p["ind"]: (p["pred"], p["pred_norm"]) for r in ranks for p in r["preds"]}
+    assert by_ind == {p["ind"]: (p["pred"], p["pred_norm"]) for p in single["preds"]}
+
+
+@pytest.mark.parametrize("line, problem", [
+    ('{"ctx": "a", "endings": ["a", "b", "c", "d"], "label": 0', "invalid JSON"),
+    ('{"endings": ["a", "b", "c", "d"], "label": 0}', "ctx"),
+    ('{"ctx": "a", "endings": ["a", "b", "c"], "label": 0}', "endings"),
+    ('{"ctx": "a", "endings": ["a", "b", "c", 4], "label": 0}', "endings"),
+    ('{"ctx": "a", "endings": ["a", "b", "c", "d"], "label": 4}', "label"),
+    ('[1, 2]', "object"),
+])
+def test_malformed_line_is_an_error_naming_the_line(tmp_path, line, problem):
+    good = json.dumps(EXAMPLES[0])
+    path = tmp_path / "bad.jsonl"
+    path.write_text(f"{good}\n{good}\n{line}\n{good}\n")
+    with pytest.raises(ValueError, match=rf"bad\.jsonl:3: .*{problem}"):
+        load_examples(path)
+
+
+def test_load_examples_limit_and_string_labels(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(dict(ex, label=str(ex["label"]))) + "\n" for ex in EXAMPLES))
+    examples = load_examples(path, limit=5)
+    assert [ex["label"] for ex in examples] == [ex["label"] for ex in EXAMPLES[:5]]
+    assert [ex["ind"] for ex in examples] == [ex["ind"] for ex in EXAMPLES[:5]]
+
+
+def test_cli_json_and_per_example(hf_dir, model, enc, data_file, tmp_path, capsys):
+    per_example = tmp_path / "preds.jsonl"
+    rc = main(["--init_from", str(hf_dir), "--data", str(data_file), "--device", "cpu", "--batch_size", "4",
+               "--json", "--per_example", str(per_example)])
+    assert rc == 0
+    expected = evaluate(model, load_examples(data_file), "cpu", enc=enc)
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last == {"n": expected["n"], "acc": expected["acc"], "acc_norm": expected["acc_norm"]}
+    lines = [json.loads(line) for line in per_example.read_text().splitlines()]
+    assert lines == [{k: p[k] for k in ("ind", "label", "pred", "pred_norm")} for p in expected["preds"]]
+
+
+def test_cli_malformed_data_is_a_one_line_error(hf_dir, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(EXAMPLES[0]) + "\nnot json\n")
+    proc = subprocess.run([sys.executable, "hellaswag.py", "--init_from", str(hf_dir), "--data", str(path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+    assert f"{path}:2" in proc.stderr

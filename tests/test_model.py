@@ -1,0 +1,480 @@
+"""model.py specification: Hugging Face parity, chunked loss, KV-cache generation, rotary, optimizer, presets."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import model as M
+from model import GPT, GPTConfig
+
+CONV1D = M.CONV1D_WEIGHTS
+
+
+def small_gpt(seed=0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    cfg = dict(block_size=32, vocab_size=96, n_layer=2, n_head=2, n_embd=32)
+    return GPT(GPTConfig(**{**cfg, **overrides})).eval()
+
+
+def perturb_(module, seed=1, scale=0.05):
+    """Add noise to every parameter so biases and LayerNorms are not at their trivial init values."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return module
+
+
+def hf_gpt(seed=0, vocab_size=50257) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=vocab_size, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+    return perturb_(GPT2LMHeadModel(cfg)).eval()
+
+
+def shifted_targets(idx):
+    """Targets for our model matching HF's labels=idx: predict idx[t+1]; the last position is ignored."""
+    y = torch.full_like(idx, -1)
+    y[:, :-1] = idx[:, 1:]
+    return y
+
+
+def max_param_diff(ours: GPT, hf: GPT2LMHeadModel) -> float:
+    hf_sd = hf.state_dict()
+    diff = 0.0
+    for k, v in ours.state_dict().items():
+        ref = hf_sd[k]  # same names: our state_dict uses the HF layout (transformer.*)
+        ref = ref.t() if k.endswith(CONV1D) else ref
+        diff = max(diff, (v - ref).abs().max().item())
+    return diff
+
+
+def max_grad_diff(ours: GPT, hf: GPT2LMHeadModel) -> float:
+    hf_params = dict(hf.named_parameters())
+    diff = 0.0
+    for k, p in ours.named_parameters():
+        ref = hf_params[k].grad
+        ref = ref.t() if k.endswith(CONV1D) else ref
+        diff = max(diff, (p.grad - ref).abs().max().item())
+    return diff
+
+
+# ----------------------------------------------------------------------------- Hugging Face import / export
+
+@pytest.mark.parametrize("layout", ["prefixed-safetensors", "unprefixed-bin"])
+def test_import_matches_hf_logits_and_loss(tmp_path, layout):
+    hf = hf_gpt()
+    if layout == "prefixed-safetensors":  # what transformers' save_pretrained writes
+        hf.save_pretrained(tmp_path)
+        assert (tmp_path / "model.safetensors").is_file()
+    else:  # the original OpenAI hub layout: no prefix, no lm_head.weight, causal-mask buffers present
+        hf.config.save_pretrained(tmp_path)
+        sd = {k.removeprefix("transformer."): v.clone() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+        for i in range(hf.config.n_layer):
+            sd[f"h.{i}.attn.bias"] = torch.ones(1, 1, 32, 32).tril()
+            sd[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+        torch.save(sd, tmp_path / "pytorch_model.bin")
+    ours = GPT.from_pretrained(str(tmp_path)).eval()
+    assert ours.config.vocab_size == 50257 and ours.config.block_size == 32 and ours.config.n_layer == 2
+
+    idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(idx, labels=idx)
+        logits, loss = ours(idx, shifted_targets(idx))
+    logit_diff = (logits - ref.logits).abs().max().item()
+    print(f"import parity ({layout}): max abs logit diff {logit_diff:.2e}, loss diff {abs(loss - ref.loss):.2e}")
+    assert logit_diff <= 1e-5
+    assert abs(loss.item() - ref.loss.item()) <= 1e-5
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_export_matches_hf_and_drops_vocab_padding(tmp_path, bias):
+    ours = perturb_(small_gpt(vocab_size=50304, bias=bias))
+    ours.save_pretrained(str(tmp_path))
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert hf.config.vocab_size == 50257 and hf.config.n_positions == 32
+
+    idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, _ = ours(idx, shifted_targets(idx))
+        ref = hf(idx).logits
+        back, _ = GPT.from_pretrained(str(tmp_path)).eval()(idx, shifted_targets(idx))
+    logit_diff = (logits[..., :50257] - ref).abs().max().item()
+    print(f"export parity (bias={bias}): max abs logit diff {logit_diff:.2e}")
+    assert logit_diff <= 1e-5
+    assert torch.equal(back, logits[..., :50257])  # round trip through our own loader is exact
+
+
+def test_export_rotary_model_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="rotary"):
+        small_gpt(rotary_pct=0.5).save_pretrained(str(tmp_path))
+
+
+def test_from_pretrained_errors_are_clear(tmp_path):
+    with pytest.raises(ValueError, match="neither a directory"):
+        GPT.from_pretrained(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        GPT.from_pretrained(str(tmp_path))
+    hf_gpt().config.save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        GPT.from_pretrained(str(tmp_path))
+
+
+def test_adamw_step_matches_hf_plus_torch_adamw(tmp_path):
+    hf = hf_gpt()
+    hf.save_pretrained(tmp_path)
+    ours = GPT.from_pretrained(str(tmp_path))
+    hf.train(), ours.train()
+    lr, wd, betas = 1e-2, 0.1, (0.9, 0.95)
+    params = list(hf.parameters())  # tied wte/lm_head appears once
+    hf_opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": wd},
+                                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                               lr=lr, betas=betas)
+    opt = ours.configure_optimizer(wd, lr, betas, "cpu")
+    gen, grad_diff = torch.Generator().manual_seed(0), 0.0
+    for _ in range(2):  # two steps so the moment estimates matter too
+        idx = torch.randint(0, 50257, (2, 16), generator=gen)
+        hf(idx, labels=idx).loss.backward()
+        ours(idx, shifted_targets(idx), return_logits=False)[1].backward()
+        grad_diff = max(max_grad_diff(ours, hf), grad_diff)
+        # The key bias gets no gradient in exact arithmetic (softmax ignores a constant added to every score
+        # of a row); its float noise (~1e-10) would be blown up to +-lr by Adam's 1/(|g| + eps) in both.
+        for m in (hf, ours):
+            for block in m.transformer.h:
+                block.attn.c_attn.bias.grad[32:64] = 0.0
+        hf_opt.step(), opt.step()
+        hf_opt.zero_grad(), opt.zero_grad()
+    diff = max_param_diff(ours, hf)
+    print(f"AdamW 2-step parameter diff vs transformers + torch AdamW: {diff:.2e}; max grad diff {grad_diff:.2e}")
+    assert grad_diff <= 1e-6
+    assert diff <= 1e-5
+
+
+def test_optimizer_decays_only_matrices_and_uses_fused_where_supported():
+    model = small_gpt()
+    opt = model.configure_optimizer(0.1, 1e-3, (0.9, 0.95), "cpu")
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == model.num_params()
+    if M.fused_adamw_supported("cpu"):
+        assert opt.defaults["fused"] is True
+    else:
+        assert opt.defaults["foreach"] is True and not opt.defaults["fused"]
+
+
+# ----------------------------------------------------------------------------- forward and loss
+
+def test_initial_loss_is_close_to_log_vocab():
+    model = small_gpt(vocab_size=1024, n_embd=64)
+    gen = torch.Generator().manual_seed(0)
+    idx, targets = torch.randint(0, 1024, (4, 32), generator=gen), torch.randint(0, 1024, (4, 32), generator=gen)
+    with torch.no_grad():
+        _, loss = model(idx, targets)
+    assert abs(loss.item() - math.log(1024)) < 0.05
+
+
+def test_init_scales_residual_projections_and_zeroes_biases():
+    model = small_gpt(n_embd=64, n_layer=4)
+    std = model.transformer.h[0].mlp.c_proj.weight.std().item()
+    assert abs(std - 0.02 / math.sqrt(2 * 4)) < 0.1 * 0.02 / math.sqrt(8)
+    assert abs(model.transformer.h[0].mlp.c_fc.weight.std().item() - 0.02) < 0.002
+    assert model.transformer.h[0].attn.c_attn.bias.abs().max() == 0
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_inference_returns_last_position_logits_only():
+    model = small_gpt()
+    idx = torch.randint(0, 96, (3, 10))
+    with torch.no_grad():
+        last, loss = model(idx)
+        full, _ = model(idx, idx)
+    assert loss is None and last.shape == (3, 1, 96)
+    assert torch.allclose(last, full[:, -1:], atol=1e-6)
+
+
+def test_chunked_loss_matches_full_logits_loss_and_grads(monkeypatch):
+    monkeypatch.setattr(M, "LOSS_CHUNK_ROWS", 7)  # 32 rows -> 5 chunks, the last one partial
+    model = perturb_(small_gpt())
+    idx = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    targets = shifted_targets(idx)
+    targets[0, 3] = -1  # an ignored position inside a chunk
+
+    def loss_and_grads(return_logits):
+        model.zero_grad()
+        logits, loss = model(idx, targets, return_logits=return_logits)
+        (0.5 * loss).backward()  # the incoming gradient must be applied, not assumed to be 1
+        return logits, loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    logits_full, loss_full, grads_full = loss_and_grads(True)
+    logits_chunk, loss_chunk, grads_chunk = loss_and_grads(False)
+    assert logits_full.shape == (2, 16, 96) and logits_chunk is None
+    grad_diff = max((grads_full[n] - grads_chunk[n]).abs().max().item() for n in grads_full)
+    print(f"chunked loss: loss diff {abs(loss_full - loss_chunk).item():.2e}, max grad diff {grad_diff:.2e}")
+    assert abs(loss_full.item() - loss_chunk.item()) <= 1e-6
+    assert grad_diff <= 1e-6
+
+
+def test_chunked_loss_under_bf16_autocast_tracks_the_plain_path(monkeypatch):
+    monkeypatch.setattr(M, "LOSS_CHUNK_ROWS", 5)
+    model = perturb_(small_gpt())
+    idx = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = []
+    for return_logits in (True, False):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(idx, shifted_targets(idx), return_logits=return_logits)
+        loss.backward()
+        assert loss.dtype == torch.float32 and model.lm_head.weight.grad.dtype == torch.float32
+        results.append((loss.item(), model.lm_head.weight.grad.clone()))
+    (loss_a, grad_a), (loss_b, grad_b) = results
+    assert abs(loss_a - loss_b) < 1e-2
+    assert (grad_a - grad_b).abs().max() < 2e-2 * grad_a.abs().max()
+
+
+def test_activation_checkpointing_gives_identical_gradients(monkeypatch):
+    model = small_gpt(dropout=0.1).train()  # dropout: the recompute must replay the same random masks
+    idx = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    calls, block_forward = [], M.Block.forward
+
+    def counting_forward(self, *args, **kwargs):
+        calls.append(1)
+        return block_forward(self, *args, **kwargs)
+    monkeypatch.setattr(M.Block, "forward", counting_forward)
+
+    def grads(checkpointing):
+        model.config.activation_checkpointing = checkpointing
+        model.zero_grad()
+        calls.clear()
+        torch.manual_seed(123)
+        model(idx, idx)[1].backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}, len(calls)
+
+    plain, plain_calls = grads(False)
+    ckpt, ckpt_calls = grads(True)
+    assert (plain_calls, ckpt_calls) == (2, 4)  # 2 blocks; each really was recomputed in backward
+    for name in plain:
+        assert torch.allclose(plain[name], ckpt[name], atol=1e-7, rtol=0), name
+
+
+def test_manual_attention_matches_sdpa():
+    model = perturb_(small_gpt())
+    idx = torch.randint(0, 96, (2, 16))
+    with torch.no_grad():
+        ref, _ = model(idx, idx)
+        for block in model.transformer.h:
+            block.attn.use_sdpa = False
+        manual, _ = model(idx, idx)
+    assert (ref - manual).abs().max() <= 1e-5
+
+
+# ----------------------------------------------------------------------------- rotary
+
+def test_rotary_scores_depend_only_on_offset_and_leave_other_dims_untouched():
+    rot_dim, hs = 8, 16
+    cos, sin = M.rotary_cos_sin(rot_dim, 64)
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 1, 1, hs, generator=gen), torch.randn(1, 1, 1, hs, generator=gen)
+
+    def rot(x, pos):
+        return M.apply_rotary(x, cos[pos:pos + 1], sin[pos:pos + 1])
+
+    def score(m, n):
+        return (rot(q, m)[..., :rot_dim] * rot(k, n)[..., :rot_dim]).sum().item()
+
+    for shift in (1, 7, 40):
+        assert abs(score(5, 2) - score(5 + shift, 2 + shift)) < 1e-4
+    assert abs(score(5, 2) - score(5, 4)) > 1e-3  # and it does depend on the offset
+    assert torch.equal(rot(q, 9)[..., rot_dim:], q[..., rot_dim:])
+    assert torch.equal(rot(q, 0), q)  # position 0 is the identity
+
+
+def test_rotary_matches_complex_rotation_of_neox_pairs():
+    # GPT-NeoX pairs dim i with dim i + rot_dim/2 and turns the pair by pos * 10000^(-2i/rot_dim)
+    rot_dim, pos = 8, 13
+    cos, sin = M.rotary_cos_sin(rot_dim, 32)
+    x = torch.randn(1, 1, 1, 12, dtype=torch.float64).float()
+    out = M.apply_rotary(x, cos[pos:pos + 1], sin[pos:pos + 1])[0, 0, 0]
+    half = rot_dim // 2
+    z = torch.complex(x[0, 0, 0, :half].double(), x[0, 0, 0, half:rot_dim].double())
+    theta = 10000.0 ** (-torch.arange(half, dtype=torch.float64) * 2 / rot_dim)
+    expected = z * torch.exp(1j * pos * theta)
+    assert torch.allclose(out[:half].double(), expected.real, atol=1e-5)
+    assert torch.allclose(out[half:rot_dim].double(), expected.imag, atol=1e-5)
+
+
+def test_rotary_model_has_no_learned_positions_and_validates_rot_dim():
+    model = small_gpt(rotary_pct=0.25)  # head_dim 16 -> 4 rotary dims
+    assert "transformer.wpe.weight" not in model.state_dict()
+    assert model.rope_cos.shape == (32, 4)
+    with pytest.raises(ValueError, match="even"):
+        GPTConfig(n_embd=32, n_head=2, rotary_pct=0.2)  # 3 dims
+    with pytest.raises(ValueError, match="rotary_pct"):
+        GPTConfig(rotary_pct=1.5)
+
+
+# ----------------------------------------------------------------------------- generation
+
+@pytest.mark.parametrize("rotary_pct", [None, 0.5])
+def test_kv_cache_hidden_states_match_full_recompute(rotary_pct):
+    model = perturb_(small_gpt(rotary_pct=rotary_pct))
+    idx = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        full = model.hidden_states(idx)
+        caches = [M.KVCache(32) for _ in model.transformer.h]
+        parts = [model.hidden_states(idx[:, :5], caches, 0), model.hidden_states(idx[:, 5:8], caches, 5)]
+        parts += [model.hidden_states(idx[:, t:t + 1], caches, t) for t in range(8, 12)]
+    assert caches[0].k.shape == (2, 2, 32, 16)  # preallocated to block_size
+    assert (torch.cat(parts, dim=1) - full).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("rotary_pct", [None, 0.5])
+@pytest.mark.parametrize("prompt_len", [1, 4, 17, 32])
+def test_kv_cache_greedy_equals_recompute_greedy(prompt_len, rotary_pct):
+    model = perturb_(small_gpt(rotary_pct=rotary_pct), scale=0.2)  # larger weights: decisive argmaxes
+    idx = torch.randint(0, 96, (2, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+    n_new = 40 - prompt_len  # always runs past block_size 32, exercising the full-window fallback
+    cached = model.generate(idx, n_new, temperature=0.0, use_kv_cache=True)
+    plain = model.generate(idx, n_new, temperature=0.0, use_kv_cache=False)
+    assert cached.shape == (2, 40)
+    assert torch.equal(cached, plain)
+    assert torch.equal(cached[:, :prompt_len], idx)
+
+
+def test_stream_yields_one_token_per_row_per_step():
+    model = small_gpt()
+    steps = list(model.generate_stream(torch.zeros(3, 2, dtype=torch.long), 5, temperature=0.0))
+    assert len(steps) == 5 and all(s.shape == (3,) and s.dtype == torch.long for s in steps)
+    out = model.generate(torch.zeros(3, 2, dtype=torch.long), 5, temperature=0.0)
+    assert torch.equal(out[:, 2:], torch.stack(steps, dim=1))
+
+
+def test_eos_finishes_rows_and_stops_when_all_are_done():
+    model = perturb_(small_gpt(), scale=0.2)
+    idx = torch.randint(0, 96, (2, 3), generator=torch.Generator().manual_seed(0))
+    ref = model.generate(idx, 12, temperature=0.0)[:, 3:]  # (2, 12) without eos
+    eos = ref[0, 2].item()
+    out = model.generate(idx, 12, temperature=0.0, eos_token=eos)[:, 3:]
+    first = [(row == eos).nonzero()[0].item() if (row == eos).any() else None for row in ref]
+    expected_len = 12 if None in first else max(first) + 1
+    assert out.shape == (2, expected_len)
+    for row, f in enumerate(first):
+        if f is None:
+            assert torch.equal(out[row], ref[row, :expected_len])
+        else:
+            assert torch.equal(out[row, :f + 1], ref[row, :f + 1]) and (out[row, f:] == eos).all()
+    single = model.generate(idx[:1], 12, temperature=0.0, eos_token=eos)
+    assert single.shape == (1, 3 + first[0] + 1)
+
+
+def test_sampling_is_reproducible_and_top_k_1_is_greedy():
+    model = perturb_(small_gpt())
+    idx = torch.randint(0, 96, (2, 4))
+
+    def sample(seed, **kw):
+        return model.generate(idx, 10, generator=torch.Generator().manual_seed(seed), **kw)
+
+    assert torch.equal(sample(1, temperature=1.0), sample(1, temperature=1.0))
+    assert not torch.equal(sample(1, temperature=1.0), sample(2, temperature=1.0))
+    greedy = model.generate(idx, 10, temperature=0.0)
+    assert torch.equal(sample(3, top_k=1), greedy)
+    assert torch.equal(sample(3, top_p=1e-6), greedy)
+
+
+def test_top_k_and_top_p_restrict_the_candidates():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    gen = torch.Generator().manual_seed(0)
+
+    def draws(top_k=None, top_p=None):  # the set of ids seen in 2000 draws
+        return set(M._sample(probs.log().repeat(2000, 1), 1.0, top_k, top_p, gen).tolist())
+
+    assert draws() == {0, 1, 2, 3}
+    assert draws(top_k=2) == {0, 1}
+    assert draws(top_p=0.7) == {0, 1}  # 0.5 < 0.7, 0.5 + 0.3 >= 0.7
+    assert draws(top_p=0.5) == {0}
+    assert draws(top_p=0.81) == {0, 1, 2}
+
+
+def test_padded_vocab_ids_are_never_generated():
+    model = small_gpt(vocab_size=50304)
+    with torch.no_grad():  # make every padding id the most likely next token
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.fill_(1.0)
+        model.lm_head.weight[M.GPT2_VOCAB:] = 1.0
+    idx = torch.zeros(2, 3, dtype=torch.long)
+    gen = torch.Generator().manual_seed(0)
+    for kw in (dict(temperature=0.0), dict(temperature=1.0), dict(top_k=60), dict(top_p=0.9),
+               dict(temperature=0.0, use_kv_cache=False)):
+        out = model.generate(idx, 8, generator=gen, **kw)
+        assert out.max().item() < M.GPT2_VOCAB, kw
+
+
+def test_long_prompt_is_cropped_with_a_warning():
+    model = perturb_(small_gpt(), scale=0.2)
+    idx = torch.randint(0, 96, (2, 40))
+    with pytest.warns(UserWarning, match="40 tokens.*block_size 32"):
+        out = model.generate(idx, 3, temperature=0.0)
+    assert out.shape == (2, 43) and torch.equal(out[:, :40], idx)
+    assert torch.equal(out[:, 40:], model.generate(idx[:, -32:], 3, temperature=0.0)[:, 32:])
+
+
+def test_generate_rejects_bad_sampling_arguments():
+    model = small_gpt()
+    idx = torch.zeros(1, 1, dtype=torch.long)
+    for kw in (dict(temperature=-1.0), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5)):
+        with pytest.raises(ValueError, match="generate"):
+            model.generate(idx, 2, **kw)
+
+
+# ----------------------------------------------------------------------------- presets, FLOPs, MFU
+
+@pytest.mark.parametrize("name,expected", [("gpt2", 124_439_808), ("gpt2-medium", 354_823_168),
+                                           ("gpt2-large", 774_030_080), ("gpt2-xl", 1_557_611_200)])
+def test_gpt2_presets_have_the_published_parameter_counts(name, expected):
+    with torch.device("meta"):  # shapes only, no memory
+        model = GPT(GPTConfig.from_preset(name, vocab_size=50257))
+    assert model.num_params() == expected  # GPT2LMHeadModel's counts for the OpenAI checkpoints
+
+
+@pytest.mark.parametrize("name,size", [("gpt3-125m", 125e6), ("gpt3-350m", 350e6), ("gpt3-760m", 760e6),
+                                       ("gpt3-1.3b", 1.3e9)])
+def test_gpt3_presets_match_their_names(name, size):
+    cfg = GPTConfig.from_preset(name)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    assert cfg.block_size == 2048 and cfg.vocab_size == 50304
+    assert abs(model.num_params() - size) / size < 0.06
+
+
+def test_preset_errors_and_overrides():
+    assert GPTConfig.from_preset("gpt2", dropout=0.1, rotary_pct=0.25).dropout == 0.1
+    with pytest.raises(ValueError, match="unknown preset"):
+        GPTConfig.from_preset("gpt5")
+    with pytest.raises(ValueError, match="unknown field"):
+        GPTConfig.from_preset("gpt2", n_embed=12)
+    with pytest.raises(ValueError, match="divisible"):
+        GPTConfig(n_embd=30, n_head=4)
+
+
+def test_flops_per_token_and_mfu():
+    model = small_gpt()
+    cfg = model.config
+    # the attention term grows linearly with the context: 12 * L * n_embd per token per context position
+    assert model.flops_per_token(seq_len=20) - model.flops_per_token(seq_len=10) == 12 * cfg.n_layer * cfg.n_embd * 10
+    assert model.flops_per_token(seq_len=1) > 6 * model.num_params(non_embedding=True)
+    assert model.flops_per_token() == model.flops_per_token(seq_len=cfg.block_size)
+    assert model.estimate_mfu(1000.0, None) is None
+    assert model.estimate_mfu(1000.0, 1e12) == pytest.approx(1000.0 * model.flops_per_token() / 1e12)
+
+
+def test_peak_flops_table():
+    assert M.peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
+    assert M.peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12
+    assert M.peak_flops("NVIDIA H200", "bf16") == 989e12
+    assert M.peak_flops("NVIDIA A100-SXM4-80GB", "bfloat16") == 312e12
+    assert M.peak_flops("NVIDIA A100-SXM4-80GB", "float32") == 156e12
+    assert M.peak_flops("NVIDIA H100 80GB HBM3", "tf32") == 494e12
+    assert M.peak_flops("Tesla V100-SXM2-16GB", "bfloat16") is None
+    assert M.peak_flops("cpu", "float32") is None

@@ -1,0 +1,165 @@
+"""sample.py: seeded sampling is reproducible, greedy equals model.generate, bad checkpoints are one-line errors."""
+import io
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from assets import get_tokenizer
+from model import GPT, GPTConfig
+from sample import SEPARATOR, main, read_prompt, stream_samples
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def enc():
+    return get_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    # vocab 50257: every id the model can emit is a real token, so decoded texts compare exactly
+    return GPT(GPTConfig(block_size=64, vocab_size=50257, n_layer=2, n_head=2, n_embd=32)).eval()
+
+
+@pytest.fixture(scope="module")
+def ckpt(model, tmp_path_factory):
+    """A training checkpoint in the project's format (CONTRACTS: checkpoint dict keys)."""
+    path = tmp_path_factory.mktemp("run") / "ckpt_000010.pt"
+    torch.save({"model": model.state_dict(), "model_args": asdict(model.config), "config": {}, "step": 10,
+                "optimizer": None, "scaler": None, "loader": {}, "rng": {}, "val_loss": None,
+                "format": "gpt2-train-ckpt-v1"}, path)
+    return path
+
+
+def run_main(capsys, *argv):
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def test_same_seed_same_text_and_another_seed_differs(ckpt, capsys):
+    args = ["--ckpt", str(ckpt), "--prompt", "Hello", "--max_new_tokens", "24", "--num_samples", "2",
+            "--temperature", "1.0", "--device", "cpu"]
+    first = run_main(capsys, *args, "--seed", "3")
+    assert first == run_main(capsys, *args, "--seed", "3")
+    assert first != run_main(capsys, *args, "--seed", "4")
+    samples = first.split(SEPARATOR + "\n")
+    assert len(samples) == 3 and samples[-1] == ""  # two samples, each closed by the separator
+    assert all(s.startswith("Hello") for s in samples[:2])
+    assert samples[0] != samples[1]  # the samples of one run are drawn one after another, not repeated
+
+
+def test_out_dir_means_its_latest_checkpoint(ckpt, capsys):
+    args = ["--prompt", "Hi", "--max_new_tokens", "8", "--device", "cpu", "--seed", "1"]
+    assert run_main(capsys, "--ckpt", str(ckpt.parent), *args) == run_main(capsys, "--ckpt", str(ckpt), *args)
+
+
+def test_greedy_equals_model_generate(model, enc, ckpt, capsys):
+    prompt = "The meaning of life is"
+    idx = torch.tensor([enc.encode(prompt)])
+    expected = prompt + enc.decode(model.generate(idx, 20, temperature=0)[0, idx.shape[1]:].tolist())
+    texts = stream_samples(model, enc, prompt, max_new_tokens=20, temperature=0, out=io.StringIO())
+    assert texts == [expected]
+    out = run_main(capsys, "--ckpt", str(ckpt), "--prompt", prompt, "--max_new_tokens", "20",
+                   "--temperature", "0", "--device", "cpu")
+    assert out == expected + "\n" + SEPARATOR + "\n"
+
+
+class ScriptedModel:
+    """Stands in for GPT: generate_stream yields the tokens of a fixed text, one per step."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def eval(self):
+        return self
+
+    def generate_stream(self, idx, max_new_tokens, **kwargs):
+        for t in self.tokens[:max_new_tokens]:
+            yield torch.tensor([t])
+
+
+def test_streams_token_by_token_and_joins_split_utf8(enc):
+    text = " naïve café 😀 — 日本語"
+    tokens = enc.encode(text)
+    # at least one token is a fragment of a multi-byte character that can't be decoded alone
+    assert any(not _decodes(enc.decode_single_token_bytes(t)) for t in tokens)
+    writes = []
+
+    class Out(io.StringIO):
+        def write(self, s):
+            writes.append(s)
+            return super().write(s)
+
+    out = Out()
+    texts = stream_samples(ScriptedModel(tokens), enc, "Prompt:", max_new_tokens=len(tokens), out=out)
+    assert texts == ["Prompt:" + text]
+    assert out.getvalue() == "Prompt:" + text + "\n" + SEPARATOR + "\n"
+    assert len(writes) > len(tokens)  # written as generated, not once at the end
+
+
+def _decodes(b):
+    try:
+        b.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def test_prompt_from_file_stdin_or_default(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("from a file")
+    assert read_prompt(f"FILE:{path}") == "from a file"
+    assert read_prompt("plain text") == "plain text"
+    assert read_prompt(None, stdin=io.StringIO("piped in")) == "piped in"  # StringIO is not a tty
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert read_prompt(None, stdin=Terminal("ignored")) == ""  # then generation starts at <|endoftext|>
+
+
+def test_empty_prompt_starts_a_new_document(model, enc):
+    class Recording(ScriptedModel):
+        def generate_stream(self, idx, max_new_tokens, **kwargs):
+            self.idx = idx
+            yield from super().generate_stream(idx, max_new_tokens, **kwargs)
+
+    m = Recording(enc.encode(" x"))
+    stream_samples(m, enc, "", max_new_tokens=1, out=io.StringIO())
+    assert m.idx.tolist() == [[enc.eot_token]]
+
+
+def test_stdin_prompt_via_subprocess(ckpt):
+    proc = subprocess.run([sys.executable, "sample.py", "--ckpt", str(ckpt), "--max_new_tokens", "5",
+                           "--device", "cpu"], cwd=ROOT, input="Once upon a time", capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Once upon a time") and proc.stdout.endswith(SEPARATOR + "\n")
+
+
+def _bad_checkpoints(tmp_path, ckpt):
+    truncated = tmp_path / "truncated.pt"
+    data = ckpt.read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+    foreign = tmp_path / "notes.pt"
+    foreign.write_text("this is not a checkpoint\n")
+    return {"missing": tmp_path / "nope" / "ckpt.pt", "truncated": truncated, "foreign": foreign}
+
+
+@pytest.mark.parametrize("kind", ["missing", "truncated", "foreign"])
+def test_bad_checkpoint_is_a_one_line_error(tmp_path, ckpt, kind):
+    path = _bad_checkpoints(tmp_path, ckpt)[kind]
+    proc = subprocess.run([sys.executable, "sample.py", "--ckpt", str(path), "--device", "cpu"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert str(path) in proc.stderr or path.name in proc.stderr
+    assert proc.stdout == ""
