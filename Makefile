@@ -1,0 +1,39 @@
+# Two commands: `make demo` (train a small GPT on Tiny Shakespeare on the CPU) and `make test`.
+# Both create the virtual environment $(VENV) on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install --quiet
+# Without an NVIDIA GPU (no nvidia-smi), torch is installed from this spec before the requirements,
+# so that `torch>=2.1` is already met and pip does not pull a multi-GB CUDA build. On this project's
+# machines `torch==2.13.0` picks up a local CPU wheel; elsewhere use PyTorch's CPU index, e.g.
+#   make TORCH_CPU_SPEC="torch --index-url https://download.pytorch.org/whl/cpu" demo
+# With nvidia-smi present the plain requirements give the normal (CUDA) torch.
+TORCH_CPU_SPEC ?= torch==2.13.0
+
+.PHONY: venv demo test clean-venv
+
+venv: $(VENV)/.dev-installed
+
+$(VENV)/.installed: requirements.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing requirements into $(VENV) (first run only)"
+	@if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(PY) -c "import torch" 2>/dev/null; then \
+		echo "no nvidia-smi: installing CPU torch ($(TORCH_CPU_SPEC))"; $(PIP) $(TORCH_CPU_SPEC); fi
+	$(PIP) -r requirements.txt
+	@touch $@
+
+$(VENV)/.dev-installed: $(VENV)/.installed requirements-dev.txt
+	$(PIP) -r requirements-dev.txt
+	@touch $@
+
+demo: $(VENV)/.installed
+	$(PY) prepare_data.py --dataset shakespeare --out_dir data/shakespeare
+	$(PY) train.py configs/shakespeare_cpu.py
+	$(PY) sample.py --ckpt out/shakespeare --prompt "ROMEO:" --max_new_tokens 200
+
+test: $(VENV)/.dev-installed
+	$(PY) -m pytest
+
+clean-venv:
+	rm -rf $(VENV)
