@@ -75,7 +75,7 @@ class GPTConfig:
 # ----------------------------------------------------------------------------- rotary (GPT-NeoX style)
 
 def rotary_cos_sin(rot_dim: int, n_pos: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables (n_pos, rot_dim): dim i and i + rot_dim/2 form a pair rotated by angle pos * base^(-2i/rot_dim)."""
+    """cos, sin tables (n_pos, rot_dim). Dims i and i + rot_dim/2 form a pair turned by pos * base^(-2i/rot_dim)."""
     inv_freq = 1.0 / base ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)  # (rot_dim/2,)
     angles = torch.outer(torch.arange(n_pos, dtype=torch.float64), inv_freq)  # (n_pos, rot_dim/2)
     angles = torch.cat((angles, angles), dim=-1)  # (n_pos, rot_dim)
@@ -178,15 +178,16 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
 
     The gradients wrt h and w are computed chunk by chunk during forward and replayed in backward,
     so the (N, V) logits and their gradient never exist in full: memory is O(chunk * V).
+    need_grad=False (evaluation under no_grad) computes the loss only.
     """
 
     @staticmethod
-    def forward(ctx, h, w, targets):  # h (N, C), w (V, C), targets (N,) with -1 = ignore
+    def forward(ctx, h, w, targets, need_grad: bool):  # h (N, C), w (V, C), targets (N,) with -1 = ignore
         dev = h.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
         with torch.autocast(dev, enabled=False):  # dtypes are explicit below
             wc = w.to(dtype)
-            grad_h, grad_w = torch.empty_like(h), torch.zeros_like(w)
+            grad_h, grad_w = (torch.empty_like(h), torch.zeros_like(w)) if need_grad else (None, None)
             loss_sum = torch.zeros((), device=h.device, dtype=torch.float32)
             for i in range(0, h.size(0), LOSS_CHUNK_ROWS):
                 hc, tc = h[i:i + LOSS_CHUNK_ROWS].to(dtype), targets[i:i + LOSS_CHUNK_ROWS]
@@ -195,6 +196,8 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
                 valid = tc != -1
                 tgt = tc.clamp(min=0).unsqueeze(1)  # (n, 1)
                 loss_sum += ((lse - logits.gather(1, tgt).squeeze(1)) * valid).sum()
+                if not need_grad:
+                    continue
                 # d(sum CE)/d logits = softmax - onehot(target), zero on ignored rows; reuse the logits buffer
                 g = logits.sub_(lse.unsqueeze(1)).exp_()
                 g.scatter_add_(1, tgt, -torch.ones_like(tgt, dtype=g.dtype))
@@ -205,13 +208,14 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
                 else:
                     grad_w += g.t() @ hc  # low-precision chunk product, fp32 accumulation
             n_valid = (targets != -1).sum()  # 0 gives nan, as F.cross_entropy does
-            ctx.save_for_backward(grad_h.div_(n_valid), grad_w.div_(n_valid))
+            if need_grad:
+                ctx.save_for_backward(grad_h.div_(n_valid), grad_w.div_(n_valid))
         return loss_sum / n_valid
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss, grad_w * grad_loss, None
+        return grad_h * grad_loss, grad_w * grad_loss, None, None
 
 
 # ----------------------------------------------------------------------------- the model
@@ -281,7 +285,10 @@ class GPT(nn.Module):
         if targets is None:
             return self.lm_head(x[:, -1:, :]), None  # (B, 1, V)
         if not return_logits:
-            return None, ChunkedLMHeadLoss.apply(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1))
+            need_grad = torch.is_grad_enabled() and (x.requires_grad or self.lm_head.weight.requires_grad)
+            h = x.reshape(-1, x.size(-1))  # (B*T, C)
+            loss = ChunkedLMHeadLoss.apply(h, self.lm_head.weight, targets.reshape(-1), need_grad)
+            return None, loss
         logits = self.lm_head(x)  # (B, T, V)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
@@ -313,7 +320,8 @@ class GPT(nn.Module):
         or a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl; needs internet). overrides: dropout,
         activation_checkpointing."""
         if bad := set(overrides) - {"dropout", "activation_checkpointing"}:
-            raise ValueError(f"GPT.from_pretrained: cannot override {sorted(bad)}; only dropout, activation_checkpointing")
+            raise ValueError(f"GPT.from_pretrained: cannot override {sorted(bad)}; "
+                             "only dropout and activation_checkpointing")
         path = Path(name_or_dir)
         if not path.is_dir():
             if name_or_dir not in HUB_NAMES:
@@ -332,7 +340,8 @@ class GPT(nn.Module):
         ours.pop("lm_head.weight")  # tied to wte
         missing, unexpected = sorted(set(ours) - set(sd)), sorted(set(sd) - set(ours))
         if missing or unexpected:
-            raise ValueError(f"GPT.from_pretrained: {path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+            raise ValueError(f"GPT.from_pretrained: {path}: missing keys {missing[:5]}, "
+                             f"unexpected keys {unexpected[:5]}")
         with torch.no_grad():
             for k, v in sd.items():
                 v = v.t() if k.endswith(CONV1D_WEIGHTS) else v
@@ -359,7 +368,8 @@ class GPT(nn.Module):
                 continue  # tied; HF re-ties it to wte
             v = v.detach().cpu()
             v = v.t() if k.endswith(CONV1D_WEIGHTS) else v[:vocab] if k == "transformer.wte.weight" else v
-            tensors[k] = v.clone(memory_format=torch.contiguous_format)  # safetensors needs contiguous tensors that share no memory
+            # safetensors needs contiguous tensors that share no memory
+            tensors[k] = v.clone(memory_format=torch.contiguous_format)
         if not cfg.bias:  # GPT-2 has biases everywhere: bias=False is the same model with zero biases
             for k, v in list(tensors.items()):
                 if k.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")) or k.endswith(CONV1D_WEIGHTS):
