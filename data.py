@@ -15,13 +15,11 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import torch
 
 MAGIC = 20240520
 VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
-EOT = 50256  # <|endoftext|>; every document starts with it
 SHARD_SUFFIXES = (".bin", ".npy")
 
 
@@ -52,7 +50,7 @@ def write_shard(path, tokens):
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(shard_header(tokens.size))
-            f.write(tokens.astype("<u2", copy=False).tobytes())
+            f.write(np.ascontiguousarray(tokens, dtype="<u2").data)  # no extra copy when already uint16
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp makes it owner-only
@@ -181,7 +179,9 @@ class DataLoader:
         self.vocab_size = vocab_size
         self.shuffle = (split == "train") if shuffle is None else bool(shuffle)
         self.paths = find_shards(data_dir, split)
-        self.shards = [load_shard(p) for p in self.paths]  # memory-mapped once, headers validated
+        # Memory-mapped once, headers validated; plain ndarray views skip np.memmap's per-slice overhead.
+        self.shards = [load_shard(p).view(np.ndarray) for p in self.paths]
+        self._window_offsets = np.arange(block_size + 1)
         self._vocab_checked = set()  # the vocab check reads a whole shard: done the first time it is used
         self.samples_per_shard = np.array([max(0, (len(s) - 1) // block_size) for s in self.shards], dtype=np.int64)
         self.num_samples = int(self.samples_per_shard.sum())
@@ -208,9 +208,8 @@ class DataLoader:
 
     def _plan(self, epoch):
         if epoch not in self._plans:
-            if len(self._plans) > 2:
-                self._plans.clear()
-                self._perms.clear()
+            if len(self._plans) >= 2:  # a batch usually touches one epoch, at most two
+                self._plans.pop(next(iter(self._plans)))
             n = len(self.shards)
             # SeedSequence pads short entropy with zeros, so the tags 0 / 1 keep the streams distinct.
             order = (np.random.Generator(np.random.PCG64([self.seed, epoch, 0])).permutation(n)
@@ -221,44 +220,39 @@ class DataLoader:
     def _perm(self, epoch, shard):
         key = (epoch, shard)
         if key not in self._perms:
+            if len(self._perms) >= 8:  # the stream walks shard by shard: keep only the recent ones
+                self._perms.pop(next(iter(self._perms)))
             n = int(self.samples_per_shard[shard])
             rng = np.random.Generator(np.random.PCG64([self.seed, epoch, 1, shard]))
             self._perms[key] = rng.permutation(n) if self.shuffle else np.arange(n)
         return self._perms[key]
 
-    def _locate(self, positions):
-        """Stream positions -> (shard index, first token of the window), as int64 arrays."""
-        epochs, offsets = np.divmod(positions, self.num_samples)
-        shard = np.empty_like(positions)
-        start = np.empty_like(positions)
-        for e in np.unique(epochs):  # one or two epochs per batch
-            sel = epochs == e
-            order, cum = self._plan(int(e))
-            slot = np.searchsorted(cum, offsets[sel], side="right")  # place in the epoch's shard order
-            local = offsets[sel] - (cum[slot] - self.samples_per_shard[order[slot]])
-            shard_sel = order[slot]
-            sample = np.empty_like(local)
-            for s in np.unique(shard_sel):
-                m = shard_sel == s
-                sample[m] = self._perm(int(e), int(s))[local[m]]
-            shard[sel], start[sel] = shard_sel, sample * self.T
-        return shard, start
+    def _runs(self, first, count):
+        """Split stream positions [first, first+count) into runs that lie in one shard of one epoch.
+        Yields (offset in the batch, shard index, that shard's sample indices for the run)."""
+        done = 0
+        while done < count:
+            epoch, offset = divmod(first + done, self.num_samples)
+            order, cum = self._plan(epoch)
+            slot = int(np.searchsorted(cum, offset, side="right"))  # place in the epoch's shard order
+            shard = int(order[slot])
+            begin = offset - int(cum[slot] - self.samples_per_shard[shard])  # index into the shard's permutation
+            take = min(count - done, int(cum[slot]) - offset)
+            yield done, shard, self._perm(epoch, shard)[begin:begin + take]
+            done += take
 
     def next_batch(self):
         """The next (x, y) of this rank: int64 CPU tensors of shape (B, T); y[:, t] == x[:, t+1]."""
         B, T = self.B, self.T
-        first = self.position + self.rank * B
-        shard, start = self._locate(np.arange(first, first + B, dtype=np.int64))
         window = np.empty((B, T + 1), dtype=np.uint16)
-        offsets = np.arange(T + 1)
-        for s in np.unique(shard):  # usually one shard per batch
-            tokens = self.shards[s]
-            if self.vocab_size is not None and s not in self._vocab_checked:
-                check_vocab(tokens, self.vocab_size, self.paths[s])
-                self._vocab_checked.add(int(s))
-            m = shard == s
-            window[m] = tokens[start[m, None] + offsets]  # (b, T+1) gather from the memmap
+        for at, shard, samples in self._runs(self.position + self.rank * B, B):  # usually a single run
+            if self.vocab_size is not None and shard not in self._vocab_checked:
+                check_vocab(self.shards[shard], self.vocab_size, self.paths[shard])
+                self._vocab_checked.add(shard)
+            starts = samples * T
+            window[at:at + len(samples)] = self.shards[shard][starts[:, None] + self._window_offsets]  # (b, T+1) gather
         self.position += B * self.world_size
+        import torch  # here, not at the top: prepare_data's tokenizer workers import this module without needing torch
         x = torch.from_numpy(window[:, :-1].astype(np.int64))  # (B, T)
         y = torch.from_numpy(window[:, 1:].astype(np.int64))  # (B, T)
         return x, y

@@ -17,6 +17,7 @@ a .parquet file one per row (column --text_key); directories are searched recurs
 The shakespeare preset splits Tiny Shakespeare at blank lines, so each speech is one document.
 """
 import argparse
+import contextlib
 import glob
 import hashlib
 import json
@@ -32,7 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from assets import EOT, fetch_shakespeare, get_tokenizer
-from data import HEADER_BYTES, write_shard
+from data import HEADER_BYTES, SHARD_SUFFIXES, write_shard
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c / build-nanogpt: 100M tokens (200 MB) per shard
@@ -188,7 +189,7 @@ def tokenize_batch(texts):
     for i, text in enumerate(texts):
         try:
             ids = enc.encode_to_numpy(text, disallowed_special=())
-        except UnicodeEncodeError:  # lone surrogates: encode_ordinary's own fallback
+        except (UnicodeEncodeError, AttributeError):  # lone surrogates (encode_ordinary repairs them); tiktoken < 0.8
             ids = np.array(enc.encode_ordinary(text), dtype=np.uint32)
         parts += (eot, ids)
         lengths[i] = len(ids) + 1
@@ -211,26 +212,25 @@ def document_batches(texts, batch_chars, start_doc):
         yield first, batch
 
 
-def tokenized(batches, num_proc, start_method):
-    """(first document, tokens, lengths) per batch, in input order.
+def tokenized(batches, pool, max_pending):
+    """(first document, tokens, lengths) per batch, in input order; pool None tokenizes in-process.
 
     apply_async with a bounded queue instead of Pool.imap: imap's feeder thread reads the whole
     input ahead of the workers, which for a streamed 10B-token dataset means unbounded memory.
     """
-    if num_proc == 1:
+    if pool is None:
         for first, texts in batches:
             yield (first, *tokenize_batch(texts))
         return
-    with multiprocessing.get_context(start_method).Pool(num_proc) as pool:
-        pending = deque()
-        for first, texts in batches:
-            pending.append((first, pool.apply_async(tokenize_batch, (texts,))))
-            if len(pending) >= 4 * num_proc:
-                first, result = pending.popleft()
-                yield (first, *result.get())
-        while pending:
+    pending = deque()
+    for first, texts in batches:
+        pending.append((first, pool.apply_async(tokenize_batch, (texts,))))
+        if len(pending) >= max_pending:
             first, result = pending.popleft()
             yield (first, *result.get())
+    while pending:
+        first, result = pending.popleft()
+        yield (first, *result.get())
 
 
 # ---------------------------------------------------------------------------- shards and manifest
@@ -306,7 +306,7 @@ class ShardWriter:
     def finish(self, num_docs):
         if self.in_val:
             raise PrepError(f"the whole input ({num_docs} documents, {self.val_count} tokens) is smaller than "
-                            f"--val_tokens {self.val_tokens} plus anything to train on; lower --val_tokens")
+                            f"--val_tokens {self.val_tokens}, leaving nothing to train on; lower --val_tokens")
         if self.fill:
             self._write_train([num_docs, 0])
         if len(self.records) < 2:
@@ -367,12 +367,13 @@ def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=Non
         inputs, dataset, text_key, dataset_config, split, revision, streaming)
     t0 = time.time()  # after fetching the shakespeare file, if that was needed
     name = re.sub(r"[^A-Za-z0-9]+", "_", name or default_name).strip("_") or "data"
-    out_dir = Path(out_dir or Path("data") / name)
-    shard_tokens = shard_tokens or preset.get("shard_tokens", DEFAULT_SHARD_TOKENS)
-    val_tokens = val_tokens or preset.get("val_tokens", DEFAULT_VAL_TOKENS)
-    num_proc = num_proc or os.cpu_count() or 1
-    if shard_tokens < 1 or val_tokens < 1 or num_proc < 1 or shard_tokens >= 2**31:
-        raise PrepError(f"--shard_tokens (< 2^31), --val_tokens and --num_proc must be >= 1")
+    out_dir = Path(out_dir or Path("data") / (dataset if dataset in PRESETS else name))  # e.g. data/fineweb-edu
+    shard_tokens = preset.get("shard_tokens", DEFAULT_SHARD_TOKENS) if shard_tokens is None else shard_tokens
+    val_tokens = preset.get("val_tokens", DEFAULT_VAL_TOKENS) if val_tokens is None else val_tokens
+    num_proc = (os.cpu_count() or 1) if num_proc is None else num_proc
+    if min(shard_tokens, val_tokens, num_proc, batch_chars) < 1 or shard_tokens >= 2**31:
+        raise PrepError(f"--shard_tokens (below 2^31), --val_tokens, --num_proc and --batch_chars must be >= 1, got "
+                        f"{shard_tokens}, {val_tokens}, {num_proc}, {batch_chars}")
     settings = {"format": "llm.c uint16 shards v1", "tokenizer": "gpt2", "input": describe,
                 "shard_tokens": shard_tokens, "val_tokens": val_tokens}
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
@@ -382,6 +383,10 @@ def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=Non
     manifest_path = out_dir / f"{name}_manifest.json"
     ours = re.compile(rf"{re.escape(name)}_(train|val)_\d{{6}}\.bin")
     existing = sorted(p.name for p in out_dir.iterdir() if ours.fullmatch(p.name))
+    others = sorted(p.name for p in out_dir.iterdir() if p.suffix in SHARD_SUFFIXES and not ours.fullmatch(p.name))
+    if others:  # a loader reading out_dir would mix them with ours
+        raise PrepError(f"{out_dir} holds other token files ({others[0]}, ...) that a loader reading the directory "
+                        f"would mix with the {name} shards; use another --out_dir")
     manifest = {"fingerprint": fingerprint, "settings": settings, "complete": False, "shards": []}
     if manifest_path.exists():
         try:
@@ -406,16 +411,19 @@ def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=Non
     if not manifest["complete"]:
         if manifest["shards"]:
             print(f"prepare_data: {len(manifest['shards'])} finished shards verified; resuming at document {num_docs}")
-        stream = non_empty(texts())
-        batches = document_batches(stream, batch_chars, start_doc=writer.start[0])
-        bar = tqdm(total=count(), initial=num_docs, unit="doc", disable=not progress, dynamic_ncols=True,
-                   desc=f"tokenizing ({num_proc} proc)")
-        for first, tokens, lengths in tokenized(batches, num_proc, start_method):
-            writer.add(first, tokens, lengths)
-            num_docs = first + len(lengths)
-            bar.update(len(lengths))
-            bar.set_postfix_str(f"{writer.tokens_added / max(time.time() - t0, 1e-9) / 1e6:.2f}M tok/s", refresh=False)
-        bar.close()
+        get_tokenizer()  # fails early if it cannot be had; forked workers inherit it ready-made
+        # The pool starts before anything else starts threads (tqdm's monitor, datasets' downloads): fork + threads can deadlock.
+        pool = multiprocessing.get_context(start_method).Pool(num_proc) if num_proc > 1 else None
+        with pool or contextlib.nullcontext():
+            batches = document_batches(non_empty(texts()), batch_chars, start_doc=writer.start[0])
+            bar = tqdm(total=count(), initial=num_docs, unit="doc", disable=not progress, dynamic_ncols=True,
+                       desc=f"tokenizing ({num_proc} proc)")
+            for first, tokens, lengths in tokenized(batches, pool, max_pending=4 * num_proc):
+                writer.add(first, tokens, lengths)
+                num_docs = first + len(lengths)
+                bar.update(len(lengths))
+                bar.set_postfix_str(f"{writer.tokens_added / max(time.time() - t0, 1e-9) / 1e6:.2f}M tok/s", refresh=False)
+            bar.close()
         if num_docs == 0:
             raise PrepError("no documents with text in the input (all empty)")
         writer.finish(num_docs)
@@ -443,7 +451,7 @@ def main(argv=None):
     p.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=None,
                    help="stream the Hugging Face dataset instead of downloading it first (default: preset's, else on)")
     p.add_argument("--text_key", default="text", help="jsonl field / parquet or dataset column holding the text")
-    p.add_argument("--out_dir", help="output directory (default data/<name>)")
+    p.add_argument("--out_dir", help="output directory (default data/<preset> or data/<name>)")
     p.add_argument("--name", help="shard name prefix (default: the preset, dataset or single input's name)")
     p.add_argument("--shard_tokens", type=int, help=f"tokens per train shard (default {DEFAULT_SHARD_TOKENS:,})")
     p.add_argument("--val_tokens", type=int, help=f"validation tokens, whole documents (default {DEFAULT_VAL_TOKENS:,}; presets differ)")

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-import data
 import prepare_data
 from assets import get_tokenizer
 from data import DataLoader, ShardError, find_shards, load_shard, write_shard
@@ -70,6 +69,14 @@ def test_failed_write_keeps_the_old_shard(tmp_path):
 
 # ---------------------------------------------------------------------------- prepare_data.py
 
+def test_worker_encodes_like_encode_ordinary_with_eot_first(enc):
+    docs = ["Hello world", "a <|endoftext|> b", "lone surrogate \ud800 here", "naïve café 日本語\n\n"]
+    tokens, lengths = prepare_data.tokenize_batch(docs)
+    expected = [t for d in docs for t in [EOT, *enc.encode_ordinary(d)]]
+    assert tokens.dtype == np.uint16 and tokens.tolist() == expected
+    assert lengths.tolist() == [len(enc.encode_ordinary(d)) + 1 for d in docs]
+
+
 def test_round_trip_documents_shards_documents(tmp_path, enc):
     docs = make_docs(80)
     src = write_jsonl(tmp_path / "docs.jsonl", docs)
@@ -118,8 +125,9 @@ def test_shakespeare_preset_makes_one_document_per_speech(tmp_path, monkeypatch,
     text = "First Citizen:\nBefore we proceed,\nhear me.\n\nAll:\nSpeak, speak.\n\n\nFirst Citizen:\nYou are resolved.\n"
     (tmp_path / "input.txt").write_text(text)
     monkeypatch.setattr(prepare_data, "fetch_shakespeare", lambda: tmp_path / "input.txt")
-    out = tmp_path / "out"
-    run_prep("--dataset", "shakespeare", "--out_dir", out, "--val_tokens", 1, "--num_proc", 1)
+    monkeypatch.chdir(tmp_path)
+    run_prep("--dataset", "shakespeare", "--val_tokens", 1, "--num_proc", 1)
+    out = tmp_path / "data" / "shakespeare"  # the default out_dir, where configs/ look for it
     val, = shard_tokens(out, "shakespeare", "val")
     train, = shard_tokens(out, "shakespeare", "train")
     assert split_docs(val, enc) == ["First Citizen:\nBefore we proceed,\nhear me."]
@@ -213,7 +221,7 @@ def test_interrupted_run_resumes_to_identical_output(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["no_match", "only_empty", "bad_utf8", "bad_json", "missing_key", "too_small",
-                                  "different_input", "foreign_shards"])
+                                  "different_input", "foreign_shards", "other_dataset"])
 def test_prepare_errors_are_one_clear_line(tmp_path, case):
     out = tmp_path / "out"
     src = write_jsonl(tmp_path / "docs.jsonl", make_docs(20))
@@ -221,7 +229,8 @@ def test_prepare_errors_are_one_clear_line(tmp_path, case):
     expected = {"no_match": "no input files matched", "only_empty": "no documents with text",
                 "bad_utf8": "bad.txt: cannot read", "bad_json": "bad.jsonl:2: not valid JSON",
                 "missing_key": "docs.jsonl:1: no 'body' field", "too_small": "lower --val_tokens",
-                "different_input": "from a different input", "foreign_shards": "but no docs_manifest.json"}[case]
+                "different_input": "from a different input", "foreign_shards": "but no docs_manifest.json",
+                "other_dataset": "holds other token files (tiny_train_000000.bin, ...)"}[case]
     if case == "no_match":
         args[1] = tmp_path / "missing" / "*.jsonl"
     elif case == "only_empty":
@@ -241,6 +250,8 @@ def test_prepare_errors_are_one_clear_line(tmp_path, case):
         write_jsonl(src, make_docs(25))
     elif case == "foreign_shards":
         write_shard(out / "docs_train_000000.bin", np.arange(10))
+    elif case == "other_dataset":
+        write_shard(out / "tiny_train_000000.bin", np.arange(10))
     with pytest.raises(SystemExit) as e:
         run_prep(*args)
     message = str(e.value.code)
@@ -274,12 +285,13 @@ def test_bad_shards_give_clear_errors(tmp_path, content, expected):
 
 def test_out_of_vocab_token_is_reported(tmp_path):
     path = tmp_path / "x_train_000000.bin"
-    write_shard(path, [EOT, 10, 50300, 7] * 10)
+    write_shard(path, [EOT, 10, 50257, 7] * 10)
     assert len(load_shard(path)) == 40  # no vocab given: not checked
-    with pytest.raises(ShardError, match=r"token id 50300 >= vocab_size 50257 \(first bad id at token 2\)"):
+    assert len(load_shard(path, vocab_size=50258)) == 40
+    with pytest.raises(ShardError, match=r"token id 50257 >= vocab_size 50257 \(first bad id at token 2\)"):
         load_shard(path, vocab_size=50257)
     loader = DataLoader(tmp_path, "train", batch_size=2, block_size=4, vocab_size=50257)
-    with pytest.raises(ShardError, match="x_train_000000.bin: token id 50300"):
+    with pytest.raises(ShardError, match="x_train_000000.bin: token id 50257"):
         loader.next_batch()
 
 
@@ -355,10 +367,12 @@ def test_two_ranks_cover_each_sample_of_an_epoch_exactly_once(numbered):
     per_epoch = 16 // (2 * 2)
     epochs = []
     for _ in range(2):
-        seen = [s for loader in ranks for s in sample_ids(loader, per_epoch)]
+        seen = [s for _ in range(per_epoch) for loader in ranks for s in sample_ids(loader, 1)]  # stream order
         assert sorted(seen) == ALL_SAMPLES  # every sample once, none twice
         epochs.append(seen)
-    assert epochs[0] != epochs[1]  # reshuffled each epoch
+    # Reshuffled each epoch: shard order and the order of samples inside a shard.
+    in_shard_2 = [[s for s in seen if s >= 20000] for seen in epochs]
+    assert sorted(in_shard_2[0]) == sorted(in_shard_2[1]) and in_shard_2[0] != in_shard_2[1]
 
 
 def test_epoch_tail_continues_into_the_next_epoch(numbered):
