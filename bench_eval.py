@@ -7,43 +7,55 @@ import time
 
 import torch
 
+from assets import fetch_hellaswag, get_tokenizer
+from devices import resolve_device
+from hellaswag import _unwrap, evaluate, load_examples, render_example, score_rows
 
-def _timed_evaluate(model, examples, device, batch_size, dtype, enc):
-    from hellaswag import evaluate
+
+def _sync(device):
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    result = evaluate(model, examples, device, batch_size=batch_size, dtype=dtype, enc=enc)
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
-    return result, time.perf_counter() - t0
+
+
+def one_example_per_forward(model, examples, device, dtype=None, enc=None):
+    """The plain way (build-nanogpt's): each example's 4 rows in their own forward, in file order.
+    Returns [(pred, pred_norm)] per example."""
+    if enc is None:
+        enc = get_tokenizer()
+    model = _unwrap(model).eval()
+    preds = []
+    for ex in examples:
+        tokens, mask, _ = render_example(ex, enc)
+        sum_loss, mean_loss = score_rows(model, tokens, mask, device, model.config.block_size, dtype)
+        preds.append((int(sum_loss.argmin()), int(mean_loss.argmin())))
+    return preds
 
 
 def bench_hellaswag(model, examples, device, batch_size=16, dtype=None, enc=None, warmup=4):
-    """examples/s of hellaswag.evaluate with `batch_size` examples per forward and with one.
-
-    Returns dict(n, batch_size, batched_ex_per_s, single_ex_per_s, speedup, same_preds): same_preds
-    is True when both ways pick the same ending (sum and mean loss) for every example.
+    """examples/s of hellaswag.evaluate (batch_size examples per forward) and of one example per
+    forward. Returns dict(n, batch_size, batched_ex_per_s, single_ex_per_s,
+    speedup, same_preds): same_preds is True when both pick the same endings for every example.
     """
     if enc is None:
-        from assets import get_tokenizer
         enc = get_tokenizer()
-    # warm up both paths (allocator, kernels, compile) on a few examples before timing
-    _timed_evaluate(model, examples[:warmup], device, batch_size, dtype, enc)
-    _timed_evaluate(model, examples[:warmup], device, 1, dtype, enc)
-    batched, t_batched = _timed_evaluate(model, examples, device, batch_size, dtype, enc)
-    single, t_single = _timed_evaluate(model, examples, device, 1, dtype, enc)
-    same = all((a["pred"], a["pred_norm"]) == (b["pred"], b["pred_norm"])
-               for a, b in zip(batched["preds"], single["preds"]))
+    # warm up both paths (allocator, kernels) on a few examples before timing
+    evaluate(model, examples[:warmup], device, batch_size=batch_size, dtype=dtype, enc=enc)
+    one_example_per_forward(model, examples[:warmup], device, dtype, enc)
+    _sync(device)
+    t0 = time.perf_counter()
+    batched = evaluate(model, examples, device, batch_size=batch_size, dtype=dtype, enc=enc)
+    _sync(device)
+    t1 = time.perf_counter()
+    single = one_example_per_forward(model, examples, device, dtype, enc)
+    _sync(device)
+    t2 = time.perf_counter()
+    same = [(p["pred"], p["pred_norm"]) for p in batched["preds"]] == single
     n = len(examples)
-    return {"n": n, "batch_size": batch_size, "batched_ex_per_s": n / t_batched,
-            "single_ex_per_s": n / t_single, "speedup": t_single / t_batched, "same_preds": same}
+    return {"n": n, "batch_size": batch_size, "batched_ex_per_s": n / (t1 - t0),
+            "single_ex_per_s": n / (t2 - t1), "speedup": (t2 - t1) / (t1 - t0), "same_preds": same}
 
 
 if __name__ == "__main__":
-    from assets import fetch_hellaswag
-    from devices import resolve_device
-    from hellaswag import load_examples
     from model import GPT, GPTConfig
 
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])

@@ -5,22 +5,32 @@ Each example has a context and 4 endings. Row i is the tokens of `ctx` followed 
 gives `acc` (argmin of the sum), the mean loss per ending token gives `acc_norm` (argmin of the
 mean) -- so numbers compare with their published ones (GPT-2 124M: acc 0.2859, acc_norm 0.2955).
 
-Batched: many examples share one forward pass (4 rows each), right-padded to the longest row of
+Batched: the rows of many examples share one forward pass, right-padded to the longest row of
 the batch; causal attention means the padding never reaches a real position, so predictions are
-the ones of one example at a time. Examples are sorted by length so batches waste little padding.
+the ones of one example at a time. Rows are sorted by length so batches waste little padding.
+Only the ending positions go through lm_head. A DDP-wrapped or torch.compile'd model is accepted
+and evaluated through its bare module (eager), so eval shapes never trigger recompiles.
 
     python hellaswag.py --init_from gpt2              # default data: assets.fetch_hellaswag()
     python hellaswag.py --ckpt out/ --limit 1000 --json --per_example preds.jsonl
 """
 import argparse
 import json
+import os
 import sys
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
 
-PAD_MULTIPLE = 32  # rows are padded to a multiple of this, so a compiled model sees few distinct shapes
+import assets
+from checkpoint import CheckpointError, load_model
+from devices import autocast, resolve_device, resolve_dtype
+
+PAD_MULTIPLE = 8  # rows are padded to a multiple of this length (aligned shapes for matmul kernels)
 
 
 def load_examples(path, limit=None):
@@ -84,14 +94,13 @@ def _crop(row, row_mask, block_size):
 def score_rows(model, rows, masks, device, block_size, dtype=None):
     """Summed and mean cross-entropy over the masked (ending) tokens of each row, in one forward.
 
-    rows, masks: lists of R token lists / 0-1 lists. Returns two float32 CPU tensors of shape (R,).
+    model: a bare GPT (see _unwrap). rows, masks: lists of R token lists / 0-1 lists.
+    Returns two float32 CPU tensors of shape (R,).
     """
-    from devices import autocast
-
     rows, masks = zip(*(_crop(r, m, block_size) for r, m in zip(rows, masks)))
     R = len(rows)
     T = max(len(r) for r in rows)
-    T = min(-(-T // PAD_MULTIPLE) * PAD_MULTIPLE, block_size)  # round up: few distinct shapes under compile
+    T = min(-(-T // PAD_MULTIPLE) * PAD_MULTIPLE, block_size)
     idx = torch.zeros((R, T), dtype=torch.long)  # right padding with token 0; causal attention ignores it
     targets = torch.full((R, T), -1, dtype=torch.long)  # -1 = not scored
     for i, (row, m) in enumerate(zip(rows, masks)):
@@ -101,12 +110,13 @@ def score_rows(model, rows, masks, device, block_size, dtype=None):
         scored = torch.tensor(m[1:], dtype=torch.bool)
         targets[i, :len(row) - 1] = torch.where(scored, row_t[1:], -1)
     idx, targets = idx.to(device), targets.to(device)
-    with autocast(device, dtype):
-        # with targets the model returns the logits of every position (B, T, V); its own loss is unused
-        logits, _ = model(idx, targets)
     scored = targets != -1  # (R, T)
-    # per-token CE in fp32 on the scored positions only: (N, V) -> (N,)
-    token_loss = F.cross_entropy(logits[scored].float(), targets[scored], reduction="none")
+    with autocast(device, dtype):
+        h = model.hidden_states(idx)  # (R, T, C)
+        # lm_head only where a loss is needed (about a third of the positions): most of the FLOPs of a
+        # small model and all of the memory of (R, T, V) logits are never spent
+        logits = model.lm_head(h[scored])  # (N, V)
+    token_loss = F.cross_entropy(logits.float(), targets[scored], reduction="none")  # (N,) in fp32
     row_of_token = scored.nonzero(as_tuple=True)[0]  # (N,)
     sum_loss = torch.zeros(R, device=token_loss.device).index_add_(0, row_of_token, token_loss)
     mean_loss = sum_loss / scored.sum(1).clamp(min=1)
@@ -114,59 +124,65 @@ def score_rows(model, rows, masks, device, block_size, dtype=None):
 
 
 def _unwrap(model):
-    """The model to call for evaluation: DDP's forward may run collectives, and ranks here run
-    different numbers of batches, so call the wrapped module directly (compiled or not)."""
-    from torch.nn.parallel import DistributedDataParallel
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    """The bare GPT inside DDP and torch.compile wrappers. DDP's forward may run collectives, and
+    ranks here run different numbers of batches; a compiled forward would recompile for the ever
+    changing eval shapes and compute logits at every position. Eager, on the ending positions
+    only, is faster for an eval of this size and needs no compile at all."""
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
 
 
-def evaluate(model, examples, device, batch_size=8, rank=None, world_size=None, dtype=None,
+def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None, dtype=None,
              enc=None, progress=False):
     """HellaSwag accuracy of `model` on `examples` (dicts from load_examples).
 
-    batch_size: examples per forward (4 rows each). dtype: None/'float32' (plain fp32) or an
-    autocast dtype name/torch.dtype; losses are always computed in fp32. Under torch.distributed
-    (rank/world_size default to the process group's) this rank scores examples[rank::world_size]
-    and n/correct counts are all-reduced, so totals equal a single process's.
+    batch_size: examples per forward, i.e. 4 * batch_size rows of similar length.
+    dtype: None or 'float32' (plain fp32), or an autocast dtype name / torch.dtype; the losses
+    are computed in fp32 either way. Under torch.distributed (rank/world_size default to the
+    process group's) this rank scores examples[rank::world_size] and the counts are all-reduced,
+    so totals equal a single process's: every rank must call it (or pass rank=0, world_size=1
+    to score everything in one process without collectives).
     Returns dict(n, correct, correct_norm, acc, acc_norm, preds): preds has one dict per example
     of THIS rank, in input order: ind, label, pred, pred_norm, sum_loss[4], mean_loss[4].
     The model is put in eval mode and its previous train/eval mode is restored afterwards.
     """
-    import torch.distributed as dist
-
     distributed = dist.is_available() and dist.is_initialized()
     if rank is None:
         rank = dist.get_rank() if distributed else 0
     if world_size is None:
         world_size = dist.get_world_size() if distributed else 1
     if enc is None:
-        from assets import get_tokenizer
-        enc = get_tokenizer()
+        enc = assets.get_tokenizer()
     model = _unwrap(model)
     block_size = model.config.block_size
 
     mine = examples[rank::world_size]
     rendered = [render_example(ex, enc) for ex in mine]
-    # longest first: similar lengths share a batch (little padding), and an out-of-memory shows at once
-    order = sorted(range(len(mine)), key=lambda i: -max(len(row) for row in rendered[i][0]))
-    sum_loss = torch.zeros(len(mine), 4)
-    mean_loss = torch.zeros(len(mine), 4)
+    tokens = [row for rows, _, _ in rendered for row in rows]  # 4 rows per example, example-major
+    masks = [m for _, row_masks, _ in rendered for m in row_masks]
+    # Rows are scored independently, so batch them by length, longest first: little padding, and
+    # an out-of-memory shows at once. Row r belongs to example r // 4, ending r % 4.
+    order = sorted(range(len(tokens)), key=lambda r: -len(tokens[r]))
+    sum_loss = torch.zeros(len(tokens))
+    mean_loss = torch.zeros(len(tokens))
 
     was_training = model.training
     model.eval()
     try:
-        batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-        if progress:
-            from tqdm import tqdm
-            batches = tqdm(batches, desc="hellaswag", unit="batch", dynamic_ncols=True)
-        for batch in batches:
-            rows = [row for i in batch for row in rendered[i][0]]
-            masks = [m for i in batch for m in rendered[i][1]]
-            s, m = score_rows(model, rows, masks, device, block_size, dtype)
-            sum_loss[batch] = s.view(-1, 4)
-            mean_loss[batch] = m.view(-1, 4)
+        rows_per_forward = 4 * batch_size
+        batches = [order[i:i + rows_per_forward] for i in range(0, len(order), rows_per_forward)]
+        for batch in tqdm(batches, desc="hellaswag", unit="batch", dynamic_ncols=True, disable=not progress):
+            s, m = score_rows(model, [tokens[r] for r in batch], [masks[r] for r in batch], device, block_size, dtype)
+            sum_loss[batch] = s
+            mean_loss[batch] = m
     finally:
         model.train(was_training)
+    sum_loss, mean_loss = sum_loss.view(-1, 4), mean_loss.view(-1, 4)  # (examples, 4 endings)
 
     preds = []
     for ex, s, m in zip(mine, sum_loss, mean_loss):
@@ -190,11 +206,10 @@ def main(argv=None):
     source.add_argument("--init_from", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a Hugging Face model dir")
     parser.add_argument("--data", help="HellaSwag jsonl file (default: the validation set, fetched and cached)")
     parser.add_argument("--limit", type=int, default=None, help="score only the first N examples")
-    parser.add_argument("--batch_size", type=int, default=8, help="examples per forward pass (4 rows each)")
+    parser.add_argument("--batch_size", type=int, default=16, help="examples per forward pass (4 rows each)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="autocast dtype; auto = bfloat16 on cuda, else float32")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model first")
     parser.add_argument("--json", action="store_true", help='last stdout line: {"n": ..., "acc": ..., "acc_norm": ...}')
     parser.add_argument("--per_example", help="write one JSON line per example: ind, label, pred, pred_norm")
     parser.add_argument("--cache_dir", help="cache for the tokenizer and the data (default $GPT2_CACHE_DIR or ~/.cache/gpt2-train)")
@@ -202,24 +217,25 @@ def main(argv=None):
     if args.batch_size < 1:
         parser.error(f"--batch_size must be >= 1, got {args.batch_size}")
 
-    import os
-    import assets
-    from checkpoint import CheckpointError, load_model
-    from devices import resolve_device, resolve_dtype
-
     if args.cache_dir:
         os.environ["GPT2_CACHE_DIR"] = args.cache_dir  # get_tokenizer() reads its cache from here
     device = resolve_device(args.device)
-    try:
-        dtype = resolve_dtype(args.dtype, device)
+    dtype = resolve_dtype(args.dtype, device)
+    try:  # bad input is one line on stderr and exit code 2, never a traceback
         data = args.data or assets.fetch_hellaswag(args.cache_dir)
-        examples = load_examples(data, args.limit)
-        model, _ = load_model(ckpt=args.ckpt, init_from=args.init_from, device=device)
-    except (CheckpointError, ValueError, OSError) as e:
-        print(f"hellaswag.py: error: {e}", file=sys.stderr)
+        examples = load_examples(data, args.limit)  # its errors name the file and line
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"hellaswag.py: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    if args.compile:
-        model = torch.compile(model)
+    try:
+        model, _ = load_model(ckpt=args.ckpt, init_from=args.init_from, device=device)
+    except (CheckpointError, OSError, ValueError, ImportError) as e:
+        message = " ".join(str(e).split())
+        source = args.ckpt or args.init_from
+        if source not in message:  # e.g. a hub download error that doesn't say what was being loaded
+            message = f"{source}: {message}"
+        print(f"hellaswag.py: error: {message}", file=sys.stderr)
+        return 2
 
     t0 = time.time()
     result = evaluate(model, examples, device, batch_size=args.batch_size, dtype=dtype,

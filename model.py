@@ -138,7 +138,9 @@ class CausalSelfAttention(nn.Module):
         if T > 1 and (S != T or not self.use_sdpa):
             mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)  # (T, S)
         if self.use_sdpa:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+            # a plain Python bool (not an expression torch.compile traces symbolically): no graph break
+            causal = True if (mask is None and T > 1) else False
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                dropout_p=self.dropout if self.training else 0.0)
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, S)

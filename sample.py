@@ -10,9 +10,14 @@ starts from <|endoftext|>, i.e. the beginning of a new document. The same --seed
 """
 import argparse
 import codecs
+import os
 import sys
 
 import torch
+
+from assets import EOT, get_tokenizer
+from checkpoint import CheckpointError, load_model
+from devices import autocast, resolve_device, resolve_dtype
 
 SEPARATOR = "-" * 40
 REPLACEMENT = "\ufffd".encode()  # printed for ids the tokenizer lacks (the padded vocab 50257..50303)
@@ -48,9 +53,6 @@ def stream_samples(model, enc, prompt, num_samples=1, max_new_tokens=200, temper
     torch.Generator seeded with `seed` drives all samples, so a seed fixes the whole output.
     Returns the list of texts (prompt + continuation).
     """
-    from assets import EOT
-    from devices import autocast
-
     out = sys.stdout if out is None else out
     tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [EOT]
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -103,25 +105,34 @@ def main(argv=None):
     if args.top_p is not None and not 0 < args.top_p <= 1:
         parser.error(f"--top_p must be in (0, 1], got {args.top_p}")
 
-    import os
-    from assets import get_tokenizer
-    from checkpoint import CheckpointError, load_model
-    from devices import resolve_device, resolve_dtype
-
     if args.cache_dir:
         os.environ["GPT2_CACHE_DIR"] = args.cache_dir  # get_tokenizer() reads its cache from here
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    try:  # bad input is one line on stderr and exit code 2, never a traceback
+        model, _ = load_model(ckpt=args.ckpt, init_from=args.init_from, device=device)  # fail fast, before stdin
+    except (CheckpointError, OSError, ValueError, ImportError) as e:
+        message = " ".join(str(e).split())
+        source = args.ckpt or args.init_from
+        if source not in message:  # e.g. a hub download error that doesn't say what was being loaded
+            message = f"{source}: {message}"
+        print(f"sample.py: error: {message}", file=sys.stderr)
+        return 2
     try:
         prompt = read_prompt(args.prompt)
-        model, _ = load_model(ckpt=args.ckpt, init_from=args.init_from, device=device)
-    except (CheckpointError, OSError, ValueError) as e:
-        print(f"sample.py: error: {e}", file=sys.stderr)
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"sample.py: error: prompt: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     enc = get_tokenizer()
-    stream_samples(model, enc, prompt, num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                   device=device, dtype=dtype)
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(errors="replace")  # a terminal that can't show a character gets '?', not a crash
+    try:
+        stream_samples(model, enc, prompt, num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                       device=device, dtype=dtype)
+    except KeyboardInterrupt:  # Ctrl-C while streaming: stop quietly
+        print(file=sys.stderr)
+        return 130
     return 0
 
 

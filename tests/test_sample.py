@@ -43,7 +43,7 @@ def run_main(capsys, *argv):
 
 
 def test_same_seed_same_text_and_another_seed_differs(ckpt, capsys):
-    args = ["--ckpt", str(ckpt), "--prompt", "Hello", "--max_new_tokens", "24", "--num_samples", "2",
+    args = ["--ckpt", str(ckpt), "--prompt", "Hello", "--max_new_tokens", "12", "--num_samples", "2",
             "--temperature", "1.0", "--device", "cpu"]
     first = run_main(capsys, *args, "--seed", "3")
     assert first == run_main(capsys, *args, "--seed", "3")
@@ -154,12 +154,21 @@ def _bad_checkpoints(tmp_path, ckpt):
 
 
 @pytest.mark.parametrize("kind", ["missing", "truncated", "foreign"])
-def test_bad_checkpoint_is_a_one_line_error(tmp_path, ckpt, kind):
+def test_bad_checkpoint_is_a_one_line_error(tmp_path, ckpt, kind, capsys):
     path = _bad_checkpoints(tmp_path, ckpt)[kind]
+    assert main(["--ckpt", str(path), "--prompt", "Hi", "--device", "cpu"]) != 0
+    captured = capsys.readouterr()
+    assert len(captured.err.strip().splitlines()) == 1, captured.err
+    assert str(path) in captured.err
+    assert captured.out == ""
+
+
+def test_bad_checkpoint_from_the_shell_has_no_traceback(tmp_path, ckpt):
+    path = _bad_checkpoints(tmp_path, ckpt)["truncated"]
     proc = subprocess.run([sys.executable, "sample.py", "--ckpt", str(path), "--device", "cpu"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert str(path) in proc.stderr or path.name in proc.stderr
+    assert proc.stderr.startswith("sample.py: error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    assert str(path) in proc.stderr
     assert proc.stdout == ""
