@@ -1,7 +1,7 @@
 """Train a GPT-2 style model, from Tiny Shakespeare on a laptop CPU to GPT-2 1.5B on GPU nodes.
 
-    python train.py configs/shakespeare_cpu.py                        # the CPU demo, a few minutes
-    python train.py configs/shakespeare_cpu.py --max_steps=50 --dtype=float32
+    python train.py configs/shakespeare_cpu.py                        # the CPU demo (2 cores: ~10 min)
+    python train.py configs/shakespeare_cpu.py --max_steps=50 --out_dir=out/quick
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m.py
     python train.py configs/shakespeare_cpu.py --init_from=resume --max_steps=800   # continue a run
     python train.py --help                                              # every key, its default
@@ -36,8 +36,10 @@ from checkpoint import (FORMAT, checkpoint_path, clean_state_dict, latest_checkp
                         load_checkpoint, prune_checkpoints, save_checkpoint)
 from devices import autocast, device_type, resolve_device
 
-# CPU defaults, chosen by measuring the demo model on this 2-core machine (see README, "CPU defaults").
-CPU_DTYPE = "bfloat16"
+# CPU defaults for dtype/compile 'auto', measured with the demo model (4 x 128, B=8, T=128) on the
+# project's 2-core AMD EPYC (AVX2, no native bf16): bf16 autocast ran 10-15x slower than fp32 (~45 vs
+# ~500 tokens/s), and torch.compile was no faster than eager (within noise) after a 30-190 s first step.
+CPU_DTYPE = "float32"
 CPU_COMPILE = False
 
 
@@ -48,7 +50,7 @@ class TrainConfig:
     # data and output
     data_dir: str = "data/fineweb-edu"  # directory (or glob) of token shards written by prepare_data.py
     out_dir: str = "out"  # checkpoints, metrics.jsonl and config.json are written here
-    init_from: str = "scratch"  # 'scratch', 'resume' (latest checkpoint in out_dir), 'gpt2'..'gpt2-xl' or a Hugging Face directory
+    init_from: str = "scratch"  # 'scratch', 'resume' (latest checkpoint in out_dir), 'gpt2'..'gpt2-xl' or an HF dir
     # model (GPTConfig); ignored for pretrained inits and on resume (the checkpoint's are used)
     n_layer: int = 12  # transformer blocks
     n_head: int = 12  # attention heads per block
@@ -61,10 +63,10 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute activations in backward: much less memory, ~1/3 slower
     # batch
     batch_size: int = 16  # micro-batch: sequences per process per forward/backward
-    total_batch_size: int | None = None  # tokens per optimizer step, a multiple of batch_size*block_size*world_size; None: one micro-batch per process
+    total_batch_size: int | None = None  # tokens per step: a multiple of batch_size*block_size*world_size (None: that)
     # optimization
     max_steps: int = 19073  # optimizer steps to train for
-    lr_decay_steps: int | None = None  # schedule length in steps (None: max_steps); fix it to stop early and resume on the same schedule
+    lr_decay_steps: int | None = None  # schedule length (None: max_steps); fix it to stop early, resume later
     learning_rate: float = 6e-4  # peak learning rate, reached at the end of warmup
     min_lr: float = 6e-5  # learning rate at the end of the decay
     warmup_steps: int = 715  # linear warmup from learning_rate/warmup_steps to learning_rate
@@ -77,7 +79,7 @@ class TrainConfig:
     nonfinite: str = "skip"  # a NaN/inf loss or gradient norm: 'skip' the update or 'halt' the run (exit 1)
     # evaluation, logging, checkpoints (an interval of 0 disables that activity)
     eval_interval: int = 250  # steps between validation-loss evaluations (also at step 0 and the last step)
-    eval_steps: int = 20  # micro-batches per validation evaluation (the same fixed val batches every time)
+    eval_steps: int = 20  # val micro-batches per process per evaluation (the same fixed batches every time)
     hellaswag_interval: int = 0  # steps between HellaSwag evaluations
     hellaswag_limit: int | None = None  # evaluate only the first N HellaSwag examples; None: all 10,042
     sample_interval: int = 0  # steps between printed sample previews
@@ -88,7 +90,7 @@ class TrainConfig:
     keep_last: int = 2  # checkpoints kept besides the best by val loss; 0 keeps all
     # system
     device: str = "auto"  # 'auto' (cuda > mps > cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
-    dtype: str = "auto"  # 'auto', 'float32', 'bfloat16' or 'float16' (autocast; float16 adds a GradScaler)
+    dtype: str = "auto"  # 'float32', 'bfloat16', 'float16' (+GradScaler) or 'auto': bf16/fp16 on CUDA, else fp32
     compile: bool | str = "auto"  # torch.compile the model: True, False or 'auto' (on for CUDA)
     seed: int = 1337  # seeds weights, data order and dropout
 
@@ -172,9 +174,10 @@ def make_config(user, base=None):
     cfg = TrainConfig(**values)
     for key, options in CHOICES.items():
         if getattr(cfg, key) not in options:
-            raise ConfigError(f"config key '{key}' must be one of {', '.join(map(repr, options))}; got {getattr(cfg, key)!r}")
-    positive = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "eval_steps", "sample_tokens")
-    for key in positive + ("total_batch_size", "lr_decay_steps"):
+            raise ConfigError(f"config key '{key}' must be one of {', '.join(map(repr, options))}; "
+                              f"got {getattr(cfg, key)!r}")
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "batch_size", "eval_steps",
+                "sample_tokens", "total_batch_size", "lr_decay_steps"):
         if getattr(cfg, key) is not None and getattr(cfg, key) < 1:
             raise ConfigError(f"config key '{key}' must be >= 1; got {getattr(cfg, key)}")
     for key in ("max_steps", "warmup_steps", "eval_interval", "hellaswag_interval", "sample_interval",
@@ -184,7 +187,8 @@ def make_config(user, base=None):
     if cfg.n_embd % cfg.n_head:
         raise ConfigError(f"n_embd={cfg.n_embd} must be divisible by n_head={cfg.n_head}")
     if not 0 <= cfg.wsd_decay_frac <= 1 or not 0 <= cfg.dropout < 1:
-        raise ConfigError(f"wsd_decay_frac must be in [0, 1] and dropout in [0, 1); got {cfg.wsd_decay_frac}, {cfg.dropout}")
+        raise ConfigError(f"wsd_decay_frac must be in [0, 1] and dropout in [0, 1); "
+                          f"got {cfg.wsd_decay_frac}, {cfg.dropout}")
     return cfg
 
 
@@ -244,7 +248,8 @@ def set_rng_state(state):
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]
-    np.random.set_state((n["name"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    np.random.set_state((n["name"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -493,6 +498,29 @@ def train(argv):
             scaler.scale(loss).backward()
         return loss_sum
 
+    compile_tried = set()  # the functions that already ran compiled
+
+    def first_use_of_compile(fn):
+        """fn(); torch.compile errors surface on a compiled model's first call (train and eval
+        compile separately): then say so once, restore the loader and RNGs, and redo fn eagerly."""
+        nonlocal model, use_compile
+        if not use_compile or fn in compile_tried:
+            return fn()
+        before = train_loader.state_dict(), rng_state()
+        try:
+            result = fn()
+        except Exception as e:
+            reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            log(f"torch.compile failed ({type(e).__name__}: {reason}); falling back to eager mode "
+                "(compile=False skips the attempt)")
+            model, use_compile = ddp_model, False
+            optimizer.zero_grad(set_to_none=True)
+            train_loader.load_state_dict(before[0])
+            set_rng_state(before[1])
+            return fn()
+        compile_tried.add(fn)
+        return result
+
     # ---- the loop
     stop = StopRequest()
     main_thread = threading.current_thread() is threading.main_thread()
@@ -509,18 +537,20 @@ def train(argv):
     step, stopping = start_step, False
     try:
         while True:
-            last = step == cfg.max_steps
+            last = step >= cfg.max_steps
             val = None
             if step > start_step or start_step == 0:  # a resumed run's first step was evaluated before it stopped
                 due = lambda interval: interval > 0 and (step % interval == 0 or last) and not stopping
                 if due(cfg.eval_interval):
-                    val = val_loss()
-                    metrics and metrics.write({"step": step, "val_loss": val})
+                    val = first_use_of_compile(val_loss)
+                    if master:
+                        metrics.write({"step": step, "val_loss": val})
                     log(f"step {step}: val loss {val:.4f}")
                 if due(cfg.hellaswag_interval):
                     hs = hellaswag_eval()
-                    metrics and metrics.write({"step": step, "hellaswag_acc": hs["acc"],
-                                               "hellaswag_acc_norm": hs["acc_norm"], "hellaswag_n": hs["n"]})
+                    if master:
+                        metrics.write({"step": step, "hellaswag_acc": hs["acc"], "hellaswag_acc_norm": hs["acc_norm"],
+                                       "hellaswag_n": hs["n"]})
                     log(f"step {step}: hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
                 if master and step > 0 and due(cfg.sample_interval):
                     log(f"step {step}: sample: {sample_preview()!r}")
@@ -534,20 +564,7 @@ def train(argv):
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.zero_grad(set_to_none=True)
-            if use_compile and step == start_step:  # compile errors surface on the first call
-                before = train_loader.state_dict(), rng_state()
-                try:
-                    loss_sum = forward_backward()
-                except Exception as e:
-                    log(f"torch.compile failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}); "
-                        "falling back to eager mode (set compile=False to skip the attempt)")
-                    model, use_compile = ddp_model, False
-                    optimizer.zero_grad(set_to_none=True)
-                    train_loader.load_state_dict(before[0])
-                    set_rng_state(before[1])
-                    loss_sum = forward_backward()
-            else:
-                loss_sum = forward_backward()
+            loss_sum = first_use_of_compile(forward_backward)
             flags = torch.stack([loss_sum, torch.tensor(float(stop.signal is not None), device=device)])
             if ddp:  # average the logged loss over ranks, and stop together if any rank got a signal
                 dist.all_reduce(flags)
@@ -577,16 +594,16 @@ def train(argv):
 
             tokens_per_s = total_batch_size / dt
             mfu = raw_model.estimate_mfu(tokens_per_s / world_size, peak)
-            record = {"step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm,
-                      "tokens_per_s": tokens_per_s, "mfu": mfu, "step_ms": dt * 1000, "peak_mem_mb": peak_mem_mb(kind)}
+            record = {"step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s":
+                      tokens_per_s, "mfu": mfu, "step_ms": dt * 1000, "peak_mem_mb": peak_mem_mb(kind)}
             if skipped:
                 record["skipped"] = skipped
             if master:
                 metrics.write(record)
                 bar.update(1)
                 if cfg.log_interval and (step % cfg.log_interval == 0 or step == cfg.max_steps):
-                    log(f"step {step:>6}/{cfg.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | norm {grad_norm:.3f} | "
-                        f"{dt * 1000:.0f} ms | {tokens_per_s:,.0f} tok/s" + (f" | mfu {mfu:.1%}" if mfu is not None else ""))
+                    log(f"step {step:>6}/{cfg.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | norm {grad_norm:.3f}"
+                        f" | {dt * 1000:.0f} ms | {tokens_per_s:,.0f} tok/s" + (f" | mfu {mfu:.1%}" if mfu else ""))
     finally:
         bar.close()
         for s, handler in old_handlers.items():
@@ -602,7 +619,7 @@ def train(argv):
 
 
 def main(argv=None):
-    """Command-line entry point; returns 0, or exits 2 on a config error and 1 on a halt."""
+    """Command-line entry point: returns 0, or exits 2 on a config error and 1 on a bad checkpoint or a halt."""
     from checkpoint import CheckpointError
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -616,7 +633,7 @@ def main(argv=None):
     except (ConfigError, CheckpointError, Halt) as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"train.py: error: {e}", file=sys.stderr)
-        raise SystemExit(1 if isinstance(e, Halt) else 2) from None
+        raise SystemExit(2 if isinstance(e, ConfigError) else 1) from None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,671 @@
+"""Benchmark: the optimisation scoreboard (tokens/s, MFU, peak memory), and the same work done with transformers.
+
+    python bench.py                                 # 6L/6H/384d, T=256, B=8: GEMM rates + scoreboard (< 10 min, 2 cores)
+    python bench.py --compare                       # + transformers training and generation, HellaSwag batched vs single
+    python bench.py --compare --rows none           # only the comparisons
+    python bench.py --config gpt2                   # GPT-2 124M, T=1024, B=1: tokens/s and peak memory per row
+    python bench.py --rows baseline,train --steps 5 --json bench.json
+
+Scoreboard rows add one optimisation at a time to the row above (as in the GPT-2 throughput write-up):
+baseline (fp32, manual attention, for-loop AdamW, eager, full logits, glibc malloc defaults) -> bf16
+autocast -> SDPA -> torch.compile -> fused AdamW -> TF32 (CUDA only) -> malloc tuning (CPU/glibc only) ->
+chunked loss (no full logits) -> larger micro-batch, then "train.py defaults": exactly the settings
+train.py picks on this device. A CPU whose bf16 matmuls are slower than its fp32 ones (no AVX512-BF16/AMX)
+skips the bf16 row and later rows stay fp32 (--bf16 on forces it). Each row trains a fresh model from
+the same seed on the same random batch; tokens/s is the median over timed steps after warm-up.
+On a CPU the MFU denominator is this machine's own measured GEMM rate (model-shaped matmuls, in the
+row's dtype); on a known GPU the data-sheet peak (model.peak_flops) is reported as well.
+Timings on a shared machine are noisy: comparisons run in alternating rounds in one process and report
+per-round ratios and their median.
+"""
+import argparse
+import copy
+import ctypes
+import gc
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from devices import autocast, device_type, resolve_device
+from model import CONV1D_WEIGHTS, GPT, GPT2_VOCAB, PRESETS, GPTConfig, peak_flops
+
+SMALL = dict(n_layer=6, n_head=6, n_embd=384, block_size=256)  # the default config (issue 7 targets)
+GEN_PROMPT, GEN_NEW = 16, 200  # generation benchmark: prompt tokens, new tokens
+TARGETS = {"fp32_eager": 0.95, "defaults_vs_fp32": 2.5, "defaults_vs_same": 1.0, "cache_vs_nocache": 2.5,
+           "cache_vs_hf": 1.3}
+ROW_KEYS = ("baseline", "bf16", "sdpa", "compile", "fused", "tf32", "malloc", "chunked", "batch", "train")
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)  # progress; the tables go to stdout
+
+
+# ----------------------------------------------------------------------------- allocator and memory
+
+# glibc serves allocations above its mmap threshold (at most 32 MiB) with mmap and unmaps them on free, so
+# every training step page-faults its largest tensors (the (B*T, V) logits, their gradient, the wte gradient)
+# in again: ~100k faults and ~0.3 s of system time per 412 MB. Tuned: M_MMAP_MAX=0 sends every allocation
+# to the heap and M_TRIM_THRESHOLD=INT_MAX stops free() from returning it, so the pages are reused.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
+MALLOPT_TUNED = {M_MMAP_MAX: 0, M_TRIM_THRESHOLD: 2**31 - 1}
+# glibc's defaults as they settle after the first large free (dynamic threshold: mmap 32 MiB, trim 2x that)
+MALLOPT_GLIBC = {M_MMAP_MAX: 65536, M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 64 << 20}
+_malloc_tuned = None  # the current setting; None = untouched
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:  # not glibc (macOS, musl, Windows): nothing to tune or trim
+        return None
+
+
+def set_malloc_tuned(tuned: bool) -> bool:
+    """Switch glibc malloc between the tuned and the default behaviour; False where this is not glibc.
+    Comparisons toggle it per variant, so each runs with the allocator its user would get."""
+    global _malloc_tuned
+    libc = _libc()
+    if libc is None:
+        return False
+    if tuned != _malloc_tuned:
+        for param, value in (MALLOPT_TUNED if tuned else MALLOPT_GLIBC).items():
+            libc.mallopt(param, value)
+        if not tuned:
+            libc.malloc_trim(0)  # hand back what the tuned setting kept
+        _malloc_tuned = tuned
+    return True
+
+
+def release_free_memory():
+    """Return freed heap memory to the OS, so the next peak-RSS measurement starts from live memory only."""
+    gc.collect()
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _status_kb(field):
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+class PeakMemory:
+    """Peak memory of a block of work, in MiB: on CUDA the rise of max_memory_allocated; on a CPU the rise of
+    the peak RSS (VmHWM, reset through /proc/self/clear_refs) over the RSS at the start. Where VmHWM cannot be
+    reset, the process's lifetime peak RSS is reported instead (self.lifetime = True)."""
+
+    def __init__(self, device):
+        self.cuda, self.device, self.lifetime = device_type(device) == "cuda", device, False
+
+    def __enter__(self):
+        release_free_memory()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            return self
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+        except OSError:
+            self.lifetime = True
+        self.base = (_status_kb("VmRSS") or 0) * 1024
+        self.lifetime = self.lifetime or _status_kb("VmHWM") is None
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def peak_mb(self):
+        if self.cuda:
+            return (torch.cuda.max_memory_allocated(self.device) - self.base) / 2**20
+        if self.lifetime:
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+        return (_status_kb("VmHWM") * 1024 - self.base) / 2**20
+
+
+def sync(device):
+    if device_type(device) == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------- device GEMM rate
+
+def gemm_rates(cfg: GPTConfig, batch_size: int, device, budget_s: float = 1.0):
+    """Measured matmul FLOP/s for the model's shapes: {'float32': (rate, rows), 'bfloat16': (rate, rows)}.
+
+    Shapes (as nn.Linear runs them, M = B*T rows): attention in (M, C)x(C, 3C), MLP up (M, C)x(C, 4C), MLP down
+    (M, 4C)x(4C, C), lm_head (M, C)x(C, V). A dtype's rate is total FLOPs / total time over the shapes. Rows
+    start at 128 and grow towards M while a matmul takes under 0.2 s, so a slow dtype costs seconds, not minutes.
+    """
+    M, C, V = batch_size * cfg.block_size, cfg.n_embd, cfg.vocab_size
+    shapes = [("attn qkv", C, 3 * C), ("mlp up", C, 4 * C), ("mlp down", 4 * C, C), ("lm_head", C, V)]
+
+    def once(a, w):
+        sync(device)
+        t0 = time.perf_counter()
+        F.linear(a, w)
+        sync(device)
+        return time.perf_counter() - t0
+
+    result = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        rows, flops, secs = [], 0.0, 0.0
+        for name, k, n in shapes:
+            w = torch.randn(n, k, device=device, dtype=dtype)
+            m = min(M, 128)
+            while True:
+                a = torch.randn(m, k, device=device, dtype=dtype)
+                once(a, w)  # warm-up
+                t = once(a, w)
+                if t >= 0.2 or m == M:
+                    break
+                m = min(M, m * 4)
+            times = [t]
+            while sum(times) < budget_s and len(times) < 10:
+                times.append(once(a, w))
+            t = statistics.median(times)
+            rows.append((name, m, k, n, 2 * m * k * n / t))
+            flops, secs = flops + 2 * m * k * n, secs + t
+            del a, w
+        result[str(dtype).replace("torch.", "")] = (flops / secs, rows)
+    return result
+
+
+# ----------------------------------------------------------------------------- one training setup
+
+@dataclass
+class Setup:
+    name: str
+    dtype: str = "float32"  # autocast dtype ('float32' = none)
+    sdpa: bool = False  # F.scaled_dot_product_attention instead of the explicit softmax(QK^T) attention
+    compile: bool = False
+    optimizer: str = "loop"  # 'loop' (foreach=False, fused=False), 'default' (torch's pick), 'fused', 'train' (train.py's)
+    tf32: bool = False  # CUDA only
+    malloc: bool = False  # glibc malloc tuned (CPU only; see MALLOPT_TUNED)
+    chunked: bool = False  # model(x, y, return_logits=False): lm_head + CE in chunks, no full logits
+    batch_size: int = 8
+    clip: float = 0.0  # gradient clipping as train.py does it (0 = none)
+    hf: bool = False  # transformers.GPT2LMHeadModel instead of ours (sdpa attention, full logits)
+    note: str = ""
+
+    @property
+    def skipped(self):
+        return self.note.startswith("skipped")
+
+
+def scoreboard_setups(device, batch_size, large_batch_size, bf16_note):
+    """The cumulative rows. bf16_note (non-empty) skips the bf16 row and keeps later rows fp32."""
+    cuda, glibc = device_type(device) == "cuda", _libc() is not None
+    rows = [Setup("baseline: fp32, manual attention, loop AdamW, eager, full logits", batch_size=batch_size)]
+    add = lambda name, **kw: rows.append(replace(rows[-1], name=name, note="", **kw))
+    skip = lambda name, why: rows.append(replace(rows[-1], name=name, note=f"skipped: {why}"))
+    if bf16_note:
+        skip("+ bf16 autocast", bf16_note)
+    else:
+        add("+ bf16 autocast", dtype="bfloat16")
+    add("+ SDPA attention", sdpa=True)
+    add("+ torch.compile", compile=True)
+    add("+ fused AdamW", optimizer="fused")
+    if cuda:
+        add("+ TF32 matmuls", tf32=True)
+    else:
+        skip("+ TF32 matmuls", "CUDA only")
+    if not cuda and glibc:
+        add("+ glibc malloc tuned (no mmap/trim)", malloc=True)
+    else:
+        skip("+ glibc malloc tuned (no mmap/trim)", "CPU with glibc only")
+    add("+ chunked loss (return_logits=False)", chunked=True)
+    add(f"+ micro-batch {large_batch_size}", batch_size=large_batch_size)
+    return rows
+
+
+def train_defaults_setup(device, batch_size):
+    """The settings train.py uses on this device: its dtype/compile/allocator choice, its optimizer,
+    chunked loss, gradient clipping, TF32 on CUDA."""
+    try:
+        import train
+    except ImportError as e:
+        return Setup("train.py defaults", note=f"skipped: cannot import train.py ({e})")
+    dtype = train.choose_dtype("auto", device)
+    use_compile = bool(train.choose_compile("auto", device))
+    cpu = device_type(device) == "cpu"
+    malloc = cpu and bool(getattr(train, "CPU_TUNE_MALLOC", False))
+    return Setup("train.py defaults", dtype=dtype, sdpa=True, compile=use_compile, optimizer="train",
+                 tf32=device_type(device) == "cuda", malloc=malloc, chunked=True, batch_size=batch_size,
+                 clip=train.TrainConfig.grad_clip,
+                 note=f"{dtype}, compile {use_compile}" + (f", malloc tuned {malloc}" if cpu else ""))
+
+
+def make_model(cfg: GPTConfig, device, sdpa=True):
+    """Our GPT, seeded so every row starts from the same weights."""
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    for m in model.modules():
+        if hasattr(m, "use_sdpa"):
+            m.use_sdpa = sdpa
+    return model
+
+
+def make_hf_model(cfg: GPTConfig, device):
+    """transformers.GPT2LMHeadModel (sdpa attention) with our vocabulary size and our initial weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    hf_cfg = GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
+                        n_layer=cfg.n_layer, n_head=cfg.n_head, activation_function="gelu_new", resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, tie_word_embeddings=True)
+    hf = GPT2LMHeadModel._from_config(hf_cfg, attn_implementation="sdpa")
+    sd = {k: (v.t() if k.endswith(CONV1D_WEIGHTS) else v) for k, v in make_model(cfg, "cpu").state_dict().items()}
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    if unexpected or [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias"))]:
+        raise RuntimeError(f"bench.py: copying weights to GPT2LMHeadModel: missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]}")
+    return hf.to(device).train()
+
+
+def make_optimizer(model, setup: Setup, device):
+    if setup.optimizer == "train":
+        import train
+        c = train.TrainConfig
+        return model.configure_optimizer(c.weight_decay, c.learning_rate, (c.beta1, c.beta2), device_type(device))
+    kw = {"loop": dict(foreach=False, fused=False), "default": {}, "fused": dict(fused=True)}[setup.optimizer]
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, **kw)
+
+
+@contextmanager
+def tf32(enabled):
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+class Trainer:
+    """One model + optimizer configured by a Setup; step() is one full training step on a fixed batch."""
+
+    def __init__(self, cfg: GPTConfig, setup: Setup, device):
+        self.setup, self.device = setup, device
+        self.cpu = device_type(device) == "cpu"
+        if self.cpu:
+            set_malloc_tuned(setup.malloc)
+        self.model = make_hf_model(cfg, device) if setup.hf else make_model(cfg, device, setup.sdpa)
+        self.optimizer = make_optimizer(self.model, setup, device)
+        self.forward = torch.compile(self.model) if setup.compile else self.model
+        g = torch.Generator().manual_seed(1)
+        xy = torch.randint(0, min(cfg.vocab_size, GPT2_VOCAB), (setup.batch_size, cfg.block_size + 1), generator=g)
+        self.x, self.y = xy[:, :-1].to(device), xy[:, 1:].to(device)  # (B, T) each
+        self.tokens = setup.batch_size * cfg.block_size
+
+    def step(self):
+        """One training step; returns its wall time in seconds."""
+        s = self.setup
+        if self.cpu:
+            set_malloc_tuned(s.malloc)
+        sync(self.device)
+        t0 = time.perf_counter()
+        with tf32(s.tf32), autocast(self.device, s.dtype):
+            if s.hf:
+                logits = self.forward(input_ids=self.x).logits  # (B, T, V)
+                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), self.y.reshape(-1))
+            else:
+                _, loss = self.forward(self.x, self.y, return_logits=not s.chunked)
+        loss.backward()
+        if s.clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        sync(self.device)
+        return time.perf_counter() - t0
+
+
+def run_setup(cfg, setup: Setup, device, steps, warmup):
+    """tokens/s (median of `steps` timed steps after warm-up), first-step seconds and peak memory of one setup."""
+    torch._dynamo.reset()  # each compiled row compiles afresh (no stale guards or recompile limits)
+    if device_type(device) == "cpu":
+        set_malloc_tuned(setup.malloc)  # before the memory baseline is taken
+    with PeakMemory(device) as mem:
+        trainer = Trainer(cfg, setup, device)
+        first = trainer.step()
+        for _ in range(warmup - 1 + (1 if setup.compile else 0)):
+            trainer.step()
+        times = [trainer.step() for _ in range(steps)]
+        peak = mem.peak_mb()
+    tokens = trainer.tokens
+    del trainer
+    release_free_memory()
+    return {"tokens_per_s": tokens / statistics.median(times), "step_s": times, "first_step_s": first,
+            "peak_mem_mb": peak, "peak_mem_lifetime": mem.lifetime}
+
+
+# ----------------------------------------------------------------------------- comparisons with transformers
+
+def compare_training(cfg, device, batch_size, rounds):
+    """Ours vs transformers in alternating rounds (one timed step each per round, order rotated).
+    Returns ({variant: (Setup, [tok/s per round])}, [(ratio name, target or None, [per round])]) or (None, note)."""
+    defaults = train_defaults_setup(device, batch_size)
+    if defaults.skipped:
+        return None, defaults.note
+    cpu = device_type(device) == "cpu"
+    hf = Setup("transformers fp32 eager", sdpa=True, optimizer="default", hf=True, batch_size=batch_size)
+    hf_same = replace(hf, name="transformers, train.py's dtype/compile", dtype=defaults.dtype,
+                      compile=defaults.compile, tf32=defaults.tf32)
+    variants = {"hf": hf, "ours": Setup("ours fp32 eager", sdpa=True, optimizer="default", batch_size=batch_size),
+                "defaults": replace(defaults, name="ours, train.py defaults")}
+    if (hf_same.dtype, hf_same.compile, hf_same.tf32) != (hf.dtype, hf.compile, hf.tf32):
+        variants["hf_same"] = hf_same
+    if defaults.malloc:  # what transformers gets from the same allocator setting, for an apples-to-apples ratio
+        variants["hf_malloc"] = replace(variants.get("hf_same", hf), name=variants.get("hf_same", hf).name +
+                                        " + malloc tuned", malloc=True)
+    torch._dynamo.reset()
+    trainers = {}
+    for key, setup in variants.items():
+        log(f"  warming up {setup.name} ...")
+        trainers[key] = Trainer(cfg, setup, device)
+        for _ in range(1 + (1 if setup.compile else 0)):
+            trainers[key].step()
+    per_round = {key: [] for key in variants}
+    keys = list(variants)
+    for r in range(rounds):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:  # rotate who goes first
+            per_round[key].append(trainers[key].tokens / trainers[key].step())
+        log(f"  round {r + 1}/{rounds}: " + ", ".join(f"{variants[k].name} {per_round[k][-1]:.0f}" for k in keys))
+    del trainers
+    release_free_memory()
+    ratio = lambda a, b: [x / y for x, y in zip(per_round[a], per_round[b])]
+    same = "hf_same" if "hf_same" in variants else "hf"
+    ratios = [("ours fp32 eager / transformers fp32 eager", TARGETS["fp32_eager"], ratio("ours", "hf")),
+              ("ours train.py defaults / transformers fp32 eager", TARGETS["defaults_vs_fp32"], ratio("defaults", "hf")),
+              (f"ours train.py defaults / transformers with train.py's dtype+compile ({defaults.dtype}, compile "
+               f"{defaults.compile})", TARGETS["defaults_vs_same"], ratio("defaults", same))]
+    if "hf_malloc" in variants:
+        ratios.append((f"ours train.py defaults / {variants['hf_malloc'].name}", None, ratio("defaults", "hf_malloc")))
+    return {key: (variants[key], per_round[key]) for key in keys}, ratios
+
+
+def compare_generation(cfg, device, rounds, dtypes):
+    """Greedy generation of GEN_NEW tokens after a GEN_PROMPT-token prompt, batch 1: ours with and without the
+    KV cache vs transformers' generate on the same weights (save_pretrained/from_pretrained round trip)."""
+    from transformers import GPT2LMHeadModel
+    ours32 = make_model(cfg, device).eval()
+    prompt = torch.randint(0, min(cfg.vocab_size, GPT2_VOCAB), (1, GEN_PROMPT), generator=torch.Generator().manual_seed(2)).to(device)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        ours32.save_pretrained(tmp)
+        for dtype in dtypes:
+            ours = copy.deepcopy(ours32).to(dtype)  # weights stored in the dtype: decoding reads half the bytes in bf16
+            hf = GPT2LMHeadModel.from_pretrained(tmp, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+            hf.generation_config.eos_token_id = None  # never stop early: GEN_NEW tokens, as ours
+            hf.generation_config.pad_token_id = 0
+            runs = {
+                "ours, KV cache": lambda: ours.generate(prompt, GEN_NEW, temperature=0.0, use_kv_cache=True),
+                "ours, no cache": lambda: ours.generate(prompt, GEN_NEW, temperature=0.0, use_kv_cache=False),
+                "transformers generate": lambda: hf.generate(prompt, max_new_tokens=GEN_NEW, do_sample=False),
+            }
+            names, per_round, tokens = list(runs), {name: [] for name in runs}, {}
+            with torch.no_grad():
+                for name, fn in runs.items():  # warm-up, and the tokens for the agreement check
+                    log(f"  generation {dtype}: {name} ...")
+                    tokens[name] = fn()[0, GEN_PROMPT:].tolist()
+                for r in range(rounds):
+                    for name in names[r % 3:] + names[:r % 3]:
+                        sync(device)
+                        t0 = time.perf_counter()
+                        runs[name]()
+                        sync(device)
+                        per_round[name].append(GEN_NEW / (time.perf_counter() - t0))
+            ref = tokens["ours, KV cache"]
+            for name in runs:
+                same = sum(a == b for a, b in zip(tokens[name], ref))
+                first_diff = next((i for i, (a, b) in enumerate(zip(tokens[name], ref)) if a != b), None)
+                results.append({"dtype": str(dtype).replace("torch.", ""), "variant": name, "tok_s": per_round[name],
+                                "n_tokens": len(tokens[name]), "same_tokens": same, "first_difference": first_diff})
+            del ours, hf
+    return results
+
+
+def hellaswag_rates(cfg, device, n, batch_size):
+    """bench_eval.bench_hellaswag on a fresh model of this config (weights do not matter for speed)."""
+    if cfg.vocab_size < GPT2_VOCAB:
+        return {"note": f"skipped: HellaSwag needs the GPT-2 vocabulary, this config has vocab_size {cfg.vocab_size}"}
+    try:
+        from assets import fetch_hellaswag
+        from bench_eval import bench_hellaswag
+        from hellaswag import load_examples
+        examples = load_examples(fetch_hellaswag(), limit=n)
+    except Exception as e:  # no network and no cached copy, or a module missing
+        return {"note": f"skipped: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+    defaults = train_defaults_setup(device, 1)
+    dtype = "float32" if defaults.skipped else defaults.dtype
+    model = make_model(cfg, device).eval()
+    r = bench_hellaswag(model, examples, device, batch_size=batch_size, dtype=dtype)
+    return {**r, "dtype": dtype}
+
+
+# ----------------------------------------------------------------------------- output
+
+def md_table(headers, rows):
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def pct(x):
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def machine_line(device):
+    if device_type(device) == "cuda":
+        return f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}"
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; torch {torch.__version__}"
+
+
+def mfu(tok_s, flops_per_token, rate):
+    return tok_s * flops_per_token / rate if rate else None
+
+
+# ----------------------------------------------------------------------------- main
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n", 1)[1])
+    p.add_argument("--config", default="small", help=f"'small' (6L/6H/384d, T=256) or a preset: {', '.join(PRESETS)}")
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+        p.add_argument(f"--{key}", type=int, help="override the config's value")
+    p.add_argument("--batch_size", type=int, default=None, help="micro-batch (default 8 for 'small', else 1)")
+    p.add_argument("--large_batch_size", type=int, default=None, help="the larger micro-batch row (default 2x)")
+    p.add_argument("--device", default="auto", help="'auto' (cuda > mps > cpu), 'cpu', 'cuda', 'cuda:1', ...")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per scoreboard row (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per row (+1 for compiled rows)")
+    p.add_argument("--rows", default="all", help=f"'all', 'none' or a comma list of {','.join(ROW_KEYS)} "
+                                                 "(rows stay cumulative)")
+    p.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
+                   help="bf16 rows: 'auto' skips them where bf16 matmuls measure slower than fp32")
+    p.add_argument("--compare", action="store_true", help="also: transformers training and generation, HellaSwag")
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds of the training comparison")
+    p.add_argument("--gen_rounds", type=int, default=3, help="alternating rounds of the generation comparison")
+    p.add_argument("--hellaswag_n", type=int, default=40, help="HellaSwag examples for the batched-vs-single row")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--json", default=None, help="also write all results to this JSON file")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    cuda = device_type(device) == "cuda"
+    if args.config != "small" and args.config not in PRESETS:
+        raise SystemExit(f"bench.py: --config {args.config!r} is not 'small' or one of {', '.join(PRESETS)}")
+    base = dict(SMALL if args.config == "small" else PRESETS[args.config])
+    base.update({k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+                 if getattr(args, k) is not None})
+    cfg = GPTConfig(**base)
+    B = args.batch_size or (8 if args.config == "small" else 1)
+    large_B = args.large_batch_size or 2 * B
+    wanted = set(ROW_KEYS) if args.rows == "all" else set() if args.rows == "none" else set(args.rows.split(","))
+    if bad := wanted - set(ROW_KEYS):
+        raise SystemExit(f"bench.py: --rows has unknown {sorted(bad)}; expected 'all', 'none' or some of {ROW_KEYS}")
+    dev_name = torch.cuda.get_device_name(device) if cuda else device_type(device)
+    t_start = time.perf_counter()
+    probe = make_model(cfg, "cpu")
+    flops_per_token, n_params = probe.flops_per_token(cfg.block_size), probe.num_params()
+    del probe
+    out = {"machine": machine_line(device), "device": str(device), "config": asdict(cfg), "batch_size": B,
+           "flops_per_token": flops_per_token}
+    print(f"# bench.py: {cfg.n_layer} layers, {cfg.n_head} heads, {cfg.n_embd} dims, T={cfg.block_size}, "
+          f"V={cfg.vocab_size}, micro-batch {B}; {n_params / 1e6:.1f}M parameters, "
+          f"{flops_per_token / 1e6:.0f} MFLOP/token (training)")
+    print(f"machine: {out['machine']}\n")
+
+    # ---- GEMM rates: the CPU's MFU denominator, and whether bf16 pays off here
+    log("## matmul rates ...")
+    measured = gemm_rates(cfg, B, device)
+    rates = {d: r for d, (r, _) in measured.items()}
+    table = []
+    for d, (r, shapes) in measured.items():
+        table += [(d, name, f"({m}, {k}) x ({k}, {n})", f"{rate / 1e9:,.1f}") for name, m, k, n, rate in shapes]
+        sheet = peak_flops(dev_name, d) if cuda else None
+        table.append((d, "**all shapes**", "", f"**{r / 1e9:,.1f}**" +
+                      (f" (data sheet {sheet / 1e12:,.0f} TFLOP/s)" if sheet else "")))
+    print("## Matmul rate (GFLOP/s, nn.Linear shapes of this model)\n")
+    print(md_table(("dtype", "shape", "GEMM", "GFLOP/s"), table) + "\n")
+    out["gemm_flops"] = {d: {"all": r, "shapes": [dict(zip(("name", "m", "k", "n", "flops"), s)) for s in shapes]}
+                         for d, (r, shapes) in measured.items()}
+    bf16_slow = rates["bfloat16"] < rates["float32"]
+    bf16_note = ""
+    if args.bf16 == "off" or (args.bf16 == "auto" and bf16_slow and not cuda):
+        bf16_note = (f"bf16 matmuls run at {rates['bfloat16'] / 1e9:.1f} GFLOP/s vs fp32 {rates['float32'] / 1e9:.1f}"
+                     " here; later rows stay fp32" if args.bf16 == "auto" else "--bf16 off")
+
+    # ---- scoreboard
+    if wanted:
+        setups = dict(zip(ROW_KEYS, scoreboard_setups(device, B, large_B, bf16_note) + [train_defaults_setup(device, B)]))
+        results, base_tok = [], None
+        for key, setup in setups.items():
+            if key not in wanted:
+                continue
+            if setup.skipped:
+                results.append((setup, None))
+                continue
+            log(f"  {setup.name} ...")
+            r = run_setup(cfg, setup, device, args.steps, args.warmup)
+            r["mfu_gemm"] = mfu(r["tokens_per_s"], flops_per_token, rates.get(setup.dtype))
+            r["mfu_datasheet"] = mfu(r["tokens_per_s"], flops_per_token,
+                                     peak_flops(dev_name, "tf32" if setup.tf32 else setup.dtype)) if cuda else None
+            results.append((setup, r))
+            base_tok = r["tokens_per_s"] if key == "baseline" else base_tok
+        headers = ["setup", "tokens/s", "speedup", "MFU (measured GEMM)"] + (["MFU (data sheet)"] if cuda else []) + \
+                  ["peak mem (MiB)", "first step (s)", "note"]
+        table = []
+        for setup, r in results:
+            if r is None:
+                table.append([setup.name, "-", "-", "-"] + (["-"] if cuda else []) + ["-", "-", setup.note])
+                continue
+            tok = r["tokens_per_s"]
+            row = [setup.name, f"{tok:,.0f}", f"{tok / base_tok:.2f}x" if base_tok else "-", pct(r["mfu_gemm"])]
+            row += [pct(r["mfu_datasheet"])] if cuda else []
+            note = setup.note or (f"B={setup.batch_size}" if setup.batch_size != B else "")
+            row += [f"{r['peak_mem_mb']:,.0f}" + (" (lifetime)" if r["peak_mem_lifetime"] else ""),
+                    f"{r['first_step_s']:.1f}", note]
+            table.append(row)
+        mem_how = "rise of max_memory_allocated" if cuda else "rise of the process's peak RSS (VmHWM) during the row"
+        print(f"## Scoreboard: training tokens/s (median of {args.steps} timed steps; each row adds one change)\n")
+        print(md_table(headers, table))
+        print(f"\npeak mem: {mem_how}. MFU: {flops_per_token / 1e6:.0f} MFLOP/token x tokens/s over the measured "
+              f"GEMM rate in the row's dtype" + (" and over the data-sheet peak" if cuda else "") + ".\n")
+        out["scoreboard"] = [{"setup": asdict(s), **(r or {})} for s, r in results]
+
+    # ---- comparisons
+    if args.compare:
+        log(f"## training vs transformers, {args.rounds} rounds ...")
+        per_round, ratios = compare_training(cfg, device, B, args.rounds)
+        if per_round is None:
+            print(f"Training comparison {ratios}\n")
+        else:
+            print(f"## Training vs transformers.GPT2LMHeadModel (sdpa): micro-batch {B}, {args.rounds} alternating "
+                  "rounds, one step per variant per round\n")
+            rows = []
+            for setup, vs in per_round.values():
+                med = statistics.median(vs)
+                rows.append((setup.name, " ".join(f"{v:.0f}" for v in vs), f"{med:,.0f}",
+                             pct(mfu(med, flops_per_token, rates.get(setup.dtype))),
+                             f"{setup.dtype}, compile {setup.compile}, malloc tuned {setup.malloc}"))
+            print(md_table(("variant", "tokens/s per round", "median", "MFU (measured GEMM)", "settings"), rows) + "\n")
+            print(md_table(("ratio", "per round", "median", "target", "met"),
+                           [(n, " ".join(f"{v:.2f}" for v in vs), f"**{statistics.median(vs):.2f}x**",
+                             f">= {t}x" if t else "(for reference)",
+                             "-" if t is None else "yes" if statistics.median(vs) >= t else "NO")
+                            for n, t, vs in ratios]) + "\n")
+            out["compare_training"] = {
+                "variants": {s.name: {"setup": asdict(s), "tok_s": vs} for s, vs in per_round.values()},
+                "ratios": [{"name": n, "target": t, "per_round": vs} for n, t, vs in ratios]}
+
+        dtypes = [torch.float32] + ([torch.bfloat16] if not bf16_note else [])
+        log("## generation ...")
+        gen = compare_generation(cfg, device, args.gen_rounds, dtypes)
+        rows = []
+        for dtype in [str(d).replace("torch.", "") for d in dtypes]:
+            rs = {r["variant"]: r for r in gen if r["dtype"] == dtype}
+            cached = statistics.median(rs["ours, KV cache"]["tok_s"])
+            for name, r in rs.items():
+                med = statistics.median(r["tok_s"])
+                same = f"{r['same_tokens']}/{GEN_NEW}" + ("" if r["first_difference"] is None
+                                                          else f" (first differs at {r['first_difference']})")
+                rows.append((dtype, name, " ".join(f"{v:.1f}" for v in r["tok_s"]), f"{med:,.1f}",
+                             "-" if name == "ours, KV cache" else f"**{cached / med:.2f}x**", same))
+        print(f"## Greedy generation: {GEN_NEW} new tokens after a {GEN_PROMPT}-token prompt, batch 1, weights stored "
+              f"in the dtype (targets in fp32: cached >= {TARGETS['cache_vs_nocache']}x no cache, "
+              f">= {TARGETS['cache_vs_hf']}x transformers)\n")
+        print(md_table(("dtype", "variant", "new tokens/s per round", "median", "ours cached vs this",
+                        "same tokens as ours cached"), rows) + "\n")
+        if bf16_note:
+            print(f"bf16 generation skipped: {bf16_note.split(';')[0]}.\n")
+        out["compare_generation"] = gen
+
+        log("## HellaSwag ...")
+        hs = hellaswag_rates(cfg, device, args.hellaswag_n, 16)
+        print("## HellaSwag evaluation rate (bench_eval.bench_hellaswag, random weights)\n")
+        if "note" in hs:
+            print(hs["note"] + "\n")
+        else:
+            print(md_table(("examples", "dtype", "1 per forward (ex/s)", f"{hs['batch_size']} per forward (ex/s)",
+                            "speedup", "same predictions"),
+                           [(hs["n"], hs["dtype"], f"{hs['single_ex_per_s']:.1f}", f"{hs['batched_ex_per_s']:.1f}",
+                             f"{hs['speedup']:.2f}x", hs["same_preds"])]) + "\n")
+        out["hellaswag"] = hs
+
+    out["wall_s"] = time.perf_counter() - t_start
+    print(f"(bench.py took {out['wall_s']:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

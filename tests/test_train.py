@@ -1,0 +1,412 @@
+"""train.py: configuration, the loop's outputs, exact resume, DDP equivalence and fault handling.
+
+Runs use a tiny model (vocab 64) on a synthetic dataset: a random Markov chain over 64 token ids
+(3 possible successors per token), so a model can learn it and its loss visibly falls.
+"""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import checkpoint
+import model as model_module
+import train
+from checkpoint import latest_checkpoint, load_checkpoint
+from data import write_shard
+from train import ConfigError, TrainConfig, get_lr, make_config, parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--vocab_size=64", "--batch_size=4",
+        "--warmup_steps=2", "--learning_rate=3e-3", "--min_lr=3e-4", "--eval_interval=4", "--eval_steps=2",
+        "--log_interval=0", "--save_interval=4", "--device=cpu", "--dtype=float32", "--compile=False"]
+
+
+def markov_tokens(n, seed):
+    rng = np.random.default_rng(seed)
+    successors = np.random.default_rng(0).integers(0, 64, size=(64, 3))  # the same chain for every split
+    out, t = np.empty(n, dtype=np.uint16), 0
+    for i, choice in enumerate(rng.integers(0, 3, size=n)):
+        t = out[i] = successors[t, choice]
+    return out
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    write_shard(d / "tiny_train_000000.bin", markov_tokens(30_000, seed=1))
+    write_shard(d / "tiny_val_000000.bin", markov_tokens(3_000, seed=2))
+    return d
+
+
+def run(data_dir, out_dir, *args):
+    """train.main in-process with the tiny model; returns its exit code."""
+    return train.main([*TINY, f"--data_dir={data_dir}", f"--out_dir={out_dir}", *args])
+
+
+def metrics(out_dir):
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(out_dir):
+    return {m["step"]: m["train_loss"] for m in metrics(out_dir) if "train_loss" in m}
+
+
+# ----------------------------------------------------------------------------- configuration
+
+def test_config_file_then_command_line(tmp_path):
+    cfg_file = tmp_path / "my.py"
+    cfg_file.write_text("import math\n_private = 3\nn_layer = 4\nlearning_rate = 1e-3\nout_dir = 'out/a'\n"
+                        "min_lr = 1  # an int is fine for a float key\n")
+    user = parse_args([str(cfg_file), "--n_layer=6", "--out_dir=out/b", "--compile=auto", "--lr_decay_steps=None"])
+    assert user == {"n_layer": 6, "learning_rate": 1e-3, "out_dir": "out/b", "min_lr": 1.0,
+                    "compile": "auto", "lr_decay_steps": None}
+    cfg = make_config(user)
+    assert cfg.n_layer == 6 and isinstance(cfg.min_lr, float) and cfg.batch_size == TrainConfig().batch_size
+    assert parse_args(["--out_dir=123"]) == {"out_dir": "123"}  # a str key keeps the text as written
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--lerning_rate=1e-3"], "unknown config key 'lerning_rate' (did you mean 'learning_rate'?)"),
+    (["--max_steps=1.5"], "config key 'max_steps' expects int, got float 1.5"),
+    (["--learning_rate=fast"], "config key 'learning_rate' expects float, got str 'fast'"),
+    (["--bias=1"], "config key 'bias' expects bool, got int 1"),
+    (["--lr_schedule=linear"], "config key 'lr_schedule' must be one of 'cosine', 'wsd'"),
+    (["--compile=yes"], "config key 'compile' must be one of True, False, 'auto'"),
+    (["--n_embd=100", "--n_head=3"], "n_embd=100 must be divisible by n_head=3"),
+    (["--max_steps"], "write overrides as --key=value"),
+    (["no/such/config.py"], "config file 'no/such/config.py' not found"),
+])
+def test_bad_config_is_a_one_line_error(args, expected):
+    with pytest.raises(ConfigError) as err:
+        make_config(parse_args(args))
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_unknown_key_in_config_file_names_the_file(tmp_path):
+    cfg_file = tmp_path / "c.py"
+    cfg_file.write_text("batch_sise = 8\n")
+    with pytest.raises(ConfigError, match=r"c\.py: unknown config key 'batch_sise' \(did you mean 'batch_size'\?\)"):
+        parse_args([str(cfg_file)])
+
+
+def test_cli_config_error_exits_2_without_traceback(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["--lerning_rate=1e-3"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did you mean 'learning_rate'" in err and "Traceback" not in err
+
+
+def test_total_batch_size_must_divide(data_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run(data_dir, tmp_path, "--total_batch_size=100")  # micro-batch is 4 x 16 = 64 tokens
+    assert exit_.value.code == 2
+    assert "total_batch_size=100 is not a multiple of batch_size*block_size*world_size = 4*16*1 = 64" in capsys.readouterr().err
+
+
+def test_every_key_is_documented():
+    docs = train.config_docs()
+    assert set(docs) == {f for f in train.FIELD_TYPES}
+    assert all(comment for _, comment in docs.values())
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.py")), ids=lambda p: p.name)
+def test_shipped_configs_are_valid(path):
+    cfg = make_config(parse_args([str(path)]))
+    if cfg.total_batch_size:  # divisible on the intended 8 GPUs (the demo: on 1 CPU process)
+        ranks = 1 if path.name == "shakespeare_cpu.py" else 8
+        assert cfg.total_batch_size % (cfg.batch_size * cfg.block_size * ranks) == 0
+
+
+def test_gpt2_124m_config_is_the_recipe():
+    cfg = make_config(parse_args([str(ROOT / "configs" / "gpt2_124m.py")]))
+    recipe = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=64, total_batch_size=524288,
+                  learning_rate=6e-4, min_lr=6e-5, warmup_steps=715, max_steps=19073, weight_decay=0.1,
+                  grad_clip=1.0, dtype="bfloat16", compile=True, hellaswag_interval=250, lr_schedule="cosine")
+    assert {k: getattr(cfg, k) for k in recipe} == recipe
+
+
+def test_lr_schedules():
+    cfg = TrainConfig(learning_rate=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
+    lrs = [get_lr(s, cfg) for s in range(110)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)  # linear warmup to the peak
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))  # then non-increasing
+    assert lrs[60] == pytest.approx(0.55)  # cosine: halfway between peak and floor at mid-decay
+    assert lrs[-1] == pytest.approx(0.1, abs=1e-3) and get_lr(500, cfg) == 0.1
+    longer = TrainConfig(learning_rate=1.0, min_lr=0.1, warmup_steps=10, max_steps=110, lr_decay_steps=210)
+    assert get_lr(60, longer) > lrs[60]  # the schedule follows lr_decay_steps, not max_steps
+    wsd = TrainConfig(learning_rate=1.0, min_lr=0.0, warmup_steps=10, max_steps=110, lr_schedule="wsd",
+                      wsd_decay_frac=0.5)
+    assert [get_lr(s, wsd) for s in (10, 54)] == [1.0, 1.0]  # stable phase
+    assert get_lr(55, wsd) == 1.0 and get_lr(82, wsd) == pytest.approx(0.5, abs=0.02)  # linear decay over the last half
+    assert get_lr(109, wsd) == pytest.approx(0.0, abs=0.02)
+
+
+# ----------------------------------------------------------------------------- the loop's outputs
+
+def test_run_writes_metrics_config_and_clean_checkpoints(data_dir, tmp_path):
+    out = tmp_path / "out"
+    assert run(data_dir, out, "--max_steps=8", "--keep_last=1") == 0
+    lines = metrics(out)
+    steps = [m for m in lines if "train_loss" in m]
+    assert [m["step"] for m in steps] == list(range(1, 9))
+    for m in steps:
+        assert {"step", "train_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_ms", "peak_mem_mb"} <= set(m)
+        assert m["mfu"] is None and m["tokens_per_s"] > 0 and math.isfinite(m["train_loss"])
+    assert [m["step"] for m in lines if "val_loss" in m] == [0, 4, 8]
+    assert json.loads((out / "config.json").read_text())["max_steps"] == 8
+
+    ckpt = load_checkpoint(out)  # weights_only=True inside
+    assert ckpt["step"] == 8 and ckpt["config"]["n_layer"] == 2 and ckpt["model_args"]["n_embd"] == 32
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in ckpt["model"])
+    assert {"optimizer", "scaler", "loader", "rng", "val_loss"} <= set(ckpt)
+    assert set(ckpt["rng"][0]) == {"python", "numpy", "torch", "cuda"}
+    # keep_last=1 keeps the newest, plus the best by val loss if that is another one
+    kept = sorted(int(p.stem.split("_")[1]) for p in out.glob("ckpt_*.pt"))
+    assert kept == sorted({8, ckpt["best_step"]})
+
+
+def test_demo_config_loss_falls(data_dir, tmp_path):
+    """configs/shakespeare_cpu.py as the README runs it, shrunk: the tiny dataset's vocabulary, shorter
+    sequences (the 8-sequence micro-batch stays), 30 steps."""
+    out = tmp_path / "demo"
+    code = train.main([str(ROOT / "configs" / "shakespeare_cpu.py"), f"--data_dir={data_dir}", f"--out_dir={out}",
+                       "--vocab_size=64", "--block_size=32", "--total_batch_size=256", "--max_steps=30",
+                       "--eval_interval=30",
+                       "--sample_interval=0", "--save_interval=0"])
+    assert code == 0
+    val = [m["val_loss"] for m in metrics(out) if "val_loss" in m]
+    assert val[0] > math.log(64) - 0.2  # chance level at the start
+    assert val[-1] < val[0] - 1.5  # and well below it after 30 steps
+
+
+def test_refuses_to_start_over_existing_checkpoints(data_dir, tmp_path, capsys):
+    assert run(data_dir, tmp_path, "--max_steps=4") == 0
+    with pytest.raises(SystemExit) as exit_:
+        run(data_dir, tmp_path, "--max_steps=4")
+    assert exit_.value.code == 2 and "--init_from=resume" in capsys.readouterr().err
+
+
+def test_compile_failure_falls_back_to_eager(data_dir, tmp_path, monkeypatch, capsys):
+    class BrokenCompiled(torch.nn.Module):  # fails on its first call, as a compile error does
+        def forward(self, *args, **kwargs):
+            raise RuntimeError("no working C++ compiler\nlong details")
+
+    def broken_compile(model):
+        return BrokenCompiled()
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    assert run(data_dir, tmp_path / "compiled", "--max_steps=4", "--compile=True", "--dropout=0.1") == 0
+    assert "torch.compile failed (RuntimeError: no working C++ compiler); falling back to eager" in capsys.readouterr().out
+    assert run(data_dir, tmp_path / "eager", "--max_steps=4", "--dropout=0.1") == 0
+    assert train_losses(tmp_path / "compiled") == train_losses(tmp_path / "eager")
+
+
+# ----------------------------------------------------------------------------- exact resume
+
+def test_resume_is_bit_exact(data_dir, tmp_path):
+    """4 steps + resume + 4 more == 8 uninterrupted steps, with dropout (so RNG state matters) and
+    2 accumulation steps (so the loader position matters)."""
+    common = ["--dropout=0.1", "--total_batch_size=128", "--lr_decay_steps=8"]
+    assert run(data_dir, tmp_path / "full", *common, "--max_steps=8") == 0
+    assert run(data_dir, tmp_path / "split", *common, "--max_steps=4") == 0
+    # only what changes is given: data_dir, the model and the rest come from the checkpoint's config
+    assert train.main(["--init_from=resume", f"--out_dir={tmp_path / 'split'}", "--max_steps=8"]) == 0
+
+    full, split = train_losses(tmp_path / "full"), train_losses(tmp_path / "split")
+    assert list(split) == list(range(1, 9))  # metrics.jsonl holds every step exactly once
+    assert split == full  # bit-identical losses
+    a, b = load_checkpoint(tmp_path / "full"), load_checkpoint(tmp_path / "split")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_resume_drops_metrics_after_the_checkpoint(data_dir, tmp_path):
+    out = tmp_path / "out"
+    assert run(data_dir, out, "--max_steps=6") == 0  # checkpoints at 4 and 6
+    (out / "ckpt_000006.pt").unlink()  # as if killed after step 6 was logged but before it was saved
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "train_lo')  # and a torn last line
+    assert train.main(["--init_from=resume", f"--out_dir={out}", "--max_steps=6"]) == 0
+    assert [m["step"] for m in metrics(out) if "train_loss" in m] == [1, 2, 3, 4, 5, 6]
+
+
+def test_resume_cannot_change_the_architecture(data_dir, tmp_path, capsys):
+    assert run(data_dir, tmp_path, "--max_steps=4") == 0
+    with pytest.raises(SystemExit):
+        train.main(["--init_from=resume", f"--out_dir={tmp_path}", "--n_layer=3"])
+    assert "cannot change n_layer when resuming" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- faults
+
+def inject_nan_loss(monkeypatch, at_call):
+    """Make the at_call-th training forward (1-based) return a NaN loss, still attached to the graph."""
+    real_forward, calls = model_module.GPT.forward, [0]
+
+    def forward(self, idx, targets=None, return_logits=True):
+        logits, loss = real_forward(self, idx, targets, return_logits)
+        if self.training and targets is not None:
+            calls[0] += 1
+            if calls[0] == at_call:
+                loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(model_module.GPT, "forward", forward)
+
+
+def test_nan_loss_is_skipped_and_logged(data_dir, tmp_path, monkeypatch, capsys):
+    inject_nan_loss(monkeypatch, at_call=3)
+    assert run(data_dir, tmp_path, "--max_steps=6") == 0
+    steps = {m["step"]: m for m in metrics(tmp_path) if "train_loss" in m}
+    assert steps[3]["train_loss"] is None and "non-finite loss" in steps[3]["skipped"]
+    assert all("skipped" not in steps[s] and math.isfinite(steps[s]["train_loss"]) for s in (1, 2, 4, 5, 6))
+    assert "update skipped" in capsys.readouterr().out
+    ckpt = load_checkpoint(tmp_path)
+    assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
+    # the skipped update left no trace: AdamW counted 5 steps, not 6
+    assert all(int(s["step"]) == 5 for s in ckpt["optimizer"]["state"].values())
+
+
+def test_nan_loss_halts_when_asked(data_dir, tmp_path, monkeypatch, capsys):
+    inject_nan_loss(monkeypatch, at_call=6)
+    with pytest.raises(SystemExit) as exit_:
+        run(data_dir, tmp_path, "--max_steps=8", "--nonfinite=halt")
+    assert exit_.value.code == 1 and "step 6: non-finite loss" in capsys.readouterr().err
+    assert load_checkpoint(tmp_path)["step"] == 4  # the last good checkpoint is untouched
+
+
+def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path, monkeypatch):
+    real_save, saves = checkpoint.torch.save, []
+
+    def save_then_crash(obj, f):
+        saves.append(obj["step"])
+        if obj["step"] == 8:  # the second checkpoint: half written, then the process dies
+            f.write(b"PK\x03\x04 partial checkpoint")
+            raise KeyboardInterrupt
+        real_save(obj, f)
+
+    monkeypatch.setattr(checkpoint.torch, "save", save_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        run(data_dir, tmp_path, "--max_steps=8")
+    assert saves == [4, 8]
+    assert latest_checkpoint(tmp_path) == tmp_path / "ckpt_000004.pt"
+    assert load_checkpoint(tmp_path)["step"] == 4
+    monkeypatch.setattr(checkpoint.torch, "save", real_save)
+    assert train.main(["--init_from=resume", f"--out_dir={tmp_path}"]) == 0  # and training can go on
+    assert load_checkpoint(tmp_path)["step"] == 8
+
+
+def test_signal_saves_at_the_end_of_the_step(data_dir, tmp_path, monkeypatch):
+    """In-process: a SIGTERM arriving during step 3 -> checkpoint at step 3, exit code 0."""
+    real_forward, calls = model_module.GPT.forward, [0]
+
+    def forward(self, *args, **kwargs):
+        if self.training:
+            calls[0] += 1
+            if calls[0] == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(model_module.GPT, "forward", forward)
+    assert run(data_dir, tmp_path, "--max_steps=100") == 0
+    assert load_checkpoint(tmp_path)["step"] == 3
+    assert max(train_losses(tmp_path)) == 3
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored after the run
+
+
+# ----------------------------------------------------------------------------- end to end, in subprocesses
+
+def subprocess_env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_then_resume_matches_uninterrupted(data_dir, tmp_path):
+    """All three runs are subprocesses with one thread each: the same float summation order."""
+    args = [*TINY, f"--data_dir={data_dir}", "--max_steps=150", "--save_interval=50", "--eval_interval=50"]
+    train_py = [sys.executable, str(ROOT / "train.py")]
+    out = tmp_path / "interrupted"
+    proc = subprocess.Popen([*train_py, *args, f"--out_dir={out}"], cwd=ROOT, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:  # wait until it is training
+        if (out / "metrics.jsonl").exists() and len(train_losses(out)) >= 5:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    stopped_at = load_checkpoint(out)["step"]
+    assert 5 <= stopped_at < 150, "the signal should have arrived mid-run"
+    assert "received SIGTERM" in stderr
+
+    for cmd in ([*train_py, "--init_from=resume", f"--out_dir={out}"],
+                [*train_py, *args, f"--out_dir={tmp_path / 'uninterrupted'}"]):
+        result = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert train_losses(out) == train_losses(tmp_path / "uninterrupted")
+
+
+@pytest.mark.slow
+def test_kill_9_leaves_a_loadable_checkpoint(data_dir, tmp_path):
+    """SIGKILL while saving every step (so likely mid-write): the newest complete checkpoint loads
+    and the run resumes from it."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *TINY, f"--data_dir={data_dir}",
+                             f"--out_dir={out}", "--max_steps=100000", "--save_interval=1", "--keep_last=3"],
+                            cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(list(out.glob("ckpt_*.pt"))) < 3:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.kill()
+    proc.wait(timeout=60)
+    step = load_checkpoint(out)["step"]  # the newest complete one
+    assert step >= 3
+    assert train.main(["--init_from=resume", f"--out_dir={out}", f"--max_steps={step + 2}"]) == 0
+    assert load_checkpoint(out)["step"] == step + 2
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tmp_path):
+    common = [f"--data_dir={data_dir}", "--max_steps=6", "--total_batch_size=128", "--dropout=0.0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "train.py"), *TINY, *common, f"--out_dir={tmp_path / 'ddp'}"]
+    result = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # 1 process x 2 accumulation steps; eval_steps counts micro-batches per process, so 2 x 2 ranks = 4
+    assert run(data_dir, tmp_path / "single", *common[1:], "--eval_steps=4") == 0
+
+    ddp, single = train_losses(tmp_path / "ddp"), train_losses(tmp_path / "single")
+    assert list(ddp) == list(range(1, 7))  # only rank 0 wrote, one line per step
+    for step in single:
+        assert abs(ddp[step] - single[step]) < 1e-5, (step, ddp[step], single[step])
+    val = lambda out: [m["val_loss"] for m in metrics(out) if "val_loss" in m]
+    assert np.allclose(val(tmp_path / "ddp"), val(tmp_path / "single"), atol=1e-5)
+    assert len(load_checkpoint(tmp_path / "ddp")["rng"]) == 2  # each rank's RNG state
+
+
+# ----------------------------------------------------------------------------- plot_metrics.py
+
+def test_plot_metrics_reads_runs_and_explains_missing_matplotlib(tmp_path, monkeypatch, capsys):
+    import plot_metrics
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 0, "val_loss": 4.2}\n{"step": 1, "train_loss": 4.1, "lr": 0.1, "tokens_per_s": 9.0}\n'
+        '{"step": 2, "train_loss": null, "lr": 0.2, "skipped": "non-finite loss"}\n'
+        '{"step": 2, "hellaswag_acc": 0.25, "hellaswag_acc_norm": 0.26, "hellaswag_n": 10}\n{"step": 3, "trai')
+    steps, val, hellaswag = plot_metrics.read_metrics(tmp_path)
+    assert [r["step"] for r in steps] == [1, 2] and val == [{"step": 0, "val_loss": 4.2}] and len(hellaswag) == 1
+    assert plot_metrics.series(steps, "train_loss") == ([1], [4.1])  # the skipped step has no loss to plot
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    with pytest.raises(SystemExit, match="needs matplotlib, an optional extra: pip install matplotlib"):
+        plot_metrics.main([str(tmp_path)])
+    assert plot_metrics.main([str(tmp_path / "nope")]) == 2
+    assert "no such metrics file" in capsys.readouterr().err
