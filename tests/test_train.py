@@ -316,10 +316,11 @@ def test_signal_saves_at_the_end_of_the_step(data_dir, tmp_path, monkeypatch):
         return real_forward(self, *args, **kwargs)
 
     monkeypatch.setattr(model_module.GPT, "forward", forward)
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     assert run(data_dir, tmp_path, "--max_steps=100") == 0
     assert load_checkpoint(tmp_path)["step"] == 3
     assert max(train_losses(tmp_path)) == 3
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored after the run
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before  # handlers restored
 
 
 # ----------------------------------------------------------------------------- end to end, in subprocesses
