@@ -1,9 +1,9 @@
 """Benchmark: the optimisation scoreboard (tokens/s, MFU, peak memory), and the same work done with transformers.
 
-    python bench.py                                 # 6L/6H/384d, T=256, B=8: GEMM rates + scoreboard (< 10 min, 2 cores)
-    python bench.py --compare                       # + transformers training and generation, HellaSwag batched vs single
-    python bench.py --compare --rows none           # only the comparisons
-    python bench.py --config gpt2                   # GPT-2 124M, T=1024, B=1: tokens/s and peak memory per row
+    python bench.py                               # 6L/6H/384d, T=256, B=8: GEMM rates + scoreboard (~5 min, 2 cores)
+    python bench.py --compare                     # + transformers training and generation, HellaSwag batched/single
+    python bench.py --compare --rows none         # only the comparisons
+    python bench.py --config gpt2                 # GPT-2 124M, T=1024, B=1: tokens/s and peak memory per row
     python bench.py --rows baseline,train --steps 5 --json bench.json
 
 Scoreboard rows add one optimisation at a time to the row above (as in the GPT-2 throughput write-up):
@@ -12,7 +12,8 @@ autocast -> SDPA -> torch.compile -> fused AdamW -> TF32 (CUDA only) -> malloc t
 chunked loss (no full logits) -> larger micro-batch, then "train.py defaults": exactly the settings
 train.py picks on this device. A CPU whose bf16 matmuls are slower than its fp32 ones (no AVX512-BF16/AMX)
 skips the bf16 row and later rows stay fp32 (--bf16 on forces it). Each row trains a fresh model from
-the same seed on the same random batch; tokens/s is the median over timed steps after warm-up.
+the same seed on the same random batch; after warm-up the rows run interleaved, one step of each per round
+(--sequential: one row after another), and tokens/s is the median over the timed steps.
 On a CPU the MFU denominator is this machine's own measured GEMM rate (model-shaped matmuls, in the
 row's dtype); on a known GPU the data-sheet peak (model.peak_flops) is reported as well.
 Timings on a shared machine are noisy: comparisons run in alternating rounds in one process and report
@@ -82,7 +83,7 @@ def set_malloc_tuned(tuned: bool) -> bool:
         for param, value in (MALLOPT_TUNED if tuned else MALLOPT_GLIBC).items():
             libc.mallopt(param, value)
         if not tuned:
-            libc.malloc_trim(0)  # hand back what the tuned setting kept
+            libc.malloc_trim(0)  # hand back what the tuned setting kept, so glibc setups start as glibc would
         _malloc_tuned = tuned
     return True
 
@@ -96,8 +97,12 @@ def release_free_memory():
 
 
 def _status_kb(field):
+    return _status_kb_file("/proc/self/status", field)
+
+
+def _status_kb_file(path, field):
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1])
@@ -142,26 +147,30 @@ class PeakMemory:
 
 
 def sync(device):
+    """Wait for queued GPU work, so wall-clock timings are real."""
     if device_type(device) == "cuda":
         torch.cuda.synchronize(device)
+    elif device_type(device) == "mps":
+        torch.mps.synchronize()
 
 
 # ----------------------------------------------------------------------------- device GEMM rate
 
-def gemm_rates(cfg: GPTConfig, batch_size: int, device, budget_s: float = 1.0):
+def gemm_rates(cfg: GPTConfig, batch_size: int, device, budget_s: float = 2.0):
     """Measured matmul FLOP/s for the model's shapes: {'float32': (rate, rows), 'bfloat16': (rate, rows)}.
 
     Shapes (as nn.Linear runs them, M = B*T rows): attention in (M, C)x(C, 3C), MLP up (M, C)x(C, 4C), MLP down
-    (M, 4C)x(4C, C), lm_head (M, C)x(C, V). A dtype's rate is total FLOPs / total time over the shapes. Rows
+    (M, 4C)x(4C, C), lm_head (M, C)x(C, V), outputs preallocated; each shape's time is the best of up to
+    `budget_s` of runs. A dtype's rate is total FLOPs / total time over the shapes. Rows
     start at 128 and grow towards M while a matmul takes under 0.2 s, so a slow dtype costs seconds, not minutes.
     """
     M, C, V = batch_size * cfg.block_size, cfg.n_embd, cfg.vocab_size
     shapes = [("attn qkv", C, 3 * C), ("mlp up", C, 4 * C), ("mlp down", 4 * C, C), ("lm_head", C, V)]
 
-    def once(a, w):
+    def once(a, w, c):
         sync(device)
         t0 = time.perf_counter()
-        F.linear(a, w)
+        torch.mm(a, w.t(), out=c)  # what F.linear runs; a preallocated output keeps allocator costs out
         sync(device)
         return time.perf_counter() - t0
 
@@ -173,18 +182,19 @@ def gemm_rates(cfg: GPTConfig, batch_size: int, device, budget_s: float = 1.0):
             m = min(M, 128)
             while True:
                 a = torch.randn(m, k, device=device, dtype=dtype)
-                once(a, w)  # warm-up
-                t = once(a, w)
+                c = torch.zeros(m, n, device=device, dtype=dtype)
+                once(a, w, c)  # warm-up
+                t = once(a, w, c)
                 if t >= 0.2 or m == M:
                     break
                 m = min(M, m * 4)
             times = [t]
-            while sum(times) < budget_s and len(times) < 10:
-                times.append(once(a, w))
-            t = statistics.median(times)
+            while sum(times) < budget_s and len(times) < 20:
+                times.append(once(a, w, c))
+            t = min(times)  # the device's capability: on a shared machine every slower run was disturbed
             rows.append((name, m, k, n, 2 * m * k * n / t))
             flops, secs = flops + 2 * m * k * n, secs + t
-            del a, w
+            del a, w, c
         result[str(dtype).replace("torch.", "")] = (flops / secs, rows)
     return result
 
@@ -197,7 +207,7 @@ class Setup:
     dtype: str = "float32"  # autocast dtype ('float32' = none)
     sdpa: bool = False  # F.scaled_dot_product_attention instead of the explicit softmax(QK^T) attention
     compile: bool = False
-    optimizer: str = "loop"  # 'loop' (foreach=False, fused=False), 'default' (torch's pick), 'fused', 'train' (train.py's)
+    optimizer: str = "loop"  # 'loop' (foreach=False, fused=False), 'default' (torch's), 'fused', 'train' (train.py's)
     tf32: bool = False  # CUDA only
     malloc: bool = False  # glibc malloc tuned (CPU only; see MALLOPT_TUNED)
     chunked: bool = False  # model(x, y, return_logits=False): lm_head + CE in chunks, no full logits
@@ -308,7 +318,8 @@ class Trainer:
             set_malloc_tuned(setup.malloc)
         self.model = make_hf_model(cfg, device) if setup.hf else make_model(cfg, device, setup.sdpa)
         self.optimizer = make_optimizer(self.model, setup, device)
-        self.forward = torch.compile(self.model) if setup.compile else self.model
+        # dynamic=False: each batch size gets its own static graph, as in a real run
+        self.forward = torch.compile(self.model, dynamic=False) if setup.compile else self.model
         g = torch.Generator().manual_seed(1)
         xy = torch.randint(0, min(cfg.vocab_size, GPT2_VOCAB), (setup.batch_size, cfg.block_size + 1), generator=g)
         self.x, self.y = xy[:, :-1].to(device), xy[:, 1:].to(device)  # (B, T) each
@@ -336,34 +347,65 @@ class Trainer:
         return time.perf_counter() - t0
 
 
-def run_setup(cfg, setup: Setup, device, steps, warmup):
-    """tokens/s (median of `steps` timed steps after warm-up), first-step seconds and peak memory of one setup."""
-    torch._dynamo.reset()  # each compiled row compiles afresh (no stale guards or recompile limits)
-    if device_type(device) == "cpu":
-        set_malloc_tuned(setup.malloc)  # before the memory baseline is taken
-    with PeakMemory(device) as mem:
-        trainer = Trainer(cfg, setup, device)
-        first = trainer.step()
-        for _ in range(warmup - 1 + (1 if setup.compile else 0)):
-            trainer.step()
-        times = [trainer.step() for _ in range(steps)]
-        peak = mem.peak_mb()
-    tokens = trainer.tokens
-    del trainer
+def fits_interleaved(n_params, n_setups, device):
+    """Whether n_setups models with AdamW state (~16 bytes/parameter) fit in half the free memory."""
+    if device_type(device) == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        kb = _status_kb_file("/proc/meminfo", "MemAvailable")
+        free = None if kb is None else kb * 1024
+    return free is None or 16 * n_params * n_setups < free / 2
+
+
+def measure(cfg, setups: dict, device, rounds, warmup, interleave=True):
+    """Warm up each setup in turn (its first step's time and peak memory measured while it runs alone), then
+    time `rounds` steps of each. Interleaved: one step of every setup per round, in a fixed order, so a machine
+    whose load drifts slows all setups alike; else one setup after another (when they do not fit in memory
+    together). Returns {key: {'tok_s': [per round], 'first_step_s', 'peak_mem_mb', 'peak_mem_lifetime'}}."""
+    results, trainers = {}, {}
+    for key, setup in setups.items():
+        if not interleave:
+            torch._dynamo.reset()  # each compiled setup compiles afresh
+        log(f"  {setup.name} ...")
+        if device_type(device) == "cpu":
+            set_malloc_tuned(setup.malloc)  # before the memory baseline is taken
+        with PeakMemory(device) as mem:
+            trainer = Trainer(cfg, setup, device)
+            first = trainer.step()
+            for _ in range(warmup - 1 + (1 if setup.compile else 0)):
+                trainer.step()
+            peak = mem.peak_mb()
+        results[key] = {"tok_s": [], "first_step_s": first, "peak_mem_mb": peak, "peak_mem_lifetime": mem.lifetime}
+        if interleave:
+            trainers[key] = trainer
+        else:
+            results[key]["tok_s"] = [trainer.tokens / trainer.step() for _ in range(rounds)]
+            del trainer
+            release_free_memory()
+    for r in range(rounds if interleave else 0):
+        for key, trainer in trainers.items():
+            if trainer.cpu and trainer.setup.malloc != _malloc_tuned:
+                trainer.step()  # the allocator mode changed: settle the heap untimed, as a run in this mode would
+            results[key]["tok_s"].append(trainer.tokens / trainer.step())
+        log(f"  round {r + 1}/{rounds}: " + ", ".join(f"{key} {results[key]['tok_s'][-1]:.0f}" for key in trainers))
+    del trainers
     release_free_memory()
-    return {"tokens_per_s": tokens / statistics.median(times), "step_s": times, "first_step_s": first,
-            "peak_mem_mb": peak, "peak_mem_lifetime": mem.lifetime}
+    return results
+
+
+def ratios(results, a, b):
+    """Per-round tokens/s ratios of setup a over setup b."""
+    return [x / y for x, y in zip(results[a]["tok_s"], results[b]["tok_s"])]
 
 
 # ----------------------------------------------------------------------------- comparisons with transformers
 
-def compare_training(cfg, device, batch_size, rounds):
-    """Ours vs transformers in alternating rounds (one timed step each per round, order rotated).
+def compare_training(cfg, device, batch_size, rounds, interleave=True):
+    """Ours vs transformers, measured in alternating rounds (see measure).
     Returns ({variant: (Setup, [tok/s per round])}, [(ratio name, target or None, [per round])]) or (None, note)."""
     defaults = train_defaults_setup(device, batch_size)
     if defaults.skipped:
         return None, defaults.note
-    cpu = device_type(device) == "cpu"
     hf = Setup("transformers fp32 eager", sdpa=True, optimizer="default", hf=True, batch_size=batch_size)
     hf_same = replace(hf, name="transformers, train.py's dtype/compile", dtype=defaults.dtype,
                       compile=defaults.compile, tf32=defaults.tf32)
@@ -374,30 +416,16 @@ def compare_training(cfg, device, batch_size, rounds):
     if defaults.malloc:  # what transformers gets from the same allocator setting, for an apples-to-apples ratio
         variants["hf_malloc"] = replace(variants.get("hf_same", hf), name=variants.get("hf_same", hf).name +
                                         " + malloc tuned", malloc=True)
-    torch._dynamo.reset()
-    trainers = {}
-    for key, setup in variants.items():
-        log(f"  warming up {setup.name} ...")
-        trainers[key] = Trainer(cfg, setup, device)
-        for _ in range(1 + (1 if setup.compile else 0)):
-            trainers[key].step()
-    per_round = {key: [] for key in variants}
-    keys = list(variants)
-    for r in range(rounds):
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:  # rotate who goes first
-            per_round[key].append(trainers[key].tokens / trainers[key].step())
-        log(f"  round {r + 1}/{rounds}: " + ", ".join(f"{variants[k].name} {per_round[k][-1]:.0f}" for k in keys))
-    del trainers
-    release_free_memory()
-    ratio = lambda a, b: [x / y for x, y in zip(per_round[a], per_round[b])]
+    results = measure(cfg, variants, device, rounds, warmup=1, interleave=interleave)
+    ratio = lambda a, b: ratios(results, a, b)
     same = "hf_same" if "hf_same" in variants else "hf"
-    ratios = [("ours fp32 eager / transformers fp32 eager", TARGETS["fp32_eager"], ratio("ours", "hf")),
-              ("ours train.py defaults / transformers fp32 eager", TARGETS["defaults_vs_fp32"], ratio("defaults", "hf")),
-              (f"ours train.py defaults / transformers with train.py's dtype+compile ({defaults.dtype}, compile "
-               f"{defaults.compile})", TARGETS["defaults_vs_same"], ratio("defaults", same))]
+    rows = [("ours fp32 eager / transformers fp32 eager", TARGETS["fp32_eager"], ratio("ours", "hf")),
+            ("ours train.py defaults / transformers fp32 eager", TARGETS["defaults_vs_fp32"], ratio("defaults", "hf")),
+            (f"ours train.py defaults / transformers with train.py's dtype+compile ({defaults.dtype}, compile "
+             f"{defaults.compile})", TARGETS["defaults_vs_same"], ratio("defaults", same))]
     if "hf_malloc" in variants:
-        ratios.append((f"ours train.py defaults / {variants['hf_malloc'].name}", None, ratio("defaults", "hf_malloc")))
-    return {key: (variants[key], per_round[key]) for key in keys}, ratios
+        rows.append((f"ours train.py defaults / {variants['hf_malloc'].name}", None, ratio("defaults", "hf_malloc")))
+    return {key: (variants[key], results[key]["tok_s"]) for key in variants}, rows
 
 
 def compare_generation(cfg, device, rounds, dtypes):
@@ -405,7 +433,8 @@ def compare_generation(cfg, device, rounds, dtypes):
     KV cache vs transformers' generate on the same weights (save_pretrained/from_pretrained round trip)."""
     from transformers import GPT2LMHeadModel
     ours32 = make_model(cfg, device).eval()
-    prompt = torch.randint(0, min(cfg.vocab_size, GPT2_VOCAB), (1, GEN_PROMPT), generator=torch.Generator().manual_seed(2)).to(device)
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, min(cfg.vocab_size, GPT2_VOCAB), (1, GEN_PROMPT), generator=g).to(device)  # (1, T)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         ours32.save_pretrained(tmp)
@@ -498,15 +527,19 @@ def parse_args(argv=None):
     p.add_argument("--batch_size", type=int, default=None, help="micro-batch (default 8 for 'small', else 1)")
     p.add_argument("--large_batch_size", type=int, default=None, help="the larger micro-batch row (default 2x)")
     p.add_argument("--device", default="auto", help="'auto' (cuda > mps > cpu), 'cpu', 'cuda', 'cuda:1', ...")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per scoreboard row (median reported)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps (rounds) per scoreboard row, median reported (default 3 on CPU, 20 on GPU)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per row (+1 for compiled rows)")
     p.add_argument("--rows", default="all", help=f"'all', 'none' or a comma list of {','.join(ROW_KEYS)} "
                                                  "(rows stay cumulative)")
     p.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
                    help="bf16 rows: 'auto' skips them where bf16 matmuls measure slower than fp32")
+    p.add_argument("--sequential", action="store_true",
+                   help="time setups one after another instead of in interleaved rounds (less memory)")
     p.add_argument("--compare", action="store_true", help="also: transformers training and generation, HellaSwag")
-    p.add_argument("--rounds", type=int, default=5, help="alternating rounds of the training comparison")
-    p.add_argument("--gen_rounds", type=int, default=3, help="alternating rounds of the generation comparison")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="alternating rounds of the training comparison (default 5 on CPU, 20 on GPU)")
+    p.add_argument("--gen_rounds", type=int, default=5, help="alternating rounds of the generation comparison")
     p.add_argument("--hellaswag_n", type=int, default=40, help="HellaSwag examples for the batched-vs-single row")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--json", default=None, help="also write all results to this JSON file")
@@ -515,10 +548,15 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    for limit in ("cache_size_limit", "recompile_limit"):  # interleaved setups keep several compiled models alive
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     cuda = device_type(device) == "cuda"
+    args.steps = args.steps or (3 if device_type(device) == "cpu" else 20)
+    args.rounds = args.rounds or (5 if device_type(device) == "cpu" else 20)
     if args.config != "small" and args.config not in PRESETS:
         raise SystemExit(f"bench.py: --config {args.config!r} is not 'small' or one of {', '.join(PRESETS)}")
     base = dict(SMALL if args.config == "small" else PRESETS[args.config])
@@ -564,48 +602,55 @@ def main(argv=None):
 
     # ---- scoreboard
     if wanted:
-        setups = dict(zip(ROW_KEYS, scoreboard_setups(device, B, large_B, bf16_note) + [train_defaults_setup(device, B)]))
-        results, base_tok = [], None
+        rows = scoreboard_setups(device, B, large_B, bf16_note) + [train_defaults_setup(device, B)]
+        setups = dict(zip(ROW_KEYS, rows))
+        run = {key: setup for key, setup in setups.items() if key in wanted and not setup.skipped}
+        interleave = not args.sequential and fits_interleaved(n_params, len(run), device)
+        log(f"## scoreboard: {len(run)} setups, {args.steps} timed steps each, "
+            f"{'interleaved' if interleave else 'one after another'} ...")
+        measured_rows = measure(cfg, run, device, args.steps, args.warmup, interleave)
+        headers = ["setup", "tokens/s", "speedup", "MFU (measured GEMM)"] + (["MFU (data sheet)"] if cuda else []) + \
+                  ["peak mem (MiB)", "first step (s)", "note"]
+        table, out["scoreboard"] = [], []
         for key, setup in setups.items():
             if key not in wanted:
                 continue
-            if setup.skipped:
-                results.append((setup, None))
-                continue
-            log(f"  {setup.name} ...")
-            r = run_setup(cfg, setup, device, args.steps, args.warmup)
-            r["mfu_gemm"] = mfu(r["tokens_per_s"], flops_per_token, rates.get(setup.dtype))
-            r["mfu_datasheet"] = mfu(r["tokens_per_s"], flops_per_token,
-                                     peak_flops(dev_name, "tf32" if setup.tf32 else setup.dtype)) if cuda else None
-            results.append((setup, r))
-            base_tok = r["tokens_per_s"] if key == "baseline" else base_tok
-        headers = ["setup", "tokens/s", "speedup", "MFU (measured GEMM)"] + (["MFU (data sheet)"] if cuda else []) + \
-                  ["peak mem (MiB)", "first step (s)", "note"]
-        table = []
-        for setup, r in results:
+            r = measured_rows.get(key)
+            out["scoreboard"].append({"key": key, "setup": asdict(setup)})
             if r is None:
                 table.append([setup.name, "-", "-", "-"] + (["-"] if cuda else []) + ["-", "-", setup.note])
                 continue
-            tok = r["tokens_per_s"]
-            row = [setup.name, f"{tok:,.0f}", f"{tok / base_tok:.2f}x" if base_tok else "-", pct(r["mfu_gemm"])]
-            row += [pct(r["mfu_datasheet"])] if cuda else []
+            tok = statistics.median(r["tok_s"])
+            speedup = "-"
+            if "baseline" in measured_rows:  # per-round ratios when interleaved, else a ratio of medians
+                sp = statistics.median(ratios(measured_rows, key, "baseline")) if interleave else \
+                    tok / statistics.median(measured_rows["baseline"]["tok_s"])
+                speedup = f"{sp:.2f}x"
+            r["tokens_per_s"], r["speedup"] = tok, None if speedup == "-" else float(speedup[:-1])
+            r["mfu_gemm"] = mfu(tok, flops_per_token, rates.get(setup.dtype))
+            r["mfu_datasheet"] = mfu(tok, flops_per_token, peak_flops(dev_name, "tf32" if setup.tf32 else
+                                                                       setup.dtype)) if cuda else None
+            out["scoreboard"][-1].update(r)
+            row = [setup.name, f"{tok:,.0f}", speedup, pct(r["mfu_gemm"])] + ([pct(r["mfu_datasheet"])] if cuda else [])
             note = setup.note or (f"B={setup.batch_size}" if setup.batch_size != B else "")
             row += [f"{r['peak_mem_mb']:,.0f}" + (" (lifetime)" if r["peak_mem_lifetime"] else ""),
                     f"{r['first_step_s']:.1f}", note]
             table.append(row)
-        mem_how = "rise of max_memory_allocated" if cuda else "rise of the process's peak RSS (VmHWM) during the row"
-        print(f"## Scoreboard: training tokens/s (median of {args.steps} timed steps; each row adds one change)\n")
+        how = (f"median of {args.steps} interleaved rounds (speedup: median of per-round ratios)" if interleave
+               else f"median of {args.steps} timed steps")
+        print(f"## Scoreboard: training tokens/s, {how}; each row adds one change to the row above\n")
         print(md_table(headers, table))
+        mem_how = "rise of max_memory_allocated" if cuda else "rise of the process's peak RSS (VmHWM) during the row"
         print(f"\npeak mem: {mem_how}. MFU: {flops_per_token / 1e6:.0f} MFLOP/token x tokens/s over the measured "
               f"GEMM rate in the row's dtype" + (" and over the data-sheet peak" if cuda else "") + ".\n")
-        out["scoreboard"] = [{"setup": asdict(s), **(r or {})} for s, r in results]
 
     # ---- comparisons
     if args.compare:
         log(f"## training vs transformers, {args.rounds} rounds ...")
-        per_round, ratios = compare_training(cfg, device, B, args.rounds)
+        interleave = not args.sequential and fits_interleaved(n_params, 5, device)
+        per_round, ratio_rows = compare_training(cfg, device, B, args.rounds, interleave)
         if per_round is None:
-            print(f"Training comparison {ratios}\n")
+            print(f"Training comparison {ratio_rows}\n")
         else:
             print(f"## Training vs transformers.GPT2LMHeadModel (sdpa): micro-batch {B}, {args.rounds} alternating "
                   "rounds, one step per variant per round\n")
@@ -620,29 +665,35 @@ def main(argv=None):
                            [(n, " ".join(f"{v:.2f}" for v in vs), f"**{statistics.median(vs):.2f}x**",
                              f">= {t}x" if t else "(for reference)",
                              "-" if t is None else "yes" if statistics.median(vs) >= t else "NO")
-                            for n, t, vs in ratios]) + "\n")
+                            for n, t, vs in ratio_rows]) + "\n")
             out["compare_training"] = {
                 "variants": {s.name: {"setup": asdict(s), "tok_s": vs} for s, vs in per_round.values()},
-                "ratios": [{"name": n, "target": t, "per_round": vs} for n, t, vs in ratios]}
+                "ratios": [{"name": n, "target": t, "per_round": vs} for n, t, vs in ratio_rows]}
 
         dtypes = [torch.float32] + ([torch.bfloat16] if not bf16_note else [])
+        if cfg.block_size < GEN_PROMPT + GEN_NEW:  # transformers cannot go past n_positions
+            dtypes = []
+            print(f"Generation comparison skipped: block_size {cfg.block_size} < {GEN_PROMPT} + {GEN_NEW} tokens.\n")
         log("## generation ...")
-        gen = compare_generation(cfg, device, args.gen_rounds, dtypes)
+        gen = compare_generation(cfg, device, args.gen_rounds, dtypes) if dtypes else []
         rows = []
         for dtype in [str(d).replace("torch.", "") for d in dtypes]:
             rs = {r["variant"]: r for r in gen if r["dtype"] == dtype}
-            cached = statistics.median(rs["ours, KV cache"]["tok_s"])
+            cached = rs["ours, KV cache"]["tok_s"]
             for name, r in rs.items():
                 med = statistics.median(r["tok_s"])
+                r["cached_ratio"] = statistics.median(a / b for a, b in zip(cached, r["tok_s"]))
                 same = f"{r['same_tokens']}/{GEN_NEW}" + ("" if r["first_difference"] is None
                                                           else f" (first differs at {r['first_difference']})")
                 rows.append((dtype, name, " ".join(f"{v:.1f}" for v in r["tok_s"]), f"{med:,.1f}",
-                             "-" if name == "ours, KV cache" else f"**{cached / med:.2f}x**", same))
-        print(f"## Greedy generation: {GEN_NEW} new tokens after a {GEN_PROMPT}-token prompt, batch 1, weights stored "
-              f"in the dtype (targets in fp32: cached >= {TARGETS['cache_vs_nocache']}x no cache, "
-              f">= {TARGETS['cache_vs_hf']}x transformers)\n")
-        print(md_table(("dtype", "variant", "new tokens/s per round", "median", "ours cached vs this",
-                        "same tokens as ours cached"), rows) + "\n")
+                             "-" if name == "ours, KV cache" else f"**{r['cached_ratio']:.2f}x**", same))
+        if rows:
+            print(f"## Greedy generation: {GEN_NEW} new tokens after a {GEN_PROMPT}-token prompt, batch 1, weights "
+                  f"stored in the dtype (targets in fp32: cached >= {TARGETS['cache_vs_nocache']}x no cache, "
+                  f">= {TARGETS['cache_vs_hf']}x transformers)\n")
+            print(md_table(("dtype", "variant", "new tokens/s per round", "median",
+                            "ours cached / this (median of rounds)",
+                            "same tokens as ours cached"), rows) + "\n")
         if bf16_note:
             print(f"bf16 generation skipped: {bf16_note.split(';')[0]}.\n")
         out["compare_generation"] = gen

@@ -1,0 +1,82 @@
+"""bench.py: allocator switch, peak-memory probe, tables, and a tiny end-to-end run (no timing assertions)."""
+import json
+import resource
+
+import pytest
+import torch
+
+import bench
+
+
+def test_md_table_has_header_separator_and_rows():
+    text = bench.md_table(("a", "b"), [(1, "x"), (2, "y")])
+    assert text.splitlines() == ["| a | b |", "|---|---|", "| 1 | x |", "| 2 | y |"]
+
+
+def _alloc_touch_free(n_bytes):
+    """(pages faulted in, bytes of RSS still held) for allocating, touching and freeing a tensor of n_bytes."""
+    rss0, faults0 = bench._status_kb("VmRSS"), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    x = torch.ones(n_bytes // 4)
+    del x
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0, (bench._status_kb("VmRSS") - rss0) * 1024
+
+
+def test_tuned_malloc_keeps_freed_big_blocks_mapped_and_glibc_mode_returns_them():
+    if not bench.set_malloc_tuned(False):  # not glibc: the switch must say so
+        assert bench._libc() is None
+        return
+    n = 128 << 20  # above glibc's largest mmap threshold (32 MiB): mmapped, then unmapped on free
+    try:
+        faults, held = _alloc_touch_free(n)
+        assert faults > n // 4096 // 2 and held < n // 4  # faulted in, then handed back
+        bench.set_malloc_tuned(True)
+        for _ in range(3):  # whether the heap reuses a freed block or grows, no page it faulted in is returned
+            faults, held = _alloc_touch_free(n)
+            assert held >= 0.8 * faults * 4096
+        assert faults < n // 4096 // 2 or held > n // 2
+    finally:
+        bench.set_malloc_tuned(False)
+
+
+def test_peak_memory_sees_a_temporary_allocation():
+    with bench.PeakMemory("cpu") as mem:
+        x = torch.ones(64 << 18)  # 64 MiB, touched
+        del x
+        peak = mem.peak_mb()
+    assert peak >= 60 or mem.lifetime
+
+
+def _tiny(tmp_path, *extra):
+    out = tmp_path / "bench.json"
+    args = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "256", "--vocab_size", "512",
+            "--batch_size", "2", "--json", str(out), *extra]
+    assert bench.main(args) == 0
+    return json.loads(out.read_text())
+
+
+def test_scoreboard_rows_are_cumulative_and_reported(tmp_path, capsys):
+    result = _tiny(tmp_path, "--steps", "1", "--rows", "baseline,sdpa,fused,malloc,train")
+    rows = {r["key"]: r for r in result["scoreboard"]}
+    assert list(rows) == ["baseline", "sdpa", "fused", "malloc", "train"]
+    assert rows["baseline"]["setup"]["sdpa"] is False and rows["sdpa"]["setup"]["sdpa"] is True
+    assert rows["fused"]["setup"]["sdpa"] is True and rows["fused"]["setup"]["optimizer"] == "fused"
+    assert rows["fused"]["setup"]["compile"] is True  # the compile row sits between sdpa and fused
+    assert rows["baseline"]["speedup"] == 1.0
+    for r in rows.values():
+        assert r["tokens_per_s"] > 0 and len(r["tok_s"]) == 1 and r["peak_mem_mb"] is not None
+    assert rows["train"]["setup"]["chunked"] is True
+    assert result["gemm_flops"]["float32"]["all"] > 0
+    assert "| baseline: fp32, manual attention" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_compare_reports_ratios_and_generation(tmp_path):
+    result = _tiny(tmp_path, "--rows", "none", "--compare", "--rounds", "1", "--gen_rounds", "1")
+    ratios = result["compare_training"]["ratios"]
+    assert [r["target"] for r in ratios[:3]] == [0.95, 2.5, 1.0]
+    assert all(len(r["per_round"]) == 1 and r["per_round"][0] > 0 for r in ratios)
+    gen = {g["variant"]: g for g in result["compare_generation"] if g["dtype"] == "float32"}
+    assert set(gen) == {"ours, KV cache", "ours, no cache", "transformers generate"}
+    assert all(g["n_tokens"] == bench.GEN_NEW for g in gen.values())
+    assert gen["ours, KV cache"]["same_tokens"] == bench.GEN_NEW  # compared with itself
+    assert result["hellaswag"]["note"].startswith("skipped")  # vocab 512 cannot read GPT-2 tokens
