@@ -55,16 +55,17 @@ def cache_dir(override=None):
 _cache_root = cache_dir  # the fetchers' `cache_dir` argument shadows the function name
 
 
-def _sha256(path):
+def file_sha256(path):
+    """Hex sha256 of a file, read in 16 MiB blocks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
+        for block in iter(lambda: f.read(1 << 24), b""):
             h.update(block)
     return h.hexdigest()
 
 
 def _verified(path, sha256):
-    return path.is_file() and _sha256(path) == sha256
+    return path.is_file() and file_sha256(path) == sha256
 
 
 def download_package(spec, dest_dir, sdist=False):

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from assets import EOT, fetch_shakespeare, get_tokenizer
+from assets import EOT, fetch_shakespeare, file_sha256, get_tokenizer
 from data import HEADER_BYTES, SHARD_SUFFIXES, write_shard
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -234,14 +234,6 @@ def tokenized(batches, pool, max_pending):
 
 
 # ---------------------------------------------------------------------------- shards and manifest
-
-def file_sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
-
 
 def shard_is_complete(out_dir, record):
     path = out_dir / record["file"]
