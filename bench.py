@@ -21,7 +21,6 @@ per-round ratios and their median.
 """
 import argparse
 import copy
-import ctypes
 import gc
 import json
 import os
@@ -37,7 +36,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from devices import autocast, device_type, resolve_device
+from devices import autocast, device_type, glibc, malloc_tuned, resolve_device, set_malloc_tuned
 from model import CONV1D_WEIGHTS, GPT, GPT2_VOCAB, PRESETS, GPTConfig, peak_flops
 
 SMALL = dict(n_layer=6, n_head=6, n_embd=384, block_size=256)  # the default config (issue 7 targets)
@@ -53,45 +52,10 @@ def log(msg):
 
 # ----------------------------------------------------------------------------- allocator and memory
 
-# glibc serves allocations above its mmap threshold (at most 32 MiB) with mmap and unmaps them on free, so
-# every training step page-faults its largest tensors (the (B*T, V) logits, their gradient, the wte gradient)
-# in again: ~100k faults and ~0.3 s of system time per 412 MB. Tuned: M_MMAP_MAX=0 sends every allocation
-# to the heap and M_TRIM_THRESHOLD=INT_MAX stops free() from returning it, so the pages are reused.
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
-MALLOPT_TUNED = {M_MMAP_MAX: 0, M_TRIM_THRESHOLD: 2**31 - 1}
-# glibc's defaults as they settle after the first large free (dynamic threshold: mmap 32 MiB, trim 2x that)
-MALLOPT_GLIBC = {M_MMAP_MAX: 65536, M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 64 << 20}
-_malloc_tuned = None  # the current setting; None = untouched
-
-
-def _libc():
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-    except OSError:  # not glibc (macOS, musl, Windows): nothing to tune or trim
-        return None
-
-
-def set_malloc_tuned(tuned: bool) -> bool:
-    """Switch glibc malloc between the tuned and the default behaviour; False where this is not glibc.
-    Comparisons toggle it per variant, so each runs with the allocator its user would get."""
-    global _malloc_tuned
-    libc = _libc()
-    if libc is None:
-        return False
-    if tuned != _malloc_tuned:
-        for param, value in (MALLOPT_TUNED if tuned else MALLOPT_GLIBC).items():
-            libc.mallopt(param, value)
-        if not tuned:
-            libc.malloc_trim(0)  # hand back what the tuned setting kept, so glibc setups start as glibc would
-        _malloc_tuned = tuned
-    return True
-
-
 def release_free_memory():
     """Return freed heap memory to the OS, so the next peak-RSS measurement starts from live memory only."""
     gc.collect()
-    libc = _libc()
+    libc = glibc()
     if libc is not None:
         libc.malloc_trim(0)
 
@@ -209,7 +173,7 @@ class Setup:
     compile: bool = False
     optimizer: str = "loop"  # 'loop' (foreach=False, fused=False), 'default' (torch's), 'fused', 'train' (train.py's)
     tf32: bool = False  # CUDA only
-    malloc: bool = False  # glibc malloc tuned (CPU only; see MALLOPT_TUNED)
+    malloc: bool = False  # glibc malloc tuned (CPU only; see devices.MALLOPT_TUNED)
     chunked: bool = False  # model(x, y, return_logits=False): lm_head + CE in chunks, no full logits
     batch_size: int = 8
     clip: float = 0.0  # gradient clipping as train.py does it (0 = none)
@@ -223,7 +187,7 @@ class Setup:
 
 def scoreboard_setups(device, batch_size, large_batch_size, bf16_note):
     """The cumulative rows. bf16_note (non-empty) skips the bf16 row and keeps later rows fp32."""
-    cuda, glibc = device_type(device) == "cuda", _libc() is not None
+    cuda, has_glibc = device_type(device) == "cuda", glibc() is not None
     rows = [Setup("baseline: fp32, manual attention, loop AdamW, eager, full logits", batch_size=batch_size)]
     add = lambda name, **kw: rows.append(replace(rows[-1], name=name, note="", **kw))
     skip = lambda name, why: rows.append(replace(rows[-1], name=name, note=f"skipped: {why}"))
@@ -238,7 +202,7 @@ def scoreboard_setups(device, batch_size, large_batch_size, bf16_note):
         add("+ TF32 matmuls", tf32=True)
     else:
         skip("+ TF32 matmuls", "CUDA only")
-    if not cuda and glibc:
+    if not cuda and has_glibc:
         add("+ glibc malloc tuned (no mmap/trim)", malloc=True)
     else:
         skip("+ glibc malloc tuned (no mmap/trim)", "CPU with glibc only")
@@ -255,7 +219,7 @@ def train_defaults_setup(device, batch_size):
     except ImportError as e:
         return Setup("train.py defaults", note=f"skipped: cannot import train.py ({e})")
     dtype = train.choose_dtype("auto", device)
-    use_compile = bool(train.choose_compile("auto", device))
+    use_compile = bool(train.choose_compile("auto", device, dtype))
     cpu = device_type(device) == "cpu"
     malloc = cpu and bool(getattr(train, "CPU_TUNE_MALLOC", False))
     return Setup("train.py defaults", dtype=dtype, sdpa=True, compile=use_compile, optimizer="train",
@@ -384,7 +348,7 @@ def measure(cfg, setups: dict, device, rounds, warmup, interleave=True):
             release_free_memory()
     for r in range(rounds if interleave else 0):
         for key, trainer in trainers.items():
-            if trainer.cpu and trainer.setup.malloc != _malloc_tuned:
+            if trainer.cpu and trainer.setup.malloc != malloc_tuned():
                 trainer.step()  # the allocator mode changed: settle the heap untimed, as a run in this mode would
             results[key]["tok_s"].append(trainer.tokens / trainer.step())
         log(f"  round {r + 1}/{rounds}: " + ", ".join(f"{key} {results[key]['tok_s'][-1]:.0f}" for key in trainers))

@@ -413,13 +413,17 @@ class GPT(nn.Module):
         caches = [KVCache(bs) for _ in self.transformer.h] if use_kv_cache else None
         pos, feed = 0, ctx  # tokens already in the cache, tokens to run next
         done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
+        # each step multiplies one row per sequence by the whole (V, C) embedding, a memory-bound read; on a
+        # CPU a (C, V) copy streams it 1.6-2.3x faster than the (V, C) layout (bench.py, 384-768 dims)
+        w = self.lm_head.weight
+        w_out = w.t().contiguous() if w.device.type == "cpu" else w.t()  # (C, V)
         for _ in range(max_new_tokens):
             if caches is not None and pos + feed.size(1) <= bs:
                 h = self.hidden_states(feed, caches, pos)
                 pos += feed.size(1)
             else:  # no cache, or the window is full: recompute on the last block_size tokens
                 h = self.hidden_states(ctx)
-            logits = self.lm_head(h[:, -1, :]).float()  # (B, V), last position only
+            logits = (h[:, -1, :] @ w_out).float()  # (B, V), last position only
             nxt = _sample(logits, temperature, top_k, top_p, generator)  # (B,)
             if eos_token is not None:
                 nxt = torch.where(done, torch.full_like(nxt, eos_token), nxt)

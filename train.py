@@ -34,13 +34,15 @@ import torch
 
 from checkpoint import (FORMAT, checkpoint_path, clean_state_dict, latest_checkpoint, list_checkpoints,
                         load_checkpoint, prune_checkpoints, save_checkpoint)
-from devices import autocast, device_type, resolve_device
+from devices import autocast, device_type, resolve_device, resolve_dtype, set_malloc_tuned
 
-# CPU defaults for dtype/compile 'auto', measured with the demo model (4 x 128, B=8, T=128) on the
-# project's 2-core AMD EPYC (AVX2, no native bf16): bf16 autocast ran 10-15x slower than fp32 (~45 vs
-# ~500 tokens/s), and torch.compile was no faster than eager (within noise) after a 30-190 s first step.
-CPU_DTYPE = "float32"
-CPU_COMPILE = False
+# CPU defaults for dtype/compile 'auto'. On the project's 2-core AMD EPYC (AVX2, no native bf16) bf16
+# autocast ran 10-15x slower than fp32 (emulated bf16 matmuls) and torch.compile was no faster than eager in
+# fp32 after a 30-190 s first step: fp32, eager. A CPU with AVX512-BF16/AMX gets bf16 autocast (devices.
+# resolve_dtype) and compile, which were 1.4-1.9x and a further 1.6x over fp32 eager on the 6L/384d bench
+# config on such a machine (issue 7's reference figures; not measured on the AVX2 machine).
+CPU_COMPILE_BF16 = True
+CPU_TUNE_MALLOC = True  # glibc: keep freed big blocks mapped (devices.set_malloc_tuned), 1.1-1.3x per step
 
 
 # ----------------------------------------------------------------------------- config
@@ -220,17 +222,16 @@ def get_lr(step, cfg):
 def choose_dtype(dtype, device):
     if dtype != "auto":
         return dtype
-    kind = device_type(device)
-    if kind == "cuda":  # bf16 needs Ampere+; older GPUs get fp16 with loss scaling
+    if device_type(device) == "cuda":  # bf16 needs Ampere+; older GPUs get fp16 with loss scaling
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return CPU_DTYPE if kind == "cpu" else "float32"
+    return resolve_dtype("auto", device)  # bf16 on a CPU with AVX512-BF16/AMX, else fp32
 
 
-def choose_compile(setting, device):
+def choose_compile(setting, device, dtype):
     if setting != "auto":
         return setting
     kind = device_type(device)
-    return kind == "cuda" or (kind == "cpu" and CPU_COMPILE)
+    return kind == "cuda" or (kind == "cpu" and dtype == "bfloat16" and CPU_COMPILE_BF16)
 
 
 def rng_state():
@@ -354,7 +355,9 @@ def train(argv):
     master = rank == 0
     log = tqdm.write if master else (lambda *a, **k: None)
     dtype = choose_dtype(cfg.dtype, device)
-    use_compile = choose_compile(cfg.compile, device)
+    use_compile = choose_compile(cfg.compile, device, dtype)
+    if kind == "cpu" and CPU_TUNE_MALLOC:
+        set_malloc_tuned(True)
     if kind == "cuda":  # TF32 matmuls: ~8x fp32 throughput on Ampere+, plenty accurate for training
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

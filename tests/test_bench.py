@@ -1,6 +1,5 @@
-"""bench.py: allocator switch, peak-memory probe, tables, and a tiny end-to-end run (no timing assertions)."""
+"""bench.py: peak-memory probe, tables, and a tiny end-to-end run (no timing assertions)."""
 import json
-import resource
 
 import pytest
 import torch
@@ -11,31 +10,6 @@ import bench
 def test_md_table_has_header_separator_and_rows():
     text = bench.md_table(("a", "b"), [(1, "x"), (2, "y")])
     assert text.splitlines() == ["| a | b |", "|---|---|", "| 1 | x |", "| 2 | y |"]
-
-
-def _alloc_touch_free(n_bytes):
-    """(pages faulted in, bytes of RSS still held) for allocating, touching and freeing a tensor of n_bytes."""
-    rss0, faults0 = bench._status_kb("VmRSS"), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    x = torch.ones(n_bytes // 4)
-    del x
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0, (bench._status_kb("VmRSS") - rss0) * 1024
-
-
-def test_tuned_malloc_keeps_freed_big_blocks_mapped_and_glibc_mode_returns_them():
-    if not bench.set_malloc_tuned(False):  # not glibc: the switch must say so
-        assert bench._libc() is None
-        return
-    n = 128 << 20  # above glibc's largest mmap threshold (32 MiB): mmapped, then unmapped on free
-    try:
-        faults, held = _alloc_touch_free(n)
-        assert faults > n // 4096 // 2 and held < n // 4  # faulted in, then handed back
-        bench.set_malloc_tuned(True)
-        for _ in range(3):  # whether the heap reuses a freed block or grows, no page it faulted in is returned
-            faults, held = _alloc_touch_free(n)
-            assert held >= 0.8 * faults * 4096
-        assert faults < n // 4096 // 2 or held > n // 2
-    finally:
-        bench.set_malloc_tuned(False)
 
 
 def test_peak_memory_sees_a_temporary_allocation():

@@ -354,6 +354,18 @@ def test_kv_cache_greedy_equals_recompute_greedy(prompt_len, rotary_pct):
     assert torch.equal(cached[:, :prompt_len], idx)
 
 
+def test_greedy_generate_equals_argmax_of_full_forward():
+    """The decode path's own lm_head (a transposed weight copy on CPU) picks what model(idx) logits pick."""
+    model = perturb_(small_gpt(), scale=0.2)
+    idx = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(3))
+    ref = idx
+    with torch.no_grad():
+        for _ in range(10):
+            logits, _ = model(ref)  # (B, 1, V): last position
+            ref = torch.cat((ref, logits[:, -1].argmax(-1, keepdim=True)), dim=1)
+    assert torch.equal(model.generate(idx, 10, temperature=0.0), ref)
+
+
 def test_stream_yields_one_token_per_row_per_step():
     model = small_gpt()
     steps = list(model.generate_stream(torch.zeros(3, 2, dtype=torch.long), 5, temperature=0.0))
