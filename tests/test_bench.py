@@ -54,3 +54,6 @@ def test_compare_reports_ratios_and_generation(tmp_path):
     assert all(g["n_tokens"] == bench.GEN_NEW for g in gen.values())
     assert gen["ours, KV cache"]["same_tokens"] == bench.GEN_NEW  # compared with itself
     assert result["hellaswag"]["note"].startswith("skipped")  # vocab 512 cannot read GPT-2 tokens
+    bf16 = {g["variant"] for g in result["compare_generation"] if g["dtype"] == "bfloat16"}
+    assert {"ours, KV cache", "transformers generate"} <= bf16  # bf16 decoding is always reported
+    assert result["compare_training"]["ceiling_tok_s"]["float32"] > 0
