@@ -42,7 +42,7 @@ from devices import autocast, device_type, resolve_device, resolve_dtype, set_ma
 # resolve_dtype) and compile, which were 1.4-1.9x and a further 1.6x over fp32 eager on the 6L/384d bench
 # config on such a machine (issue 7's reference figures; not measured on the AVX2 machine).
 CPU_COMPILE_BF16 = True
-CPU_TUNE_MALLOC = True  # glibc: keep freed big blocks mapped (devices.set_malloc_tuned), 1.1-1.3x per step
+CPU_TUNE_MALLOC = True  # glibc: keep freed blocks mapped (devices.set_malloc_tuned): 1.27x on the bench config
 
 
 # ----------------------------------------------------------------------------- config
@@ -93,7 +93,7 @@ class TrainConfig:
     # system
     device: str = "auto"  # 'auto' (cuda > mps > cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
     dtype: str = "auto"  # 'float32', 'bfloat16', 'float16' (+GradScaler) or 'auto': bf16/fp16 on CUDA, else fp32
-    compile: bool | str = "auto"  # torch.compile the model: True, False or 'auto' (on for CUDA)
+    compile: bool | str = "auto"  # torch.compile the model: True, False or 'auto' (on for CUDA and for bf16 on CPU)
     seed: int = 1337  # seeds weights, data order and dropout
 
 
