@@ -495,7 +495,7 @@ def parse_args(argv=None):
     p.add_argument("--large_batch_size", type=int, default=None, help="the larger micro-batch row (default 2x)")
     p.add_argument("--device", default="auto", help="'auto' (cuda > mps > cpu), 'cpu', 'cuda', 'cuda:1', ...")
     p.add_argument("--steps", type=int, default=None,
-                   help="timed steps (rounds) per scoreboard row, median reported (default 3 on CPU, 20 on GPU)")
+                   help="timed steps (rounds) per scoreboard row, median reported (default 5 on CPU, 20 on GPU)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per row (+1 for compiled rows)")
     p.add_argument("--rows", default="all", help=f"'all', 'none' or a comma list of {','.join(ROW_KEYS)} "
                                                  "(rows stay cumulative)")
@@ -522,7 +522,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     cuda = device_type(device) == "cuda"
-    args.steps = args.steps or (3 if device_type(device) == "cpu" else 20)
+    args.steps = args.steps or (5 if device_type(device) == "cpu" else 20)
     args.rounds = args.rounds or (5 if device_type(device) == "cpu" else 20)
     if args.config != "small" and args.config not in PRESETS:
         raise SystemExit(f"bench.py: --config {args.config!r} is not 'small' or one of {', '.join(PRESETS)}")

@@ -366,6 +366,18 @@ def test_greedy_generate_equals_argmax_of_full_forward():
     assert torch.equal(model.generate(idx, 10, temperature=0.0), ref)
 
 
+def test_decoding_restores_the_weight_layout_even_when_abandoned():
+    """fp32 CPU decoding stores block weights column-major; a closed stream must leave them as they were."""
+    model = perturb_(small_gpt())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    stream = model.generate_stream(torch.zeros(1, 2, dtype=torch.long), 5, temperature=0.0)
+    next(stream)
+    assert not model.transformer.h[0].mlp.c_fc.weight.is_contiguous()  # the decoding layout is in force
+    stream.close()
+    for k, v in model.state_dict().items():
+        assert v.is_contiguous() and torch.equal(v, before[k]), k
+
+
 def test_stream_yields_one_token_per_row_per_step():
     model = small_gpt()
     steps = list(model.generate_stream(torch.zeros(3, 2, dtype=torch.long), 5, temperature=0.0))
