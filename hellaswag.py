@@ -209,7 +209,7 @@ def main(argv=None):
     parser.add_argument("--batch_size", type=int, default=16, help="examples per forward pass (4 rows each)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="autocast dtype; auto = bfloat16 on cuda, else float32")
+                        help="autocast dtype; auto = bfloat16 on CUDA and on CPUs with native bf16, else float32")
     parser.add_argument("--json", action="store_true", help='last stdout line: {"n": ..., "acc": ..., "acc_norm": ...}')
     parser.add_argument("--per_example", help="write one JSON line per example: ind, label, pred, pred_norm")
     parser.add_argument("--cache_dir", help="cache for the tokenizer and the data (default $GPT2_CACHE_DIR or ~/.cache/gpt2-train)")
