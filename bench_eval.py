@@ -1,6 +1,6 @@
 """Benchmark: HellaSwag examples/s, batched vs one example per forward, and that both agree.
 
-    python bench_eval.py [--n 100] [--batch_size 16] [--device auto]   # small random model, real data
+    python bench_eval.py [--n 100] [--batch_size 16] [--device auto] [--dtype auto]   # random model, real data
 """
 import argparse
 import time
@@ -8,7 +8,7 @@ import time
 import torch
 
 from assets import fetch_hellaswag, get_tokenizer
-from devices import resolve_device
+from devices import resolve_device, resolve_dtype, set_malloc_tuned
 from hellaswag import _unwrap, evaluate, load_examples, render_example, score_rows
 
 
@@ -62,17 +62,21 @@ if __name__ == "__main__":
     parser.add_argument("--n", type=int, default=100, help="number of HellaSwag examples")
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto", help="autocast dtype, as hellaswag.py's --dtype")
     parser.add_argument("--n_layer", type=int, default=6)
     parser.add_argument("--n_embd", type=int, default=384)
     args = parser.parse_args()
 
     torch.manual_seed(0)
     device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    if device == "cpu":
+        set_malloc_tuned(True)  # as hellaswag.py and train.py do
     model = GPT(GPTConfig(n_layer=args.n_layer, n_head=args.n_embd // 64, n_embd=args.n_embd)).to(device)
     examples = load_examples(fetch_hellaswag(), limit=args.n)
-    r = bench_hellaswag(model, examples, device, batch_size=args.batch_size)
+    r = bench_hellaswag(model, examples, device, batch_size=args.batch_size, dtype=dtype)
     print(f"HellaSwag on {device}, {args.n_layer}-layer {args.n_embd}-dim random GPT, {r['n']} examples, "
-          f"torch {torch.get_num_threads()} threads")
+          f"{dtype}, torch {torch.get_num_threads()} threads")
     print(f"  one example per forward: {r['single_ex_per_s']:8.1f} examples/s")
     print(f"  {args.batch_size:3d} examples per forward: {r['batched_ex_per_s']:8.1f} examples/s "
           f"({r['speedup']:.2f}x), same predictions: {r['same_preds']}")
