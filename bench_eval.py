@@ -8,7 +8,7 @@ import time
 import torch
 
 from assets import fetch_hellaswag, get_tokenizer
-from devices import resolve_device, resolve_dtype, set_malloc_tuned
+from devices import resolve_device, resolve_dtype, tune_cpu_allocator
 from hellaswag import _unwrap, evaluate, load_examples, render_example, score_rows
 
 
@@ -70,8 +70,7 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    if device == "cpu":
-        set_malloc_tuned(True)  # as hellaswag.py and train.py do
+    tune_cpu_allocator(device)  # as hellaswag.py does
     model = GPT(GPTConfig(n_layer=args.n_layer, n_head=args.n_embd // 64, n_embd=args.n_embd)).to(device)
     examples = load_examples(fetch_hellaswag(), limit=args.n)
     r = bench_hellaswag(model, examples, device, batch_size=args.batch_size, dtype=dtype)

@@ -97,3 +97,8 @@ def set_malloc_tuned(tuned: bool) -> bool:
             libc.malloc_trim(0)  # hand back what the tuned setting kept, as glibc would have
         _malloc_tuned = tuned
     return True
+
+
+def tune_cpu_allocator(device) -> bool:
+    """What train.py, hellaswag.py and bench_eval.py do on a CPU: set_malloc_tuned(True). No-op elsewhere."""
+    return device_type(device) == "cpu" and set_malloc_tuned(True)

@@ -34,7 +34,7 @@ import torch
 
 from checkpoint import (FORMAT, checkpoint_path, clean_state_dict, latest_checkpoint, list_checkpoints,
                         load_checkpoint, prune_checkpoints, save_checkpoint)
-from devices import autocast, device_type, resolve_device, resolve_dtype, set_malloc_tuned
+from devices import autocast, device_type, resolve_device, resolve_dtype, tune_cpu_allocator
 
 # CPU defaults for dtype/compile 'auto'. On the project's 2-core AMD EPYC (AVX2, no native bf16) bf16
 # autocast ran 10-15x slower than fp32 (emulated bf16 matmuls) and torch.compile was no faster than eager in
@@ -42,7 +42,7 @@ from devices import autocast, device_type, resolve_device, resolve_dtype, set_ma
 # resolve_dtype) and compile, which were 1.4-1.9x and a further 1.6x over fp32 eager on the 6L/384d bench
 # config on such a machine (issue 7's reference figures; not measured on the AVX2 machine).
 CPU_COMPILE_BF16 = True
-CPU_TUNE_MALLOC = True  # glibc: keep freed blocks mapped (devices.set_malloc_tuned): 1.27x on the bench config
+CPU_TUNE_MALLOC = True  # glibc: keep freed blocks mapped (devices.set_malloc_tuned): 1.3x on the bench config
 
 
 # ----------------------------------------------------------------------------- config
@@ -356,8 +356,8 @@ def train(argv):
     log = tqdm.write if master else (lambda *a, **k: None)
     dtype = choose_dtype(cfg.dtype, device)
     use_compile = choose_compile(cfg.compile, device, dtype)
-    if kind == "cpu" and CPU_TUNE_MALLOC:
-        set_malloc_tuned(True)
+    if CPU_TUNE_MALLOC:
+        tune_cpu_allocator(device)
     if kind == "cuda":  # TF32 matmuls: ~8x fp32 throughput on Ampere+, plenty accurate for training
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
