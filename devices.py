@@ -1,11 +1,16 @@
-"""Device, precision and allocator choices shared by the command-line entry points.
+"""Device, precision, compile and allocator policy: the one place these choices are made.
 
-resolve_device('auto') picks cuda > mps > cpu; resolve_dtype('auto') picks bfloat16 where the
-device runs it fast (cuda with bf16 support, a CPU with AVX512-BF16 or AMX) and float32 elsewhere;
-autocast() turns a dtype name into the context manager that runs a forward pass in it;
+resolve_device('auto') picks cuda > mps > cpu. resolve_dtype('auto') picks the precision every script
+(train.py, sample.py, hellaswag.py, the benchmarks) runs in: bfloat16 on a CUDA GPU with native bf16
+(Ampere and newer) and on a CPU with AVX512-BF16 or AMX; float16 on older CUDA GPUs (train.py adds a
+GradScaler); float32 elsewhere (MPS, CPUs that would emulate bf16). resolve_compile('auto') compiles on
+CUDA and on a CPU running bf16. autocast() turns a resolved dtype into the context manager for a forward
+pass. peak_flops() and fused_adamw_supported() describe the hardware for MFU and the optimizer;
 set_malloc_tuned() stops glibc from unmapping and re-faulting big CPU tensors every step.
 """
 import ctypes
+import functools
+import re
 from contextlib import nullcontext
 
 import torch
@@ -31,32 +36,112 @@ def device_type(device):
 
 def cpu_has_fast_bf16():
     """Whether this x86 CPU multiplies bf16 in hardware (AVX512-BF16 or AMX). Without it torch emulates
-    bf16 matmuls: on the project's AVX2 machine they ran at 16 GFLOP/s against 145 in fp32 (bench.py)."""
+    bf16 matmuls, several times slower than fp32 (the README's measured section)."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private but stable since torch 2.3
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
+def cuda_has_native_bf16():
+    """bf16 in hardware (compute capability 8.0+). torch.cuda.is_bf16_supported() alone also says True on
+    V100/T4, which emulate it slowly."""
+    return torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def resolve_dtype(dtype, device):
-    """'auto' -> 'bfloat16' on a cuda device with bf16 support or a CPU with fast bf16, else 'float32'."""
-    if dtype == "auto":
-        kind = device_type(device)
-        fast = torch.cuda.is_bf16_supported() if kind == "cuda" else kind == "cpu" and cpu_has_fast_bf16()
-        return "bfloat16" if fast else "float32"
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)} or 'auto'")
-    return dtype
+    """The dtype name a run uses: `dtype` itself if not 'auto', else the fast one for `device`:
+    cuda -> bfloat16 with native bf16, else float16; cpu -> bfloat16 with AVX512-BF16/AMX, else float32;
+    mps and others -> float32. Training and inference use the same rule (fp16 training adds a GradScaler)."""
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)} or 'auto'")
+        return dtype
+    kind = device_type(device)
+    if kind == "cuda":
+        return "bfloat16" if cuda_has_native_bf16() else "float16"
+    if kind == "cpu" and cpu_has_fast_bf16():
+        return "bfloat16"
+    return "float32"
+
+
+def resolve_compile(setting, device, dtype):
+    """Whether to torch.compile: `setting` if True/False; 'auto' -> on CUDA, and on a CPU running bf16
+    (compile fuses the casts autocast adds; in fp32 on a CPU it measured no faster than eager)."""
+    if setting != "auto":
+        return bool(setting)
+    kind = device_type(device)
+    return kind == "cuda" or (kind == "cpu" and dtype == "bfloat16")
 
 
 def autocast(device, dtype):
-    """Context manager running ops in `dtype` (a name, a torch.dtype or None) on `device`.
+    """Context manager running ops in `dtype` (a resolved name from resolve_dtype, a torch.dtype or None).
 
     float32/None -> no autocast at all (a nullcontext), so fp32 results are bit-for-bit plain.
     """
-    if isinstance(dtype, str):
-        dtype = DTYPES[resolve_dtype(dtype, device)]
+    dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     if dtype is None or dtype == torch.float32:
         return nullcontext()
     return torch.autocast(device_type=device_type(device), dtype=dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def fused_adamw_supported(device_type: str) -> bool:
+    """Whether this torch build has the fused AdamW kernel for device_type (tried on a tiny tensor)."""
+    try:
+        p = torch.nn.Parameter(torch.zeros(1, device=device_type))
+        p.grad = torch.zeros_like(p)
+        torch.optim.AdamW([p], fused=True).step()
+        return True
+    except (RuntimeError, TypeError, ValueError):
+        return False
+
+
+def is_oom(exc) -> bool:
+    """Whether an exception (or one it was raised from) is an out-of-memory error of any device."""
+    while exc is not None:
+        if isinstance(exc, torch.OutOfMemoryError) or isinstance(exc, RuntimeError) and "out of memory" in str(exc):
+            return True
+        exc = exc.__cause__
+    return False
+
+
+def is_compile_error(exc) -> bool:
+    """Whether an exception came from torch.compile itself (Dynamo tracing, Inductor or the backend compiler,
+    e.g. no working C++ compiler), the only errors worth retrying eagerly. An out-of-memory or device
+    error raised while compiling is not one: it would fail the same way without compile."""
+    from torch._dynamo.exc import TorchDynamoException
+    from torch._inductor.exc import CppCompileError
+    return isinstance(exc, (TorchDynamoException, CppCompileError)) and not is_oom(exc)
+
+
+# Dense (non-sparse) peak FLOP/s from vendor data sheets: bf16/fp16 tensor cores, and "tf32" for fp32 training
+# with TF32 matmuls. Matched against the words of torch.cuda.get_device_name() (split on spaces and dashes), the
+# first row whose words all appear winning, so "L40" never matches an "L40S" and the NVL/PCIe rows come first.
+PEAK_FLOPS = [
+    (("H100", "NVL"), {"bf16": 835e12, "fp16": 835e12, "tf32": 418e12}),
+    (("H200", "NVL"), {"bf16": 835e12, "fp16": 835e12, "tf32": 418e12}),
+    (("H100", "PCIE"), {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12}),
+    (("H100",), {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12}),  # SXM ("NVIDIA H100 80GB HBM3")
+    (("H200",), {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12}),
+    (("A100",), {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12}),
+    (("L40S",), {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12}),
+    (("L40",), {"bf16": 181e12, "fp16": 181e12, "tf32": 90e12}),
+    (("L4",), {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12}),
+    (("RTX", "4090"), {"bf16": 165e12, "fp16": 165e12, "tf32": 83e12}),
+    (("V100",), {"fp16": 125e12}),
+]
+_DTYPE_ALIASES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "tf32": "tf32",
+                  "float32": "tf32", "fp32": "tf32"}
+
+
+def peak_flops(device_name: str, dtype: str) -> float | None:
+    """Peak FLOP/s of a GPU (a torch.cuda.get_device_name() string) for matmuls in dtype ('bfloat16',
+    'float16', or 'float32'/'tf32' meaning fp32 with TF32 matmuls); None if unknown (CPUs included)."""
+    key = _DTYPE_ALIASES.get(str(dtype).replace("torch.", "").lower())
+    words = set(re.split(r"[\s\-_]+", device_name.upper()))
+    for names, table in PEAK_FLOPS:
+        if all(name in words for name in names):
+            return table.get(key)
+    return None
 
 
 # glibc serves allocations above its mmap threshold (at most 32 MiB) with mmap and unmaps them on free, so
@@ -100,5 +185,5 @@ def set_malloc_tuned(tuned: bool) -> bool:
 
 
 def tune_cpu_allocator(device) -> bool:
-    """What train.py, hellaswag.py and bench_eval.py do on a CPU: set_malloc_tuned(True). No-op elsewhere."""
+    """What every script does on a CPU: set_malloc_tuned(True). No-op elsewhere."""
     return device_type(device) == "cpu" and set_malloc_tuned(True)

@@ -4,7 +4,6 @@ Parameter names follow OpenAI / Hugging Face GPT-2 (transformer.wte, transformer
 so moving weights to and from `GPT2LMHeadModel` is a key-by-key copy plus a transpose of the four
 Conv1D weights (HF stores them (in, out); nn.Linear stores (out, in)).
 """
-import functools
 import json
 import math
 import warnings
@@ -39,19 +38,24 @@ PRESETS = {
 
 @dataclass
 class GPTConfig:
-    block_size: int = 1024  # max context length
-    vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64 (faster matmuls)
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = True  # biases in Linear and LayerNorm (GPT-2 has them)
+    block_size: int = 1024  # context length in tokens
+    vocab_size: int = 50304  # GPT-2's 50257 tokens padded up to a multiple of 64 for faster matmuls
+    n_layer: int = 12  # transformer blocks
+    n_head: int = 12  # attention heads per block
+    n_embd: int = 768  # residual stream width
+    dropout: float = 0.0  # dropout probability; 0 for pretraining
+    bias: bool = True  # biases in Linear layers and LayerNorms, as GPT-2
     rotary_pct: float | None = None  # None: learned wpe; else fraction of head dims rotated (GPT-NeoX)
-    activation_checkpointing: bool = False  # recompute each block in backward to save memory
+    activation_checkpointing: bool = False  # recompute activations in backward: much less memory, ~1/3 slower
 
     def __post_init__(self):
+        for key in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if not getattr(self, key) >= 1:
+                raise ValueError(f"GPTConfig: {key} must be >= 1; got {getattr(self, key)!r}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"GPTConfig: dropout must be in [0, 1); got {self.dropout!r}")
         if self.n_embd % self.n_head:
-            raise ValueError(f"GPTConfig: n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+            raise ValueError(f"GPTConfig: n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if self.rotary_pct is not None:
             if not 0 < self.rotary_pct <= 1:
                 raise ValueError(f"GPTConfig: rotary_pct={self.rotary_pct}, expected None or a value in (0, 1]")
@@ -298,12 +302,13 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------------- training helpers
 
-    def configure_optimizer(self, weight_decay: float, lr: float, betas, device_type: str) -> torch.optim.AdamW:
-        """AdamW with weight decay on 2D+ parameters only (matmul weights, embeddings), not biases/LayerNorms."""
+    def configure_optimizer(self, weight_decay: float, lr: float, betas, fused: bool = False) -> torch.optim.AdamW:
+        """AdamW with weight decay on 2D+ parameters only (matmul weights, embeddings), not biases/LayerNorms.
+        fused: the one-kernel implementation (devices.fused_adamw_supported says where it exists)."""
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        impl = {"fused": True} if fused_adamw_supported(device_type) else {"foreach": True}
+        impl = {"fused": True} if fused else {"foreach": True}
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), **impl)
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
@@ -520,39 +525,3 @@ def _read_hf_weights(path: Path) -> dict:
     if (path / "pytorch_model.bin").is_file():
         return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
     raise FileNotFoundError(f"GPT.from_pretrained: {path} has neither model.safetensors nor pytorch_model.bin")
-
-
-@functools.lru_cache(maxsize=None)
-def fused_adamw_supported(device_type: str) -> bool:
-    """Whether this torch build has the fused AdamW kernel for device_type (tried on a tiny tensor)."""
-    try:
-        p = nn.Parameter(torch.zeros(1, device=device_type))
-        p.grad = torch.zeros_like(p)
-        torch.optim.AdamW([p], fused=True).step()
-        return True
-    except (RuntimeError, TypeError, ValueError):
-        return False
-
-
-# Dense (non-sparse) peak FLOP/s from vendor data sheets, keyed by a substring of torch.cuda.get_device_name().
-# First match wins, so more specific names come first. "tf32" is the peak for fp32 training with TF32 matmuls.
-PEAK_FLOPS = [
-    ("H100 PCIE", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12}),
-    ("H100", {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12}),  # SXM
-    ("H200", {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12}),
-    ("A100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12}),
-    ("L4", {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12}),
-    ("RTX 4090", {"bf16": 165e12, "fp16": 165e12, "tf32": 83e12}),
-    ("V100", {"fp16": 125e12}),
-]
-_DTYPE_ALIASES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "tf32": "tf32",
-                  "float32": "tf32", "fp32": "tf32"}
-
-
-def peak_flops(device_name: str, dtype: str) -> float | None:
-    """Peak FLOP/s of a device for training in dtype ('bfloat16', 'float16', 'float32'/'tf32'); None if unknown."""
-    key = _DTYPE_ALIASES.get(str(dtype).replace("torch.", "").lower())
-    for name, table in PEAK_FLOPS:
-        if name in device_name.upper():
-            return table.get(key)
-    return None

@@ -1,4 +1,5 @@
-# GPT-2 XL (1.5B) on 10B tokens of FineWeb-Edu, as trained in ../shared/articles/003 (section 12:
+# GPT-2 XL (1.5B) on 10B tokens of FineWeb-Edu, as trained in the GPT-2 scaling write-up that goes
+# from a laptop to 8xH100 (section 12:
 # micro-batch 16 x 1024 per H100, ~1M tokens per step, so 8 accumulation steps on one 8-GPU node,
 # ~9500 steps). The article gives no optimizer settings; these follow llm.c's GPT-2 1.5B run
 # (max lr 6e-4 decayed to 10%, 700 warmup steps, weight decay 0.1, grad clip 1.0).
@@ -7,11 +8,7 @@ data_dir = "data/fineweb-edu"
 out_dir = "out/gpt2_1558m"
 
 # GPT-2 XL: 48 layers, 25 heads of 64, 1600 wide
-n_layer = 48
-n_head = 25
-n_embd = 1600
-block_size = 1024
-vocab_size = 50304
+preset = 'gpt2-xl'  # the model shape from model.PRESETS; vocab_size stays 50304 (50257 padded)
 
 batch_size = 16  # 16 x 1024 tokens per GPU per micro-step
 total_batch_size = 1048576  # 2**20 tokens per step: 8 accumulation steps on 8 GPUs

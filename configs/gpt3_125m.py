@@ -1,15 +1,12 @@
-# GPT-3 125M following the MosaicML GPT-3 recipe (../shared/articles/000): the GPT-3 family shape
+# GPT-3 125M following the MosaicML GPT-3 recipe (MosaicML blog, "Mosaic LLMs (Part 1):
+# Billion-Parameter GPT Training Made Easy"): the GPT-3 family shape
 # with context 2048, cosine decay with 1% warmup, bf16, plain data parallelism. Learning rate and
 # batch size are the GPT-3 paper's (Table 2.1) for this size.
 #   torchrun --standalone --nproc_per_node=8 train.py configs/gpt3_125m.py
 data_dir = "data/fineweb-edu"
 out_dir = "out/gpt3_125m"
 
-n_layer = 12
-n_head = 12
-n_embd = 768
-block_size = 2048
-vocab_size = 50304
+preset = 'gpt3-125m'  # the model shape from model.PRESETS; vocab_size stays 50304 (50257 padded)
 
 batch_size = 16  # sequences of 2048 per GPU per micro-step
 total_batch_size = 524288  # 256 sequences x 2048 (0.5M tokens)

@@ -1,32 +1,94 @@
-"""devices.py: dtype choice per device, and the glibc allocator switch train.py applies on a CPU."""
+"""devices.py: the one dtype/compile policy, the GPU peak table, error classification, and the glibc
+allocator switch every script applies on a CPU."""
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 import devices
-import train
 
 
-def test_cpu_dtype_follows_native_bf16(monkeypatch):
+def test_cpu_dtype_and_compile_follow_native_bf16(monkeypatch):
     monkeypatch.setattr(devices, "cpu_has_fast_bf16", lambda: False)
-    assert devices.resolve_dtype("auto", "cpu") == train.choose_dtype("auto", "cpu") == "float32"
-    assert train.choose_compile("auto", "cpu", "float32") is False  # fp32 eager: compile measured no faster
+    assert devices.resolve_dtype("auto", "cpu") == "float32"
+    assert devices.resolve_compile("auto", "cpu", "float32") is False  # fp32 eager: compile measured no faster
     monkeypatch.setattr(devices, "cpu_has_fast_bf16", lambda: True)
-    assert devices.resolve_dtype("auto", "cpu") == train.choose_dtype("auto", "cpu") == "bfloat16"
-    assert train.choose_compile("auto", "cpu", "bfloat16") is True
-    assert devices.resolve_dtype("auto", "mps") == "float32"
-    assert train.choose_dtype("float16", "cpu") == "float16" and train.choose_compile(False, "cpu", "bfloat16") is False
+    assert devices.resolve_dtype("auto", "cpu") == "bfloat16"
+    assert devices.resolve_compile("auto", "cpu", "bfloat16") is True
+    assert devices.resolve_dtype("auto", "mps") == "float32" and devices.resolve_compile("auto", "mps", "float32") is False
+    assert devices.resolve_dtype("float16", "cpu") == "float16" and devices.resolve_compile(False, "cpu", "bfloat16") is False
+    with pytest.raises(ValueError, match="'fp8' is not one of"):
+        devices.resolve_dtype("fp8", "cpu")
+
+
+def test_cuda_dtype_uses_native_bf16_only(monkeypatch):
+    """V100/T4 report bf16 support through emulation; only a GPU with bf16 in hardware gets it, others fp16."""
+    calls = []
+
+    def is_bf16_supported(including_emulation=True):
+        calls.append(including_emulation)
+        return including_emulation  # an emulating GPU: True only when emulation counts
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    assert devices.resolve_dtype("auto", "cuda:1") == "float16" and calls == [False]
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # Ampere+
+    assert devices.resolve_dtype("auto", "cuda") == "bfloat16"
+    assert devices.resolve_compile("auto", "cuda", "float16") is True
+
+
+@pytest.mark.parametrize("name, dtype, expected", [  # real torch.cuda.get_device_name() strings
+    ("NVIDIA H100 80GB HBM3", "bfloat16", 989e12),
+    ("NVIDIA H100 80GB HBM3", "float32", 494e12),  # fp32 training runs TF32 matmuls
+    ("NVIDIA H100 PCIe", "bfloat16", 756e12),
+    ("NVIDIA H100 NVL", "bfloat16", 835e12),
+    ("NVIDIA H200", "bf16", 989e12),
+    ("NVIDIA H200 NVL", "bfloat16", 835e12),
+    ("NVIDIA A100-SXM4-80GB", "bfloat16", 312e12),
+    ("NVIDIA A100-SXM4-80GB", "tf32", 156e12),
+    ("NVIDIA A100 80GB PCIe", "float16", 312e12),
+    ("NVIDIA L40S", "bfloat16", 362e12),
+    ("NVIDIA L40", "bfloat16", 181e12),
+    ("NVIDIA L4", "bfloat16", 121e12),
+    ("NVIDIA GeForce RTX 4090", "bfloat16", 165e12),
+    ("Tesla V100-SXM2-16GB", "bfloat16", None),
+    ("NVIDIA GH200 480GB", "bfloat16", None),  # unknown: no MFU rather than a wrong one
+    ("cpu", "float32", None),
+])
+def test_peak_flops_matches_whole_device_names(name, dtype, expected):
+    assert devices.peak_flops(name, dtype) == expected
+
+
+def test_oom_and_compile_errors_are_told_apart():
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._inductor.exc import CppCompileError
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert devices.is_oom(oom) and devices.is_oom(RuntimeError("MPS backend out of memory"))
+    assert not devices.is_oom(RuntimeError("NCCL error: unhandled system error"))
+    compile_failed = BackendCompilerFailed("inductor", CppCompileError(["g++"], "no working C++ compiler"), None)
+    assert devices.is_compile_error(compile_failed) and devices.is_compile_error(CppCompileError(["g++"], "x"))
+    try:  # an OOM while compiling (autotuning, say) is an OOM, not a reason to go eager
+        try:
+            raise oom
+        except torch.OutOfMemoryError as e:
+            raise BackendCompilerFailed("inductor", e, None) from e
+    except BackendCompilerFailed as wrapped:
+        assert devices.is_oom(wrapped) and not devices.is_compile_error(wrapped)
+    assert not devices.is_compile_error(oom) and not devices.is_compile_error(RuntimeError("NCCL timeout"))
 
 
 ALLOCATOR_PROBE = """
 import resource, sys, torch, devices
-from bench import _status_kb
+
+def rss_kb():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1])
 
 def alloc_touch_free(n_bytes):  # (pages faulted in, bytes of RSS still held afterwards)
-    rss0, faults0 = _status_kb("VmRSS"), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    rss0, faults0 = rss_kb(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     x = torch.ones(n_bytes // 4)
     del x
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0, (_status_kb("VmRSS") - rss0) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0, (rss_kb() - rss0) * 1024
 
 if not devices.set_malloc_tuned(False):
     sys.exit(f"not glibc {devices.glibc()}")

@@ -17,11 +17,13 @@ import pytest
 import torch
 
 import checkpoint
+import config
 import model as model_module
 import train
 from checkpoint import latest_checkpoint, load_checkpoint
+from config import ConfigError, TrainConfig, make_config, parse_args
 from data import write_shard
-from train import ConfigError, TrainConfig, get_lr, make_config, parse_args
+from train import get_lr
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--vocab_size=64", "--batch_size=4",
@@ -64,9 +66,9 @@ def train_losses(out_dir):
 def test_config_file_then_command_line(tmp_path):
     cfg_file = tmp_path / "my.py"
     cfg_file.write_text("import math\n_private = 3\nn_layer = 4\nlearning_rate = 1e-3\nout_dir = 'out/a'\n"
-                        "min_lr = 1  # an int is fine for a float key\n")
+                        "min_lr = 0  # an int is fine for a float key\n")
     user = parse_args([str(cfg_file), "--n_layer=6", "--out_dir=out/b", "--compile=auto", "--lr_decay_steps=None"])
-    assert user == {"n_layer": 6, "learning_rate": 1e-3, "out_dir": "out/b", "min_lr": 1.0,
+    assert user == {"n_layer": 6, "learning_rate": 1e-3, "out_dir": "out/b", "min_lr": 0.0,
                     "compile": "auto", "lr_decay_steps": None}
     cfg = make_config(user)
     assert cfg.n_layer == 6 and isinstance(cfg.min_lr, float) and cfg.batch_size == TrainConfig().batch_size
@@ -113,8 +115,8 @@ def test_total_batch_size_must_divide(data_dir, tmp_path, capsys):
 
 
 def test_every_key_is_documented():
-    docs = train.config_docs()
-    assert set(docs) == {f for f in train.FIELD_TYPES}
+    docs = config.config_docs()
+    assert set(docs) == {f for f in config.FIELD_TYPES}
     assert all(comment for _, comment in docs.values())
 
 
@@ -195,19 +197,53 @@ def test_refuses_to_start_over_existing_checkpoints(data_dir, tmp_path, capsys):
     assert exit_.value.code == 2 and "--init_from=resume" in capsys.readouterr().err
 
 
-def test_compile_failure_falls_back_to_eager(data_dir, tmp_path, monkeypatch, capsys):
-    class BrokenCompiled(torch.nn.Module):  # fails on its first call, as a compile error does
+def fake_compile(monkeypatch, error):
+    """torch.compile returns a model that raises `error` on its first call, as a compile problem does."""
+    class BrokenCompiled(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self._orig_mod = model
+
         def forward(self, *args, **kwargs):
-            raise RuntimeError("no working C++ compiler\nlong details")
+            raise error
 
-    def broken_compile(model):
-        return BrokenCompiled()
+    monkeypatch.setattr(torch, "compile", BrokenCompiled)
 
-    monkeypatch.setattr(torch, "compile", broken_compile)
+
+def test_compile_failure_falls_back_to_eager(data_dir, tmp_path, monkeypatch, capsys):
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._inductor.exc import CppCompileError
+    fake_compile(monkeypatch, BackendCompilerFailed("inductor", CppCompileError(["g++"], "no working C++ compiler"),
+                                                    None))
     assert run(data_dir, tmp_path / "compiled", "--max_steps=4", "--compile=True", "--dropout=0.1") == 0
-    assert "torch.compile failed (RuntimeError: no working C++ compiler); falling back to eager" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "torch.compile failed (BackendCompilerFailed: " in out and "training eagerly" in out
     assert run(data_dir, tmp_path / "eager", "--max_steps=4", "--dropout=0.1") == 0
-    assert train_losses(tmp_path / "compiled") == train_losses(tmp_path / "eager")
+    assert train_losses(tmp_path / "compiled") == train_losses(tmp_path / "eager")  # the trial left no trace
+
+
+def test_out_of_memory_under_compile_is_not_called_a_compile_failure(data_dir, tmp_path, monkeypatch, capsys):
+    fake_compile(monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"))
+    with pytest.raises(torch.OutOfMemoryError):
+        run(data_dir, tmp_path, "--max_steps=4", "--compile=True")
+    assert "torch.compile failed" not in capsys.readouterr().out
+
+
+def test_skip_reason_counts_consecutive_skips_and_halts():
+    cfg = TrainConfig(max_skipped_steps=3)
+    scaler, progress = torch.amp.GradScaler("cpu", enabled=False), train.Progress()
+    assert train.skip_reason(2.5, 0.7, scaler, cfg, progress, step=1) is None
+    assert "non-finite loss" in train.skip_reason(float("nan"), 0.7, scaler, cfg, progress, step=2)
+    assert "non-finite gradient norm" in train.skip_reason(2.5, float("inf"), scaler, cfg, progress, step=3)
+    with pytest.raises(train.Halt, match="3 updates in a row skipped"):
+        train.skip_reason(float("nan"), float("nan"), scaler, cfg, progress, step=4)
+    progress = train.Progress(skipped_in_a_row=2)
+    assert train.skip_reason(2.5, 0.7, scaler, cfg, progress, step=5) is None and progress.skipped_in_a_row == 0
+    with pytest.raises(train.Halt, match="nonfinite='halt'"):
+        train.skip_reason(float("nan"), 1.0, scaler, TrainConfig(nonfinite="halt"), progress, step=6)
+    fp16 = torch.amp.GradScaler("cpu", enabled=True)  # an fp16 overflow is routine: never counted
+    for step in range(10):
+        assert "fp16 gradient overflow" in train.skip_reason(2.5, float("inf"), fp16, cfg, progress, step)
 
 
 # ----------------------------------------------------------------------------- exact resume

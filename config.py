@@ -1,0 +1,201 @@
+"""Training configuration: the TrainConfig keys, config files, --key=value overrides, validation, --help.
+
+A config file is plain Python assignments to TrainConfig keys (nanoGPT's convention: it is executed, so
+only use config files you trust); `--key=value` overrides are Python literals (strings may be written
+bare) and win over the file. The model's keys are GPTConfig's fields, declared once in model.py:
+TrainConfig extends GPTConfig, so every model option is a config key without being restated here,
+and GPTConfig validates its own values.
+
+Precedence, lowest first: defaults < the checkpoint's config (on resume) < `preset` < config files <
+--key=value, in command-line order.
+"""
+import ast
+import difflib
+import inspect
+import math
+import re
+import types
+import typing
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from model import PRESETS, GPTConfig
+
+MODEL_KEYS = tuple(f.name for f in fields(GPTConfig))
+TRAINING_ONLY_MODEL_KEYS = ("dropout", "activation_checkpointing")  # may change on resume; not in the weights
+ARCH_KEYS = tuple(k for k in MODEL_KEYS if k not in TRAINING_ONLY_MODEL_KEYS)  # fixed by the weights
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message is one line."""
+
+
+@dataclass
+class TrainConfig(GPTConfig):
+    # data and output
+    data_dir: str = "data/fineweb-edu"  # directory (or glob) of token shards written by prepare_data.py
+    out_dir: str = "out"  # checkpoints, metrics.jsonl and config.json are written here
+    init_from: str = "scratch"  # 'scratch', 'resume' (latest checkpoint in out_dir), 'gpt2'..'gpt2-xl' or an HF dir
+    preset: str | None = None  # fill the model keys from model.PRESETS, e.g. 'gpt2', 'gpt3-350m' (keys set win)
+    # batch
+    batch_size: int = 16  # micro-batch: sequences per process per forward/backward
+    total_batch_size: int | None = None  # tokens per step: a multiple of batch_size*block_size*world_size (None: that)
+    # optimization
+    max_steps: int = 19073  # optimizer steps to train for
+    lr_decay_steps: int | None = None  # schedule length (None: max_steps); fix it to stop early, resume later
+    learning_rate: float = 6e-4  # peak learning rate, reached at the end of warmup
+    min_lr: float = 6e-5  # learning rate at the end of the decay
+    warmup_steps: int = 715  # linear warmup from learning_rate/warmup_steps to learning_rate
+    lr_schedule: str = "cosine"  # 'cosine' (decay over the whole schedule) or 'wsd' (warmup-stable-decay)
+    wsd_decay_frac: float = 0.2  # 'wsd' only: fraction of lr_decay_steps spent in the final linear decay
+    weight_decay: float = 0.1  # AdamW weight decay of the matmul and embedding weights (not biases/LayerNorms)
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables clipping
+    nonfinite: str = "skip"  # a NaN/inf loss or gradient norm: 'skip' the update or 'halt' the run (exit 1)
+    max_skipped_steps: int = 10  # halt (exit 1) after this many consecutive skipped updates; 0: no limit
+    # evaluation, logging, checkpoints (an interval of 0 disables that activity)
+    eval_interval: int = 250  # steps between validation-loss evaluations (also at step 0 and the last step)
+    eval_steps: int = 20  # val micro-batches per process per evaluation (the same fixed batches every time)
+    hellaswag_interval: int = 0  # steps between HellaSwag evaluations
+    hellaswag_limit: int | None = None  # evaluate only the first N HellaSwag examples; None: all 10,042
+    sample_interval: int = 0  # steps between printed sample previews
+    sample_prompt: str = ""  # prompt of the sample preview ('' starts from <|endoftext|>)
+    sample_tokens: int = 64  # tokens generated per sample preview
+    log_interval: int = 10  # steps between console lines (metrics.jsonl gets every step)
+    save_interval: int = 1000  # steps between checkpoints; the last step always gets one
+    keep_last: int = 2  # checkpoints kept besides the best by val loss; 0 keeps all
+    # system
+    device: str = "auto"  # 'auto' (cuda > mps > cpu), 'cpu', 'cuda', 'cuda:1', 'mps'
+    dtype: str = "auto"  # 'float32', 'bfloat16', 'float16' (+GradScaler) or 'auto' (devices.resolve_dtype)
+    compile: bool | str = "auto"  # torch.compile the model: True, False or 'auto' (devices.resolve_compile)
+    seed: int = 1337  # seeds weights, data order and dropout
+
+    def __post_init__(self):
+        for key, options in CHOICES.items():
+            if getattr(self, key) not in options:
+                raise ConfigError(f"config key '{key}' must be one of {', '.join(map(repr, options))}; "
+                                  f"got {getattr(self, key)!r}")
+        for f in fields(self):  # 1e999 and nan are typos, not settings
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"config key '{f.name}' must be a finite number; got {value!r}")
+        for key, (ok, what) in RANGES.items():
+            value = getattr(self, key)
+            if value is not None and not ok(value):
+                raise ConfigError(f"config key '{key}' must be {what}; got {value!r}")
+        if self.min_lr > self.learning_rate:
+            raise ConfigError(f"config key 'min_lr' must be <= learning_rate={self.learning_rate}; got {self.min_lr}")
+        try:
+            super().__post_init__()  # the model's own checks
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+CHOICES = {"lr_schedule": ("cosine", "wsd"), "nonfinite": ("skip", "halt"), "compile": (True, False, "auto"),
+           "dtype": ("auto", "float32", "bfloat16", "float16")}
+AT_LEAST_ONE = ("batch_size", "eval_steps", "sample_tokens", "total_batch_size", "lr_decay_steps", "hellaswag_limit")
+NON_NEGATIVE = ("max_steps", "warmup_steps", "eval_interval", "hellaswag_interval", "sample_interval", "log_interval",
+                "save_interval", "keep_last", "seed", "max_skipped_steps", "min_lr", "weight_decay", "grad_clip")
+RANGES = {  # key: (check, what the message says); None passes where the key allows it
+    **{k: (lambda v: v >= 1, ">= 1") for k in AT_LEAST_ONE},
+    **{k: (lambda v: v >= 0, ">= 0") for k in NON_NEGATIVE},
+    "learning_rate": (lambda v: v > 0, "> 0"),
+    "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "wsd_decay_frac": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+}
+FIELD_TYPES = typing.get_type_hints(TrainConfig)
+
+
+def config_docs():
+    """{key: (default, comment)} read from the source of GPTConfig and TrainConfig (--help, the README table)."""
+    source = inspect.getsource(GPTConfig) + inspect.getsource(TrainConfig)
+    comments = dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.+)$", source, re.M))
+    return {f.name: (f.default, comments.get(f.name, "")) for f in fields(TrainConfig)}
+
+
+def check_value(key, value, source):
+    """`value` converted to key's field type, or ConfigError naming where it came from."""
+    if key not in FIELD_TYPES:
+        close = difflib.get_close_matches(key, FIELD_TYPES, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(f"{source}: unknown config key '{key}'{hint}")
+    allowed = typing.get_args(FIELD_TYPES[key]) or (FIELD_TYPES[key],)
+    for tp in allowed:
+        if value is None and tp is type(None) or tp is bool and isinstance(value, bool):
+            return value
+        if isinstance(value, bool):  # True is an int in Python, but never a valid int/float setting
+            continue
+        if tp is int and isinstance(value, int) or tp is str and isinstance(value, str):
+            return value
+        if tp is float and isinstance(value, (int, float)):
+            return float(value)
+    expected = " or ".join("None" if tp is type(None) else tp.__name__ for tp in allowed)
+    raise ConfigError(f"{source}: config key '{key}' expects {expected}, got {type(value).__name__} {value!r}")
+
+
+def read_config_file(path):
+    """{key: value} of the plain assignments in a config file (names starting with '_' are private)."""
+    if not Path(path).is_file():
+        raise ConfigError(f"config file '{path}' not found")
+    namespace = {}
+    try:
+        exec(compile(Path(path).read_text(), str(path), "exec"), namespace)
+    except Exception as e:
+        raise ConfigError(f"{path}: {type(e).__name__}: {e}") from None
+    return {key: check_value(key, value, path) for key, value in namespace.items()
+            if not key.startswith("_") and not isinstance(value, types.ModuleType) and not callable(value)}
+
+
+def parse_args(argv):
+    """{key: value} the user set on this command line: config files in order, then --key=value (later wins)."""
+    user = {}
+    for arg in argv:
+        if not arg.startswith("--"):
+            user.update(read_config_file(arg))
+            continue
+        key, eq, raw = arg[2:].partition("=")
+        if not eq:
+            raise ConfigError(f"'{arg}': write overrides as --key=value")
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw  # a bare word: a string, if the key takes strings
+        try:
+            user[key] = check_value(key, value, arg)
+        except ConfigError:
+            if key not in FIELD_TYPES or str not in typing.get_args(FIELD_TYPES[key]) + (FIELD_TYPES[key],):
+                raise
+            user[key] = raw  # --out_dir=123 means the directory '123'
+    return user
+
+
+def make_config(user, base=None):
+    """A validated TrainConfig: defaults, then `base` (a checkpoint's config), then the preset named by
+    the user (or the base), then the user's keys."""
+    values = {k: v for k, v in (base or {}).items() if k in FIELD_TYPES}
+    preset = user.get("preset", values.get("preset"))
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ConfigError(f"config key 'preset' must be one of {', '.join(map(repr, PRESETS))}; got {preset!r}")
+        values.update(PRESETS[preset])
+    values.update(user)
+    return TrainConfig(**values)
+
+
+def model_config(cfg, **overrides):
+    """The GPTConfig part of a TrainConfig."""
+    return GPTConfig(**{**{k: getattr(cfg, k) for k in MODEL_KEYS}, **overrides})
+
+
+def config_table(cfg, user):
+    """The resolved config, one 'key  value' row per key; '*' marks keys set on this command line."""
+    width = max(map(len, FIELD_TYPES))
+    return "\n".join(f"  {'*' if k in user else ' '} {k:<{width}}  {v!r}" for k, v in asdict(cfg).items())
+
+
+def help_text(doc):
+    """`python train.py --help`: the script's docstring, then every key with its default and meaning."""
+    keys = "\n".join(f"  {key} = {default!r}  # {comment}" for key, (default, comment) in config_docs().items())
+    return f"{doc.strip()}\n\nkeys (default  # meaning):\n{keys}"
