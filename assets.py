@@ -270,7 +270,8 @@ class HFTokenizer:
 
     def encode(self, text, allowed_special=()):
         """Ids of text; the special tokens named in allowed_special (a set, or 'all') become their ids."""
-        allowed = [s for s in (self._special if allowed_special == "all" else allowed_special) if s in self._special]
+        candidates = self._special if allowed_special == "all" else allowed_special
+        allowed = [s for s in candidates if s in self._special]
         if not allowed:
             return self.encode_ordinary(text)
         pieces = re.split("(" + "|".join(map(re.escape, sorted(allowed, key=len, reverse=True))) + ")", text)
