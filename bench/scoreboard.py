@@ -68,11 +68,8 @@ def release_free_memory():
         libc.malloc_trim(0)
 
 
-def _status_kb(field):
-    return _status_kb_file("/proc/self/status", field)
-
-
-def _status_kb_file(path, field):
+def status_kb(field, path="/proc/self/status"):
+    """A 'Field: N kB' value of a /proc file (this process's VmRSS, VmHWM; MemAvailable of /proc/meminfo), or None."""
     try:
         with open(path) as f:
             for line in f:
@@ -103,8 +100,8 @@ class PeakMemory:
                 f.write("5")  # resets VmHWM to the current RSS
         except OSError:
             self.lifetime = True
-        self.base = (_status_kb("VmRSS") or 0) * 1024
-        self.lifetime = self.lifetime or _status_kb("VmHWM") is None
+        self.base = (status_kb("VmRSS") or 0) * 1024
+        self.lifetime = self.lifetime or status_kb("VmHWM") is None
         return self
 
     def __exit__(self, *exc):
@@ -115,7 +112,7 @@ class PeakMemory:
             return (torch.cuda.max_memory_allocated(self.device) - self.base) / 2**20
         if self.lifetime:
             return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-        return (_status_kb("VmHWM") * 1024 - self.base) / 2**20
+        return (status_kb("VmHWM") * 1024 - self.base) / 2**20
 
 
 def sync(device):
@@ -323,7 +320,7 @@ def fits_interleaved(n_params, n_setups, device):
     if device_type(device) == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
-        kb = _status_kb_file("/proc/meminfo", "MemAvailable")
+        kb = status_kb("MemAvailable", "/proc/meminfo")
         free = None if kb is None else kb * 1024
     return free is None or 16 * n_params * n_setups < free / 2
 

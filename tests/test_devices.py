@@ -20,13 +20,13 @@ def test_cpu_dtype_follows_native_bf16(monkeypatch):
 
 ALLOCATOR_PROBE = """
 import resource, sys, torch, devices
-from bench import _status_kb
+from bench.scoreboard import status_kb
 
 def alloc_touch_free(n_bytes):  # (pages faulted in, bytes of RSS still held afterwards)
-    rss0, faults0 = _status_kb("VmRSS"), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    rss0, faults0 = status_kb("VmRSS"), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     x = torch.ones(n_bytes // 4)
     del x
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0, (_status_kb("VmRSS") - rss0) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0, (status_kb("VmRSS") - rss0) * 1024
 
 if not devices.set_malloc_tuned(False):
     sys.exit(f"not glibc {devices.glibc()}")
