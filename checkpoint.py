@@ -1,4 +1,5 @@
-"""Checkpoint files: atomic writes, finding the newest complete one, safe loading.
+"""Checkpoint files: atomic writes, finding the newest complete one, safe loading; and the model flags
+(--ckpt/--init_from/--device/--dtype/--cache_dir) that sample.py and hellaswag.py share.
 
 A checkpoint is out_dir/ckpt_{step:06d}.pt, a torch.save'd dict of tensors and plain Python
 containers only, so it loads with torch.load(weights_only=True) (no pickled code runs):
@@ -12,8 +13,8 @@ containers only, so it loads with torch.load(weights_only=True) (no pickled code
     best_step, best_val_loss   the best checkpoint so far (never pruned)
     format      'gpt2-train-ckpt-v1'
 
-Writes go to a hidden temporary file in the same directory, are fsync'ed, then renamed over the
-final name and the directory fsync'ed: a crash (even kill -9) at any moment leaves either the old
+Writes go through files.atomic_write (a hidden temporary file in the same directory, fsync'ed, renamed
+over the final name, the directory fsync'ed): a crash (even kill -9) at any moment leaves either the old
 set of checkpoints or the new one, never a truncated ckpt_*.pt.
 """
 import re
