@@ -230,6 +230,25 @@ def test_out_of_memory_under_compile_is_not_called_a_compile_failure(data_dir, t
     assert "torch.compile failed" not in capsys.readouterr().out
 
 
+def test_cuda_batches_are_copied_from_pinned_memory_without_waiting():
+    """From pageable memory a host->GPU copy waits for the GPU's queued work: one host sync per micro-batch."""
+    calls = []
+
+    class HostTensor:
+        def pin_memory(self):
+            calls.append("pin")
+            return self
+
+        def to(self, device, non_blocking=False):
+            calls.append((device, non_blocking))
+            return device
+
+    assert train.to_device((HostTensor(), HostTensor()), "cuda:3") == ("cuda:3", "cuda:3")
+    assert calls == ["pin", ("cuda:3", True)] * 2
+    x = torch.zeros(2, 3, dtype=torch.long)
+    assert train.to_device((x,), "cpu")[0] is x  # the CPU path is untouched
+
+
 def test_skip_reason_counts_consecutive_skips_and_halts():
     cfg = TrainConfig(max_skipped_steps=3)
     scaler, progress = torch.amp.GradScaler("cpu", enabled=False), train.Progress()
