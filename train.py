@@ -132,24 +132,28 @@ def check_shared_out_dir(out_dir, resumed_step, problem, env):
     same one-line ConfigError on every rank on a mismatch. Nothing to check outside torchrun."""
     if not env.distributed:
         return
-    marker = Path(out_dir) / ".shared_out_dir_check"
-    token = [None]
+    token = [f"{socket.gethostname()}.{os.getpid()}.{time.time_ns()}"]  # unique: two runs never mix markers
+    dist.broadcast_object_list(token, src=0)
+    marker = Path(out_dir) / f".out_dir_check.{token[0]}"
     if env.master:
-        token[0] = f"{socket.gethostname()} {os.getpid()} {time.time_ns()}"
         try:
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.write_text(token[0])
         except OSError as e:
             problem = problem or f"cannot write to out_dir {out_dir}: {e.strerror}"
-    dist.broadcast_object_list(token, src=0)
-    try:
-        sees = marker.read_text() == token[0]
-    except OSError:
-        sees = False
-    mine = {"host": socket.gethostname(), "sees": sees, "problem": problem,
-            "resumed_step": resumed_step}
+    dist.barrier()
+    sees = False
+    for _ in range(10):  # a shared filesystem may show a new file a moment late
+        try:
+            sees = marker.read_text() == token[0]
+        except OSError:
+            pass
+        if sees or env.master:
+            break
+        time.sleep(0.5)
     ranks = [None] * env.world_size
-    dist.all_gather_object(ranks, mine)
+    dist.all_gather_object(ranks, {"host": socket.gethostname(), "sees": sees, "problem": problem,
+                                   "resumed_step": resumed_step})
     if env.master:
         marker.unlink(missing_ok=True)
     blind = [r for r, info in enumerate(ranks) if not info["sees"]]
