@@ -151,7 +151,8 @@ def check_train(report, opts, tmp, data_dir):
               + f"; {what}; loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps")
     reference = "-"
     if not opts.tiny:
-        ref_mfu = GPT(model_config(cfg)).flops_per_token() * REFERENCE_TOKENS_PER_S / 989e12
+        with torch.device("meta"):  # FLOPs per token need the shapes only
+            ref_mfu = GPT(model_config(cfg)).flops_per_token() * REFERENCE_TOKENS_PER_S / 989e12
         reference = f"~{REFERENCE_TOKENS_PER_S / 1e3:.0f}K tokens/s, ~{ref_mfu:.0%} MFU (1x H100 SXM, write-up)"
     finite = all(math.isfinite(x) for x in losses)
     report.add("train", result if finite else f"non-finite loss: {losses}", reference, "INFO" if finite else "FAIL")
