@@ -244,17 +244,32 @@ def test_a_missing_package_is_a_one_line_error(tmp_path, monkeypatch):
     assert read_jsonl(tmp_path / "run" / "metrics.jsonl") == [train_record(1)]
 
 
+def test_wandb_refusing_to_start_is_a_one_line_error(tmp_path, monkeypatch):
+    import wandb
+
+    def init(**kwargs):
+        raise wandb.errors.UsageError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])\nmore")
+
+    monkeypatch.setattr(wandb, "init", init)
+    with pytest.raises(TrackingError) as err:
+        Tracker(tmp_path / "run", CONFIG, TOKENS, wandb_log=True)
+    assert str(err.value) == ("wandb.init failed (UsageError: api_key not configured (no-tty). call wandb.login("
+                              "key=[your_api_key])); log in (`wandb login`), record offline with WANDB_MODE=offline, "
+                              "or set wandb_log=False")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_a_sink_that_raises_mid_run_is_reported_once_and_disabled(tmp_path, monkeypatch, capsys):
-    from torch.utils.tensorboard import SummaryWriter
-    real_add_scalar, calls = SummaryWriter.add_scalar, [0]
+    from torch.utils.tensorboard.writer import FileWriter
+    real_add_summary, calls = FileWriter.add_summary, [0]
 
-    def add_scalar(self, *args, **kwargs):
+    def add_summary(self, *args, **kwargs):
         calls[0] += 1
-        if calls[0] >= 20:  # the disk fills up during step 3
+        if calls[0] >= 5:  # the config, val step 0, train steps 1 and 2, then the disk is full
             raise OSError(28, "No space left on device")
-        return real_add_scalar(self, *args, **kwargs)
+        return real_add_summary(self, *args, **kwargs)
 
-    monkeypatch.setattr(SummaryWriter, "add_scalar", add_scalar)
+    monkeypatch.setattr(FileWriter, "add_summary", add_summary)
     out, tb = tmp_path / "run", tmp_path / "tb"
     records = loop_records(0, 8)
     tracker = Tracker(out, CONFIG, TOKENS, wandb_log=True, wandb_project="test", tensorboard_dir=str(tb))
@@ -264,7 +279,7 @@ def test_a_sink_that_raises_mid_run_is_reported_once_and_disabled(tmp_path, monk
     text = tracker.close()
     err = capsys.readouterr().err
     assert err.count("tracking: tensorboard failed (OSError: [Errno 28] No space left on device); disabled") == 1
-    assert calls[0] == 20  # never called again once it failed
+    assert calls[0] == 5  # never called again once it failed
     assert read_jsonl(out / "metrics.jsonl") == json_form(records)  # the source of truth is complete
     assert_wandb_holds(wandb_segments(out)[0][2], records)  # and the healthy sink got everything
     assert "8 steps" in text
