@@ -1,8 +1,10 @@
 """GPT-NeoX / Pythia and the other architecture options of GPTConfig: parallel residual, untied head, exact
 GELU, ReLU², QK-norm, zero-initialised projections. Parity with transformers' GPTNeoXForCausalLM both ways,
 KV-cache decoding, presets' parameter counts, config validation, a tiny end-to-end run through train.py."""
+import importlib.util
 import json
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import model as M
 from model import GPT, GPTConfig
 from test_model import perturb_, shifted_targets, single_thread, small_gpt  # noqa: F401  (autouse fixture)
 
+ROOT = Path(__file__).resolve().parent.parent
 PYTHIA_LIKE = dict(rotary_pct=0.25, parallel_residual=True, tie_embeddings=False, activation="gelu")
 
 
@@ -314,6 +317,48 @@ def test_kv_cache_greedy_equals_recompute_for_the_options(options, prompt_len):
         parts = [model.hidden_states(seq[:, :5], caches, 0)]
         parts += [model.hidden_states(seq[:, t:t + 1], caches, t) for t in range(5, 12)]
     assert (torch.cat(parts, dim=1) - full).abs().max() <= 1e-5
+
+
+# ----------------------------------------------------------------------------- partial rotary, two formulations
+
+def load_bench_rotary():
+    """bench/rotary.py by path (bench.py, the scoreboard, owns the name `bench` for now)."""
+    spec = importlib.util.spec_from_file_location("bench_rotary", ROOT / "bench" / "rotary.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("rot_dim", [2, 4, 10, 16])  # of head_dim 16: from one pair to the full head
+def test_zero_frequency_rotary_gives_the_same_bits_as_slicing(rot_dim):
+    R = load_bench_rotary()
+    x = torch.randn(2, 3, 32, 16, generator=torch.Generator().manual_seed(rot_dim))
+    cos, sin = R.slice_tables(rot_dim, 16, 32)
+    zcos, zsin = R.zero_freq_tables(rot_dim, 16, 32)
+    assert zcos.shape == (32, 16) and torch.equal(zsin[:, rot_dim:], torch.zeros(32, 16 - rot_dim))
+    sliced = M.apply_rotary(x, cos, sin)
+    assert torch.equal(R.apply_slice(x, cos, sin), sliced)
+    assert torch.equal(R.make_zero_freq(rot_dim)(x, zcos, zsin), sliced)
+    assert not torch.equal(sliced[..., :rot_dim], x[..., :rot_dim])  # something was rotated
+
+
+def test_zero_frequency_rotary_model_gives_the_same_loss_and_grads(monkeypatch):
+    R = load_bench_rotary()
+    model = perturb_(small_gpt(**PYTHIA_LIKE))
+    idx = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(idx, shifted_targets(idx))[1]
+        loss.backward()
+        return loss, [p.grad.clone() for p in model.parameters()]
+
+    loss, grads = loss_and_grads()
+    monkeypatch.setattr(M, "apply_rotary", M.apply_rotary)  # restored after the test
+    R.use_variant(model, "zero-freq")
+    assert model.rope_cos.shape == (32, 16)
+    zloss, zgrads = loss_and_grads()
+    assert torch.equal(loss, zloss) and all(torch.equal(a, b) for a, b in zip(grads, zgrads))
 
 
 # ----------------------------------------------------------------------------- presets and config
