@@ -104,7 +104,7 @@ def interleaved(fns: dict, rounds: int) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def bench_model(compiled: bool, rounds: int):
+def bench_model(compiled: bool, rounds: int, bf16: bool = False):
     cfg = M.GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=256, vocab_size=512, rotary_pct=0.25,
                       parallel_residual=True, tie_embeddings=False, activation="gelu")
     idx = torch.randint(0, 512, (8, 256), generator=torch.Generator().manual_seed(0))
@@ -119,7 +119,8 @@ def bench_model(compiled: bool, rounds: int):
         def step(model=model, step_model=step_model, apply=apply):
             M.apply_rotary = apply  # each variant's own op (eager looks the global up at call time)
             model.zero_grad(set_to_none=True)
-            loss = step_model(idx, idx, return_logits=False)[1]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = step_model(idx, idx, return_logits=False)[1]
             loss.backward()
             return loss
         fns[name] = step
@@ -133,15 +134,18 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="3 rounds instead of 7")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--bf16", action="store_true", help="the model rows under bf16 autocast (train.py's CPU default "
+                   "where the CPU has native bf16)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     rounds = 3 if args.quick else 7
     original = M.apply_rotary
     try:
-        rows = [("rotary op (8x8x256x64, 16 dims), fwd+bwd", bench_op(rounds)),
-                ("model 4L/256d T=256 B=8, eager fwd+bwd", bench_model(False, rounds)),
-                ("model 4L/256d T=256 B=8, compiled fwd+bwd", bench_model(True, rounds))]
+        dtype = "bf16 autocast" if args.bf16 else "fp32"
+        rows = [("rotary op (8x8x256x64, 16 dims), fp32 fwd+bwd", bench_op(rounds)),
+                (f"model 4L/256d T=256 B=8, {dtype} eager fwd+bwd", bench_model(False, rounds, args.bf16)),
+                (f"model 4L/256d T=256 B=8, {dtype} compiled fwd+bwd", bench_model(True, rounds, args.bf16))]
     finally:
         M.apply_rotary = original
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
