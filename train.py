@@ -228,27 +228,32 @@ def shard(model, cfg, env):
     it, so no GPU ever holds the whole model. Returns the model; its forward all-gathers the parameters of one
     unit at a time, so every rank must run the same forwards.
 
-    Precision, one rule for every mode: torch.autocast decides which ops run in bf16 (matmuls and attention;
-    LayerNorm, softmax and the loss in fp32), as under DDP. The blocks' MixedPrecisionPolicy only changes
-    what moves: parameters are all-gathered as bf16 copies (what autocast would cast them to anyway: half
-    the bytes) and gradients are reduce-scattered and accumulated in fp32. cast_forward_inputs=False and an
-    fp32 root keep the residual stream in fp32, as under DDP."""
+    Precision, the one rule of a bf16 run: FSDP's MixedPrecisionPolicy makes every unit all-gather bf16 copies
+    of its fp32 shards (half the bytes, and half the memory of a gathered unit), so forward and backward
+    compute from bf16 weights and activations, the residual stream included (torchtitan's and Composer's FSDP
+    default); torch.autocast stays on, as in every mode, for the ops it keeps in fp32. Gradients are
+    reduce-scattered and accumulated in fp32 (reduce_dtype) and AdamW updates the fp32 shards. An fp32 run
+    casts nothing."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(env.kind, env.mesh_shape, mesh_dim_names=("replicate", "shard")[-len(env.mesh_shape):])
     compile_blocks = resolve_compile(cfg.compile, env.device, env.dtype)
     if compile_blocks:
         for block in model.transformer.h:
             block.forward = torch.compile(block.forward)  # FSDP's hooks stay outside the graph
     low = None if env.dtype == "float32" else DTYPES[env.dtype]
-    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     if compile_blocks and not compile_works(model, cfg, env):
         model.reset_iter_state()  # the failed forward left FSDP mid-iteration
         for block in model.transformer.h:
             del block.forward  # back to Block.forward, eager
+    for unit in model.modules():  # the trial's eval forward left the root unit gathered (FSDP keeps the root
+        if isinstance(unit, FSDPModule):  # for a backward): the optimizer must be built over the shards
+            unit.reshard()
+    model.zero_grad(set_to_none=True)  # the trial's gradients on the root's shards, unseen while it was gathered
     return model
 
 

@@ -152,6 +152,34 @@ def test_single_file_checkpoint_resumes_sharded(data_dir, fsdp_run, tmp_path, on
     assert close(train_losses(out), train_losses(fsdp_run))
 
 
+@pytest.mark.parametrize("compile_fails", [False, True])
+def test_compiled_blocks_train_as_eager_ones(data_dir, tmp_path, one_rank_torchrun, monkeypatch, capsys,
+                                             compile_fails):
+    """torch.compile of each block's forward, faked: the same function, or one failing as a broken compiler does.
+    Either way (trial passed: compiled; trial failed: back to eager) the run trains exactly as an eager one: the
+    trial leaves no trace, and the optimizer holds every shard (the trial's eval forward leaves the root unit
+    gathered, and an optimizer built over those gathered tensors would never update wte, wpe and ln_f)."""
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._inductor.exc import CppCompileError
+
+    def fake_compile(forward):
+        def compiled(*args, **kwargs):
+            if compile_fails:
+                raise BackendCompilerFailed("inductor", CppCompileError(["g++"], "no working C++ compiler"), None)
+            return forward(*args, **kwargs)
+        return compiled
+
+    args = [*COMMON, f"--data_dir={data_dir}", "--parallel=fsdp", "--max_steps=6", "--dropout=0.1"]
+    assert train.main([*args, f"--out_dir={tmp_path / 'eager'}"]) == 0
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    assert train.main([*args, f"--out_dir={tmp_path / 'compiled'}", "--compile=True"]) == 0
+    out = capsys.readouterr().out
+    assert ("torch.compile failed (BackendCompilerFailed" in out) == compile_fails
+    assert f"compile {not compile_fails} | world size 1 (fsdp)" in out
+    assert train_losses(tmp_path / "compiled") == train_losses(tmp_path / "eager")
+
+
 # ----------------------------------------------------------------------------- a rank killed while saving
 
 KILLED_WHILE_SAVING = """
