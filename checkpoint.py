@@ -257,8 +257,7 @@ def load_sharded_checkpoint(path, model, optimizer=None):
 def load_optimizer_state(model, optimizer, state):
     """A single-file checkpoint's optimizer state (optimizer.state_dict(): whole tensors keyed by parameter
     index) into `optimizer`; if `model` is FSDP-sharded each rank keeps its slice of every tensor."""
-    from torch.distributed.tensor import DTensor
-    if not any(isinstance(p, DTensor) for p in model.parameters()):
+    if not any(hasattr(p, "full_tensor") for p in model.parameters()):  # no DTensor: not sharded
         optimizer.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict

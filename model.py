@@ -23,7 +23,7 @@ CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
 # GPT-2 sizes (Radford et al. 2019) and the GPT-3 family sizes of the MosaicML GPT-3 recipes (context 2048;
-# 760m/1.3b use head_dim 128 as MosaicML does, rather than the GPT-3 paper's head counts).
+# 760m/1.3b/2.7b use head_dim 128 as MosaicML does, rather than the GPT-3 paper's head counts).
 PRESETS = {
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),
@@ -33,6 +33,8 @@ PRESETS = {
     "gpt3-350m": dict(n_layer=24, n_head=16, n_embd=1024, block_size=2048),
     "gpt3-760m": dict(n_layer=24, n_head=12, n_embd=1536, block_size=2048),
     "gpt3-1.3b": dict(n_layer=24, n_head=16, n_embd=2048, block_size=2048),
+    "gpt3-2.7b": dict(n_layer=32, n_head=20, n_embd=2560, block_size=2048),
+    "gpt3-6.7b": dict(n_layer=32, n_head=32, n_embd=4096, block_size=2048),
 }
 
 

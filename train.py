@@ -304,9 +304,8 @@ def clip_gradients(model, max_norm):
     """Clip the global gradient norm to max_norm (0: only measure it); returns the norm before clipping, a
     plain scalar tensor. Under FSDP the gradients are DTensor shards: clip_grad_norm_ reduces the norm over
     ranks, so it is the whole gradient's norm, the number DDP gets, and the clip factor is the same."""
-    from torch.distributed.tensor import DTensor
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
 
 
 # ----------------------------------------------------------------------------- the step
@@ -412,9 +411,8 @@ def gathered(raw_model):
     generation). An unsharded model passes through. A sharded one: every rank must enter (each unit's
     all-gather is a collective) and then holds a plain GPT over the gathered tensors, with no FSDP hooks, to
     run any number of forwards alone; on exit the whole parameters are freed. Costs the whole model per rank
-    for the duration: 2 bytes/param for the blocks in bf16 runs, 4 in fp32."""
-    from torch.distributed.fsdp import FSDPModule
-    units = [m for m in raw_model.modules() if isinstance(m, FSDPModule)]
+    for the duration: 2 bytes/param in bf16 runs, 4 in fp32."""
+    units = [m for m in raw_model.modules() if hasattr(m, "unshard")]  # the FSDP units (fully_shard adds it)
     if not units:
         yield raw_model
         return
