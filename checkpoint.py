@@ -18,8 +18,8 @@ set of checkpoints or the new one, never a truncated ckpt_*.pt.
 
 A sharded run (parallel='fsdp'/'hsdp') writes a directory out_dir/ckpt_{step:06d}/ instead: model and
 optimizer as torch.distributed.checkpoint (DCP) shards, every rank writing its own part in parallel
-(__RANK_0.distcp, ... and DCP's .metadata index), plus meta.pt, a file like the above without the model
-and optimizer. It is written as .ckpt_{step:06d}.tmp/ and renamed by rank 0 only after every rank's
+(__0_0.distcp, __1_0.distcp, ... and DCP's .metadata index), plus meta.pt, a file like the above without
+the model and optimizer. It is written as .ckpt_{step:06d}.tmp/ and renamed by rank 0 only after every rank's
 shards and the index are on disk, so it is complete or absent. DCP reshards on load: a sharded checkpoint
 resumes at any world size, and loads into a single process without a process group (load_model,
 load_checkpoint, `python checkpoint.py consolidate` to write the single-file form).
