@@ -231,10 +231,11 @@ def save_sharded_checkpoint(path, meta, model, optimizer):
         dist.barrier()
 
 
-def load_sharded_checkpoint(path, model, optimizer=None):
+def load_sharded_checkpoint(path, model, optimizer=None, collective=None):
     """Fill `model` (and `optimizer`) in place from the sharded checkpoint directory `path`, whatever layout
     they have here: FSDP shards at any world size, or whole tensors (DDP, one process). DCP reads the part
-    each rank needs: a collective under torch.distributed, a plain read in a single process."""
+    each rank needs: a collective of every rank under torch.distributed (collective=None: if there is a
+    process group), else a plain read by this process alone."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_model_state_dict,
@@ -246,7 +247,8 @@ def load_sharded_checkpoint(path, model, optimizer=None):
     try:
         with warnings.catch_warnings():  # DCP warns whenever it runs without a process group, as asked here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())  # strict: every key must be there
+            no_dist = not (_distributed() if collective is None else collective)
+            dcp.load(state, checkpoint_id=str(path), no_dist=no_dist)  # strict: every key must be there
     except Exception as e:
         raise CheckpointError(f"{path}: cannot read the sharded checkpoint ({_reason(e)})") from None
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))  # lm_head is wte
@@ -275,7 +277,7 @@ def _consolidated(ckpt):
     cfg = ckpt["config"]
     model = GPT(GPTConfig(**ckpt["model_args"]))
     optimizer = model.configure_optimizer(cfg["weight_decay"], cfg["learning_rate"], (cfg["beta1"], cfg["beta2"]))
-    load_sharded_checkpoint(ckpt["shards"], model, optimizer)
+    load_sharded_checkpoint(ckpt["shards"], model, optimizer, collective=False)
     out = {k: v for k, v in ckpt.items() if k != "shards"}
     return {**out, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
 
@@ -301,7 +303,7 @@ def load_model(ckpt=None, init_from=None, device="cpu"):
         state = load_checkpoint(ckpt, consolidate=False)
         model = GPT(GPTConfig(**state["model_args"]))
         if "shards" in state:  # read straight into the model: no second copy of the weights
-            load_sharded_checkpoint(state["shards"], model)
+            load_sharded_checkpoint(state["shards"], model, collective=False)
         else:
             model.load_state_dict(clean_state_dict(state["model"]))
         info = {"source": str(ckpt), "step": state["step"], "val_loss": state.get("val_loss"),

@@ -152,6 +152,15 @@ def test_single_file_checkpoint_resumes_sharded(data_dir, fsdp_run, tmp_path, on
     assert close(train_losses(out), train_losses(fsdp_run))
 
 
+@pytest.mark.slow
+def test_sharded_checkpoint_resumes_under_ddp(fsdp_run, tmp_path, one_rank_torchrun):
+    """parallel may change on resume: DDP loads the shards of a 2-rank FSDP run into whole tensors on every rank."""
+    shutil.copytree(fsdp_run / "ckpt_000010", tmp_path / "ckpt_000010")
+    assert train.main(["--init_from=resume", f"--out_dir={tmp_path}", "--parallel=ddp", "--max_steps=12"]) == 0
+    assert close(train_losses(tmp_path), steps(train_losses(fsdp_run), 11, 12))
+    assert (tmp_path / "ckpt_000012.pt").is_file()
+
+
 @pytest.mark.parametrize("compile_fails", [False, True])
 def test_compiled_blocks_train_as_eager_ones(data_dir, tmp_path, one_rank_torchrun, monkeypatch, capsys,
                                              compile_fails):
