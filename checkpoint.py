@@ -16,8 +16,21 @@ containers only, so it loads with torch.load(weights_only=True) (no pickled code
 Writes go through files.atomic_write (a hidden temporary file in the same directory, fsync'ed, renamed
 over the final name, the directory fsync'ed): a crash (even kill -9) at any moment leaves either the old
 set of checkpoints or the new one, never a truncated ckpt_*.pt.
+
+A sharded run (parallel='fsdp'/'hsdp') writes a directory out_dir/ckpt_{step:06d}/ instead: model and
+optimizer as torch.distributed.checkpoint (DCP) shards, every rank writing its own part in parallel
+(__0_0.distcp, __1_0.distcp, ... and DCP's .metadata index), plus meta.pt, a file like the above without
+the model and optimizer. It is written as .ckpt_{step:06d}.tmp/ and renamed by rank 0 only after every rank's
+shards and the index are on disk, so it is complete or absent. DCP reshards on load: a sharded checkpoint
+resumes at any world size, and loads into a single process without a process group (load_model,
+load_checkpoint, `python checkpoint.py consolidate` to write the single-file form).
 """
+import argparse
+import os
 import re
+import shutil
+import sys
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -28,15 +41,23 @@ from devices import DTYPES, resolve_device, resolve_dtype
 from files import atomic_write
 
 FORMAT = "gpt2-train-ckpt-v1"
-CKPT_NAME = re.compile(r"^ckpt_(\d{6,})\.pt$")
+CKPT_NAME = re.compile(r"^ckpt_(\d{6,})(\.pt)?$")  # a file ckpt_000100.pt or a sharded directory ckpt_000100
+META = "meta.pt"  # a sharded checkpoint's everything-but-the-tensors file
+TIED = "lm_head.weight"  # the same tensor as transformer.wte.weight: stored once in sharded checkpoints
 
 
 class CheckpointError(Exception):
     """A missing, truncated or foreign checkpoint; the message is one line naming the file."""
 
 
-def checkpoint_path(out_dir, step):
-    return Path(out_dir) / f"ckpt_{step:06d}.pt"
+def checkpoint_path(out_dir, step, sharded=False):
+    return Path(out_dir) / (f"ckpt_{step:06d}" if sharded else f"ckpt_{step:06d}.pt")
+
+
+def is_sharded(path):
+    """Whether `path` is a sharded checkpoint directory (as opposed to a file, or an out_dir)."""
+    path = Path(path)
+    return path.is_dir() and ((path / META).exists() or (path / ".metadata").exists())
 
 
 def save_checkpoint(path, obj):
@@ -46,7 +67,10 @@ def save_checkpoint(path, obj):
 
 def _is_complete(path):
     """Cheap integrity check: torch.save writes a zip whose central directory comes last, so a
-    truncated file has no readable directory (reading the whole file is too slow for 18 GB)."""
+    truncated file has no readable directory (reading the whole file is too slow for 18 GB).
+    A sharded directory is complete with DCP's index and a complete meta.pt."""
+    if Path(path).is_dir():
+        return (Path(path) / ".metadata").is_file() and _is_complete(Path(path) / META)
     try:
         with zipfile.ZipFile(path) as z:
             return any(name.endswith("data.pkl") for name in z.namelist())
@@ -55,11 +79,13 @@ def _is_complete(path):
 
 
 def list_checkpoints(out_dir):
-    """[(step, path)] of the ckpt_XXXXXX.pt files in out_dir, oldest first (no integrity check)."""
+    """[(step, path)] of the ckpt_XXXXXX.pt files and ckpt_XXXXXX/ sharded directories in out_dir, oldest
+    first (no integrity check)."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in out_dir.iterdir() if (m := CKPT_NAME.match(p.name))]
+    found = [(int(m.group(1)), p) for p in out_dir.iterdir()
+             if (m := CKPT_NAME.match(p.name)) and (p.is_file() if m.group(2) else p.is_dir())]
     return sorted(found)
 
 
@@ -71,16 +97,29 @@ def latest_checkpoint(out_dir):
     return None
 
 
-def load_checkpoint(path, map_location="cpu"):
-    """The checkpoint dict at `path` (a file, or a directory meaning its latest checkpoint)."""
+def load_checkpoint(path, map_location="cpu", consolidate=True):
+    """The checkpoint dict at `path` (a file, a sharded checkpoint directory, or an out_dir meaning its latest
+    checkpoint). A sharded checkpoint is gathered into this process, in the single-file layout; with
+    consolidate=False its model and optimizer stay on disk instead, named by ckpt['shards'] (what a
+    sharded resume loads from, each rank only its part)."""
     path = Path(path)
-    if path.is_dir():
+    if path.is_dir() and not is_sharded(path):
         latest = latest_checkpoint(path)
         if latest is None:
-            raise CheckpointError(f"{path}: no complete ckpt_XXXXXX.pt checkpoint in this directory")
+            raise CheckpointError(f"{path}: no complete checkpoint (ckpt_XXXXXX.pt or ckpt_XXXXXX/) in this directory")
         path = latest
+    if path.is_dir():
+        if not _is_complete(path):
+            raise CheckpointError(f"{path}: incomplete sharded checkpoint (no .metadata or no complete {META})")
+        ckpt = _load_file(path / META, map_location)
+        ckpt["shards"] = str(path)
+        return _consolidated(ckpt) if consolidate else ckpt
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
+    return _load_file(path, map_location)
+
+
+def _load_file(path, map_location):
     try:
         # mmap: tensors are read from the file as they are touched, and ranks on one node share the page
         # cache instead of each reading the whole checkpoint into its own memory (8 x 18 GB at 1.5B)
@@ -105,23 +144,136 @@ def clean_state_dict(state_dict):
     return out
 
 
+def _remove(path):
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def prune_checkpoints(out_dir, keep_last, keep_steps=()):
-    """Delete all but the newest `keep_last` checkpoints (keep_last <= 0 keeps all), never those at
-    `keep_steps` (the best one), plus temporary files left behind by an interrupted save."""
+    """Delete all but the newest `keep_last` checkpoints, files or sharded directories (keep_last <= 0 keeps
+    all), never those at `keep_steps` (the best one), plus what an interrupted save left behind."""
     out_dir = Path(out_dir)
     for tmp in out_dir.glob(".ckpt_*.tmp"):
-        tmp.unlink(missing_ok=True)
+        _remove(tmp)
     if keep_last <= 0:
         return
     found = list_checkpoints(out_dir)
     for step, path in found[:-keep_last]:
         if step not in keep_steps:
-            path.unlink(missing_ok=True)
+            _remove(path)
+
+
+def _distributed():
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized()
+
+
+def _reason(e):
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
+
+
+def save_sharded_checkpoint(path, meta, model, optimizer):
+    """Write the sharded checkpoint directory `path`. Under torch.distributed a collective: every rank calls
+    it with its (FSDP-sharded) model and optimizer and writes its own shards; rank 0 writes `meta` (all
+    the rest of the checkpoint) and renames the temporary directory into place once every rank's shards
+    and DCP's index are on disk. A rank killed midway leaves only the temporary directory behind."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    distributed = _distributed()
+    first = not distributed or dist.get_rank() == 0
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")  # the same name on every rank
+    if first:
+        _remove(tmp)  # what an interrupted save of this step left
+        tmp.mkdir(parents=True)
+    if distributed:
+        dist.barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state.pop(TIED, None)
+    # returns on every rank only after rank 0 has written .metadata, which it does once all ranks report
+    # their shards written (and fsync'ed)
+    with warnings.catch_warnings():  # DCP warns whenever it runs without a process group, as asked here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp), no_dist=not distributed)
+    if first:
+        save_checkpoint(tmp / META, meta)
+        _fsync_dir(tmp)
+        old = path.with_name(f".{path.name}.old.tmp")
+        if path.exists():  # the same step saved again
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        _remove(old)
+    if distributed:
+        dist.barrier()
+
+
+def load_sharded_checkpoint(path, model, optimizer=None, collective=None):
+    """Fill `model` (and `optimizer`) in place from the sharded checkpoint directory `path`, whatever layout
+    they have here: FSDP shards at any world size, or whole tensors (DDP, one process). DCP reads the part
+    each rank needs: a collective of every rank under torch.distributed (collective=None: if there is a
+    process group), else a plain read by this process alone."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    state = {"model": get_model_state_dict(model)}
+    state["model"].pop(TIED, None)
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    try:
+        with warnings.catch_warnings():  # DCP warns whenever it runs without a process group, as asked here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            no_dist = not (_distributed() if collective is None else collective)
+            dcp.load(state, checkpoint_id=str(path), no_dist=no_dist)  # strict: every key must be there
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot read the sharded checkpoint ({_reason(e)})") from None
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))  # lm_head is wte
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def load_optimizer_state(model, optimizer, state):
+    """A single-file checkpoint's optimizer state (optimizer.state_dict(): whole tensors keyed by parameter
+    index) into `optimizer`; if `model` is FSDP-sharded each rank keeps its slice of every tensor."""
+    if not any(hasattr(p, "full_tensor") for p in model.parameters()):  # no DTensor: not sharded
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    name_of = {p: name for name, p in model.named_parameters()}
+    names = [name_of[p] for group in optimizer.param_groups for p in group["params"]]  # index -> name
+    by_name = {"state": {names[i]: v for i, v in state["state"].items()},
+               "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+
+
+def _consolidated(ckpt):
+    """A sharded checkpoint's model and optimizer gathered into this process, in the single-file layout
+    (model, optimizer.state_dict()). Needs host memory for the model and its AdamW state: 16 bytes/param."""
+    from model import GPT, GPTConfig
+    cfg = ckpt["config"]
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    optimizer = model.configure_optimizer(cfg["weight_decay"], cfg["learning_rate"], (cfg["beta1"], cfg["beta2"]))
+    load_sharded_checkpoint(ckpt["shards"], model, optimizer, collective=False)
+    out = {k: v for k, v in ckpt.items() if k != "shards"}
+    return {**out, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def consolidate(src, dst):
+    """Write the sharded checkpoint directory `src` as the single-file checkpoint `dst` (resumable too)."""
+    if not is_sharded(src):
+        raise CheckpointError(f"{src}: not a sharded checkpoint directory (expected ckpt_XXXXXX/ with {META})")
+    save_checkpoint(dst, load_checkpoint(src))
 
 
 def load_model(ckpt=None, init_from=None, device="cpu"):
-    """(GPT in eval mode on `device`, info dict) from a training checkpoint (file or out_dir) or
-    from pretrained weights (init_from: 'gpt2', 'gpt2-medium', ... or a Hugging Face directory).
+    """(GPT in eval mode on `device`, info dict) from a training checkpoint (file, sharded directory or
+    out_dir) or from pretrained weights (init_from: 'gpt2', 'gpt2-medium', ... or a Hugging Face directory).
     info: source, step, val_loss, config (the training config, or None) and hf_dir: the Hugging Face
     directory the weights come from (init_from, or the run's own init_from), or None."""
     from model import GPT, GPTConfig
@@ -132,9 +284,12 @@ def load_model(ckpt=None, init_from=None, device="cpu"):
         model = GPT.from_pretrained(init_from)
         info = {"source": str(init_from), "step": None, "val_loss": None, "config": None, "hf_dir": init_from}
     else:
-        state = load_checkpoint(ckpt)
+        state = load_checkpoint(ckpt, consolidate=False)
         model = GPT(GPTConfig(**state["model_args"]))
-        model.load_state_dict(clean_state_dict(state["model"]))
+        if "shards" in state:  # read straight into the model: no second copy of the weights
+            load_sharded_checkpoint(state["shards"], model, collective=False)
+        else:
+            model.load_state_dict(clean_state_dict(state["model"]))
         info = {"source": str(ckpt), "step": state["step"], "val_loss": state.get("val_loss"),
                 "config": state["config"], "hf_dir": (state["config"] or {}).get("init_from")}
     if info["hf_dir"] is not None and not Path(info["hf_dir"]).is_dir():
@@ -178,3 +333,30 @@ def load_model_from_args(parser, args):
             message = f"{source}: {message}"
         parser.exit(2, f"{parser.prog}: error: {message}\n")
     return model, enc, device, dtype
+
+
+def main(argv=None):
+    """python checkpoint.py consolidate SRC DST | export SRC HF_DIR"""
+    parser = argparse.ArgumentParser(prog="checkpoint.py", description="Convert gpt2-train checkpoints.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    c = commands.add_parser("consolidate", help="sharded checkpoint directory -> single-file checkpoint")
+    c.add_argument("src", help="a sharded checkpoint, e.g. out/run/ckpt_000100")
+    c.add_argument("dst", help="the file to write, e.g. out/run/ckpt_000100.pt")
+    e = commands.add_parser("export", help="checkpoint (file, sharded directory or out_dir) -> Hugging Face GPT-2")
+    e.add_argument("src")
+    e.add_argument("dst", help="directory for config.json + model.safetensors")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "consolidate":
+            consolidate(args.src, args.dst)
+        else:
+            load_model(ckpt=args.src)[0].save_pretrained(args.dst)
+    except (CheckpointError, OSError, ValueError, ImportError) as err:
+        print(f"checkpoint.py: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.dst}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

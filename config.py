@@ -77,6 +77,9 @@ class TrainConfig(GPTConfig):
     tensorboard_dir: str | None = None  # write TensorBoard event files here (None: no TensorBoard)
     cost_per_hour: float | None = None  # USD per hour for the whole job: metrics gain cost_usd, tokens_per_dollar
     dist_timeout_minutes: float = 30.0  # torchrun: how long ranks wait in a collective (e.g. while rank 0 saves) before failing
+    # several processes (torchrun only; a plain `python train.py` ignores these)
+    parallel: str = "ddp"  # 'ddp' (every rank holds the whole model), 'fsdp' (all of it sharded over ranks) or 'hsdp'
+    shard_size: int | None = None  # 'hsdp': ranks per shard group; groups replicate each other (None: one node's ranks)
 
     def __post_init__(self):
         for key, options in CHOICES.items():
@@ -100,8 +103,9 @@ class TrainConfig(GPTConfig):
 
 
 CHOICES = {"lr_schedule": ("cosine", "wsd"), "nonfinite": ("skip", "halt"), "compile": (True, False, "auto"),
-           "dtype": ("auto", "float32", "bfloat16", "float16")}
-AT_LEAST_ONE = ("batch_size", "eval_steps", "sample_tokens", "total_batch_size", "lr_decay_steps", "hellaswag_limit")
+           "dtype": ("auto", "float32", "bfloat16", "float16"), "parallel": ("ddp", "fsdp", "hsdp")}
+AT_LEAST_ONE = ("batch_size", "eval_steps", "sample_tokens", "total_batch_size", "lr_decay_steps", "hellaswag_limit",
+                "shard_size")
 NON_NEGATIVE = ("max_steps", "warmup_steps", "eval_interval", "hellaswag_interval", "sample_interval", "log_interval",
                 "save_interval", "keep_last", "seed", "max_skipped_steps", "min_lr", "weight_decay", "grad_clip",
                 "cost_per_hour")

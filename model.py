@@ -28,7 +28,7 @@ HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 ACTIVATIONS = ("gelu_tanh", "gelu", "relu2")
 
 # GPT-2 sizes (Radford et al. 2019) and the GPT-3 family sizes of the MosaicML GPT-3 recipes (context 2048;
-# 760m/1.3b use head_dim 128 as MosaicML does, rather than the GPT-3 paper's head counts).
+# 760m/1.3b/2.7b use head_dim 128 as MosaicML does, rather than the GPT-3 paper's head counts).
 # Pythia (Biderman et al. 2023, "Pythia: A Suite for Analyzing Large Language Models Across Training and
 # Scaling", arXiv:2304.01373) and GPT-NeoX-20B (Black et al. 2022, arXiv:2204.06745): rotary on 25% of each
 # head, parallel residual, untied head, exact GELU, context 2048. Their vocabularies are the tokenizer's
@@ -43,6 +43,8 @@ PRESETS = {
     "gpt3-350m": dict(n_layer=24, n_head=16, n_embd=1024, block_size=2048, vocab_size=50304),
     "gpt3-760m": dict(n_layer=24, n_head=12, n_embd=1536, block_size=2048, vocab_size=50304),
     "gpt3-1.3b": dict(n_layer=24, n_head=16, n_embd=2048, block_size=2048, vocab_size=50304),
+    "gpt3-2.7b": dict(n_layer=32, n_head=20, n_embd=2560, block_size=2048, vocab_size=50304),
+    "gpt3-6.7b": dict(n_layer=32, n_head=32, n_embd=4096, block_size=2048, vocab_size=50304),
     "pythia-70m": dict(n_layer=6, n_head=8, n_embd=512, vocab_size=50304, **_NEOX),
     "pythia-160m": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, **_NEOX),
     "pythia-410m": dict(n_layer=24, n_head=16, n_embd=1024, vocab_size=50304, **_NEOX),

@@ -3,6 +3,7 @@
     python train.py configs/shakespeare_cpu.py                        # the CPU demo
     python train.py configs/shakespeare_cpu.py --max_steps=50 --out_dir=out/quick
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m.py
+    torchrun --standalone --nproc_per_node=8 train.py configs/gpt3_2p7b.py --parallel=fsdp   # sharded
     python train.py configs/shakespeare_cpu.py --init_from=resume --max_steps=800   # continue a run
     python train.py --help                                              # every key, its default
 
@@ -19,6 +20,7 @@ import socket
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -29,11 +31,12 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from checkpoint import (FORMAT, CheckpointError, checkpoint_path, clean_state_dict, latest_checkpoint,
-                        list_checkpoints, load_checkpoint, prune_checkpoints, save_checkpoint)
+                        list_checkpoints, load_checkpoint, load_optimizer_state, load_sharded_checkpoint,
+                        prune_checkpoints, save_checkpoint, save_sharded_checkpoint)
 from config import ARCH_KEYS, ConfigError, help_text, make_config, model_config, config_table, parse_args
 from data import DataLoader
-from devices import (autocast, device_type, fused_adamw_supported, is_compile_error, peak_flops, resolve_compile,
-                     resolve_device, resolve_dtype, tune_cpu_allocator)
+from devices import (DTYPES, autocast, device_type, fused_adamw_supported, is_compile_error, peak_flops,
+                     resolve_compile, resolve_device, resolve_dtype, tune_cpu_allocator)
 from files import atomic_write
 from model import GPT
 from tracking import TRACKING_KEYS, Tracker, TrackingError, check_tracking_available
@@ -67,10 +70,16 @@ class Env:
     distributed: bool  # launched by torchrun (even with one process)
     device: str
     dtype: str  # resolved: 'float32', 'bfloat16' or 'float16'
+    parallel: str = "ddp"  # in effect: 'fsdp'/'hsdp' only under torchrun ('ddp' also for one plain process)
+    mesh_shape: tuple = ()  # sharded runs: (world_size,) for 'fsdp', (replica groups, shard_size) for 'hsdp'
 
     @property
     def master(self):
         return self.rank == 0
+
+    @property
+    def sharded(self):
+        return self.parallel != "ddp"
 
     @property
     def kind(self):
@@ -99,8 +108,9 @@ def resolve_config(user):
         return cfg, None
     path = latest_checkpoint(cfg.out_dir)
     if path is None:
-        raise ConfigError(f"init_from='resume' but {cfg.out_dir} holds no complete ckpt_XXXXXX.pt checkpoint")
-    ckpt = load_checkpoint(path)
+        raise ConfigError(f"init_from='resume' but {cfg.out_dir} holds no complete checkpoint "
+                          "(ckpt_XXXXXX.pt or ckpt_XXXXXX/)")
+    ckpt = load_checkpoint(path, consolidate=False)  # a sharded one: meta only, each rank reads its shards later
     cfg = make_config(user, base=ckpt["config"])
     saved = model_config(cfg, **ckpt["model_args"])  # fields added since the checkpoint get their defaults
     for key in ARCH_KEYS:
@@ -187,11 +197,22 @@ def span(ranks):
 
 def setup(cfg):
     """Join torchrun's process group (RANK/LOCAL_RANK/WORLD_SIZE; a plain `python train.py` is rank 0 of 1),
-    pick device and precision, and seed every RNG alike on all ranks (identical initial weights)."""
+    pick device, precision and parallelism, and seed every RNG alike on all ranks (identical initial weights)."""
     distributed = launched_by_torchrun()
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    parallel, mesh = "ddp", ()
+    if cfg.parallel != "ddp" and not distributed:
+        print(f"note: parallel={cfg.parallel!r} ignored: not launched by torchrun, this one process trains the "
+              "whole model", file=sys.stderr)
+    elif cfg.parallel != "ddp":
+        parallel = cfg.parallel
+        mesh = mesh_shape(parallel, cfg.shard_size, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        if dtype == "float16":  # GradScaler's inf check would see only this rank's gradient shard
+            raise ConfigError(f"parallel={parallel!r} trains in bfloat16 or float32, not float16 (dtype={cfg.dtype!r} "
+                              f"resolved to float16 on {device}): set --dtype=float32 or a bf16 device")
     if device_type(device) == "cuda":
         if distributed:
             device = f"cuda:{local_rank}"
@@ -205,7 +226,20 @@ def setup(cfg):
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    return Env(rank, local_rank, world_size, distributed, device, resolve_dtype(cfg.dtype, device))
+    return Env(rank, local_rank, world_size, distributed, device, dtype, parallel, mesh)
+
+
+def mesh_shape(parallel, shard_size, world_size, local_world_size):
+    """Device-mesh shape of a sharded run: 'fsdp' (world_size,), every rank holding 1/world_size of the model;
+    'hsdp' (world_size // shard_size, shard_size): groups of shard_size ranks (default one node's ranks, so
+    the all-gathers stay on the fast intra-node links) each shard the model and replicate each other."""
+    if parallel == "fsdp":
+        return (world_size,)
+    size = shard_size or local_world_size
+    if world_size % size:
+        raise ConfigError(f"shard_size={size} does not divide the world size {world_size} (parallel='hsdp' "
+                          f"shards within groups of shard_size ranks)")
+    return (world_size // size, size)
 
 
 def batch_layout(cfg, world_size):
@@ -227,11 +261,13 @@ def make_loaders(cfg, env):
 
 
 def build_model(cfg, ckpt, device):
-    """(the bare GPT on device, cfg with the model's real shape) from a checkpoint, scratch or pretrained."""
+    """(the bare GPT on device, cfg with the model's real shape) from a checkpoint, scratch or pretrained.
+    A sharded checkpoint's weights are loaded later, by restore(), into the model as this run shards it."""
     training_only = {"dropout": cfg.dropout, "activation_checkpointing": cfg.activation_checkpointing}
     if ckpt is not None:
         model = GPT(model_config(cfg, **{**ckpt["model_args"], **training_only}))
-        model.load_state_dict(clean_state_dict(ckpt["model"]))
+        if "shards" not in ckpt:
+            model.load_state_dict(clean_state_dict(ckpt["model"]))
     elif cfg.init_from == "scratch":
         model = GPT(model_config(cfg))
     else:
@@ -247,8 +283,11 @@ def build_optimizer(model, cfg, env):
 
 def parallelize(model, cfg, env):
     """The one place the bare model is wrapped for training: DDP across ranks, then torch.compile (which
-    understands DDP's gradient buckets). Compile is decided here, once: a compile error surfaces in a trial
-    forward/backward on dummy tokens (train and eval mode), and then the run goes on eagerly."""
+    understands DDP's gradient buckets); or, with parallel='fsdp'/'hsdp', shard() in place. Compile is decided
+    here, once: a compile error surfaces in a trial forward/backward on dummy tokens (train and eval mode),
+    and then the run goes on eagerly."""
+    if env.sharded:
+        return shard(model, cfg, env)
     if env.distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(model, device_ids=[env.local_rank] if env.kind == "cuda" else None,
@@ -259,6 +298,48 @@ def parallelize(model, cfg, env):
     if compile_works(compiled, cfg, env):
         return compiled
     return model
+
+
+def shard(model, cfg, env):
+    """FSDP2 on the bare model, in place, torchtitan's order: activation checkpointing is already inside the
+    model (cfg.activation_checkpointing), then each block's forward is compiled (before sharding; one graph
+    serves every block), then each block becomes one FSDP unit and the root the last (the tied wte/lm_head,
+    wpe and ln_f). The model may still be on the CPU: fully_shard moves each unit to the device as it shards
+    it, so no GPU ever holds the whole model. Returns the model; its forward all-gathers the parameters of one
+    unit at a time, so every rank must run the same forwards.
+
+    Precision, the one rule of a bf16 run: FSDP's MixedPrecisionPolicy makes every unit all-gather bf16 copies
+    of its fp32 shards (half the bytes, and half the memory of a gathered unit), so forward and backward
+    compute from bf16 weights and activations, the residual stream included (torchtitan's and Composer's FSDP
+    default); torch.autocast stays on, as in every mode, for the ops it keeps in fp32. Gradients are
+    reduce-scattered and accumulated in fp32 (reduce_dtype) and AdamW updates the fp32 shards. An fp32 run
+    casts nothing."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh(env.kind, env.mesh_shape, mesh_dim_names=("replicate", "shard")[-len(env.mesh_shape):])
+    compile_blocks = resolve_compile(cfg.compile, env.device, env.dtype)
+    if compile_blocks:
+        for block in model.transformer.h:
+            block.forward = torch.compile(block.forward)  # FSDP's hooks stay outside the graph
+    low = None if env.dtype == "float32" else DTYPES[env.dtype]
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    if compile_blocks and not compile_works(model, cfg, env):
+        model.reset_iter_state()  # the failed forward left FSDP mid-iteration
+        for block in model.transformer.h:
+            del block.forward  # back to Block.forward, eager
+    for unit in model.modules():  # the trial's eval forward left the root unit gathered (FSDP keeps the root
+        if isinstance(unit, FSDPModule):  # for a backward): the optimizer must be built over the shards
+            unit.reshard()
+    model.zero_grad(set_to_none=True)  # the trial's gradients on the root's shards, unseen while it was gathered
+    return model
+
+
+def is_compiled(model):
+    """Whether parallelize() kept torch.compile: of the whole model (DDP, one process) or of each block (FSDP)."""
+    return hasattr(model, "_orig_mod") or any("forward" in vars(m) for m in model.modules())
 
 
 def compile_works(compiled, cfg, env):
@@ -289,11 +370,22 @@ def compile_works(compiled, cfg, env):
 
 
 def set_grad_sync(model, enabled):
-    """Whether the next backward all-reduces gradients (only the last micro-step of an accumulation needs to);
-    must be set before the forward."""
+    """Whether the next backward all-reduces (DDP) or reduce-scatters (FSDP) gradients: only the last micro-step
+    of an accumulation needs to; must be set before the forward. Under FSDP the micro-steps in between keep
+    whole fp32 gradients of every unit (4 bytes/param) until that last reduction."""
     inner = getattr(model, "_orig_mod", model)  # under torch.compile
     if hasattr(inner, "require_backward_grad_sync"):  # DDP
         inner.require_backward_grad_sync = enabled
+    elif hasattr(inner, "set_requires_gradient_sync"):  # FSDP
+        inner.set_requires_gradient_sync(enabled)
+
+
+def clip_gradients(model, max_norm):
+    """Clip the global gradient norm to max_norm (0: only measure it); returns the norm before clipping, a
+    plain scalar tensor. Under FSDP the gradients are DTensor shards: clip_grad_norm_ reduces the norm over
+    ranks, so it is the whole gradient's norm, the number DDP gets, and the clip factor is the same."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
 
 
 # ----------------------------------------------------------------------------- the step
@@ -401,25 +493,60 @@ def val_loss(model, loader, eval_steps, env):
     return total.item() / eval_steps / env.world_size
 
 
+@contextmanager
+def gathered(raw_model):
+    """The bare GPT with whole parameters, for code that uses it outside its forward (HellaSwag's scoring,
+    generation). An unsharded model passes through. A sharded one: every rank must enter (each unit's
+    all-gather is a collective) and then holds a plain GPT over the gathered tensors, with no FSDP hooks, to
+    run any number of forwards alone; on exit the whole parameters are freed. Costs the whole model per rank
+    for the duration: 2 bytes/param in bf16 runs, 4 in fp32."""
+    units = [m for m in raw_model.modules() if hasattr(m, "unshard")]  # the FSDP units (fully_shard adds it)
+    if not units:
+        yield raw_model
+        return
+    for unit in units:
+        unit.unshard()  # the units' registered parameters are now the whole tensors
+    try:
+        with torch.device("meta"):
+            whole = GPT(raw_model.config)
+        named = [*raw_model.named_parameters(remove_duplicate=False), *raw_model.named_buffers()]
+        for name, tensor in named:
+            owner, _, leaf = name.rpartition(".")
+            value = tensor.detach()
+            if isinstance(tensor, torch.nn.Parameter):
+                value = torch.nn.Parameter(value, requires_grad=False)
+            setattr(whole.get_submodule(owner), leaf, value)
+        yield whole
+    finally:
+        for unit in units:
+            unit.reshard()
+
+
 def hellaswag_eval(raw_model, examples, cfg, env):
-    """HellaSwag accuracy, sharded over ranks; `examples` is filled on first use and reused."""
+    """HellaSwag accuracy, examples sharded over ranks (every rank calls it); `examples` is filled on first use
+    and reused."""
     import hellaswag
     from assets import fetch_hellaswag
     if not examples:
         examples.extend(hellaswag.load_examples(fetch_hellaswag(), limit=cfg.hellaswag_limit))
-    return hellaswag.evaluate(raw_model, examples, env.device, dtype=env.dtype)
+    with gathered(raw_model) as model:
+        return hellaswag.evaluate(model, examples, env.device, dtype=env.dtype)
 
 
 def sample_preview(raw_model, cfg, env):
+    """A sample's text from rank 0, None on the others. Every rank calls it: a sharded model must be gathered."""
     from assets import EOT, get_tokenizer
-    enc = get_tokenizer()
-    prompt = enc.encode(cfg.sample_prompt) or [EOT]
-    generator = torch.Generator(device=env.device).manual_seed(cfg.seed)  # leaves the training RNG alone
-    raw_model.eval()
-    with autocast(env.device, env.dtype):
-        out = raw_model.generate(torch.tensor([prompt], device=env.device), cfg.sample_tokens,
+    with gathered(raw_model) as model:
+        if not env.master:
+            return None
+        enc = get_tokenizer()
+        prompt = enc.encode(cfg.sample_prompt) or [EOT]
+        generator = torch.Generator(device=env.device).manual_seed(cfg.seed)  # leaves the training RNG alone
+        model.eval()
+        with autocast(env.device, env.dtype):
+            out = model.generate(torch.tensor([prompt], device=env.device), cfg.sample_tokens,
                                  top_k=200, generator=generator, n_vocab=enc.n_vocab)
-    raw_model.train()
+        model.train()
     return enc.decode([t for t in out[0].tolist() if t < enc.n_vocab])
 
 
@@ -447,9 +574,13 @@ def set_rng_state(state):
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def restore(ckpt, optimizer, scaler, loader):
-    """Optimizer, loss scaler and loader position from a checkpoint; returns the Progress it recorded."""
-    optimizer.load_state_dict(ckpt["optimizer"])
+def restore(ckpt, raw_model, optimizer, scaler, loader):
+    """Optimizer (and from a sharded checkpoint the weights, resharded to this run's layout), loss scaler and
+    loader position from a checkpoint; returns the Progress it recorded. Every rank calls it."""
+    if "shards" in ckpt:
+        load_sharded_checkpoint(ckpt["shards"], raw_model, optimizer)
+    else:
+        load_optimizer_state(raw_model, optimizer, ckpt["optimizer"])
     if ckpt["scaler"] is not None:
         scaler.load_state_dict(ckpt["scaler"])
     loader.load_state_dict(ckpt["loader"])
@@ -466,27 +597,42 @@ def restore_rngs(ckpt, env, log):
 
 
 def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, tracker, cfg, env, log):
-    """Write ckpt_{step}.pt (rank 0) holding everything an exact resume needs, then prune old ones."""
+    """Write a checkpoint holding everything an exact resume needs, then prune old ones: ckpt_{step}.pt from
+    rank 0, or in a sharded run the directory ckpt_{step}/ to which every rank writes its own shards."""
     rngs = [rng_state()]
     if env.distributed:  # every rank's dropout RNG, so a resumed DDP run draws the same masks
         rngs = [None] * env.world_size
         dist.all_gather_object(rngs, rng_state())
-    if not env.master:
+    if not (env.master or env.sharded):
         return
     step = progress.step
-    if not all(torch.isfinite(p).all() for p in raw_model.parameters()):
+    if not weights_finite(raw_model, env):
         raise Halt(f"step {step}: the weights hold NaN/inf; not writing them (last good checkpoint kept)")
     if val is not None and (progress.best_val is None or val < progress.best_val):
         progress.best_step, progress.best_val = step, val
-    path = checkpoint_path(out_dir, step)
-    save_checkpoint(path, {
-        "model": raw_model.state_dict(), "model_args": asdict(raw_model.config), "config": asdict(cfg),
-        "step": step, "optimizer": optimizer.state_dict(),
-        "scaler": scaler.state_dict() if scaler.is_enabled() else None, "loader": loader.state_dict(),
-        "rng": rngs, "val_loss": val, "best_step": progress.best_step, "best_val_loss": progress.best_val,
-        "tracker": tracker.state_dict(), "format": FORMAT})
-    prune_checkpoints(out_dir, cfg.keep_last, keep_steps={progress.best_step})
-    log(f"step {step}: saved {path}")
+    meta = {"model_args": asdict(raw_model.config), "config": asdict(cfg), "step": step,
+            "scaler": scaler.state_dict() if scaler.is_enabled() else None, "loader": loader.state_dict(),
+            "rng": rngs, "val_loss": val, "best_step": progress.best_step, "best_val_loss": progress.best_val,
+            "tracker": tracker.state_dict() if tracker else None, "format": FORMAT}
+    path = checkpoint_path(out_dir, step, sharded=env.sharded)
+    if env.sharded:
+        save_sharded_checkpoint(path, meta, raw_model, optimizer)
+    else:
+        save_checkpoint(path, {**meta, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict()})
+    if env.master:
+        prune_checkpoints(out_dir, cfg.keep_last, keep_steps={progress.best_step})
+        log(f"step {step}: saved {path}")
+
+
+def weights_finite(raw_model, env):
+    """Whether every weight is finite; in a sharded run each rank checks its shards and all agree."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in raw_model.parameters()]
+    finite = all(torch.isfinite(p).all() for p in local)
+    if env.sharded:
+        bad = torch.tensor(0.0 if finite else 1.0, device=env.device)
+        dist.all_reduce(bad)
+        finite = bad.item() == 0
+    return finite
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -504,12 +650,13 @@ def train(argv):
     total_batch_size, grad_accum = batch_layout(cfg, env.world_size)
     train_loader, val_loader = make_loaders(cfg, env)
 
-    raw_model, cfg = build_model(cfg, ckpt, env.device)  # the bare GPT: checkpoints, samples, HellaSwag
-    optimizer = build_optimizer(raw_model, cfg, env)
-    scaler = torch.amp.GradScaler(env.kind, enabled=env.dtype == "float16")  # loss scaling for fp16 only
-    progress = restore(ckpt, optimizer, scaler, train_loader) if ckpt else Progress()
+    # the bare GPT (checkpoints, samples, HellaSwag); a sharded run keeps it on the CPU for fully_shard to move
+    raw_model, cfg = build_model(cfg, ckpt, "cpu" if env.sharded else env.device)
     model = parallelize(raw_model, cfg, env)  # what the loop calls
-    compiled = hasattr(model, "_orig_mod")
+    optimizer = build_optimizer(raw_model, cfg, env)  # after sharding: fully_shard replaces the parameters
+    scaler = torch.amp.GradScaler(env.kind, enabled=env.dtype == "float16")  # loss scaling for fp16 only
+    progress = restore(ckpt, raw_model, optimizer, scaler, train_loader) if ckpt else Progress()
+    compiled = is_compiled(model)
 
     out_dir, tracker = Path(cfg.out_dir), None  # rank 0 writes metrics.jsonl (+ W&B/TensorBoard) and config.json
     if env.master:
@@ -519,7 +666,8 @@ def train(argv):
                           state=ckpt.get("tracker") if ckpt else None, **{k: getattr(cfg, k) for k in TRACKING_KEYS})
         log(f"config ('*' = set on this command line):\n{config_table(cfg, user)}")
         log(f"{raw_model.num_params() / 1e6:.2f}M parameters | device {env.device} | dtype {env.dtype} | compile "
-            f"{compiled} | world size {env.world_size} | {total_batch_size:,} tokens/step = {env.world_size} ranks"
+            f"{compiled} | world size {env.world_size}" + (f" ({env.parallel})" if env.distributed else "") +
+            f" | {total_batch_size:,} tokens/step = {env.world_size} ranks"
             f" x {grad_accum} accumulation steps x {cfg.batch_size} x {cfg.block_size}"
             + (f" | resumed from step {progress.step}" if ckpt else ""))
     if ckpt is not None:
@@ -550,7 +698,7 @@ def train(argv):
                         tracker.log({"step": step, "hellaswag_acc": hs["acc"], "hellaswag_acc_norm": hs["acc_norm"],
                                        "hellaswag_n": hs["n"]})
                     log(f"step {step}: hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
-                if env.master and step > 0 and due(cfg.sample_interval):
+                if step > 0 and due(cfg.sample_interval):  # every rank: a sharded model is gathered first
                     log(f"step {step}: sample: {sample_preview(raw_model, cfg, env)!r}")
             if step > start_step and (last or stopping or cfg.save_interval and step % cfg.save_interval == 0):
                 save(out_dir, val, progress, raw_model, optimizer, scaler, train_loader, tracker, cfg, env, log)
@@ -566,7 +714,7 @@ def train(argv):
             if stop.signal is not None:
                 stop_flag.fill_(1.0)
             scaler.unscale_(optimizer)  # true gradients before clipping (no-op without fp16)
-            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
+            grad_norm = clip_gradients(raw_model, cfg.grad_clip)
             train_loss, grad_norm, stopping = reduce_step_stats(loss_sum, stop_flag, grad_norm, env)
             skipped = skip_reason(train_loss, grad_norm, scaler, cfg, progress, step + 1)
             if skipped:

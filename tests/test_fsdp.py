@@ -1,0 +1,376 @@
+"""parallel='fsdp'/'hsdp': sharded training equals DDP and one process, sharded checkpoints resume exactly at any
+world size and survive a kill -9, a sharded model evaluates and samples, and one process reads the shards.
+
+Multi-rank runs are 2 CPU processes under torchrun (gloo) on test_train's tiny model and Markov-chain data.
+"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import checkpoint
+import hellaswag
+import sample
+import train
+from checkpoint import latest_checkpoint, load_checkpoint, save_sharded_checkpoint
+from config import ConfigError, make_config
+from data import write_shard
+from model import GPT, GPTConfig
+from test_hellaswag import EXAMPLES
+from test_train import TINY, markov_tokens, metrics, subprocess_env, train_losses
+
+ROOT = Path(__file__).resolve().parent.parent
+# 2 ranks x 1 micro-batch of 4 x 16 tokens, or 1 process x 2; a clip of 0.5 is below every step's norm here
+COMMON = [*TINY, "--total_batch_size=128", "--max_steps=20", "--lr_decay_steps=20", "--grad_clip=0.5",
+          "--eval_interval=10", "--save_interval=10", "--keep_last=0"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    write_shard(d / "tiny_train_000000.bin", markov_tokens(30_000, seed=1))
+    write_shard(d / "tiny_val_000000.bin", markov_tokens(3_000, seed=2))
+    return d
+
+
+def torchrun(*args, nproc=2, script=ROOT / "train.py"):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
+           *map(str, args)]
+    result = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(data_dir, tmp_path_factory):
+    """The reference: 20 steps on 2 FSDP ranks, sharded checkpoints at steps 10 and 20."""
+    out = tmp_path_factory.mktemp("fsdp")
+    torchrun(*COMMON, f"--data_dir={data_dir}", f"--out_dir={out}", "--parallel=fsdp")
+    return out
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def one_rank_torchrun(monkeypatch):
+    """The environment torchrun --nproc_per_node=1 gives its process: train.main in-process joins a process
+    group of one, so parallel='fsdp' shards (over one rank) and writes sharded checkpoints."""
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(key, value)
+    yield
+    if dist.is_initialized():  # a failed run may not have reached its cleanup
+        dist.destroy_process_group()
+
+
+def close(a, b, tol=1e-5):
+    return set(a) == set(b) and all(abs(a[k] - b[k]) < tol for k in a)
+
+
+def steps(losses, first, last):
+    return {s: losses[s] for s in range(first, last + 1)}
+
+
+# ----------------------------------------------------------------------------- equal to DDP and to one process
+
+@pytest.mark.slow
+def test_fsdp_equals_ddp_and_one_process_with_accumulation(data_dir, fsdp_run, tmp_path):
+    torchrun(*COMMON, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'ddp'}", "--parallel=ddp")
+    # one process x 2 accumulation steps; eval_steps counts micro-batches per process: 2 x 2 ranks = 4
+    assert train.main([*COMMON, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'single'}", "--eval_steps=4"]) == 0
+
+    fsdp, ddp, single = (metrics(out) for out in (fsdp_run, tmp_path / "ddp", tmp_path / "single"))
+    by_step = lambda lines, key: {m["step"]: m[key] for m in lines if key in m}  # noqa: E731
+    assert list(by_step(fsdp, "train_loss")) == list(range(1, 21))
+    for key in ("train_loss", "grad_norm", "val_loss"):  # val_loss at step 0: the same initial weights
+        assert close(by_step(fsdp, key), by_step(ddp, key)), key
+        assert close(by_step(fsdp, key), by_step(single, key)), key
+    assert all(norm > 0.5 for norm in by_step(fsdp, "grad_norm").values())  # clipping was active at every step
+    assert sorted(p.name for p in fsdp_run.glob("ckpt_*")) == ["ckpt_000010", "ckpt_000020"]  # directories
+    a, b = load_checkpoint(fsdp_run)["model"], load_checkpoint(tmp_path / "ddp")["model"]
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+# ----------------------------------------------------------------------------- resume at any world size
+
+@pytest.mark.slow
+def test_sharded_resume_is_bit_exact_on_two_ranks_and_within_1e5_on_one(fsdp_run, tmp_path):
+    for name in ("two", "one"):
+        shutil.copytree(fsdp_run / "ckpt_000010", tmp_path / name / "ckpt_000010")
+    torchrun("--init_from=resume", f"--out_dir={tmp_path / 'two'}")  # the checkpoint's config: fsdp, 20 steps
+    assert train.main(["--init_from=resume", f"--out_dir={tmp_path / 'one'}"]) == 0  # no torchrun: one process
+
+    reference = steps(train_losses(fsdp_run), 11, 20)
+    assert train_losses(tmp_path / "two") == reference
+    assert close(train_losses(tmp_path / "one"), reference)
+    a, b = load_checkpoint(fsdp_run)["model"], load_checkpoint(tmp_path / "two")["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "one" / "ckpt_000020.pt").is_file()  # one process writes the single-file form
+
+
+@pytest.mark.slow
+def test_one_rank_sharded_checkpoint_resumes_on_two_ranks_as_hsdp(data_dir, fsdp_run, tmp_path, one_rank_torchrun,
+                                                                    monkeypatch, capsys):
+    out = tmp_path / "out"
+    assert train.main([*COMMON, f"--data_dir={data_dir}", f"--out_dir={out}", "--parallel=fsdp",
+                       "--max_steps=10"]) == 0
+    assert "world size 1 (fsdp)" in capsys.readouterr().out
+    assert (out / "ckpt_000010" / ".metadata").is_file()
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key)
+    # hsdp with shard groups of one rank: a 2 x 1 mesh, gradients all-reduced across the two replicas
+    result = torchrun("--init_from=resume", f"--out_dir={out}", "--max_steps=20", "--parallel=hsdp", "--shard_size=1")
+    assert "world size 2 (hsdp)" in result.stdout
+    assert close(train_losses(out), train_losses(fsdp_run))
+
+
+@pytest.mark.slow
+def test_single_file_checkpoint_resumes_sharded(data_dir, fsdp_run, tmp_path, one_rank_torchrun):
+    """A plain one-process run's ckpt_000010.pt continues as an FSDP run: the weights are sharded as the model
+    is, and the optimizer state (whole tensors keyed by index) is split the same way."""
+    out = tmp_path / "out"
+    with pytest.MonkeyPatch.context() as m:
+        m.delenv("RANK")
+        assert train.main([*COMMON, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=10"]) == 0
+    assert (out / "ckpt_000010.pt").is_file()
+    assert train.main(["--init_from=resume", f"--out_dir={out}", "--max_steps=20", "--parallel=fsdp"]) == 0
+    assert (out / "ckpt_000020").is_dir()
+    assert close(train_losses(out), train_losses(fsdp_run))
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_resumes_under_ddp(fsdp_run, tmp_path, one_rank_torchrun):
+    """parallel may change on resume: DDP loads the shards of a 2-rank FSDP run into whole tensors on every rank."""
+    shutil.copytree(fsdp_run / "ckpt_000010", tmp_path / "ckpt_000010")
+    assert train.main(["--init_from=resume", f"--out_dir={tmp_path}", "--parallel=ddp", "--max_steps=12"]) == 0
+    assert close(train_losses(tmp_path), steps(train_losses(fsdp_run), 11, 12))
+    assert (tmp_path / "ckpt_000012.pt").is_file()
+
+
+@pytest.mark.parametrize("compile_fails", [False, True])
+def test_compiled_blocks_train_as_eager_ones(data_dir, tmp_path, one_rank_torchrun, monkeypatch, capsys,
+                                             compile_fails):
+    """torch.compile of each block's forward, faked: the same function, or one failing as a broken compiler does.
+    Either way (trial passed: compiled; trial failed: back to eager) the run trains exactly as an eager one: the
+    trial leaves no trace, and the optimizer holds every shard (the trial's eval forward leaves the root unit
+    gathered, and an optimizer built over those gathered tensors would never update wte, wpe and ln_f)."""
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._inductor.exc import CppCompileError
+
+    def fake_compile(forward):
+        def compiled(*args, **kwargs):
+            if compile_fails:
+                raise BackendCompilerFailed("inductor", CppCompileError(["g++"], "no working C++ compiler"), None)
+            return forward(*args, **kwargs)
+        return compiled
+
+    args = [*COMMON, f"--data_dir={data_dir}", "--parallel=fsdp", "--max_steps=6", "--dropout=0.1"]
+    assert train.main([*args, f"--out_dir={tmp_path / 'eager'}"]) == 0
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    assert train.main([*args, f"--out_dir={tmp_path / 'compiled'}", "--compile=True"]) == 0
+    out = capsys.readouterr().out
+    assert ("torch.compile failed (BackendCompilerFailed" in out) == compile_fails
+    assert f"compile {not compile_fails} | world size 1 (fsdp)" in out
+    assert train_losses(tmp_path / "compiled") == train_losses(tmp_path / "eager")
+
+
+# ----------------------------------------------------------------------------- a rank killed while saving
+
+KILLED_WHILE_SAVING = """
+import os, sys, time
+from pathlib import Path
+from torch.distributed.checkpoint import FileSystemWriter
+import train
+
+marker, argv = Path(sys.argv[1]), sys.argv[2:]
+real_write = FileSystemWriter.write_data
+
+def write_data(self, *args, **kwargs):  # rank 1 stalls in the middle of step 3's save, to be killed there
+    if os.environ["RANK"] == "1" and ".ckpt_000003.tmp" in str(self.path):
+        marker.write_text(str(os.getpid()))
+        time.sleep(600)
+    return real_write(self, *args, **kwargs)
+
+FileSystemWriter.write_data = write_data
+sys.exit(train.main(argv))
+"""
+
+
+@pytest.mark.slow
+def test_kill_9_of_one_rank_during_a_sharded_save_keeps_the_previous_checkpoint(data_dir, fsdp_run, tmp_path):
+    script, marker, out = tmp_path / "killed.py", tmp_path / "rank1.pid", tmp_path / "out"
+    script.write_text(KILLED_WHILE_SAVING)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           str(marker), *COMMON, f"--data_dir={data_dir}", f"--out_dir={out}", "--parallel=fsdp", "--save_interval=1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 240
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), proc.communicate(timeout=60)[1][-3000:]
+    time.sleep(0.2)  # the pid is written first
+    os.kill(int(marker.read_text()), signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode != 0  # torchrun saw a worker die
+
+    assert (out / ".ckpt_000003.tmp").is_dir() and not (out / "ckpt_000003").exists()
+    assert latest_checkpoint(out) == out / "ckpt_000002"
+    assert train.main(["--init_from=resume", f"--out_dir={out}", "--max_steps=4"]) == 0  # in one process
+    assert close(train_losses(out), steps(train_losses(fsdp_run), 1, 4))
+    assert not (out / ".ckpt_000003.tmp").exists()  # the next save cleared what the killed one left
+
+
+# ----------------------------------------------------------------------------- evaluation of a sharded model
+
+SHARDED_EVAL = """
+import json, sys
+import torch
+import hellaswag, train
+from config import make_config, model_config
+from model import GPT
+
+examples, out = hellaswag.load_examples(sys.argv[1]), sys.argv[2]
+cfg = make_config(dict(n_layer=2, n_head=2, n_embd=32, block_size=64, device="cpu", dtype="float32", compile=False,
+                       parallel="fsdp", sample_tokens=12, sample_prompt="The", seed=7))
+env = train.setup(cfg)
+raw, cfg = train.build_model(cfg, None, "cpu")
+model = train.parallelize(raw, cfg, env)
+torch.manual_seed(cfg.seed)
+alone = GPT(model_config(cfg))  # what one process starts from with the same seed
+with train.gathered(raw) as whole:  # before any forward: FSDP's lazy initialisation happens here
+    same_init = [n for n, t in whole.state_dict().items() if not torch.equal(t, alone.state_dict()[n])] == []
+result = {"same_init": same_init, "sharded_after": type(raw.lm_head.weight).__name__,
+          "hellaswag": train.hellaswag_eval(raw, examples, cfg, env),
+          "hellaswag_alone": hellaswag.evaluate(alone, examples, "cpu", rank=0, world_size=1),
+          "sample": train.sample_preview(raw, cfg, env), "sample_alone": train.sample_preview(alone, cfg, env)}
+x = torch.randint(0, 100, (2, 64))
+model(x, x, return_logits=False)[1].backward()  # training goes on after the gathered evaluations
+result["trains_after"] = all(p.grad is not None for p in raw.parameters())
+with open(out + str(env.rank), "w") as f:
+    json.dump(result, f)
+"""
+
+
+@pytest.mark.slow
+def test_sharded_model_starts_from_the_same_weights_evaluates_and_samples(tmp_path):
+    (tmp_path / "eval.py").write_text(SHARDED_EVAL)
+    (tmp_path / "hellaswag.jsonl").write_text("".join(json.dumps(ex) + "\n" for ex in EXAMPLES[:7]))
+    torchrun(tmp_path / "hellaswag.jsonl", tmp_path / "rank", script=tmp_path / "eval.py")
+    ranks = [json.loads((tmp_path / f"rank{r}").read_text()) for r in range(2)]
+    for r in ranks:
+        assert r["same_init"] and r["sharded_after"] == "DTensor" and r["trains_after"]
+        hs, alone = r["hellaswag"], r["hellaswag_alone"]
+        assert (hs["n"], hs["correct"], hs["correct_norm"]) == (alone["n"], alone["correct"], alone["correct_norm"])
+    assert [len(r["hellaswag"]["preds"]) for r in ranks] == [4, 3]  # examples split over the ranks
+    alone = {p["ind"]: p["sum_loss"] for p in ranks[0]["hellaswag_alone"]["preds"]}
+    for p in ranks[0]["hellaswag"]["preds"] + ranks[1]["hellaswag"]["preds"]:
+        assert p["sum_loss"] == pytest.approx(alone[p["ind"]], abs=1e-5)
+    assert ranks[0]["sample"] == ranks[0]["sample_alone"] and len(ranks[0]["sample"]) > len("The")
+    assert ranks[1]["sample"] is None  # rank 0 samples; the others only take part in the gather
+
+
+# ----------------------------------------------------------------------------- one process reads the shards
+
+def tiny_sharded_checkpoint(path, vocab_size=32):
+    """A sharded checkpoint written by one process (the format does not depend on the world size)."""
+    torch.manual_seed(0)
+    cfg = make_config(dict(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=vocab_size))
+    model = GPT(GPTConfig(**{k: getattr(cfg, k) for k in asdict(GPTConfig())}))
+    optimizer = model.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2))
+    x = torch.randint(0, vocab_size, (2, 32))
+    model(x, x, return_logits=False)[1].backward()
+    optimizer.step()
+    meta = {"model_args": asdict(model.config), "config": asdict(cfg), "step": 5, "val_loss": 3.5, "rng": [],
+            "scaler": None, "loader": {}, "best_step": None, "best_val_loss": None, "format": checkpoint.FORMAT}
+    save_sharded_checkpoint(path, meta, model, optimizer)
+    return model, optimizer
+
+
+def test_consolidate_and_export_a_sharded_checkpoint(tmp_path, capsys):
+    model, optimizer = tiny_sharded_checkpoint(tmp_path / "ckpt_000005")
+    assert checkpoint.main(["consolidate", str(tmp_path / "ckpt_000005"), str(tmp_path / "one.pt")]) == 0
+    single = load_checkpoint(tmp_path / "one.pt")
+    assert single["step"] == 5 and "shards" not in single
+    assert all(torch.equal(t, single["model"][k]) for k, t in model.state_dict().items())
+    saved, now = single["optimizer"], optimizer.state_dict()
+    assert saved["param_groups"] == now["param_groups"]
+    for i, state in now["state"].items():  # AdamW's moments, keyed by parameter index as optimizer.state_dict()
+        assert all(torch.equal(v, saved["state"][i][k]) for k, v in state.items())
+
+    loaded, info = checkpoint.load_model(ckpt=str(tmp_path / "ckpt_000005"))  # straight from the shards
+    assert info["step"] == 5 and all(torch.equal(t, loaded.state_dict()[k]) for k, t in model.state_dict().items())
+    assert checkpoint.main(["export", str(tmp_path / "ckpt_000005"), str(tmp_path / "hf")]) == 0
+    hf = GPT.from_pretrained(str(tmp_path / "hf"))
+    assert all(torch.equal(t, hf.state_dict()[k]) for k, t in model.state_dict().items())
+    assert checkpoint.main(["consolidate", str(tmp_path / "one.pt"), str(tmp_path / "x.pt")]) == 2
+    assert "not a sharded checkpoint directory" in capsys.readouterr().err
+
+
+def test_sample_and_hellaswag_read_a_sharded_checkpoint(tmp_path, capsys):
+    tiny_sharded_checkpoint(tmp_path / "run" / "ckpt_000005", vocab_size=50304)
+    checkpoint.consolidate(tmp_path / "run" / "ckpt_000005", tmp_path / "single" / "ckpt_000005.pt")
+    (tmp_path / "hs.jsonl").write_text("".join(json.dumps(ex) + "\n" for ex in EXAMPLES))
+    out = {}
+    for name in ("run", "single"):  # an out_dir holding the sharded directory, and the single file
+        args = ["--ckpt", str(tmp_path / name), "--device", "cpu", "--dtype", "float32"]
+        assert sample.main([*args, "--prompt", "Hello", "--max_new_tokens", "8", "--seed", "3"]) == 0
+        assert hellaswag.main([*args, "--data", str(tmp_path / "hs.jsonl"), "--json"]) == 0
+        text = capsys.readouterr().out
+        out[name] = (text.split("hellaswag:")[0], json.loads(text.splitlines()[-1]))
+    assert out["run"] == out["single"] and out["run"][0].startswith("Hello")
+
+
+def test_sharded_directories_are_listed_pruned_and_skipped_while_incomplete(tmp_path):
+    for step in (1, 2, 3):
+        tiny_sharded_checkpoint(tmp_path / f"ckpt_{step:06d}")
+    (tmp_path / "ckpt_000003" / ".metadata").unlink()  # as if copied half-way
+    shutil.copytree(tmp_path / "ckpt_000001", tmp_path / ".ckpt_000004.tmp")  # an interrupted save
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [1, 2, 3]
+    assert latest_checkpoint(tmp_path) == tmp_path / "ckpt_000002"
+    meta = load_checkpoint(tmp_path, consolidate=False)
+    assert meta["shards"] == str(tmp_path / "ckpt_000002") and "model" not in meta
+    with pytest.raises(checkpoint.CheckpointError, match="incomplete sharded checkpoint"):
+        load_checkpoint(tmp_path / "ckpt_000003")
+    checkpoint.prune_checkpoints(tmp_path, keep_last=1, keep_steps={1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_000001", "ckpt_000003"]
+
+
+# ----------------------------------------------------------------------------- configuration
+
+def test_parallel_is_ignored_without_torchrun(data_dir, tmp_path, capsys):
+    assert train.main([*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_steps=2",
+                       "--parallel=fsdp"]) == 0
+    err = capsys.readouterr().err
+    assert "note: parallel='fsdp' ignored: not launched by torchrun" in err and err.count("note:") == 1
+    assert (tmp_path / "ckpt_000002.pt").is_file()
+
+
+def test_mesh_shapes_and_bad_shard_size():
+    assert train.mesh_shape("fsdp", None, 16, 8) == (16,)
+    assert train.mesh_shape("hsdp", None, 16, 8) == (2, 8)  # default: shard within a node, replicate across
+    assert train.mesh_shape("hsdp", 4, 16, 8) == (4, 4)
+    with pytest.raises(ConfigError, match=r"shard_size=3 does not divide the world size 16"):
+        train.mesh_shape("hsdp", 3, 16, 8)
+
+
+def test_sharded_float16_is_a_config_error(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="parallel='fsdp' trains in bfloat16 or float32, not float16"):
+        train.setup(make_config(dict(parallel="fsdp", dtype="float16", device="cpu")))
+    assert not dist.is_initialized()
