@@ -10,6 +10,7 @@ A config file is plain Python assignments to TrainConfig keys (config.py); `--ke
 Python literals (strings may be written bare) and win over the file. train() at the bottom is the recipe:
 config, setup, data, model, optimizer, parallelize, then the loop; each step of it is a function above.
 """
+import contextlib
 import json
 import math
 import os
@@ -26,12 +27,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from checkpoint import (FORMAT, CheckpointError, checkpoint_path, clean_state_dict, latest_checkpoint,
-                        list_checkpoints, load_checkpoint, prune_checkpoints, save_checkpoint)
+from checkpoint import (FORMAT, CheckpointError, checkpoint_path, clean_state_dict, list_checkpoints, load_latest_checkpoint, prune_checkpoints, save_checkpoint)
 from config import ARCH_KEYS, ConfigError, help_text, make_config, model_config, config_table, parse_args
-from data import DataLoader
+from data import DataLoader, NoShardsError, ShardError
 from devices import (autocast, device_type, fused_adamw_supported, is_compile_error, peak_flops, resolve_compile,
                      resolve_device, resolve_dtype, tune_cpu_allocator)
+from files import LockError, directory_lock
 from model import GPT
 
 
@@ -84,20 +85,40 @@ class Progress:
 
 # ----------------------------------------------------------------------------- setup
 
+def is_rank0():
+    """Rank 0 of torchrun's processes, or a plain `python train.py`; usable before the process group exists."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def note0(message):
+    """A note on stderr from rank 0 only (the other ranks see the same things)."""
+    if is_rank0():
+        print(f"note: {message}", file=sys.stderr, flush=True)
+
+
+def lock_out_dir(out_dir):
+    """One run per out_dir: rank 0 holds an exclusive lock on it (files.directory_lock) for the whole run;
+    a second run there is a one-line error naming the holder. The other ranks of a torchrun job don't lock."""
+    if not is_rank0():
+        return contextlib.nullcontext()
+    return directory_lock(out_dir, "train.py")
+
+
 def resolve_config(user):
-    """(TrainConfig, checkpoint dict or None). On init_from='resume' the newest checkpoint's config is the
-    base the user's keys override; the architecture cannot change."""
+    """(TrainConfig, checkpoint dict or None). On init_from='resume' the newest checkpoint that verifies is
+    loaded (a note names each newer one skipped, and why); its config is the base the user's keys override;
+    the architecture cannot change."""
     cfg = make_config(user)
     if cfg.init_from != "resume":
         if list_checkpoints(cfg.out_dir):
             raise ConfigError(f"{cfg.out_dir} already holds checkpoints; continue with --init_from=resume, "
                               f"or pick another out_dir (or delete them) to start over")
         return cfg, None
-    path = latest_checkpoint(cfg.out_dir)
-    if path is None:
-        raise ConfigError(f"init_from='resume' but {cfg.out_dir} holds no complete ckpt_XXXXXX.pt checkpoint")
-    ckpt = load_checkpoint(path)
-    cfg = make_config(user, base=ckpt["config"])
+    if not list_checkpoints(cfg.out_dir):
+        raise ConfigError(f"init_from='resume' but {cfg.out_dir} holds no ckpt_XXXXXX.pt checkpoint")
+    ckpt, path = load_latest_checkpoint(cfg.out_dir, note=note0)
+    # the run stays in the out_dir it found the checkpoint in (the checkpoint's own may be another, if moved)
+    cfg = make_config({**user, "out_dir": cfg.out_dir}, base=ckpt["config"])
     saved = model_config(cfg, **ckpt["model_args"])  # fields added since the checkpoint get their defaults
     for key in ARCH_KEYS:
         if getattr(cfg, key) != getattr(saved, key):
@@ -112,7 +133,10 @@ def setup(cfg):
     distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
-    device = resolve_device(cfg.device)
+    try:
+        device = resolve_device(cfg.device)
+    except ValueError as e:
+        raise ConfigError(f"config key 'device': {e}") from None
     if device_type(device) == "cuda":
         if distributed:
             device = f"cuda:{local_rank}"
@@ -139,11 +163,16 @@ def batch_layout(cfg, world_size):
 
 
 def make_loaders(cfg, env):
-    """Train and val loaders: every rank reads its own slice of one global, world-size-invariant stream."""
+    """Train and val loaders: every rank reads its own slice of one global, world-size-invariant stream.
+    Every shard is validated here, token ids included, before step 1."""
     def loader(split):
         return DataLoader(cfg.data_dir, split, cfg.batch_size, cfg.block_size, rank=env.rank,
                           world_size=env.world_size, seed=cfg.seed, vocab_size=cfg.vocab_size)
-    return loader("train"), loader("val") if cfg.eval_interval > 0 else None
+    try:
+        return loader("train"), loader("val") if cfg.eval_interval > 0 else None
+    except NoShardsError as e:
+        from prepare_data import prepare_command
+        raise NoShardsError(f"{e}; prepare it with `{prepare_command(cfg.data_dir)}`") from None
 
 
 def build_model(cfg, ckpt, device):
@@ -155,7 +184,10 @@ def build_model(cfg, ckpt, device):
     elif cfg.init_from == "scratch":
         model = GPT(model_config(cfg))
     else:
-        model = GPT.from_pretrained(cfg.init_from, **training_only)
+        try:
+            model = GPT.from_pretrained(cfg.init_from, **training_only)
+        except (ValueError, ImportError) as e:  # a broken model directory; a hub download's errors are OSErrors
+            raise ConfigError(f"init_from={cfg.init_from!r}: {e}") from None
         cfg = make_config({**asdict(cfg), **{k: getattr(model.config, k) for k in ARCH_KEYS}})
     return model.to(device), cfg
 
@@ -272,11 +304,11 @@ def skip_reason(train_loss, grad_norm, scaler, cfg, progress, step):
     what = "loss" if not math.isfinite(train_loss) else "gradient norm"
     reason = f"non-finite {what} (loss {train_loss}, grad norm {grad_norm})"
     if cfg.nonfinite == "halt":
-        raise Halt(f"step {step}: {reason}; halting (nonfinite='halt'), last checkpoint kept")
+        raise Halt(f"step {step}: {reason}; halting (nonfinite='halt')")
     progress.skipped_in_a_row += 1
     if cfg.max_skipped_steps and progress.skipped_in_a_row >= cfg.max_skipped_steps:
         raise Halt(f"step {step}: {progress.skipped_in_a_row} updates in a row skipped ({reason}); halting "
-                   f"(max_skipped_steps={cfg.max_skipped_steps}), last checkpoint kept: lower learning_rate?")
+                   f"(max_skipped_steps={cfg.max_skipped_steps}): lower learning_rate?")
     return reason
 
 
@@ -364,7 +396,12 @@ def restore(ckpt, optimizer, scaler, loader):
     optimizer.load_state_dict(ckpt["optimizer"])
     if ckpt["scaler"] is not None:
         scaler.load_state_dict(ckpt["scaler"])
-    loader.load_state_dict(ckpt["loader"])
+    try:
+        loader.load_state_dict(ckpt["loader"])
+    except ValueError as e:
+        saved = ckpt["config"]
+        raise ConfigError(f"cannot resume: {e}; the checkpoint's run used data_dir={saved.get('data_dir')!r} and "
+                          f"seed={saved.get('seed')}") from None
     return Progress(ckpt["step"], ckpt.get("best_step"), ckpt.get("best_val_loss"))
 
 
@@ -377,6 +414,14 @@ def restore_rngs(ckpt, env, log):
             "dropout masks will differ from an uninterrupted run")
 
 
+def kept_checkpoint(out_dir):
+    """What a halted run leaves to resume from, for its error message."""
+    found = list_checkpoints(out_dir)
+    if not found:
+        return "no checkpoint was written yet"
+    return f"the last checkpoint, {found[-1][1]}, is kept (continue with --init_from=resume)"
+
+
 def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, cfg, env, log):
     """Write ckpt_{step}.pt (rank 0) holding everything an exact resume needs, then prune old ones."""
     rngs = [rng_state()]
@@ -387,7 +432,7 @@ def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, cfg, env,
         return
     step = progress.step
     if not all(torch.isfinite(p).all() for p in raw_model.parameters()):
-        raise Halt(f"step {step}: the weights hold NaN/inf; not writing them (last good checkpoint kept)")
+        raise Halt(f"step {step}: the weights hold NaN/inf; not writing them")
     if val is not None and (progress.best_val is None or val < progress.best_val):
         progress.best_step, progress.best_val = step, val
     path = checkpoint_path(out_dir, step)
@@ -436,8 +481,14 @@ class MetricsLog:
 # ----------------------------------------------------------------------------- the recipe
 
 def train(argv):
-    # config: defaults < checkpoint (on resume) < preset < config files < --key=value
+    """One run: the command line's config, out_dir locked for all of it (lock_out_dir), the recipe."""
     user = parse_args(argv)
+    with lock_out_dir(make_config(user).out_dir):
+        return run(user)
+
+
+def run(user):
+    # config: defaults < checkpoint (on resume) < preset < config files < --key=value
     cfg, ckpt = resolve_config(user)
     env = setup(cfg)
     log = tqdm.write if env.master else (lambda *a, **k: None)
@@ -532,6 +583,8 @@ def train(argv):
                 if cfg.log_interval and (step % cfg.log_interval == 0 or step == cfg.max_steps):
                     log(f"step {step:>6}/{cfg.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | norm {grad_norm:.3f}"
                         f" | {dt * 1000:.0f} ms | {tokens_per_s:,.0f} tok/s" + (f" | mfu {mfu:.1%}" if mfu else ""))
+    except Halt as e:
+        raise Halt(f"{e}; {kept_checkpoint(out_dir)}") from None
     finally:
         bar.close()
         for s, handler in old_handlers.items():
@@ -546,17 +599,31 @@ def train(argv):
     return 0
 
 
+EXPECTED_ERRORS = (ConfigError, CheckpointError, Halt, ShardError, LockError, OSError)
+
+
+def error_line(e):
+    """The one line an expected error prints: an OSError as '<file>: <reason>', the others their message."""
+    if isinstance(e, OSError) and e.filename is not None:
+        return f"{e.filename}: {e.strerror}"
+    return " ".join(str(e).split())
+
+
 def main(argv=None):
-    """Command-line entry point: returns 0, or exits 2 on a config error and 1 on a bad checkpoint or a halt."""
+    """Command-line entry point: returns 0, or exits 2 on a config error and 1 on any other expected error (bad
+    checkpoint or data, a halt, out_dir in use, an unwritable or full disk): one line on stderr from rank 0,
+    no traceback. A traceback is for bugs, or for everything with GPT2_TRACEBACK=1 in the environment."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] in (["-h"], ["--help"]):
         print(help_text(__doc__))
         return 0
     try:
         return train(argv)
-    except (ConfigError, CheckpointError, Halt) as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"train.py: error: {e}", file=sys.stderr)
+    except EXPECTED_ERRORS as e:
+        if os.environ.get("GPT2_TRACEBACK") == "1":
+            raise
+        if is_rank0():
+            print(f"train.py: error: {error_line(e)}", file=sys.stderr, flush=True)
         raise SystemExit(2 if isinstance(e, ConfigError) else 1) from None
 
 

@@ -8,6 +8,7 @@ import checkpoint
 from checkpoint import (FORMAT, CheckpointError, add_model_args, checkpoint_path, clean_state_dict,
                         latest_checkpoint, load_checkpoint, load_model, load_model_from_args, prune_checkpoints,
                         save_checkpoint)
+from files import file_sha256
 from model import GPT, GPTConfig
 
 TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32)
@@ -25,7 +26,9 @@ def test_roundtrip_loads_with_weights_only(tmp_path):
     ckpt = load_checkpoint(path)
     assert ckpt["step"] == 7 and torch.equal(ckpt["model"]["w"], torch.full((3,), 7.0))
     assert load_checkpoint(tmp_path)["step"] == 7  # a directory means its latest checkpoint
-    assert [p.name for p in tmp_path.iterdir()] == ["ckpt_000007.pt"]  # no temporary file left
+    # no temporary file left; the sidecar records the sha256 in sha256sum's format
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_000007.pt", "ckpt_000007.pt.sha256"]
+    assert (tmp_path / "ckpt_000007.pt.sha256").read_text() == f"{file_sha256(path)}  ckpt_000007.pt\n"
 
 
 def test_latest_skips_truncated_and_temporary_files(tmp_path):
@@ -57,7 +60,7 @@ def test_bad_files_give_one_line_errors(tmp_path, content):
 def test_missing_file_and_empty_dir(tmp_path):
     with pytest.raises(CheckpointError, match="no such checkpoint"):
         load_checkpoint(tmp_path / "ckpt_000001.pt")
-    with pytest.raises(CheckpointError, match="no complete"):
+    with pytest.raises(CheckpointError, match="no ckpt_XXXXXX.pt checkpoint in this directory"):
         load_checkpoint(tmp_path)
 
 
@@ -73,16 +76,18 @@ def test_crash_during_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
         save_checkpoint(checkpoint_path(tmp_path, 2), fake_ckpt(2))
     assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)
     assert load_checkpoint(tmp_path)["step"] == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_000001.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_000001.pt", "ckpt_000001.pt.sha256"]
 
 
 def test_prune_keeps_last_n_and_the_best(tmp_path):
     for step in range(1, 6):
         save_checkpoint(checkpoint_path(tmp_path, step), fake_ckpt(step))
+    (tmp_path / "ckpt_000006.pt.sha256").write_text("0" * 64 + "  ckpt_000006.pt\n")  # a save killed before its rename
     prune_checkpoints(tmp_path, keep_last=2, keep_steps={1})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_000001.pt", "ckpt_000004.pt", "ckpt_000005.pt"]
+    kept = ["ckpt_000001.pt", "ckpt_000004.pt", "ckpt_000005.pt"]  # each with its sidecar, nothing else
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept + [k + ".sha256" for k in kept])
     prune_checkpoints(tmp_path, keep_last=0)  # 0 keeps everything
-    assert len(list(tmp_path.iterdir())) == 3
+    assert len(list(tmp_path.iterdir())) == 6
 
 
 def test_clean_state_dict_strips_ddp_and_compile_prefixes():
