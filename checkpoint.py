@@ -229,9 +229,7 @@ def load_checkpoint(path, map_location="cpu", note=print_note):
         return load_latest_checkpoint(path, map_location, note)[0]
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
-    if not verify_checkpoint(path):
-        note(f"{path} has no {checksum_path(path).name} (written before checkpoints recorded their sha256): "
-             f"loading it unverified")
+    verified = verify_checkpoint(path)
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated zip, foreign pickle, not a torch file at all...
@@ -240,6 +238,9 @@ def load_checkpoint(path, map_location="cpu", note=print_note):
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         found = ckpt.get("format") if isinstance(ckpt, dict) else type(ckpt).__name__
         raise CheckpointError(f"{path}: not a gpt2-train checkpoint (format {found!r}, expected {FORMAT!r})")
+    if not verified:
+        note(f"{path} has no {checksum_path(path).name} (written before checkpoints recorded their sha256): "
+             f"loaded unverified")
     return ckpt
 
 
