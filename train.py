@@ -7,8 +7,9 @@
     python train.py --help                                              # every key, its default
 
 A config file is plain Python assignments to TrainConfig keys (config.py); `--key=value` overrides are
-Python literals (strings may be written bare) and win over the file. train() at the bottom is the recipe:
-config, setup, data, model, optimizer, parallelize, then the loop; each step of it is a function above.
+Python literals (strings may be written bare) and win over the file. train() at the bottom locks out_dir
+and calls run(), the recipe: config, setup, data, model, optimizer, parallelize, then the loop; each step of
+it is a function above. Expected errors are one line on stderr (main(); see README "Failure modes").
 """
 import contextlib
 import json
@@ -27,7 +28,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from checkpoint import (FORMAT, CheckpointError, checkpoint_path, clean_state_dict, list_checkpoints, load_latest_checkpoint, prune_checkpoints, save_checkpoint)
+from checkpoint import (FORMAT, CheckpointError, checkpoint_path, clean_state_dict, list_checkpoints,
+                        load_latest_checkpoint, prune_checkpoints, save_checkpoint)
 from config import ARCH_KEYS, ConfigError, help_text, make_config, model_config, config_table, parse_args
 from data import DataLoader, NoShardsError, ShardError
 from devices import (autocast, device_type, fused_adamw_supported, is_compile_error, peak_flops, resolve_compile,
@@ -488,7 +490,8 @@ def train(argv):
 
 
 def run(user):
-    # config: defaults < checkpoint (on resume) < preset < config files < --key=value
+    """The recipe, for the keys the user set (parse_args). Config: defaults < checkpoint (on resume) < preset <
+    config files < --key=value."""
     cfg, ckpt = resolve_config(user)
     env = setup(cfg)
     log = tqdm.write if env.master else (lambda *a, **k: None)
