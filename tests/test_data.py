@@ -355,6 +355,17 @@ def test_out_of_vocab_token_is_reported(tmp_path):
         DataLoader(tmp_path, "train", batch_size=2, block_size=4, vocab_size=50257)
 
 
+def test_shards_without_a_manifest_are_scanned_in_chunks_to_the_last_token(tmp_path):
+    from data import check_shards_vocab
+    paths = [tmp_path / f"x_train_{i:06d}.bin" for i in range(2)]
+    write_shard(paths[0], np.arange(5000) % 64)
+    write_shard(paths[1], np.r_[np.arange(4999) % 64, 64])  # the very last token is out of range
+    shards = [load_shard(p) for p in paths]
+    check_shards_vocab(paths, shards, 65, chunk=999)
+    with pytest.raises(ShardError, match=r"x_train_000001.bin: token id 64 >= vocab_size 64 \(first bad id at token 4,999\)"):
+        check_shards_vocab(paths, shards, 64, chunk=999)
+
+
 def test_npy_must_be_uint16_and_missing_shards_are_named(tmp_path):
     np.save(tmp_path / "x_train_000000.npy", np.arange(10, dtype=np.int32))
     with pytest.raises(ShardError, match="x_train_000000.npy: .npy shard must be a 1-D uint16 array, got int32"):
