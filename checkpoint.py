@@ -15,7 +15,15 @@ containers only, so it loads with torch.load(weights_only=True) (no pickled code
 
 Writes go through files.atomic_write (a hidden temporary file in the same directory, fsync'ed, renamed
 over the final name, the directory fsync'ed): a crash (even kill -9) at any moment leaves either the old
-set of checkpoints or the new one, never a truncated ckpt_*.pt.
+set of checkpoints or the new one, never a truncated ckpt_*.pt. Before writing, the free disk space is
+checked against the checkpoint's size.
+
+Each checkpoint's sha256 is recorded in a sidecar, ckpt_{step:06d}.pt.sha256 (`sha256sum -c` reads it),
+written before the checkpoint is renamed into place, so a checkpoint written here never lacks one. Every
+load verifies it: a damaged file is an error naming it, and a directory (out_dir) means its newest
+checkpoint that verifies and loads, with a note for each newer one skipped. A checkpoint without a
+sidecar (written before sidecars existed) loads with a note. A sharded checkpoint's meta.pt has one
+too; its DCP shards are checked for completeness (the .metadata index), not hashed.
 
 A sharded run (parallel='fsdp'/'hsdp') writes a directory out_dir/ckpt_{step:06d}/ instead: model and
 optimizer as torch.distributed.checkpoint (DCP) shards, every rank writing its own part in parallel
@@ -26,6 +34,8 @@ resumes at any world size, and loads into a single process without a process gro
 load_checkpoint, `python checkpoint.py consolidate` to write the single-file form).
 """
 import argparse
+import errno
+import hashlib
 import os
 import re
 import shutil
@@ -38,7 +48,7 @@ import torch
 
 import assets
 from devices import DTYPES, resolve_device, resolve_dtype
-from files import atomic_write
+from files import atomic_write, file_sha256, fsync_dir
 
 FORMAT = "gpt2-train-ckpt-v1"
 CKPT_NAME = re.compile(r"^ckpt_(\d{6,})(\.pt)?$")  # a file ckpt_000100.pt or a sharded directory ckpt_000100
@@ -60,9 +70,123 @@ def is_sharded(path):
     return path.is_dir() and ((path / META).exists() or (path / ".metadata").exists())
 
 
+def checksum_path(path):
+    """The sidecar recording a checkpoint's sha256: ckpt_000100.pt -> ckpt_000100.pt.sha256."""
+    path = Path(path)
+    return path.with_name(path.name + ".sha256")
+
+
+class _HashingWriter:
+    """A binary file wrapper that hashes what is written through it and keeps the OSError of a failed
+    write (torch.save turns it into 'unexpected pos ...')."""
+
+    def __init__(self, f):
+        self.f, self.sha256, self.error = f, hashlib.sha256(), None
+
+    def write(self, data):
+        try:
+            written = self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+        self.sha256.update(data)
+        return written
+
+    def flush(self):
+        self.f.flush()
+
+
+def storage_bytes(obj):
+    """Bytes of tensor data torch.save writes for obj (nested dicts/lists/tuples): each storage once."""
+    seen, total, stack = set(), 0, [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()  # tied weights and views share one
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
+
+
+def check_free_space(path, obj):
+    """Raise CheckpointError unless the disk holding `path` has room for obj's checkpoint (its tensor bytes
+    plus 1% and 1 MiB for the pickle, the zip headers and the sidecar)."""
+    need = int(storage_bytes(obj) * 1.01) + 2**20
+    free = shutil.disk_usage(Path(path).parent).free
+    if free < need:
+        raise CheckpointError(f"{path}: not enough disk space to write this checkpoint: it needs about "
+                              f"{need / 2**20:,.0f} MiB, {Path(path).parent} has {free / 2**20:,.0f} MiB free; "
+                              f"nothing was written, the previous checkpoints are kept")
+
+
 def save_checkpoint(path, obj):
-    """torch.save(obj) to `path` atomically (files.atomic_write: temporary file, fsync, rename, fsync dir)."""
-    atomic_write(path, lambda f: torch.save(obj, f))
+    """torch.save(obj) to `path` atomically (files.atomic_write: temporary file, fsync, rename, fsync dir),
+    its sha256 recorded in checksum_path(path) before the rename. Checks the free space first; a full disk or
+    any other write error is a one-line CheckpointError and leaves no temporary file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    check_free_space(path, obj)
+    hashing = None
+
+    def write(f):
+        nonlocal hashing
+        hashing = _HashingWriter(f)
+        try:
+            torch.save(obj, hashing)
+        except RuntimeError:
+            if hashing.error is not None:
+                raise hashing.error from None
+            raise
+        atomic_write(checksum_path(path), f"{hashing.sha256.hexdigest()}  {path.name}\n")
+    try:
+        atomic_write(path, write)
+    except OSError as e:
+        hint = "; free some disk space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        raise CheckpointError(f"{path}: cannot write the checkpoint ({e.strerror or e}){hint}; "
+                              f"nothing was written, the previous checkpoints are kept") from None
+
+
+def read_checksums(sidecar):
+    """{file name: sha256} from a sidecar in sha256sum's format ('<hex>  <name>' per line)."""
+    recorded = {}
+    for line in Path(sidecar).read_text().splitlines():
+        digest, sep, name = line.partition("  ")
+        if not sep or not re.fullmatch(r"[0-9a-f]{64}", digest) or not name.strip():
+            raise ValueError(f"not a sha256sum line: {line[:80]!r}")
+        recorded[name.strip()] = digest
+    if not recorded:
+        raise ValueError("empty")
+    return recorded
+
+
+def verify_checkpoint(path):
+    """True if the checkpoint at `path` has the sha256 recorded when it was written; False if none was
+    recorded (a checkpoint from before sidecars); CheckpointError naming the file if it differs.
+
+    The sidecar may list several files (`<hex>  <name>` lines, names relative to its directory): every one
+    must match, which is how a checkpoint made of several files (a directory) would be verified too."""
+    path, sidecar = Path(path), checksum_path(path)
+    if not sidecar.is_file():
+        return False
+    try:
+        recorded = read_checksums(sidecar)
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable checksum file {sidecar.name} ({e}); cannot verify the "
+                              f"checkpoint") from None
+    for name, digest in recorded.items():
+        try:
+            actual = file_sha256(sidecar.parent / name)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read {name} to verify it ({e.strerror})") from None
+        if actual != digest:
+            raise CheckpointError(f"{path}: damaged: its sha256 is {actual[:16]}..., {sidecar.name} recorded "
+                                  f"{digest[:16]}... when it was written")
+    return True
 
 
 def _is_complete(path):
@@ -90,36 +214,59 @@ def list_checkpoints(out_dir):
 
 
 def latest_checkpoint(out_dir):
-    """Path of the newest complete checkpoint in out_dir, or None."""
+    """Path of the newest checkpoint in out_dir that verifies (or, without a sidecar, looks complete), or None."""
     for _, path in reversed(list_checkpoints(out_dir)):
-        if _is_complete(path):
-            return path
+        try:
+            if verify_checkpoint(path) or _is_complete(path):
+                return path
+        except CheckpointError:
+            pass
     return None
 
 
-def load_checkpoint(path, map_location="cpu", consolidate=True):
-    """The checkpoint dict at `path` (a file, a sharded checkpoint directory, or an out_dir meaning its latest
-    checkpoint). A sharded checkpoint is gathered into this process, in the single-file layout; with
-    consolidate=False its model and optimizer stay on disk instead, named by ckpt['shards'] (what a
-    sharded resume loads from, each rank only its part)."""
+def print_note(message):
+    """A one-line note on stderr (checkpoint skipped, loaded unverified)."""
+    print(f"note: {message}", file=sys.stderr, flush=True)
+
+
+def load_latest_checkpoint(out_dir, map_location="cpu", consolidate=True, note=print_note):
+    """(checkpoint dict, path) of the newest checkpoint in out_dir that verifies and loads; note() is called
+    with the reason for each newer one skipped. CheckpointError if out_dir holds none that loads."""
+    found = list_checkpoints(out_dir)
+    if not found:
+        raise CheckpointError(f"{out_dir}: no checkpoint (ckpt_XXXXXX.pt or ckpt_XXXXXX/) in this directory")
+    reasons = []
+    for _, path in reversed(found):
+        try:
+            return load_checkpoint(path, map_location, consolidate, note), path
+        except CheckpointError as e:
+            reasons.append(str(e))
+            note(f"skipping {e}")
+    raise CheckpointError(f"{out_dir}: none of its {len(found)} checkpoints loads (newest: {reasons[0]})")
+
+
+def load_checkpoint(path, map_location="cpu", consolidate=True, note=print_note):
+    """The checkpoint dict at `path`: a file (verified against its sidecar), a sharded checkpoint directory, or
+    an out_dir meaning its newest checkpoint that verifies and loads (load_latest_checkpoint; note() says which
+    newer ones were skipped and why). A sharded checkpoint is gathered into this process, in the single-file
+    layout; with consolidate=False its model and optimizer stay on disk instead, named by ckpt['shards'] (what
+    a sharded resume loads from, each rank only its part)."""
     path = Path(path)
     if path.is_dir() and not is_sharded(path):
-        latest = latest_checkpoint(path)
-        if latest is None:
-            raise CheckpointError(f"{path}: no complete checkpoint (ckpt_XXXXXX.pt or ckpt_XXXXXX/) in this directory")
-        path = latest
+        return load_latest_checkpoint(path, map_location, consolidate, note)[0]
     if path.is_dir():
         if not _is_complete(path):
             raise CheckpointError(f"{path}: incomplete sharded checkpoint (no .metadata or no complete {META})")
-        ckpt = _load_file(path / META, map_location)
+        ckpt = _load_file(path / META, map_location, note)
         ckpt["shards"] = str(path)
         return _consolidated(ckpt) if consolidate else ckpt
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
-    return _load_file(path, map_location)
+    return _load_file(path, map_location, note)
 
 
-def _load_file(path, map_location):
+def _load_file(path, map_location, note):
+    verified = verify_checkpoint(path)
     try:
         # mmap: tensors are read from the file as they are touched, and ranks on one node share the page
         # cache instead of each reading the whole checkpoint into its own memory (8 x 18 GB at 1.5B)
@@ -130,6 +277,9 @@ def _load_file(path, map_location):
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         found = ckpt.get("format") if isinstance(ckpt, dict) else type(ckpt).__name__
         raise CheckpointError(f"{path}: not a gpt2-train checkpoint (format {found!r}, expected {FORMAT!r})")
+    if not verified:
+        note(f"{path} has no {checksum_path(path).name} (written before checkpoints recorded their sha256): "
+             f"loaded unverified")
     return ckpt
 
 
@@ -152,17 +302,22 @@ def _remove(path):
 
 
 def prune_checkpoints(out_dir, keep_last, keep_steps=()):
-    """Delete all but the newest `keep_last` checkpoints, files or sharded directories (keep_last <= 0 keeps
-    all), never those at `keep_steps` (the best one), plus what an interrupted save left behind."""
+    """Delete all but the newest `keep_last` checkpoints (keep_last <= 0 keeps all), never those at
+    `keep_steps` (the best one), with their sidecars; plus temporary files and sidecars left behind by an
+    interrupted save."""
     out_dir = Path(out_dir)
     for tmp in out_dir.glob(".ckpt_*.tmp"):
         _remove(tmp)
+    for sidecar in out_dir.glob("ckpt_*.pt.sha256"):  # of a save interrupted before its rename
+        if not sidecar.with_suffix("").exists():
+            sidecar.unlink(missing_ok=True)
     if keep_last <= 0:
         return
     found = list_checkpoints(out_dir)
     for step, path in found[:-keep_last]:
         if step not in keep_steps:
             _remove(path)
+            checksum_path(path).unlink(missing_ok=True)
 
 
 def _distributed():
@@ -202,12 +357,12 @@ def save_sharded_checkpoint(path, meta, model, optimizer):
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp), no_dist=not distributed)
     if first:
         save_checkpoint(tmp / META, meta)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         old = path.with_name(f".{path.name}.old.tmp")
         if path.exists():  # the same step saved again
             os.replace(path, old)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         _remove(old)
     if distributed:
         dist.barrier()
@@ -321,13 +476,18 @@ def load_model_from_args(parser, args):
     directory's tokenizer.json when there is one (assets.load_tokenizer), else GPT-2's. A bad checkpoint,
     model directory or tokenizer is one line `<prog>: error: ...` on stderr and exit status 2, never a
     traceback (as argparse does for bad flags)."""
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
     source = args.ckpt or args.init_from
+    try:
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
+    except ValueError as e:
+        parser.exit(2, f"{parser.prog}: error: --device: {e}\n")
     try:
         model, info = load_model(ckpt=args.ckpt, init_from=args.init_from, device=device)
         enc = assets.load_tokenizer(info["hf_dir"], cache_dir=args.cache_dir)
     except (CheckpointError, OSError, ValueError, ImportError, RuntimeError) as e:
+        if os.environ.get("GPT2_TRACEBACK") == "1":
+            raise
         message = " ".join(str(e).split())
         if source not in message:  # e.g. a hub download error that doesn't say what was being loaded
             message = f"{source}: {message}"

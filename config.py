@@ -19,7 +19,7 @@ import typing
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from model import PRESETS, GPTConfig
+from model import HUB_NAMES, PRESETS, GPTConfig
 
 MODEL_KEYS = tuple(f.name for f in fields(GPTConfig))
 TRAINING_ONLY_MODEL_KEYS = ("dropout", "activation_checkpointing")  # may change on resume; not in the weights
@@ -94,6 +94,9 @@ class TrainConfig(GPTConfig):
             value = getattr(self, key)
             if value is not None and not ok(value):
                 raise ConfigError(f"config key '{key}' must be {what}; got {value!r}")
+        if self.init_from not in ("scratch", "resume", *HUB_NAMES) and not Path(self.init_from).is_dir():
+            raise ConfigError(f"config key 'init_from' must be 'scratch', 'resume', one of {', '.join(HUB_NAMES)} or a "
+                              f"Hugging Face model directory; got {self.init_from!r} (no such directory)")
         if self.min_lr > self.learning_rate:
             raise ConfigError(f"config key 'min_lr' must be <= learning_rate={self.learning_rate}; got {self.min_lr}")
         try:

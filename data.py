@@ -9,11 +9,13 @@ Samples are non-overlapping windows of block_size+1 tokens at stride block_size 
 (x = window[:-1], y = window[1:]); a window never crosses a shard boundary.
 """
 import glob
+import json
 import os
 import re
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from files import atomic_write
 
@@ -26,6 +28,10 @@ SHARD_SUFFIXES = (".bin", ".npy")
 
 class ShardError(ValueError):
     """A shard file that cannot be used; the message names the file and what was expected."""
+
+
+class NoShardsError(ShardError):
+    """A data directory that does not exist or holds no shards of a split (not prepared yet?)."""
 
 
 def shard_header(num_tokens):
@@ -118,12 +124,54 @@ def load_shard(path, vocab_size=None):
     return tokens
 
 
-def check_vocab(tokens, vocab_size, path):
-    """Raise ShardError if any token id in the shard is >= vocab_size."""
-    top = int(tokens.max())
+def check_vocab(tokens, vocab_size, path, top=None):
+    """Raise ShardError if any token id in the shard is >= vocab_size (`top`: its max id, if known)."""
+    top = int(tokens.max()) if top is None else top
     if top >= vocab_size:
-        where = int(np.argmax(tokens >= vocab_size))
-        raise ShardError(f"{path}: token id {top} >= vocab_size {vocab_size} (first bad id at token {where})")
+        bad = tokens >= vocab_size
+        where = int(np.argmax(bad))
+        if not bad[where]:  # a stale manifest record: the file itself is fine
+            return
+        raise ShardError(f"{path}: token id {int(tokens[where])} >= vocab_size {vocab_size} (first bad id at token "
+                         f"{where:,}); tokenized for another vocabulary?")
+
+
+def recorded_max_tokens(paths):
+    """{shard path: its largest token id} as prepare_data's manifests (<name>_manifest.json next to the shards)
+    record it; shards without a record are left out."""
+    found = {}
+    for directory in {Path(p).parent for p in paths}:
+        for manifest in directory.glob("*_manifest.json"):
+            try:
+                records = json.loads(manifest.read_text())["shards"]
+                found.update({(directory / r["file"]): (int(r["max_token"]), int(r["tokens"]))
+                              for r in records if "max_token" in r})
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # not ours, or damaged: those shards get scanned
+    return found
+
+
+def check_shards_vocab(paths, shards, vocab_size, progress=True, chunk=1 << 26):
+    """Every token id of every shard < vocab_size, before training starts (ShardError naming the shard and
+    the id otherwise). A shard's max id comes from its manifest record when the token counts agree (free);
+    other shards are scanned once (at disk speed, a progress bar when there is over 1 GiB to read)."""
+    recorded = recorded_max_tokens(paths)
+    todo = []
+    for path, tokens in zip(paths, shards):
+        top, count = recorded.get(Path(path), (None, None))
+        if count == len(tokens):
+            check_vocab(tokens, vocab_size, path, top=top)
+        else:
+            todo.append((path, tokens))
+    total = sum(len(tokens) for _, tokens in todo)
+    with tqdm(total=total, unit="tok", unit_scale=True, desc="checking token ids", dynamic_ncols=True,
+              disable=not progress or 2 * total < 2**30) as bar:
+        for path, tokens in todo:
+            top = 0
+            for start in range(0, len(tokens), chunk):
+                top = max(top, int(tokens[start:start + chunk].max()))
+                bar.update(min(chunk, len(tokens) - start))
+            check_vocab(tokens, vocab_size, path, top=top)
 
 
 def find_shards(data_dir, split):
@@ -138,11 +186,11 @@ def find_shards(data_dir, split):
     elif os.path.isdir(data_dir):
         candidates = sorted(Path(data_dir).iterdir())
     else:
-        raise ShardError(f"{data_dir}: no such data directory")
+        raise NoShardsError(f"{data_dir}: no such data directory")
     word = re.compile(rf"(^|[_.-]){split}($|[_.-])")
     paths = [p for p in candidates if p.suffix in SHARD_SUFFIXES and p.is_file() and word.search(p.stem)]
     if not paths:
-        raise ShardError(f"{data_dir}: no {split} shards (*.bin or *.npy files with '{split}' in the name)")
+        raise NoShardsError(f"{data_dir}: no {split} shards (*.bin or *.npy files with '{split}' in the name)")
     return paths
 
 
@@ -173,8 +221,9 @@ class DataLoader:
         self.paths = find_shards(data_dir, split)
         # Memory-mapped once, headers validated; plain ndarray views skip np.memmap's per-slice overhead.
         self.shards = [load_shard(p).view(np.ndarray) for p in self.paths]
+        if vocab_size is not None:  # now, not when a shard is first read many steps into the run
+            check_shards_vocab(self.paths, self.shards, vocab_size, progress=rank == 0)
         self._window_offsets = np.arange(block_size + 1)
-        self._vocab_checked = set()  # the vocab check reads a whole shard: done the first time it is used
         self.samples_per_shard = np.array([max(0, (len(s) - 1) // block_size) for s in self.shards], dtype=np.int64)
         self.num_samples = int(self.samples_per_shard.sum())
         if self.num_samples == 0:
@@ -233,9 +282,6 @@ class DataLoader:
         B, T = self.B, self.T
         window = np.empty((B, T + 1), dtype=np.uint16)
         for at, shard, samples in self._runs(self.position + self.rank * B, B):  # usually a single run
-            if self.vocab_size is not None and shard not in self._vocab_checked:
-                check_vocab(self.shards[shard], self.vocab_size, self.paths[shard])
-                self._vocab_checked.add(shard)
             starts = samples * T
             window[at:at + len(samples)] = self.shards[shard][starts[:, None] + self._window_offsets]  # (b, T+1) gather
         self.position += B * self.world_size

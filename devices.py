@@ -45,14 +45,32 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_device(device="auto"):
-    """'auto' -> 'cuda' if available, else 'mps' if available, else 'cpu'; others pass through."""
+    """'auto' -> 'cuda' if available, else 'mps' if available, else 'cpu'; others pass through check_device."""
     if device != "auto":
+        check_device(device)
         return device
     if torch.cuda.is_available():
         return "cuda"
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         return "mps"
     return "cpu"
+
+
+def check_device(device):
+    """Raise ValueError (one line) unless `device` names a device this machine has: 'cpu', 'cuda', 'cuda:N',
+    'mps' (other torch device types pass unchecked)."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{device!r} is not a device ('auto', 'cpu', 'cuda', 'cuda:N' or 'mps')") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"{device!r}: {why}; use 'cpu' or 'auto'")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"{device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    elif parsed.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ValueError(f"{device!r}: MPS is not available on this machine; use 'cpu' or 'auto'")
 
 
 def device_type(device):

@@ -1,10 +1,22 @@
-"""Crash-safe file writes and file hashes, shared by checkpoints, shards, manifests, assets and run outputs.
+"""Crash-safe file writes, file hashes and directory locks, shared by checkpoints, shards, manifests, assets
+and run outputs.
 
 No torch here: prepare_data's tokenizer workers import it.
 """
+import contextlib
+import errno
 import hashlib
 import os
+import socket
+import sys
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; directory_lock does not lock there
+    fcntl = None
+
+LOCK_FILE = ".lock"
 
 
 def fsync_dir(directory):
@@ -55,3 +67,46 @@ def file_sha256(path):
         for block in iter(lambda: f.read(1 << 24), b""):
             h.update(block)
     return h.hexdigest()
+
+
+class LockError(Exception):
+    """Another live process holds a directory's lock; the message (one line) names it."""
+
+
+@contextlib.contextmanager
+def directory_lock(directory, program):
+    """Hold an exclusive lock on `directory` for the with block: flock(2) on directory/.lock, which also
+    records who holds it (`program`, pid, host) for the error a second process gets (LockError).
+
+    The OS drops the lock when the process dies in any way (kill -9 included), so it is never stale;
+    the file itself stays. Across machines it holds only where the shared filesystem implements flock
+    for all its clients (README, "Failure modes"); where flock is not supported at all, a note says the
+    directory is not locked and the block runs anyway.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    held = False
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
+                raise LockError(f"{directory} is in use by {holder} (lock file {path}); wait until it ends, "
+                                f"or use another directory") from None
+            except OSError as e:
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                print(f"note: {path}: this filesystem has no file locks ({e.strerror}); nothing stops a second "
+                      f"process from using {directory} at the same time", file=sys.stderr)
+        held = True
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{program} (pid {os.getpid()} on {socket.gethostname()})\n".encode())
+        yield path
+    finally:
+        if held:  # an empty file: nobody holds it now
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+        os.close(fd)  # releases the flock

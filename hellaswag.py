@@ -19,6 +19,7 @@ tokenizer (needs the `tokenizers` package); everything else with GPT-2's.
 """
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -197,8 +198,10 @@ def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None,
         counts = counts.to(on)
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
     n, correct, correct_norm = counts.tolist()
-    return {"n": n, "correct": correct, "correct_norm": correct_norm, "acc": correct / max(n, 1),
-            "acc_norm": correct_norm / max(n, 1), "preds": preds}
+    if n == 0:  # an accuracy of 0/0 is no result
+        raise ValueError("hellaswag: no examples to evaluate")
+    return {"n": n, "correct": correct, "correct_norm": correct_norm, "acc": correct / n,
+            "acc_norm": correct_norm / n, "preds": preds}
 
 
 def main(argv=None):
@@ -212,12 +215,20 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.batch_size < 1:
         parser.error(f"--batch_size must be >= 1, got {args.batch_size}")
+    if args.limit is not None and args.limit < 1:
+        parser.error(f"--limit must be >= 1, got {args.limit}")
 
-    try:  # bad input is one line on stderr and exit code 2, never a traceback
+    try:  # bad input is one line on stderr and exit code 2, never a traceback; all checked before evaluating
+        per_example = open(args.per_example, "w") if args.per_example else None
         data = args.data or assets.fetch_hellaswag(args.cache_dir)
         examples = load_examples(data, args.limit)  # its errors name the file and line
+        if not examples:
+            raise ValueError(f"{data}: no examples to evaluate")
     except (OSError, ValueError, RuntimeError) as e:
-        parser.exit(2, f"{parser.prog}: error: {' '.join(str(e).split())}\n")
+        if os.environ.get("GPT2_TRACEBACK") == "1":
+            raise
+        message = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename else " ".join(str(e).split())
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
     model, enc, device, dtype = load_model_from_args(parser, args)
     tune_cpu_allocator(device)  # big activations stay mapped, as in train.py
 
@@ -227,8 +238,8 @@ def main(argv=None):
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     elapsed = time.time() - t0
-    if args.per_example:
-        with open(args.per_example, "w") as f:
+    if per_example:
+        with per_example as f:
             for p in result["preds"]:
                 f.write(json.dumps({k: p[k] for k in ("ind", "label", "pred", "pred_norm")}) + "\n")
     print(f"hellaswag: n={result['n']} acc={result['acc']:.4f} acc_norm={result['acc_norm']:.4f} "

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from assets import EOT, fetch_shakespeare, get_tokenizer
 from data import HEADER_BYTES, SHARD_SUFFIXES, write_shard
-from files import atomic_write, file_sha256
+from files import LockError, atomic_write, directory_lock, file_sha256
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c / build-nanogpt: 100M tokens (200 MB) per shard
@@ -242,6 +242,17 @@ def shard_is_complete(out_dir, record):
             and file_sha256(path) == record["sha256"])
 
 
+def remove_stale_temp_files(out_dir, name):
+    """Delete the temporary shard and manifest files (files.atomic_write's `.<file>.<pid>.tmp`) a killed run
+    left in out_dir; the caller holds out_dir's lock, so no other prep is writing them."""
+    stale = list(out_dir.glob(f".{name}_*.tmp"))
+    if stale:
+        size = sum(p.stat().st_size for p in stale)
+        for p in stale:
+            p.unlink(missing_ok=True)
+        print(f"prepare_data: removed {len(stale)} temporary file(s) ({size / 2**20:,.1f} MiB) of an interrupted run")
+
+
 def write_manifest(path, manifest):
     atomic_write(path, json.dumps(manifest, indent=1) + "\n")
 
@@ -313,12 +324,23 @@ class ShardWriter:
         path = self.out_dir / f"{self.name}_{split}_{index:06d}.bin"
         write_shard(path, tokens)
         self.records.append({"file": path.name, "split": split, "tokens": int(len(tokens)),
-                             "sha256": file_sha256(path), "start": list(start), "end": list(end)})
+                             "max_token": int(tokens.max()), "sha256": file_sha256(path),
+                             "start": list(start), "end": list(end)})
         self.start = list(end)
         write_manifest(self.out_dir / f"{self.name}_manifest.json", self.manifest)
 
 
 # ---------------------------------------------------------------------------- main
+
+def prepare_command(data_dir):
+    """The command that writes shards to data_dir: a preset's when data_dir is named after one."""
+    data_dir = Path(data_dir)
+    if data_dir.name in PRESETS:
+        default = Path("data") / data_dir.name
+        return (f"python prepare_data.py --dataset {data_dir.name}"
+                + ("" if data_dir == default else f" --out_dir {data_dir}"))
+    return f"python prepare_data.py --input YOUR_TEXT_FILES --out_dir {data_dir}"
+
 
 def resolve_source(inputs, dataset, text_key, hf_config, split, revision, streaming):
     """-> (description for the manifest, texts iterator factory, documents total or None, preset dict, default name)."""
@@ -369,67 +391,77 @@ def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=Non
                 "shard_tokens": shard_tokens, "val_tokens": val_tokens}
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
-    # What is already there: our own finished shards (verified) or somebody else's.
-    out_dir.mkdir(parents=True, exist_ok=True)
-    manifest_path = out_dir / f"{name}_manifest.json"
-    ours = re.compile(rf"{re.escape(name)}_(train|val)_\d{{6}}\.bin")
-    existing = sorted(p.name for p in out_dir.iterdir() if ours.fullmatch(p.name))
-    others = sorted(p.name for p in out_dir.iterdir() if p.suffix in SHARD_SUFFIXES and not ours.fullmatch(p.name))
-    if others:  # a loader reading out_dir would mix them with ours
-        raise PrepError(f"{out_dir} holds other token files ({others[0]}, ...) that a loader reading the directory "
-                        f"would mix with the {name} shards; use another --out_dir")
-    manifest = {"fingerprint": fingerprint, "settings": settings, "complete": False, "shards": []}
-    if manifest_path.exists():
-        try:
-            old = json.loads(manifest_path.read_text())
-        except (OSError, ValueError) as e:
-            raise PrepError(f"{manifest_path}: unreadable manifest ({e}); delete it and the {name}_* shards") from None
-        if old.get("fingerprint") != fingerprint:
-            raise PrepError(f"{out_dir} holds {name} shards from a different input or settings ({manifest_path.name}); "
-                            f"use another --out_dir or --name, or delete them")
-        for record in old["shards"]:
-            if not shard_is_complete(out_dir, record):
-                break
-            manifest["shards"].append(record)
-        if old.get("complete") and len(manifest["shards"]) == len(old["shards"]):
-            manifest.update(complete=True, documents=old["documents"], tokens=old["tokens"])
-    elif existing:
-        raise PrepError(f"{out_dir} holds {name} shards ({existing[0]}, ...) but no {manifest_path.name}, so they come "
-                        f"from another run or tool; use another --out_dir or --name, or delete them")
+    # One prep per output directory: the lock makes any temporary file of ours found there a killed run's.
+    # Taking it is the first write, so an output directory we cannot write fails now, before any work.
+    held = contextlib.ExitStack()  # the lock, released when the `with held` block ends
+    try:
+        held.enter_context(directory_lock(out_dir, "prepare_data.py"))
+    except LockError as e:
+        raise PrepError(str(e)) from None
+    except OSError as e:
+        raise PrepError(f"cannot write to the output directory {out_dir} ({e.strerror}: {e.filename})") from None
+    with held:
+        remove_stale_temp_files(out_dir, name)
+        # What is already there: our own finished shards (verified) or somebody else's.
+        manifest_path = out_dir / f"{name}_manifest.json"
+        ours = re.compile(rf"{re.escape(name)}_(train|val)_\d{{6}}\.bin")
+        existing = sorted(p.name for p in out_dir.iterdir() if ours.fullmatch(p.name))
+        others = sorted(p.name for p in out_dir.iterdir() if p.suffix in SHARD_SUFFIXES and not ours.fullmatch(p.name))
+        if others:  # a loader reading out_dir would mix them with ours
+            raise PrepError(f"{out_dir} holds other token files ({others[0]}, ...) that a loader reading the directory "
+                            f"would mix with the {name} shards; use another --out_dir")
+        manifest = {"fingerprint": fingerprint, "settings": settings, "complete": False, "shards": []}
+        if manifest_path.exists():
+            try:
+                old = json.loads(manifest_path.read_text())
+            except (OSError, ValueError) as e:
+                raise PrepError(f"{manifest_path}: unreadable manifest ({e}); delete it and the {name}_* shards") from None
+            if old.get("fingerprint") != fingerprint:
+                raise PrepError(f"{out_dir} holds {name} shards from a different input or settings ({manifest_path.name}); "
+                                f"use another --out_dir or --name, or delete them")
+            for record in old["shards"]:
+                if not shard_is_complete(out_dir, record):
+                    break
+                manifest["shards"].append(record)
+            if old.get("complete") and len(manifest["shards"]) == len(old["shards"]):
+                manifest.update(complete=True, documents=old["documents"], tokens=old["tokens"])
+        elif existing:
+            raise PrepError(f"{out_dir} holds {name} shards ({existing[0]}, ...) but no {manifest_path.name}, so they come "
+                            f"from another run or tool; use another --out_dir or --name, or delete them")
 
-    writer = ShardWriter(out_dir, name, shard_tokens, val_tokens, manifest)
-    num_docs = writer.start[0]
-    if not manifest["complete"]:
-        if manifest["shards"]:
-            print(f"prepare_data: {len(manifest['shards'])} finished shards verified; resuming at document {num_docs}")
-        get_tokenizer()  # fails early if it cannot be had; forked workers inherit it ready-made
-        # The pool starts before anything else starts threads (tqdm's monitor, datasets' downloads): fork + threads can deadlock.
-        pool = multiprocessing.get_context(start_method).Pool(num_proc) if num_proc > 1 else None
-        with pool or contextlib.nullcontext():
-            batches = document_batches(non_empty(texts()), batch_chars, start_doc=writer.start[0])
-            bar = tqdm(total=count(), initial=num_docs, unit="doc", disable=not progress, dynamic_ncols=True,
-                       desc=f"tokenizing ({num_proc} proc)")
-            for first, tokens, lengths in tokenized(batches, pool, max_pending=4 * num_proc):
-                writer.add(first, tokens, lengths)
-                num_docs = first + len(lengths)
-                bar.update(len(lengths))
-                bar.set_postfix_str(f"{writer.tokens_added / max(time.time() - t0, 1e-9) / 1e6:.2f}M tok/s", refresh=False)
-            bar.close()
-        if num_docs == 0:
-            raise PrepError("no documents with text in the input (all empty)")
-        writer.finish(num_docs)
-        manifest.update(complete=True, documents=num_docs, tokens=sum(r["tokens"] for r in manifest["shards"]))
-        write_manifest(manifest_path, manifest)
-    keep = {r["file"] for r in manifest["shards"]}
-    for stale in set(existing) - keep:  # our shards from an earlier, longer run with the same input
-        (out_dir / stale).unlink()
+        writer = ShardWriter(out_dir, name, shard_tokens, val_tokens, manifest)
+        num_docs = writer.start[0]
+        if not manifest["complete"]:
+            if manifest["shards"]:
+                print(f"prepare_data: {len(manifest['shards'])} finished shards verified; resuming at document {num_docs}")
+            get_tokenizer()  # fails early if it cannot be had; forked workers inherit it ready-made
+            # The pool starts before anything else starts threads (tqdm's monitor, datasets' downloads): fork + threads can deadlock.
+            pool = multiprocessing.get_context(start_method).Pool(num_proc) if num_proc > 1 else None
+            with pool or contextlib.nullcontext():
+                batches = document_batches(non_empty(texts()), batch_chars, start_doc=writer.start[0])
+                bar = tqdm(total=count(), initial=num_docs, unit="doc", disable=not progress, dynamic_ncols=True,
+                           desc=f"tokenizing ({num_proc} proc)")
+                for first, tokens, lengths in tokenized(batches, pool, max_pending=4 * num_proc):
+                    writer.add(first, tokens, lengths)
+                    num_docs = first + len(lengths)
+                    bar.update(len(lengths))
+                    bar.set_postfix_str(f"{writer.tokens_added / max(time.time() - t0, 1e-9) / 1e6:.2f}M tok/s", refresh=False)
+                bar.close()
+            if num_docs == 0:
+                raise PrepError("no documents with text in the input (all empty)")
+            writer.finish(num_docs)
+            manifest.update(complete=True, documents=num_docs, tokens=sum(r["tokens"] for r in manifest["shards"]))
+            write_manifest(manifest_path, manifest)
+        keep = {r["file"] for r in manifest["shards"]}
+        for stale in set(existing) - keep:  # our shards from an earlier, longer run with the same input
+            (out_dir / stale).unlink()
 
-    seconds = time.time() - t0
-    records = manifest["shards"]
-    return {"out_dir": str(out_dir), "name": name, "documents": manifest["documents"],
-            "tokens": manifest["tokens"], "val_tokens": records[0]["tokens"],
-            "train_tokens": sum(r["tokens"] for r in records[1:]), "shards": len(records),
-            "tokenized": writer.tokens_added, "seconds": seconds, "tokens_per_s": writer.tokens_added / seconds}
+        seconds = time.time() - t0
+        records = manifest["shards"]
+        return {"out_dir": str(out_dir), "name": name, "documents": manifest["documents"],
+                "tokens": manifest["tokens"], "val_tokens": records[0]["tokens"],
+                "train_tokens": sum(r["tokens"] for r in records[1:]), "shards": len(records),
+                "tokenized": writer.tokens_added, "seconds": seconds, "tokens_per_s": writer.tokens_added / seconds}
 
 
 def main(argv=None):
@@ -458,8 +490,11 @@ def main(argv=None):
                     text_key=args.text_key, dataset_config=args.dataset_config, split=args.split,
                     revision=args.revision, streaming=args.streaming, start_method=args.start_method,
                     batch_chars=args.batch_chars, progress=not args.no_progress)
-    except PrepError as e:
-        sys.exit(f"prepare_data.py: error: {e}")
+    except (PrepError, OSError) as e:  # bad input or environment: one line (GPT2_TRACEBACK=1: the traceback)
+        if os.environ.get("GPT2_TRACEBACK") == "1":
+            raise
+        message = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename else e
+        sys.exit(f"prepare_data.py: error: {message}")
     print(f"{s['documents']:,} documents, {s['tokens']:,} tokens ({s['val_tokens']:,} val + {s['train_tokens']:,} train) "
           f"in {s['shards']} shards, {s['seconds']:.1f} s, {s['tokens_per_s']:,.0f} tokens/s -> {s['out_dir']}/{s['name']}_*.bin")
     return s

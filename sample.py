@@ -12,6 +12,7 @@ tokenizer (needs the `tokenizers` package); everything else with GPT-2's.
 """
 import argparse
 import codecs
+import math
 import sys
 
 import torch
@@ -92,8 +93,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.num_samples < 1 or args.max_new_tokens < 0:
         parser.error("--num_samples must be >= 1 and --max_new_tokens >= 0")
-    if args.temperature < 0:
-        parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        parser.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:
         parser.error(f"--top_k must be >= 1, got {args.top_k}")
     if args.top_p is not None and not 0 < args.top_p <= 1:

@@ -8,9 +8,11 @@
     python train.py --help                                              # every key, its default
 
 A config file is plain Python assignments to TrainConfig keys (config.py); `--key=value` overrides are
-Python literals (strings may be written bare) and win over the file. train() at the bottom is the recipe:
-config, setup, data, model, optimizer, parallelize, then the loop; each step of it is a function above.
+Python literals (strings may be written bare) and win over the file. train() at the bottom locks out_dir
+and calls run(), the recipe: config, setup, data, model, optimizer, parallelize, then the loop; each step of
+it is a function above. Expected errors are one line on stderr (main(); see README "Failure modes").
 """
+import contextlib
 import json
 import math
 import os
@@ -30,14 +32,14 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from checkpoint import (FORMAT, CheckpointError, checkpoint_path, clean_state_dict, latest_checkpoint,
-                        list_checkpoints, load_checkpoint, load_optimizer_state, load_sharded_checkpoint,
-                        prune_checkpoints, save_checkpoint, save_sharded_checkpoint)
+from checkpoint import (FORMAT, CheckpointError, checkpoint_path, clean_state_dict, list_checkpoints,
+                        load_latest_checkpoint, load_optimizer_state, load_sharded_checkpoint, prune_checkpoints,
+                        save_checkpoint, save_sharded_checkpoint)
 from config import ARCH_KEYS, ConfigError, help_text, make_config, model_config, config_table, parse_args
-from data import DataLoader
+from data import DataLoader, NoShardsError, ShardError
 from devices import (DTYPES, autocast, device_type, fused_adamw_supported, is_compile_error, peak_flops,
                      resolve_compile, resolve_device, resolve_dtype, tune_cpu_allocator)
-from files import atomic_write
+from files import LockError, atomic_write, directory_lock
 from model import GPT
 from tracking import TRACKING_KEYS, Tracker, TrackingError, check_tracking_available
 
@@ -97,21 +99,41 @@ class Progress:
 
 # ----------------------------------------------------------------------------- setup
 
+def is_rank0():
+    """Rank 0 of torchrun's processes, or a plain `python train.py`; usable before the process group exists."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def note0(message):
+    """A note on stderr from rank 0 only (the other ranks see the same things)."""
+    if is_rank0():
+        print(f"note: {message}", file=sys.stderr, flush=True)
+
+
+def lock_out_dir(out_dir):
+    """One run per out_dir: rank 0 holds an exclusive lock on it (files.directory_lock) for the whole run;
+    a second run there is a one-line error naming the holder. The other ranks of a torchrun job don't lock."""
+    if not is_rank0():
+        return contextlib.nullcontext()
+    return directory_lock(out_dir, "train.py")
+
+
 def resolve_config(user):
-    """(TrainConfig, checkpoint dict or None). On init_from='resume' the newest checkpoint's config is the
-    base the user's keys override; the architecture cannot change."""
+    """(TrainConfig, checkpoint dict or None). On init_from='resume' the newest checkpoint that verifies is
+    loaded (a note names each newer one skipped, and why); its config is the base the user's keys override;
+    the architecture cannot change."""
     cfg = make_config(user)
     if cfg.init_from != "resume":
         if list_checkpoints(cfg.out_dir):
             raise ConfigError(f"{cfg.out_dir} already holds checkpoints; continue with --init_from=resume, "
                               f"or pick another out_dir (or delete them) to start over")
         return cfg, None
-    path = latest_checkpoint(cfg.out_dir)
-    if path is None:
-        raise ConfigError(f"init_from='resume' but {cfg.out_dir} holds no complete checkpoint "
-                          "(ckpt_XXXXXX.pt or ckpt_XXXXXX/)")
-    ckpt = load_checkpoint(path, consolidate=False)  # a sharded one: meta only, each rank reads its shards later
-    cfg = make_config(user, base=ckpt["config"])
+    if not list_checkpoints(cfg.out_dir):
+        raise ConfigError(f"init_from='resume' but {cfg.out_dir} holds no checkpoint (ckpt_XXXXXX.pt or ckpt_XXXXXX/)")
+    # a sharded checkpoint: its meta only; each rank reads its own shards later
+    ckpt, path = load_latest_checkpoint(cfg.out_dir, consolidate=False, note=note0)
+    # the run stays in the out_dir it found the checkpoint in (the checkpoint's own may be another, if moved)
+    cfg = make_config({**user, "out_dir": cfg.out_dir}, base=ckpt["config"])
     saved = model_config(cfg, **ckpt["model_args"])  # fields added since the checkpoint get their defaults
     for key in ARCH_KEYS:
         if getattr(cfg, key) != getattr(saved, key):
@@ -201,7 +223,10 @@ def setup(cfg):
     distributed = launched_by_torchrun()
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
-    device = resolve_device(cfg.device)
+    try:
+        device = resolve_device(cfg.device)
+    except ValueError as e:
+        raise ConfigError(f"config key 'device': {e}") from None
     dtype = resolve_dtype(cfg.dtype, device)
     parallel, mesh = "ddp", ()
     if cfg.parallel != "ddp" and not distributed:
@@ -253,11 +278,16 @@ def batch_layout(cfg, world_size):
 
 
 def make_loaders(cfg, env):
-    """Train and val loaders: every rank reads its own slice of one global, world-size-invariant stream."""
+    """Train and val loaders: every rank reads its own slice of one global, world-size-invariant stream.
+    Every shard is validated here, token ids included, before step 1."""
     def loader(split):
         return DataLoader(cfg.data_dir, split, cfg.batch_size, cfg.block_size, rank=env.rank,
                           world_size=env.world_size, seed=cfg.seed, vocab_size=cfg.vocab_size)
-    return loader("train"), loader("val") if cfg.eval_interval > 0 else None
+    try:
+        return loader("train"), loader("val") if cfg.eval_interval > 0 else None
+    except NoShardsError as e:
+        from prepare_data import prepare_command
+        raise NoShardsError(f"{e}; prepare it with `{prepare_command(cfg.data_dir)}`") from None
 
 
 def build_model(cfg, ckpt, device):
@@ -271,7 +301,10 @@ def build_model(cfg, ckpt, device):
     elif cfg.init_from == "scratch":
         model = GPT(model_config(cfg))
     else:
-        model = GPT.from_pretrained(cfg.init_from, **training_only)
+        try:
+            model = GPT.from_pretrained(cfg.init_from, **training_only)
+        except (ValueError, ImportError) as e:  # a broken model directory; a hub download's errors are OSErrors
+            raise ConfigError(f"init_from={cfg.init_from!r}: {e}") from None
         cfg = make_config({**asdict(cfg), **{k: getattr(model.config, k) for k in ARCH_KEYS}})
     return model.to(device), cfg
 
@@ -452,11 +485,11 @@ def skip_reason(train_loss, grad_norm, scaler, cfg, progress, step):
     what = "loss" if not math.isfinite(train_loss) else "gradient norm"
     reason = f"non-finite {what} (loss {train_loss}, grad norm {grad_norm})"
     if cfg.nonfinite == "halt":
-        raise Halt(f"step {step}: {reason}; halting (nonfinite='halt'), last checkpoint kept")
+        raise Halt(f"step {step}: {reason}; halting (nonfinite='halt')")
     progress.skipped_in_a_row += 1
     if cfg.max_skipped_steps and progress.skipped_in_a_row >= cfg.max_skipped_steps:
         raise Halt(f"step {step}: {progress.skipped_in_a_row} updates in a row skipped ({reason}); halting "
-                   f"(max_skipped_steps={cfg.max_skipped_steps}), last checkpoint kept: lower learning_rate?")
+                   f"(max_skipped_steps={cfg.max_skipped_steps}): lower learning_rate?")
     return reason
 
 
@@ -583,7 +616,12 @@ def restore(ckpt, raw_model, optimizer, scaler, loader):
         load_optimizer_state(raw_model, optimizer, ckpt["optimizer"])
     if ckpt["scaler"] is not None:
         scaler.load_state_dict(ckpt["scaler"])
-    loader.load_state_dict(ckpt["loader"])
+    try:
+        loader.load_state_dict(ckpt["loader"])
+    except ValueError as e:
+        saved = ckpt["config"]
+        raise ConfigError(f"cannot resume: {e}; the checkpoint's run used data_dir={saved.get('data_dir')!r} and "
+                          f"seed={saved.get('seed')}") from None
     return Progress(ckpt["step"], ckpt.get("best_step"), ckpt.get("best_val_loss"))
 
 
@@ -594,6 +632,14 @@ def restore_rngs(ckpt, env, log):
     else:
         log(f"note: checkpoint has RNG states of {len(ckpt['rng'])} ranks, this run has {env.world_size}; "
             "dropout masks will differ from an uninterrupted run")
+
+
+def kept_checkpoint(out_dir):
+    """What a halted run leaves to resume from, for its error message."""
+    found = list_checkpoints(out_dir)
+    if not found:
+        return "no checkpoint was written yet"
+    return f"the last checkpoint, {found[-1][1]}, is kept (continue with --init_from=resume)"
 
 
 def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, tracker, cfg, env, log):
@@ -607,7 +653,7 @@ def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, tracker, 
         return
     step = progress.step
     if not weights_finite(raw_model, env):
-        raise Halt(f"step {step}: the weights hold NaN/inf; not writing them (last good checkpoint kept)")
+        raise Halt(f"step {step}: the weights hold NaN/inf; not writing them")
     if val is not None and (progress.best_val is None or val < progress.best_val):
         progress.best_step, progress.best_val = step, val
     meta = {"model_args": asdict(raw_model.config), "config": asdict(cfg), "step": step,
@@ -635,13 +681,18 @@ def weights_finite(raw_model, env):
     return finite
 
 
-# ----------------------------------------------------------------------------- outputs
-
 # ----------------------------------------------------------------------------- the recipe
 
 def train(argv):
-    # config: defaults < checkpoint (on resume) < preset < config files < --key=value
+    """One run: the command line's config, out_dir locked for all of it (lock_out_dir), the recipe."""
     user = parse_args(argv)
+    with lock_out_dir(make_config(user).out_dir):
+        return run(user)
+
+
+def run(user):
+    """The recipe, for the keys the user set (parse_args). Config: defaults < checkpoint (on resume) < preset <
+    config files < --key=value."""
     cfg, ckpt, problem = resolve_config_or_defer(user)
     check_tracking_available(cfg.wandb_log, cfg.tensorboard_dir)  # every rank: all stop alike
     env = setup(cfg)
@@ -742,6 +793,8 @@ def train(argv):
                     log(f"step {step:>6}/{cfg.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | norm {grad_norm:.3f}"
                         f" | {dt * 1000:.0f} ms | {tokens_per_s:,.0f} tok/s" + (f" | mfu {mfu:.1%}" if mfu else ""))
         finished = True
+    except Halt as e:
+        raise Halt(f"{e}; {kept_checkpoint(out_dir)}") from None
     finally:
         bar.close()
         for s, handler in old_handlers.items():
@@ -758,17 +811,31 @@ def train(argv):
     return 0
 
 
+EXPECTED_ERRORS = (ConfigError, TrackingError, CheckpointError, Halt, ShardError, LockError, OSError)
+
+
+def error_line(e):
+    """The one line an expected error prints: an OSError as '<file>: <reason>', the others their message."""
+    if isinstance(e, OSError) and e.filename is not None:
+        return f"{e.filename}: {e.strerror}"
+    return " ".join(str(e).split())
+
+
 def main(argv=None):
-    """Command-line entry point: returns 0, or exits 2 on a config error and 1 on a bad checkpoint or a halt."""
+    """Command-line entry point: returns 0, or exits 2 on a config error and 1 on any other expected error (bad
+    checkpoint or data, a halt, out_dir in use, an unwritable or full disk): one line on stderr from rank 0,
+    no traceback. A traceback is for bugs, or for everything with GPT2_TRACEBACK=1 in the environment."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] in (["-h"], ["--help"]):
         print(help_text(__doc__))
         return 0
     try:
         return train(argv)
-    except (ConfigError, TrackingError, CheckpointError, Halt) as e:
+    except EXPECTED_ERRORS as e:
+        if os.environ.get("GPT2_TRACEBACK") == "1":
+            raise
         if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node: every node's log says why it stopped
-            print(f"train.py: error: {e}", file=sys.stderr)
+            print(f"train.py: error: {error_line(e)}", file=sys.stderr, flush=True)
         raise SystemExit(2 if isinstance(e, (ConfigError, TrackingError)) else 1) from None
     finally:
         if dist.is_available() and dist.is_initialized():  # also after an error: no "not destroyed" warning

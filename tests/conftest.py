@@ -1,4 +1,7 @@
 """Fixtures shared by several test files."""
+import errno
+import os
+
 import pytest
 
 TOKENIZER_CORPUS = ["Once upon a time there was a naïve café owner 😀 who said hello to the world.",
@@ -20,3 +23,23 @@ def byte_level_tokenizer_json(tmp_path_factory):
     path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
     tok.save(str(path))
     return path
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """read_only(directory): from now on, writes under `directory` fail with EACCES as on a read-only mount
+    (the tests may run as root, whom chmod does not stop)."""
+    real_open, real_os_open, real_mkdir = open, os.open, os.mkdir
+
+    def refuse(path):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    def make(directory):
+        inside = lambda path: str(path).startswith(str(directory))  # noqa: E731
+        writes = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+        monkeypatch.setattr("builtins.open", lambda path, mode="r", *a, **k: refuse(path) if inside(path) and
+                            set(mode) & set("wax+") else real_open(path, mode, *a, **k))
+        monkeypatch.setattr(os, "open", lambda path, flags, *a, **k: refuse(path) if inside(path) and flags & writes
+                            else real_os_open(path, flags, *a, **k))
+        monkeypatch.setattr(os, "mkdir", lambda path, *a, **k: refuse(path) if inside(path) else real_mkdir(path, *a, **k))
+    return make

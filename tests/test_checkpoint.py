@@ -1,14 +1,19 @@
-"""checkpoint.py: atomic writes, finding the newest complete checkpoint, one-line load errors, the scripts' model flags."""
+"""checkpoint.py: atomic writes, sha256 sidecars verified on load with fallback, free-space checks, one-line load errors, the scripts' model flags."""
 import argparse
+import errno
+import os
+import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
 import checkpoint
-from checkpoint import (FORMAT, CheckpointError, add_model_args, checkpoint_path, clean_state_dict,
-                        latest_checkpoint, load_checkpoint, load_model, load_model_from_args, prune_checkpoints,
-                        save_checkpoint)
+from checkpoint import (FORMAT, CheckpointError, add_model_args, checkpoint_path, checksum_path, clean_state_dict,
+                        latest_checkpoint, load_checkpoint, load_latest_checkpoint, load_model, load_model_from_args,
+                        prune_checkpoints, save_checkpoint)
+from files import file_sha256
 from model import GPT, GPTConfig
 
 TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32)
@@ -26,7 +31,9 @@ def test_roundtrip_loads_with_weights_only(tmp_path):
     ckpt = load_checkpoint(path)
     assert ckpt["step"] == 7 and torch.equal(ckpt["model"]["w"], torch.full((3,), 7.0))
     assert load_checkpoint(tmp_path)["step"] == 7  # a directory means its latest checkpoint
-    assert [p.name for p in tmp_path.iterdir()] == ["ckpt_000007.pt"]  # no temporary file left
+    # no temporary file left; the sidecar records the sha256 in sha256sum's format
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_000007.pt", "ckpt_000007.pt.sha256"]
+    assert (tmp_path / "ckpt_000007.pt.sha256").read_text() == f"{file_sha256(path)}  ckpt_000007.pt\n"
 
 
 def file_mappings(path):
@@ -82,7 +89,7 @@ def test_bad_files_give_one_line_errors(tmp_path, content):
 def test_missing_file_and_empty_dir(tmp_path):
     with pytest.raises(CheckpointError, match="no such checkpoint"):
         load_checkpoint(tmp_path / "ckpt_000001.pt")
-    with pytest.raises(CheckpointError, match="no complete"):
+    with pytest.raises(CheckpointError, match="no ckpt_XXXXXX.pt checkpoint in this directory"):
         load_checkpoint(tmp_path)
 
 
@@ -98,16 +105,18 @@ def test_crash_during_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
         save_checkpoint(checkpoint_path(tmp_path, 2), fake_ckpt(2))
     assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)
     assert load_checkpoint(tmp_path)["step"] == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_000001.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_000001.pt", "ckpt_000001.pt.sha256"]
 
 
 def test_prune_keeps_last_n_and_the_best(tmp_path):
     for step in range(1, 6):
         save_checkpoint(checkpoint_path(tmp_path, step), fake_ckpt(step))
+    (tmp_path / "ckpt_000006.pt.sha256").write_text("0" * 64 + "  ckpt_000006.pt\n")  # a save killed before its rename
     prune_checkpoints(tmp_path, keep_last=2, keep_steps={1})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_000001.pt", "ckpt_000004.pt", "ckpt_000005.pt"]
+    kept = ["ckpt_000001.pt", "ckpt_000004.pt", "ckpt_000005.pt"]  # each with its sidecar, nothing else
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept + [k + ".sha256" for k in kept])
     prune_checkpoints(tmp_path, keep_last=0)  # 0 keeps everything
-    assert len(list(tmp_path.iterdir())) == 3
+    assert len(list(tmp_path.iterdir())) == 6
 
 
 def test_clean_state_dict_strips_ddp_and_compile_prefixes():
@@ -158,3 +167,130 @@ def test_model_flags_bad_source_is_one_line_and_exit_2(tmp_path, capsys, flag):
         err = capsys.readouterr().err
         assert info.value.code == 2
         assert err.startswith("tool.py: error: ") and err.count("\n") == 1 and str(source) in err, err
+
+
+# ----------------------------------------------------------------------------- verification, disk space
+
+def tensor_offset(path, tensor):
+    """Where a tensor's bytes start in a checkpoint file (torch.save stores them uncompressed, as they are)."""
+    offset = path.read_bytes().find(tensor.numpy().tobytes())
+    assert offset > 0
+    return offset
+
+
+def overwrite(path, offset, data):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def two_checkpoints(tmp_path):
+    for step in (1, 2):
+        save_checkpoint(checkpoint_path(tmp_path, step), fake_ckpt(step, big=torch.randn(4096)))
+    return checkpoint_path(tmp_path, 2)
+
+
+@pytest.mark.parametrize("damage", ["random bytes in tensor data", "damaged metadata"])
+def test_a_damaged_checkpoint_is_named_and_a_directory_falls_back(tmp_path, damage):
+    newest = two_checkpoints(tmp_path)
+    if damage == "random bytes in tensor data":  # loads fine as a zip: only the checksum can tell
+        overwrite(newest, tensor_offset(newest, load_checkpoint(newest)["big"]) + 1000, os.urandom(16))
+    else:  # inside the pickle that describes the tensors
+        with zipfile.ZipFile(newest) as z:
+            info = next(i for i in z.infolist() if i.filename.endswith("data.pkl"))
+        header = newest.read_bytes()[info.header_offset:info.header_offset + 30]  # the zip's local file header
+        name_len, extra_len = int.from_bytes(header[26:28], "little"), int.from_bytes(header[28:30], "little")
+        overwrite(newest, info.header_offset + 30 + name_len + extra_len + 10, b"\xff" * 8)
+    with pytest.raises(CheckpointError) as err:  # named explicitly: an error, one line
+        load_checkpoint(newest)
+    assert str(newest) in str(err.value) and "damaged" in str(err.value) and "\n" not in str(err.value)
+    notes = []
+    assert load_checkpoint(tmp_path, note=notes.append)["step"] == 1  # a directory: its newest good one
+    assert len(notes) == 1 and notes[0].startswith(f"skipping {newest}: damaged: its sha256 is ")
+    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)
+    ckpt, path = load_latest_checkpoint(tmp_path, note=notes.append)
+    assert path == checkpoint_path(tmp_path, 1) and ckpt["step"] == 1
+
+
+def test_checkpoints_without_a_sidecar_load_with_a_note_or_fall_back(tmp_path):
+    """Checkpoints of older runs have no .sha256: they load unverified, and one that does not load is skipped."""
+    newest = two_checkpoints(tmp_path)
+    for step in (1, 2):
+        checksum_path(checkpoint_path(tmp_path, step)).unlink()
+    notes = []
+    assert load_checkpoint(checkpoint_path(tmp_path, 1), note=notes.append)["step"] == 1
+    assert notes == [f"{checkpoint_path(tmp_path, 1)} has no ckpt_000001.pt.sha256 (written before checkpoints "
+                     f"recorded their sha256): loaded unverified"]
+    overwrite(newest, newest.stat().st_size - 22, b"\x00" * 22)  # the zip's end-of-central-directory record
+    notes.clear()
+    assert load_checkpoint(tmp_path, note=notes.append)["step"] == 1
+    assert any(n.startswith(f"skipping {newest}: not a readable checkpoint") for n in notes)
+
+
+def test_nothing_loads_is_one_line(tmp_path):
+    newest = two_checkpoints(tmp_path)
+    for step in (1, 2):
+        overwrite(checkpoint_path(tmp_path, step), 100, b"\x00" * 8)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(tmp_path, note=lambda message: None)
+    assert "none of its 2 checkpoints loads" in str(err.value) and str(newest) in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_storage_bytes_counts_shared_storage_once_and_bounds_the_file(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))  # lm_head.weight is wte.weight: one storage
+    obj = {"model": model.state_dict(), "format": FORMAT, "step": 1}
+    assert checkpoint.storage_bytes(obj) == sum(p.numel() * 4 for p in model.parameters())  # lists it once
+    save_checkpoint(checkpoint_path(tmp_path, 1), obj)
+    size = checkpoint_path(tmp_path, 1).stat().st_size
+    assert checkpoint.storage_bytes(obj) <= size <= checkpoint.storage_bytes(obj) * 1.01 + 2**20
+
+
+def test_full_disk_is_refused_before_writing(tmp_path, monkeypatch):
+    save_checkpoint(checkpoint_path(tmp_path, 1), fake_ckpt(1))
+    big = fake_ckpt(2, big=torch.zeros(3 * 2**20 // 4))  # 3 MiB of tensor data
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 2**20, 2**20))
+    with pytest.raises(CheckpointError) as err:
+        save_checkpoint(checkpoint_path(tmp_path, 2), big)
+    assert "not enough disk space to write this checkpoint: it needs about 4 MiB" in str(err.value)
+    assert "has 1 MiB free" in str(err.value) and "\n" not in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_000001.pt", "ckpt_000001.pt.sha256"]
+    assert load_checkpoint(tmp_path)["step"] == 1
+
+
+def test_disk_filling_up_midway_is_one_line_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    save_checkpoint(checkpoint_path(tmp_path, 1), fake_ckpt(1))
+    real_open, written = open, [0]
+
+    class FillingFile:  # a disk that fills up after 2,000 bytes of the new checkpoint
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            written[0] += len(data)
+            if written[0] > 2000:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+    def filling_open(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        return FillingFile(f) if "ckpt_000002.pt." in str(path) and "w" in mode else f
+
+    monkeypatch.setattr("builtins.open", filling_open)
+    with pytest.raises(CheckpointError) as err:
+        save_checkpoint(checkpoint_path(tmp_path, 2), fake_ckpt(2, big=torch.randn(4096)))
+    monkeypatch.undo()
+    assert str(err.value) == (f"{checkpoint_path(tmp_path, 2)}: cannot write the checkpoint (No space left on device); "
+                              "free some disk space; nothing was written, the previous checkpoints are kept")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_000001.pt", "ckpt_000001.pt.sha256"]
+    assert load_checkpoint(tmp_path)["step"] == 1

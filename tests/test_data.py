@@ -258,6 +258,67 @@ def test_prepare_errors_are_one_clear_line(tmp_path, case):
     assert expected in message and "\n" not in message
 
 
+def test_a_killed_preps_temporary_files_are_removed_by_the_next_run(tmp_path, capsys):
+    """kill -9 during a shard write leaves files.atomic_write's full-size `.<file>.<pid>.tmp`; the next run on that
+    directory (which holds its lock, so no other prep writes there) removes its own, and nobody else's."""
+    src = write_jsonl(tmp_path / "docs.jsonl", make_docs(60, seed=6))
+    args = ["--input", src, "--shard_tokens", 300, "--val_tokens", 200, "--num_proc", 1]
+    run_prep(*args, "--out_dir", tmp_path / "clean")
+    out = tmp_path / "out"
+    out.mkdir()
+    stale = [out / ".docs_train_000003.bin.999999.tmp", out / ".docs_manifest.json.999999.tmp"]
+    stale[0].write_bytes(bytes(1024 + 2 * 300))
+    stale[1].write_text("{")
+    foreign = out / ".notes.txt.12.tmp"  # not a docs_* file: left alone
+    foreign.write_text("x")
+    capsys.readouterr()
+    run_prep(*args, "--out_dir", out)
+    assert "removed 2 temporary file(s) (0.0 MiB) of an interrupted run" in capsys.readouterr().out
+    assert not any(p.exists() for p in stale) and foreign.exists()
+    assert sorted(p.name for p in out.iterdir()) == sorted([p.name for p in (tmp_path / "clean").iterdir()] + [foreign.name])
+
+
+def test_unwritable_output_dir_fails_before_any_work(tmp_path, monkeypatch, read_only):
+    src = write_jsonl(tmp_path / "docs.jsonl", make_docs(20))
+    monkeypatch.setattr(prepare_data, "get_tokenizer", lambda: pytest.fail("tokenizing began"))
+    read_only(tmp_path / "ro")
+    with pytest.raises(SystemExit) as e:
+        run_prep("--input", src, "--out_dir", tmp_path / "ro" / "out", "--num_proc", 1)
+    assert str(e.value.code) == (f"prepare_data.py: error: cannot write to the output directory {tmp_path / 'ro' / 'out'} "
+                                 f"(Permission denied: {tmp_path / 'ro' / 'out'})")
+
+
+def test_a_second_prep_on_the_same_output_dir_is_refused(tmp_path, monkeypatch):
+    from files import directory_lock
+    src = write_jsonl(tmp_path / "docs.jsonl", make_docs(20))
+    monkeypatch.setattr(prepare_data, "get_tokenizer", lambda: pytest.fail("tokenizing began"))
+    with directory_lock(tmp_path / "out", "prepare_data.py"):
+        with pytest.raises(SystemExit) as e:
+            run_prep("--input", src, "--out_dir", tmp_path / "out", "--num_proc", 1)
+    message = str(e.value.code)
+    assert f"{tmp_path / 'out'} is in use by prepare_data.py (pid " in message and "\n" not in message
+
+
+def test_manifest_records_each_shards_max_token_and_the_loader_trusts_it(tmp_path):
+    src = write_jsonl(tmp_path / "docs.jsonl", make_docs(60, seed=7))
+    out = tmp_path / "out"
+    run_prep("--input", src, "--out_dir", out, "--shard_tokens", 300, "--val_tokens", 200, "--num_proc", 1)
+    manifest_path = out / "docs_manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for record in manifest["shards"]:
+        assert record["max_token"] == int(load_shard(out / record["file"]).max())
+    top = max(r["max_token"] for r in manifest["shards"])
+    assert top == EOT  # every document starts with it
+    DataLoader(out, "train", batch_size=2, block_size=8, vocab_size=top + 1)
+    with pytest.raises(ShardError, match=f"token id {EOT} >= vocab_size {EOT}"):
+        DataLoader(out, "train", batch_size=2, block_size=8, vocab_size=EOT)
+    # the record is what is checked (no scan): a record claiming smaller ids lets vocab_size=EOT through
+    for record in manifest["shards"]:
+        record["max_token"] = 100
+    manifest_path.write_text(json.dumps(manifest))
+    DataLoader(out, "train", batch_size=2, block_size=8, vocab_size=EOT)
+
+
 # ---------------------------------------------------------------------------- load_shard
 
 def llmc_bytes(tokens, magic=20240520, version=1, count=None):
@@ -290,9 +351,19 @@ def test_out_of_vocab_token_is_reported(tmp_path):
     assert len(load_shard(path, vocab_size=50258)) == 40
     with pytest.raises(ShardError, match=r"token id 50257 >= vocab_size 50257 \(first bad id at token 2\)"):
         load_shard(path, vocab_size=50257)
-    loader = DataLoader(tmp_path, "train", batch_size=2, block_size=4, vocab_size=50257)
-    with pytest.raises(ShardError, match="x_train_000000.bin: token id 50257"):
-        loader.next_batch()
+    with pytest.raises(ShardError, match="x_train_000000.bin: token id 50257"):  # before the first batch
+        DataLoader(tmp_path, "train", batch_size=2, block_size=4, vocab_size=50257)
+
+
+def test_shards_without_a_manifest_are_scanned_in_chunks_to_the_last_token(tmp_path):
+    from data import check_shards_vocab
+    paths = [tmp_path / f"x_train_{i:06d}.bin" for i in range(2)]
+    write_shard(paths[0], np.arange(5000) % 64)
+    write_shard(paths[1], np.r_[np.arange(4999) % 64, 64])  # the very last token is out of range
+    shards = [load_shard(p) for p in paths]
+    check_shards_vocab(paths, shards, 65, chunk=999)
+    with pytest.raises(ShardError, match=r"x_train_000001.bin: token id 64 >= vocab_size 64 \(first bad id at token 4,999\)"):
+        check_shards_vocab(paths, shards, 64, chunk=999)
 
 
 def test_npy_must_be_uint16_and_missing_shards_are_named(tmp_path):

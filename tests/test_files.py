@@ -2,6 +2,9 @@
 import hashlib
 import os
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -76,11 +79,43 @@ def test_library_writers_fsync_their_directory(tmp_path, monkeypatch, kind):
 
     monkeypatch.setattr(files.os, "fsync", recording_fsync)
     WRITERS[kind](tmp_path / f"out_{kind}")
-    assert dirs == [tmp_path.stat().st_ino]
-    assert [p.name for p in tmp_path.iterdir()] == [f"out_{kind}"]
+    written = [f"out_{kind}"] + ([f"out_{kind}.sha256"] if kind == "checkpoint" else [])  # its sidecar: a file too
+    assert dirs == [tmp_path.stat().st_ino] * len(written)
+    assert sorted(p.name for p in tmp_path.iterdir()) == written
 
 
 def test_file_sha256(tmp_path):
     data = os.urandom(3 << 20)
     (tmp_path / "x").write_bytes(data)
     assert file_sha256(tmp_path / "x") == hashlib.sha256(data).hexdigest()
+
+
+HOLD_LOCK = """
+import sys, time
+import files
+with files.directory_lock(sys.argv[1], "holder.py"):
+    print("locked", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_directory_lock_names_its_holder_and_dies_with_it(tmp_path):
+    """A second locker gets a LockError naming the holder's pid; kill -9 of the holder frees the lock at once."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path / "run")], stdout=subprocess.PIPE,
+                              text=True, cwd=Path(files.__file__).parent)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(files.LockError) as err:
+            with files.directory_lock(tmp_path / "run", "second.py"):
+                pass
+        message = str(err.value)
+        assert f"holder.py (pid {holder.pid} on " in message and "\n" not in message
+    finally:
+        holder.kill()  # SIGKILL: no cleanup code runs
+        holder.wait()
+    with files.directory_lock(tmp_path / "run", "third.py") as lock_file:  # not stale
+        assert "third.py (pid" in lock_file.read_text()
+        with pytest.raises(files.LockError):  # a second lock in the same process is refused too
+            with files.directory_lock(tmp_path / "run", "fourth.py"):
+                pass
+    assert lock_file.read_text() == ""  # released: nobody named as the holder

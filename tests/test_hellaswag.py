@@ -263,3 +263,27 @@ def test_cli_scores_with_the_model_dirs_tokenizer_json(byte_level_tokenizer_json
     expected = evaluate(GPT.from_pretrained(str(tmp_path)), load_examples(data_file), "cpu", enc=enc)
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last == {"n": expected["n"], "acc": expected["acc"], "acc_norm": expected["acc_norm"]}
+
+
+@pytest.mark.parametrize("case", ["empty file", "blank lines only"])
+def test_no_examples_is_an_error_not_an_accuracy(hf_dir, model, enc, tmp_path, capsys, case):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("" if case == "empty file" else "\n\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--init_from", str(hf_dir), "--data", str(path), "--device", "cpu"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"error: {path}: no examples to evaluate\n") and err.count("\n") == 1, err
+    with pytest.raises(ValueError, match="no examples to evaluate"):  # the function too: 0/0 is no accuracy
+        evaluate(model, [], "cpu", enc=enc)
+
+
+def test_bad_per_example_path_fails_before_evaluating(hf_dir, data_file, tmp_path, monkeypatch, capsys):
+    import hellaswag
+    monkeypatch.setattr(hellaswag, "evaluate", lambda *a, **k: pytest.fail("evaluated before checking --per_example"))
+    bad = tmp_path / "no" / "such" / "dir" / "preds.jsonl"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--init_from", str(hf_dir), "--data", str(data_file), "--device", "cpu", "--per_example", str(bad)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"error: {bad}: No such file or directory\n") and err.count("\n") == 1, err

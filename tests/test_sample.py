@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from assets import HFTokenizer, get_tokenizer, load_tokenizer
+from checkpoint import save_checkpoint
 from model import GPT, GPTConfig
 from sample import SEPARATOR, main, read_prompt, stream_samples
 
@@ -30,11 +31,11 @@ def model():
 
 @pytest.fixture(scope="module")
 def ckpt(model, tmp_path_factory):
-    """A training checkpoint in the project's format (CONTRACTS: checkpoint dict keys)."""
+    """A training checkpoint in the project's format (CONTRACTS: checkpoint dict keys), with its sha256 sidecar."""
     path = tmp_path_factory.mktemp("run") / "ckpt_000010.pt"
-    torch.save({"model": model.state_dict(), "model_args": asdict(model.config), "config": {}, "step": 10,
+    save_checkpoint(path, {"model": model.state_dict(), "model_args": asdict(model.config), "config": {}, "step": 10,
                 "optimizer": None, "scaler": None, "loader": {}, "rng": {}, "val_loss": None,
-                "format": "gpt2-train-ckpt-v1"}, path)
+                "format": "gpt2-train-ckpt-v1"})
     return path
 
 
@@ -216,3 +217,30 @@ def test_empty_prompt_starts_at_the_model_tokenizers_endoftext(hf_dir_with_token
     m = Recording(enc.encode(" x"))
     stream_samples(m, enc, "", max_new_tokens=1, out=io.StringIO())
     assert m.idx.tolist() == [[0]]  # GPT-NeoX's <|endoftext|>, not GPT-2's 50256
+
+
+def test_zeroed_bytes_in_the_embedding_are_a_one_line_error(tmp_path, ckpt, model, capsys):
+    """Damage that torch.load cannot see (the weights are just other numbers) fails the sha256 check."""
+    shutil.copy(ckpt, tmp_path / ckpt.name)
+    shutil.copy(ckpt.with_name(ckpt.name + ".sha256"), tmp_path)
+    damaged = tmp_path / ckpt.name
+    wte = model.transformer.wte.weight.detach().numpy().tobytes()
+    offset = damaged.read_bytes().find(wte)
+    with open(damaged, "r+b") as f:
+        f.seek(offset + 4096)
+        f.write(bytes(256))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--ckpt", str(damaged), "--prompt", "Hi", "--device", "cpu"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f": error: {damaged}: damaged: its sha256 is " in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("flag, value", [("--temperature", "nan"), ("--temperature", "inf"), ("--top_p", "nan")])
+def test_nan_sampling_settings_are_one_line_errors(ckpt, capsys, flag, value):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--ckpt", str(ckpt), "--prompt", "Hi", "--device", "cpu", flag, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    # argparse's way, as for any bad flag: the usage, then one error line
+    assert err.startswith("usage: ") and f": error: {flag} must be" in err.splitlines()[-1] and "Traceback" not in err

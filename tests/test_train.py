@@ -3,6 +3,7 @@
 Runs use a tiny model (vocab 64) on a synthetic dataset: a random Markov chain over 64 token ids
 (3 possible successors per token), so a model can learn it and its loss visibly falls.
 """
+import errno
 import json
 import math
 import os
@@ -23,7 +24,7 @@ import model as model_module
 import train
 from checkpoint import latest_checkpoint, load_checkpoint
 from config import ConfigError, TrainConfig, make_config, parse_args
-from data import write_shard
+from data import ShardError, write_shard
 from train import get_lr
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -304,14 +305,15 @@ def test_resume_cannot_change_the_architecture(data_dir, tmp_path, capsys):
 # ----------------------------------------------------------------------------- faults
 
 def inject_nan_loss(monkeypatch, at_call):
-    """Make the at_call-th training forward (1-based) return a NaN loss, still attached to the graph."""
+    """Make the at_call-th training forward (1-based; or every call for which at_call(call) is true) return
+    a NaN loss, still attached to the graph."""
     real_forward, calls = model_module.GPT.forward, [0]
 
     def forward(self, idx, targets=None, return_logits=True):
         logits, loss = real_forward(self, idx, targets, return_logits)
         if self.training and targets is not None:
             calls[0] += 1
-            if calls[0] == at_call:
+            if at_call(calls[0]) if callable(at_call) else calls[0] == at_call:
                 loss = loss * float("nan")
         return logits, loss
 
@@ -377,6 +379,241 @@ def test_signal_saves_at_the_end_of_the_step(data_dir, tmp_path, monkeypatch):
     assert load_checkpoint(tmp_path)["step"] == 3
     assert max(train_losses(tmp_path)) == 3
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before  # handlers restored
+
+
+# ----------------------------------------------------------------------------- one line per expected error
+
+def one_line_error(capsys):
+    """The error line of a train.main that failed: printed once, last on stderr (nothing after it, no
+    traceback); progress bars and notes may come before it."""
+    err = capsys.readouterr().err
+    assert err.count("train.py: error: ") == 1 and "Traceback" not in err, err
+    line = err[err.index("train.py: error: "):]
+    assert line.count("\n") == 1 and line.endswith("\n"), err
+    return line.rstrip("\n")
+
+
+def expect_exit(code, fn, *args):
+    with pytest.raises(SystemExit) as exit_:
+        fn(*args)
+    assert exit_.value.code == code
+
+
+@pytest.mark.parametrize("args, config_file, expected", [
+    (["--learning_rate=1e999"], None, "config key 'learning_rate' must be a finite number; got inf"),
+    ([], "grad_clip = float('nan')\n", "config key 'grad_clip' must be a finite number; got nan"),
+    (["--beta2=1.5"], None, "config key 'beta2' must be in [0, 1); got 1.5"),
+    ([], "learning_rate = float('nan')\n", "config key 'learning_rate' must be a finite number; got nan"),
+    (["--weight_decay=-1"], None, "config key 'weight_decay' must be >= 0; got -1.0"),
+    (["--min_lr=0.01"], None, "config key 'min_lr' must be <= learning_rate=0.003; got 0.01"),
+    (["--dropout=1.0"], None, "dropout"),
+])
+def test_bad_float_settings_are_one_line_errors_before_any_step(data_dir, tmp_path, capsys, args, config_file, expected):
+    files = []
+    if config_file:
+        (tmp_path / "cfg.py").write_text(config_file)
+        files = [str(tmp_path / "cfg.py")]
+    expect_exit(2, run, data_dir, tmp_path / "out", *files, *args)
+    line = one_line_error(capsys)
+    assert expected in line
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()  # refused before any work
+
+
+def test_too_many_skipped_updates_halt_and_keep_the_last_checkpoint(data_dir, tmp_path, monkeypatch, capsys):
+    """Every update from step 6 on is NaN (as with an absurd learning rate): 3 skips in a row halt the run
+    with exit 1, and the checkpoint of step 4 is untouched and resumable."""
+    inject_nan_loss(monkeypatch, at_call=lambda call: call >= 6)
+    expect_exit(1, run, data_dir, tmp_path, "--max_steps=20", "--max_skipped_steps=3")
+    line = one_line_error(capsys)
+    assert "step 8: 3 updates in a row skipped (non-finite loss" in line
+    assert f"the last checkpoint, {tmp_path / 'ckpt_000004.pt'}, is kept (continue with --init_from=resume)" in line
+    assert [p.name for p in sorted(tmp_path.glob("ckpt_*.pt"))] == ["ckpt_000004.pt"]
+    assert [m.get("skipped") is not None for m in metrics(tmp_path) if "train_loss" in m] == [False] * 5 + [True] * 2
+    monkeypatch.undo()
+    assert train.main(["--init_from=resume", f"--out_dir={tmp_path}", "--max_steps=6"]) == 0
+
+
+def test_a_halt_before_any_checkpoint_says_so(data_dir, tmp_path, monkeypatch, capsys):
+    inject_nan_loss(monkeypatch, at_call=lambda call: True)
+    expect_exit(1, run, data_dir, tmp_path, "--max_steps=20", "--max_skipped_steps=2")
+    assert one_line_error(capsys).endswith("halting (max_skipped_steps=2): lower learning_rate?; no checkpoint was "
+                                           "written yet")
+
+
+def test_a_second_run_on_a_locked_out_dir_is_refused(data_dir, tmp_path, capsys):
+    from files import directory_lock
+    with directory_lock(tmp_path, "other.py"):
+        expect_exit(1, run, data_dir, tmp_path, "--max_steps=4")
+    line = one_line_error(capsys)
+    assert f"{tmp_path} is in use by other.py (pid {os.getpid()} on " in line
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert run(data_dir, tmp_path, "--max_steps=4") == 0  # the lock ended with its holder
+
+
+def damage_tensor_data(path, key="transformer.wte.weight", data=None):
+    """Overwrite 16 bytes inside a tensor's data in a checkpoint file (random bytes by default)."""
+    raw = load_checkpoint(path)["model"][key].numpy().tobytes()
+    offset = path.read_bytes().find(raw)
+    assert offset > 0
+    with open(path, "r+b") as f:
+        f.seek(offset + len(raw) // 2)
+        f.write(os.urandom(16) if data is None else data)
+
+
+@pytest.mark.parametrize("damage", ["tensor data", "metadata"])
+def test_resume_falls_back_past_a_damaged_checkpoint(data_dir, tmp_path, capsys, damage):
+    assert run(data_dir, tmp_path, "--max_steps=8") == 0  # checkpoints at 4 and 8
+    losses = train_losses(tmp_path)
+    newest = tmp_path / "ckpt_000008.pt"
+    if damage == "tensor data":
+        damage_tensor_data(newest, "transformer.h.0.mlp.c_fc.weight")
+    else:
+        with open(newest, "r+b") as f:  # the zip's central directory, at the end of the file
+            f.seek(-40, os.SEEK_END)
+            f.write(os.urandom(16))
+    capsys.readouterr()
+    assert train.main(["--init_from=resume", f"--out_dir={tmp_path}", "--max_steps=8"]) == 0
+    err = capsys.readouterr().err
+    assert f"note: skipping {newest}: damaged: its sha256 is " in err
+    assert train_losses(tmp_path) == losses  # resumed from step 4 and redid 5..8 exactly
+    assert load_checkpoint(newest)["step"] == 8  # rewritten, and verifies
+
+
+def test_disk_full_at_a_save_is_one_line_and_the_run_resumes(data_dir, tmp_path, monkeypatch, capsys):
+    real = checkpoint.shutil.disk_usage
+    saves = []
+
+    def disk_usage(path):  # the disk is full from the second save on
+        saves.append(path)
+        usage = real(path)
+        return usage if len(saves) < 2 else usage._replace(free=1000)
+
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", disk_usage)
+    expect_exit(1, run, data_dir, tmp_path, "--max_steps=12")
+    line = one_line_error(capsys)
+    assert f"{tmp_path / 'ckpt_000008.pt'}: not enough disk space to write this checkpoint: it needs about " in line
+    assert "MiB free; nothing was written, the previous checkpoints are kept" in line
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("ckpt", ".ckpt"))) == [
+        "ckpt_000004.pt", "ckpt_000004.pt.sha256"]
+    monkeypatch.undo()
+    assert train.main(["--init_from=resume", f"--out_dir={tmp_path}"]) == 0
+    assert load_checkpoint(tmp_path)["step"] == 12
+
+
+def test_disk_filling_up_during_a_save_is_one_line_and_the_run_resumes(data_dir, tmp_path, monkeypatch, capsys):
+    real_save = checkpoint.torch.save
+
+    def save_until_full(obj, f):
+        if obj["step"] == 8:  # a third of the checkpoint reaches the disk, then it is full
+            f.write(b"\0" * 3000)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(obj, f)
+
+    monkeypatch.setattr(checkpoint.torch, "save", save_until_full)
+    expect_exit(1, run, data_dir, tmp_path, "--max_steps=12")
+    assert "ckpt_000008.pt: cannot write the checkpoint (No space left on device); free some disk space" in \
+        one_line_error(capsys)
+    assert not list(tmp_path.glob(".ckpt_*"))  # the temporary file is gone
+    monkeypatch.undo()
+    assert train.main(["--init_from=resume", f"--out_dir={tmp_path}", "--max_steps=8"]) == 0
+    assert load_checkpoint(tmp_path)["step"] == 8
+
+
+def test_a_token_id_beyond_the_vocabulary_late_in_the_data_fails_before_step_1(tmp_path, capsys):
+    for i in range(3):
+        tokens = markov_tokens(5000, seed=10 + i)
+        if i == 2:
+            tokens[-3] = 64  # vocab_size is 64: the last shard's third-to-last token is out of range
+        write_shard(tmp_path / f"d_train_{i:06d}.bin", tokens)
+    write_shard(tmp_path / "d_val_000000.bin", markov_tokens(1000, seed=9))
+    expect_exit(1, run, tmp_path, tmp_path / "out", "--max_steps=4")
+    line = one_line_error(capsys)
+    assert f"{tmp_path / 'd_train_000002.bin'}: token id 64 >= vocab_size 64 (first bad id at token 4,997)" in line
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()  # before the first step
+
+
+def shard_problem(data_dir, tmp_path, case):
+    """A data directory with one problem; returns (data_dir, extra args)."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    if case == "missing data_dir":
+        return tmp_path / "fineweb-edu", []
+    if case == "no shards":
+        (bad / "notes.txt").write_text("not a shard")
+        return bad, []
+    write_shard(bad / "d_val_000000.bin", markov_tokens(100, seed=3))
+    train = bad / "d_train_000000.bin"
+    write_shard(train, markov_tokens(100, seed=4))
+    if case == "truncated shard":
+        train.write_bytes(train.read_bytes()[:-10])
+    elif case == "bad header":
+        train.write_bytes((12345).to_bytes(4, "little") + train.read_bytes()[4:])
+    return bad, ["--block_size=200", "--n_embd=32"] if case == "block_size longer than every shard" else []
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("missing data_dir", "fineweb-edu: no such data directory; prepare it with "
+                         "`python prepare_data.py --dataset fineweb-edu --out_dir "),
+    ("no shards", "no train shards (*.bin or *.npy files with 'train' in the name); prepare it with "
+                  "`python prepare_data.py --input YOUR_TEXT_FILES --out_dir "),
+    ("truncated shard", "d_train_000000.bin: truncated llm.c shard: header says 100 tokens"),
+    ("bad header", "d_train_000000.bin: bad magic 12345 in the llm.c shard header"),
+    ("block_size longer than every shard", "the train shards hold 100 tokens; none has the block_size+1 = 201 tokens"),
+])
+def test_data_problems_are_one_line_errors(data_dir, tmp_path, capsys, case, expected):
+    bad, extra = shard_problem(data_dir, tmp_path, case)
+    expect_exit(1, run, bad, tmp_path / "out", "--max_steps=4", *extra)
+    assert expected in one_line_error(capsys)
+
+
+def test_missing_default_data_names_the_prepare_command(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # a fresh clone: no data/fineweb-edu
+    expect_exit(1, train.main, [*TINY, "--max_steps=1", f"--out_dir={tmp_path / 'out'}"])
+    assert one_line_error(capsys) == ("train.py: error: data/fineweb-edu: no such data directory; prepare it with "
+                                      "`python prepare_data.py --dataset fineweb-edu`")
+
+
+@pytest.mark.parametrize("change, expected", [
+    ("--seed=7", "seed is 1337 in the saved state but 7 here"),
+    ("--data_dir=OTHER", "num_samples is"),
+])
+def test_resume_with_another_seed_or_data_dir_is_one_line(data_dir, tmp_path, capsys, change, expected):
+    other = tmp_path / "other"
+    other.mkdir()
+    write_shard(other / "o_train_000000.bin", markov_tokens(5000, seed=5))
+    write_shard(other / "o_val_000000.bin", markov_tokens(1000, seed=6))
+    assert run(data_dir, tmp_path / "out", "--max_steps=4") == 0
+    capsys.readouterr()
+    expect_exit(2, train.main, ["--init_from=resume", f"--out_dir={tmp_path / 'out'}", "--max_steps=8",
+                                change.replace("OTHER", str(other))])
+    line = one_line_error(capsys)
+    assert line.startswith("train.py: error: cannot resume: loader state is for a different stream: ")
+    assert expected in line and f"the checkpoint's run used data_dir='{data_dir}' and seed=1337" in line
+
+
+def test_read_only_out_dir_is_one_line(data_dir, tmp_path, read_only, capsys):
+    read_only(tmp_path / "ro")
+    expect_exit(1, run, data_dir, tmp_path / "ro" / "out", "--max_steps=4")
+    assert one_line_error(capsys) == f"train.py: error: {tmp_path / 'ro' / 'out'}: Permission denied"
+
+
+@pytest.mark.parametrize("arg, expected", [
+    ("--device=gpu", "config key 'device': 'gpu' is not a device ('auto', 'cpu', 'cuda', 'cuda:N' or 'mps')"),
+    ("--device=cuda", "config key 'device': 'cuda': "),
+    ("--init_from=gpt3", "config key 'init_from' must be 'scratch', 'resume', one of gpt2, gpt2-medium, gpt2-large, "
+                         "gpt2-xl or a Hugging Face model directory; got 'gpt3' (no such directory)"),
+])
+def test_bad_device_or_init_from_is_one_line(data_dir, tmp_path, capsys, arg, expected):
+    if arg == "--device=cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    expect_exit(2, run, data_dir, tmp_path, "--max_steps=4", arg)
+    assert expected in one_line_error(capsys)
+
+
+def test_gpt2_traceback_shows_the_traceback(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPT2_TRACEBACK", "1")
+    with pytest.raises(ShardError, match="no such data directory"):
+        run(tmp_path / "missing", tmp_path / "out", "--max_steps=1")
 
 
 # ----------------------------------------------------------------------------- end to end, in subprocesses
@@ -521,3 +758,45 @@ def test_plot_metrics_reads_runs_and_explains_missing_matplotlib(tmp_path, monke
         plot_metrics.main([str(tmp_path)])
     assert plot_metrics.main([str(tmp_path / "nope")]) == 2
     assert "no such metrics file" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_concurrent_runs_on_one_out_dir(data_dir, tmp_path):
+    """The second train.py on an out_dir in use exits 1 with one line naming the first; the first is untouched
+    and finishes normally (here: stopped by SIGTERM, which saves and exits 0)."""
+    train_py = [sys.executable, str(ROOT / "train.py"), *TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
+                "--save_interval=20"]
+    first = subprocess.Popen([*train_py, "--max_steps=100000"], cwd=ROOT, env=subprocess_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not list(tmp_path.glob("ckpt_*.pt")):  # training, and holding the lock
+            time.sleep(0.05)
+        second = subprocess.run([*train_py, "--max_steps=10"], cwd=ROOT, env=subprocess_env(), capture_output=True,
+                                text=True, timeout=120)
+        assert first.poll() is None  # still running
+    finally:
+        first.send_signal(signal.SIGTERM)
+        _, first_err = first.communicate(timeout=120)
+    assert second.returncode == 1
+    assert second.stderr.endswith(f"train.py: error: {tmp_path} is in use by train.py (pid {first.pid} on "
+                                  f"{os.uname().nodename}) (lock file {tmp_path / '.lock'}); wait until it ends, "
+                                  f"or use another directory\n"), second.stderr
+    assert second.stderr.count("\n") == 1
+    assert first.returncode == 0, first_err[-2000:]
+    steps = [m["step"] for m in metrics(tmp_path) if "train_loss" in m]
+    assert steps == list(range(1, len(steps) + 1)) and load_checkpoint(tmp_path)["step"] == steps[-1]
+
+
+@pytest.mark.slow
+def test_torchrun_on_missing_data_prints_one_line_once(tmp_path):
+    """A fresh clone's first command: each rank finds no data/fineweb-edu; rank 0 alone says so, in one line that
+    names the command preparing it; no rank prints a traceback (torchrun then adds its own failure summary)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
+           *TINY, "--max_steps=2", f"--out_dir={tmp_path / 'out'}"]
+    result = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    line = ("train.py: error: data/fineweb-edu: no such data directory; prepare it with "
+            "`python prepare_data.py --dataset fineweb-edu`\n")
+    assert result.stderr.count("train.py: error: ") == 1 and line in result.stderr, result.stderr
+    assert f'File "{ROOT / "train.py"}"' not in result.stderr  # no traceback from a rank
