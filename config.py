@@ -211,6 +211,13 @@ def config_table(cfg, user):
     return "\n".join(f"  {'*' if k in user else ' '} {k:<{width}}  {v!r}" for k, v in asdict(cfg).items())
 
 
+def key_table():
+    """The README's 'Every config key' table (markdown), generated from the same comments as --help."""
+    escape = str.maketrans({"|": r"\|"})  # a literal | would end the cell
+    rows = [f"| `{key}` | `{default!r}` | {comment.translate(escape)} |" for key, (default, comment) in config_docs().items()]
+    return "\n".join(["| key | default | meaning |", "|---|---|---|", *rows])
+
+
 def help_text(doc):
     """`python train.py --help`: the script's docstring, then every key with its default and meaning."""
     keys = "\n".join(f"  {key} = {default!r}  # {comment}" for key, (default, comment) in config_docs().items())

@@ -89,7 +89,7 @@ def test_bad_files_give_one_line_errors(tmp_path, content):
 def test_missing_file_and_empty_dir(tmp_path):
     with pytest.raises(CheckpointError, match="no such checkpoint"):
         load_checkpoint(tmp_path / "ckpt_000001.pt")
-    with pytest.raises(CheckpointError, match="no ckpt_XXXXXX.pt checkpoint in this directory"):
+    with pytest.raises(CheckpointError, match=r"no checkpoint \(ckpt_XXXXXX.pt or ckpt_XXXXXX/\) in this directory"):
         load_checkpoint(tmp_path)
 
 

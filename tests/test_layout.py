@@ -43,3 +43,11 @@ def test_no_import_cycles():
 
     for module in graph:
         visit(module, [])
+
+
+def test_readme_documents_every_config_key():
+    """The README's key table is generated from config.config_docs(): a new key without a row fails here."""
+    import config
+    readme = (ROOT / "README.md").read_text()
+    missing = [key for key in config.config_docs() if f"| `{key}` |" not in readme]
+    assert not missing, f"README.md's 'Every config key' table lacks {missing}: regenerate it (config.key_table())"
