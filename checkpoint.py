@@ -37,6 +37,7 @@ import argparse
 import errno
 import hashlib
 import os
+import random
 import re
 import shutil
 import sys
@@ -44,6 +45,7 @@ import warnings
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import assets
@@ -281,6 +283,28 @@ def _load_file(path, map_location, note):
         note(f"{path} has no {checksum_path(path).name} (written before checkpoints recorded their sha256): "
              f"loaded unverified")
     return ckpt
+
+
+def rng_state():
+    """Every RNG this process draws from, as tensors and plain lists (weights_only-loadable)."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(internal), gauss],
+            "numpy": {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                      "cached_gaussian": float(cached)},
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None}
+
+
+def set_rng_state(state):
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["name"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def clean_state_dict(state_dict):

@@ -22,7 +22,6 @@ import socket
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -34,13 +33,15 @@ from tqdm import tqdm
 
 from checkpoint import (FORMAT, CheckpointError, checkpoint_path, clean_state_dict, list_checkpoints,
                         load_latest_checkpoint, load_optimizer_state, load_sharded_checkpoint, prune_checkpoints,
-                        save_checkpoint, save_sharded_checkpoint)
+                        rng_state, save_checkpoint, save_sharded_checkpoint, set_rng_state)
 from config import ARCH_KEYS, ConfigError, help_text, make_config, model_config, config_table, parse_args
 from data import DataLoader, NoShardsError, ShardError
-from devices import (DTYPES, autocast, device_type, fused_adamw_supported, is_compile_error, peak_flops,
-                     resolve_compile, resolve_device, resolve_dtype, tune_cpu_allocator)
+from devices import (autocast, device_type, fused_adamw_supported, peak_flops, resolve_device, resolve_dtype,
+                     tune_cpu_allocator)
 from files import LockError, atomic_write, directory_lock
 from model import GPT
+from parallel import (Env, clip_gradients, gathered, is_compiled, mesh_shape, parallelize, set_grad_sync,
+                      weights_finite)
 from tracking import TRACKING_KEYS, Tracker, TrackingError, check_tracking_available
 
 
@@ -61,31 +62,6 @@ class StopRequest:
         self.signal = signum
         print(f"\nreceived {signal.Signals(signum).name}: saving a checkpoint after this step, then exiting",
               file=sys.stderr, flush=True)
-
-
-@dataclass
-class Env:
-    """Where this process runs: its rank among torchrun's processes, its device and precision."""
-    rank: int
-    local_rank: int
-    world_size: int
-    distributed: bool  # launched by torchrun (even with one process)
-    device: str
-    dtype: str  # resolved: 'float32', 'bfloat16' or 'float16'
-    parallel: str = "ddp"  # in effect: 'fsdp'/'hsdp' only under torchrun ('ddp' also for one plain process)
-    mesh_shape: tuple = ()  # sharded runs: (world_size,) for 'fsdp', (replica groups, shard_size) for 'hsdp'
-
-    @property
-    def master(self):
-        return self.rank == 0
-
-    @property
-    def sharded(self):
-        return self.parallel != "ddp"
-
-    @property
-    def kind(self):
-        return device_type(self.device)
 
 
 @dataclass
@@ -254,19 +230,6 @@ def setup(cfg):
     return Env(rank, local_rank, world_size, distributed, device, dtype, parallel, mesh)
 
 
-def mesh_shape(parallel, shard_size, world_size, local_world_size):
-    """Device-mesh shape of a sharded run: 'fsdp' (world_size,), every rank holding 1/world_size of the model;
-    'hsdp' (world_size // shard_size, shard_size): groups of shard_size ranks (default one node's ranks, so
-    the all-gathers stay on the fast intra-node links) each shard the model and replicate each other."""
-    if parallel == "fsdp":
-        return (world_size,)
-    size = shard_size or local_world_size
-    if world_size % size:
-        raise ConfigError(f"shard_size={size} does not divide the world size {world_size} (parallel='hsdp' "
-                          f"shards within groups of shard_size ranks)")
-    return (world_size // size, size)
-
-
 def batch_layout(cfg, world_size):
     """(tokens per optimizer step, accumulation steps): total_batch_size split over ranks and micro-batches."""
     tokens_per_micro = cfg.batch_size * cfg.block_size * world_size
@@ -312,113 +275,6 @@ def build_model(cfg, ckpt, device):
 def build_optimizer(model, cfg, env):
     return model.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
                                      fused=fused_adamw_supported(env.kind))
-
-
-def parallelize(model, cfg, env):
-    """The one place the bare model is wrapped for training: DDP across ranks, then torch.compile (which
-    understands DDP's gradient buckets); or, with parallel='fsdp'/'hsdp', shard() in place. Compile is decided
-    here, once: a compile error surfaces in a trial forward/backward on dummy tokens (train and eval mode),
-    and then the run goes on eagerly."""
-    if env.sharded:
-        return shard(model, cfg, env)
-    if env.distributed:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(model, device_ids=[env.local_rank] if env.kind == "cuda" else None,
-                    gradient_as_bucket_view=True)  # gradients live in the all-reduce buckets: one copy, not two
-    if not resolve_compile(cfg.compile, env.device, env.dtype):
-        return model
-    compiled = torch.compile(model)
-    if compile_works(compiled, cfg, env):
-        return compiled
-    return model
-
-
-def shard(model, cfg, env):
-    """FSDP2 on the bare model, in place, torchtitan's order: activation checkpointing is already inside the
-    model (cfg.activation_checkpointing), then each block's forward is compiled (before sharding; one graph
-    serves every block), then each block becomes one FSDP unit and the root the last (the tied wte/lm_head,
-    wpe and ln_f). The model may still be on the CPU: fully_shard moves each unit to the device as it shards
-    it, so no GPU ever holds the whole model. Returns the model; its forward all-gathers the parameters of one
-    unit at a time, so every rank must run the same forwards.
-
-    Precision, the one rule of a bf16 run: FSDP's MixedPrecisionPolicy makes every unit all-gather bf16 copies
-    of its fp32 shards (half the bytes, and half the memory of a gathered unit), so forward and backward
-    compute from bf16 weights and activations, the residual stream included (torchtitan's and Composer's FSDP
-    default); torch.autocast stays on, as in every mode, for the ops it keeps in fp32. Gradients are
-    reduce-scattered and accumulated in fp32 (reduce_dtype) and AdamW updates the fp32 shards. An fp32 run
-    casts nothing."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh(env.kind, env.mesh_shape, mesh_dim_names=("replicate", "shard")[-len(env.mesh_shape):])
-    compile_blocks = resolve_compile(cfg.compile, env.device, env.dtype)
-    if compile_blocks:
-        for block in model.transformer.h:
-            block.forward = torch.compile(block.forward)  # FSDP's hooks stay outside the graph
-    low = None if env.dtype == "float32" else DTYPES[env.dtype]
-    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
-    for block in model.transformer.h:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    if compile_blocks and not compile_works(model, cfg, env):
-        model.reset_iter_state()  # the failed forward left FSDP mid-iteration
-        for block in model.transformer.h:
-            del block.forward  # back to Block.forward, eager
-    for unit in model.modules():  # the trial's eval forward left the root unit gathered (FSDP keeps the root
-        if isinstance(unit, FSDPModule):  # for a backward): the optimizer must be built over the shards
-            unit.reshard()
-    model.zero_grad(set_to_none=True)  # the trial's gradients on the root's shards, unseen while it was gathered
-    return model
-
-
-def is_compiled(model):
-    """Whether parallelize() kept torch.compile: of the whole model (DDP, one process) or of each block (FSDP)."""
-    return hasattr(model, "_orig_mod") or any("forward" in vars(m) for m in model.modules())
-
-
-def compile_works(compiled, cfg, env):
-    """Run the compiled model once as training and once as evaluation, leaving weights, gradients and RNGs as
-    they were. False (with a note) on a compile error; an out-of-memory or any other error propagates."""
-    x = torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long, device=env.device)
-    rngs = rng_state()
-    error = None
-    try:
-        with autocast(env.device, env.dtype):
-            compiled(x, x, return_logits=False)[1].backward()
-            if cfg.eval_interval > 0:  # evaluation compiles a graph of its own
-                compiled.eval()
-                with torch.no_grad():
-                    compiled(x, x, return_logits=False)
-    except Exception as e:
-        if not is_compile_error(e):
-            raise
-        error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
-    compiled.train()
-    compiled.zero_grad(set_to_none=True)
-    set_rng_state(rngs)
-    if error is None:
-        return True
-    if env.master:  # outside the except block: the failed attempt's tensors are freed by now
-        tqdm.write(f"torch.compile failed ({error}); training eagerly (compile=False skips the attempt)")
-    return False
-
-
-def set_grad_sync(model, enabled):
-    """Whether the next backward all-reduces (DDP) or reduce-scatters (FSDP) gradients: only the last micro-step
-    of an accumulation needs to; must be set before the forward. Under FSDP the micro-steps in between keep
-    whole fp32 gradients of every unit (4 bytes/param) until that last reduction."""
-    inner = getattr(model, "_orig_mod", model)  # under torch.compile
-    if hasattr(inner, "require_backward_grad_sync"):  # DDP
-        inner.require_backward_grad_sync = enabled
-    elif hasattr(inner, "set_requires_gradient_sync"):  # FSDP
-        inner.set_requires_gradient_sync(enabled)
-
-
-def clip_gradients(model, max_norm):
-    """Clip the global gradient norm to max_norm (0: only measure it); returns the norm before clipping, a
-    plain scalar tensor. Under FSDP the gradients are DTensor shards: clip_grad_norm_ reduces the norm over
-    ranks, so it is the whole gradient's norm, the number DDP gets, and the clip factor is the same."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
 
 
 # ----------------------------------------------------------------------------- the step
@@ -526,35 +382,6 @@ def val_loss(model, loader, eval_steps, env):
     return total.item() / eval_steps / env.world_size
 
 
-@contextmanager
-def gathered(raw_model):
-    """The bare GPT with whole parameters, for code that uses it outside its forward (HellaSwag's scoring,
-    generation). An unsharded model passes through. A sharded one: every rank must enter (each unit's
-    all-gather is a collective) and then holds a plain GPT over the gathered tensors, with no FSDP hooks, to
-    run any number of forwards alone; on exit the whole parameters are freed. Costs the whole model per rank
-    for the duration: 2 bytes/param in bf16 runs, 4 in fp32."""
-    units = [m for m in raw_model.modules() if hasattr(m, "unshard")]  # the FSDP units (fully_shard adds it)
-    if not units:
-        yield raw_model
-        return
-    for unit in units:
-        unit.unshard()  # the units' registered parameters are now the whole tensors
-    try:
-        with torch.device("meta"):
-            whole = GPT(raw_model.config)
-        named = [*raw_model.named_parameters(remove_duplicate=False), *raw_model.named_buffers()]
-        for name, tensor in named:
-            owner, _, leaf = name.rpartition(".")
-            value = tensor.detach()
-            if isinstance(tensor, torch.nn.Parameter):
-                value = torch.nn.Parameter(value, requires_grad=False)
-            setattr(whole.get_submodule(owner), leaf, value)
-        yield whole
-    finally:
-        for unit in units:
-            unit.reshard()
-
-
 def hellaswag_eval(raw_model, examples, cfg, env):
     """HellaSwag accuracy, examples sharded over ranks (every rank calls it); `examples` is filled on first use
     and reused."""
@@ -584,28 +411,6 @@ def sample_preview(raw_model, cfg, env):
 
 
 # ----------------------------------------------------------------------------- checkpoints and RNGs
-
-def rng_state():
-    """Every RNG this process draws from, as tensors and plain lists (weights_only-loadable)."""
-    version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": [version, list(internal), gauss],
-            "numpy": {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
-                      "cached_gaussian": float(cached)},
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None}
-
-
-def set_rng_state(state):
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    n = state["numpy"]
-    np.random.set_state((n["name"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
 
 def restore(ckpt, raw_model, optimizer, scaler, loader):
     """Optimizer (and from a sharded checkpoint the weights, resharded to this run's layout), loss scaler and
@@ -668,17 +473,6 @@ def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, tracker, 
     if env.master:
         prune_checkpoints(out_dir, cfg.keep_last, keep_steps={progress.best_step})
         log(f"step {step}: saved {path}")
-
-
-def weights_finite(raw_model, env):
-    """Whether every weight is finite; in a sharded run each rank checks its shards and all agree."""
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in raw_model.parameters()]
-    finite = all(torch.isfinite(p).all() for p in local)
-    if env.sharded:
-        bad = torch.tensor(0.0 if finite else 1.0, device=env.device)
-        dist.all_reduce(bad)
-        finite = bad.item() == 0
-    return finite
 
 
 # ----------------------------------------------------------------------------- the recipe

@@ -3,7 +3,7 @@
     python -m bench.fsdp_memory                          # 8L/8H/512d, vocab 50304: ~51M params, 2 CPU ranks (gloo)
     python -m bench.fsdp_memory --n_layer=12 --n_embd=768 --n_head=12     # GPT-2 124M (~4 GB of host memory)
 
-Launches `torchrun --nproc_per_node=2` once per mode. Each rank builds the model exactly as train.py does
+Launches `torchrun --nproc_per_node=2` once per mode. Each rank builds the model as train.py does
 (setup, build_model, parallelize, build_optimizer), takes one training step (forward, backward, clip, AdamW
 step) and, before zero_grad, counts the bytes of the tensors it holds: every distinct storage behind its
 parameters (FSDP: its padded shards), their gradients and the optimizer state. DDP holds all of it on every
@@ -37,19 +37,26 @@ def storage_bytes(tensors):
 
 
 def worker(model_keys, out):
-    """One rank: a training step as train.py takes it, then the bytes this rank holds."""
+    """One rank: a training step as train.py takes it (the same parallelize()), then the bytes this rank holds."""
     import torch
-    import train
-    from config import make_config
-    cfg = make_config({**model_keys, "device": "cpu", "dtype": "float32", "compile": False,
-                       "parallel": os.environ["BENCH_PARALLEL"], "grad_clip": 1.0})
-    env = train.setup(cfg)
-    raw, cfg = train.build_model(cfg, None, "cpu" if env.sharded else env.device)
-    model = train.parallelize(raw, cfg, env)
-    optimizer = train.build_optimizer(raw, cfg, env)
+    import torch.distributed as dist
+    from config import make_config, model_config
+    from model import GPT
+    from parallel import Env, clip_gradients, mesh_shape, parallelize
+    parallel = os.environ["BENCH_PARALLEL"]
+    cfg = make_config({**model_keys, "device": "cpu", "dtype": "float32", "compile": False, "parallel": parallel,
+                       "grad_clip": 1.0})
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = mesh_shape(parallel, None, world, world) if parallel != "ddp" else ()
+    env = Env(rank, rank, world, True, "cpu", "float32", parallel, mesh)
+    torch.manual_seed(cfg.seed)
+    raw = GPT(model_config(cfg))
+    model = parallelize(raw, cfg, env)
+    optimizer = raw.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2))  # after sharding
     x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.block_size))
     model(x, x, return_logits=False)[1].backward()
-    train.clip_gradients(raw, cfg.grad_clip)
+    clip_gradients(raw, cfg.grad_clip)
     optimizer.step()
     params = list(raw.parameters())
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
@@ -58,7 +65,7 @@ def worker(model_keys, out):
               "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     with open(f"{out}.{env.rank}", "w") as f:
         json.dump(result, f)
-    torch.distributed.destroy_process_group()
+    dist.destroy_process_group()
 
 
 def cpu_name():

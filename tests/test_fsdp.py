@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import checkpoint
 import hellaswag
+import parallel
 import sample
 import train
 from checkpoint import latest_checkpoint, load_checkpoint, save_sharded_checkpoint
@@ -361,11 +362,11 @@ def test_parallel_is_ignored_without_torchrun(data_dir, tmp_path, capsys):
 
 
 def test_mesh_shapes_and_bad_shard_size():
-    assert train.mesh_shape("fsdp", None, 16, 8) == (16,)
-    assert train.mesh_shape("hsdp", None, 16, 8) == (2, 8)  # default: shard within a node, replicate across
-    assert train.mesh_shape("hsdp", 4, 16, 8) == (4, 4)
+    assert parallel.mesh_shape("fsdp", None, 16, 8) == (16,)
+    assert parallel.mesh_shape("hsdp", None, 16, 8) == (2, 8)  # default: shard within a node, replicate across
+    assert parallel.mesh_shape("hsdp", 4, 16, 8) == (4, 4)
     with pytest.raises(ConfigError, match=r"shard_size=3 does not divide the world size 16"):
-        train.mesh_shape("hsdp", 3, 16, 8)
+        parallel.mesh_shape("hsdp", 3, 16, 8)
 
 
 def test_sharded_float16_is_a_config_error(monkeypatch):

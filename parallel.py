@@ -1,0 +1,205 @@
+"""How the model is spread over processes and compiled: the one seam between the bare GPT and the training
+loop (torchtitan's parallelize.py). parallelize() wraps the model once: DDP (every rank a whole replica),
+or FSDP2 / HSDP (parameters, gradients and optimizer state sharded over ranks), then torch.compile, tried
+once on dummy tokens so a compile error means eager from the start, never a swap mid-run. The helpers the
+loop needs from whatever parallelize() returned live here too: gradient sync for accumulation, the global
+gradient norm, a gathered copy of a sharded model for generation and HellaSwag.
+"""
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from checkpoint import rng_state, set_rng_state
+from config import ConfigError
+from devices import DTYPES, autocast, device_type, is_compile_error, resolve_compile
+from model import GPT
+
+
+@dataclass
+class Env:
+    """Where this process runs: its rank among torchrun's processes, its device and precision."""
+    rank: int
+    local_rank: int
+    world_size: int
+    distributed: bool  # launched by torchrun (even with one process)
+    device: str
+    dtype: str  # resolved: 'float32', 'bfloat16' or 'float16'
+    parallel: str = "ddp"  # in effect: 'fsdp'/'hsdp' only under torchrun ('ddp' also for one plain process)
+    mesh_shape: tuple = ()  # sharded runs: (world_size,) for 'fsdp', (replica groups, shard_size) for 'hsdp'
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    @property
+    def sharded(self):
+        return self.parallel != "ddp"
+
+    @property
+    def kind(self):
+        return device_type(self.device)
+
+
+
+def mesh_shape(parallel, shard_size, world_size, local_world_size):
+    """Device-mesh shape of a sharded run: 'fsdp' (world_size,), every rank holding 1/world_size of the model;
+    'hsdp' (world_size // shard_size, shard_size): groups of shard_size ranks (default one node's ranks, so
+    the all-gathers stay on the fast intra-node links) each shard the model and replicate each other."""
+    if parallel == "fsdp":
+        return (world_size,)
+    size = shard_size or local_world_size
+    if world_size % size:
+        raise ConfigError(f"shard_size={size} does not divide the world size {world_size} (parallel='hsdp' "
+                          f"shards within groups of shard_size ranks)")
+    return (world_size // size, size)
+
+
+def parallelize(model, cfg, env):
+    """The one place the bare model is wrapped for training: DDP across ranks, then torch.compile (which
+    understands DDP's gradient buckets); or, with parallel='fsdp'/'hsdp', shard() in place. Compile is decided
+    here, once: a compile error surfaces in a trial forward/backward on dummy tokens (train and eval mode),
+    and then the run goes on eagerly."""
+    if env.sharded:
+        return shard(model, cfg, env)
+    if env.distributed:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(model, device_ids=[env.local_rank] if env.kind == "cuda" else None,
+                    gradient_as_bucket_view=True)  # gradients live in the all-reduce buckets: one copy, not two
+    if not resolve_compile(cfg.compile, env.device, env.dtype):
+        return model
+    compiled = torch.compile(model)
+    if compile_works(compiled, cfg, env):
+        return compiled
+    return model
+
+
+def shard(model, cfg, env):
+    """FSDP2 on the bare model, in place, torchtitan's order: activation checkpointing is already inside the
+    model (cfg.activation_checkpointing), then each block's forward is compiled (before sharding; one graph
+    serves every block), then each block becomes one FSDP unit and the root the last (the tied wte/lm_head,
+    wpe and ln_f). The model may still be on the CPU: fully_shard moves each unit to the device as it shards
+    it, so no GPU ever holds the whole model. Returns the model; its forward all-gathers the parameters of one
+    unit at a time, so every rank must run the same forwards.
+
+    Precision, the one rule of a bf16 run: FSDP's MixedPrecisionPolicy makes every unit all-gather bf16 copies
+    of its fp32 shards (half the bytes, and half the memory of a gathered unit), so forward and backward
+    compute from bf16 weights and activations, the residual stream included (torchtitan's and Composer's FSDP
+    default); torch.autocast stays on, as in every mode, for the ops it keeps in fp32. Gradients are
+    reduce-scattered and accumulated in fp32 (reduce_dtype) and AdamW updates the fp32 shards. An fp32 run
+    casts nothing."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh(env.kind, env.mesh_shape, mesh_dim_names=("replicate", "shard")[-len(env.mesh_shape):])
+    compile_blocks = resolve_compile(cfg.compile, env.device, env.dtype)
+    if compile_blocks:
+        for block in model.transformer.h:
+            block.forward = torch.compile(block.forward)  # FSDP's hooks stay outside the graph
+    low = None if env.dtype == "float32" else DTYPES[env.dtype]
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    if compile_blocks and not compile_works(model, cfg, env):
+        model.reset_iter_state()  # the failed forward left FSDP mid-iteration
+        for block in model.transformer.h:
+            del block.forward  # back to Block.forward, eager
+    for unit in model.modules():  # the trial's eval forward left the root unit gathered (FSDP keeps the root
+        if isinstance(unit, FSDPModule):  # for a backward): the optimizer must be built over the shards
+            unit.reshard()
+    model.zero_grad(set_to_none=True)  # the trial's gradients on the root's shards, unseen while it was gathered
+    return model
+
+
+def is_compiled(model):
+    """Whether parallelize() kept torch.compile: of the whole model (DDP, one process) or of each block (FSDP)."""
+    return hasattr(model, "_orig_mod") or any("forward" in vars(m) for m in model.modules())
+
+
+def compile_works(compiled, cfg, env):
+    """Run the compiled model once as training and once as evaluation, leaving weights, gradients and RNGs as
+    they were. False (with a note) on a compile error; an out-of-memory or any other error propagates."""
+    x = torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long, device=env.device)
+    rngs = rng_state()
+    error = None
+    try:
+        with autocast(env.device, env.dtype):
+            compiled(x, x, return_logits=False)[1].backward()
+            if cfg.eval_interval > 0:  # evaluation compiles a graph of its own
+                compiled.eval()
+                with torch.no_grad():
+                    compiled(x, x, return_logits=False)
+    except Exception as e:
+        if not is_compile_error(e):
+            raise
+        error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+    compiled.train()
+    compiled.zero_grad(set_to_none=True)
+    set_rng_state(rngs)
+    if error is None:
+        return True
+    if env.master:  # outside the except block: the failed attempt's tensors are freed by now
+        tqdm.write(f"torch.compile failed ({error}); training eagerly (compile=False skips the attempt)")
+    return False
+
+
+def set_grad_sync(model, enabled):
+    """Whether the next backward all-reduces (DDP) or reduce-scatters (FSDP) gradients: only the last micro-step
+    of an accumulation needs to; must be set before the forward. Under FSDP the micro-steps in between keep
+    whole fp32 gradients of every unit (4 bytes/param) until that last reduction."""
+    inner = getattr(model, "_orig_mod", model)  # under torch.compile
+    if hasattr(inner, "require_backward_grad_sync"):  # DDP
+        inner.require_backward_grad_sync = enabled
+    elif hasattr(inner, "set_requires_gradient_sync"):  # FSDP
+        inner.set_requires_gradient_sync(enabled)
+
+
+def clip_gradients(model, max_norm):
+    """Clip the global gradient norm to max_norm (0: only measure it); returns the norm before clipping, a
+    plain scalar tensor. Under FSDP the gradients are DTensor shards: clip_grad_norm_ reduces the norm over
+    ranks, so it is the whole gradient's norm, the number DDP gets, and the clip factor is the same."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
+
+
+@contextmanager
+def gathered(raw_model):
+    """The bare GPT with whole parameters, for code that uses it outside its forward (HellaSwag's scoring,
+    generation). An unsharded model passes through. A sharded one: every rank must enter (each unit's
+    all-gather is a collective) and then holds a plain GPT over the gathered tensors, with no FSDP hooks, to
+    run any number of forwards alone; on exit the whole parameters are freed. Costs the whole model per rank
+    for the duration: 2 bytes/param in bf16 runs, 4 in fp32."""
+    units = [m for m in raw_model.modules() if hasattr(m, "unshard")]  # the FSDP units (fully_shard adds it)
+    if not units:
+        yield raw_model
+        return
+    for unit in units:
+        unit.unshard()  # the units' registered parameters are now the whole tensors
+    try:
+        with torch.device("meta"):
+            whole = GPT(raw_model.config)
+        named = [*raw_model.named_parameters(remove_duplicate=False), *raw_model.named_buffers()]
+        for name, tensor in named:
+            owner, _, leaf = name.rpartition(".")
+            value = tensor.detach()
+            if isinstance(tensor, torch.nn.Parameter):
+                value = torch.nn.Parameter(value, requires_grad=False)
+            setattr(whole.get_submodule(owner), leaf, value)
+        yield whole
+    finally:
+        for unit in units:
+            unit.reshard()
+
+
+def weights_finite(raw_model, env):
+    """Whether every weight is finite; in a sharded run each rank checks its shards and all agree."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in raw_model.parameters()]
+    finite = all(torch.isfinite(p).all() for p in local)
+    if env.sharded:
+        bad = torch.tensor(0.0 if finite else 1.0, device=env.device)
+        dist.all_reduce(bad)
+        finite = bad.item() == 0
+    return finite
