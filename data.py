@@ -11,10 +11,11 @@ Samples are non-overlapping windows of block_size+1 tokens at stride block_size 
 import glob
 import os
 import re
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from files import atomic_write
 
 MAGIC = 20240520
 VERSION = 1
@@ -35,8 +36,7 @@ def shard_header(num_tokens):
 
 
 def write_shard(path, tokens):
-    """Write tokens (any integer array, values < 65536) as an llm.c shard, atomically:
-    a temporary file in the same directory is fsynced and renamed over path."""
+    """Write tokens (any integer array, values < 65536) as an llm.c shard, atomically (files.atomic_write)."""
     path = Path(path)
     tokens = np.asarray(tokens)
     if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
@@ -45,19 +45,11 @@ def write_shard(path, tokens):
         raise ValueError(f"{path}: token ids must lie in [0, 65535] to fit uint16")
     if tokens.size >= 2**31:
         raise ValueError(f"{path}: {tokens.size} tokens do not fit the int32 count of the header")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(shard_header(tokens.size))
-            f.write(np.ascontiguousarray(tokens, dtype="<u2").data)  # no extra copy when already uint16
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only
-        os.replace(tmp, path)  # readers see the old file or the whole new one, never a partial one
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+
+    def write(f):
+        f.write(shard_header(tokens.size))
+        f.write(np.ascontiguousarray(tokens, dtype="<u2").data)  # no extra copy when already uint16
+    atomic_write(path, write)
 
 
 def _looks_like_header(head):
@@ -194,11 +186,6 @@ class DataLoader:
         self.position = 0  # global stream position: samples consumed by all ranks together
 
     @property
-    def num_batches(self):
-        """Global micro-batches (all ranks together) that fit in one epoch."""
-        return self.num_samples // (self.B * self.world_size)
-
-    @property
     def epoch(self):
         return self.position // self.num_samples
 
@@ -252,7 +239,7 @@ class DataLoader:
             starts = samples * T
             window[at:at + len(samples)] = self.shards[shard][starts[:, None] + self._window_offsets]  # (b, T+1) gather
         self.position += B * self.world_size
-        import torch  # here, not at the top: prepare_data's tokenizer workers import this module without needing torch
+        import torch  # not at the top: prepare_data's tokenizer workers import this module and need no torch
         x = torch.from_numpy(window[:, :-1].astype(np.int64))  # (B, T)
         y = torch.from_numpy(window[:, 1:].astype(np.int64))  # (B, T)
         return x, y

@@ -13,10 +13,12 @@ and evaluated through its bare module (eager), so eval shapes never trigger reco
 
     python hellaswag.py --init_from gpt2              # default data: assets.fetch_hellaswag()
     python hellaswag.py --ckpt out/ --limit 1000 --json --per_example preds.jsonl
+
+A Hugging Face model directory with a tokenizer.json (e.g. an imported Pythia) is scored with that
+tokenizer (needs the `tokenizers` package); everything else with GPT-2's.
 """
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -27,8 +29,8 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 import assets
-from checkpoint import CheckpointError, load_model
-from devices import autocast, resolve_device, resolve_dtype, tune_cpu_allocator
+from checkpoint import add_model_args, load_model_from_args
+from devices import autocast, tune_cpu_allocator
 
 PAD_MULTIPLE = 8  # rows are padded to a multiple of this length (aligned shapes for matmul kernels)
 
@@ -94,7 +96,7 @@ def _crop(row, row_mask, block_size):
 def score_rows(model, rows, masks, device, block_size, dtype=None):
     """Summed and mean cross-entropy over the masked (ending) tokens of each row, in one forward.
 
-    model: a bare GPT (see _unwrap). rows, masks: lists of R token lists / 0-1 lists.
+    model: a bare GPT (see unwrap_model). rows, masks: lists of R token lists / 0-1 lists.
     Returns two float32 CPU tensors of shape (R,).
     """
     rows, masks = zip(*(_crop(r, m, block_size) for r, m in zip(rows, masks)))
@@ -123,7 +125,7 @@ def score_rows(model, rows, masks, device, block_size, dtype=None):
     return sum_loss.cpu(), mean_loss.cpu()
 
 
-def _unwrap(model):
+def unwrap_model(model):
     """The bare GPT inside DDP and torch.compile wrappers. DDP's forward may run collectives, and
     ranks here run different numbers of batches; a compiled forward would recompile for the ever
     changing eval shapes and compute logits at every position. Eager, on the ending positions
@@ -158,7 +160,7 @@ def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None,
         world_size = dist.get_world_size() if distributed else 1
     if enc is None:
         enc = assets.get_tokenizer()
-    model = _unwrap(model)
+    model = unwrap_model(model)
     block_size = model.config.block_size
 
     mine = examples[rank::world_size]
@@ -201,45 +203,26 @@ def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None,
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="HellaSwag accuracy of a checkpoint or a pretrained GPT-2.")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--ckpt", help="training checkpoint file, or an out_dir (its latest checkpoint)")
-    source.add_argument("--init_from", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a Hugging Face model dir")
+    add_model_args(parser)
     parser.add_argument("--data", help="HellaSwag jsonl file (default: the validation set, fetched and cached)")
     parser.add_argument("--limit", type=int, default=None, help="score only the first N examples")
     parser.add_argument("--batch_size", type=int, default=16, help="examples per forward pass (4 rows each)")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="autocast dtype; auto = bfloat16 on CUDA and on CPUs with native bf16, else float32")
     parser.add_argument("--json", action="store_true", help='last stdout line: {"n": ..., "acc": ..., "acc_norm": ...}')
     parser.add_argument("--per_example", help="write one JSON line per example: ind, label, pred, pred_norm")
-    parser.add_argument("--cache_dir", help="cache for the tokenizer and the data (default $GPT2_CACHE_DIR or ~/.cache/gpt2-train)")
     args = parser.parse_args(argv)
     if args.batch_size < 1:
         parser.error(f"--batch_size must be >= 1, got {args.batch_size}")
 
-    if args.cache_dir:
-        os.environ["GPT2_CACHE_DIR"] = args.cache_dir  # get_tokenizer() reads its cache from here
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    tune_cpu_allocator(device)  # big activations stay mapped (up to 1.7x on GPT-2 124M, bf16)
     try:  # bad input is one line on stderr and exit code 2, never a traceback
         data = args.data or assets.fetch_hellaswag(args.cache_dir)
         examples = load_examples(data, args.limit)  # its errors name the file and line
     except (OSError, ValueError, RuntimeError) as e:
-        print(f"hellaswag.py: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    try:
-        model, _ = load_model(ckpt=args.ckpt, init_from=args.init_from, device=device)
-    except (CheckpointError, OSError, ValueError, ImportError) as e:
-        message = " ".join(str(e).split())
-        source = args.ckpt or args.init_from
-        if source not in message:  # e.g. a hub download error that doesn't say what was being loaded
-            message = f"{source}: {message}"
-        print(f"hellaswag.py: error: {message}", file=sys.stderr)
-        return 2
+        parser.exit(2, f"{parser.prog}: error: {' '.join(str(e).split())}\n")
+    model, enc, device, dtype = load_model_from_args(parser, args)
+    tune_cpu_allocator(device)  # big activations stay mapped, as in train.py
 
     t0 = time.time()
-    result = evaluate(model, examples, device, batch_size=args.batch_size, dtype=dtype,
+    result = evaluate(model, examples, device, batch_size=args.batch_size, dtype=dtype, enc=enc,
                       progress=sys.stderr.isatty())
     if device.startswith("cuda"):
         torch.cuda.synchronize()

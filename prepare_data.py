@@ -32,8 +32,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from assets import EOT, fetch_shakespeare, file_sha256, get_tokenizer
+from assets import EOT, fetch_shakespeare, get_tokenizer
 from data import HEADER_BYTES, SHARD_SUFFIXES, write_shard
+from files import atomic_write, file_sha256
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c / build-nanogpt: 100M tokens (200 MB) per shard
@@ -241,10 +242,8 @@ def shard_is_complete(out_dir, record):
             and file_sha256(path) == record["sha256"])
 
 
-def write_json_atomic(path, obj):
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
+def write_manifest(path, manifest):
+    atomic_write(path, json.dumps(manifest, indent=1) + "\n")
 
 
 class ShardWriter:
@@ -316,7 +315,7 @@ class ShardWriter:
         self.records.append({"file": path.name, "split": split, "tokens": int(len(tokens)),
                              "sha256": file_sha256(path), "start": list(start), "end": list(end)})
         self.start = list(end)
-        write_json_atomic(self.out_dir / f"{self.name}_manifest.json", self.manifest)
+        write_manifest(self.out_dir / f"{self.name}_manifest.json", self.manifest)
 
 
 # ---------------------------------------------------------------------------- main
@@ -420,7 +419,7 @@ def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=Non
             raise PrepError("no documents with text in the input (all empty)")
         writer.finish(num_docs)
         manifest.update(complete=True, documents=num_docs, tokens=sum(r["tokens"] for r in manifest["shards"]))
-        write_json_atomic(manifest_path, manifest)
+        write_manifest(manifest_path, manifest)
     keep = {r["file"] for r in manifest["shards"]}
     for stale in set(existing) - keep:  # our shards from an earlier, longer run with the same input
         (out_dir / stale).unlink()

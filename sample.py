@@ -7,17 +7,17 @@
 
 Without --prompt, the prompt is read from stdin when stdin is not a terminal; an empty prompt
 starts from <|endoftext|>, i.e. the beginning of a new document. The same --seed gives the same text.
+A Hugging Face model directory with a tokenizer.json (e.g. an imported Pythia) is sampled with that
+tokenizer (needs the `tokenizers` package); everything else with GPT-2's.
 """
 import argparse
 import codecs
-import os
 import sys
 
 import torch
 
-from assets import EOT, get_tokenizer
-from checkpoint import CheckpointError, load_model
-from devices import autocast, resolve_device, resolve_dtype
+from checkpoint import add_model_args, load_model_from_args
+from devices import autocast
 
 SEPARATOR = "-" * 40
 REPLACEMENT = "\ufffd".encode()  # printed for ids the tokenizer lacks (the padded vocab 50257..50303)
@@ -54,7 +54,7 @@ def stream_samples(model, enc, prompt, num_samples=1, max_new_tokens=200, temper
     Returns the list of texts (prompt + continuation).
     """
     out = sys.stdout if out is None else out
-    tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [EOT]
+    tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [enc.eot_token]
     generator = torch.Generator(device=device).manual_seed(seed)
     model.eval()
     texts = []
@@ -81,9 +81,7 @@ def stream_samples(model, enc, prompt, num_samples=1, max_new_tokens=200, temper
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description="Sample text from a checkpoint or a pretrained GPT-2.")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--ckpt", help="training checkpoint file, or an out_dir (its latest checkpoint)")
-    source.add_argument("--init_from", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a Hugging Face model dir")
+    add_model_args(parser)
     parser.add_argument("--prompt", help="prompt text, or FILE:path to read it from a file (default: stdin if piped)")
     parser.add_argument("--num_samples", type=int, default=1)
     parser.add_argument("--max_new_tokens", type=int, default=200)
@@ -91,10 +89,6 @@ def main(argv=None):
     parser.add_argument("--top_k", type=int, default=None, help="sample only among the k most likely tokens")
     parser.add_argument("--top_p", type=float, default=None, help="nucleus sampling: smallest set with this much mass")
     parser.add_argument("--seed", type=int, default=1337)
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="autocast dtype; auto = bfloat16 on cuda, else float32")
-    parser.add_argument("--cache_dir", help="tokenizer cache (default $GPT2_CACHE_DIR or ~/.cache/gpt2-train)")
     args = parser.parse_args(argv)
     if args.num_samples < 1 or args.max_new_tokens < 0:
         parser.error("--num_samples must be >= 1 and --max_new_tokens >= 0")
@@ -105,25 +99,14 @@ def main(argv=None):
     if args.top_p is not None and not 0 < args.top_p <= 1:
         parser.error(f"--top_p must be in (0, 1], got {args.top_p}")
 
-    if args.cache_dir:
-        os.environ["GPT2_CACHE_DIR"] = args.cache_dir  # get_tokenizer() reads its cache from here
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    try:  # bad input is one line on stderr and exit code 2, never a traceback
-        model, _ = load_model(ckpt=args.ckpt, init_from=args.init_from, device=device)  # fail fast, before stdin
-    except (CheckpointError, OSError, ValueError, ImportError) as e:
-        message = " ".join(str(e).split())
-        source = args.ckpt or args.init_from
-        if source not in message:  # e.g. a hub download error that doesn't say what was being loaded
-            message = f"{source}: {message}"
-        print(f"sample.py: error: {message}", file=sys.stderr)
-        return 2
+    model, enc, device, dtype = load_model_from_args(parser, args)  # fails fast, before reading stdin
     try:
         prompt = read_prompt(args.prompt)
     except (OSError, UnicodeDecodeError) as e:
-        print(f"sample.py: error: prompt: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    enc = get_tokenizer()
+        parser.exit(2, f"{parser.prog}: error: prompt: {' '.join(str(e).split())}\n")
+    if not prompt and enc.eot_token is None:
+        parser.exit(2, f"{parser.prog}: error: an empty prompt starts at <|endoftext|>, which {enc.name} lacks; "
+                       "give --prompt\n")
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")  # a terminal that can't show a character gets '?', not a crash
     try:

@@ -1,10 +1,13 @@
-"""checkpoint.py: atomic writes, finding the newest complete checkpoint, one-line load errors."""
+"""checkpoint.py: atomic writes, finding the newest complete checkpoint, one-line load errors, the scripts' model flags."""
+import argparse
+
 import pytest
 import torch
 
 import checkpoint
-from checkpoint import (FORMAT, CheckpointError, checkpoint_path, clean_state_dict, latest_checkpoint,
-                        load_checkpoint, load_model, prune_checkpoints, save_checkpoint)
+from checkpoint import (FORMAT, CheckpointError, add_model_args, checkpoint_path, clean_state_dict,
+                        latest_checkpoint, load_checkpoint, load_model, load_model_from_args, prune_checkpoints,
+                        save_checkpoint)
 from model import GPT, GPTConfig
 
 TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32)
@@ -99,3 +102,34 @@ def test_load_model_from_checkpoint(tmp_path):
         assert k == k2 and torch.equal(a, b)
     with pytest.raises(ValueError):
         load_model()
+
+
+
+def model_flags(*argv):
+    parser = argparse.ArgumentParser(prog="tool.py")
+    add_model_args(parser)
+    return parser, parser.parse_args(list(argv))
+
+
+def test_model_flags_load_the_model_tokenizer_device_and_dtype(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    save_checkpoint(checkpoint_path(tmp_path, 3), {
+        "format": FORMAT, "model": model.state_dict(), "model_args": TINY, "config": {}, "step": 3})
+    loaded, enc, device, dtype = load_model_from_args(*model_flags("--ckpt", str(tmp_path), "--device", "cpu",
+                                                                   "--dtype", "float32"))
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight) and not loaded.training
+    assert (device, dtype, enc.name) == ("cpu", "float32", "gpt2")
+    with pytest.raises(SystemExit):  # exactly one of --ckpt / --init_from
+        model_flags("--device", "cpu")
+
+
+@pytest.mark.parametrize("flag", ["--ckpt", "--init_from"])
+def test_model_flags_bad_source_is_one_line_and_exit_2(tmp_path, capsys, flag):
+    (tmp_path / "config.json").write_text("{not json")  # an HF directory with a broken config
+    for source in (tmp_path / "missing", tmp_path):
+        with pytest.raises(SystemExit) as info:
+            load_model_from_args(*model_flags(flag, str(source), "--device", "cpu"))
+        err = capsys.readouterr().err
+        assert info.value.code == 2
+        assert err.startswith("tool.py: error: ") and err.count("\n") == 1 and str(source) in err, err

@@ -1,6 +1,7 @@
 """hellaswag.py: scoring equals a plain Hugging Face reference; batching, compile and DDP change nothing."""
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -10,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from assets import get_tokenizer
+from assets import HFTokenizer, get_tokenizer, load_tokenizer
 from hellaswag import evaluate, load_examples, main, render_example, score_rows
-from model import GPT
+from model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 64  # small enough that one example below is cropped from the left
@@ -166,7 +167,7 @@ import json, sys
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from hellaswag import evaluate, load_examples
-from model import GPT
+from model import GPT, GPTConfig
 dist.init_process_group("gloo")
 model = DistributedDataParallel(GPT.from_pretrained(sys.argv[1]))  # as train.py holds it
 result = evaluate(model, load_examples(sys.argv[2], limit=7), "cpu", batch_size=3)
@@ -249,3 +250,16 @@ def test_cli_malformed_data_is_a_one_line_error(hf_dir, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
     assert f"{path}:2" in proc.stderr
+
+
+def test_cli_scores_with_the_model_dirs_tokenizer_json(byte_level_tokenizer_json, data_file, tmp_path, capsys):
+    enc = load_tokenizer(byte_level_tokenizer_json.parent)
+    assert isinstance(enc, HFTokenizer)
+    torch.manual_seed(0)
+    # vocab of the tokenizer's size: GPT-2 ids would not even fit this model
+    GPT(GPTConfig(block_size=BLOCK_SIZE, vocab_size=enc.n_vocab, n_layer=2, n_head=2, n_embd=32)).save_pretrained(tmp_path)
+    shutil.copy(byte_level_tokenizer_json, tmp_path / "tokenizer.json")
+    assert main(["--init_from", str(tmp_path), "--data", str(data_file), "--device", "cpu", "--json"]) == 0
+    expected = evaluate(GPT.from_pretrained(str(tmp_path)), load_examples(data_file), "cpu", enc=enc)
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last == {"n": expected["n"], "acc": expected["acc"], "acc_norm": expected["acc_norm"]}

@@ -1,5 +1,6 @@
 """sample.py: seeded sampling is reproducible, greedy equals model.generate, bad checkpoints are one-line errors."""
 import io
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from assets import get_tokenizer
+from assets import HFTokenizer, get_tokenizer, load_tokenizer
 from model import GPT, GPTConfig
 from sample import SEPARATOR, main, read_prompt, stream_samples
 
@@ -156,7 +157,9 @@ def _bad_checkpoints(tmp_path, ckpt):
 @pytest.mark.parametrize("kind", ["missing", "truncated", "foreign"])
 def test_bad_checkpoint_is_a_one_line_error(tmp_path, ckpt, kind, capsys):
     path = _bad_checkpoints(tmp_path, ckpt)[kind]
-    assert main(["--ckpt", str(path), "--prompt", "Hi", "--device", "cpu"]) != 0
+    with pytest.raises(SystemExit) as exit_info:  # as argparse exits on a bad flag
+        main(["--ckpt", str(path), "--prompt", "Hi", "--device", "cpu"])
+    assert exit_info.value.code == 2
     captured = capsys.readouterr()
     assert len(captured.err.strip().splitlines()) == 1, captured.err
     assert str(path) in captured.err
@@ -172,3 +175,44 @@ def test_bad_checkpoint_from_the_shell_has_no_traceback(tmp_path, ckpt):
     assert proc.stderr.startswith("sample.py: error: ") and proc.stderr.count("\n") == 1, proc.stderr
     assert str(path) in proc.stderr
     assert proc.stdout == ""
+
+
+@pytest.fixture(scope="module")
+def hf_dir_with_tokenizer(byte_level_tokenizer_json, tmp_path_factory):
+    """A Hugging Face model directory carrying its own tokenizer.json (as an imported Pythia does)."""
+    enc = load_tokenizer(byte_level_tokenizer_json.parent)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=enc.n_vocab, n_layer=2, n_head=2, n_embd=32))
+    path = tmp_path_factory.mktemp("hf_with_tokenizer")
+    model.save_pretrained(path)
+    shutil.copy(byte_level_tokenizer_json, path / "tokenizer.json")
+    return path
+
+
+def test_model_dir_with_tokenizer_json_samples_with_that_tokenizer(hf_dir_with_tokenizer, tmp_path, capsys):
+    enc = load_tokenizer(hf_dir_with_tokenizer)
+    assert isinstance(enc, HFTokenizer)
+    model = GPT.from_pretrained(str(hf_dir_with_tokenizer)).eval()
+    prompt = "Once upon a time, naïve 😀"
+    idx = torch.tensor([enc.encode(prompt)])
+    expected = prompt + enc.decode(model.generate(idx, 20, temperature=0)[0, idx.shape[1]:].tolist())
+    args = ["--prompt", prompt, "--max_new_tokens", "20", "--temperature", "0", "--device", "cpu"]
+    assert run_main(capsys, "--init_from", str(hf_dir_with_tokenizer), *args) == expected + "\n" + SEPARATOR + "\n"
+    # a checkpoint fine-tuned from that directory samples with the same tokenizer
+    ckpt = tmp_path / "ckpt_000001.pt"
+    torch.save({"model": model.state_dict(), "model_args": asdict(model.config), "step": 1, "val_loss": None,
+                "config": {"init_from": str(hf_dir_with_tokenizer)}, "format": "gpt2-train-ckpt-v1"}, ckpt)
+    assert run_main(capsys, "--ckpt", str(ckpt), *args) == expected + "\n" + SEPARATOR + "\n"
+
+
+def test_empty_prompt_starts_at_the_model_tokenizers_endoftext(hf_dir_with_tokenizer):
+    enc = load_tokenizer(hf_dir_with_tokenizer)
+
+    class Recording(ScriptedModel):
+        def generate_stream(self, idx, max_new_tokens, **kwargs):
+            self.idx = idx
+            yield from super().generate_stream(idx, max_new_tokens, **kwargs)
+
+    m = Recording(enc.encode(" x"))
+    stream_samples(m, enc, "", max_new_tokens=1, out=io.StringIO())
+    assert m.idx.tolist() == [[0]]  # GPT-NeoX's <|endoftext|>, not GPT-2's 50256

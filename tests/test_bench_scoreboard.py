@@ -1,19 +1,19 @@
-"""bench.py: peak-memory probe, tables, and a tiny end-to-end run (no timing assertions)."""
+"""bench.scoreboard: peak-memory probe, tables, and a tiny end-to-end run (no timing assertions)."""
 import json
 
 import pytest
 import torch
 
-import bench
+from bench import scoreboard
 
 
 def test_md_table_has_header_separator_and_rows():
-    text = bench.md_table(("a", "b"), [(1, "x"), (2, "y")])
+    text = scoreboard.md_table(("a", "b"), [(1, "x"), (2, "y")])
     assert text.splitlines() == ["| a | b |", "|---|---|", "| 1 | x |", "| 2 | y |"]
 
 
 def test_peak_memory_sees_a_temporary_allocation():
-    with bench.PeakMemory("cpu") as mem:
+    with scoreboard.PeakMemory("cpu") as mem:
         x = torch.ones(64 << 18)  # 64 MiB, touched
         del x
         peak = mem.peak_mb()
@@ -24,7 +24,7 @@ def _tiny(tmp_path, *extra):
     out = tmp_path / "bench.json"
     args = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "256", "--vocab_size", "512",
             "--batch_size", "2", "--json", str(out), *extra]
-    assert bench.main(args) == 0
+    assert scoreboard.main(args) == 0
     return json.loads(out.read_text())
 
 
@@ -40,7 +40,10 @@ def test_scoreboard_rows_are_cumulative_and_reported(tmp_path, capsys):
         assert r["tokens_per_s"] > 0 and len(r["tok_s"]) == 1 and r["peak_mem_mb"] is not None
     assert rows["train"]["setup"]["chunked"] is True
     assert result["gemm_flops"]["float32"]["all"] > 0
-    assert "| baseline: fp32, manual attention" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| baseline: fp32, manual attention" in printed
+    scoreboard.report(result)  # the tables come from the measured data alone: --json holds all of it
+    assert capsys.readouterr().out == printed
 
 
 @pytest.mark.slow
@@ -51,8 +54,8 @@ def test_compare_reports_ratios_and_generation(tmp_path):
     assert all(len(r["per_round"]) == 1 and r["per_round"][0] > 0 for r in ratios)
     gen = {g["variant"]: g for g in result["compare_generation"] if g["dtype"] == "float32"}
     assert set(gen) == {"ours, KV cache", "ours, no cache", "transformers generate"}
-    assert all(g["n_tokens"] == bench.GEN_NEW for g in gen.values())
-    assert gen["ours, KV cache"]["same_tokens"] == bench.GEN_NEW  # compared with itself
+    assert all(g["n_tokens"] == scoreboard.GEN_NEW for g in gen.values())
+    assert gen["ours, KV cache"]["same_tokens"] == scoreboard.GEN_NEW  # compared with itself
     assert result["hellaswag"]["note"].startswith("skipped")  # vocab 512 cannot read GPT-2 tokens
     bf16 = {g["variant"] for g in result["compare_generation"] if g["dtype"] == "bfloat16"}
     assert {"ours, KV cache", "transformers generate"} <= bf16  # bf16 decoding is always reported

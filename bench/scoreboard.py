@@ -1,30 +1,33 @@
 """Benchmark: the optimisation scoreboard (tokens/s, MFU, peak memory), and the same work done with transformers.
 
-    python bench.py                               # 6L/6H/384d, T=256, B=8: GEMM rates + scoreboard (~5 min, 2 cores)
-    python bench.py --compare                     # + transformers training and generation, HellaSwag batched/single
-    python bench.py --compare --rows none         # only the comparisons
-    python bench.py --config gpt2                 # GPT-2 124M, T=1024, B=1: tokens/s and peak memory per row
-    python bench.py --rows baseline,train --steps 5 --json bench.json
+Run from the repository root:
+
+    python -m bench.scoreboard                      # 6L/6H/384d, T=256, B=8: GEMM rates + scoreboard
+    python -m bench.scoreboard --compare            # + transformers training and generation, HellaSwag batched/single
+    python -m bench.scoreboard --compare --rows none   # only the comparisons
+    python -m bench.scoreboard --config gpt2        # GPT-2 124M, T=1024, B=1: tokens/s and peak memory per row
+    python -m bench.scoreboard --rows baseline,train --steps 5 --json bench.json
 
 Scoreboard rows add one optimisation at a time to the row above (as in the GPT-2 throughput write-up):
 baseline (fp32, manual attention, for-loop AdamW, eager, full logits, glibc malloc defaults) -> bf16
 autocast -> SDPA -> torch.compile -> fused AdamW -> TF32 (CUDA only) -> malloc tuning (CPU/glibc only) ->
 chunked loss (no full logits) -> larger micro-batch, then "train.py defaults": exactly the settings
-train.py picks on this device. A CPU whose bf16 matmuls are slower than its fp32 ones (no AVX512-BF16/AMX)
-skips the bf16 row and later rows stay fp32 (--bf16 on forces it). Each row trains a fresh model from
-the same seed on the same random batch; after warm-up the rows run interleaved, one step of each per round
-(--sequential: one row after another), and tokens/s is the median over the timed steps.
-On a CPU the MFU denominator is this machine's own measured GEMM rate (model-shaped matmuls, in the
-row's dtype); on a known GPU the data-sheet peak (model.peak_flops) is reported as well.
-Timings on a shared machine are noisy: comparisons run in alternating rounds in one process and report
-per-round ratios and their median.
+train.py picks on this device (config.TrainConfig's defaults through the devices policy). A CPU whose bf16
+matmuls are slower than its fp32 ones (no AVX512-BF16/AMX) skips the bf16 row and later rows stay fp32
+(--bf16 on forces it). Each row trains a fresh model from the same seed on the same random batch; after
+warm-up the rows run interleaved, one step of each per round (--sequential: one row after another), and
+tokens/s is the median over the timed steps. On a CPU the MFU denominator is this machine's own measured
+GEMM rate (model-shaped matmuls, in the row's dtype); on a known GPU the data-sheet peak
+(devices.peak_flops) is reported as well. Timings on a shared machine are noisy: comparisons run in
+alternating rounds in one process and report per-round ratios and their median.
+
+Everything is measured first (measure_* functions return plain dicts, also written by --json), then
+report() prints the tables.
 """
 import argparse
 import copy
 import gc
 import json
-import os
-import platform
 import resource
 import statistics
 import sys
@@ -36,8 +39,14 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.nn.functional as F
 
+import devices
+from bench import machine_line
 from devices import autocast, device_type, glibc, malloc_tuned, resolve_device, set_malloc_tuned
-from model import CONV1D_WEIGHTS, GPT, GPT2_VOCAB, PRESETS, GPTConfig, peak_flops
+from config import TrainConfig
+from assets import fetch_hellaswag
+from bench.hellaswag_speed import bench_hellaswag
+from hellaswag import load_examples
+from model import CONV1D_WEIGHTS, GPT, GPT2_VOCAB, PRESETS, GPTConfig
 
 SMALL = dict(n_layer=6, n_head=6, n_embd=384, block_size=256)  # the default config (issue 7 targets)
 GEN_PROMPT, GEN_NEW = 16, 200  # generation benchmark: prompt tokens, new tokens
@@ -60,11 +69,8 @@ def release_free_memory():
         libc.malloc_trim(0)
 
 
-def _status_kb(field):
-    return _status_kb_file("/proc/self/status", field)
-
-
-def _status_kb_file(path, field):
+def status_kb(field, path="/proc/self/status"):
+    """A 'Field: N kB' value of a /proc file (this process's VmRSS, VmHWM; MemAvailable of /proc/meminfo), or None."""
     try:
         with open(path) as f:
             for line in f:
@@ -95,8 +101,8 @@ class PeakMemory:
                 f.write("5")  # resets VmHWM to the current RSS
         except OSError:
             self.lifetime = True
-        self.base = (_status_kb("VmRSS") or 0) * 1024
-        self.lifetime = self.lifetime or _status_kb("VmHWM") is None
+        self.base = (status_kb("VmRSS") or 0) * 1024
+        self.lifetime = self.lifetime or status_kb("VmHWM") is None
         return self
 
     def __exit__(self, *exc):
@@ -107,7 +113,7 @@ class PeakMemory:
             return (torch.cuda.max_memory_allocated(self.device) - self.base) / 2**20
         if self.lifetime:
             return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-        return (_status_kb("VmHWM") * 1024 - self.base) / 2**20
+        return (status_kb("VmHWM") * 1024 - self.base) / 2**20
 
 
 def sync(device):
@@ -212,20 +218,19 @@ def scoreboard_setups(device, batch_size, large_batch_size, bf16_note):
 
 
 def train_defaults_setup(device, batch_size):
-    """The settings train.py uses on this device: its dtype/compile/allocator choice, its optimizer,
-    chunked loss, gradient clipping, TF32 on CUDA."""
-    try:
-        import train
-    except ImportError as e:
-        return Setup("train.py defaults", note=f"skipped: cannot import train.py ({e})")
-    dtype = train.choose_dtype("auto", device)
-    use_compile = bool(train.choose_compile("auto", device, dtype))
+    """The settings train.py uses on this device: TrainConfig's dtype and compile through the devices policy,
+    the allocator tuning it always does on a CPU, its optimizer (GPT.configure_optimizer), chunked loss,
+    gradient clipping, TF32 on CUDA."""
+    dtype = devices.resolve_dtype(TrainConfig.dtype, device)
+    use_compile = bool(devices.resolve_compile(TrainConfig.compile, device, dtype))
     cpu = device_type(device) == "cpu"
-    malloc = cpu and bool(getattr(train, "CPU_TUNE_MALLOC", False))
+    malloc = cpu and glibc() is not None  # train.py calls devices.tune_cpu_allocator
+    note = f"{dtype}, compile {use_compile}"
+    if cpu:
+        note += f", malloc tuned {malloc}"
     return Setup("train.py defaults", dtype=dtype, sdpa=True, compile=use_compile, optimizer="train",
                  tf32=device_type(device) == "cuda", malloc=malloc, chunked=True, batch_size=batch_size,
-                 clip=train.TrainConfig.grad_clip,
-                 note=f"{dtype}, compile {use_compile}" + (f", malloc tuned {malloc}" if cpu else ""))
+                 clip=TrainConfig.grad_clip, note=note)
 
 
 def make_model(cfg: GPTConfig, device, sdpa=True):
@@ -248,16 +253,16 @@ def make_hf_model(cfg: GPTConfig, device):
     sd = {k: (v.t() if k.endswith(CONV1D_WEIGHTS) else v) for k, v in make_model(cfg, "cpu").state_dict().items()}
     missing, unexpected = hf.load_state_dict(sd, strict=False)
     if unexpected or [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias"))]:
-        raise RuntimeError(f"bench.py: copying weights to GPT2LMHeadModel: missing {missing[:3]}, "
+        raise RuntimeError(f"bench.scoreboard: copying weights to GPT2LMHeadModel: missing {missing[:3]}, "
                            f"unexpected {unexpected[:3]}")
     return hf.to(device).train()
 
 
 def make_optimizer(model, setup: Setup, device):
     if setup.optimizer == "train":
-        import train
-        c = train.TrainConfig
-        return model.configure_optimizer(c.weight_decay, c.learning_rate, (c.beta1, c.beta2), device_type(device))
+        c = TrainConfig
+        return model.configure_optimizer(c.weight_decay, c.learning_rate, (c.beta1, c.beta2),
+                                         fused=devices.fused_adamw_supported(device_type(device)))
     kw = {"loop": dict(foreach=False, fused=False), "default": {}, "fused": dict(fused=True)}[setup.optimizer]
     return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, **kw)
 
@@ -316,7 +321,7 @@ def fits_interleaved(n_params, n_setups, device):
     if device_type(device) == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
-        kb = _status_kb_file("/proc/meminfo", "MemAvailable")
+        kb = status_kb("MemAvailable", "/proc/meminfo")
         free = None if kb is None else kb * 1024
     return free is None or 16 * n_params * n_setups < free / 2
 
@@ -364,12 +369,11 @@ def ratios(results, a, b):
 
 # ----------------------------------------------------------------------------- comparisons with transformers
 
-def compare_training(cfg, device, batch_size, rounds, interleave=True):
-    """Ours vs transformers, measured in alternating rounds (see measure).
-    Returns ({variant: (Setup, [tok/s per round])}, [(ratio name, target or None, [per round])]) or (None, note)."""
+def compare_training(cfg, device, batch_size, rounds, rates, flops_per_token, interleave=True):
+    """Ours vs transformers, measured in alternating rounds (see measure). Returns {'variants': [{key, setup,
+    tok_s per round}], 'ratios': [{name, target or None, per_round}], 'ceiling_tok_s': {dtype: tokens/s at
+    100% of the measured GEMM rate}, 'ceiling_vs_hf': {dtype: that over transformers fp32 eager}}."""
     defaults = train_defaults_setup(device, batch_size)
-    if defaults.skipped:
-        return None, defaults.note
     hf = Setup("transformers fp32 eager", sdpa=True, optimizer="default", hf=True, batch_size=batch_size)
     hf_same = replace(hf, name="transformers, train.py's dtype/compile", dtype=defaults.dtype,
                       compile=defaults.compile, tf32=defaults.tf32)
@@ -378,8 +382,8 @@ def compare_training(cfg, device, batch_size, rounds, interleave=True):
     if (hf_same.dtype, hf_same.compile, hf_same.tf32) != (hf.dtype, hf.compile, hf.tf32):
         variants["hf_same"] = hf_same
     if defaults.malloc:  # what transformers gets from the same allocator setting, for an apples-to-apples ratio
-        variants["hf_malloc"] = replace(variants.get("hf_same", hf), name=variants.get("hf_same", hf).name +
-                                        " + malloc tuned", malloc=True)
+        base = variants.get("hf_same", hf)
+        variants["hf_malloc"] = replace(base, name=base.name + " + malloc tuned", malloc=True)
     results = measure(cfg, variants, device, rounds, warmup=1, interleave=interleave)
     ratio = lambda a, b: ratios(results, a, b)
     same = "hf_same" if "hf_same" in variants else "hf"
@@ -389,13 +393,20 @@ def compare_training(cfg, device, batch_size, rounds, interleave=True):
              f"{defaults.compile})", TARGETS["defaults_vs_same"], ratio("defaults", same))]
     if "hf_malloc" in variants:
         rows.append((f"ours train.py defaults / {variants['hf_malloc'].name}", None, ratio("defaults", "hf_malloc")))
-    return {key: (variants[key], results[key]["tok_s"]) for key in variants}, rows
+    # the most any implementation could reach here: every FLOP at the measured GEMM rate (MFU 100%)
+    ceiling = {d: rate / flops_per_token for d, rate in rates.items()}
+    hf_median = statistics.median(results["hf"]["tok_s"])
+    return {"variants": [{"key": key, "setup": asdict(v), "tok_s": results[key]["tok_s"]} for key, v in variants.items()],
+            "ratios": [{"name": n, "target": t, "per_round": vs} for n, t, vs in rows],
+            "ceiling_tok_s": ceiling, "ceiling_vs_hf": {d: c / hf_median for d, c in ceiling.items()}}
 
 
 def compare_generation(cfg, device, rounds, dtypes, slow_dtypes=()):
     """Greedy generation of GEN_NEW tokens after a GEN_PROMPT-token prompt, batch 1: ours with and without the
     KV cache vs transformers' generate on the same weights (save_pretrained/from_pretrained round trip).
-    In slow_dtypes (emulated bf16 on a CPU) the no-cache run, minutes of recomputation, is left out."""
+    In slow_dtypes (emulated bf16 on a CPU) the no-cache run, minutes of recomputation, is left out.
+    Returns one dict per (dtype, variant): tok_s per round, cached_ratio (median per-round ratio of ours with
+    the KV cache over this variant), n_tokens, same_tokens and first_difference against ours with the cache."""
     from transformers import GPT2LMHeadModel
     ours32 = make_model(cfg, device).eval()
     g = torch.Generator().manual_seed(2)
@@ -427,29 +438,27 @@ def compare_generation(cfg, device, rounds, dtypes, slow_dtypes=()):
                         runs[name]()
                         sync(device)
                         per_round[name].append(GEN_NEW / (time.perf_counter() - t0))
-            ref = tokens["ours, KV cache"]
+            ref, cached = tokens["ours, KV cache"], per_round["ours, KV cache"]
             for name in runs:
                 same = sum(a == b for a, b in zip(tokens[name], ref))
                 first_diff = next((i for i, (a, b) in enumerate(zip(tokens[name], ref)) if a != b), None)
                 results.append({"dtype": str(dtype).replace("torch.", ""), "variant": name, "tok_s": per_round[name],
+                                "cached_ratio": statistics.median(a / b for a, b in zip(cached, per_round[name])),
                                 "n_tokens": len(tokens[name]), "same_tokens": same, "first_difference": first_diff})
             del ours, hf
     return results
 
 
 def hellaswag_rates(cfg, device, n, batch_size):
-    """bench_eval.bench_hellaswag on a fresh model of this config (weights do not matter for speed)."""
+    """bench.hellaswag_speed.bench_hellaswag on a fresh model of this config (weights do not matter for speed),
+    in train.py's dtype."""
     if cfg.vocab_size < GPT2_VOCAB:
         return {"note": f"skipped: HellaSwag needs the GPT-2 vocabulary, this config has vocab_size {cfg.vocab_size}"}
     try:
-        from assets import fetch_hellaswag
-        from bench_eval import bench_hellaswag
-        from hellaswag import load_examples
         examples = load_examples(fetch_hellaswag(), limit=n)
-    except Exception as e:  # no network and no cached copy, or a module missing
+    except Exception as e:  # no network and no cached copy
         return {"note": f"skipped: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
-    defaults = train_defaults_setup(device, 1)
-    dtype = "float32" if defaults.skipped else defaults.dtype
+    dtype = train_defaults_setup(device, 1).dtype
     model = make_model(cfg, device).eval()
     r = bench_hellaswag(model, examples, device, batch_size=batch_size, dtype=dtype)
     return {**r, "dtype": dtype}
@@ -466,20 +475,228 @@ def pct(x):
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def machine_line(device):
-    if device_type(device) == "cuda":
-        return f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}"
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{name}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; torch {torch.__version__}"
-
-
 def mfu(tok_s, flops_per_token, rate):
-    return tok_s * flops_per_token / rate if rate else None
+    if not rate:
+        return None
+    return tok_s * flops_per_token / rate
+
+
+# ----------------------------------------------------------------------------- measuring: plain data out
+
+def datasheet_peak(out, dtype):
+    """The data-sheet FLOP/s of this CUDA device in dtype, or None (no dtype, a CPU, or a GPU
+    devices.peak_flops does not know)."""
+    return devices.peak_flops(out["device_name"], dtype) if out["cuda"] and dtype else None
+
+
+def measure_gemm(cfg, batch_size, device, bf16_mode):
+    """(gemm_flops {dtype: {'all', 'shapes'}}, bf16_note): the matmul rates, and why the bf16 rows are skipped
+    ('' when they run). bf16_mode 'auto' skips them on a CPU whose bf16 matmuls are slower than fp32."""
+    measured = gemm_rates(cfg, batch_size, device)
+    gemm = {d: {"all": r, "shapes": [dict(zip(("name", "m", "k", "n", "flops"), s)) for s in shapes]}
+            for d, (r, shapes) in measured.items()}
+    f32, bf16 = gemm["float32"]["all"], gemm["bfloat16"]["all"]
+    if bf16_mode == "off":
+        return gemm, "--bf16 off"
+    if bf16_mode == "auto" and bf16 < f32 and device_type(device) != "cuda":
+        return gemm, f"bf16 matmuls run at {bf16 / 1e9:.1f} GFLOP/s vs fp32 {f32 / 1e9:.1f} here; later rows stay fp32"
+    return gemm, ""
+
+
+def measure_scoreboard(out, cfg, device, wanted, large_batch_size, steps, warmup, sequential):
+    """The scoreboard rows in ROW_KEYS order: {key, setup} for a row not run, plus the measure() fields and
+    tokens_per_s (median), speedup (over the baseline), mfu_gemm and mfu_datasheet for a row that ran."""
+    B = out["batch_size"]
+    rows = scoreboard_setups(device, B, large_batch_size, out["bf16_note"]) + [train_defaults_setup(device, B)]
+    setups = dict(zip(ROW_KEYS, rows))
+    run = {key: setup for key, setup in setups.items() if key in wanted and not setup.skipped}
+    interleave = not sequential and fits_interleaved(out["n_params"], len(run), device)
+    log(f"## scoreboard: {len(run)} setups, {steps} timed steps each, "
+        f"{'interleaved' if interleave else 'one after another'} ...")
+    measured = measure(cfg, run, device, steps, warmup, interleave)
+    fpt = out["flops_per_token"]
+    result = []
+    for key, setup in setups.items():
+        if key not in wanted:
+            continue
+        row = {"key": key, "setup": asdict(setup)}
+        if key in measured:
+            r = measured[key]
+            tok = statistics.median(r["tok_s"])
+            speedup = None
+            if "baseline" in measured and interleave:
+                speedup = statistics.median(ratios(measured, key, "baseline"))  # per-round ratios
+            elif "baseline" in measured:
+                speedup = tok / statistics.median(measured["baseline"]["tok_s"])
+            peak_dtype = setup.dtype  # a bf16/fp16 row runs at that peak even with TF32 on for its fp32 matmuls
+            if setup.dtype == "float32":
+                peak_dtype = "tf32" if setup.tf32 else None  # plain fp32 matmuls: no data-sheet row
+            row.update(r, tokens_per_s=tok, speedup=speedup, interleaved=interleave,
+                       mfu_gemm=mfu(tok, fpt, out["gemm_flops"].get(setup.dtype, {}).get("all")),
+                       mfu_datasheet=mfu(tok, fpt, datasheet_peak(out, peak_dtype)))
+        result.append(row)
+    return result
+
+
+def measure_all(args, device, cfg, B, large_B, wanted):
+    """Every measurement this invocation asks for, as one JSON-able dict (what --json writes)."""
+    t_start = time.perf_counter()
+    cuda = device_type(device) == "cuda"
+    probe = make_model(cfg, "cpu")
+    out = {"machine": machine_line(device), "device": str(device), "cuda": cuda,
+           "device_name": torch.cuda.get_device_name(device) if cuda else device_type(device),
+           "config": asdict(cfg), "batch_size": B, "flops_per_token": probe.flops_per_token(cfg.block_size),
+           "n_params": probe.num_params(), "steps": args.steps, "rounds": args.rounds}
+    del probe
+    log("## matmul rates ...")
+    out["gemm_flops"], out["bf16_note"] = measure_gemm(cfg, B, device, args.bf16)
+    if wanted:
+        out["scoreboard"] = measure_scoreboard(out, cfg, device, wanted, large_B, args.steps, args.warmup,
+                                               args.sequential)
+    if args.compare:
+        log(f"## training vs transformers, {args.rounds} rounds ...")
+        rates = {d: g["all"] for d, g in out["gemm_flops"].items()}
+        interleave = not args.sequential and fits_interleaved(out["n_params"], 5, device)
+        out["compare_training"] = compare_training(cfg, device, B, args.rounds, rates, out["flops_per_token"],
+                                                   interleave)
+        dtypes = [torch.float32, torch.bfloat16]
+        if cfg.block_size < GEN_PROMPT + GEN_NEW:  # transformers cannot go past n_positions
+            dtypes = []
+            out["generation_note"] = f"block_size {cfg.block_size} < {GEN_PROMPT} + {GEN_NEW} tokens"
+        log("## generation ...")
+        slow = [torch.bfloat16] if out["bf16_note"] else []
+        out["compare_generation"] = compare_generation(cfg, device, args.gen_rounds, dtypes, slow) if dtypes else []
+        log("## HellaSwag ...")
+        out["hellaswag"] = hellaswag_rates(cfg, device, args.hellaswag_n, 16)
+    out["wall_s"] = time.perf_counter() - t_start
+    return out
+
+
+# ----------------------------------------------------------------------------- printing: tables from that data
+
+def report(out):
+    """Print the Markdown tables of a measure_all() result."""
+    cfg = out["config"]
+    print(f"# bench.scoreboard: {cfg['n_layer']} layers, {cfg['n_head']} heads, {cfg['n_embd']} dims, "
+          f"T={cfg['block_size']}, V={cfg['vocab_size']}, micro-batch {out['batch_size']}; "
+          f"{out['n_params'] / 1e6:.1f}M parameters, {out['flops_per_token'] / 1e6:.0f} MFLOP/token (training)")
+    print(f"machine: {out['machine']}\n")
+    report_gemm(out)
+    if "scoreboard" in out:
+        report_scoreboard(out)
+    if "compare_training" in out:
+        report_training(out)
+        report_generation(out)
+        report_hellaswag(out["hellaswag"])
+    print(f"(bench.scoreboard took {out['wall_s']:.0f} s)")
+
+
+def report_gemm(out):
+    table = []
+    for d, g in out["gemm_flops"].items():
+        table += [(d, s["name"], f"({s['m']}, {s['k']}) x ({s['k']}, {s['n']})", f"{s['flops'] / 1e9:,.1f}")
+                  for s in g["shapes"]]
+        total = f"**{g['all'] / 1e9:,.1f}**"
+        sheet = datasheet_peak(out, d)
+        if sheet:
+            total += f" (data sheet {sheet / 1e12:,.0f} TFLOP/s)"
+        table.append((d, "**all shapes**", "", total))
+    print("## Matmul rate (GFLOP/s, nn.Linear shapes of this model)\n")
+    print(md_table(("dtype", "shape", "GEMM", "GFLOP/s"), table) + "\n")
+
+
+def report_scoreboard(out):
+    cuda, B = out["cuda"], out["batch_size"]
+    headers = ["setup", "tokens/s", "speedup", "MFU (measured GEMM)"]
+    if cuda:
+        headers.append("MFU (data sheet)")
+    headers += ["peak mem (MiB)", "first step (s)", "note"]
+    table, interleaved = [], False
+    for r in out["scoreboard"]:
+        setup = r["setup"]
+        if "tokens_per_s" not in r:
+            table.append([setup["name"], "-", "-", "-"] + (["-"] if cuda else []) + ["-", "-", setup["note"]])
+            continue
+        interleaved = r["interleaved"]
+        speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        row = [setup["name"], f"{r['tokens_per_s']:,.0f}", speedup, pct(r["mfu_gemm"])]
+        if cuda:
+            row.append(pct(r["mfu_datasheet"]))
+        note = setup["note"]
+        if not note and setup["batch_size"] != B:
+            note = f"B={setup['batch_size']}"
+        peak = f"{r['peak_mem_mb']:,.0f}"
+        if r["peak_mem_lifetime"]:
+            peak += " (lifetime)"
+        table.append(row + [peak, f"{r['first_step_s']:.1f}", note])
+    if interleaved:
+        how = f"median of {out['steps']} interleaved rounds (speedup: median of per-round ratios)"
+    else:
+        how = f"median of {out['steps']} timed steps"
+    print(f"## Scoreboard: training tokens/s, {how}; each row adds one change to the row above\n")
+    print(md_table(headers, table))
+    mem_how = "rise of max_memory_allocated" if cuda else "rise of the process's peak RSS (VmHWM) during the row"
+    sheet = " and over the data-sheet peak" if cuda else ""
+    print(f"\npeak mem: {mem_how}. MFU: {out['flops_per_token'] / 1e6:.0f} MFLOP/token x tokens/s over the measured "
+          f"GEMM rate in the row's dtype{sheet}.\n")
+
+
+def report_training(out):
+    c, B = out["compare_training"], out["batch_size"]
+    print(f"## Training vs transformers.GPT2LMHeadModel (sdpa): micro-batch {B}, {out['rounds']} alternating "
+          "rounds, one step per variant per round\n")
+    rows = []
+    for v in c["variants"]:
+        setup, med = v["setup"], statistics.median(v["tok_s"])
+        rate = out["gemm_flops"].get(setup["dtype"], {}).get("all")
+        rows.append((setup["name"], " ".join(f"{t:.0f}" for t in v["tok_s"]), f"{med:,.0f}",
+                     pct(mfu(med, out["flops_per_token"], rate)),
+                     f"{setup['dtype']}, compile {setup['compile']}, malloc tuned {setup['malloc']}"))
+    print(md_table(("variant", "tokens/s per round", "median", "MFU (measured GEMM)", "settings"), rows) + "\n")
+    rows = []
+    for r in c["ratios"]:
+        med, target = statistics.median(r["per_round"]), r["target"]
+        if target is None:
+            wanted, met = "(for reference)", "-"
+        else:
+            wanted, met = f">= {target}x", "yes" if med >= target else "NO"
+        rows.append((r["name"], " ".join(f"{v:.2f}" for v in r["per_round"]), f"**{med:.2f}x**", wanted, met))
+    print(md_table(("ratio", "per round", "median", "target", "met"), rows) + "\n")
+    print("Ceiling (MFU 100% of the measured GEMM rate): " + ", ".join(
+        f"{d} {ceiling:,.0f} tokens/s = {c['ceiling_vs_hf'][d]:.2f}x transformers fp32 eager"
+        for d, ceiling in c["ceiling_tok_s"].items()) + ".\n")
+
+
+def report_generation(out):
+    if "generation_note" in out:
+        print(f"Generation comparison skipped: {out['generation_note']}.\n")
+        return
+    rows = []
+    for r in out["compare_generation"]:
+        same = f"{r['same_tokens']}/{GEN_NEW}"
+        if r["first_difference"] is not None:
+            same += f" (first differs at {r['first_difference']})"
+        ratio = "-" if r["variant"] == "ours, KV cache" else f"**{r['cached_ratio']:.2f}x**"
+        rows.append((r["dtype"], r["variant"], " ".join(f"{v:.1f}" for v in r["tok_s"]),
+                     f"{statistics.median(r['tok_s']):,.1f}", ratio, same))
+    print(f"## Greedy generation: {GEN_NEW} new tokens after a {GEN_PROMPT}-token prompt, batch 1, weights "
+          f"stored in the dtype (targets in fp32: cached >= {TARGETS['cache_vs_nocache']}x no cache, "
+          f">= {TARGETS['cache_vs_hf']}x transformers)\n")
+    print(md_table(("dtype", "variant", "new tokens/s per round", "median", "ours cached / this (median of rounds)",
+                    "same tokens as ours cached"), rows) + "\n")
+    if out["bf16_note"]:
+        print(f"bf16 without the KV cache not run: {out['bf16_note'].split(';')[0]}.\n")
+
+
+def report_hellaswag(hs):
+    print("## HellaSwag evaluation rate (bench.hellaswag_speed.bench_hellaswag, random weights)\n")
+    if "note" in hs:
+        print(hs["note"] + "\n")
+        return
+    print(md_table(("examples", "dtype", "1 per forward (ex/s)", f"{hs['batch_size']} per forward (ex/s)",
+                    "speedup", "same predictions"),
+                   [(hs["n"], hs["dtype"], f"{hs['single_ex_per_s']:.1f}", f"{hs['batched_ex_per_s']:.1f}",
+                     f"{hs['speedup']:.2f}x", hs["same_preds"])]) + "\n")
 
 
 # ----------------------------------------------------------------------------- main
@@ -513,6 +730,29 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def resolve_args(args):
+    """(device, GPTConfig, micro-batch, large micro-batch, wanted row keys) from the flags; bad ones exit."""
+    device = resolve_device(args.device)
+    on_cpu = device_type(device) == "cpu"
+    args.steps = args.steps or (5 if on_cpu else 20)
+    args.rounds = args.rounds or (5 if on_cpu else 20)
+    if args.config != "small" and args.config not in PRESETS:
+        raise SystemExit(f"bench.scoreboard: --config {args.config!r} is not 'small' or one of {', '.join(PRESETS)}")
+    base = dict(SMALL if args.config == "small" else PRESETS[args.config])
+    base.update({k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+                 if getattr(args, k) is not None})
+    B = args.batch_size or (8 if args.config == "small" else 1)
+    if args.rows == "all":
+        wanted = set(ROW_KEYS)
+    elif args.rows == "none":
+        wanted = set()
+    else:
+        wanted = set(args.rows.split(","))
+    if bad := wanted - set(ROW_KEYS):
+        raise SystemExit(f"bench.scoreboard: --rows has unknown {sorted(bad)}; expected 'all', 'none' or some of {ROW_KEYS}")
+    return device, GPTConfig(**base), B, args.large_batch_size or 2 * B, wanted
+
+
 def main(argv=None):
     args = parse_args(argv)
     for limit in ("cache_size_limit", "recompile_limit"):  # interleaved setups keep several compiled models alive
@@ -520,173 +760,8 @@ def main(argv=None):
             setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
-    cuda = device_type(device) == "cuda"
-    args.steps = args.steps or (5 if device_type(device) == "cpu" else 20)
-    args.rounds = args.rounds or (5 if device_type(device) == "cpu" else 20)
-    if args.config != "small" and args.config not in PRESETS:
-        raise SystemExit(f"bench.py: --config {args.config!r} is not 'small' or one of {', '.join(PRESETS)}")
-    base = dict(SMALL if args.config == "small" else PRESETS[args.config])
-    base.update({k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
-                 if getattr(args, k) is not None})
-    cfg = GPTConfig(**base)
-    B = args.batch_size or (8 if args.config == "small" else 1)
-    large_B = args.large_batch_size or 2 * B
-    wanted = set(ROW_KEYS) if args.rows == "all" else set() if args.rows == "none" else set(args.rows.split(","))
-    if bad := wanted - set(ROW_KEYS):
-        raise SystemExit(f"bench.py: --rows has unknown {sorted(bad)}; expected 'all', 'none' or some of {ROW_KEYS}")
-    dev_name = torch.cuda.get_device_name(device) if cuda else device_type(device)
-    t_start = time.perf_counter()
-    probe = make_model(cfg, "cpu")
-    flops_per_token, n_params = probe.flops_per_token(cfg.block_size), probe.num_params()
-    del probe
-    out = {"machine": machine_line(device), "device": str(device), "config": asdict(cfg), "batch_size": B,
-           "flops_per_token": flops_per_token}
-    print(f"# bench.py: {cfg.n_layer} layers, {cfg.n_head} heads, {cfg.n_embd} dims, T={cfg.block_size}, "
-          f"V={cfg.vocab_size}, micro-batch {B}; {n_params / 1e6:.1f}M parameters, "
-          f"{flops_per_token / 1e6:.0f} MFLOP/token (training)")
-    print(f"machine: {out['machine']}\n")
-
-    # ---- GEMM rates: the CPU's MFU denominator, and whether bf16 pays off here
-    log("## matmul rates ...")
-    measured = gemm_rates(cfg, B, device)
-    rates = {d: r for d, (r, _) in measured.items()}
-    table = []
-    for d, (r, shapes) in measured.items():
-        table += [(d, name, f"({m}, {k}) x ({k}, {n})", f"{rate / 1e9:,.1f}") for name, m, k, n, rate in shapes]
-        sheet = peak_flops(dev_name, d) if cuda else None
-        table.append((d, "**all shapes**", "", f"**{r / 1e9:,.1f}**" +
-                      (f" (data sheet {sheet / 1e12:,.0f} TFLOP/s)" if sheet else "")))
-    print("## Matmul rate (GFLOP/s, nn.Linear shapes of this model)\n")
-    print(md_table(("dtype", "shape", "GEMM", "GFLOP/s"), table) + "\n")
-    out["gemm_flops"] = {d: {"all": r, "shapes": [dict(zip(("name", "m", "k", "n", "flops"), s)) for s in shapes]}
-                         for d, (r, shapes) in measured.items()}
-    bf16_slow = rates["bfloat16"] < rates["float32"]
-    bf16_note = ""
-    if args.bf16 == "off" or (args.bf16 == "auto" and bf16_slow and not cuda):
-        bf16_note = (f"bf16 matmuls run at {rates['bfloat16'] / 1e9:.1f} GFLOP/s vs fp32 {rates['float32'] / 1e9:.1f}"
-                     " here; later rows stay fp32" if args.bf16 == "auto" else "--bf16 off")
-
-    # ---- scoreboard
-    if wanted:
-        rows = scoreboard_setups(device, B, large_B, bf16_note) + [train_defaults_setup(device, B)]
-        setups = dict(zip(ROW_KEYS, rows))
-        run = {key: setup for key, setup in setups.items() if key in wanted and not setup.skipped}
-        interleave = not args.sequential and fits_interleaved(n_params, len(run), device)
-        log(f"## scoreboard: {len(run)} setups, {args.steps} timed steps each, "
-            f"{'interleaved' if interleave else 'one after another'} ...")
-        measured_rows = measure(cfg, run, device, args.steps, args.warmup, interleave)
-        headers = ["setup", "tokens/s", "speedup", "MFU (measured GEMM)"] + (["MFU (data sheet)"] if cuda else []) + \
-                  ["peak mem (MiB)", "first step (s)", "note"]
-        table, out["scoreboard"] = [], []
-        for key, setup in setups.items():
-            if key not in wanted:
-                continue
-            r = measured_rows.get(key)
-            out["scoreboard"].append({"key": key, "setup": asdict(setup)})
-            if r is None:
-                table.append([setup.name, "-", "-", "-"] + (["-"] if cuda else []) + ["-", "-", setup.note])
-                continue
-            tok = statistics.median(r["tok_s"])
-            speedup = "-"
-            if "baseline" in measured_rows:  # per-round ratios when interleaved, else a ratio of medians
-                sp = statistics.median(ratios(measured_rows, key, "baseline")) if interleave else \
-                    tok / statistics.median(measured_rows["baseline"]["tok_s"])
-                speedup = f"{sp:.2f}x"
-            r["tokens_per_s"], r["speedup"] = tok, None if speedup == "-" else float(speedup[:-1])
-            r["mfu_gemm"] = mfu(tok, flops_per_token, rates.get(setup.dtype))
-            r["mfu_datasheet"] = mfu(tok, flops_per_token, peak_flops(dev_name, "tf32" if setup.tf32 else
-                                                                       setup.dtype)) if cuda else None
-            out["scoreboard"][-1].update(r)
-            row = [setup.name, f"{tok:,.0f}", speedup, pct(r["mfu_gemm"])] + ([pct(r["mfu_datasheet"])] if cuda else [])
-            note = setup.note or (f"B={setup.batch_size}" if setup.batch_size != B else "")
-            row += [f"{r['peak_mem_mb']:,.0f}" + (" (lifetime)" if r["peak_mem_lifetime"] else ""),
-                    f"{r['first_step_s']:.1f}", note]
-            table.append(row)
-        how = (f"median of {args.steps} interleaved rounds (speedup: median of per-round ratios)" if interleave
-               else f"median of {args.steps} timed steps")
-        print(f"## Scoreboard: training tokens/s, {how}; each row adds one change to the row above\n")
-        print(md_table(headers, table))
-        mem_how = "rise of max_memory_allocated" if cuda else "rise of the process's peak RSS (VmHWM) during the row"
-        print(f"\npeak mem: {mem_how}. MFU: {flops_per_token / 1e6:.0f} MFLOP/token x tokens/s over the measured "
-              f"GEMM rate in the row's dtype" + (" and over the data-sheet peak" if cuda else "") + ".\n")
-
-    # ---- comparisons
-    if args.compare:
-        log(f"## training vs transformers, {args.rounds} rounds ...")
-        interleave = not args.sequential and fits_interleaved(n_params, 5, device)
-        per_round, ratio_rows = compare_training(cfg, device, B, args.rounds, interleave)
-        if per_round is None:
-            print(f"Training comparison {ratio_rows}\n")
-        else:
-            print(f"## Training vs transformers.GPT2LMHeadModel (sdpa): micro-batch {B}, {args.rounds} alternating "
-                  "rounds, one step per variant per round\n")
-            rows = []
-            for setup, vs in per_round.values():
-                med = statistics.median(vs)
-                rows.append((setup.name, " ".join(f"{v:.0f}" for v in vs), f"{med:,.0f}",
-                             pct(mfu(med, flops_per_token, rates.get(setup.dtype))),
-                             f"{setup.dtype}, compile {setup.compile}, malloc tuned {setup.malloc}"))
-            print(md_table(("variant", "tokens/s per round", "median", "MFU (measured GEMM)", "settings"), rows) + "\n")
-            print(md_table(("ratio", "per round", "median", "target", "met"),
-                           [(n, " ".join(f"{v:.2f}" for v in vs), f"**{statistics.median(vs):.2f}x**",
-                             f">= {t}x" if t else "(for reference)",
-                             "-" if t is None else "yes" if statistics.median(vs) >= t else "NO")
-                            for n, t, vs in ratio_rows]) + "\n")
-            # the most any implementation could reach here: every FLOP at the measured GEMM rate (MFU 100%)
-            hf_med = statistics.median(per_round["hf"][1])
-            ceiling = {d: rate / flops_per_token for d, rate in rates.items()}
-            print("Ceiling (MFU 100% of the measured GEMM rate): " + ", ".join(
-                f"{d} {c:,.0f} tokens/s = {c / hf_med:.2f}x transformers fp32 eager" for d, c in ceiling.items())
-                + ".\n")
-            out["compare_training"] = {
-                "ceiling_tok_s": ceiling,
-                "variants": {s.name: {"setup": asdict(s), "tok_s": vs} for s, vs in per_round.values()},
-                "ratios": [{"name": n, "target": t, "per_round": vs} for n, t, vs in ratio_rows]}
-
-        dtypes = [torch.float32, torch.bfloat16]
-        if cfg.block_size < GEN_PROMPT + GEN_NEW:  # transformers cannot go past n_positions
-            dtypes = []
-            print(f"Generation comparison skipped: block_size {cfg.block_size} < {GEN_PROMPT} + {GEN_NEW} tokens.\n")
-        log("## generation ...")
-        gen = compare_generation(cfg, device, args.gen_rounds, dtypes,
-                                 slow_dtypes=[torch.bfloat16] if bf16_note else []) if dtypes else []
-        rows = []
-        for dtype in [str(d).replace("torch.", "") for d in dtypes]:
-            rs = {r["variant"]: r for r in gen if r["dtype"] == dtype}
-            cached = rs["ours, KV cache"]["tok_s"]
-            for name, r in rs.items():
-                med = statistics.median(r["tok_s"])
-                r["cached_ratio"] = statistics.median(a / b for a, b in zip(cached, r["tok_s"]))
-                same = f"{r['same_tokens']}/{GEN_NEW}" + ("" if r["first_difference"] is None
-                                                          else f" (first differs at {r['first_difference']})")
-                rows.append((dtype, name, " ".join(f"{v:.1f}" for v in r["tok_s"]), f"{med:,.1f}",
-                             "-" if name == "ours, KV cache" else f"**{r['cached_ratio']:.2f}x**", same))
-        if rows:
-            print(f"## Greedy generation: {GEN_NEW} new tokens after a {GEN_PROMPT}-token prompt, batch 1, weights "
-                  f"stored in the dtype (targets in fp32: cached >= {TARGETS['cache_vs_nocache']}x no cache, "
-                  f">= {TARGETS['cache_vs_hf']}x transformers)\n")
-            print(md_table(("dtype", "variant", "new tokens/s per round", "median",
-                            "ours cached / this (median of rounds)",
-                            "same tokens as ours cached"), rows) + "\n")
-        if bf16_note and dtypes:
-            print(f"bf16 without the KV cache not run: {bf16_note.split(';')[0]}.\n")
-        out["compare_generation"] = gen
-
-        log("## HellaSwag ...")
-        hs = hellaswag_rates(cfg, device, args.hellaswag_n, 16)
-        print("## HellaSwag evaluation rate (bench_eval.bench_hellaswag, random weights)\n")
-        if "note" in hs:
-            print(hs["note"] + "\n")
-        else:
-            print(md_table(("examples", "dtype", "1 per forward (ex/s)", f"{hs['batch_size']} per forward (ex/s)",
-                            "speedup", "same predictions"),
-                           [(hs["n"], hs["dtype"], f"{hs['single_ex_per_s']:.1f}", f"{hs['batched_ex_per_s']:.1f}",
-                             f"{hs['speedup']:.2f}x", hs["same_preds"])]) + "\n")
-        out["hellaswag"] = hs
-
-    out["wall_s"] = time.perf_counter() - t_start
-    print(f"(bench.py took {out['wall_s']:.0f} s)")
+    out = measure_all(args, *resolve_args(args))
+    report(out)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2, default=str)

@@ -1,6 +1,7 @@
 """Benchmark: HellaSwag examples/s, batched vs one example per forward, and that both agree.
+Run from the repository root (a random model on the real examples):
 
-    python bench_eval.py [--n 100] [--batch_size 16] [--device auto] [--dtype auto]   # random model, real data
+    python -m bench.hellaswag_speed [--n 100] [--batch_size 16] [--device auto] [--dtype auto]
 """
 import argparse
 import time
@@ -8,8 +9,10 @@ import time
 import torch
 
 from assets import fetch_hellaswag, get_tokenizer
+from bench import machine_line
 from devices import resolve_device, resolve_dtype, tune_cpu_allocator
-from hellaswag import _unwrap, evaluate, load_examples, render_example, score_rows
+from hellaswag import evaluate, load_examples, render_example, score_rows, unwrap_model
+from model import GPT, GPTConfig
 
 
 def _sync(device):
@@ -22,7 +25,7 @@ def one_example_per_forward(model, examples, device, dtype=None, enc=None):
     Returns [(pred, pred_norm)] per example."""
     if enc is None:
         enc = get_tokenizer()
-    model = _unwrap(model).eval()
+    model = unwrap_model(model).eval()
     preds = []
     for ex in examples:
         tokens, mask, _ = render_example(ex, enc)
@@ -55,9 +58,7 @@ def bench_hellaswag(model, examples, device, batch_size=16, dtype=None, enc=None
             "single_ex_per_s": n / (t2 - t1), "speedup": (t2 - t1) / (t1 - t0), "same_preds": same}
 
 
-if __name__ == "__main__":
-    from model import GPT, GPTConfig
-
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--n", type=int, default=100, help="number of HellaSwag examples")
     parser.add_argument("--batch_size", type=int, default=16)
@@ -65,7 +66,7 @@ if __name__ == "__main__":
     parser.add_argument("--dtype", default="auto", help="autocast dtype, as hellaswag.py's --dtype")
     parser.add_argument("--n_layer", type=int, default=6)
     parser.add_argument("--n_embd", type=int, default=384)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     torch.manual_seed(0)
     device = resolve_device(args.device)
@@ -74,8 +75,12 @@ if __name__ == "__main__":
     model = GPT(GPTConfig(n_layer=args.n_layer, n_head=args.n_embd // 64, n_embd=args.n_embd)).to(device)
     examples = load_examples(fetch_hellaswag(), limit=args.n)
     r = bench_hellaswag(model, examples, device, batch_size=args.batch_size, dtype=dtype)
-    print(f"HellaSwag on {device}, {args.n_layer}-layer {args.n_embd}-dim random GPT, {r['n']} examples, "
-          f"{dtype}, torch {torch.get_num_threads()} threads")
+    print(f"HellaSwag on {machine_line(device)}: {args.n_layer}-layer {args.n_embd}-dim random GPT, "
+          f"{r['n']} examples, {dtype}")
     print(f"  one example per forward: {r['single_ex_per_s']:8.1f} examples/s")
     print(f"  {args.batch_size:3d} examples per forward: {r['batched_ex_per_s']:8.1f} examples/s "
           f"({r['speedup']:.2f}x), same predictions: {r['same_preds']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,9 @@
 """Data benchmarks (not a test): prepare_data.py's throughput against tiktoken's raw
 encode_ordinary_batch on the same text and number of processes, and the loader's time per batch.
+Run from the repository root:
 
-    python bench_data.py                      # all CPUs, Tiny Shakespeare x4, B=16 T=1024
-    python bench_data.py --num_proc 8 --copies 16 --batch_size 64
+    python -m bench.data_prep                      # all CPUs, Tiny Shakespeare x4, B=16 T=1024
+    python -m bench.data_prep --num_proc 8 --copies 16 --batch_size 64
 
 Text: Tiny Shakespeare (the assets fetcher), repeated --copies times, cut two ways: one document
 per speech (~45 tokens, the worst case for per-document overhead) and ~4 KB pages (~1,000 tokens,
@@ -24,6 +25,7 @@ import numpy as np
 import torch  # noqa: F401  imported up front so the loader's first batch is not charged for it
 
 from assets import fetch_shakespeare, get_tokenizer
+from bench import machine_line
 from data import DataLoader, write_shard
 from prepare_data import prepare, split_speeches
 
@@ -139,6 +141,7 @@ def main():
     p.add_argument("--world_size", type=int, default=1)
     p.add_argument("--steps", type=int, default=200)
     args = p.parse_args()
+    print(f"machine: {machine_line('cpu')}")
     text = Path(fetch_shakespeare()).read_text(encoding="utf-8")
     speeches = split_speeches(text) * args.copies
     pages = re.findall(r".{1,4000}(?:\n|$)", text, flags=re.S) * args.copies

@@ -1,0 +1,30 @@
+"""Benchmarks (not tests): each module is a command run from the repository root.
+
+    python -m bench.scoreboard        # training tokens/s, MFU and memory, one optimisation per row; --compare
+    python -m bench.data_prep         # prepare_data.py vs raw tiktoken, the loader's time per batch
+    python -m bench.hellaswag_speed   # HellaSwag batched vs one example per forward
+
+They import only library modules and their public names, never train.py.
+"""
+import os
+import platform
+
+import torch
+
+from devices import cpu_has_fast_bf16, device_type
+
+
+def machine_line(device):
+    """What the numbers were measured on: the GPU, or the CPU model, whether it multiplies bf16 in hardware,
+    its cores and torch's threads; and the torch version."""
+    if device_type(device) == "cuda":
+        return f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}"
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    bf16 = "with" if cpu_has_fast_bf16() else "without"
+    return (f"{name} ({bf16} AVX512-BF16/AMX), {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; "
+            f"torch {torch.__version__}")

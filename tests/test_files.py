@@ -1,0 +1,86 @@
+"""files.py: an atomic write leaves the whole new file or the old one, no temporary file, and a durable rename."""
+import hashlib
+import os
+import stat
+
+import numpy as np
+import pytest
+import torch
+
+import assets
+import files
+import prepare_data
+from checkpoint import save_checkpoint
+from data import write_shard
+from files import atomic_write, file_sha256
+
+
+def test_writes_bytes_text_or_through_a_function(tmp_path):
+    atomic_write(tmp_path / "a.bin", b"\x00\x01")
+    atomic_write(tmp_path / "sub" / "b.txt", "naïve\n")  # creates the directory
+    atomic_write(tmp_path / "c.bin", lambda f: (f.write(b"head"), f.write(b"tail")))
+    assert (tmp_path / "a.bin").read_bytes() == b"\x00\x01"
+    assert (tmp_path / "sub" / "b.txt").read_text(encoding="utf-8") == "naïve\n"
+    assert (tmp_path / "c.bin").read_bytes() == b"headtail"
+    atomic_write(tmp_path / "a.bin", b"replaced")
+    assert (tmp_path / "a.bin").read_bytes() == b"replaced"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.bin", "c.bin", "sub"]
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_write_that_fails_midway_leaves_old_file_or_none_and_no_temporary(tmp_path, error):
+    def half_then_fail(f):
+        f.write(b"partial")
+        f.flush()
+        raise error("disk full")
+
+    atomic_write(tmp_path / "old.bin", b"old contents")
+    for name in ("old.bin", "new.bin"):
+        with pytest.raises(error):
+            atomic_write(tmp_path / name, half_then_fail)
+    assert (tmp_path / "old.bin").read_bytes() == b"old contents"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.bin"]  # no new.bin, no .tmp left
+
+
+def test_file_is_fsynced_before_the_rename_and_the_directory_after(tmp_path, monkeypatch):
+    target = tmp_path / "out.bin"
+    synced = []  # (a directory?, did the final file exist yet?)
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append((stat.S_ISDIR(os.fstat(fd).st_mode), target.exists()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(files.os, "fsync", recording_fsync)
+    atomic_write(target, b"data")
+    assert synced == [(False, False), (True, True)]
+
+
+WRITERS = {  # every durable file the library writes goes through atomic_write
+    "checkpoint": lambda path: save_checkpoint(path, {"step": torch.tensor(1)}),
+    "shard": lambda path: write_shard(path, np.arange(10)),
+    "manifest": lambda path: prepare_data.write_manifest(path, {"shards": []}),
+    "asset": lambda path: assets._fetch(path, hashlib.sha256(b"x").hexdigest(), [("test", lambda: b"x")]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WRITERS))
+def test_library_writers_fsync_their_directory(tmp_path, monkeypatch, kind):
+    dirs = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            dirs.append(os.fstat(fd).st_ino)
+        real_fsync(fd)
+
+    monkeypatch.setattr(files.os, "fsync", recording_fsync)
+    WRITERS[kind](tmp_path / f"out_{kind}")
+    assert dirs == [tmp_path.stat().st_ino]
+    assert [p.name for p in tmp_path.iterdir()] == [f"out_{kind}"]
+
+
+def test_file_sha256(tmp_path):
+    data = os.urandom(3 << 20)
+    (tmp_path / "x").write_bytes(data)
+    assert file_sha256(tmp_path / "x") == hashlib.sha256(data).hexdigest()

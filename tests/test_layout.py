@@ -1,0 +1,45 @@
+"""The codebase's shape: who imports whom. train.py is imported by nobody but
+tests, and library modules form no import cycle, so each can be read and tested on its own."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ENTRY_POINTS = {"train"}  # the training script: its functions are not an API
+
+
+def imports_by_module():
+    """{module: set of top-level repo modules it imports} for every .py under the repo (tests excluded)."""
+    files = [p for p in ROOT.rglob("*.py") if ".venv" not in p.parts and "tests" not in p.parts]
+    local = {p.stem for p in ROOT.glob("*.py")}
+    graph = {}
+    for path in files:
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+        graph[str(path.relative_to(ROOT).with_suffix("")).replace("/", ".")] = names & local
+    return graph
+
+
+def test_no_module_imports_an_entry_point():
+    offenders = {m: deps & ENTRY_POINTS for m, deps in imports_by_module().items() if deps & ENTRY_POINTS - {m}}
+    assert not offenders, f"entry points imported by library code: {offenders}"
+
+
+def test_no_import_cycles():
+    graph = {m: deps for m, deps in imports_by_module().items() if "." not in m}
+    state = {}
+
+    def visit(m, path):
+        if state.get(m) == "done":
+            return
+        assert state.get(m) != "open", f"import cycle: {' -> '.join(path + [m])}"
+        state[m] = "open"
+        for dep in graph.get(m, ()):
+            visit(dep, path + [m])
+        state[m] = "done"
+
+    for module in graph:
+        visit(module, [])
