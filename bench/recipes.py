@@ -31,27 +31,15 @@ import sysconfig
 import time
 from pathlib import Path
 
-import torch
-
 import prepare_data
-from devices import cpu_has_fast_bf16
+from bench import machine_line
+from config import read_config_file
 
 ROOT = Path(__file__).resolve().parent.parent
 MODERN = ROOT / "configs" / "modern.py"
 # the modern recipe's knobs, each added alone to the GPT-2 recipe for its per-step cost
 KNOBS = {"muon": ["--optimizer=muon"], "qk_norm": ["--qk_norm=True"], "relu2": ["--activation=relu2"],
          "rotary": ["--rotary_pct=1.0"], "untied head": ["--tie_embeddings=False"], "no biases": ["--bias=False"]}
-
-
-def machine():
-    name = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    bf16 = "with" if cpu_has_fast_bf16() else "without"
-    return f"{name} ({bf16} AVX512-BF16/AMX), {os.cpu_count()} cores; torch {torch.__version__}"
 
 
 def prepare_corpus(name, data_root):
@@ -75,10 +63,12 @@ def prepare_corpus(name, data_root):
 
 
 def train_run(out_dir, args, threads):
-    """Run train.py; returns its metrics lines. A finished run in out_dir (same arguments) is reused."""
+    """Run train.py; returns its metrics lines. A finished run in out_dir with the same arguments and config
+    files is reused (so an interrupted bench continues where it stopped)."""
     out_dir = Path(out_dir)
     done = out_dir / "bench_args.json"
-    if done.exists() and json.loads(done.read_text()) == args:
+    key = {"args": args, "configs": {a: Path(a).read_text() for a in args if not a.startswith("--")}}
+    if done.exists() and json.loads(done.read_text()) == key:
         return read_metrics(out_dir)
     if out_dir.exists():
         for f in out_dir.iterdir():
@@ -91,7 +81,7 @@ def train_run(out_dir, args, threads):
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"bench.recipes: train.py failed:\n{result.stderr[-3000:]}")
-    done.write_text(json.dumps(args))
+    done.write_text(json.dumps(key))
     return read_metrics(out_dir)
 
 
@@ -121,52 +111,54 @@ def recipe_args(recipe, lr, common, steps):
     """train.py arguments of one recipe at one learning rate (GPT-2: its rate; modern: a scale of both rates)."""
     if recipe == "gpt2":
         return [*common, f"--learning_rate={lr}", f"--min_lr={lr / 10}", f"--max_steps={steps}"]
-    keys = config_values(MODERN)
+    keys = read_config_file(MODERN)
     return [str(MODERN), *common, f"--learning_rate={keys['learning_rate'] * lr}",
             f"--muon_lr={keys['muon_lr'] * lr}", f"--max_steps={steps}"]
-
-
-def config_values(path):
-    """The plain assignments of a config file (the same rule as train.py's config files)."""
-    namespace = {}
-    exec(compile(Path(path).read_text(), str(path), "exec"), namespace)
-    return {k: v for k, v in namespace.items() if not k.startswith("_")}
 
 
 def fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--corpora", default="shakespeare,stdlib", help="comma-separated: shakespeare, stdlib")
     p.add_argument("--data_root", default="data", help="corpora are prepared under DATA_ROOT/<corpus>")
     p.add_argument("--out_dir", default="out/bench_recipes", help="runs (reused when re-run) and recipes.json")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per run (the token budget)")
-    p.add_argument("--gpt2_lrs", default="6e-4,1e-3,2e-3", help="GPT-2 recipe: learning rates swept")
+    p.add_argument("--gpt2_lrs", default="1e-3,2e-3,4e-3", help="GPT-2 recipe: learning rates swept")
     p.add_argument("--gpt2_warmup", type=int, default=20, help="GPT-2 recipe: warmup steps")
     p.add_argument("--modern_scales", default="0.5,1,2", help="modern recipe: factors on both of its rates")
     p.add_argument("--sweep_every_corpus", action="store_true", help="sweep on every corpus, not the first only")
     p.add_argument("--model", default="--n_layer=4 --n_head=4 --n_embd=256 --block_size=128 --batch_size=16",
                    help="model size and batch, as train.py flags")
     p.add_argument("--eval_interval", type=int, default=20)
-    p.add_argument("--eval_steps", type=int, default=15, help="val micro-batches per evaluation")
+    p.add_argument("--eval_steps", type=int, default=8, help="val micro-batches per evaluation")
     p.add_argument("--knob_steps", type=int, default=30, help="steps per knob-cost run (0: skip them)")
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the runs (default: torch's)")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def common_args(data, a):
+    """train.py flags every run of a corpus shares: data, model, evaluation; nothing printed or sampled."""
+    return [f"--data_dir={data}", *a.model.split(), f"--eval_interval={a.eval_interval}",
+            f"--eval_steps={a.eval_steps}", "--log_interval=0", "--save_interval=0", "--keep_last=1",
+            "--hellaswag_interval=0", "--sample_interval=0"]
+
+
+def main(argv=None):
+    a = parse_args(argv)
     out_root = Path(a.out_dir)
     out_root.mkdir(parents=True, exist_ok=True)
-    sweep = {"gpt2": [float(x) for x in a.gpt2_lrs.split(",")], "modern": [float(x) for x in a.modern_scales.split(",")]}
-    report = {"machine": machine(), "python": sys.version.split()[0], "threads": a.threads, "steps": a.steps,
-              "model": a.model, "corpora": {}}
+    sweep = {"gpt2": [float(x) for x in a.gpt2_lrs.split(",")],
+             "modern": [float(x) for x in a.modern_scales.split(",")]}
+    report = {"machine": machine_line("cpu"), "python": sys.version.split()[0], "threads": a.threads,
+              "steps": a.steps, "model": a.model, "corpora": {}}
     print(f"bench.recipes on {report['machine']}, OMP_NUM_THREADS={a.threads or 'default'}", flush=True)
     best = {}
     for i, corpus in enumerate(a.corpora.split(",")):
         data = prepare_corpus(corpus, a.data_root)
-        common = [f"--data_dir={data}", *a.model.split(), f"--eval_interval={a.eval_interval}",
-                  f"--eval_steps={a.eval_steps}", "--log_interval=0", "--save_interval=0", "--keep_last=1",
-                  "--hellaswag_interval=0", "--sample_interval=0"]
+        common = common_args(data, a)
         gpt2_common = [*common, f"--warmup_steps={a.gpt2_warmup}"]
         runs = {}
         for recipe in ("gpt2", "modern"):
