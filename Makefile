@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet
 # Without an NVIDIA GPU (no nvidia-smi), torch is installed from this spec before the requirements,
-# so that `torch>=2.1` is already met and pip does not pull a multi-GB CUDA build. On this project's
+# so that `torch>=2.6` is already met and pip does not pull a multi-GB CUDA build. On this project's
 # machines `torch==2.13.0` picks up a local CPU wheel; elsewhere use PyTorch's CPU index, e.g.
 #   make TORCH_CPU_SPEC="torch --index-url https://download.pytorch.org/whl/cpu" demo
 # With nvidia-smi present the plain requirements give the normal (CUDA) torch.

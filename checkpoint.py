@@ -82,7 +82,9 @@ def load_checkpoint(path, map_location="cpu"):
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        # mmap: tensors are read from the file as they are touched, and ranks on one node share the page
+        # cache instead of each reading the whole checkpoint into its own memory (8 x 18 GB at 1.5B)
+        ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
     except Exception as e:  # truncated zip, foreign pickle, not a torch file at all...
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__}: {reason[:200]})") from None

@@ -74,6 +74,7 @@ class TrainConfig(GPTConfig):
     dtype: str = "auto"  # 'float32', 'bfloat16', 'float16' (+GradScaler) or 'auto' (devices.resolve_dtype)
     compile: bool | str = "auto"  # torch.compile the model: True, False or 'auto' (devices.resolve_compile)
     seed: int = 1337  # seeds weights, data order and dropout
+    dist_timeout_minutes: float = 30.0  # torchrun: how long ranks wait in a collective (e.g. while rank 0 saves) before failing
 
     def __post_init__(self):
         for key, options in CHOICES.items():
@@ -113,6 +114,7 @@ RANGES = {  # key: (check, what the message says); None passes where the key all
     "learning_rate": (lambda v: v > 0, "> 0"),
     "muon_lr": (lambda v: v > 0, "> 0"),
     "muon_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "dist_timeout_minutes": (lambda v: v > 0, "> 0"),
     "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "wsd_decay_frac": (lambda v: 0 <= v <= 1, "in [0, 1]"),

@@ -7,6 +7,9 @@ GradScaler); float32 elsewhere (MPS, CPUs that would emulate bf16). resolve_comp
 CUDA and on a CPU running bf16. autocast() turns a resolved dtype into the context manager for a forward
 pass. peak_flops() and fused_adamw_supported() describe the hardware for MFU and the optimizer;
 set_malloc_tuned() stops glibc from unmapping and re-faulting big CPU tensors every step.
+
+Importing this module (every script that uses torch does) checks the torch version against MIN_TORCH and
+exits with a one-line error on an older one, instead of a confusing failure deep inside a run.
 """
 import ctypes
 import functools
@@ -14,6 +17,29 @@ import re
 from contextlib import nullcontext
 
 import torch
+
+# The oldest torch this library runs on (requirements.txt says the same; a test checks). What sets it, with
+# the release that brought each API: torch.amp.GradScaler(device) 2.3; torch.get_autocast_dtype(device),
+# torch.is_autocast_enabled(device), torch.cuda.is_bf16_supported(including_emulation=) and fused AdamW on
+# the CPU 2.4; torch.OutOfMemoryError 2.5; torch.distributed.fsdp.fully_shard (FSDP2, public) 2.6.
+MIN_TORCH = (2, 6)
+
+
+def torch_version_problem(version, minimum=MIN_TORCH):
+    """A one-line message if torch `version` (e.g. '2.5.1+cu124', '2.6.0a0+git1234') is older than `minimum`,
+    else None. Pre-releases of the minimum itself (NGC containers ship '2.6.0a0+...') count as it."""
+    match = re.match(r"(\d+)\.(\d+)", str(version))
+    if match is None:
+        return f"cannot read the torch version {str(version)!r}; gpt2-train needs torch >= {'.'.join(map(str, minimum))}"
+    if tuple(map(int, match.groups())) >= tuple(minimum):
+        return None
+    need = ".".join(map(str, minimum))
+    return (f"torch {version} is installed, but gpt2-train needs torch >= {need} (requirements.txt); "
+            f"upgrade it, e.g. pip install 'torch>={need}'")
+
+
+if (_problem := torch_version_problem(torch.__version__)) is not None:
+    raise SystemExit(f"error: {_problem}")  # one line on stderr, exit status 1, no traceback
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

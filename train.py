@@ -15,10 +15,12 @@ import math
 import os
 import random
 import signal
+import socket
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -109,10 +111,85 @@ def resolve_config(user):
     return cfg, ckpt
 
 
+def launched_by_torchrun():
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def resolve_config_or_defer(user):
+    """(cfg, checkpoint or None, error message or None): resolve_config, except that under torchrun its error is
+    returned rather than raised. A rank that failed before joining the process group (a node that cannot see
+    out_dir's checkpoints) would leave the others waiting in the rendezvous until it times out; instead every
+    rank joins and check_shared_out_dir raises the error on all of them."""
+    try:
+        return (*resolve_config(user), None)
+    except (ConfigError, CheckpointError) as e:
+        if not launched_by_torchrun():
+            raise
+        return make_config(user), None, str(e)  # a bad key fails here alike on every rank: nobody waits
+
+
+def check_shared_out_dir(out_dir, resumed_step, problem, env):
+    """The rule for torchrun runs: out_dir is one directory every rank sees (storage shared by all nodes), since
+    rank 0 alone writes the checkpoints that every rank reads on resume. Rank 0 writes a marker file there and
+    each rank looks for it; then ranks compare what they resumed from and any error they deferred. Raises the
+    same one-line ConfigError on every rank on a mismatch. Nothing to check outside torchrun."""
+    if not env.distributed:
+        return
+    token = [f"{socket.gethostname()}.{os.getpid()}.{time.time_ns()}"]  # unique: two runs never mix markers
+    dist.broadcast_object_list(token, src=0)
+    marker = Path(out_dir) / f".out_dir_check.{token[0]}"
+    if env.master:
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(token[0])
+        except OSError as e:
+            problem = problem or f"cannot write to out_dir {out_dir}: {e.strerror}"
+    dist.barrier()
+    sees = False
+    for _ in range(10):  # a shared filesystem may show a new file a moment late
+        try:
+            sees = marker.read_text() == token[0]
+        except OSError:
+            pass
+        if sees or env.master:
+            break
+        time.sleep(0.5)
+    ranks = [None] * env.world_size
+    dist.all_gather_object(ranks, {"host": socket.gethostname(), "sees": sees, "problem": problem,
+                                   "resumed_step": resumed_step})
+    if env.master:
+        marker.unlink(missing_ok=True)
+    blind = [r for r, info in enumerate(ranks) if not info["sees"]]
+    if blind and not ranks[0]["problem"]:
+        hosts = sorted({ranks[r]["host"] for r in blind})
+        raise ConfigError(f"out_dir {out_dir} must be storage shared by every node: rank(s) {span(blind)} on "
+                          f"{', '.join(hosts)} do not see the file rank 0 ({ranks[0]['host']}) wrote there "
+                          f"(node-local disk?); use a path on a shared filesystem")
+    failed = [(r, info) for r, info in enumerate(ranks) if info["problem"]]
+    if failed:
+        r, info = failed[0]
+        raise ConfigError(f"rank {r} ({info['host']}): {info['problem']}")
+    resumed = sorted({str(info["resumed_step"]) for info in ranks})
+    if len(resumed) > 1:
+        raise ConfigError(f"ranks resumed from checkpoints of different steps ({', '.join(resumed)}) in out_dir "
+                          f"{out_dir}: every node must see the same shared directory")
+
+
+def span(ranks):
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    runs = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
+
+
 def setup(cfg):
     """Join torchrun's process group (RANK/LOCAL_RANK/WORLD_SIZE; a plain `python train.py` is rank 0 of 1),
     pick device and precision, and seed every RNG alike on all ranks (identical initial weights)."""
-    distributed = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    distributed = launched_by_torchrun()
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     device = resolve_device(cfg.device)
@@ -122,8 +199,9 @@ def setup(cfg):
         torch.cuda.set_device(device)  # also for --device=cuda:N alone: memory stats, syncs and RNG follow it
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls: ~8x fp32 throughput on Ampere+
         torch.backends.cudnn.allow_tf32 = True
-    if distributed:
-        dist.init_process_group(backend="nccl" if device_type(device) == "cuda" else "gloo")
+    if distributed:  # the timeout covers rank 0 writing a checkpoint while the others wait in the next collective
+        dist.init_process_group(backend="nccl" if device_type(device) == "cuda" else "gloo",
+                                timeout=timedelta(minutes=cfg.dist_timeout_minutes))
     tune_cpu_allocator(device)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -296,12 +374,20 @@ def get_lr(step, cfg):
     return cfg.learning_rate + progress * (cfg.min_lr - cfg.learning_rate)
 
 
+def to_device(tensors, device):
+    """CPU batch tensors on `device`. On CUDA the copy goes through pinned memory and is only queued: a copy
+    from pageable memory first waits for all the work already queued on the GPU (a host sync per micro-batch,
+    with or without non_blocking). Elsewhere a plain .to() (a no-op on the CPU)."""
+    if device_type(device) != "cuda":
+        return tuple(t.to(device) for t in tensors)
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
+
+
 def forward_backward(model, loader, grad_accum, scaler, env):
     """Gradients of the mean loss over grad_accum micro-batches; returns the summed loss (a device scalar)."""
     loss_sum = torch.zeros((), device=env.device)
     for micro in range(grad_accum):
-        x, y = loader.next_batch()  # (B, T) each
-        x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+        x, y = to_device(loader.next_batch(), env.device)  # (B, T) each
         set_grad_sync(model, micro == grad_accum - 1)
         with autocast(env.device, env.dtype):
             _, loss = model(x, y, return_logits=False)
@@ -364,9 +450,9 @@ def val_loss(model, loader, eval_steps, env):
     loader.reset()
     total = torch.zeros((), device=env.device)
     for _ in range(eval_steps):
-        x, y = loader.next_batch()
+        x, y = to_device(loader.next_batch(), env.device)
         with autocast(env.device, env.dtype):
-            _, loss = model(x.to(env.device), y.to(env.device), return_logits=False)
+            _, loss = model(x, y, return_logits=False)
         total += loss.float()
     if env.distributed:
         dist.all_reduce(total)  # SUM: gloo has no AVG
@@ -499,8 +585,9 @@ class MetricsLog:
 def train(argv):
     # config: defaults < checkpoint (on resume) < preset < config files < --key=value
     user = parse_args(argv)
-    cfg, ckpt = resolve_config(user)
+    cfg, ckpt, problem = resolve_config_or_defer(user)
     env = setup(cfg)
+    check_shared_out_dir(cfg.out_dir, ckpt and ckpt["step"], problem, env)
     log = tqdm.write if env.master else (lambda *a, **k: None)
     total_batch_size, grad_accum = batch_layout(cfg, env.world_size)
     train_loader, val_loader = make_loaders(cfg, env)
@@ -615,9 +702,12 @@ def main(argv=None):
     try:
         return train(argv)
     except (ConfigError, CheckpointError, Halt) as e:
-        if os.environ.get("RANK", "0") == "0":
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node: every node's log says why it stopped
             print(f"train.py: error: {e}", file=sys.stderr)
         raise SystemExit(2 if isinstance(e, ConfigError) else 1) from None
+    finally:
+        if dist.is_available() and dist.is_initialized():  # also after an error: no "not destroyed" warning
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

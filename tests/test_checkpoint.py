@@ -1,5 +1,6 @@
 """checkpoint.py: atomic writes, finding the newest complete checkpoint, one-line load errors, the scripts' model flags."""
 import argparse
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,30 @@ def test_roundtrip_loads_with_weights_only(tmp_path):
     assert ckpt["step"] == 7 and torch.equal(ckpt["model"]["w"], torch.full((3,), 7.0))
     assert load_checkpoint(tmp_path)["step"] == 7  # a directory means its latest checkpoint
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt_000007.pt"]  # no temporary file left
+
+
+def file_mappings(path):
+    """[(start, end)] address ranges of this process mapped from `path` (Linux /proc/self/maps)."""
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == str(path):
+            start, end = (int(a, 16) for a in fields[0].split("-"))
+            out.append((start, end))
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc/self/maps")
+def test_loading_maps_the_file_instead_of_reading_it(tmp_path):
+    """Resume on 8 ranks must not hold 8 private copies of an 18 GB checkpoint: the tensors' memory is the
+    file's pages (shared through the page cache), not a copy read into each process."""
+    path = checkpoint_path(tmp_path, 3)
+    save_checkpoint(path, fake_ckpt(3, optimizer={"m": torch.arange(1 << 20, dtype=torch.float32)}))
+    ckpt = load_checkpoint(path)
+    tensor = ckpt["optimizer"]["m"]
+    assert torch.equal(tensor, torch.arange(1 << 20, dtype=torch.float32))
+    ptr = tensor.untyped_storage().data_ptr()
+    assert any(start <= ptr < end for start, end in file_mappings(path.resolve())), "tensor is not file-backed"
 
 
 def test_latest_skips_truncated_and_temporary_files(tmp_path):

@@ -10,6 +10,36 @@ import torch
 import devices
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_requirements_torch_floor_is_the_one_the_code_checks():
+    lines = [line.split("#")[0].strip() for line in (ROOT / "requirements.txt").read_text().splitlines()]
+    torch_specs = [line for line in lines if line.startswith("torch")]
+    assert torch_specs == [f"torch>={'.'.join(map(str, devices.MIN_TORCH))}"]
+
+
+@pytest.mark.parametrize("version, ok", [
+    ("2.13.0+cpu", True), ("2.6.0", True), ("2.6.0a0+ecf3bae40a.nv25.01", True), ("3.0.0", True),
+    ("2.5.1+cu124", False), ("2.3.0", False), ("1.13.1", False), ("2.10.0", True),  # 2.10 > 2.6, not "2.1"
+])
+def test_torch_version_floor(version, ok):
+    problem = devices.torch_version_problem(version, minimum=(2, 6))
+    assert (problem is None) == ok
+    if not ok:
+        assert version in problem and ">= 2.6" in problem and "\n" not in problem
+
+
+def test_importing_devices_under_an_old_torch_is_a_one_line_error():
+    code = "import torch; torch.__version__ = '2.3.1+cu121'; import devices"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    need = ".".join(map(str, devices.MIN_TORCH))
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        f"error: torch 2.3.1+cu121 is installed, but gpt2-train needs torch >= {need} (requirements.txt); "
+        f"upgrade it, e.g. pip install 'torch>={need}'"]
+
+
 def test_cpu_dtype_and_compile_follow_native_bf16(monkeypatch):
     monkeypatch.setattr(devices, "cpu_has_fast_bf16", lambda: False)
     assert devices.resolve_dtype("auto", "cpu") == "float32"

@@ -169,7 +169,7 @@ def test_optimizer_decays_only_matrices_and_uses_fused_when_asked():
         assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
         assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
         assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == model.num_params()
-        assert opt.defaults["fused"] is fused and (fused or opt.defaults["foreach"] is True)
+        assert bool(opt.defaults["fused"]) is fused and (fused or opt.defaults["foreach"] is True)
 
 
 # ----------------------------------------------------------------------------- forward and loss

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -229,6 +230,25 @@ def test_out_of_memory_under_compile_is_not_called_a_compile_failure(data_dir, t
     assert "torch.compile failed" not in capsys.readouterr().out
 
 
+def test_cuda_batches_are_copied_from_pinned_memory_without_waiting():
+    """From pageable memory a host->GPU copy waits for the GPU's queued work: one host sync per micro-batch."""
+    calls = []
+
+    class HostTensor:
+        def pin_memory(self):
+            calls.append("pin")
+            return self
+
+        def to(self, device, non_blocking=False):
+            calls.append((device, non_blocking))
+            return device
+
+    assert train.to_device((HostTensor(), HostTensor()), "cuda:3") == ("cuda:3", "cuda:3")
+    assert calls == ["pin", ("cuda:3", True)] * 2
+    x = torch.zeros(2, 3, dtype=torch.long)
+    assert train.to_device((x,), "cpu")[0] is x  # the CPU path is untouched
+
+
 def test_skip_reason_counts_consecutive_skips_and_halts():
     cfg = TrainConfig(max_skipped_steps=3)
     scaler, progress = torch.amp.GradScaler("cpu", enabled=False), train.Progress()
@@ -429,6 +449,60 @@ def test_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tmp_pat
     val = lambda out: [m["val_loss"] for m in metrics(out) if "val_loss" in m]
     assert np.allclose(val(tmp_path / "ddp"), val(tmp_path / "single"), atol=1e-5)
     assert len(load_checkpoint(tmp_path / "ddp")["rng"]) == 2  # each rank's RNG state
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("resume", [True, False], ids=["resume", "fresh"])
+def test_out_dir_not_shared_by_every_node_is_a_one_line_error_on_each_node(data_dir, tmp_path, resume):
+    """Two "nodes" (plain processes with torchrun's environment, LOCAL_RANK 0 each) whose out_dir paths are
+    different directories, as node-local disks are. Rank 1 cannot see rank 0's checkpoints: it used to raise
+    before joining the process group while rank 0 waited in the rendezvous until it timed out (30 min)."""
+    shared, local = tmp_path / "node0_disk", tmp_path / "node1_disk"
+    if resume:
+        assert run(data_dir, shared, "--max_steps=2", "--eval_interval=0") == 0
+    args = [*TINY, f"--data_dir={data_dir}", "--max_steps=4"] + (["--init_from=resume"] if resume else [])
+    port = free_port()
+    procs = []
+    for rank, out in enumerate([shared, local]):
+        env = {**subprocess_env(), "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"--out_dir={out}"], cwd=ROOT,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outputs = [proc.communicate(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    host = socket.gethostname()
+    for proc, (_, stderr), out in zip(procs, outputs, [shared, local]):  # each names its out_dir as it sees it
+        assert proc.returncode == 2, stderr[-2000:]
+        assert stderr.strip().splitlines() == [
+            f"train.py: error: out_dir {out} must be storage shared by every node: rank(s) 1 on {host} do not see "
+            f"the file rank 0 ({host}) wrote there (node-local disk?); use a path on a shared filesystem"]
+    assert not list(shared.glob(".out_dir_check*"))  # the marker is removed
+
+
+def test_process_group_timeout_is_the_config_key(monkeypatch):
+    """A slow rank-0 save must not outlast the collective timeout the other ranks wait under."""
+    calls = []
+    monkeypatch.setattr(train.dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    env = train.setup(make_config({"device": "cpu", "dtype": "float32", "dist_timeout_minutes": 45}))
+    assert env.distributed and calls == [{"backend": "gloo", "timeout": train.timedelta(minutes=45)}]
+    assert TrainConfig().dist_timeout_minutes == 30
+    with pytest.raises(ConfigError, match="'dist_timeout_minutes' must be > 0; got 0"):
+        make_config({"dist_timeout_minutes": 0})
+
+
+def test_span_of_ranks():
+    assert train.span([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and train.span([3]) == "3"
 
 
 # ----------------------------------------------------------------------------- plot_metrics.py

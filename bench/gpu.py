@@ -1,0 +1,367 @@
+"""The one-command GPU acceptance run: does this library do on this GPU what the README says it should?
+
+    python -m bench.gpu                        # 1 GPU (and torchrun checks when there are >= 2)
+    python -m bench.gpu --steps 100 --hellaswag 1000 --hellaswag_model path/to/gpt2_hf_dir
+    python -m bench.gpu --device=cpu --tiny    # the same checks on a tiny model on the CPU (what CI runs)
+
+It prints one table, check | result | reference or limit | status, and exits 1 if any check FAILs:
+
+  train      train.py itself, with configs/gpt2_124m.py's settings (GPT-2 124M, bf16, compile, micro-batch
+             64 x 1024, halved while it runs out of memory) on random tokens, no accumulation: tokens/s, MFU
+             and peak memory from its metrics.jsonl, next to the write-up's ~350K tokens/s on one H100.
+             FAIL if train.py fails or a loss is not finite.
+  compile    torch.compile's first forward+backward (empty inductor cache) and a steady step after it.
+  chunked    the chunked loss (return_logits=False) against full logits + cross-entropy on the same weights
+             and batch: loss and gradients in fp32 (TF32 off) and under bf16 autocast.
+  hellaswag  --hellaswag examples scored with train.py's final checkpoint (or --hellaswag_model) in bf16 and
+             in fp32: every ending's mean loss must agree; accuracy is reported.
+  memory     memory.estimate_memory's plan for the train row against its measured peak (CUDA only; skipped
+             while memory.py is absent). FAIL if the plan underestimates by more than 10%.
+  ddp, fsdp  with >= 2 GPUs (or --nproc N): torchrun with N ranks against one process with N accumulation
+             steps, per-step losses over a few steps (fsdp only where config.TrainConfig has `parallel`).
+
+Each train.py run gets its own empty torch.compile cache, so compile times are first-run times.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from config import TrainConfig, make_config, model_config, parse_args
+from devices import autocast, device_type, peak_flops, resolve_device, resolve_dtype
+from model import GPT
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT2_124M = ROOT / "configs" / "gpt2_124m.py"
+TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=50304)  # the real tokenizer fits its vocab
+SMALL = dict(n_layer=4, n_head=4, n_embd=256, block_size=256, vocab_size=50304)  # the torchrun comparisons on GPUs
+REFERENCE_TOKENS_PER_S = 350e3  # GPT-2 124M on one H100 SXM, bf16 + compile + fused AdamW, 64 x 1024 (write-up)
+MEMORY_SLACK = 1.10  # the plan may underestimate the measured peak by at most this factor
+# tolerances, |chunked - full|: loss (absolute), gradients (max abs difference over max abs gradient)
+CHUNKED_TOL = {"float32": (1e-4, 1e-4), "bfloat16": (1e-3, 5e-2)}
+HELLASWAG_TOL = 0.1  # max |bf16 - fp32| of an ending's mean loss (nats)
+# Inputs for --tiny's HellaSwag row (a CI machine may have no copy of the real file); never scored for accuracy.
+SYNTHETIC_EXAMPLES = [
+    {"ind": i, "ctx": ctx, "label": i % 4, "endings": endings} for i, (ctx, endings) in enumerate([
+        ("The chef cracks two eggs into a bowl and", ["whisks them.", "sings.", "leaves.", "paints the wall."]),
+        ("A man climbs a ladder to the roof. He", ["fixes a tile.", "swims.", "eats soup.", "reads a map."]),
+        ("The kids run onto the beach and", ["build a sandcastle.", "file taxes.", "sleep.", "type."]),
+        ("She tunes the guitar, then", ["plays a song.", "mows it.", "bakes it.", "mails it."]),
+    ])]
+
+
+class Report:
+    """The table: one row per check; failed() says whether any check failed."""
+
+    def __init__(self):
+        self.rows = []
+
+    def add(self, check, result, reference, status):
+        self.rows.append((check, result, reference, status))
+        print(f"[{status}] {check}: {result}", file=sys.stderr, flush=True)  # progress while the run goes on
+
+    def failed(self):
+        return any(status == "FAIL" for *_, status in self.rows)
+
+    def table(self):
+        head = ("check", "result", "reference / limit", "status")
+        widths = [max(len(str(row[i])) for row in [head, *self.rows]) for i in range(4)]
+        lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip() for row in [head, *self.rows]]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+def describe(device):
+    if device_type(device) == "cuda":
+        return (f"{torch.cuda.get_device_name(device)} x {torch.cuda.device_count()}, torch {torch.__version__}, "
+                f"CUDA {torch.version.cuda}")
+    return f"CPU ({os.cpu_count()} cores), torch {torch.__version__}"
+
+
+def sync(device):
+    if device_type(device) == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def write_random_shards(data_dir, tokens, vocab, seed=0):
+    """Train and val shards of uniformly random token ids: throughput and equivalence need no real text."""
+    from data import write_shard
+    rng = np.random.default_rng(seed)
+    write_shard(Path(data_dir) / "random_train_000000.bin", rng.integers(0, min(vocab, 50257), tokens))
+    write_shard(Path(data_dir) / "random_val_000000.bin", rng.integers(0, min(vocab, 50257), 100_000))
+
+
+def run_train(args, out_dir, env, nproc=0, timeout=3600):
+    """train.py (under torchrun with nproc ranks if nproc) -> (return code, stderr tail, metrics records)."""
+    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+                                   if nproc else [])
+    cmd = [*launcher, str(ROOT / "train.py"), *args, f"--out_dir={out_dir}"]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    path = Path(out_dir) / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return result.returncode, result.stderr[-3000:], [r for r in records if "train_loss" in r]
+
+
+def train_env(tmp, name):
+    """The environment of a train.py subprocess: this checkout importable, its own empty compile cache."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / f"inductor_{name}")}
+
+
+# ----------------------------------------------------------------------------- the checks
+
+def check_train(report, opts, tmp, data_dir):
+    """train.py on the acceptance config; returns (cfg it ran, out_dir, its step records) or None if it failed."""
+    batch_size = opts.batch_size
+    while True:
+        cfg = make_config({**opts.user, "batch_size": batch_size})
+        args = [*opts.train_args, f"--data_dir={data_dir}", f"--max_steps={opts.steps}", f"--batch_size={batch_size}",
+                f"--total_batch_size={batch_size * cfg.block_size}", "--eval_interval=0", "--hellaswag_interval=0",
+                "--sample_interval=0", "--save_interval=0", f"--device={opts.device}"]
+        out_dir = Path(tmp) / f"train_b{batch_size}"
+        rc, err, records = run_train(args, out_dir, train_env(tmp, f"train_b{batch_size}"))
+        if rc and "out of memory" in err.lower() and batch_size > 1:
+            print(f"micro-batch {batch_size} ran out of memory; trying {batch_size // 2}", file=sys.stderr)
+            batch_size //= 2
+            continue
+        break
+    what = f"micro-batch {batch_size} x {cfg.block_size}, {cfg.dtype}, compile {cfg.compile}"
+    if rc or not records:
+        report.add("train", f"train.py failed ({what}): {err.strip().splitlines()[-1] if err.strip() else rc}",
+                   "exit 0", "FAIL")
+        return None
+    losses = [r["train_loss"] for r in records]
+    timed = records[max(1, len(records) // 4):] or records  # after the first steps (allocator, autotuning)
+    tok_s = statistics.median(r["tokens_per_s"] for r in timed)
+    mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
+    peak = max(r["peak_mem_mb"] for r in records if r.get("peak_mem_mb") is not None)
+    reserved = max((r.get("peak_reserved_mb") or 0) for r in records)
+    result = (f"{tok_s:,.0f} tokens/s" + (f", MFU {statistics.median(mfus):.1%}" if mfus else "")
+              + f", peak {peak:,.0f} MiB" + (f" ({reserved:,.0f} reserved)" if reserved else "")
+              + f"; {what}; loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps")
+    reference = "-"
+    if not opts.tiny:
+        with torch.device("meta"):  # FLOPs per token need the shapes only
+            ref_mfu = GPT(model_config(cfg)).flops_per_token() * REFERENCE_TOKENS_PER_S / 989e12
+        reference = f"~{REFERENCE_TOKENS_PER_S / 1e3:.0f}K tokens/s, ~{ref_mfu:.0%} MFU (1x H100 SXM, write-up)"
+    finite = all(math.isfinite(x) for x in losses)
+    report.add("train", result if finite else f"non-finite loss: {losses}", reference, "INFO" if finite else "FAIL")
+    return (cfg, out_dir, records) if finite else None
+
+
+def check_compile(report, opts, cfg, device, dtype, tmp):
+    if opts.tiny:
+        report.add("compile", "not timed with --tiny (inductor on a CPU is not the GPU path)", "-", "SKIP")
+        return
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(tmp) / "inductor_compile")  # empty: a first-run time
+    torch.manual_seed(0)
+    model = GPT(model_config(cfg, dropout=0.0)).to(device)
+    compiled = torch.compile(model)
+    x = torch.randint(0, 50257, (cfg.batch_size, cfg.block_size), device=device)
+    times = []
+    for _ in range(3):
+        sync(device)
+        t0 = time.perf_counter()
+        with autocast(device, dtype):
+            _, loss = compiled(x, x, return_logits=False)
+        loss.backward()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    del model, compiled, loss
+    torch.cuda.empty_cache() if device_type(device) == "cuda" else None
+    report.add("compile", f"first forward+backward {times[0]:.1f} s (compile included), then {times[-1]:.3f} s",
+               "-", "INFO")
+
+
+def chunked_vs_full(model, x, y, device, dtype):
+    """(|loss difference|, max |grad difference| / max |grad|) of the chunked loss against full logits."""
+    out = []
+    for return_logits in (True, False):
+        model.zero_grad(set_to_none=True)
+        with autocast(device, dtype):
+            _, loss = model(x, y, return_logits=return_logits)
+        loss.backward()
+        out.append((loss.item(), [p.grad.float().clone() for p in model.parameters()]))
+    (full, g_full), (chunked, g_chunked) = out
+    scale = max(g.abs().max().item() for g in g_full)
+    grad_err = max((a - b).abs().max().item() for a, b in zip(g_full, g_chunked)) / scale
+    return full, chunked, grad_err
+
+
+def check_chunked(report, opts, cfg, device):
+    torch.manual_seed(0)
+    model = GPT(model_config(cfg, dropout=0.0)).to(device)
+    with torch.no_grad():  # logits of std ~2 as a trained model's, not the initial near-uniform ones: errors show
+        model.lm_head.weight.mul_(2 / (0.02 * math.sqrt(cfg.n_embd)))
+    rows = min(cfg.batch_size, 8)
+    x = torch.randint(0, 50257, (rows, cfg.block_size), device=device)
+    y = torch.randint(0, 50257, (rows, cfg.block_size), device=device)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    for dtype in ("float32", "bfloat16"):
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here: the tight comparison
+        try:
+            full, chunked, grad_err = chunked_vs_full(model, x, y, device, dtype)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+        if opts.inject == "chunked":
+            chunked += 1.0  # test hook: a wrong result must fail the run
+        loss_tol, grad_tol = CHUNKED_TOL[dtype]
+        loss_err = abs(full - chunked)
+        ok = loss_err <= loss_tol and grad_err <= grad_tol
+        report.add(f"chunked loss ({dtype})", f"loss {chunked:.6f} vs full logits {full:.6f}: |diff| {loss_err:.1e}, "
+                   f"gradients {grad_err:.1e} of max", f"<= {loss_tol:g}, <= {grad_tol:g}", "PASS" if ok else "FAIL")
+    del model
+
+
+def check_hellaswag(report, opts, device, ckpt_dir):
+    import hellaswag
+    from assets import fetch_hellaswag, get_tokenizer
+    from checkpoint import load_model
+    try:
+        enc = get_tokenizer()
+        if opts.tiny:
+            examples = SYNTHETIC_EXAMPLES
+        else:
+            examples = hellaswag.load_examples(opts.hellaswag_file or fetch_hellaswag(), limit=opts.hellaswag)
+    except Exception as e:  # offline GPU machine: no tokenizer or examples to be had
+        report.add("hellaswag", f"no data ({type(e).__name__}: {str(e)[:120]}); --hellaswag_file PATH", "-", "SKIP")
+        return
+    if opts.hellaswag_model:
+        model, info = load_model(init_from=opts.hellaswag_model, device=device)
+    else:
+        model, info = load_model(ckpt=ckpt_dir, device=device)
+    t0 = time.perf_counter()
+    low = hellaswag.evaluate(model, examples, device, dtype="bfloat16", enc=enc, rank=0, world_size=1)
+    rate = len(examples) / (time.perf_counter() - t0)
+    full = hellaswag.evaluate(model, examples, device, dtype="float32", enc=enc, rank=0, world_size=1)
+    diff = max(abs(a - b) for p, q in zip(low["preds"], full["preds"]) for a, b in zip(p["mean_loss"], q["mean_loss"]))
+    same = sum(p["pred_norm"] == q["pred_norm"] for p, q in zip(low["preds"], full["preds"])) / len(examples)
+    source = "synthetic examples" if opts.tiny else f"model {info['source']}"
+    reference = f"max |bf16 - fp32| <= {HELLASWAG_TOL}"
+    if opts.hellaswag_model and not opts.tiny:
+        reference += "; GPT-2 124M: acc_norm 0.2955 on all 10,042"
+    ok = math.isfinite(diff) and diff <= HELLASWAG_TOL
+    report.add("hellaswag", f"{low['n']} examples ({source}): acc_norm {low['acc_norm']:.4f} bf16, {full['acc_norm']:.4f}"
+               f" fp32; max |bf16 - fp32| mean loss {diff:.1e}, same prediction {same:.0%}; {rate:.0f} examples/s bf16",
+               reference, "PASS" if ok else "FAIL")
+
+
+def memory_verdict(predicted_bytes, measured_bytes, slack=MEMORY_SLACK):
+    """('PASS' or 'FAIL', measured / predicted): the plan may be loose, but must not underestimate."""
+    ratio = measured_bytes / predicted_bytes
+    return ("PASS" if ratio <= slack else "FAIL"), ratio
+
+
+def check_memory(report, cfg, device, dtype, records):
+    try:
+        import memory
+    except ImportError:
+        report.add("memory plan", "memory.py is not in this checkout", "-", "SKIP")
+        return
+    plan = memory.estimate_memory(model_config(cfg), cfg.batch_size, dtype=dtype, parallel="ddp", world_size=1)
+    if device_type(device) != "cuda":
+        report.add("memory plan", f"predicted {plan.total / 2**30:.2f} GiB; not compared: the CPU's peak RSS "
+                   "includes the whole process", "-", "INFO")
+        return
+    measured = max(r["peak_mem_mb"] for r in records) * 2**20
+    status, ratio = memory_verdict(plan.total, measured)
+    report.add("memory plan", f"predicted {plan.total / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB allocated "
+               f"({ratio:.2f}x); {plan.line()}", f"measured <= {MEMORY_SLACK:.2f}x predicted", status)
+
+
+def check_torchrun(report, opts, tmp, data_dir, nproc):
+    """torchrun with nproc ranks (DDP, and FSDP where it exists) equals 1 process with nproc accumulation steps."""
+    model_args = TINY if opts.tiny else SMALL
+    batch = 4 if opts.tiny else 8
+    common = [*(f"--{k}={v}" for k, v in model_args.items()), f"--data_dir={data_dir}", "--max_steps=5",
+              f"--batch_size={batch}", f"--total_batch_size={batch * model_args['block_size'] * nproc}",
+              "--dtype=float32", "--compile=False", "--dropout=0.0", "--eval_interval=0", "--save_interval=0",
+              "--warmup_steps=1", "--learning_rate=1e-3", f"--device={'cpu' if opts.tiny else 'cuda'}"]
+    rc, err, single = run_train(common, Path(tmp) / "single", train_env(tmp, "single"))
+    tol = 1e-5 if opts.tiny else 1e-4  # GPUs: fp32 with TF32 matmuls (train.py turns them on)
+    modes = ["ddp"] + (["fsdp"] if "parallel" in {f.name for f in fields(TrainConfig)} else [])
+    for mode in modes:
+        extra = [f"--parallel={mode}"] if mode != "ddp" else []
+        rc2, err2, ranks = run_train([*common, *extra], Path(tmp) / mode, train_env(tmp, mode), nproc=nproc)
+        if rc or rc2 or not single or len(ranks) != len(single):
+            tail = (err2 or err).strip().splitlines()[-1:] or [f"exit {rc or rc2}"]
+            report.add(mode, f"a run failed: {tail[0]}", "exit 0", "FAIL")
+            continue
+        diff = max(abs(a["train_loss"] - b["train_loss"]) for a, b in zip(ranks, single))
+        report.add(mode, f"{nproc} ranks vs 1 process x {nproc} accumulation steps, {len(single)} steps: max |loss "
+                   f"diff| {diff:.1e}", f"<= {tol:g}", "PASS" if diff <= tol else "FAIL")
+
+
+# ----------------------------------------------------------------------------- main
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cuda', 'cuda:1', or 'cpu' with --tiny")
+    p.add_argument("--tiny", action="store_true", help="a tiny model, float32, no compile: the checks a CPU can run")
+    p.add_argument("--steps", type=int, default=None, help="train.py steps (default 40; --tiny 6)")
+    p.add_argument("--batch_size", type=int, default=None, help="micro-batch to try first (default: the config's, 64)")
+    p.add_argument("--hellaswag", type=int, default=300, help="HellaSwag examples to score")
+    p.add_argument("--hellaswag_file", default=None, help="hellaswag_val.jsonl (default: assets.fetch_hellaswag())")
+    p.add_argument("--hellaswag_model", default=None, help="score this Hugging Face GPT-2 dir instead of the trained one")
+    p.add_argument("--nproc", type=int, default=None, help="ranks for the torchrun checks (default: 2 if >= 2 GPUs, else none)")
+    p.add_argument("--inject", choices=["chunked"], default=None, help="test hook: make that check compute a wrong result")
+    opts = p.parse_args(argv)
+    opts.device = resolve_device(opts.device)
+    if device_type(opts.device) != "cuda" and not opts.tiny:
+        p.error(f"device {opts.device!r} is not a CUDA GPU; use --tiny for the checks a CPU can run")
+    if opts.tiny:
+        opts.train_args = [*(f"--{k}={v}" for k, v in TINY.items()), "--dtype=float32", "--compile=False"]
+        opts.user = {**TINY, "dtype": "float32", "compile": False}
+    else:
+        opts.train_args = [str(GPT2_124M)]
+        opts.user = parse_args([str(GPT2_124M)])
+    opts.steps = opts.steps or (6 if opts.tiny else 40)
+    opts.batch_size = opts.batch_size or (4 if opts.tiny else make_config(opts.user).batch_size)
+    if opts.nproc is None:
+        opts.nproc = 2 if device_type(opts.device) == "cuda" and torch.cuda.device_count() >= 2 else 0
+    return opts
+
+
+def main(argv=None):
+    opts = parse(sys.argv[1:] if argv is None else argv)
+    device = opts.device
+    if device_type(device) == "cuda":
+        torch.cuda.set_device(device)
+    report = Report()
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        data_dir = Path(tmp) / "data"
+        block = make_config(opts.user).block_size
+        write_random_shards(data_dir, tokens=(opts.steps + 2) * opts.batch_size * block + 100_000, vocab=50304)
+        trained = check_train(report, opts, tmp, data_dir)
+        if trained is not None:
+            cfg, out_dir, records = trained
+            dtype = resolve_dtype(cfg.dtype, device)
+            check_compile(report, opts, cfg, device, dtype, tmp)
+            check_chunked(report, opts, cfg, device)
+            check_hellaswag(report, opts, device, out_dir)
+            check_memory(report, cfg, device, dtype, records)
+        if opts.nproc >= 2:
+            check_torchrun(report, opts, tmp, data_dir, opts.nproc)
+        else:
+            report.add("ddp", "needs >= 2 GPUs (--nproc N runs it; on a CPU with gloo)", "-", "SKIP")
+    print(f"\nbench.gpu on {describe(device)} ({time.perf_counter() - t_start:.0f} s)\n")
+    print(report.table())
+    if report.failed():
+        print("\nFAILED: at least one check gave a wrong result (see the rows marked FAIL)")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
