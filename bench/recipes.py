@@ -17,7 +17,8 @@ an API), evaluated every --eval_interval steps on the same val batches. Per corp
   3. per-step cost of each knob: the GPT-2 recipe with one of the modern recipe's knobs, --knob_steps steps
      each, median step_ms after the first 5 (run on the first corpus only).
 Corpora: 'shakespeare' (prepare_data.py's preset) and 'stdlib' (this Python's standard library: the .py files
-of its top directory, one document each, in a seeded random order so validation is a random few modules).
+of its top directory, each top-level function/class/block a document, in a seeded random order so validation
+is a random sample of them).
 """
 import argparse
 import glob
@@ -49,11 +50,12 @@ def prepare_corpus(name, data_root):
         prepare_data.prepare(dataset="shakespeare", out_dir=out, num_proc=1, progress=False)
     elif name == "stdlib":
         files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
-        random.Random(0).shuffle(files)
+        # documents: the top-level units of each module (PEP 8 puts two blank lines between them), shuffled
+        units = [u for f in files for u in Path(f).read_text(encoding="utf-8", errors="replace").split("\n\n\n")]
+        random.Random(0).shuffle(units)
         src = Path(data_root) / "stdlib_src" / "stdlib.jsonl"
         src.parent.mkdir(parents=True, exist_ok=True)
-        text = "".join(json.dumps({"text": Path(f).read_text(encoding="utf-8", errors="replace")}) + "\n"
-                       for f in files)
+        text = "".join(json.dumps({"text": u}) + "\n" for u in units if u.strip())
         if not src.exists() or src.read_text() != text:
             src.write_text(text)
         prepare_data.prepare(inputs=[str(src)], out_dir=out, val_tokens=32_768, num_proc=1, progress=False)
