@@ -74,6 +74,12 @@ class TrainConfig(GPTConfig):
     dtype: str = "auto"  # 'float32', 'bfloat16', 'float16' (+GradScaler) or 'auto' (devices.resolve_dtype)
     compile: bool | str = "auto"  # torch.compile the model: True, False or 'auto' (devices.resolve_compile)
     seed: int = 1337  # seeds weights, data order and dropout
+    # tracking (optional packages: pip install wandb tensorboard); metrics.jsonl is always written
+    wandb_log: bool = False  # log to Weights & Biases (WANDB_MODE=offline records locally for `wandb sync`)
+    wandb_project: str = "gpt2-train"  # W&B project
+    wandb_run_name: str | None = None  # W&B run name (None: out_dir's name)
+    tensorboard_dir: str | None = None  # write TensorBoard event files here (None: no TensorBoard)
+    cost_per_hour: float | None = None  # USD per hour for the whole job: metrics gain cost_usd, tokens_per_dollar
     dist_timeout_minutes: float = 30.0  # torchrun: how long ranks wait in a collective (e.g. while rank 0 saves) before failing
 
     def __post_init__(self):
@@ -107,7 +113,7 @@ CHOICES = {"lr_schedule": ("cosine", "wsd"), "optimizer": ("adamw", "muon"), "no
 AT_LEAST_ONE = ("batch_size", "eval_steps", "sample_tokens", "total_batch_size", "lr_decay_steps", "hellaswag_limit")
 NON_NEGATIVE = ("max_steps", "warmup_steps", "eval_interval", "hellaswag_interval", "sample_interval", "log_interval",
                 "save_interval", "keep_last", "seed", "max_skipped_steps", "min_lr", "weight_decay", "grad_clip",
-                "muon_weight_decay")
+                "muon_weight_decay", "cost_per_hour")
 RANGES = {  # key: (check, what the message says); None passes where the key allows it
     **{k: (lambda v: v >= 1, ">= 1") for k in AT_LEAST_ONE},
     **{k: (lambda v: v >= 0, ">= 0") for k in NON_NEGATIVE},

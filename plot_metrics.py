@@ -1,9 +1,11 @@
-"""Plot a training run's metrics.jsonl: loss (train and val), learning rate and throughput.
+"""Plot training runs' metrics.jsonl: loss (train and val), gradient norm, learning rate, throughput;
+or compare two runs' trajectories step by step.
 
     python plot_metrics.py out/shakespeare                      # -> out/shakespeare/metrics.png
-    python plot_metrics.py out/a/metrics.jsonl out/b -o cmp.png  # several runs on the same axes
+    python plot_metrics.py out/a/metrics.jsonl out/b -o cmp.png  # several runs overlaid, legend from the dirs
+    python plot_metrics.py --compare out/a out/b                 # do the trajectories match? (text, no plot)
 
-Needs matplotlib (`pip install matplotlib`, an optional extra; training does not need it).
+Plotting needs matplotlib (`pip install matplotlib`, an optional extra; training does not need it).
 """
 import argparse
 import json
@@ -40,7 +42,7 @@ def series(records, key):
 
 
 def plot(runs, out_path):
-    """runs: list of (label, path). Writes a PNG with loss, learning rate and tokens/s panels."""
+    """runs: list of (label, path). Writes a PNG with loss, gradient norm, learning rate and tokens/s panels."""
     try:
         import matplotlib
     except ImportError:
@@ -48,18 +50,19 @@ def plot(runs, out_path):
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_lr, ax_tps) = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, (ax_loss, ax_norm, ax_lr, ax_tps) = plt.subplots(1, 4, figsize=(20, 4.5))
     for label, path in runs:
         steps, val, hellaswag = read_metrics(path)
         line, = ax_loss.plot(*series(steps, "train_loss"), lw=1, alpha=0.8, label=f"{label} train")
         if val:
             ax_loss.plot(*series(val, "val_loss"), "o-", color=line.get_color(), ms=3, label=f"{label} val")
+        ax_norm.plot(*series(steps, "grad_norm"), lw=1, label=label)
         ax_lr.plot(*series(steps, "lr"), label=label)
         ax_tps.plot(*series(steps, "tokens_per_s"), lw=1, label=label)
         if hellaswag:
             best = max(r["hellaswag_acc_norm"] for r in hellaswag)
             print(f"{label}: best HellaSwag acc_norm {best:.4f}")
-    for ax, title in ((ax_loss, "loss"), (ax_lr, "learning rate"), (ax_tps, "tokens / s")):
+    for ax, title in ((ax_loss, "loss"), (ax_norm, "gradient norm"), (ax_lr, "learning rate"), (ax_tps, "tokens / s")):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -69,18 +72,60 @@ def plot(runs, out_path):
     print(f"wrote {out_path}")
 
 
+def compare(path_a, path_b):
+    """Over the steps both runs logged: max and mean |a - b| of train_loss and grad_norm, and each
+    run's final val loss. Returns a dict (what --compare prints)."""
+    (steps_a, val_a, _), (steps_b, val_b, _) = read_metrics(path_a), read_metrics(path_b)
+    out = {}
+    for key in ("train_loss", "grad_norm"):
+        a, b = dict(zip(*series(steps_a, key))), dict(zip(*series(steps_b, key)))
+        common = sorted(a.keys() & b.keys())
+        diffs = [abs(a[s] - b[s]) for s in common]
+        out[key] = {"steps": len(common), "first": common[0] if common else None,
+                    "last": common[-1] if common else None, "max_abs_diff": max(diffs, default=None),
+                    "mean_abs_diff": sum(diffs) / len(diffs) if diffs else None}
+    out["final_val_loss"] = [val[-1]["val_loss"] if val else None for val in (val_a, val_b)]
+    out["final_val_step"] = [val[-1]["step"] if val else None for val in (val_a, val_b)]
+    return out
+
+
+def compare_text(path_a, path_b, result):
+    lines = [f"a = {path_a}\nb = {path_b}"]
+    for key in ("train_loss", "grad_norm"):
+        r = result[key]
+        if not r["steps"]:
+            lines.append(f"{key:<10}  no common steps")
+            continue
+        lines.append(f"{key:<10}  over {r['steps']} common steps ({r['first']}..{r['last']}): "
+                     f"max |a-b| {r['max_abs_diff']:.3e}, mean |a-b| {r['mean_abs_diff']:.3e}")
+    (va, vb), (sa, sb) = result["final_val_loss"], result["final_val_step"]
+    fmt = lambda v, s: "n/a" if v is None else f"{v:.6f} (step {s})"
+    line = f"final val_loss  a {fmt(va, sa)}, b {fmt(vb, sb)}"
+    if va is not None and vb is not None:
+        line += f", |a-b| {abs(va - vb):.3e}"
+    lines.append(line)
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", help="run directories (out_dir) or metrics.jsonl files")
     parser.add_argument("-o", "--out", help="PNG to write (default: metrics.png next to the first run's metrics)")
+    parser.add_argument("--compare", action="store_true",
+                        help="print how far two runs' train loss and grad norm differ per step (no plot)")
     args = parser.parse_args(argv)
     paths = [Path(p) for p in args.runs]
+    if args.compare and len(paths) != 2:
+        parser.error(f"--compare takes exactly two runs, got {len(paths)}")
     try:
         for p in paths:
             read_metrics(p)  # fail early, with the file's name, before importing matplotlib
     except FileNotFoundError as e:
         print(f"plot_metrics.py: error: {e}", file=sys.stderr)
         return 2
+    if args.compare:
+        print(compare_text(*paths, compare(*paths)))
+        return 0
     first = paths[0] if paths[0].is_dir() else paths[0].parent
     out = args.out or first / "metrics.png"
     labels = [(p if p.is_dir() else p.parent).name or str(p) for p in paths]

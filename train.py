@@ -34,7 +34,9 @@ from config import ARCH_KEYS, ConfigError, help_text, make_config, model_config,
 from data import DataLoader
 from devices import (autocast, device_type, fused_adamw_supported, is_compile_error, peak_flops, resolve_compile,
                      resolve_device, resolve_dtype, tune_cpu_allocator)
+from files import atomic_write
 from model import GPT
+from tracking import TRACKING_KEYS, Tracker, TrackingError, check_tracking_available
 
 
 class Halt(Exception):
@@ -524,7 +526,7 @@ def restore_rngs(ckpt, env, log):
             "dropout masks will differ from an uninterrupted run")
 
 
-def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, cfg, env, log):
+def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, tracker, cfg, env, log):
     """Write ckpt_{step}.pt (rank 0) holding everything an exact resume needs, then prune old ones."""
     rngs = [rng_state()]
     if env.distributed:  # every rank's dropout RNG, so a resumed DDP run draws the same masks
@@ -543,42 +545,12 @@ def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, cfg, env,
         "step": step, "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict() if scaler.is_enabled() else None, "loader": loader.state_dict(),
         "rng": rngs, "val_loss": val, "best_step": progress.best_step, "best_val_loss": progress.best_val,
-        "format": FORMAT})
+        "tracker": tracker.state_dict(), "format": FORMAT})
     prune_checkpoints(out_dir, cfg.keep_last, keep_steps={progress.best_step})
     log(f"step {step}: saved {path}")
 
 
 # ----------------------------------------------------------------------------- outputs
-
-def json_safe(value):
-    return None if isinstance(value, float) and not math.isfinite(value) else value  # JSON has no NaN
-
-
-class MetricsLog:
-    """out_dir/metrics.jsonl, one JSON object per line. A fresh run starts an empty file; a resumed
-    run first drops the lines of steps after its checkpoint (they are about to be redone)."""
-
-    def __init__(self, path, resume_step=None):
-        kept = []
-        if resume_step is not None and path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    if json.loads(line)["step"] <= resume_step:
-                        kept.append(line + "\n")
-                except (ValueError, KeyError, TypeError):
-                    pass  # a half-written last line from a killed run
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, path)  # atomic: a crash here leaves the old file or the new one
-        self.file = open(path, "a")
-
-    def write(self, record):
-        self.file.write(json.dumps({k: json_safe(v) for k, v in record.items()}) + "\n")
-        self.file.flush()
-
-    def close(self):
-        self.file.close()
-
 
 # ----------------------------------------------------------------------------- the recipe
 
@@ -586,6 +558,7 @@ def train(argv):
     # config: defaults < checkpoint (on resume) < preset < config files < --key=value
     user = parse_args(argv)
     cfg, ckpt, problem = resolve_config_or_defer(user)
+    check_tracking_available(cfg.wandb_log, cfg.tensorboard_dir)  # every rank: all stop alike
     env = setup(cfg)
     check_shared_out_dir(cfg.out_dir, ckpt and ckpt["step"], problem, env)
     log = tqdm.write if env.master else (lambda *a, **k: None)
@@ -599,11 +572,12 @@ def train(argv):
     model = parallelize(raw_model, cfg, env)  # what the loop calls
     compiled = hasattr(model, "_orig_mod")
 
-    out_dir, metrics = Path(cfg.out_dir), None
+    out_dir, tracker = Path(cfg.out_dir), None  # rank 0 writes metrics.jsonl (+ W&B/TensorBoard) and config.json
     if env.master:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
-        metrics = MetricsLog(out_dir / "metrics.jsonl", resume_step=progress.step if ckpt else None)
+        atomic_write(out_dir / "config.json", json.dumps(asdict(cfg), indent=2) + "\n")
+        tracker = Tracker(out_dir, asdict(cfg), total_batch_size, resume_step=progress.step if ckpt else None,
+                          state=ckpt.get("tracker") if ckpt else None, **{k: getattr(cfg, k) for k in TRACKING_KEYS})
         log(f"config ('*' = set on this command line):\n{config_table(cfg, user)}")
         log(f"{raw_model.num_params() / 1e6:.2f}M parameters | device {env.device} | dtype {env.dtype} | compile "
             f"{compiled} | world size {env.world_size} | {total_batch_size:,} tokens/step = {env.world_size} ranks"
@@ -618,7 +592,7 @@ def train(argv):
     old_handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     peak = peak_flops(torch.cuda.get_device_name(env.device) if env.kind == "cuda" else env.kind, env.dtype)
     hellaswag_examples = []
-    start_step, stopping = progress.step, False
+    start_step, stopping, finished = progress.step, False, False
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not env.master, unit="step", dynamic_ncols=True)
     try:
         while True:
@@ -629,18 +603,18 @@ def train(argv):
                 if due(cfg.eval_interval):
                     val = val_loss(model, val_loader, cfg.eval_steps, env)
                     if env.master:
-                        metrics.write({"step": step, "val_loss": val})
+                        tracker.log({"step": step, "val_loss": val})
                     log(f"step {step}: val loss {val:.4f}")
                 if due(cfg.hellaswag_interval):
                     hs = hellaswag_eval(raw_model, hellaswag_examples, cfg, env)
                     if env.master:
-                        metrics.write({"step": step, "hellaswag_acc": hs["acc"], "hellaswag_acc_norm": hs["acc_norm"],
+                        tracker.log({"step": step, "hellaswag_acc": hs["acc"], "hellaswag_acc_norm": hs["acc_norm"],
                                        "hellaswag_n": hs["n"]})
                     log(f"step {step}: hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
                 if env.master and step > 0 and due(cfg.sample_interval):
                     log(f"step {step}: sample: {sample_preview(raw_model, cfg, env)!r}")
             if step > start_step and (last or stopping or cfg.save_interval and step % cfg.save_interval == 0):
-                save(out_dir, val, progress, raw_model, optimizer, scaler, train_loader, cfg, env, log)
+                save(out_dir, val, progress, raw_model, optimizer, scaler, train_loader, tracker, cfg, env, log)
             if last or stopping:
                 break
 
@@ -674,17 +648,20 @@ def train(argv):
             if skipped:
                 record["skipped"] = skipped
             if env.master:
-                metrics.write(record)
+                tracker.log(record)
                 bar.update(1)
                 if cfg.log_interval and (step % cfg.log_interval == 0 or step == cfg.max_steps):
                     log(f"step {step:>6}/{cfg.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | norm {grad_norm:.3f}"
                         f" | {dt * 1000:.0f} ms | {tokens_per_s:,.0f} tok/s" + (f" | mfu {mfu:.1%}" if mfu else ""))
+        finished = True
     finally:
         bar.close()
         for s, handler in old_handlers.items():
             signal.signal(s, handler)
-        if metrics:
-            metrics.close()
+        if tracker:
+            summary = tracker.close(exit_code=0 if finished else 1)
+            if finished:
+                log(summary)
         if env.distributed:
             dist.destroy_process_group()
     if stopping:
@@ -701,10 +678,10 @@ def main(argv=None):
         return 0
     try:
         return train(argv)
-    except (ConfigError, CheckpointError, Halt) as e:
+    except (ConfigError, TrackingError, CheckpointError, Halt) as e:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node: every node's log says why it stopped
             print(f"train.py: error: {e}", file=sys.stderr)
-        raise SystemExit(2 if isinstance(e, ConfigError) else 1) from None
+        raise SystemExit(2 if isinstance(e, (ConfigError, TrackingError)) else 1) from None
     finally:
         if dist.is_available() and dist.is_initialized():  # also after an error: no "not destroyed" warning
             dist.destroy_process_group()

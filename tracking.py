@@ -1,0 +1,274 @@
+"""Run tracking: metrics.jsonl (the source of truth), optional Weights & Biases and TensorBoard sinks,
+cost per token and the end-of-run summary. train.py makes one Tracker, on rank 0 only:
+
+    tracker = Tracker(out_dir, run_config, tokens_per_step, resume_step, state, wandb_log=True, ...)
+    tracker.log({"step": 1, "train_loss": 4.2, ...})   # every metrics line, train and eval
+    ckpt["tracker"] = tracker.state_dict()             # with each checkpoint
+    print(tracker.close())                             # summary.json + the console summary
+
+Both sinks are optional packages (`pip install wandb tensorboard`); the library runs without them.
+"""
+import json
+import math
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+
+TRACKING_KEYS = ("wandb_log", "wandb_project", "wandb_run_name", "tensorboard_dir", "cost_per_hour")
+
+
+class TrackingError(ValueError):
+    """A sink that cannot start (package missing, wandb.init refused); the message is one line."""
+
+
+def json_safe(value):
+    return None if isinstance(value, float) and not math.isfinite(value) else value  # JSON has no NaN
+
+
+class MetricsLog:
+    """out_dir/metrics.jsonl, one JSON object per line. A fresh run starts an empty file; a resumed
+    run first drops the lines of steps after its checkpoint (they are about to be redone)."""
+
+    def __init__(self, path, resume_step=None):
+        kept = []
+        if resume_step is not None and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= resume_step:
+                        kept.append(line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    pass  # a half-written last line from a killed run
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)  # atomic: a crash here leaves the old file or the new one
+        self.file = open(path, "a")
+
+    def write(self, record):
+        self.file.write(json.dumps({k: json_safe(v) for k, v in record.items()}) + "\n")
+        self.file.flush()
+
+
+def first_line(error):
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__
+
+
+def check_tracking_available(wandb_log, tensorboard_dir):
+    """Raise TrackingError (one line) if an enabled sink's package does not import."""
+    if wandb_log:
+        try:
+            import wandb  # noqa: F401
+        except Exception as e:  # ImportError, or a broken install (a protobuf clash, say)
+            raise TrackingError(f"wandb_log=True needs the wandb package, an optional extra: pip install wandb "
+                                f"({first_line(e)})") from None
+    if tensorboard_dir is not None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401  (imports the tensorboard package)
+        except Exception as e:
+            raise TrackingError(f"tensorboard_dir={tensorboard_dir!r} needs the tensorboard package, an optional "
+                                f"extra: pip install tensorboard ({first_line(e)})") from None
+
+
+class WandbSink:
+    """A W&B run with step as its x-axis. Resuming passes the same id with resume='allow'; with
+    WANDB_MODE=offline the run is written under out_dir/wandb/ for a later `wandb sync`."""
+    name = "wandb"
+
+    def __init__(self, out_dir, run_config, run_id, project, run_name):
+        import wandb
+        try:
+            self.run = wandb.init(project=project, name=run_name, id=run_id, resume="allow", dir=str(out_dir))
+            self.run.config.update(run_config, allow_val_change=True)  # a resume may change e.g. max_steps
+        except Exception as e:
+            raise TrackingError(f"wandb.init failed ({first_line(e)}); log in (`wandb login`), record offline "
+                                "with WANDB_MODE=offline, or set wandb_log=False") from None
+
+    def log(self, record):
+        self.run.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
+
+    def flush(self):
+        pass  # wandb's own service process writes and uploads as it goes
+
+    def close(self, exit_code):
+        self.run.finish(exit_code=exit_code)
+
+
+class TensorBoardSink:
+    """Event files in log_dir: a record's numbers as scalars (one event per record), strings (a skipped
+    step's reason) as text. A resume writes a purge marker at resume_step + 1, so TensorBoard hides what a
+    killed run logged after its checkpoint; a fresh run purges from step 0 (a reused directory starts
+    over, as metrics.jsonl does)."""
+    name = "tensorboard"
+
+    def __init__(self, log_dir, run_config, resume_step):
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from torch.utils.tensorboard import SummaryWriter
+        self.Summary = Summary
+        self.writer = SummaryWriter(log_dir, purge_step=0 if resume_step is None else resume_step + 1)
+        config = json.dumps(run_config, indent=2, default=str).replace("\n", "\n    ")
+        self.writer.add_text("config", "    " + config, resume_step or 0)  # indented: a markdown code block
+
+    def log(self, record):
+        step, scalars = record["step"], []
+        for key, value in record.items():
+            if key == "step" or value is None:
+                continue
+            if isinstance(value, str):
+                self.writer.add_text(key, value, step)
+            else:
+                scalars.append(self.Summary.Value(tag=key, simple_value=value))
+        # what add_scalar writes, but all of a record in one event: a third of the cost of one per value
+        # (tensorboard checksums every event in Python)
+        self.writer._get_file_writer().add_summary(self.Summary(value=scalars), step)
+
+    def flush(self):
+        self.writer.flush()
+
+    def close(self, exit_code):
+        self.writer.close()
+
+
+class Tracker:
+    """All of a run's logging: metrics.jsonl plus the enabled sinks, cumulative cost, the summary.
+
+    out_dir: the run's directory; run_config: the resolved config (a plain dict, the runs' config in the
+    sinks); tokens_per_step: tokens of one optimizer step (all ranks); resume_step: the checkpoint's step
+    when resuming, else None; state: the checkpoint's tracker.state_dict() (None: a fresh run, or a
+    checkpoint from before tracking, then the W&B id comes from out_dir/wandb_id.txt).
+    """
+
+    def __init__(self, out_dir, run_config, tokens_per_step, resume_step=None, state=None, *, wandb_log=False,
+                 wandb_project="gpt2-train", wandb_run_name=None, tensorboard_dir=None, cost_per_hour=None):
+        check_tracking_available(wandb_log, tensorboard_dir)
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.tokens_per_step, self.cost_per_hour = tokens_per_step, cost_per_hour
+        state = dict(state or {})
+        if resume_step is None:
+            state = {}  # a fresh run carries nothing over
+        self.wall_before = state.get("wall_s", 0.0)  # seconds of the earlier processes of this run
+        self.tokens = state.get("tokens", resume_step * tokens_per_step if resume_step else 0)
+        # throughput means: every process's first step is left out (torch.compile, warm-up)
+        self.timed_s, self.timed_tokens = state.get("timed_s", 0.0), state.get("timed_tokens", 0)
+        self.mfu_s = state.get("mfu_s", 0.0)  # sum of mfu * step seconds; None once a step had no MFU
+        self.first_step_seen = False
+        self.t0 = time.perf_counter()
+
+        self.sinks, self.wandb_id = [], None  # W&B first: the likeliest to refuse to start
+        if wandb_log:
+            id_file = self.out_dir / "wandb_id.txt"
+            self.wandb_id = state.get("wandb_id")
+            if self.wandb_id is None and resume_step is not None and id_file.is_file():
+                self.wandb_id = id_file.read_text().strip() or None
+            self.wandb_id = self.wandb_id or secrets.token_hex(4)  # W&B ids: [a-z0-9]+, 8 like its own
+            id_file.write_text(self.wandb_id + "\n")
+            self.sinks.append(WandbSink(self.out_dir, run_config, self.wandb_id, wandb_project,
+                                        wandb_run_name or self.out_dir.resolve().name))
+        if tensorboard_dir is not None:
+            self.sinks.append(TensorBoardSink(tensorboard_dir, run_config, resume_step))
+        self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", resume_step)
+
+    def wall_s(self):
+        return self.wall_before + time.perf_counter() - self.t0
+
+    def log(self, record):
+        """One metrics line ({'step': N, ...}) to metrics.jsonl and every sink; a train line (one with
+        'train_loss') also counts its tokens and, with cost_per_hour, gains cost_usd and tokens_per_dollar."""
+        record = dict(record)
+        if "train_loss" in record:
+            self.tokens += self.tokens_per_step
+            step_s = (record.get("step_ms") or 0) / 1000
+            if self.first_step_seen and step_s > 0:
+                self.timed_s += step_s
+                self.timed_tokens += self.tokens_per_step
+                mfu = record.get("mfu")
+                self.mfu_s = None if mfu is None or self.mfu_s is None else self.mfu_s + mfu * step_s
+            self.first_step_seen = True
+            if self.cost_per_hour is not None:
+                cost = self.wall_s() / 3600 * self.cost_per_hour
+                record["cost_usd"] = cost
+                record["tokens_per_dollar"] = self.tokens / cost if cost > 0 else None
+        self.metrics.write(record)
+        self._each_sink("log", record)
+
+    def _each_sink(self, method, *args):
+        """Call method on every sink; one that raises is reported once and dropped (training goes on)."""
+        for sink in list(self.sinks):
+            try:
+                getattr(sink, method)(*args)
+            except Exception as e:
+                self.sinks.remove(sink)
+                print(f"tracking: {sink.name} failed ({first_line(e)}); disabled for the rest of the run "
+                      f"(metrics.jsonl continues)", file=sys.stderr, flush=True)
+
+    def state_dict(self):
+        """What a resume needs (plain types, for the checkpoint). Also flushes the sinks, so all that the
+        checkpoint covers is on disk."""
+        self._each_sink("flush")
+        return {"wandb_id": self.wandb_id, "wall_s": self.wall_s(), "tokens": self.tokens,
+                "timed_s": self.timed_s, "timed_tokens": self.timed_tokens, "mfu_s": self.mfu_s}
+
+    def summary(self):
+        """The run so far, from metrics.jsonl (the whole run, across resumes) and the tracker's counters."""
+        records = []
+        for line in Path(self.metrics.file.name).read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                pass
+        train = [r for r in records if "train_loss" in r]
+        val = [r for r in records if r.get("val_loss") is not None]
+        hellaswag = [r for r in records if "hellaswag_acc_norm" in r]
+        losses = [r["train_loss"] for r in train if r["train_loss"] is not None]
+        mem = [r["peak_mem_mb"] for r in records if r.get("peak_mem_mb") is not None]
+        best = min(val, key=lambda r: r["val_loss"]) if val else None
+        timed = self.timed_s > 0
+        out = {"steps": max((r["step"] for r in records), default=0), "tokens": self.tokens,
+               "wall_s": self.wall_s(), "mean_tokens_per_s": self.timed_tokens / self.timed_s if timed else None,
+               "mean_mfu": self.mfu_s / self.timed_s if timed and self.mfu_s is not None else None,
+               "final_train_loss": losses[-1] if losses else None,
+               "final_val_loss": val[-1]["val_loss"] if val else None,
+               "best_val_loss": best["val_loss"] if best else None, "best_val_step": best["step"] if best else None,
+               "skipped_steps": sum(1 for r in train if r.get("skipped")),
+               "peak_mem_mb": max(mem) if mem else None}
+        if hellaswag:
+            h = hellaswag[-1]
+            out.update(hellaswag_step=h["step"], hellaswag_acc=h["hellaswag_acc"],
+                       hellaswag_acc_norm=h["hellaswag_acc_norm"], hellaswag_n=h["hellaswag_n"])
+        if self.cost_per_hour is not None:
+            cost = out["wall_s"] / 3600 * self.cost_per_hour
+            out.update(cost_per_hour=self.cost_per_hour, cost_usd=cost,
+                       tokens_per_dollar=self.tokens / cost if cost > 0 else None)
+        return out
+
+    def close(self, exit_code=0):
+        """Write out_dir/summary.json, finish the sinks (exit_code != 0 marks a failed W&B run), close
+        metrics.jsonl; returns the console summary."""
+        s = self.summary()
+        path = self.out_dir / "summary.json"
+        path.write_text(json.dumps({k: json_safe(v) for k, v in s.items()}, indent=2) + "\n")
+        self._each_sink("close", exit_code)
+        self.sinks = []
+        self.metrics.file.close()
+        return summary_text(s, path)
+
+
+def summary_text(s, path):
+    fmt = lambda v, spec: "n/a" if v is None else format(v, spec)
+    lines = [f"summary ({path}): {s['steps']} steps, {s['tokens']:,} tokens in {s['wall_s']:.1f} s | "
+             f"{fmt(s['mean_tokens_per_s'], ',.0f')} tokens/s, mfu {fmt(s['mean_mfu'], '.1%')} | "
+             f"peak memory {fmt(s['peak_mem_mb'], ',.0f')} MiB"]
+    loss = f"  train loss {fmt(s['final_train_loss'], '.4f')}"
+    if s["final_val_loss"] is not None:
+        loss += f" | val loss {s['final_val_loss']:.4f} (best {s['best_val_loss']:.4f} at step {s['best_val_step']})"
+    if "hellaswag_acc_norm" in s:
+        loss += f" | hellaswag acc_norm {s['hellaswag_acc_norm']:.4f} ({s['hellaswag_n']} examples)"
+    if s["skipped_steps"]:
+        loss += f" | {s['skipped_steps']} skipped steps"
+    lines.append(loss)
+    if "cost_usd" in s:
+        lines.append(f"  cost ${s['cost_usd']:,.4f} at ${s['cost_per_hour']:,.2f}/h: "
+                     f"{fmt(s['tokens_per_dollar'], ',.0f')} tokens per dollar")
+    return "\n".join(lines)
