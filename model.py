@@ -1,8 +1,11 @@
-"""GPT-2 in one file: config, modules, Hugging Face import/export, optimizer, MFU, KV-cache generation.
+"""GPT-2 in one file, with the GPT-NeoX / Pythia family and a few modern options: config, modules,
+Hugging Face import/export, optimizer, MFU, KV-cache generation.
 
 Parameter names follow OpenAI / Hugging Face GPT-2 (transformer.wte, transformer.h.N.attn.c_attn, ...),
 so moving weights to and from `GPT2LMHeadModel` is a key-by-key copy plus a transpose of the four
-Conv1D weights (HF stores them (in, out); nn.Linear stores (out, in)).
+Conv1D weights (HF stores them (in, out); nn.Linear stores (out, in)). GPT-NeoX (`GPTNeoXForCausalLM`,
+the Pythia checkpoints) is the same network with other names, an interleaved per-head QKV layout,
+rotary positions, a parallel residual and an untied output head: all options of GPTConfig here.
 """
 import json
 import math
@@ -16,23 +19,39 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from assets import EOT
+
 GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this in a padded vocab are never generated
-EOT = 50256
 LOSS_CHUNK_ROWS = 2048  # rows of (B*T) per lm_head+CE chunk when the full logits are not needed
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+ACTIVATIONS = ("gelu_tanh", "gelu", "relu2")
 
 # GPT-2 sizes (Radford et al. 2019) and the GPT-3 family sizes of the MosaicML GPT-3 recipes (context 2048;
 # 760m/1.3b use head_dim 128 as MosaicML does, rather than the GPT-3 paper's head counts).
+# Pythia (Biderman et al. 2023, "Pythia: A Suite for Analyzing Large Language Models Across Training and
+# Scaling", arXiv:2304.01373) and GPT-NeoX-20B (Black et al. 2022, arXiv:2204.06745): rotary on 25% of each
+# head, parallel residual, untied head, exact GELU, context 2048. Their vocabularies are the tokenizer's
+# 50277 ids padded for tensor parallelism, as in the published checkpoints: 50304, 50432 (6.9B, 20B), 50688 (12B).
+_NEOX = dict(block_size=2048, rotary_pct=0.25, parallel_residual=True, tie_embeddings=False, activation="gelu")
 PRESETS = {
-    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),
-    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),
-    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024),
-    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024),
-    "gpt3-125m": dict(n_layer=12, n_head=12, n_embd=768, block_size=2048),
-    "gpt3-350m": dict(n_layer=24, n_head=16, n_embd=1024, block_size=2048),
-    "gpt3-760m": dict(n_layer=24, n_head=12, n_embd=1536, block_size=2048),
-    "gpt3-1.3b": dict(n_layer=24, n_head=16, n_embd=2048, block_size=2048),
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024, vocab_size=50304),
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024, vocab_size=50304),
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024, vocab_size=50304),
+    "gpt3-125m": dict(n_layer=12, n_head=12, n_embd=768, block_size=2048, vocab_size=50304),
+    "gpt3-350m": dict(n_layer=24, n_head=16, n_embd=1024, block_size=2048, vocab_size=50304),
+    "gpt3-760m": dict(n_layer=24, n_head=12, n_embd=1536, block_size=2048, vocab_size=50304),
+    "gpt3-1.3b": dict(n_layer=24, n_head=16, n_embd=2048, block_size=2048, vocab_size=50304),
+    "pythia-70m": dict(n_layer=6, n_head=8, n_embd=512, vocab_size=50304, **_NEOX),
+    "pythia-160m": dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, **_NEOX),
+    "pythia-410m": dict(n_layer=24, n_head=16, n_embd=1024, vocab_size=50304, **_NEOX),
+    "pythia-1b": dict(n_layer=16, n_head=8, n_embd=2048, vocab_size=50304, **_NEOX),
+    "pythia-1.4b": dict(n_layer=24, n_head=16, n_embd=2048, vocab_size=50304, **_NEOX),
+    "pythia-2.8b": dict(n_layer=32, n_head=32, n_embd=2560, vocab_size=50304, **_NEOX),
+    "pythia-6.9b": dict(n_layer=32, n_head=32, n_embd=4096, vocab_size=50432, **_NEOX),
+    "pythia-12b": dict(n_layer=36, n_head=40, n_embd=5120, vocab_size=50688, **_NEOX),
+    "neox-20b": dict(n_layer=44, n_head=64, n_embd=6144, vocab_size=50432, **_NEOX),
 }
 
 
@@ -45,20 +64,38 @@ class GPTConfig:
     n_embd: int = 768  # residual stream width
     dropout: float = 0.0  # dropout probability; 0 for pretraining
     bias: bool = True  # biases in Linear layers and LayerNorms, as GPT-2
-    rotary_pct: float | None = None  # None: learned wpe; else fraction of head dims rotated (GPT-NeoX)
+    rotary_pct: float | None = None  # None: learned position embeddings; else fraction of head dims rotated (RoPE)
+    rotary_base: float = 10000.0  # rotary: dim pair i turns by position * rotary_base^(-2i/rotary dims)
+    parallel_residual: bool = False  # GPT-NeoX: x + attn(ln_1(x)) + mlp(ln_2(x)) in one step
+    tie_embeddings: bool = True  # the output head shares wte's weight (GPT-2); False: its own matrix
+    activation: str = "gelu_tanh"  # MLP nonlinearity: 'gelu_tanh' (GPT-2), 'gelu' (exact, GPT-NeoX), 'relu2'
+    qk_norm: bool = False  # RMS-normalise each head's queries and keys before attention (no learned scale)
+    zero_init_proj: bool = False  # the attention and MLP output projections start at zero
+    layer_norm_eps: float = 1e-5  # LayerNorm epsilon
     activation_checkpointing: bool = False  # recompute activations in backward: much less memory, ~1/3 slower
 
     def __post_init__(self):
-        for key in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            if not getattr(self, key) >= 1:
-                raise ValueError(f"GPTConfig: {key} must be >= 1; got {getattr(self, key)!r}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"GPTConfig: dropout must be in [0, 1); got {self.dropout!r}")
+        def need(ok: bool, name: str, expected: str):
+            if not ok:
+                raise ValueError(f"GPTConfig: {name}={getattr(self, name)!r}, expected {expected}")
+
+        def number(v):  # bools are ints in Python, never a valid size or rate here
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "a positive integer")
+        for name in ("bias", "parallel_residual", "tie_embeddings", "qk_norm", "zero_init_proj",
+                     "activation_checkpointing"):
+            need(isinstance(getattr(self, name), bool), name, "True or False")
+        need(number(self.dropout) and 0 <= self.dropout < 1, "dropout", "a number in [0, 1)")
+        need(number(self.rotary_base) and self.rotary_base > 0, "rotary_base", "a number > 0")
+        need(number(self.layer_norm_eps) and self.layer_norm_eps > 0, "layer_norm_eps", "a number > 0")
+        need(self.activation in ACTIVATIONS, "activation", f"one of {', '.join(map(repr, ACTIVATIONS))}")
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig: n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if self.rotary_pct is not None:
-            if not 0 < self.rotary_pct <= 1:
-                raise ValueError(f"GPTConfig: rotary_pct={self.rotary_pct}, expected None or a value in (0, 1]")
+            need(number(self.rotary_pct) and 0 < self.rotary_pct <= 1, "rotary_pct", "None or a value in (0, 1]")
             if self.rot_dim == 0 or self.rot_dim % 2:
                 raise ValueError(f"GPTConfig: rotary_pct={self.rotary_pct} gives {self.rot_dim} rotary dims of "
                                  f"head_dim {self.n_embd // self.n_head}; expected an even number > 0")
@@ -119,7 +156,7 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head, self.dropout = config.n_head, config.dropout
+        self.n_head, self.dropout, self.qk_norm = config.n_head, config.dropout, config.qk_norm
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v for all heads
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = nn.Dropout(config.dropout)
@@ -132,6 +169,8 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        if self.qk_norm:  # unit RMS per head: attention logits stay bounded whatever the weights grow to
+            q, k = F.rms_norm(q, (q.size(-1),)), F.rms_norm(k, (k.size(-1),))
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
@@ -162,20 +201,31 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
+        self.activation = config.activation
 
     def forward(self, x):
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))  # GPT-2's "gelu_new"
+        h = self.c_fc(x)  # (B, T, 4C)
+        if self.activation == "gelu_tanh":
+            h = F.gelu(h, approximate="tanh")  # GPT-2's "gelu_new"
+        elif self.activation == "gelu":
+            h = F.gelu(h)  # exact (erf), GPT-NeoX
+        else:
+            h = F.relu(h).square()  # relu2 (So et al. 2021, "Primer")
+        return self.dropout(self.c_proj(h))
 
 
 class Block(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias)
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
         self.mlp = MLP(config)
+        self.parallel_residual = config.parallel_residual
 
     def forward(self, x, rope=None, cache=None, pos=0):
+        if self.parallel_residual:  # GPT-NeoX / GPT-J: both branches read the block's input
+            return x + self.attn(self.ln_1(x), rope, cache, pos) + self.mlp(self.ln_2(x))
         x = x + self.attn(self.ln_1(x), rope, cache, pos)
         return x + self.mlp(self.ln_2(x))
 
@@ -235,20 +285,24 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, eps=1e-5, bias=config.bias),
+            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias),
         ))
         if config.rotary_pct is None:
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
         else:  # not persistent: state_dict stays a plain GPT-2 layout; tables are rebuilt from the config
-            cos, sin = rotary_cos_sin(config.rot_dim, config.block_size)
+            cos, sin = rotary_cos_sin(config.rot_dim, config.block_size, config.rotary_base)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        if config.tie_embeddings:
+            self.transformer.wte.weight = self.lm_head.weight  # weight tying (GPT-2)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer)
             if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                if config.zero_init_proj:  # each block starts as the identity (modded-nanogpt)
+                    nn.init.zeros_(p)
+                else:
+                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @staticmethod
     def _init_weights(module):
@@ -258,10 +312,13 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def num_params(self, non_embedding: bool = False) -> int:
-        """Parameter count, tied wte/lm_head counted once; non_embedding drops wpe (a lookup, no FLOPs)."""
+        """Parameter count, tied wte/lm_head counted once. non_embedding drops the lookup tables, which cost
+        no matmul FLOPs: wpe, and wte when it is untied (tied, it is also the output head's matmul)."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding and "wpe" in self.transformer:
             n -= self.transformer.wpe.weight.numel()
+        if non_embedding and not self.config.tie_embeddings:
+            n -= self.transformer.wte.weight.numel()
         return n
 
     def hidden_states(self, idx, caches: list[KVCache] | None = None, pos: int = 0):
@@ -324,8 +381,9 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, name_or_dir: str, **overrides) -> "GPT":
-        """GPT-2 weights in Hugging Face format: a local dir (config.json + model.safetensors or pytorch_model.bin)
-        or a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl; needs internet). overrides: dropout,
+        """Weights in Hugging Face format: a local dir (config.json + model.safetensors or pytorch_model.bin, or
+        their sharded *.index.json) holding a GPT-2 (model_type 'gpt2') or GPT-NeoX / Pythia ('gpt_neox') model,
+        or a GPT-2 hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl; needs internet). overrides: dropout,
         activation_checkpointing."""
         if bad := set(overrides) - {"dropout", "activation_checkpointing"}:
             raise ValueError(f"GPT.from_pretrained: cannot override {sorted(bad)}; "
@@ -335,63 +393,102 @@ class GPT(nn.Module):
             if name_or_dir not in HUB_NAMES:
                 raise ValueError(f"GPT.from_pretrained: {name_or_dir!r} is neither a directory nor one of {HUB_NAMES}")
             path = _download_from_hub(name_or_dir)
-        hf = _read_hf_config(path)
-        model = cls(GPTConfig(block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"],
-                              n_head=hf["n_head"], n_embd=hf["n_embd"], bias=True, **overrides))
-        sd = _read_hf_weights(path)  # name -> tensor
-        sd = {(k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v for k, v in sd.items()
-              if not k.endswith((".attn.bias", ".attn.masked_bias"))}  # HF causal-mask buffers
-        lm_head = sd.pop("lm_head.weight", None)
-        if lm_head is not None and not torch.equal(lm_head, sd.get("transformer.wte.weight", lm_head)):
-            raise ValueError(f"GPT.from_pretrained: {path}: lm_head.weight differs from wte; GPT-2 ties them")
+        hf, file = _read_hf_config(path), path / "config.json"
+        neox = hf.get("model_type") == "gpt_neox"
+        model = cls(GPTConfig(**(_neox_config if neox else _gpt2_config)(hf, file), **overrides))
+        theirs = _read_hf_weights(path)
+        if neox:  # transformers >= 5 names the head lm_head; the Pythia checkpoints call it embed_out
+            theirs = {("embed_out.weight" if k == "lm_head.weight" else k): v for k, v in theirs.items()
+                      if not k.endswith(("attention.bias", "attention.masked_bias", "rotary_emb.inv_freq"))}
+            head = "embed_out.weight"
+        else:  # the OpenAI hub files have no "transformer." prefix, no lm_head and causal-mask buffers
+            theirs = {(k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v
+                      for k, v in theirs.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+            head = "lm_head.weight"
         ours = model.state_dict()
-        ours.pop("lm_head.weight")  # tied to wte
-        missing, unexpected = sorted(set(ours) - set(sd)), sorted(set(sd) - set(ours))
+        if model.config.tie_embeddings:
+            ours.pop("lm_head.weight")  # it is wte
+            embed, lm_head = theirs.get(_hf_name("transformer.wte.weight", neox)), theirs.pop(head, None)
+            if lm_head is not None and embed is not None and not torch.equal(lm_head, embed):
+                raise ValueError(f"GPT.from_pretrained: {path}: {head} differs from the input embedding, "
+                                 f"but {file} says tie_word_embeddings=true")
+        names = {_hf_name(k, neox): k for k in ours}  # theirs -> ours
+        missing, unexpected = sorted(set(names) - set(theirs)), sorted(set(theirs) - set(names))
         if missing or unexpected:
             raise ValueError(f"GPT.from_pretrained: {path}: missing keys {missing[:5]}, "
                              f"unexpected keys {unexpected[:5]}")
         with torch.no_grad():
-            for k, v in sd.items():
-                v = v.t() if k.endswith(CONV1D_WEIGHTS) else v
+            for name, v in theirs.items():
+                k = names[name]
+                v = _qkv_from_neox(v, model.config.n_head) if neox and ".c_attn." in k else (
+                    v.t() if not neox and k.endswith(CONV1D_WEIGHTS) else v)
                 if v.shape != ours[k].shape:
-                    raise ValueError(f"GPT.from_pretrained: {path}: {k} has shape {tuple(v.shape)}, "
+                    raise ValueError(f"GPT.from_pretrained: {path}: {name} has shape {tuple(v.shape)}, "
                                      f"expected {tuple(ours[k].shape)}")
                 ours[k].copy_(v)
         return model
 
     def save_pretrained(self, out_dir: str) -> None:
-        """Write config.json + model.safetensors that transformers' GPT2LMHeadModel.from_pretrained loads."""
+        """Write config.json + model.safetensors that transformers loads: a GPT2LMHeadModel for learned positions
+        (rotary_pct=None), a GPTNeoXForCausalLM (Pythia layout) for rotary ones. bias=False is written as zero
+        biases; zero_init_proj and dropout need nothing. qk_norm, and a parallel residual with learned positions,
+        exist in neither (ValueError)."""
         cfg = self.config
-        if cfg.rotary_pct is not None:
-            raise ValueError(f"GPT.save_pretrained: rotary_pct={cfg.rotary_pct} has no GPT-2 equivalent "
-                             "(GPT-2 uses learned positions); export needs rotary_pct=None")
+        if cfg.qk_norm:
+            raise ValueError("GPT.save_pretrained: qk_norm=True has no Hugging Face GPT-2 or GPT-NeoX equivalent "
+                             "(neither normalises queries and keys); export needs qk_norm=False")
+        if cfg.rotary_pct is None and cfg.parallel_residual:
+            raise ValueError("GPT.save_pretrained: parallel_residual=True with learned positions (rotary_pct=None) "
+                             "fits neither GPT-2 (sequential residual) nor GPT-NeoX (rotary only)")
         try:
             from safetensors.torch import save_file
         except ImportError as e:
             raise ImportError("GPT.save_pretrained needs the safetensors package: pip install safetensors") from e
-        vocab = GPT2_VOCAB if cfg.vocab_size > GPT2_VOCAB else cfg.vocab_size  # drop padding rows
+        neox = cfg.rotary_pct is not None
+        # GPT-2 files hold the real vocabulary only; GPT-NeoX checkpoints keep their padded one (as Pythia's do)
+        vocab = GPT2_VOCAB if not neox and cfg.vocab_size > GPT2_VOCAB else cfg.vocab_size
+        sd = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+        if cfg.tie_embeddings:
+            sd.pop("lm_head.weight")  # transformers re-ties it to the input embedding
+        if not cfg.bias:  # both have biases everywhere: bias=False is the same model with zero biases
+            for k, v in list(sd.items()):
+                if k.startswith("transformer.h.") or k.startswith("transformer.ln_f."):
+                    sd[k[:-len("weight")] + "bias"] = torch.zeros(v.shape[0], dtype=v.dtype)
         tensors = {}
-        for k, v in self.state_dict().items():
-            if k == "lm_head.weight":
-                continue  # tied; HF re-ties it to wte
-            v = v.detach().cpu()
-            v = v.t() if k.endswith(CONV1D_WEIGHTS) else v[:vocab] if k == "transformer.wte.weight" else v
+        for k, v in sd.items():
+            if neox and ".c_attn." in k:
+                v = _qkv_to_neox(v, cfg.n_head)
+            elif not neox and k.endswith(CONV1D_WEIGHTS):
+                v = v.t()
+            elif k in ("transformer.wte.weight", "lm_head.weight"):
+                v = v[:vocab]
             # safetensors needs contiguous tensors that share no memory
-            tensors[k] = v.clone(memory_format=torch.contiguous_format)
-        if not cfg.bias:  # GPT-2 has biases everywhere: bias=False is the same model with zero biases
-            for k, v in list(tensors.items()):
-                if k.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")) or k.endswith(CONV1D_WEIGHTS):
-                    tensors[k[:-len("weight")] + "bias"] = torch.zeros(v.shape[-1], dtype=v.dtype)
-        eos = EOT if vocab > EOT else vocab - 1
-        hf_config = {
-            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab,
-            "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
-            "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
-            "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
-            "initializer_range": 0.02, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-            "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "use_cache": True,
-            "bos_token_id": eos, "eos_token_id": eos,
-        }
+            tensors[_hf_name(k, neox)] = v.clone(memory_format=torch.contiguous_format)
+        eos = EOT if vocab > EOT else vocab - 1  # GPT-2 BPE's <|endoftext|>, the tokenizer this library trains with
+        act = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu2": "relu2"}[cfg.activation]
+        if neox:
+            hf_config = {
+                "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "vocab_size": vocab,
+                "max_position_embeddings": cfg.block_size, "hidden_size": cfg.n_embd,
+                "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
+                "intermediate_size": 4 * cfg.n_embd, "hidden_act": act, "rotary_pct": cfg.rotary_pct,
+                "rotary_emb_base": cfg.rotary_base, "use_parallel_residual": cfg.parallel_residual,
+                "layer_norm_eps": cfg.layer_norm_eps, "attention_dropout": cfg.dropout,
+                "hidden_dropout": cfg.dropout, "attention_bias": True, "initializer_range": 0.02,
+                "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True, "bos_token_id": eos,
+                "eos_token_id": eos,
+            }
+        else:
+            hf_config = {
+                "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab,
+                "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd,
+                "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None, "activation_function": act,
+                "layer_norm_epsilon": cfg.layer_norm_eps, "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
+                "attn_pdrop": cfg.dropout, "initializer_range": 0.02, "scale_attn_weights": True,
+                "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+                "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True, "bos_token_id": eos,
+                "eos_token_id": eos,
+            }
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
@@ -415,8 +512,9 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate_stream(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                         top_p: float | None = None, eos_token: int | None = None, generator=None,
-                        use_kv_cache: bool = True):
+                        use_kv_cache: bool = True, n_vocab: int = GPT2_VOCAB):
         """Yield the next token of every row, (B,) LongTensor, for up to max_new_tokens steps.
+        Ids >= n_vocab (the tokenizer's size; the rest of a padded vocabulary) are never produced.
 
         temperature 0 = greedy. Rows that produced eos_token keep emitting it; stops once all rows have.
         The KV cache is filled by one forward over the prompt, then each step feeds only the new token;
@@ -447,7 +545,7 @@ class GPT(nn.Module):
                 else:  # no cache, or the window is full: recompute on the last block_size tokens
                     h = self.hidden_states(ctx)
                 logits = (h[:, -1, :] @ w_out).float()  # (B, V), last position only
-                nxt = _sample(logits, temperature, top_k, top_p, generator)  # (B,)
+                nxt = _sample(logits, temperature, top_k, top_p, generator, n_vocab)  # (B,)
                 if eos_token is not None:
                     nxt = torch.where(done, torch.full_like(nxt, eos_token), nxt)
                     done |= nxt == eos_token
@@ -460,17 +558,17 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, eos_token: int | None = None, generator=None,
-                 use_kv_cache: bool = True) -> torch.Tensor:
+                 use_kv_cache: bool = True, n_vocab: int = GPT2_VOCAB) -> torch.Tensor:
         """Continue idx (B, T); returns (B, T + n_new) with the full original prompt in front."""
         new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, eos_token, generator,
-                                        use_kv_cache))
+                                        use_kv_cache, n_vocab))
         return torch.cat([idx] + [t.unsqueeze(1) for t in new], dim=1)
 
 
-def _sample(logits, temperature, top_k, top_p, generator):
-    """Pick one id per row from logits (B, V) fp32."""
-    if logits.size(-1) > GPT2_VOCAB:
-        logits[:, GPT2_VOCAB:] = float("-inf")  # padding rows of the vocabulary are not real tokens
+def _sample(logits, temperature, top_k, top_p, generator, n_vocab=GPT2_VOCAB):
+    """Pick one id per row from logits (B, V) fp32, never an id >= n_vocab."""
+    if logits.size(-1) > n_vocab:
+        logits[:, n_vocab:] = float("-inf")  # padding rows of the vocabulary are not real tokens
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     logits = logits / temperature
@@ -489,6 +587,33 @@ def _sample(logits, temperature, top_k, top_p, generator):
 
 # ----------------------------------------------------------------------------- helpers: HF files, optimizer, peak FLOPs
 
+HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu2": "relu2"}
+NEOX_LAYER_NAMES = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
+                    "attn.c_attn": "attention.query_key_value", "attn.c_proj": "attention.dense",
+                    "mlp.c_fc": "mlp.dense_h_to_4h", "mlp.c_proj": "mlp.dense_4h_to_h"}
+
+
+def _hf_name(name: str, neox: bool) -> str:
+    """Our parameter name -> its Hugging Face name: GPT-2's is the same; GPT-NeoX's as in the Pythia checkpoints."""
+    if not neox:
+        return name
+    if name == "lm_head.weight":
+        return "embed_out.weight"
+    part = name.split(".")  # transformer.wte.weight | transformer.ln_f.bias | transformer.h.3.attn.c_attn.weight
+    if part[1] == "h":
+        return f"gpt_neox.layers.{part[2]}.{NEOX_LAYER_NAMES['.'.join(part[3:-1])]}.{part[-1]}"
+    return f"gpt_neox.{ {'wte': 'embed_in', 'ln_f': 'final_layer_norm'}[part[1]] }.{part[-1]}"
+
+
+def _qkv_from_neox(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """GPT-NeoX's fused QKV rows (3C, ...) are interleaved per head [q_0 k_0 v_0 q_1 ...]; ours are [q | k | v]."""
+    return t.unflatten(0, (n_head, 3, -1)).transpose(0, 1).flatten(0, 2)
+
+
+def _qkv_to_neox(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    return t.unflatten(0, (3, n_head, -1)).transpose(0, 1).flatten(0, 2)
+
+
 def _download_from_hub(name: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
@@ -501,27 +626,84 @@ def _download_from_hub(name: str) -> Path:
 def _read_hf_config(path: Path) -> dict:
     file = path / "config.json"
     if not file.is_file():
-        raise FileNotFoundError(f"GPT.from_pretrained: {file} not found; expected a Hugging Face GPT-2 directory")
+        raise FileNotFoundError(f"GPT.from_pretrained: {file} not found; expected a Hugging Face GPT-2 or "
+                                "GPT-NeoX directory")
     hf = json.loads(file.read_text())
-    expected = {"model_type": "gpt2", "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "n_inner": None,
-                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
-    for key, want in expected.items():
-        got = hf.get(key, want)
-        ok = got in ("gelu_new", "gelu_pytorch_tanh") if key == "activation_function" else (
-            got in (None, 4 * hf.get("n_embd", 0)) if key == "n_inner" else got == want)
-        if not ok:
-            raise ValueError(f"GPT.from_pretrained: {file}: {key}={got!r}, expected {want!r}")
+    if hf.setdefault("model_type", "gpt2") not in ("gpt2", "gpt_neox"):
+        raise ValueError(f"GPT.from_pretrained: {file}: model_type={hf['model_type']!r}, expected 'gpt2' or 'gpt_neox'")
     return hf
 
 
+_REQUIRED = object()
+
+
+def _hf_get(hf: dict, file: Path, key: str, default=_REQUIRED, allowed=None):
+    """hf[key] (default when absent, ValueError when absent without one), checked against allowed values."""
+    if key not in hf and default is _REQUIRED:
+        raise ValueError(f"GPT.from_pretrained: {file} has no {key!r}")
+    value = hf.get(key, default)
+    if allowed is not None and value not in allowed:
+        raise ValueError(f"GPT.from_pretrained: {file}: {key}={value!r}, expected one of {list(allowed)}")
+    return value
+
+
+def _gpt2_config(hf: dict, file: Path) -> dict:
+    """GPTConfig keywords of a GPT2LMHeadModel config.json."""
+    n_embd = _hf_get(hf, file, "n_embd")
+    _hf_get(hf, file, "n_inner", None, (None, 4 * n_embd))
+    for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                      ("reorder_and_upcast_attn", False)):
+        _hf_get(hf, file, key, want, (want,))
+    return dict(block_size=_hf_get(hf, file, "n_positions"), vocab_size=_hf_get(hf, file, "vocab_size"),
+                n_layer=_hf_get(hf, file, "n_layer"), n_head=_hf_get(hf, file, "n_head"), n_embd=n_embd, bias=True,
+                activation=HF_ACTIVATIONS[_hf_get(hf, file, "activation_function", "gelu_new", HF_ACTIVATIONS)],
+                layer_norm_eps=float(_hf_get(hf, file, "layer_norm_epsilon", 1e-5)),
+                tie_embeddings=_hf_get(hf, file, "tie_word_embeddings", True, (True, False)))
+
+
+def _neox_config(hf: dict, file: Path) -> dict:
+    """GPTConfig keywords of a GPTNeoXForCausalLM config.json (transformers 4 or 5 spelling of the rotary keys)."""
+    n_embd = _hf_get(hf, file, "hidden_size")
+    _hf_get(hf, file, "intermediate_size", 4 * n_embd, (4 * n_embd,))
+    _hf_get(hf, file, "attention_bias", True, (True,))
+    # transformers 5 writes rope_parameters; 4.x wrote rotary_pct / rotary_emb_base (later also rope_theta,
+    # partial_rotary_factor, rope_scaling). Only plain rotary (no scaling) is this model's.
+    rope = {**hf, **(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    _hf_get(rope, file, "rope_type", rope.get("type", "default"), ("default",))
+    pct = rope.get("partial_rotary_factor", hf.get("rotary_pct", 0.25))
+    base = rope.get("rope_theta", hf.get("rotary_emb_base", 10000.0))
+    return dict(block_size=_hf_get(hf, file, "max_position_embeddings"), vocab_size=_hf_get(hf, file, "vocab_size"),
+                n_layer=_hf_get(hf, file, "num_hidden_layers"), n_head=_hf_get(hf, file, "num_attention_heads"),
+                n_embd=n_embd, bias=True, rotary_pct=float(pct), rotary_base=float(base),
+                parallel_residual=_hf_get(hf, file, "use_parallel_residual", True, (True, False)),
+                tie_embeddings=_hf_get(hf, file, "tie_word_embeddings", False, (True, False)),
+                activation=HF_ACTIVATIONS[_hf_get(hf, file, "hidden_act", "gelu", HF_ACTIVATIONS)],
+                layer_norm_eps=float(_hf_get(hf, file, "layer_norm_eps", 1e-5)))
+
+
 def _read_hf_weights(path: Path) -> dict:
-    if (path / "model.safetensors").is_file():
-        try:
-            from safetensors.torch import load_file
-        except ImportError as e:
-            raise ImportError(f"GPT.from_pretrained: {path}/model.safetensors needs the safetensors package "
-                              "(pip install safetensors)") from e
-        return load_file(str(path / "model.safetensors"))
-    if (path / "pytorch_model.bin").is_file():
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"GPT.from_pretrained: {path} has neither model.safetensors nor pytorch_model.bin")
+    """{name: tensor} from model.safetensors or pytorch_model.bin, whole or sharded (with its .index.json)."""
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        index = path / f"{single}.index.json"
+        if (path / single).is_file():
+            files = [path / single]
+            break
+        if index.is_file():
+            files = [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+            break
+    else:
+        raise FileNotFoundError(f"GPT.from_pretrained: {path} has neither model.safetensors nor pytorch_model.bin "
+                                "(nor a sharded *.index.json of either)")
+    sd = {}
+    for file in files:
+        if file.name.endswith(".safetensors"):
+            try:
+                from safetensors.torch import load_file
+            except ImportError as e:
+                raise ImportError(f"GPT.from_pretrained: {file} needs the safetensors package "
+                                  "(pip install safetensors)") from e
+            sd.update(load_file(str(file)))
+        else:
+            sd.update(torch.load(file, map_location="cpu", weights_only=True))
+    return sd
+

@@ -67,7 +67,7 @@ def stream_samples(model, enc, prompt, num_samples=1, max_new_tokens=200, temper
         out.flush()
         with autocast(device, dtype):
             for new in model.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k,
-                                             top_p=top_p, generator=generator):  # new: (1,)
+                                             top_p=top_p, generator=generator, n_vocab=enc.n_vocab):  # new: (1,)
                 piece = decoder.decode(token_bytes(enc, int(new[0])))
                 pieces.append(piece)
                 out.write(piece)

@@ -479,7 +479,7 @@ def sample_preview(raw_model, cfg, env):
     raw_model.eval()
     with autocast(env.device, env.dtype):
         out = raw_model.generate(torch.tensor([prompt], device=env.device), cfg.sample_tokens,
-                                 top_k=200, generator=generator)
+                                 top_k=200, generator=generator, n_vocab=enc.n_vocab)
     raw_model.train()
     return enc.decode([t for t in out[0].tolist() if t < enc.n_vocab])
 

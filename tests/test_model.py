@@ -116,11 +116,6 @@ def test_export_matches_hf_and_drops_vocab_padding(tmp_path, bias):
     assert torch.equal(back, logits[..., :50257])  # round trip through our own loader is exact
 
 
-def test_export_rotary_model_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="rotary"):
-        small_gpt(rotary_pct=0.5).save_pretrained(str(tmp_path))
-
-
 def test_from_pretrained_errors_are_clear(tmp_path):
     with pytest.raises(ValueError, match="neither a directory"):
         GPT.from_pretrained(str(tmp_path / "nope"))
