@@ -66,10 +66,10 @@ def prepare_corpus(name, data_root):
 
 def train_run(out_dir, args, threads):
     """Run train.py; returns its metrics lines. A finished run in out_dir with the same arguments and config
-    files is reused (so an interrupted bench continues where it stopped)."""
+    file values is reused (so an interrupted bench continues where it stopped)."""
     out_dir = Path(out_dir)
     done = out_dir / "bench_args.json"
-    key = {"args": args, "configs": {a: Path(a).read_text() for a in args if not a.startswith("--")}}
+    key = {"args": args, "configs": {a: read_config_file(a) for a in args if not a.startswith("--")}}
     if done.exists() and json.loads(done.read_text()) == key:
         return read_metrics(out_dir)
     if out_dir.exists():

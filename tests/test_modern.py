@@ -11,13 +11,15 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import train
 from checkpoint import load_checkpoint
-from config import ConfigError, TrainConfig, make_config, model_config
+from config import ConfigError, TrainConfig, make_config, model_config, parse_args
 from model import GPT
 from test_train import ROOT, TINY, data_dir, metrics, run, subprocess_env, train_losses  # noqa: F401 (fixture)
 
 MUON = ["--optimizer=muon", "--muon_lr=0.03"]
+MODERN = str(ROOT / "configs" / "modern.py")
 
 
 def tiny_setup(**keys):
@@ -49,6 +51,20 @@ def test_muon_trains_the_hidden_matrices_and_adamw_the_rest():
     assert type(plain) is torch.optim.AdamW  # the default is unchanged
 
 
+def test_muon_grouping_with_the_modern_model_options():
+    """An untied head is AdamW's (a 2-D matrix, but not a hidden one); without biases, norms are AdamW's only
+    non-matrix tensors; qk_norm and rotary add no parameters."""
+    model, opt, _ = tiny_setup(tie_embeddings=False, bias=False, qk_norm=True, rotary_pct=1.0, zero_init_proj=True,
+                               activation="relu2", parallel_residual=True)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert len([p for g in opt.muon.param_groups for p in g["params"]]) == 8
+    decayed, plain = ([names[id(p)] for p in g["params"]] for g in opt.adamw.param_groups)
+    assert sorted(decayed) == ["lm_head.weight", "transformer.wte.weight"]
+    assert all(n.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")) for n in plain) and len(plain) == 5
+    ids = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters()) and len(ids) == len(set(ids))
+
+
 def test_grad_scaler_unscales_and_steps_both_optimizers():
     """fp16's GradScaler drives MuonAdamW as one optimizer: true gradients after unscale_, one update each."""
     model, opt, _ = tiny_setup()
@@ -68,8 +84,9 @@ def test_grad_scaler_unscales_and_steps_both_optimizers():
 
 
 def test_muon_resume_is_bit_exact(data_dir, tmp_path):
-    """As test_train's AdamW test: 4 steps + resume + 4 == 8 straight, Muon's momentum buffers included."""
-    common = [*MUON, "--dropout=0.1", "--total_batch_size=128", "--lr_decay_steps=8"]
+    """As test_train's AdamW test: 4 steps + resume + 4 == 8 straight, Muon's momentum buffers included (with
+    configs/modern.py's model and schedule)."""
+    common = [MODERN, "--dropout=0.1", "--total_batch_size=128", "--lr_decay_steps=8"]
     assert run(data_dir, tmp_path / "full", *common, "--max_steps=8") == 0
     assert run(data_dir, tmp_path / "split", *common, "--max_steps=4") == 0
     assert train.main(["--init_from=resume", f"--out_dir={tmp_path / 'split'}", "--max_steps=8"]) == 0
@@ -120,3 +137,32 @@ def test_muon_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tm
     assert np.allclose(list(ddp.values()), list(single.values()), atol=1e-5, rtol=0), (ddp, single)
     a, b = load_checkpoint(tmp_path / "ddp"), load_checkpoint(tmp_path / "single")
     assert all(torch.allclose(a["model"][k], b["model"][k], atol=1e-5) for k in a["model"])
+
+
+# ----------------------------------------------------------------------------- the recipe configs
+
+def test_gpt2_124m_modern_is_gpt2_124m_with_the_modern_recipe():
+    both = parse_args([str(ROOT / "configs" / "gpt2_124m.py"), MODERN])
+    one = parse_args([str(ROOT / "configs" / "gpt2_124m_modern.py")])
+    assert {k: v for k, v in one.items() if k != "out_dir"} == {k: v for k, v in both.items() if k != "out_dir"}
+    assert set(parse_args([MODERN])).isdisjoint({"n_layer", "n_embd", "n_head", "block_size", "batch_size",
+                                                 "total_batch_size", "max_steps", "preset", "data_dir"})
+
+
+def test_modern_config_trains_resumes_and_samples(data_dir, tmp_path):
+    """configs/modern.py on the tiny model (its own learning rates and schedule): the loss falls, a resume
+    continues the run, and the checkpoint samples the same tokens with and without the KV cache."""
+    tiny = [a for a in TINY if not a.startswith(("--learning_rate", "--min_lr", "--warmup_steps"))]
+    out = tmp_path / "out"
+    assert train.main([MODERN, *tiny, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=8",
+                       "--lr_decay_steps=12"]) == 0
+    assert train.main(["--init_from=resume", f"--out_dir={out}", "--max_steps=12"]) == 0
+    assert list(train_losses(out)) == list(range(1, 13))
+    val = [m["val_loss"] for m in metrics(out) if "val_loss" in m]
+    assert val[-1] < val[0] - 0.5, val  # from ~ln(64) = 4.16 towards the chain's ln(3) = 1.10
+    model, info = checkpoint.load_model(ckpt=out)
+    assert info["step"] == 12 and model.config.qk_norm and model.config.activation == "relu2"
+    assert not model.config.tie_embeddings and info["config"]["optimizer"] == "muon"
+    prompt = torch.tensor([[1, 2, 3]])
+    cached, uncached = (model.generate(prompt, 12, temperature=0, use_kv_cache=c) for c in (True, False))
+    assert torch.equal(cached, uncached) and cached.shape == (1, 15)
