@@ -2,20 +2,22 @@
 size and token budget. Not a test: a measurement, printed as Markdown and written as JSON.
 
     python -m bench.recipes                     # the issue's measurement: sweep on Tiny Shakespeare, then stdlib
-    python -m bench.recipes --corpora shakespeare --steps 60 --gpt2_lrs 1e-3 --modern_scales 1   # a quick look
+    python -m bench.recipes --corpora shakespeare --steps 60 --gpt2_sweep 1e-3 --modern_sweep 1   # a quick look
 
 Every run is `python train.py [configs/modern.py] --key=value ...` in a subprocess (train.py is a script, not
 an API), evaluated every --eval_interval steps on the same val batches. Per corpus:
-  1. a learning-rate sweep: learning_rate in --gpt2_lrs for the GPT-2 recipe (cosine to lr/10 after
+  1. a learning-rate sweep: learning_rate in --gpt2_sweep for the GPT-2 recipe (cosine to lr/10 after
      --gpt2_warmup steps); for the modern recipe both of its rates (muon_lr and learning_rate, as
-     configs/modern.py sets them) times each of --modern_scales. Each recipe keeps the rate with the lowest
+     configs/modern.py sets them) times each of --modern_sweep. Each recipe keeps the rate with the lowest
      final val loss; corpora after the first reuse the first corpus's winners (a check the recipe was not
      tuned to one dataset) unless --sweep_every_corpus.
   2. the target: the GPT-2 winner's final val loss. Steps to target: the first evaluation at or below it
      (so to within --eval_interval). Time to target: the summed step_ms (forward, backward, optimizer; no
-     evaluation, no compile trial) of the steps up to it.
-  3. per-step cost of each knob: the GPT-2 recipe with one of the modern recipe's knobs, --knob_steps steps
-     each, median step_ms after the first 5 (run on the first corpus only).
+     evaluation, no compile trial) of the steps up to it in each run.
+  3. per-step cost (first corpus only): --knob_steps steps each, median step_ms after the first 5, of the
+     GPT-2 recipe, it with each of the modern recipe's knobs alone, the modern recipe, the GPT-2 recipe again,
+     back to back. On a shared machine the sweep's runs see different loads, so the time ratio is also given
+     at these back-to-back costs: (modern steps x modern ms/step) / (GPT-2 steps x GPT-2 ms/step).
 Corpora: 'shakespeare' (prepare_data.py's preset) and 'stdlib' (this Python's standard library: the .py files
 of its top directory, each top-level function/class/block a document, in a seeded random order so validation
 is a random sample of them).
@@ -106,7 +108,8 @@ def to_target(run, target):
 
 
 def median_ms(run, skip=5):
-    return statistics.median(ms for s, ms in run["step_ms"].items() if s > skip)
+    """Median step time after the first `skip` steps (compile warm-up), or of all steps in a shorter run."""
+    return statistics.median([ms for s, ms in run["step_ms"].items() if s > skip] or run["step_ms"].values())
 
 
 def recipe_args(recipe, lr, common, steps):
@@ -128,9 +131,9 @@ def parse_args(argv=None):
     p.add_argument("--data_root", default="data", help="corpora are prepared under DATA_ROOT/<corpus>")
     p.add_argument("--out_dir", default="out/bench_recipes", help="runs (reused when re-run) and recipes.json")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per run (the token budget)")
-    p.add_argument("--gpt2_lrs", default="1e-3,2e-3,4e-3", help="GPT-2 recipe: learning rates swept")
+    p.add_argument("--gpt2_sweep", default="1e-3,2e-3,4e-3", help="GPT-2 recipe: learning rates swept")
     p.add_argument("--gpt2_warmup", type=int, default=20, help="GPT-2 recipe: warmup steps")
-    p.add_argument("--modern_scales", default="0.5,1,2", help="modern recipe: factors on both of its rates")
+    p.add_argument("--modern_sweep", default="0.5,1,2", help="modern recipe: factors on both of its rates")
     p.add_argument("--sweep_every_corpus", action="store_true", help="sweep on every corpus, not the first only")
     p.add_argument("--model", default="--n_layer=4 --n_head=4 --n_embd=256 --block_size=128 --batch_size=16",
                    help="model size and batch, as train.py flags")
@@ -148,78 +151,98 @@ def common_args(data, a):
             "--hellaswag_interval=0", "--sample_interval=0"]
 
 
+def compare(corpus, a, out_root, best):
+    """Sweep (or reuse `best`), then the comparison at the GPT-2 winner's final val loss; fills `best`."""
+    data = prepare_corpus(corpus, a.data_root)
+    common = common_args(data, a)
+    gpt2_common = [*common, f"--warmup_steps={a.gpt2_warmup}"]
+    runs = {}
+    for recipe in ("gpt2", "modern"):
+        lrs = [best[recipe]] if recipe in best else [float(x) for x in getattr(a, f"{recipe}_sweep").split(",")]
+        for lr in lrs:
+            args = recipe_args(recipe, lr, gpt2_common if recipe == "gpt2" else common, a.steps)
+            t0 = time.time()
+            run = runs[(recipe, lr)] = summarize(train_run(out_root / corpus / f"{recipe}_{lr:g}", args, a.threads))
+            print(f"{corpus} {recipe} {'lr' if recipe == 'gpt2' else 'scale'} {lr:g}: final val "
+                  f"{run['val'][a.steps]:.4f}, {median_ms(run):.0f} ms/step ({time.time() - t0:.0f} s)", flush=True)
+        best[recipe] = min(lrs, key=lambda lr: runs[(recipe, lr)]["val"][a.steps])
+    g, m = runs[("gpt2", best["gpt2"])], runs[("modern", best["modern"])]
+    target = g["val"][a.steps]
+    (gs, gt), (ms, mt) = to_target(g, target), to_target(m, target)
+    return {"sweep": {f"{r} {lr:g}": run["val"][a.steps] for (r, lr), run in runs.items()},
+            "best": dict(best), "target": target,
+            "val_at_equal_steps": {s: {"gpt2": v, "modern": m["val"].get(s)} for s, v in sorted(g["val"].items())},
+            "gpt2": {"steps_to_target": gs, "seconds_to_target": gt, "ms_per_step": median_ms(g)},
+            "modern": {"steps_to_target": ms, "seconds_to_target": mt, "ms_per_step": median_ms(m)},
+            "step_ratio": ms / gs if ms else None, "time_ratio": mt / gt if mt else None}, gpt2_common, common
+
+
+def knob_costs(corpus, a, out_root, best, gpt2_common, common):
+    """{name: median ms/step}: the GPT-2 recipe, it with each knob alone, the modern recipe, and the GPT-2 recipe
+    again (run back to back, so they share the machine's load; the two GPT-2 runs show its drift)."""
+    base = [*gpt2_common, f"--learning_rate={best['gpt2']}", f"--min_lr={best['gpt2'] / 10}",
+            f"--max_steps={a.knob_steps}", "--eval_interval=0"]
+    modern = [*recipe_args("modern", best["modern"], common, a.knob_steps), "--eval_interval=0"]
+    runs = [("gpt2", base), *((k, [*base, *flags]) for k, flags in KNOBS.items()), ("modern recipe", modern),
+            ("gpt2 again", base)]
+    cost = {}
+    for name, args in runs:
+        run = summarize(train_run(out_root / corpus / f"knob_{name.replace(' ', '_')}", args, a.threads))
+        cost[name] = median_ms(run)
+        print(f"{name}: {cost[name]:.0f} ms/step", flush=True)
+    return cost
+
+
 def main(argv=None):
     a = parse_args(argv)
     out_root = Path(a.out_dir)
     out_root.mkdir(parents=True, exist_ok=True)
-    sweep = {"gpt2": [float(x) for x in a.gpt2_lrs.split(",")],
-             "modern": [float(x) for x in a.modern_scales.split(",")]}
     report = {"machine": machine_line("cpu"), "python": sys.version.split()[0], "threads": a.threads,
-              "steps": a.steps, "model": a.model, "corpora": {}}
+              "steps": a.steps, "model": a.model, "corpora": {}, "ms_per_step": None}
     print(f"bench.recipes on {report['machine']}, OMP_NUM_THREADS={a.threads or 'default'}", flush=True)
     best = {}
     for i, corpus in enumerate(a.corpora.split(",")):
-        data = prepare_corpus(corpus, a.data_root)
-        common = common_args(data, a)
-        gpt2_common = [*common, f"--warmup_steps={a.gpt2_warmup}"]
-        runs = {}
-        for recipe in ("gpt2", "modern"):
-            lrs = sweep[recipe] if i == 0 or a.sweep_every_corpus else [best[recipe]]
-            for lr in lrs:
-                args = recipe_args(recipe, lr, gpt2_common if recipe == "gpt2" else common, a.steps)
-                t0 = time.time()
-                run = summarize(train_run(out_root / corpus / f"{recipe}_{lr:g}", args, a.threads))
-                final = run["val"][a.steps]
-                print(f"{corpus} {recipe} lr {lr:g}: final val {final:.4f}, {median_ms(run):.0f} ms/step "
-                      f"({time.time() - t0:.0f} s)", flush=True)
-                runs[(recipe, lr)] = run
-            best[recipe] = min(lrs, key=lambda lr: runs[(recipe, lr)]["val"][a.steps])
-        g, m = runs[("gpt2", best["gpt2"])], runs[("modern", best["modern"])]
-        target = g["val"][a.steps]
-        (gs, gt), (ms, mt) = to_target(g, target), to_target(m, target)
-        result = {
-            "sweep": {f"{r} {lr:g}": run["val"][a.steps] for (r, lr), run in runs.items()},
-            "best": dict(best), "target": target,
-            "val_at_equal_steps": {s: {"gpt2": g["val"][s], "modern": m["val"].get(s)} for s in sorted(g["val"])},
-            "gpt2": {"steps_to_target": gs, "seconds_to_target": gt, "ms_per_step": median_ms(g)},
-            "modern": {"steps_to_target": ms, "seconds_to_target": mt, "ms_per_step": median_ms(m)},
-            "step_ratio": ms / gs if ms else None, "time_ratio": mt / gt if mt else None,
-        }
+        if a.sweep_every_corpus:
+            best = {}
+        result, gpt2_common, common = compare(corpus, a, out_root, best)
         if i == 0 and a.knob_steps:
-            cost = {}
-            base = [*gpt2_common, f"--learning_rate={best['gpt2']}", f"--min_lr={best['gpt2'] / 10}",
-                    f"--max_steps={a.knob_steps}", "--eval_interval=0"]
-            for knob, flags in {"gpt2": [], **KNOBS}.items():
-                run = summarize(train_run(out_root / corpus / f"knob_{knob.replace(' ', '_')}", [*base, *flags],
-                                          a.threads))
-                cost[knob] = median_ms(run)
-            full = [*recipe_args("modern", best["modern"], common, a.knob_steps), "--eval_interval=0"]
-            cost["modern recipe"] = median_ms(summarize(train_run(out_root / corpus / "knob_modern", full, a.threads)))
-            result["knob_ms_per_step"] = cost
+            report["ms_per_step"] = knob_costs(corpus, a, out_root, best, gpt2_common, common)
         report["corpora"][corpus] = result
-        print_corpus(corpus, result, a.steps)
+    cost = report["ms_per_step"]
+    for corpus, r in report["corpora"].items():
+        if cost and r["modern"]["steps_to_target"]:  # time to target at the back-to-back per-step costs
+            gpt2_ms = (cost["gpt2"] + cost["gpt2 again"]) / 2
+            r["time_ratio_back_to_back"] = (r["modern"]["steps_to_target"] * cost["modern recipe"]
+                                            / (r["gpt2"]["steps_to_target"] * gpt2_ms))
+        print_corpus(corpus, r, a.steps)
+    if cost:
+        print_costs(cost)
     (out_root / "recipes.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out_root / 'recipes.json'}")
 
 
 def print_corpus(corpus, r, steps):
-    print(f"\n### {corpus}: GPT-2 recipe (lr {r['best']['gpt2']:g}) vs modern recipe (scale {r['best']['modern']:g})")
+    print(f"\n### {corpus}: GPT-2 recipe (lr {r['best']['gpt2']:g}) vs modern recipe (rates x{r['best']['modern']:g})")
     print("sweep (final val loss): " + ", ".join(f"{k}: {v:.4f}" for k, v in r["sweep"].items()))
     print("\n| step | GPT-2 recipe val | modern recipe val |\n|---|---|---|")
     for s, v in r["val_at_equal_steps"].items():
         print(f"| {s} | {v['gpt2']:.4f} | {fmt(v['modern'], '.4f')} |")
     g, m = r["gpt2"], r["modern"]
     print(f"\ntarget (GPT-2 recipe's val loss at step {steps}): {r['target']:.4f}")
-    print("| recipe | steps to target | training time to target | ms/step |\n|---|---|---|---|")
+    print("| recipe | steps to target | training time to target (in its run) | ms/step (median in its run) |")
+    print("|---|---|---|---|")
     for name, x in (("GPT-2", g), ("modern", m)):
         print(f"| {name} | {fmt(x['steps_to_target'], 'd')} | {fmt(x['seconds_to_target'], '.0f')} s | "
               f"{x['ms_per_step']:.0f} |")
-    print(f"steps ratio {fmt(r['step_ratio'], '.2f')}, time ratio {fmt(r['time_ratio'], '.2f')}")
-    if "knob_ms_per_step" in r:
-        base = r["knob_ms_per_step"]["gpt2"]
-        print("\n| knob on the GPT-2 recipe | ms/step | vs GPT-2 |\n|---|---|---|")
-        for k, ms in r["knob_ms_per_step"].items():
-            print(f"| {k} | {ms:.0f} | {ms / base:.2f}x |")
+    print(f"steps ratio {fmt(r['step_ratio'], '.2f')}, time ratio {fmt(r['time_ratio'], '.2f')} (runs at different "
+          f"times), {fmt(r.get('time_ratio_back_to_back'), '.2f')} (at the back-to-back per-step costs)")
+
+
+def print_costs(cost):
+    base = (cost["gpt2"] + cost["gpt2 again"]) / 2
+    print("\n| per-step cost | ms/step | vs GPT-2 recipe |\n|---|---|---|")
+    for k, ms in cost.items():
+        print(f"| {k} | {ms:.0f} | {ms / base:.2f}x |")
 
 
 if __name__ == "__main__":
