@@ -51,6 +51,10 @@ class TrainConfig(GPTConfig):
     weight_decay: float = 0.1  # AdamW weight decay of the matmul and embedding weights (not biases/LayerNorms)
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.95  # AdamW beta2
+    optimizer: str = "adamw"  # 'adamw', or 'muon': Muon (muon_lr) for the blocks' 2-D matrices, AdamW for the rest
+    muon_lr: float = 0.02  # optimizer='muon': peak learning rate of the Muon matrices (the schedule scales it alike)
+    muon_momentum: float = 0.95  # optimizer='muon': Muon's Nesterov momentum
+    muon_weight_decay: float = 0.0  # optimizer='muon': decoupled weight decay of the Muon matrices (lr * this per step)
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables clipping
     nonfinite: str = "skip"  # a NaN/inf loss or gradient norm: 'skip' the update or 'halt' the run (exit 1)
     max_skipped_steps: int = 10  # halt (exit 1) after this many consecutive skipped updates; 0: no limit
@@ -97,6 +101,11 @@ class TrainConfig(GPTConfig):
         if self.init_from not in ("scratch", "resume", *HUB_NAMES) and not Path(self.init_from).is_dir():
             raise ConfigError(f"config key 'init_from' must be 'scratch', 'resume', one of {', '.join(HUB_NAMES)} or a "
                               f"Hugging Face model directory; got {self.init_from!r} (no such directory)")
+        # torch.optim.Muon on FSDP's DTensor shards runs each Newton-Schulz matmul as collectives over whole
+        # matrices, and the sharded checkpoint path knows torch optimizers only: not a combination we support
+        if self.optimizer == "muon" and self.parallel != "ddp":
+            raise ConfigError(f"optimizer='muon' is not supported with parallel={self.parallel!r}; use "
+                              "parallel='ddp', or optimizer='adamw' to shard")
         if self.min_lr > self.learning_rate:
             raise ConfigError(f"config key 'min_lr' must be <= learning_rate={self.learning_rate}; got {self.min_lr}")
         try:
@@ -105,17 +114,20 @@ class TrainConfig(GPTConfig):
             raise ConfigError(str(e)) from None
 
 
-CHOICES = {"lr_schedule": ("cosine", "wsd"), "nonfinite": ("skip", "halt"), "compile": (True, False, "auto"),
-           "dtype": ("auto", "float32", "bfloat16", "float16"), "parallel": ("ddp", "fsdp", "hsdp")}
+CHOICES = {"lr_schedule": ("cosine", "wsd"), "optimizer": ("adamw", "muon"), "nonfinite": ("skip", "halt"),
+           "compile": (True, False, "auto"), "dtype": ("auto", "float32", "bfloat16", "float16"),
+           "parallel": ("ddp", "fsdp", "hsdp")}
 AT_LEAST_ONE = ("batch_size", "eval_steps", "sample_tokens", "total_batch_size", "lr_decay_steps", "hellaswag_limit",
                 "shard_size")
 NON_NEGATIVE = ("max_steps", "warmup_steps", "eval_interval", "hellaswag_interval", "sample_interval", "log_interval",
                 "save_interval", "keep_last", "seed", "max_skipped_steps", "min_lr", "weight_decay", "grad_clip",
-                "cost_per_hour")
+                "muon_weight_decay", "cost_per_hour")
 RANGES = {  # key: (check, what the message says); None passes where the key allows it
     **{k: (lambda v: v >= 1, ">= 1") for k in AT_LEAST_ONE},
     **{k: (lambda v: v >= 0, ">= 0") for k in NON_NEGATIVE},
     "learning_rate": (lambda v: v > 0, "> 0"),
+    "muon_lr": (lambda v: v > 0, "> 0"),
+    "muon_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "dist_timeout_minutes": (lambda v: v > 0, "> 0"),
     "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),

@@ -110,6 +110,9 @@ def resolve_config(user):
     ckpt, path = load_latest_checkpoint(cfg.out_dir, consolidate=False, note=note0)
     # the run stays in the out_dir it found the checkpoint in (the checkpoint's own may be another, if moved)
     cfg = make_config({**user, "out_dir": cfg.out_dir}, base=ckpt["config"])
+    if cfg.optimizer != ckpt["config"].get("optimizer", "adamw"):  # the saved state is the other optimizer's
+        raise ConfigError(f"cannot change optimizer when resuming: the checkpoint {path} has "
+                          f"{ckpt['config'].get('optimizer', 'adamw')!r}, the config {cfg.optimizer!r}")
     saved = model_config(cfg, **ckpt["model_args"])  # fields added since the checkpoint get their defaults
     for key in ARCH_KEYS:
         if getattr(cfg, key) != getattr(saved, key):
@@ -272,9 +275,67 @@ def build_model(cfg, ckpt, device):
     return model.to(device), cfg
 
 
+class MuonAdamW:
+    """torch.optim.Muon and torch.optim.AdamW stepped as one optimizer: param_groups lists Muon's groups, then
+    AdamW's (the loop sets each group's lr), state_dict/load_state_dict hold both (exact resume), and GradScaler
+    unscales and steps it like any optimizer."""
+
+    def __init__(self, muon, adamw):
+        self.muon, self.adamw = muon, adamw
+
+    @property
+    def param_groups(self):
+        return self.muon.param_groups + self.adamw.param_groups
+
+    def step(self):
+        self.muon.step()
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none=True):
+        self.muon.zero_grad(set_to_none)
+        self.adamw.zero_grad(set_to_none)
+
+    def state_dict(self):
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, state):
+        self.muon.load_state_dict(state["muon"])
+        self.adamw.load_state_dict(state["adamw"])
+
+
+def hidden_matrices(model):
+    """Names of the parameters Muon trains: the 2-D weight matrices inside the blocks (attention c_attn/c_proj,
+    MLP c_fc/c_proj). Embeddings, the output head, biases and norms are not hidden matrices."""
+    return [n for n, p in model.named_parameters()
+            if p.requires_grad and p.dim() == 2 and n.startswith("transformer.h.")]
+
+
 def build_optimizer(model, cfg, env):
-    return model.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2),
-                                     fused=fused_adamw_supported(env.kind))
+    """AdamW for every parameter (optimizer='adamw'), or MuonAdamW: Muon for hidden_matrices(), AdamW for the
+    rest, weight decay on its 2-D tensors (embeddings, an untied head) as configure_optimizer does."""
+    fused = fused_adamw_supported(env.kind)
+    if cfg.optimizer == "adamw":
+        return model.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), fused=fused)
+    hidden = set(hidden_matrices(model))
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}  # a tied head is wte, listed once
+    # adjust_lr_fn='original' (Keller Jordan's Muon): the update is scaled by sqrt(max(1, rows/cols))
+    muon = torch.optim.Muon([params[n] for n in hidden], lr=cfg.muon_lr, momentum=cfg.muon_momentum,
+                            nesterov=True, weight_decay=cfg.muon_weight_decay, adjust_lr_fn="original")
+    rest = [p for n, p in params.items() if n not in hidden]
+    groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
+    adamw = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
+                              **({"fused": True} if fused else {"foreach": True}))
+    return MuonAdamW(muon, adamw)
+
+
+def set_lr(optimizer, lr, cfg):
+    """Every group at the schedule's fraction lr / learning_rate of its own peak: learning_rate for AdamW's
+    groups, muon_lr for Muon's."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    for group in optimizer.muon.param_groups if isinstance(optimizer, MuonAdamW) else []:
+        group["lr"] = lr / cfg.learning_rate * cfg.muon_lr
 
 
 # ----------------------------------------------------------------------------- the step
@@ -553,8 +614,7 @@ def run(user):
             # one optimizer step: grad_accum micro-batches, then clip, check and update
             t0 = time.perf_counter()
             lr = get_lr(step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            set_lr(optimizer, lr, cfg)
             loss_sum = forward_backward(model, train_loader, grad_accum, scaler, env)
             if stop.signal is not None:
                 stop_flag.fill_(1.0)

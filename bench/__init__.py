@@ -3,6 +3,7 @@
     python -m bench.scoreboard        # training tokens/s, MFU and memory, one optimisation per row; --compare
     python -m bench.data_prep         # prepare_data.py vs raw tiktoken, the loader's time per batch
     python -m bench.hellaswag_speed   # HellaSwag batched vs one example per forward
+    python -m bench.recipes           # learning speed: the GPT-2 recipe vs configs/modern.py (steps, time to a loss)
 
 They import only library modules and their public names, never train.py.
 """

@@ -1,0 +1,249 @@
+"""Learning speed: the GPT-2 recipe (TrainConfig's defaults) against configs/modern.py, on the same data, model
+size and token budget. Not a test: a measurement, printed as Markdown and written as JSON.
+
+    python -m bench.recipes                     # the issue's measurement: sweep on Tiny Shakespeare, then stdlib
+    python -m bench.recipes --corpora shakespeare --steps 60 --gpt2_sweep 1e-3 --modern_sweep 1   # a quick look
+
+Every run is `python train.py [configs/modern.py] --key=value ...` in a subprocess (train.py is a script, not
+an API), evaluated every --eval_interval steps on the same val batches. Per corpus:
+  1. a learning-rate sweep: learning_rate in --gpt2_sweep for the GPT-2 recipe (cosine to lr/10 after
+     --gpt2_warmup steps); for the modern recipe both of its rates (muon_lr and learning_rate, as
+     configs/modern.py sets them) times each of --modern_sweep. Each recipe keeps the rate with the lowest
+     final val loss; corpora after the first reuse the first corpus's winners (a check the recipe was not
+     tuned to one dataset) unless --sweep_every_corpus.
+  2. the target: the GPT-2 winner's final val loss. Steps to target: the first evaluation at or below it
+     (so to within --eval_interval). Time to target: the summed step_ms (forward, backward, optimizer; no
+     evaluation, no compile trial) of the steps up to it in each run.
+  3. per-step cost (first corpus only): --knob_steps steps each, median step_ms after the first 5, of the
+     GPT-2 recipe, it with each of the modern recipe's knobs alone, the modern recipe, the GPT-2 recipe again,
+     back to back. On a shared machine the sweep's runs see different loads, so the time ratio is also given
+     at these back-to-back costs: (modern steps x modern ms/step) / (GPT-2 steps x GPT-2 ms/step).
+Corpora: 'shakespeare' (prepare_data.py's preset) and 'stdlib' (this Python's standard library: the .py files
+of its top directory, each top-level function/class/block a document, in a seeded random order so validation
+is a random sample of them).
+"""
+import argparse
+import glob
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import prepare_data
+from bench import machine_line
+from config import read_config_file
+
+ROOT = Path(__file__).resolve().parent.parent
+MODERN = ROOT / "configs" / "modern.py"
+# the modern recipe's knobs, each added alone to the GPT-2 recipe for its per-step cost
+KNOBS = {"muon": ["--optimizer=muon"], "qk_norm": ["--qk_norm=True"], "relu2": ["--activation=relu2"],
+         "rotary": ["--rotary_pct=1.0"], "untied head": ["--tie_embeddings=False"], "no biases": ["--bias=False"]}
+
+
+def prepare_corpus(name, data_root):
+    """Token shards of a corpus under data_root/name (prepared once; prepare_data.py verifies and skips)."""
+    out = Path(data_root) / name
+    if name == "shakespeare":
+        prepare_data.prepare(dataset="shakespeare", out_dir=out, num_proc=1, progress=False)
+    elif name == "stdlib":
+        files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+        # documents: the top-level units of each module (PEP 8 puts two blank lines between them), shuffled
+        units = [u for f in files for u in Path(f).read_text(encoding="utf-8", errors="replace").split("\n\n\n")]
+        random.Random(0).shuffle(units)
+        src = Path(data_root) / "stdlib_src" / "stdlib.jsonl"
+        src.parent.mkdir(parents=True, exist_ok=True)
+        text = "".join(json.dumps({"text": u}) + "\n" for u in units if u.strip())
+        if not src.exists() or src.read_text() != text:
+            src.write_text(text)
+        prepare_data.prepare(inputs=[str(src)], out_dir=out, val_tokens=32_768, num_proc=1, progress=False)
+    else:
+        raise SystemExit(f"bench.recipes: unknown corpus {name!r}; expected 'shakespeare' or 'stdlib'")
+    return out
+
+
+def train_run(out_dir, args, threads):
+    """Run train.py; returns its metrics lines. A finished run in out_dir with the same arguments and config
+    file values is reused (so an interrupted bench continues where it stopped)."""
+    out_dir = Path(out_dir)
+    done = out_dir / "bench_args.json"
+    key = {"args": args, "configs": {a: read_config_file(a) for a in args if not a.startswith("--")}}
+    if done.exists() and json.loads(done.read_text()) == key:
+        return read_metrics(out_dir)
+    if out_dir.exists():
+        for f in out_dir.iterdir():
+            f.unlink()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    cmd = [sys.executable, str(ROOT / "train.py"), *args, f"--out_dir={out_dir}"]
+    print("  $ " + " ".join(cmd[1:]), flush=True)
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"bench.recipes: train.py failed:\n{result.stderr[-3000:]}")
+    done.write_text(json.dumps(key))
+    return read_metrics(out_dir)
+
+
+def read_metrics(out_dir):
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def summarize(metrics):
+    """{val: {step: loss}, step_ms: {step: ms}} of one run."""
+    return {"val": {m["step"]: m["val_loss"] for m in metrics if "val_loss" in m},
+            "step_ms": {m["step"]: m["step_ms"] for m in metrics if "step_ms" in m}}
+
+
+def to_target(run, target):
+    """(steps, seconds of training compute) to the first evaluation at or below target; (None, None) if never."""
+    step = next((s for s, v in sorted(run["val"].items()) if v <= target), None)
+    if step is None:
+        return None, None
+    return step, sum(ms for s, ms in run["step_ms"].items() if s <= step) / 1000
+
+
+def median_ms(run, skip=5):
+    """Median step time after the first `skip` steps (compile warm-up), or of all steps in a shorter run."""
+    return statistics.median([ms for s, ms in run["step_ms"].items() if s > skip] or run["step_ms"].values())
+
+
+def recipe_args(recipe, lr, common, steps):
+    """train.py arguments of one recipe at one learning rate (GPT-2: its rate; modern: a scale of both rates)."""
+    if recipe == "gpt2":
+        return [*common, f"--learning_rate={lr}", f"--min_lr={lr / 10}", f"--max_steps={steps}"]
+    keys = read_config_file(MODERN)
+    return [str(MODERN), *common, f"--learning_rate={keys['learning_rate'] * lr}",
+            f"--muon_lr={keys['muon_lr'] * lr}", f"--max_steps={steps}"]
+
+
+def fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--corpora", default="shakespeare,stdlib", help="comma-separated: shakespeare, stdlib")
+    p.add_argument("--data_root", default="data", help="corpora are prepared under DATA_ROOT/<corpus>")
+    p.add_argument("--out_dir", default="out/bench_recipes", help="runs (reused when re-run) and recipes.json")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps per run (the token budget)")
+    p.add_argument("--gpt2_sweep", default="1e-3,2e-3,4e-3", help="GPT-2 recipe: learning rates swept")
+    p.add_argument("--gpt2_warmup", type=int, default=20, help="GPT-2 recipe: warmup steps")
+    p.add_argument("--modern_sweep", default="0.5,1,2", help="modern recipe: factors on both of its rates")
+    p.add_argument("--sweep_every_corpus", action="store_true", help="sweep on every corpus, not the first only")
+    p.add_argument("--model", default="--n_layer=4 --n_head=4 --n_embd=256 --block_size=128 --batch_size=16",
+                   help="model size and batch, as train.py flags")
+    p.add_argument("--eval_interval", type=int, default=20)
+    p.add_argument("--eval_steps", type=int, default=8, help="val micro-batches per evaluation")
+    p.add_argument("--knob_steps", type=int, default=30, help="steps per knob-cost run (0: skip them)")
+    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the runs (default: torch's)")
+    return p.parse_args(argv)
+
+
+def common_args(data, a):
+    """train.py flags every run of a corpus shares: data, model, evaluation; nothing printed or sampled."""
+    return [f"--data_dir={data}", *a.model.split(), f"--eval_interval={a.eval_interval}",
+            f"--eval_steps={a.eval_steps}", "--log_interval=0", "--save_interval=0", "--keep_last=1",
+            "--hellaswag_interval=0", "--sample_interval=0"]
+
+
+def compare(corpus, a, out_root, best):
+    """Sweep (or reuse `best`), then the comparison at the GPT-2 winner's final val loss; fills `best`."""
+    data = prepare_corpus(corpus, a.data_root)
+    common = common_args(data, a)
+    gpt2_common = [*common, f"--warmup_steps={a.gpt2_warmup}"]
+    runs = {}
+    for recipe in ("gpt2", "modern"):
+        lrs = [best[recipe]] if recipe in best else [float(x) for x in getattr(a, f"{recipe}_sweep").split(",")]
+        for lr in lrs:
+            args = recipe_args(recipe, lr, gpt2_common if recipe == "gpt2" else common, a.steps)
+            t0 = time.time()
+            run = runs[(recipe, lr)] = summarize(train_run(out_root / corpus / f"{recipe}_{lr:g}", args, a.threads))
+            print(f"{corpus} {recipe} {'lr' if recipe == 'gpt2' else 'scale'} {lr:g}: final val "
+                  f"{run['val'][a.steps]:.4f}, {median_ms(run):.0f} ms/step ({time.time() - t0:.0f} s)", flush=True)
+        best[recipe] = min(lrs, key=lambda lr: runs[(recipe, lr)]["val"][a.steps])
+    g, m = runs[("gpt2", best["gpt2"])], runs[("modern", best["modern"])]
+    target = g["val"][a.steps]
+    (gs, gt), (ms, mt) = to_target(g, target), to_target(m, target)
+    return {"sweep": {f"{r} {lr:g}": run["val"][a.steps] for (r, lr), run in runs.items()},
+            "best": dict(best), "target": target,
+            "val_at_equal_steps": {s: {"gpt2": v, "modern": m["val"].get(s)} for s, v in sorted(g["val"].items())},
+            "gpt2": {"steps_to_target": gs, "seconds_to_target": gt, "ms_per_step": median_ms(g)},
+            "modern": {"steps_to_target": ms, "seconds_to_target": mt, "ms_per_step": median_ms(m)},
+            "step_ratio": ms / gs if ms else None, "time_ratio": mt / gt if mt else None}, gpt2_common, common
+
+
+def knob_costs(corpus, a, out_root, best, gpt2_common, common):
+    """{name: median ms/step}: the GPT-2 recipe, it with each knob alone, the modern recipe, and the GPT-2 recipe
+    again (run back to back, so they share the machine's load; the two GPT-2 runs show its drift)."""
+    base = [*gpt2_common, f"--learning_rate={best['gpt2']}", f"--min_lr={best['gpt2'] / 10}",
+            f"--max_steps={a.knob_steps}", "--eval_interval=0"]
+    modern = [*recipe_args("modern", best["modern"], common, a.knob_steps), "--eval_interval=0"]
+    runs = [("gpt2", base), *((k, [*base, *flags]) for k, flags in KNOBS.items()), ("modern recipe", modern),
+            ("gpt2 again", base)]
+    cost = {}
+    for name, args in runs:
+        run = summarize(train_run(out_root / corpus / f"knob_{name.replace(' ', '_')}", args, a.threads))
+        cost[name] = median_ms(run)
+        print(f"{name}: {cost[name]:.0f} ms/step", flush=True)
+    return cost
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    out_root = Path(a.out_dir)
+    out_root.mkdir(parents=True, exist_ok=True)
+    report = {"machine": machine_line("cpu"), "python": sys.version.split()[0], "threads": a.threads,
+              "steps": a.steps, "model": a.model, "corpora": {}, "ms_per_step": None}
+    print(f"bench.recipes on {report['machine']}, OMP_NUM_THREADS={a.threads or 'default'}", flush=True)
+    best = {}
+    for i, corpus in enumerate(a.corpora.split(",")):
+        if a.sweep_every_corpus:
+            best = {}
+        result, gpt2_common, common = compare(corpus, a, out_root, best)
+        if i == 0 and a.knob_steps:
+            report["ms_per_step"] = knob_costs(corpus, a, out_root, best, gpt2_common, common)
+        report["corpora"][corpus] = result
+    cost = report["ms_per_step"]
+    for corpus, r in report["corpora"].items():
+        if cost and r["modern"]["steps_to_target"]:  # time to target at the back-to-back per-step costs
+            gpt2_ms = (cost["gpt2"] + cost["gpt2 again"]) / 2
+            r["time_ratio_back_to_back"] = (r["modern"]["steps_to_target"] * cost["modern recipe"]
+                                            / (r["gpt2"]["steps_to_target"] * gpt2_ms))
+        print_corpus(corpus, r, a.steps)
+    if cost:
+        print_costs(cost)
+    (out_root / "recipes.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out_root / 'recipes.json'}")
+
+
+def print_corpus(corpus, r, steps):
+    print(f"\n### {corpus}: GPT-2 recipe (lr {r['best']['gpt2']:g}) vs modern recipe (rates x{r['best']['modern']:g})")
+    print("sweep (final val loss): " + ", ".join(f"{k}: {v:.4f}" for k, v in r["sweep"].items()))
+    print("\n| step | GPT-2 recipe val | modern recipe val |\n|---|---|---|")
+    for s, v in r["val_at_equal_steps"].items():
+        print(f"| {s} | {v['gpt2']:.4f} | {fmt(v['modern'], '.4f')} |")
+    g, m = r["gpt2"], r["modern"]
+    print(f"\ntarget (GPT-2 recipe's val loss at step {steps}): {r['target']:.4f}")
+    print("| recipe | steps to target | training time to target (in its run) | ms/step (median in its run) |")
+    print("|---|---|---|---|")
+    for name, x in (("GPT-2", g), ("modern", m)):
+        print(f"| {name} | {fmt(x['steps_to_target'], 'd')} | {fmt(x['seconds_to_target'], '.0f')} s | "
+              f"{x['ms_per_step']:.0f} |")
+    print(f"steps ratio {fmt(r['step_ratio'], '.2f')}, time ratio {fmt(r['time_ratio'], '.2f')} (runs at different "
+          f"times), {fmt(r.get('time_ratio_back_to_back'), '.2f')} (at the back-to-back per-step costs)")
+
+
+def print_costs(cost):
+    base = (cost["gpt2"] + cost["gpt2 again"]) / 2
+    print("\n| per-step cost | ms/step | vs GPT-2 recipe |\n|---|---|---|")
+    for k, ms in cost.items():
+        print(f"| {k} | {ms:.0f} | {ms / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
