@@ -134,9 +134,12 @@ def test_muon_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tm
     assert run(data_dir, tmp_path / "single", *common[1:]) == 0
     ddp, single = train_losses(tmp_path / "ddp"), train_losses(tmp_path / "single")
     assert list(ddp) == list(single) == [1, 2, 3, 4]
-    assert np.allclose(list(ddp.values()), list(single.values()), atol=1e-5, rtol=0), (ddp, single)
+    # torch.optim.Muon orthogonalises in bf16: the fp32 rounding difference between an all-reduce and an
+    # accumulation (~1e-7) can flip a bf16 rounding, so steps agree to ~1e-5, not bit for bit; a wrong
+    # reduction (a sum, or one rank's gradient) is off by far more
+    assert np.allclose(list(ddp.values()), list(single.values()), atol=1e-4, rtol=0), (ddp, single)
     a, b = load_checkpoint(tmp_path / "ddp"), load_checkpoint(tmp_path / "single")
-    assert all(torch.allclose(a["model"][k], b["model"][k], atol=1e-5) for k in a["model"])
+    assert all(torch.allclose(a["model"][k], b["model"][k], atol=1e-4) for k in a["model"])
 
 
 # ----------------------------------------------------------------------------- the recipe configs
