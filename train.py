@@ -247,6 +247,12 @@ def batch_layout(cfg, world_size):
 PROBED_KINDS = ("cuda",)  # batch_size='auto' probes the real model on these devices; the others use the plan
 
 
+def probes(env):
+    """Whether batch_size='auto' probes (probe_batch_size) rather than plans: not for a sharded run, whose bare
+    model is built on the CPU and would not fit one device whole."""
+    return env.kind in PROBED_KINDS and not env.sharded
+
+
 def planned_shape(cfg, ckpt):
     """The GPTConfig the model will have, known before it is built; None for a Hugging Face directory."""
     if ckpt is not None:
@@ -273,7 +279,7 @@ def device_memory(env):
 def check_memory(cfg, ckpt, env, log):
     """Before anything big is allocated: log the memory plan and the device's memory; refuse (ConfigError, one line
     naming settings that fit) a batch_size whose plan exceeds it; resolve batch_size='auto' from the plan on devices
-    that are not probed (PROBED_KINDS). Returns cfg with batch_size resolved, or still 'auto' (probe_batch_size)."""
+    that are not probed (probes()). Returns cfg with batch_size resolved, or still 'auto' (probe_batch_size)."""
     shape = planned_shape(cfg, ckpt)
     auto = cfg.batch_size == "auto"
     if auto:  # sequences per rank per optimizer step; total_batch_size is checked before anything is built
@@ -284,11 +290,11 @@ def check_memory(cfg, ckpt, env, log):
     else:
         rows = cfg.batch_size * batch_layout(cfg, env.world_size)[1]
     if shape is None:
-        if auto and env.kind not in PROBED_KINDS:
+        if auto and not probes(env):
             raise ConfigError(f"batch_size='auto' cannot plan init_from={cfg.init_from!r} before loading it; set batch_size")
         return cfg
     available, what = device_memory(env)
-    if auto and env.kind not in PROBED_KINDS:
+    if auto and not probes(env):
         try:
             b, why = plan_micro_batch(shape, rows, available, description=what, **plan_kwargs(cfg, env))
         except MemoryPlanError as e:
