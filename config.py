@@ -38,7 +38,7 @@ class TrainConfig(GPTConfig):
     init_from: str = "scratch"  # 'scratch', 'resume' (latest checkpoint in out_dir), 'gpt2'..'gpt2-xl' or an HF dir
     preset: str | None = None  # fill the model keys from model.PRESETS, e.g. 'gpt2', 'gpt3-350m' (keys set win)
     # batch
-    batch_size: int = 16  # micro-batch: sequences per process per forward/backward
+    batch_size: int | str = 16  # micro-batch: sequences per process per forward/backward; 'auto': the largest that fits (needs total_batch_size)
     total_batch_size: int | None = None  # tokens per step: a multiple of batch_size*block_size*world_size (None: that)
     # optimization
     max_steps: int = 19073  # optimizer steps to train for
@@ -80,6 +80,7 @@ class TrainConfig(GPTConfig):
     wandb_run_name: str | None = None  # W&B run name (None: out_dir's name)
     tensorboard_dir: str | None = None  # write TensorBoard event files here (None: no TensorBoard)
     cost_per_hour: float | None = None  # USD per hour for the whole job: metrics gain cost_usd, tokens_per_dollar
+    memory_check: bool = True  # refuse at start a batch_size whose memory plan exceeds the device's available memory
     dist_timeout_minutes: float = 30.0  # torchrun: how long ranks wait in a collective (e.g. while rank 0 saves) before failing
     # several processes (torchrun only; a plain `python train.py` ignores these)
     parallel: str = "ddp"  # 'ddp' (every rank holds the whole model), 'fsdp' (all of it sharded over ranks) or 'hsdp'
@@ -94,6 +95,11 @@ class TrainConfig(GPTConfig):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"config key '{f.name}' must be a finite number; got {value!r}")
+        if isinstance(self.batch_size, str) and self.batch_size != "auto":
+            raise ConfigError(f"config key 'batch_size' must be an int >= 1 or 'auto'; got {self.batch_size!r}")
+        if self.batch_size == "auto" and self.total_batch_size is None:
+            raise ConfigError("batch_size='auto' keeps total_batch_size fixed and picks the micro-batch: set "
+                              "total_batch_size (tokens per step, a multiple of block_size*world_size)")
         for key, (ok, what) in RANGES.items():
             value = getattr(self, key)
             if value is not None and not ok(value):
@@ -117,13 +123,14 @@ class TrainConfig(GPTConfig):
 CHOICES = {"lr_schedule": ("cosine", "wsd"), "optimizer": ("adamw", "muon"), "nonfinite": ("skip", "halt"),
            "compile": (True, False, "auto"), "dtype": ("auto", "float32", "bfloat16", "float16"),
            "parallel": ("ddp", "fsdp", "hsdp")}
-AT_LEAST_ONE = ("batch_size", "eval_steps", "sample_tokens", "total_batch_size", "lr_decay_steps", "hellaswag_limit",
+AT_LEAST_ONE = ("eval_steps", "sample_tokens", "total_batch_size", "lr_decay_steps", "hellaswag_limit",
                 "shard_size")
 NON_NEGATIVE = ("max_steps", "warmup_steps", "eval_interval", "hellaswag_interval", "sample_interval", "log_interval",
                 "save_interval", "keep_last", "seed", "max_skipped_steps", "min_lr", "weight_decay", "grad_clip",
                 "muon_weight_decay", "cost_per_hour")
 RANGES = {  # key: (check, what the message says); None passes where the key allows it
     **{k: (lambda v: v >= 1, ">= 1") for k in AT_LEAST_ONE},
+    "batch_size": (lambda v: v == "auto" or v >= 1, ">= 1 or 'auto'"),
     **{k: (lambda v: v >= 0, ">= 0") for k in NON_NEGATIVE},
     "learning_rate": (lambda v: v > 0, "> 0"),
     "muon_lr": (lambda v: v > 0, "> 0"),

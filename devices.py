@@ -142,8 +142,11 @@ def fused_adamw_supported(device_type: str) -> bool:
 def is_oom(exc) -> bool:
     """Whether an exception (or one it was raised from) is an out-of-memory error of any device."""
     while exc is not None:
-        if isinstance(exc, torch.OutOfMemoryError) or isinstance(exc, RuntimeError) and "out of memory" in str(exc):
+        if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
             return True
+        message = str(exc).lower()
+        if isinstance(exc, RuntimeError) and ("out of memory" in message or "can't allocate memory" in message):
+            return True  # CUDA/MPS 'out of memory', the CPU allocator's "can't allocate memory"
         exc = exc.__cause__
     return False
 

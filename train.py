@@ -22,7 +22,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -36,10 +36,12 @@ from checkpoint import (FORMAT, CheckpointError, checkpoint_path, clean_state_di
                         rng_state, save_checkpoint, save_sharded_checkpoint, set_rng_state)
 from config import ARCH_KEYS, ConfigError, help_text, make_config, model_config, config_table, parse_args
 from data import DataLoader, NoShardsError, ShardError
-from devices import (autocast, device_type, fused_adamw_supported, peak_flops, resolve_device, resolve_dtype,
-                     tune_cpu_allocator)
+from devices import (autocast, device_type, fused_adamw_supported, is_oom, peak_flops, resolve_device,
+                     resolve_dtype, tune_cpu_allocator)
 from files import LockError, atomic_write, directory_lock
-from model import GPT
+from memory import (MemoryPlanError, available_memory, check_fits, divisors, estimate_memory, maybe_fake_oom,
+                    plan_micro_batch, probe_micro_batch, rows_per_rank, smaller_micro_batch)
+from model import GPT, PRESETS
 from parallel import (Env, clip_gradients, gathered, is_compiled, mesh_shape, parallelize, set_grad_sync,
                       weights_finite)
 from tracking import TRACKING_KEYS, Tracker, TrackingError, check_tracking_available
@@ -243,11 +245,149 @@ def batch_layout(cfg, world_size):
     return total, total // tokens_per_micro
 
 
+# ----------------------------------------------------------------------------- memory: plan, auto micro-batch
+
+PROBED_KINDS = ("cuda",)  # batch_size='auto' probes the real model on these devices; the others use the plan
+
+
+def probes(env):
+    """Whether batch_size='auto' probes (probe_batch_size) rather than plans: not for a sharded run, whose bare
+    model is built on the CPU and would not fit one device whole."""
+    return env.kind in PROBED_KINDS and not env.sharded
+
+
+def planned_shape(cfg, ckpt):
+    """The GPTConfig the model will have, known before it is built; None for a Hugging Face directory."""
+    if ckpt is not None:
+        return model_config(cfg, **{**ckpt["model_args"], "dropout": cfg.dropout,
+                                    "activation_checkpointing": cfg.activation_checkpointing})
+    if cfg.init_from == "scratch":
+        return model_config(cfg)
+    return model_config(cfg, **PRESETS[cfg.init_from]) if cfg.init_from in PRESETS else None
+
+
+def plan_kwargs(cfg, env):
+    """estimate_memory's arguments besides the model and the micro-batch."""
+    return {"dtype": env.dtype, "parallel": env.parallel, "world_size": env.world_size, "shard_size": cfg.shard_size}
+
+
+def device_memory(env):
+    """(bytes one rank may use, description): the device's available memory; on a CPU/MPS shared by this node's
+    ranks, their share of it."""
+    available, what = available_memory(env.device)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if env.kind != "cuda" else 1
+    return (available // local, f"{what} / {local} ranks") if local > 1 else (available, what)
+
+
+def check_memory(cfg, ckpt, env, log):
+    """Before anything big is allocated: log the memory plan and the device's memory; refuse (ConfigError, one line
+    naming settings that fit) a batch_size whose plan exceeds it; resolve batch_size='auto' from the plan on devices
+    that are not probed (probes()). Returns cfg with batch_size resolved, or still 'auto' (probe_batch_size)."""
+    shape = planned_shape(cfg, ckpt)
+    auto = cfg.batch_size == "auto"
+    if auto:  # sequences per rank per optimizer step; total_batch_size is checked before anything is built
+        try:
+            rows = rows_per_rank(cfg.total_batch_size, cfg.block_size, env.world_size)
+        except ValueError as e:
+            raise ConfigError(f"batch_size='auto': {e}") from None
+    else:
+        rows = cfg.batch_size * batch_layout(cfg, env.world_size)[1]
+    if shape is None:
+        if auto and not probes(env):
+            raise ConfigError(f"batch_size='auto' cannot plan init_from={cfg.init_from!r} before loading it; set batch_size")
+        return cfg
+    available, what = device_memory(env)
+    if auto and not probes(env):
+        try:
+            b, why = plan_micro_batch(shape, rows, available, description=what, **plan_kwargs(cfg, env))
+        except MemoryPlanError as e:
+            raise ConfigError(str(e)) from None
+        log(f"batch_size='auto': {why}")
+        cfg = replace(cfg, batch_size=b)
+    plan = estimate_memory(shape, 1 if cfg.batch_size == "auto" else cfg.batch_size, **plan_kwargs(cfg, env))
+    log(plan.line() + (" [micro-batch 1; batch_size='auto' probes the rest]" if cfg.batch_size == "auto" else ""))
+    log(f"available memory: {what}")
+    if cfg.memory_check and not auto and plan.total > available:
+        msg = check_fits(shape, cfg.batch_size, available, what, rows, **plan_kwargs(cfg, env))
+        raise ConfigError(f"{msg} (memory_check=False skips this check)")
+    return cfg
+
+
+def probe_batch_size(raw_model, cfg, env, log, loaders):
+    """batch_size='auto' on a probed device: the largest divisor of the per-rank rows that runs one forward+
+    backward of the bare model (memory.probe_micro_batch; all ranks agree), leaving its RNGs and gradients as
+    they were. Returns cfg with the resolved batch_size; the loaders take it too."""
+    rows = rows_per_rank(cfg.total_batch_size, cfg.block_size, env.world_size)
+    plan = estimate_memory(raw_model.config, 1, **plan_kwargs(cfg, env))
+    rngs = rng_state()
+
+    def try_step(b):
+        x = torch.randint(0, cfg.vocab_size, (b, cfg.block_size), device=env.device)  # (b, T)
+        try:
+            with autocast(env.device, env.dtype):
+                raw_model(x, x, return_logits=False)[1].backward()
+        finally:
+            raw_model.zero_grad(set_to_none=True)
+
+    try:
+        b, why = probe_micro_batch(try_step, divisors(rows), reserve_bytes=plan.optimizer + plan.ddp_buckets,
+                                   device=env.device)
+    except MemoryPlanError as e:
+        raise ConfigError(str(e)) from None
+    set_rng_state(rngs)
+    log(f"batch_size='auto': {why} ({rows // b} accumulation steps)")
+    return set_micro_batch(cfg, b, loaders)
+
+
+def set_micro_batch(cfg, b, loaders):
+    """cfg with batch_size=b (what checkpoints record), and the loaders reading b sequences per micro-batch: the
+    global sample stream is unchanged (data.DataLoader counts positions in samples)."""
+    for loader in loaders:
+        if loader is not None:
+            loader.B = b
+    return replace(cfg, batch_size=b)
+
+
+def fitting_forward_backward(model, loader, grad_accum, scaler, optimizer, cfg, env, log, step):
+    """forward_backward, and on an out-of-memory: halve the micro-batch (the largest divisor of the per-rank rows at
+    most half), drop the partial step's gradients, rewind the loader to the step's start and re-run the same step
+    with the same data. Returns (loss sum, cfg, grad_accum), the latter two as changed. Under torchrun, or at
+    micro-batch 1, an out-of-memory is a Halt naming settings that would help (ranks cannot switch safely:
+    the others may be waiting in a gradient all-reduce)."""
+    start = loader.state_dict()
+    while True:
+        try:
+            return forward_backward(model, loader, grad_accum, scaler, env), cfg, grad_accum
+        except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled
+            if not is_oom(e):
+                raise
+        b, rows = cfg.batch_size, cfg.batch_size * grad_accum
+        smaller = smaller_micro_batch(rows, b)
+        if env.distributed or smaller is None:
+            hint = f"batch_size={smaller} with {rows // smaller} accumulation steps, " if smaller else ""
+            raise Halt(f"step {step + 1}: out of memory at micro-batch {b}"
+                       + (" under torchrun (ranks cannot change micro-batch together mid-run)" if smaller else "")
+                       + f"; try {hint}activation_checkpointing=True, parallel='fsdp' or a smaller block_size")
+        optimizer.zero_grad(set_to_none=True)  # the partial step's gradients; the scaler has not stepped yet
+        free_memory(env)
+        loader.load_state_dict(start)
+        cfg, grad_accum = set_micro_batch(cfg, smaller, [loader]), rows // smaller
+        log(f"step {step + 1}: out of memory at micro-batch {b}: re-running the step at micro-batch {smaller} x "
+            f"{grad_accum} accumulation steps (batch_size={smaller} from now on)")
+
+
+def free_memory(env):
+    import gc
+    gc.collect()
+    if env.kind == "cuda":
+        torch.cuda.empty_cache()
+
+
 def make_loaders(cfg, env):
     """Train and val loaders: every rank reads its own slice of one global, world-size-invariant stream.
     Every shard is validated here, token ids included, before step 1."""
-    def loader(split):
-        return DataLoader(cfg.data_dir, split, cfg.batch_size, cfg.block_size, rank=env.rank,
+    def loader(split):  # batch_size='auto': 1 until probe_batch_size sets it
+        return DataLoader(cfg.data_dir, split, 1 if cfg.batch_size == "auto" else cfg.batch_size, cfg.block_size, rank=env.rank,
                           world_size=env.world_size, seed=cfg.seed, vocab_size=cfg.vocab_size)
     try:
         return loader("train"), loader("val") if cfg.eval_interval > 0 else None
@@ -371,6 +511,7 @@ def forward_backward(model, loader, grad_accum, scaler, env):
     loss_sum = torch.zeros((), device=env.device)
     for micro in range(grad_accum):
         x, y = to_device(loader.next_batch(), env.device)  # (B, T) each
+        maybe_fake_oom(x.shape[0])  # test hook: GPT_FAKE_OOM_ABOVE simulates an out-of-memory
         set_grad_sync(model, micro == grad_accum - 1)
         with autocast(env.device, env.dtype):
             _, loss = model(x, y, return_logits=False)
@@ -553,11 +694,14 @@ def run(user):
     env = setup(cfg)
     check_shared_out_dir(cfg.out_dir, ckpt and ckpt["step"], problem, env)
     log = tqdm.write if env.master else (lambda *a, **k: None)
-    total_batch_size, grad_accum = batch_layout(cfg, env.world_size)
+    cfg = check_memory(cfg, ckpt, env, log)  # the plan line; a refusal; batch_size='auto' from the plan
     train_loader, val_loader = make_loaders(cfg, env)
 
     # the bare GPT (checkpoints, samples, HellaSwag); a sharded run keeps it on the CPU for fully_shard to move
     raw_model, cfg = build_model(cfg, ckpt, "cpu" if env.sharded else env.device)
+    if cfg.batch_size == "auto":  # a probed device (CUDA)
+        cfg = probe_batch_size(raw_model, cfg, env, log, [train_loader, val_loader])
+    total_batch_size, grad_accum = batch_layout(cfg, env.world_size)
     model = parallelize(raw_model, cfg, env)  # what the loop calls
     optimizer = build_optimizer(raw_model, cfg, env)  # after sharding: fully_shard replaces the parameters
     scaler = torch.amp.GradScaler(env.kind, enabled=env.dtype == "float16")  # loss scaling for fp16 only
@@ -615,7 +759,8 @@ def run(user):
             t0 = time.perf_counter()
             lr = get_lr(step, cfg)
             set_lr(optimizer, lr, cfg)
-            loss_sum = forward_backward(model, train_loader, grad_accum, scaler, env)
+            loss_sum, cfg, grad_accum = fitting_forward_backward(model, train_loader, grad_accum, scaler, optimizer,
+                                                                 cfg, env, log, step)
             if stop.signal is not None:
                 stop_flag.fill_(1.0)
             scaler.unscale_(optimizer)  # true gradients before clipping (no-op without fp16)
@@ -635,7 +780,7 @@ def run(user):
             mfu = raw_model.estimate_mfu(tokens_per_s / env.world_size, peak)
             mem, reserved = peak_memory(env.kind)
             record = {"step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s":
-                      tokens_per_s, "mfu": mfu, "step_ms": dt * 1000, "peak_mem_mb": mem}
+                      tokens_per_s, "mfu": mfu, "step_ms": dt * 1000, "peak_mem_mb": mem, "micro_batch": cfg.batch_size}
             if reserved is not None:
                 record["peak_reserved_mb"] = reserved
             if skipped:

@@ -1,0 +1,385 @@
+"""Know before you start: predicted peak memory per rank, what the device has, and the micro-batch that fits.
+
+estimate_memory(cfg, batch_size, ...) -> MemoryPlan adds up, per rank and in bytes: parameters, gradients and
+optimizer state (fp32 under autocast; divided by the shard size under FSDP/HSDP), the tensors autograd saves
+for backward in one micro-batch (with or without activation checkpointing) plus the backward's working set,
+and the chunked loss's buffers. MemoryPlan.line() is the one line train.py prints before step 1.
+available_memory(device) says what the device has; check_fits() refuses a plan that cannot fit, naming the
+settings that would. batch_size='auto' uses plan_micro_batch() (CPU/MPS: from the plan) or
+probe_micro_batch() (CUDA: real forward+backward, halving on out-of-memory; devices.is_oom classifies errors).
+
+The activation model follows what eager PyTorch saves per block (dropout 0, SDPA's fused kernel): the block
+input and the residual after attention (fp32 under autocast too), the LayerNorm outputs as the next matmul
+sees them, q/k/v in one (B, T, 3C) buffer, the attention output, the MLP's pre- and post-activation (B, T, 4C)
+and, under autocast, the low-precision copies of the block's matmul weights. torch.compile saves less, so the
+plan is an upper bound there.
+"""
+import gc
+import os
+from dataclasses import dataclass
+
+import torch
+
+from devices import is_oom
+
+GiB = 2**30
+AUTO_FIT_FRACTION = 0.8  # batch_size='auto' from the plan: use at most this share of the available memory
+FAKE_OOM_ENV = "GPT_FAKE_OOM_ABOVE"  # test hook: micro-batches above this raise torch.OutOfMemoryError
+OPTIMIZERS = {"adamw": "AdamW", "muon": "Muon+AdamW"}
+PARALLEL = ("ddp", "fsdp", "hsdp")
+
+
+class MemoryPlanError(ValueError):
+    """Nothing fits; the message is one line naming what was tried."""
+
+
+@dataclass
+class MemoryPlan:
+    """Predicted peak memory of one rank, in bytes, by part. total is their sum."""
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    logits: int
+    batch_size: int
+    optimizer_name: str = "AdamW"
+    ddp_buckets: int = 0  # DDP's flat gradient buckets (a second copy of the gradients) at world size > 1
+    gathered: int = 0  # FSDP/HSDP: the all-gathered (unsharded) parameters and gradients of the units in use
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.optimizer + self.activations + self.logits + self.ddp_buckets
+                + self.gathered)
+
+    def line(self) -> str:
+        """'estimated peak memory per rank: 21.3 GiB (params 2.9 + grads 2.9 + AdamW 5.8 + activations 9.1 at
+        micro-batch 16 + logits 0.6)'. The prefix and the total first are a contract: tools parse them."""
+        parts = [f"params {gib(self.params)}", f"grads {gib(self.grads)}"]
+        parts += [f"DDP buckets {gib(self.ddp_buckets)}"] if self.ddp_buckets else []
+        parts += [f"{self.optimizer_name} {gib(self.optimizer)}"]
+        parts += [f"all-gathered {gib(self.gathered)}"] if self.gathered else []
+        parts += [f"activations {gib(self.activations)} at micro-batch {self.batch_size}", f"logits {gib(self.logits)}"]
+        return f"estimated peak memory per rank: {gib(self.total)} GiB ({' + '.join(parts)})"
+
+
+def gib(n_bytes: int) -> str:
+    """Bytes as GiB: one decimal from 1 GiB up (the contract's '21.3'), three below it."""
+    v = n_bytes / GiB
+    return f"{v:.1f}" if v >= 1 else f"{v:.3f}"
+
+
+# ----------------------------------------------------------------------------- the plan
+
+_PARAM_STATS = {}  # repr(cfg) -> param_stats(cfg)
+
+
+def param_stats(cfg) -> dict:
+    """Parameter counts of GPT(cfg), read off a model built on the meta device (no memory, any config fields):
+    total (tied tensors once), block (one block's), block_matmul (its Linear weights), hidden (MLP width)."""
+    key = repr(cfg)
+    if key not in _PARAM_STATS:
+        _PARAM_STATS[key] = _count_params(cfg)
+    return _PARAM_STATS[key]
+
+
+def _count_params(cfg) -> dict:
+    from model import GPT
+    with torch.device("meta"):
+        m = GPT(cfg)
+    blocks = m.transformer.h
+    block_params = sum(p.numel() for p in blocks[0].parameters()) if len(blocks) else 0
+    matmul = sum(mod.weight.numel() for mod in blocks[0].modules() if isinstance(mod, torch.nn.Linear)) \
+        if len(blocks) else 0
+    fc = getattr(getattr(blocks[0], "mlp", None), "c_fc", None) if len(blocks) else None
+    return {"total": sum(p.numel() for p in m.parameters()), "block": block_params, "block_matmul": matmul,
+            "hidden": fc.out_features if isinstance(fc, torch.nn.Linear) else 4 * cfg.n_embd}
+
+
+def _bytes_per_element(dtype) -> int:
+    """Bytes of an activation the matmuls produce: 4 in fp32, 2 under bf16/fp16 autocast."""
+    name = str(dtype).replace("torch.", "")
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"estimate_memory: dtype {dtype!r}, expected 'float32', 'bfloat16' or 'float16'")
+    return 4 if name == "float32" else 2
+
+
+def activation_bytes(cfg, batch_size: int, dtype="float32", activation_checkpointing: bool = False,
+                     seq_len: int | None = None) -> int:
+    """Bytes autograd holds for one micro-batch of (batch_size, seq_len) at the backward's peak.
+
+    Per token and block: residual stream x and x + attn (fp32: r bytes each), the ln_1/ln_2 outputs as
+    the matmuls see them, q/k/v (3C), attention output (C), the MLP pre/post activation (2 * hidden), all in
+    the compute dtype (a bytes), plus LayerNorm statistics and SDPA's log-sum-exp. With checkpointing only
+    each block's input stays, and one block is recomputed at a time in backward."""
+    T = seq_len or cfg.block_size
+    C, L, nh = cfg.n_embd, cfg.n_layer, cfg.n_head
+    stats = param_stats(cfg)
+    H, a, r = stats["hidden"], _bytes_per_element(dtype), 4
+    residuals = 1 if getattr(cfg, "parallel_residual", False) else 2  # parallel: both branches read ln(x) of x
+    rotated = getattr(cfg, "rotary_pct", None) is not None or getattr(cfg, "qk_norm", False)
+    block = residuals * r * C + a * (6 * C + 2 * H) + (2 * a * C if rotated else 0) + 2 * 8 + 4 * nh
+    if getattr(cfg, "dropout", 0.0) > 0:  # masks of the residual/MLP dropouts and attention's math path
+        block += 2 * a * C + nh * T * (2 * a + 1)
+    backward = r * C + a * H  # working set: the residual's gradient and the MLP hidden's
+    per_token_global = 8 + r * C + 8  # token ids, ln_f input, ln_f statistics
+    weights = stats["block_matmul"] * 2 if a < 4 else 0  # autocast's low-precision weight copies (saved)
+    tokens = batch_size * T
+    if activation_checkpointing:
+        return tokens * ((L + 1) * r * C + 8 + block + backward) + weights
+    return tokens * (L * block + per_token_global + backward) + L * weights
+
+
+def loss_bytes(cfg, batch_size: int, dtype="float32", seq_len: int | None = None) -> int:
+    """Peak bytes of ChunkedLMHeadLoss's forward: two chunks of logits (the previous one is alive while
+    the next is computed), its (V, C) weight-gradient and (N, C) input-gradient buffers, and its input."""
+    from model import LOSS_CHUNK_ROWS
+    N = batch_size * (seq_len or cfg.block_size)
+    n, V, C = min(N, LOSS_CHUNK_ROWS), cfg.vocab_size, cfg.n_embd
+    chunks_alive = 2 if N > n else 1
+    if _bytes_per_element(dtype) == 4:
+        return chunks_alive * n * V * 4 + V * C * 4 + 2 * N * C * 4
+    # autocast: each chunk's logits in bf16 and fp32 plus its low-precision gradient; the weight's bf16
+    # copy and one bf16 (V, C) product next to the fp32 gradient buffer
+    return chunks_alive * n * V * 6 + V * C * (4 + 2 + 2) + 2 * N * C * 4 + n * C * 2
+
+
+def estimate_memory(model_cfg, batch_size: int, dtype="float32", parallel: str = "ddp", world_size: int = 1,
+                    optimizer: str = "adamw", activation_checkpointing: bool | None = None,
+                    shard_size: int | None = None, seq_len: int | None = None) -> MemoryPlan:
+    """Predicted peak memory per rank of one training step at micro-batch batch_size.
+
+    dtype: the autocast dtype ('float32' = none); parameters, gradients and AdamW state stay fp32.
+    parallel: 'ddp' (full copies; DDP's gradient buckets at world_size > 1), 'fsdp' (sharded over
+    world_size) or 'hsdp' (sharded over shard_size, default world_size). activation_checkpointing None:
+    model_cfg's. The sum assumes gradients are resident during the forward (any accumulation step after
+    the first), which makes it an upper bound for a step without accumulation."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"estimate_memory: optimizer {optimizer!r}, expected one of {sorted(OPTIMIZERS)}")
+    if parallel not in PARALLEL:
+        raise ValueError(f"estimate_memory: parallel {parallel!r}, expected one of {PARALLEL}")
+    if batch_size < 1 or world_size < 1:
+        raise ValueError(f"estimate_memory: batch_size={batch_size}, world_size={world_size}; expected >= 1")
+    if activation_checkpointing is None:
+        activation_checkpointing = getattr(model_cfg, "activation_checkpointing", False)
+    stats = param_stats(model_cfg)
+    n = stats["total"]
+    if optimizer == "adamw":
+        state = 2 * n * 4  # exp_avg, exp_avg_sq
+    else:  # Muon: one momentum buffer for the blocks' 2-D matrices, AdamW's two for everything else
+        hidden = model_cfg.n_layer * stats["block_matmul"]
+        state = hidden * 4 + 2 * (n - hidden) * 4
+    shard = 1 if parallel == "ddp" else (shard_size or world_size) if parallel == "hsdp" else world_size
+    gathered = 0
+    if shard > 1:  # the root unit (embeddings, ln_f, head) stays gathered through forward, plus the block in
+        # use and the one prefetched, each with an unsharded gradient before its reduce-scatter
+        p_bytes = _bytes_per_element(dtype)  # FSDP's mixed precision gathers parameters in the compute dtype
+        root = n - model_cfg.n_layer * stats["block"]
+        gathered = (root + 2 * stats["block"]) * p_bytes + (root + stats["block"]) * 4
+    return MemoryPlan(
+        params=-(-n * 4 // shard), grads=-(-n * 4 // shard), optimizer=-(-state // shard),
+        activations=activation_bytes(model_cfg, batch_size, dtype, activation_checkpointing, seq_len),
+        logits=loss_bytes(model_cfg, batch_size, dtype, seq_len), batch_size=batch_size,
+        optimizer_name=OPTIMIZERS[optimizer], ddp_buckets=n * 4 if parallel == "ddp" and world_size > 1 else 0,
+        gathered=gathered)
+
+
+# ----------------------------------------------------------------------------- what the device has
+
+def available_memory(device) -> tuple[int, str]:
+    """(bytes this process can still use, a description). CUDA: free memory (of total); CPU: MemAvailable
+    (and a cgroup v2 limit if lower); MPS: the recommended working-set size."""
+    kind = str(device).split(":")[0]
+    if kind == "cuda":
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        return free, f"{str(device)}: {gib(free)} GiB free of {gib(total)} GiB"
+    if kind == "mps":
+        if hasattr(torch.mps, "recommended_max_memory"):
+            rec = torch.mps.recommended_max_memory()
+            return rec, f"mps: recommended max {gib(rec)} GiB"
+        kind = "cpu"  # older torch: the unified memory is the system's
+    avail, what = _cpu_available()
+    return avail, f"{kind}: {gib(avail)} GiB {what}"
+
+
+def _cpu_available() -> tuple[int, str]:
+    avail, what = None, "available RAM"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if avail is None:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        what = "free RAM"
+    try:  # a container's limit is invisible to /proc/meminfo
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            limit = f.read().strip()
+            if limit != "max" and int(limit) - int(g.read()) < avail:
+                avail, what = int(limit) - int(g.read() or 0), "left under the cgroup limit"
+    except (OSError, ValueError):
+        pass
+    return avail, what
+
+
+# ----------------------------------------------------------------------------- does it fit, and what would
+
+def divisors(n: int) -> list[int]:
+    """Divisors of n, largest first."""
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def rows_per_rank(total_batch_size: int, block_size: int, world_size: int = 1) -> int:
+    """Sequences each rank processes per optimizer step."""
+    if total_batch_size % (block_size * world_size):
+        raise ValueError(f"total_batch_size={total_batch_size} is not a multiple of block_size*world_size = "
+                         f"{block_size}*{world_size}")
+    return total_batch_size // (block_size * world_size)
+
+
+def suggest_fits(model_cfg, batch_size: int, available: int, rows: int | None = None,
+                 **plan_kwargs) -> list[str]:
+    """Settings that would fit in `available` bytes, each with its predicted total: the largest smaller
+    micro-batch dividing `rows` (sequences per rank per step; default batch_size) with the accumulation
+    that keeps total_batch_size, activation checkpointing, parallel='fsdp' at the same world size, and
+    combinations of them when no single change is enough."""
+    rows = rows or batch_size
+    ckpt = plan_kwargs.pop("activation_checkpointing", None)
+    ckpt = getattr(model_cfg, "activation_checkpointing", False) if ckpt is None else ckpt
+    world = plan_kwargs.get("world_size", 1)
+    fsdp_options = [False, True] if plan_kwargs.get("parallel", "ddp") == "ddp" and world > 1 else [False]
+
+    def first_fit(ckpt_on, fsdp):
+        kw = {**plan_kwargs, "parallel": "fsdp"} if fsdp else plan_kwargs
+        for b in divisors(rows):
+            if b <= batch_size:
+                plan = estimate_memory(model_cfg, b, activation_checkpointing=ckpt_on, **kw)
+                if plan.total <= available:
+                    return b, plan
+        return None, None
+
+    by_changes = {}  # number of settings changed -> descriptions
+    for ckpt_on in sorted({ckpt, True}):
+        for fsdp in fsdp_options:
+            b, plan = first_fit(ckpt_on, fsdp)
+            if b is None:
+                continue
+            what = [f"batch_size={b} with {rows // b} accumulation steps"] if b < batch_size else []
+            what += ["activation_checkpointing=True"] if ckpt_on and not ckpt else []
+            what += [f"parallel='fsdp' over {world} ranks"] if fsdp else []
+            if what:
+                by_changes.setdefault(len(what), []).append(f"{' + '.join(what)} ({gib(plan.total)} GiB)")
+    return by_changes[min(by_changes)] if by_changes else []
+
+
+def check_fits(model_cfg, batch_size: int, available: int, description: str = "", rows: int | None = None,
+               **plan_kwargs) -> str | None:
+    """None if the plan at batch_size fits in `available` bytes, else a one-line refusal with the settings
+    that would fit (see suggest_fits), computed from the plan before anything is allocated."""
+    plan = estimate_memory(model_cfg, batch_size, **plan_kwargs)
+    if plan.total <= available:
+        return None
+    where = f" ({description})" if description else ""
+    head = f"estimated peak memory per rank {gib(plan.total)} GiB exceeds the {gib(available)} GiB available{where}"
+    fits = suggest_fits(model_cfg, batch_size, available, rows, **plan_kwargs)
+    if fits:
+        return f"{head}; settings that fit: {'; '.join(fits)}"
+    ckpt = {k: v for k, v in plan_kwargs.items() if k != "activation_checkpointing"}
+    smallest = estimate_memory(model_cfg, 1, activation_checkpointing=True, **ckpt)
+    return (f"{head}; nothing fits on one rank: even micro-batch 1 with activation_checkpointing=True needs "
+            f"{gib(smallest.total)} GiB; use more ranks with parallel='fsdp' or a smaller model")
+
+
+# ----------------------------------------------------------------------------- batch_size='auto'
+
+def plan_micro_batch(model_cfg, rows: int, available: int, fraction: float = AUTO_FIT_FRACTION,
+                     description: str = "", **plan_kwargs) -> tuple[int, str]:
+    """CPU/MPS batch_size='auto': the largest divisor of rows (sequences per rank per step) whose plan fits
+    in fraction * available. Returns (micro_batch, why); MemoryPlanError if not even 1 fits."""
+    budget = int(available * fraction)
+    for b in divisors(rows):
+        plan = estimate_memory(model_cfg, b, **plan_kwargs)
+        if plan.total <= budget:
+            up = None if b == rows else next(d for d in reversed(divisors(rows)) if d > b)
+            bigger = f"; micro-batch {up} would need {gib(estimate_memory(model_cfg, up, **plan_kwargs).total)} GiB" \
+                if up else ""
+            return b, (f"micro-batch {b} x {rows // b} accumulation steps: its plan ({gib(plan.total)} GiB) fits in "
+                       f"{fraction:.0%} of {gib(available)} GiB{f' ({description})' if description else ''}{bigger}")
+    msg = check_fits(model_cfg, 1, budget, f"{fraction:.0%} of {description or gib(available) + ' GiB'}",
+                     rows, **plan_kwargs)
+    raise MemoryPlanError(f"batch_size='auto': {msg}")
+
+
+def smaller_micro_batch(rows: int, batch_size: int) -> int | None:
+    """After an out-of-memory at batch_size: the largest divisor of rows at most half of it (None below 1)."""
+    return next((d for d in divisors(rows) if d <= batch_size // 2), None)
+
+
+def fake_oom_limit(fake_oom_above: int | None = None) -> int | None:
+    """The test hook's limit: the argument, else the GPT_FAKE_OOM_ABOVE environment variable, else None."""
+    if fake_oom_above is None and os.environ.get(FAKE_OOM_ENV):
+        fake_oom_above = int(os.environ[FAKE_OOM_ENV])
+    return fake_oom_above
+
+
+def maybe_fake_oom(batch_size: int, fake_oom_above: int | None = None) -> None:
+    """Test hook: raise the exception CUDA raises (torch.OutOfMemoryError) if batch_size > the limit."""
+    limit = fake_oom_limit(fake_oom_above)
+    if limit is not None and batch_size > limit:
+        raise torch.OutOfMemoryError(f"simulated out of memory: micro-batch {batch_size} > {FAKE_OOM_ENV}={limit}")
+
+
+def probe_micro_batch(try_step, candidates, fake_oom_above: int | None = None, reserve_bytes: int = 0,
+                      device=None) -> tuple[int, str]:
+    """CUDA batch_size='auto': try_step(b) runs one real forward+backward at micro-batch b and raises
+    torch.OutOfMemoryError if it does not fit. Starts at the largest candidate (divisors of the per-rank
+    batch) and on out-of-memory moves to the largest candidate at most half the size. reserve_bytes are held
+    on `device` during each try (optimizer state and DDP buckets not yet allocated). try_step should run the
+    bare model (no DDP collectives: ranks may fail at different sizes). All ranks then agree on the smallest
+    choice (one all-reduce MIN). Returns (micro_batch, why)."""
+    candidates = sorted(set(candidates), reverse=True)
+    b, failed = candidates[0], []
+    while b is not None:
+        oom = None
+        try:
+            reserve = torch.empty(reserve_bytes, dtype=torch.uint8, device=device) if reserve_bytes else None
+            maybe_fake_oom(b, fake_oom_above)
+            try_step(b)
+        except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled; the rest is re-raised
+            if not is_oom(e):
+                raise
+            oom = e
+        reserve = None
+        if oom is None:
+            break
+        failed.append(b)
+        del oom  # its traceback holds the failed step's tensors
+        _free(device)
+        b = next((c for c in candidates if c <= b // 2), None)
+    if b is None:
+        raise MemoryPlanError(f"batch_size='auto': out of memory even at micro-batch {failed[-1]} "
+                              f"(tried {', '.join(map(str, failed))}); try activation_checkpointing=True or "
+                              "parallel='fsdp'")
+    _free(device)
+    chosen = agree_micro_batch(b, device)
+    why = (f"micro-batch {chosen}: the largest that ran forward+backward"
+           + (f" (out of memory at {', '.join(map(str, failed))})" if failed else "")
+           + (f"; {b} here, {chosen} on the smallest rank" if chosen != b else ""))
+    return chosen, why
+
+
+def agree_micro_batch(batch_size: int, device=None) -> int:
+    """The smallest batch_size over all ranks (an all-reduce MIN) when torch.distributed is initialized."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return batch_size
+    t = torch.tensor([batch_size], device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def _free(device) -> None:
+    gc.collect()
+    if device is not None and str(device).startswith("cuda"):
+        torch.cuda.empty_cache()
