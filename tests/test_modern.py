@@ -139,7 +139,11 @@ def test_muon_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tm
     # reduction (a sum, or one rank's gradient) is off by far more
     assert np.allclose(list(ddp.values()), list(single.values()), atol=1e-4, rtol=0), (ddp, single)
     a, b = load_checkpoint(tmp_path / "ddp"), load_checkpoint(tmp_path / "single")
-    assert all(torch.allclose(a["model"][k], b["model"][k], atol=1e-4) for k in a["model"])
+    worst = max((a["model"][k] - b["model"][k]).abs().max().item() for k in a["model"])
+    print(f"Muon DDP vs accumulation: max weight difference after 4 steps {worst:.2e}")
+    # a few bf16 roundings of updates of size ~muon_lr (0.03): measured ~1e-3; a wrong reduction moves weights
+    # by O(muon_lr) per step
+    assert worst < 0.1 * 0.03
 
 
 # ----------------------------------------------------------------------------- the recipe configs
