@@ -103,44 +103,53 @@ def _bytes_per_element(dtype) -> int:
     return 4 if name == "float32" else 2
 
 
+def saved_bytes_per_token(cfg, dtype="float32") -> tuple[int, int]:
+    """(bytes per token of one block, bytes per token outside the blocks) that autograd saves for backward.
+
+    Per block: the residual stream x and x + attn (fp32 under autocast too: r bytes each), the ln_1/ln_2
+    outputs as the matmuls read them, q/k/v in one (B, T, 3C) buffer, the attention output and the MLP's pre-
+    and post-activation (hidden each), all in the compute dtype (a bytes), plus LayerNorm statistics and SDPA's
+    log-sum-exp. Outside: token ids, ln_f's input and statistics."""
+    C, nh = cfg.n_embd, cfg.n_head
+    H, a, r = param_stats(cfg)["hidden"], _bytes_per_element(dtype), 4
+    residuals = 1 if getattr(cfg, "parallel_residual", False) else 2  # parallel: both branches read ln(x)
+    # rotary/QK-norm: new (B, nh, T, hs) q and k, so the attention output comes out in that layout and
+    # (B, T, C) is one more copy
+    rotated = getattr(cfg, "rotary_pct", None) is not None or getattr(cfg, "qk_norm", False)
+    block = residuals * r * C + a * (6 * C + 2 * H) + (3 * a * C if rotated else 0) + 2 * 8 + 4 * nh
+    if getattr(cfg, "dropout", 0.0) > 0:  # rough: dropout masks, and attention's (T, T) math path
+        block += 2 * a * C + nh * cfg.block_size * (2 * a + 1)
+    return block, 8 + r * C + 8
+
+
 def activation_bytes(cfg, batch_size: int, dtype="float32", activation_checkpointing: bool = False,
                      seq_len: int | None = None) -> int:
-    """Bytes autograd holds for one micro-batch of (batch_size, seq_len) at the backward's peak.
-
-    Per token and block: residual stream x and x + attn (fp32: r bytes each), the ln_1/ln_2 outputs as
-    the matmuls see them, q/k/v (3C), attention output (C), the MLP pre/post activation (2 * hidden), all in
-    the compute dtype (a bytes), plus LayerNorm statistics and SDPA's log-sum-exp. With checkpointing only
-    each block's input stays, and one block is recomputed at a time in backward."""
+    """Bytes autograd holds for one micro-batch of (batch_size, seq_len) at the backward's peak: the saved
+    tensors (saved_bytes_per_token; with checkpointing only each block's input, and one block recomputed at a
+    time), under autocast the matmul weights' low-precision copies, and the backward's working set."""
     T = seq_len or cfg.block_size
-    C, L, nh = cfg.n_embd, cfg.n_layer, cfg.n_head
-    stats = param_stats(cfg)
-    H, a, r = stats["hidden"], _bytes_per_element(dtype), 4
-    residuals = 1 if getattr(cfg, "parallel_residual", False) else 2  # parallel: both branches read ln(x) of x
-    rotated = getattr(cfg, "rotary_pct", None) is not None or getattr(cfg, "qk_norm", False)
-    block = residuals * r * C + a * (6 * C + 2 * H) + (2 * a * C if rotated else 0) + 2 * 8 + 4 * nh
-    if getattr(cfg, "dropout", 0.0) > 0:  # masks of the residual/MLP dropouts and attention's math path
-        block += 2 * a * C + nh * T * (2 * a + 1)
-    backward = r * C + a * H  # working set: the residual's gradient and the MLP hidden's
-    per_token_global = 8 + r * C + 8  # token ids, ln_f input, ln_f statistics
-    weights = stats["block_matmul"] * 2 if a < 4 else 0  # autocast's low-precision weight copies (saved)
-    tokens = batch_size * T
+    stats, a, r = param_stats(cfg), _bytes_per_element(dtype), 4
+    block, outside = saved_bytes_per_token(cfg, dtype)
+    backward = r * cfg.n_embd + a * stats["hidden"]  # the residual's gradient and the MLP hidden's
+    weights = stats["block_matmul"] * 2 if a < 4 else 0  # autocast's copies, saved by the matmuls
+    tokens, L = batch_size * T, cfg.n_layer
     if activation_checkpointing:
-        return tokens * ((L + 1) * r * C + 8 + block + backward) + weights
-    return tokens * (L * block + per_token_global + backward) + L * weights
+        return tokens * ((L + 1) * r * cfg.n_embd + 8 + block + backward) + weights
+    return tokens * (L * block + outside + backward) + L * weights
 
 
 def loss_bytes(cfg, batch_size: int, dtype="float32", seq_len: int | None = None) -> int:
-    """Peak bytes of ChunkedLMHeadLoss's forward: two chunks of logits (the previous one is alive while
-    the next is computed), its (V, C) weight-gradient and (N, C) input-gradient buffers, and its input."""
+    """Peak bytes of ChunkedLMHeadLoss's forward: its (V, C) weight-gradient and (N, C) input-gradient
+    buffers, its input, and the chunks of fp32 logits alive at once: logsumexp's temporary next to the
+    current chunk, and the previous chunk until its gradient is replaced (3 when there is more than one)."""
     from model import LOSS_CHUNK_ROWS
     N = batch_size * (seq_len or cfg.block_size)
     n, V, C = min(N, LOSS_CHUNK_ROWS), cfg.vocab_size, cfg.n_embd
-    chunks_alive = 2 if N > n else 1
+    chunks = n * V * (12 if N > n else 8)  # fp32: 3 (2) chunks; autocast: bf16 + fp32 logits of two chunks
     if _bytes_per_element(dtype) == 4:
-        return chunks_alive * n * V * 4 + V * C * 4 + 2 * N * C * 4
-    # autocast: each chunk's logits in bf16 and fp32 plus its low-precision gradient; the weight's bf16
-    # copy and one bf16 (V, C) product next to the fp32 gradient buffer
-    return chunks_alive * n * V * 6 + V * C * (4 + 2 + 2) + 2 * N * C * 4 + n * C * 2
+        return chunks + V * C * 4 + 2 * N * C * 4
+    # autocast also holds the weight's low-precision copy and one (V, C) product next to the fp32 gradient
+    return chunks + V * C * (4 + 2 + 2) + 2 * N * C * 4 + n * C * 2
 
 
 def estimate_memory(model_cfg, batch_size: int, dtype="float32", parallel: str = "ddp", world_size: int = 1,

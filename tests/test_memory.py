@@ -1,76 +1,193 @@
-"""memory.py: the plan's arithmetic, its contract line, the fit check and the micro-batch search."""
+"""memory.py: the plan's arithmetic, its printed line, the fit check, and batch_size='auto' (plan and probe)."""
+import os
 import re
 
 import pytest
 import torch
 
+import devices
 import memory
+from memory import GiB, MemoryPlanError, estimate_memory
 from model import GPT, GPTConfig
 
-SMALL = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+LINE = re.compile(r"^estimated peak memory per rank: (\d+\.\d+) GiB \(params (\d+\.\d+) \+ grads (\d+\.\d+) \+ "
+                  r"AdamW (\d+\.\d+) \+ activations (\d+\.\d+) at micro-batch (\d+) \+ logits (\d+\.\d+)\)$")
 
 
-def test_parameter_gradient_and_optimizer_bytes_are_exact():
-    n = GPT(SMALL).num_params()  # tied wte/lm_head counted once, as the model holds them
-    plan = memory.estimate_memory(SMALL, batch_size=4)
-    assert plan.params == plan.grads == 4 * n  # fp32 master weights and gradients, also under autocast
-    assert plan.optimizer == 2 * 4 * n  # AdamW: exp_avg and exp_avg_sq
-    assert memory.estimate_memory(SMALL, 4, dtype="bfloat16").params == 4 * n
-    untied = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, tie_embeddings=False)
-    assert memory.estimate_memory(untied, 4).params == 4 * GPT(untied).num_params()
+@pytest.mark.parametrize("extra", [{}, {"bias": False}, {"rotary_pct": 0.5}])
+def test_param_grad_and_adamw_bytes_are_those_of_the_real_model(extra):
+    cfg = GPTConfig(**TINY, **extra)
+    model = GPT(cfg)
+    n = sum(p.numel() for p in model.parameters())  # tied wte/lm_head counted once
+    plan = estimate_memory(cfg, batch_size=4)
+    assert plan.params == plan.grads == 4 * n
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.step()
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for k, t in s.items() if k != "step")
+    assert plan.optimizer == state == 8 * n
 
 
-def test_sharding_divides_the_model_state_by_the_shard_count():
-    full = memory.estimate_memory(SMALL, 4)
-    ddp = memory.estimate_memory(SMALL, 4, world_size=2)
-    fsdp = memory.estimate_memory(SMALL, 4, parallel="fsdp", world_size=2)
-    assert (ddp.params, ddp.grads, ddp.optimizer) == (full.params, full.grads, full.optimizer)
-    assert ddp.ddp_buckets == full.grads  # DDP's flat gradient buckets: a second copy of the gradients
-    assert fsdp.params == -(-full.params // 2) and fsdp.optimizer == -(-full.optimizer // 2)
-    hsdp = memory.estimate_memory(SMALL, 4, parallel="hsdp", world_size=8, shard_size=4)
-    assert hsdp.params == -(-full.params // 4)
+def test_autocast_keeps_parameters_grads_and_adamw_in_fp32():
+    cfg = GPTConfig(**TINY)
+    fp32, bf16 = estimate_memory(cfg, 4), estimate_memory(cfg, 4, dtype="bfloat16")
+    assert (bf16.params, bf16.grads, bf16.optimizer) == (fp32.params, fp32.grads, fp32.optimizer)
+    big = GPTConfig.from_preset("gpt2")
+    assert estimate_memory(big, 8, dtype="bfloat16").activations < 0.7 * estimate_memory(big, 8).activations
 
 
-def test_activations_grow_with_the_micro_batch_and_shrink_with_checkpointing():
-    one, four = (memory.estimate_memory(SMALL, b).activations for b in (1, 4))
-    assert four == pytest.approx(4 * one, rel=0.05)
-    assert memory.estimate_memory(SMALL, 4, activation_checkpointing=True).activations < four
+def test_sharded_plan_holds_the_full_model_states_divided_by_the_shard_size():
+    cfg = GPTConfig.from_preset("gpt2")
+    full = estimate_memory(cfg, 8)
+    fsdp = estimate_memory(cfg, 8, parallel="fsdp", world_size=4)
+    hsdp = estimate_memory(cfg, 8, parallel="hsdp", world_size=8, shard_size=2)
+    for part in ("params", "grads", "optimizer"):
+        assert getattr(fsdp, part) == -(-getattr(full, part) // 4)
+        assert getattr(hsdp, part) == -(-getattr(full, part) // 2)
+    assert fsdp.activations == full.activations and fsdp.logits == full.logits
+    assert 0 < fsdp.gathered < full.params  # only the units in use are gathered, never the whole model
+    ddp2 = estimate_memory(cfg, 8, world_size=2)
+    assert full.ddp_buckets == 0 and ddp2.ddp_buckets == full.grads  # DDP's flat buckets: a second copy
+    assert estimate_memory(cfg, 8, optimizer="muon").optimizer < full.optimizer  # one buffer for matrices
 
 
-def test_the_plan_line_is_the_contract():
-    plan = memory.estimate_memory(GPTConfig(), batch_size=16)  # GPT-2 124M
-    line = plan.line()
-    m = re.match(r"estimated peak memory per rank: (\d+\.\d+) GiB \(params ", line)
-    assert m and float(m.group(1)) == pytest.approx(plan.total / 2**30, abs=0.05)
-    assert "at micro-batch 16" in line and "AdamW" in line
+def test_plan_line_starts_with_the_total_in_gib_and_sums_its_parts():
+    plan = estimate_memory(GPTConfig.from_preset("gpt2"), 16)
+    m = LINE.match(plan.line())
+    assert m, plan.line()
+    total, *parts = map(float, m.group(1, 2, 3, 4, 5, 7))
+    assert int(m.group(6)) == 16 and total == round(plan.total / GiB, 1)
+    assert abs(sum(parts) - total) <= 0.15  # one-decimal rounding of five parts
+    tiny = estimate_memory(GPTConfig(**TINY), 2).line()
+    assert re.match(r"^estimated peak memory per rank: 0\.\d{3} GiB \(", tiny), tiny
 
 
-def test_a_plan_that_cannot_fit_names_settings_that_would():
-    need = memory.estimate_memory(GPTConfig(), 16).total
-    assert memory.check_fits(GPTConfig(), 16, available=2 * need) is None
-    message = memory.check_fits(GPTConfig(), 16, available=need // 2, rows=16)
-    assert message.startswith("estimated peak memory per rank") and "\n" not in message
-    assert "settings that fit" in message or "nothing fits" in message
+def saved_tensor_bytes(cfg, batch_size, dtype):
+    """Bytes of the distinct non-parameter storages autograd saves in one training forward."""
+    model = GPT(cfg)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    idx = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), devices.autocast("cpu", dtype):
+        model(idx, idx, return_logits=False)
+    return sum(seen.values())
 
 
-def test_auto_micro_batch_from_the_plan_is_the_largest_divisor_that_fits():
-    rows = 12
-    budget = memory.estimate_memory(SMALL, 4).total
-    b, why = memory.plan_micro_batch(SMALL, rows, available=budget, fraction=1.0)
-    assert b == 4 and rows % b == 0 and "micro-batch 4" in why
-    with pytest.raises(memory.MemoryPlanError):
-        memory.plan_micro_batch(SMALL, rows, available=1)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("extra", [{}, {"rotary_pct": 1.0}])
+def test_activation_model_matches_what_autograd_saves(dtype, extra):
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=24, vocab_size=96, **extra)
+    B, T = 3, cfg.block_size
+    block, outside = memory.saved_bytes_per_token(cfg, dtype)
+    weights = 2 * memory.param_stats(cfg)["block_matmul"] if dtype == "bfloat16" else 0
+    loss = B * T * cfg.n_embd * 4 + cfg.vocab_size * cfg.n_embd * 4  # the chunked loss saves dh and dW
+    predicted = B * T * (cfg.n_layer * block + outside) + cfg.n_layer * weights + loss
+    measured = saved_tensor_bytes(cfg, B, dtype)
+    assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
 
 
-def test_probe_halves_on_out_of_memory_until_a_size_runs():
-    tried = []
+def test_activation_checkpointing_keeps_one_input_per_block():
+    cfg = GPTConfig.from_preset("gpt2")
+    plain, ckpt = estimate_memory(cfg, 16), estimate_memory(cfg, 16, activation_checkpointing=True)
+    assert ckpt.activations < plain.activations / 4
+    assert estimate_memory(GPTConfig.from_preset("gpt2", activation_checkpointing=True), 16) == ckpt
 
-    def try_step(b):
-        tried.append(b)
-        if b > 3:
-            raise torch.OutOfMemoryError(f"CUDA out of memory at {b}")
 
-    b, why = memory.probe_micro_batch(try_step, memory.divisors(16))
-    assert b == 2 and tried == [16, 8, 4, 2] and "out of memory at 16, 8, 4" in why
-    with pytest.raises(ValueError, match="not out of memory"):  # anything else propagates
-        memory.probe_micro_batch(lambda b: (_ for _ in ()).throw(ValueError("not out of memory")), [4, 2, 1])
+def test_a_config_that_cannot_fit_is_refused_in_one_line_with_settings_that_fit_before_allocating():
+    cfg = GPTConfig.from_preset("gpt2-xl")  # 1.56B parameters: 6 GB just to build in fp32
+    rss = lambda: int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) * 1024
+    before = rss()
+    plan = estimate_memory(cfg, 16, world_size=4)
+    available = estimate_memory(cfg, 16, parallel="fsdp", world_size=4).total  # sharding alone would fit
+    assert available < plan.total
+    msg = memory.check_fits(cfg, 16, available, "cuda:0: test", rows=64, world_size=4)
+    assert rss() - before < 200 * 2**20  # planned on the meta device: nothing of the model's size allocated
+    assert "\n" not in msg and msg.startswith(f"estimated peak memory per rank {memory.gib(plan.total)} GiB exceeds")
+    assert "(cuda:0: test)" in msg
+    for setting in ("batch_size=", "accumulation steps", "activation_checkpointing=True", "parallel='fsdp'"):
+        assert setting in msg, msg
+    b = int(re.search(r"batch_size=(\d+) with (\d+) accumulation", msg).group(1))
+    assert 64 % b == 0 and estimate_memory(cfg, b, world_size=4).total <= available
+    assert estimate_memory(cfg, b * 2, world_size=4).total > available  # the largest that fits
+    assert memory.check_fits(cfg, 16, plan.total, world_size=4) is None
+    nothing = memory.check_fits(cfg, 16, 2**30)
+    assert "nothing fits" in nothing and "\n" not in nothing
+
+
+def test_plan_micro_batch_picks_the_largest_divisor_that_fits_with_margin():
+    cfg = GPTConfig.from_preset("gpt2")
+    rows = 24  # divisors 24, 12, 8, 6, ...
+    p8, p12 = estimate_memory(cfg, 8), estimate_memory(cfg, 12)
+    available = int((p8.total + p12.total) / 2 / memory.AUTO_FIT_FRACTION)
+    b, why = memory.plan_micro_batch(cfg, rows, available, description="cpu: test")
+    assert b == 8 and "x 3 accumulation steps" in why and "micro-batch 12 would need" in why
+    with pytest.raises(MemoryPlanError, match="nothing fits"):
+        memory.plan_micro_batch(cfg, rows, 2**28)
+
+
+def test_probe_halves_on_simulated_oom_and_ends_at_the_right_size():
+    cfg = GPTConfig(**TINY)
+    model = GPT(cfg)
+    ran = []
+
+    def try_step(b):  # a real forward+backward at micro-batch b
+        x = torch.randint(0, cfg.vocab_size, (b, cfg.block_size))
+        model(x, x, return_logits=False)[1].backward()
+        model.zero_grad(set_to_none=True)
+        ran.append(b)
+
+    b, why = memory.probe_micro_batch(try_step, memory.divisors(12), fake_oom_above=4)
+    assert (b, ran) == (3, [3]) and "out of memory at 12, 6" in why  # 12 -> 6 -> 3: halving, largest divisor
+    ran.clear()
+    assert memory.probe_micro_batch(try_step, memory.divisors(16), fake_oom_above=4)[0] == 4 and ran == [4]
+    with pytest.raises(MemoryPlanError, match="even at micro-batch 1"):
+        memory.probe_micro_batch(try_step, [4, 2, 1], fake_oom_above=0)
+    with pytest.raises(ValueError, match="not an oom"):  # other errors are not swallowed
+        memory.probe_micro_batch(lambda b: (_ for _ in ()).throw(ValueError("not an oom")), [2, 1])
+
+
+def test_fake_oom_hook_raises_what_cuda_raises(monkeypatch):
+    monkeypatch.setenv(memory.FAKE_OOM_ENV, "8")
+    memory.maybe_fake_oom(8)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        memory.maybe_fake_oom(16)
+    monkeypatch.delenv(memory.FAKE_OOM_ENV)
+    memory.maybe_fake_oom(10**6)
+
+
+def test_is_oom_tells_out_of_memory_from_other_errors():
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert memory.is_oom(oom) and memory.is_oom(MemoryError())
+    assert memory.is_oom(RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"))
+    assert memory.is_oom(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate "
+                                      "memory: you tried to allocate 4096 bytes"))
+    try:  # wrapped, as torch.compile's backend errors wrap the original
+        try:
+            raise oom
+        except RuntimeError as e:
+            raise RuntimeError("backend compiler failed") from e
+    except RuntimeError as wrapped:
+        assert memory.is_oom(wrapped)
+    assert not memory.is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not memory.is_oom(ValueError("out of memory"))  # a config error that mentions memory
+
+
+def test_smaller_micro_batch_halves_to_a_divisor():
+    assert [memory.smaller_micro_batch(12, b) for b in (12, 6, 3, 1)] == [6, 3, 1, None]
+    assert memory.rows_per_rank(2**19, 1024, 8) == 64
+    with pytest.raises(ValueError, match="not a multiple"):
+        memory.rows_per_rank(1000, 1024)
+
+
+def test_available_memory_on_cpu_is_at_most_the_machine_ram():
+    avail, what = memory.available_memory("cpu")
+    assert 0 < avail <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert what.startswith("cpu: ") and "GiB" in what
