@@ -686,6 +686,15 @@ def train(argv):
         return run(user)
 
 
+def run_summary(raw_model, compiled, cfg, env, total_batch_size, grad_accum, resumed_step):
+    """The one line that says what this run is: size, device, precision, world, batch layout."""
+    line = (f"{raw_model.num_params() / 1e6:.2f}M parameters | device {env.device} | dtype {env.dtype} | compile "
+            f"{compiled} | world size {env.world_size}" + (f" ({env.parallel})" if env.distributed else "") +
+            f" | {total_batch_size:,} tokens/step = {env.world_size} ranks"
+            f" x {grad_accum} accumulation steps x {cfg.batch_size} x {cfg.block_size}")
+    return line if resumed_step is None else f"{line} | resumed from step {resumed_step}"
+
+
 def run(user):
     """The recipe, for the keys the user set (parse_args). Config: defaults < checkpoint (on resume) < preset <
     config files < --key=value."""
@@ -706,7 +715,6 @@ def run(user):
     optimizer = build_optimizer(raw_model, cfg, env)  # after sharding: fully_shard replaces the parameters
     scaler = torch.amp.GradScaler(env.kind, enabled=env.dtype == "float16")  # loss scaling for fp16 only
     progress = restore(ckpt, raw_model, optimizer, scaler, train_loader) if ckpt else Progress()
-    compiled = is_compiled(model)
 
     out_dir, tracker = Path(cfg.out_dir), None  # rank 0 writes metrics.jsonl (+ W&B/TensorBoard) and config.json
     if env.master:
@@ -715,11 +723,8 @@ def run(user):
         tracker = Tracker(out_dir, asdict(cfg), total_batch_size, resume_step=progress.step if ckpt else None,
                           state=ckpt.get("tracker") if ckpt else None, **{k: getattr(cfg, k) for k in TRACKING_KEYS})
         log(f"config ('*' = set on this command line):\n{config_table(cfg, user)}")
-        log(f"{raw_model.num_params() / 1e6:.2f}M parameters | device {env.device} | dtype {env.dtype} | compile "
-            f"{compiled} | world size {env.world_size}" + (f" ({env.parallel})" if env.distributed else "") +
-            f" | {total_batch_size:,} tokens/step = {env.world_size} ranks"
-            f" x {grad_accum} accumulation steps x {cfg.batch_size} x {cfg.block_size}"
-            + (f" | resumed from step {progress.step}" if ckpt else ""))
+        log(run_summary(raw_model, is_compiled(model), cfg, env, total_batch_size, grad_accum,
+                        progress.step if ckpt else None))
     if ckpt is not None:
         restore_rngs(ckpt, env, log)
     del ckpt  # free the checkpoint's copy of the weights and optimizer state
