@@ -16,8 +16,9 @@ an API), evaluated every --eval_interval steps on the same val batches. Per corp
      evaluation, no compile trial) of the steps up to it in each run.
   3. per-step cost (first corpus only): --knob_steps steps each, median step_ms after the first 5, of the
      GPT-2 recipe, it with each of the modern recipe's knobs alone, the modern recipe, the GPT-2 recipe again,
-     back to back. On a shared machine the sweep's runs see different loads, so the time ratio is also given
-     at these back-to-back costs: (modern steps x modern ms/step) / (GPT-2 steps x GPT-2 ms/step).
+     back to back, --knob_rounds times (the lowest median of each counts). On a shared machine the sweep's
+     runs see different loads, so the time ratio is also given at these back-to-back costs:
+     (modern steps x modern ms/step) / (GPT-2 steps x GPT-2 ms/step).
 Corpora: 'shakespeare' (prepare_data.py's preset) and 'stdlib' (this Python's standard library: the .py files
 of its top directory, each top-level function/class/block a document, in a seeded random order so validation
 is a random sample of them).
@@ -140,6 +141,7 @@ def parse_args(argv=None):
     p.add_argument("--eval_interval", type=int, default=20)
     p.add_argument("--eval_steps", type=int, default=8, help="val micro-batches per evaluation")
     p.add_argument("--knob_steps", type=int, default=30, help="steps per knob-cost run (0: skip them)")
+    p.add_argument("--knob_rounds", type=int, default=2, help="rounds of the back-to-back per-step cost runs")
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the runs (default: torch's)")
     return p.parse_args(argv)
 
@@ -178,18 +180,21 @@ def compare(corpus, a, out_root, best):
 
 
 def knob_costs(corpus, a, out_root, best, gpt2_common, common):
-    """{name: median ms/step}: the GPT-2 recipe, it with each knob alone, the modern recipe, and the GPT-2 recipe
-    again (run back to back, so they share the machine's load; the two GPT-2 runs show its drift)."""
+    """{name: ms/step}: the GPT-2 recipe, it with each knob alone, the modern recipe, and the GPT-2 recipe again,
+    run back to back so they share the machine's load (the two GPT-2 runs show its drift), --knob_rounds times;
+    each the lowest of its rounds' medians (the least disturbed by other processes)."""
     base = [*gpt2_common, f"--learning_rate={best['gpt2']}", f"--min_lr={best['gpt2'] / 10}",
             f"--max_steps={a.knob_steps}", "--eval_interval=0"]
     modern = [*recipe_args("modern", best["modern"], common, a.knob_steps), "--eval_interval=0"]
     runs = [("gpt2", base), *((k, [*base, *flags]) for k, flags in KNOBS.items()), ("modern recipe", modern),
             ("gpt2 again", base)]
     cost = {}
-    for name, args in runs:
-        run = summarize(train_run(out_root / corpus / f"knob_{name.replace(' ', '_')}", args, a.threads))
-        cost[name] = median_ms(run)
-        print(f"{name}: {cost[name]:.0f} ms/step", flush=True)
+    for r in range(a.knob_rounds):
+        for name, args in runs:
+            out = out_root / corpus / (f"knob_{name.replace(' ', '_')}" + (f"_r{r}" if r else ""))
+            ms = median_ms(summarize(train_run(out, args, a.threads)))
+            cost[name] = min(cost.get(name, ms), ms)
+            print(f"round {r}: {name}: {ms:.0f} ms/step", flush=True)
     return cost
 
 
