@@ -23,7 +23,10 @@ import torch
 from devices import is_oom
 
 GiB = 2**30
-AUTO_FIT_FRACTION = 0.8  # batch_size='auto' from the plan: use at most this share of the available memory
+# batch_size='auto' from the plan (CPU/MPS): use at most this share of the available memory. On a CPU the
+# peak RSS ran 1.0-1.7x the plan (bench/memory.py): glibc's heap keeps freed blocks as holes that larger
+# requests cannot reuse
+AUTO_FIT_FRACTION = 0.5
 FAKE_OOM_ENV = "GPT_FAKE_OOM_ABOVE"  # test hook: micro-batches above this raise torch.OutOfMemoryError
 OPTIMIZERS = {"adamw": "AdamW", "muon": "Muon+AdamW"}
 PARALLEL = ("ddp", "fsdp", "hsdp")
@@ -140,16 +143,14 @@ def activation_bytes(cfg, batch_size: int, dtype="float32", activation_checkpoin
 
 def loss_bytes(cfg, batch_size: int, dtype="float32", seq_len: int | None = None) -> int:
     """Peak bytes of ChunkedLMHeadLoss's forward: its (V, C) weight-gradient and (N, C) input-gradient
-    buffers, its input, and the chunks of fp32 logits alive at once: logsumexp's temporary next to the
-    current chunk, and the previous chunk until its gradient is replaced (3 when there is more than one)."""
+    buffers, its input, and the one chunk of fp32 logits it reuses (under autocast also the chunk's
+    low-precision product, the weight's low-precision copy and one (V, C) product next to the fp32 gradient)."""
     from model import LOSS_CHUNK_ROWS
     N = batch_size * (seq_len or cfg.block_size)
     n, V, C = min(N, LOSS_CHUNK_ROWS), cfg.vocab_size, cfg.n_embd
-    chunks = n * V * (12 if N > n else 8)  # fp32: 3 (2) chunks; autocast: bf16 + fp32 logits of two chunks
     if _bytes_per_element(dtype) == 4:
-        return chunks + V * C * 4 + 2 * N * C * 4
-    # autocast also holds the weight's low-precision copy and one (V, C) product next to the fp32 gradient
-    return chunks + V * C * (4 + 2 + 2) + 2 * N * C * 4 + n * C * 2
+        return n * V * 4 + V * C * 4 + 2 * N * C * 4
+    return n * V * (4 + 2) + V * C * (4 + 2 + 2) + 2 * N * C * 4 + n * C * 2
 
 
 def estimate_memory(model_cfg, batch_size: int, dtype="float32", parallel: str = "ddp", world_size: int = 1,
@@ -224,9 +225,9 @@ def _cpu_available() -> tuple[int, str]:
         what = "free RAM"
     try:  # a container's limit is invisible to /proc/meminfo
         with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
-            limit = f.read().strip()
-            if limit != "max" and int(limit) - int(g.read()) < avail:
-                avail, what = int(limit) - int(g.read() or 0), "left under the cgroup limit"
+            limit, used = f.read().strip(), int(g.read())
+        if limit != "max" and int(limit) - used < avail:
+            avail, what = int(limit) - used, "left under the cgroup limit"
     except (OSError, ValueError):
         pass
     return avail, what
@@ -350,28 +351,29 @@ def probe_micro_batch(try_step, candidates, fake_oom_above: int | None = None, r
     candidates = sorted(set(candidates), reverse=True)
     b, failed = candidates[0], []
     while b is not None:
-        oom = None
+        oom = reserve = None
         try:
-            reserve = torch.empty(reserve_bytes, dtype=torch.uint8, device=device) if reserve_bytes else None
+            if reserve_bytes:  # held while try_step runs
+                reserve = torch.empty(reserve_bytes, dtype=torch.uint8, device=device)
             maybe_fake_oom(b, fake_oom_above)
             try_step(b)
         except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled; the rest is re-raised
             if not is_oom(e):
                 raise
             oom = e
-        reserve = None
+        del reserve
         if oom is None:
             break
         failed.append(b)
         del oom  # its traceback holds the failed step's tensors
         _free(device)
         b = next((c for c in candidates if c <= b // 2), None)
-    if b is None:
-        raise MemoryPlanError(f"batch_size='auto': out of memory even at micro-batch {failed[-1]} "
-                              f"(tried {', '.join(map(str, failed))}); try activation_checkpointing=True or "
-                              "parallel='fsdp'")
     _free(device)
-    chosen = agree_micro_batch(b, device)
+    chosen = agree_micro_batch(b or 0, device)  # every rank takes part, also one that found nothing
+    if not chosen:
+        where = (f"out of memory even at micro-batch {failed[-1]} (tried {', '.join(map(str, failed))})"
+                 if b is None else "another rank ran out of memory even at micro-batch 1")
+        raise MemoryPlanError(f"batch_size='auto': {where}; try activation_checkpointing=True or parallel='fsdp'")
     why = (f"micro-batch {chosen}: the largest that ran forward+backward"
            + (f" (out of memory at {', '.join(map(str, failed))})" if failed else "")
            + (f"; {b} here, {chosen} on the smallest rank" if chosen != b else ""))

@@ -248,19 +248,35 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
             wc = w.to(dtype)
             grad_h, grad_w = (torch.empty_like(h), torch.zeros_like(w)) if need_grad else (None, None)
             loss_sum = torch.zeros((), device=h.device, dtype=torch.float32)
+            # one chunk's fp32 logits, turned in place into their gradient, in one buffer reused by every chunk
+            # (plus the low-precision product's buffer under autocast): freeing and reallocating per chunk
+            # leaves holes in a CPU heap that later requests cannot reuse
+            rows = min(h.size(0), LOSS_CHUNK_ROWS)
+            buf = torch.empty((rows, w.size(0)), device=h.device, dtype=torch.float32)
+            low = None if dtype == torch.float32 else torch.empty_like(buf, dtype=dtype)
             for i in range(0, h.size(0), LOSS_CHUNK_ROWS):
                 hc, tc = h[i:i + LOSS_CHUNK_ROWS].to(dtype), targets[i:i + LOSS_CHUNK_ROWS]
-                logits = (hc @ wc.t()).float()  # (n, V)
-                lse = logits.logsumexp(dim=-1)  # (n,)
+                logits = buf[:hc.size(0)]  # (n, V)
+                if low is None:
+                    torch.matmul(hc, wc.t(), out=logits)
+                else:
+                    logits.copy_(torch.matmul(hc, wc.t(), out=low[:hc.size(0)]))
                 valid = tc != -1
                 tgt = tc.clamp(min=0).unsqueeze(1)  # (n, 1)
-                loss_sum += ((lse - logits.gather(1, tgt).squeeze(1)) * valid).sum()
+                target_logit = logits.gather(1, tgt).squeeze(1)
+                top = logits.amax(dim=1, keepdim=True)
+                e = logits.sub_(top).exp_()  # in place: exp(logits - max)
+                total = e.sum(dim=1, keepdim=True)
+                lse = (total.log() + top).squeeze(1)
+                loss_sum += ((lse - target_logit) * valid).sum()
                 if not need_grad:
                     continue
-                # d(sum CE)/d logits = softmax - onehot(target), zero on ignored rows; reuse the logits buffer
-                g = logits.sub_(lse.unsqueeze(1)).exp_()
+                # d(sum CE)/d logits = softmax - onehot(target), zero on ignored rows
+                g = e.div_(total)
                 g.scatter_add_(1, tgt, -torch.ones_like(tgt, dtype=g.dtype))
-                g = g.mul_(valid.unsqueeze(1)).to(dtype)
+                g.mul_(valid.unsqueeze(1))
+                if low is not None:
+                    g = low[:hc.size(0)].copy_(g)
                 grad_h[i:i + LOSS_CHUNK_ROWS] = g @ wc
                 if grad_w.dtype == dtype:
                     grad_w.addmm_(g.t(), hc)  # accumulate in place, no (V, C) temporary
