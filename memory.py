@@ -144,13 +144,14 @@ def activation_bytes(cfg, batch_size: int, dtype="float32", activation_checkpoin
 def loss_bytes(cfg, batch_size: int, dtype="float32", seq_len: int | None = None) -> int:
     """Peak bytes of ChunkedLMHeadLoss's forward: its (V, C) weight-gradient and (N, C) input-gradient
     buffers, its input, and the one chunk of fp32 logits it reuses (under autocast also the chunk's
-    low-precision product, the weight's low-precision copy and one (V, C) product next to the fp32 gradient)."""
+    low-precision product, the weight's low-precision copy, and a (V, C) chunk product with its fp32 conversion
+    while it is added to the fp32 gradient)."""
     from model import LOSS_CHUNK_ROWS
     N = batch_size * (seq_len or cfg.block_size)
     n, V, C = min(N, LOSS_CHUNK_ROWS), cfg.vocab_size, cfg.n_embd
     if _bytes_per_element(dtype) == 4:
         return n * V * 4 + V * C * 4 + 2 * N * C * 4
-    return n * V * (4 + 2) + V * C * (4 + 2 + 2) + 2 * N * C * 4 + n * C * 2
+    return n * V * (4 + 2) + V * C * (4 + 2 + 2 + 4) + 2 * N * C * 4 + n * C * 2
 
 
 def estimate_memory(model_cfg, batch_size: int, dtype="float32", parallel: str = "ddp", world_size: int = 1,

@@ -7,6 +7,7 @@ import torch
 
 import devices
 import memory
+import model as M
 from memory import GiB, MemoryPlanError, estimate_memory
 from model import GPT, GPTConfig
 
@@ -191,3 +192,23 @@ def test_available_memory_on_cpu_is_at_most_the_machine_ram():
     avail, what = memory.available_memory("cpu")
     assert 0 < avail <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert what.startswith("cpu: ") and "GiB" in what
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("chunk_rows", [16, 1000])  # 4 chunks (the buffer reused) and one
+def test_loss_bytes_is_the_chunked_loss_peak_of_live_tensors(monkeypatch, dtype, chunk_rows):
+    from torch.profiler import ProfilerActivity, profile
+    monkeypatch.setattr(M, "LOSS_CHUNK_ROWS", chunk_rows)
+    cfg, B = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32, vocab_size=4000), 2
+    N = B * cfg.block_size
+    h, w = torch.randn(N, cfg.n_embd), torch.randn(cfg.vocab_size, cfg.n_embd)
+    targets = torch.randint(0, cfg.vocab_size, (N,))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, devices.autocast("cpu", dtype):
+        M.ChunkedLMHeadLoss.apply(h, w, targets, True)
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    held = peak = 0
+    for _, n in events:  # allocations positive, frees negative
+        held += n
+        peak = max(peak, held)
+    predicted = memory.loss_bytes(cfg, B, dtype)
+    assert abs(predicted - peak) <= 0.03 * peak, (predicted, peak)
