@@ -24,7 +24,7 @@ from devices import is_oom
 
 GiB = 2**30
 # batch_size='auto' from the plan (CPU/MPS): use at most this share of the available memory. On a CPU the
-# peak RSS ran 1.0-1.7x the plan (bench/memory.py): glibc's heap keeps freed blocks as holes that larger
+# peak RSS ran 1.05-1.6x the plan (bench/memory.py): glibc's heap keeps freed blocks as holes that larger
 # requests cannot reuse
 AUTO_FIT_FRACTION = 0.5
 FAKE_OOM_ENV = "GPT_FAKE_OOM_ABOVE"  # test hook: micro-batches above this raise torch.OutOfMemoryError

@@ -61,6 +61,11 @@ def measure(fields: dict, batch_size: int, ckpt: bool, dtype: str, steps: int, l
             optimizer.step()
     if not live:
         return (status_kb("VmHWM") - base) * 1024
+    return peak_of_live_tensors(prof)
+
+
+def peak_of_live_tensors(prof) -> int:
+    """The largest number of bytes held by tensors at once during a torch.profiler(profile_memory=True) run."""
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     held = peak = 0
     for _, n in events:  # allocations count positive, frees negative

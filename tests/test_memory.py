@@ -8,6 +8,7 @@ import torch
 import devices
 import memory
 import model as M
+from bench.memory import peak_of_live_tensors
 from memory import GiB, MemoryPlanError, estimate_memory
 from model import GPT, GPTConfig
 
@@ -205,10 +206,6 @@ def test_loss_bytes_is_the_chunked_loss_peak_of_live_tensors(monkeypatch, dtype,
     targets = torch.randint(0, cfg.vocab_size, (N,))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, devices.autocast("cpu", dtype):
         M.ChunkedLMHeadLoss.apply(h, w, targets, True)
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    held = peak = 0
-    for _, n in events:  # allocations positive, frees negative
-        held += n
-        peak = max(peak, held)
+    peak = peak_of_live_tensors(prof)
     predicted = memory.loss_bytes(cfg, B, dtype)
     assert abs(predicted - peak) <= 0.03 * peak, (predicted, peak)
