@@ -351,13 +351,13 @@ def set_micro_batch(cfg, b, loaders):
 def fitting_forward_backward(model, loader, grad_accum, scaler, optimizer, cfg, env, log, step):
     """forward_backward, and on an out-of-memory: halve the micro-batch (the largest divisor of the per-rank rows at
     most half), drop the partial step's gradients, rewind the loader to the step's start and re-run the same step
-    with the same data. Returns (loss sum, cfg, grad_accum), the latter two as changed. Under torchrun, or at
+    with the same data. Returns (loss sum, trained tokens, cfg, grad_accum), the latter two as changed. Under torchrun, or at
     micro-batch 1, an out-of-memory is a Halt naming settings that would help (ranks cannot switch safely:
     the others may be waiting in a gradient all-reduce)."""
     start = loader.state_dict()
     while True:
         try:
-            return forward_backward(model, loader, grad_accum, scaler, env), cfg, grad_accum
+            return *forward_backward(model, loader, grad_accum, scaler, env), cfg, grad_accum
         except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled
             if not is_oom(e):
                 raise
@@ -507,20 +507,29 @@ def to_device(tensors, device):
 
 
 def forward_backward(model, loader, grad_accum, scaler, env):
-    """Gradients of the mean loss over grad_accum micro-batches; returns the summed loss (a device scalar)."""
+    """Gradients of the mean loss over the step's trained tokens (targets != -1, of all ranks); returns
+    (the summed loss, a device scalar; the number of trained tokens of the step, all ranks)."""
+    batches = [loader.next_batch() for _ in range(grad_accum)]
+    counts = [int((y != -1).sum()) for _, y in batches]  # trained tokens per micro-batch
+    masked = loader.masks is not None
+    trained = torch.tensor(sum(counts), device=env.device)
+    if masked and env.distributed:
+        dist.all_reduce(trained)
+    trained = int(trained) if masked else sum(counts) * env.world_size  # no sync without masks: all are trained
     loss_sum = torch.zeros((), device=env.device)
-    for micro in range(grad_accum):
-        x, y = to_device(loader.next_batch(), env.device)  # (B, T) each
+    for micro, batch in enumerate(batches):
+        x, y = to_device(batch, env.device)  # (B, T) each
         maybe_fake_oom(x.shape[0])  # test hook: GPT_FAKE_OOM_ABOVE simulates an out-of-memory
         set_grad_sync(model, micro == grad_accum - 1)
         with autocast(env.device, env.dtype):
             _, loss = model(x, y, return_logits=False)
-        # each micro-batch loss is a mean over B*T tokens; dividing by grad_accum makes the summed
-        # gradients those of the mean over the whole step's tokens, not grad_accum times that
-        loss = loss / grad_accum
+        # each micro-batch loss is a mean over its trained tokens; weighting it by its share of the step's
+        # (x world_size: DDP averages over ranks) makes the summed gradients those of the mean over all the
+        # step's trained tokens. Without masks every share is 1/grad_accum
+        loss = loss * (counts[micro] * env.world_size / trained) if masked else loss / grad_accum
         loss_sum += loss.detach().float()
         scaler.scale(loss).backward()
-    return loss_sum
+    return loss_sum, trained
 
 
 def reduce_step_stats(loss_sum, stop_flag, grad_norm, env):
@@ -764,8 +773,8 @@ def run(user):
             t0 = time.perf_counter()
             lr = get_lr(step, cfg)
             set_lr(optimizer, lr, cfg)
-            loss_sum, cfg, grad_accum = fitting_forward_backward(model, train_loader, grad_accum, scaler, optimizer,
-                                                                 cfg, env, log, step)
+            loss_sum, trained_tokens, cfg, grad_accum = fitting_forward_backward(
+                model, train_loader, grad_accum, scaler, optimizer, cfg, env, log, step)
             if stop.signal is not None:
                 stop_flag.fill_(1.0)
             scaler.unscale_(optimizer)  # true gradients before clipping (no-op without fp16)
@@ -785,7 +794,8 @@ def run(user):
             mfu = raw_model.estimate_mfu(tokens_per_s / env.world_size, peak)
             mem, reserved = peak_memory(env.kind)
             record = {"step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s":
-                      tokens_per_s, "mfu": mfu, "step_ms": dt * 1000, "peak_mem_mb": mem, "micro_batch": cfg.batch_size}
+                      tokens_per_s, "mfu": mfu, "step_ms": dt * 1000, "peak_mem_mb": mem, "micro_batch": cfg.batch_size,
+                      "trained_tokens": trained_tokens}
             if reserved is not None:
                 record["peak_reserved_mb"] = reserved
             if skipped:
