@@ -9,7 +9,6 @@ import torch
 
 import devices
 
-
 ROOT = Path(__file__).resolve().parent.parent
 
 
