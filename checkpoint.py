@@ -362,13 +362,9 @@ def load_sharded_checkpoint(path, model, optimizer=None, collective=None):
     each rank needs: a collective of every rank under torch.distributed (collective=None: if there is a
     process group), else a plain read by this process alone."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
     state = {"model": get_model_state_dict(model)}
     state["model"].pop(TIED, None)
     if optimizer is not None:
@@ -391,10 +387,7 @@ def load_optimizer_state(model, optimizer, state):
     if not any(hasattr(p, "full_tensor") for p in model.parameters()):  # no DTensor: not sharded
         optimizer.load_state_dict(state)
         return
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     name_of = {p: name for name, p in model.named_parameters()}
     names = [name_of[p] for group in optimizer.param_groups for p in group["params"]]  # index -> name
     by_name = {"state": {names[i]: v for i, v in state["state"].items()},

@@ -1,11 +1,11 @@
 """How the processes are arranged and how the model is spread over them: the one seam between the bare GPT and
 the training loop (torchtitan's ParallelDims and parallelize.py). setup() joins torchrun's process group and
-returns the Env (rank, device, precision, parallel mode) every other step takes; check_shared_out_dir() makes
-sure all nodes see one out_dir; log() is the run's rank-0 output. parallelize() wraps the model once: DDP (every rank a whole replica),
-or FSDP2 / HSDP (parameters, gradients and optimizer state sharded over ranks), then torch.compile, tried
-once on dummy tokens so a compile error means eager from the start, never a swap mid-run. The helpers the
-loop needs from whatever parallelize() returned live here too: gradient sync for accumulation, the global
-gradient norm, a gathered copy of a sharded model for generation and HellaSwag.
+returns the Env (rank, device, precision, parallel mode) every later step takes; check_shared_out_dir() makes
+sure all nodes see one out_dir; log() is the run's rank-0 output. parallelize() wraps the model once: DDP
+(every rank a whole replica), or FSDP2 / HSDP (parameters, gradients and optimizer state sharded over ranks),
+then torch.compile, tried once on dummy tokens so a compile error means eager from the start, never a swap
+mid-run. The helpers the loop needs from whatever parallelize() returned live here too: gradient sync for
+accumulation, the global gradient norm, a gathered copy of a sharded model for generation and HellaSwag.
 """
 import math
 import os
@@ -24,18 +24,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from config import ConfigError
-from devices import (
-    DTYPES,
-    autocast,
-    device_type,
-    is_compile_error,
-    resolve_compile,
-    resolve_device,
-    resolve_dtype,
-    rng_state,
-    set_rng_state,
-    tune_cpu_allocator,
-)
+from devices import (DTYPES, autocast, device_type, is_compile_error, resolve_compile, resolve_device, resolve_dtype,
+                     rng_state, set_rng_state, tune_cpu_allocator)
 from files import first_line
 from model import GPT
 

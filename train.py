@@ -8,9 +8,9 @@
     python train.py --help                                              # every key, its default
 
 A config file is plain Python assignments to TrainConfig keys (config.py); `--key=value` overrides are
-Python literals (strings may be written bare) and win over the file. train() at the bottom locks out_dir
-and calls run(), the recipe: config, setup, data, model, optimizer, parallelize, then the loop; each step of
-it is a function above. Expected errors are one line on stderr (main(); see docs/failure-modes.md).
+Python literals (strings may be written bare) and win over the file. run() at the bottom is the recipe: config,
+setup, data, model, optimizer, parallelize, then the loop; each step of it is a function above it or one call
+into the module named for its job. Expected errors are one line on stderr (main(); docs/failure-modes.md).
 """
 import contextlib
 import json
@@ -26,26 +26,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from checkpoint import (
-    CheckpointError,
-    Halt,
-    Progress,
-    kept_checkpoint,
-    resolve_config,
-    restore,
-    restore_rngs,
-    save,
-)
-from config import (
-    ARCH_KEYS,
-    ConfigError,
-    batch_layout,
-    config_table,
-    help_text,
-    make_config,
-    model_config,
-    parse_args,
-)
+from checkpoint import CheckpointError, Halt, Progress, kept_checkpoint, resolve_config, restore, restore_rngs, save
+from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text, make_config, model_config, parse_args
 from data import DataLoader, NoShardsError, ShardError
 from devices import autocast, device_type, fused_adamw_supported, peak_flops
 from files import LockError, atomic_write, directory_lock, report_error
@@ -53,25 +35,9 @@ from hf import from_pretrained
 from memory import fitting_forward_backward, probe_batch_size, resolve_batch_size
 from model import GPT
 from optim import build_optimizer, set_lr
-from parallel import (
-    check_shared_out_dir,
-    clip_gradients,
-    gathered,
-    is_compiled,
-    is_rank0,
-    launched_by_torchrun,
-    log,
-    parallelize,
-    set_grad_sync,
-    setup,
-)
-from tracking import (
-    TRACKING_KEYS,
-    NoTracker,
-    Tracker,
-    TrackingError,
-    check_tracking_available,
-)
+from parallel import (check_shared_out_dir, clip_gradients, gathered, is_compiled, is_rank0, launched_by_torchrun, log,
+                      parallelize, set_grad_sync, setup)
+from tracking import TRACKING_KEYS, NoTracker, Tracker, TrackingError, check_tracking_available
 
 
 class StopRequest:

@@ -10,20 +10,9 @@ import pytest
 import torch
 
 import checkpoint
-from checkpoint import (
-    FORMAT,
-    CheckpointError,
-    add_model_args,
-    checkpoint_path,
-    checksum_path,
-    latest_checkpoint,
-    load_checkpoint,
-    load_latest_checkpoint,
-    load_model,
-    load_model_from_args,
-    prune_checkpoints,
-    save_checkpoint,
-)
+from checkpoint import (FORMAT, CheckpointError, add_model_args, checkpoint_path, checksum_path, latest_checkpoint,
+                        load_checkpoint, load_latest_checkpoint, load_model, load_model_from_args, prune_checkpoints,
+                        save_checkpoint)
 from files import file_sha256
 from model import GPT, GPTConfig
 

@@ -9,6 +9,7 @@ import torch
 
 import devices
 
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

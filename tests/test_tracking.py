@@ -100,9 +100,7 @@ def wandb_segments(out_dir):
 def tensorboard_events(log_dir):
     """({tag: [(step, value)]} of the scalars, {tag: [(step, text)]} of the texts) as the TensorBoard server
     reads them (its reader applies the purge markers of resumed runs)."""
-    from tensorboard.backend.event_processing.plugin_event_accumulator import (
-        EventAccumulator,
-    )
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
     from tensorboard.util.tensor_util import make_ndarray
 
     acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
