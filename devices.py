@@ -111,7 +111,7 @@ def resolve_dtype(dtype, device):
 
 def resolve_compile(setting, device, dtype):
     """Whether to torch.compile: `setting` if True/False; 'auto' -> on CUDA, and on a CPU running bf16
-    (compile fuses the casts autocast adds; in fp32 on a CPU it measured no faster than eager)."""
+    (compile fuses the casts autocast adds; in fp32 on a CPU it gains nothing: docs/training.md)."""
     if setting != "auto":
         return bool(setting)
     kind = device_type(device)

@@ -27,9 +27,8 @@ from model import PRESETS
 from parallel import log
 
 GiB = 2**30
-# batch_size='auto' from the plan (CPU/MPS): use at most this share of the available memory. On a CPU the
-# peak RSS ran 1.05-1.6x the plan (bench/memory.py): glibc's heap keeps freed blocks as holes that larger
-# requests cannot reuse
+# batch_size='auto' from the plan (CPU/MPS): use at most this share of the available memory. On a CPU the peak
+# RSS runs above the plan (docs/memory.md): glibc's heap keeps freed blocks as holes larger requests cannot reuse
 AUTO_FIT_FRACTION = 0.5
 OPTIMIZERS = {"adamw": "AdamW", "muon": "Muon+AdamW"}
 PARALLEL = ("ddp", "fsdp", "hsdp")

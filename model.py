@@ -401,8 +401,8 @@ class GPT(nn.Module):
         caches = [KVCache(bs) for _ in self.transformer.h] if use_kv_cache else None
         done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
         # each step multiplies one row per sequence by every weight matrix, a memory-bound read. On a CPU in
-        # fp32 MKL streams an (in, out)-contiguous matrix up to 2.1x faster than nn.Linear's (out, in) rows, so
-        # decoding reads a (C, V) copy of the embedding and column-major block weights; in bf16 the (out, in)
+        # fp32 MKL streams an (in, out)-contiguous matrix faster than nn.Linear's (out, in) rows (docs/speed.md),
+        # so decoding reads a (C, V) copy of the embedding and column-major block weights; in bf16 the (out, in)
         # layout is the fast one, so it stays
         w = self.lm_head.weight
         fp32_cpu = w.device.type == "cpu" and w.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")

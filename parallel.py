@@ -157,7 +157,7 @@ def setup(cfg):
         if distributed:
             device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)  # also for --device=cuda:N alone: memory stats, syncs and RNG follow it
-        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls: ~8x fp32 throughput on Ampere+
+        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls on Ampere+ (docs/speed.md)
         torch.backends.cudnn.allow_tf32 = True
     if distributed:  # the timeout covers rank 0 writing a checkpoint while the others wait in the next collective
         dist.init_process_group(backend="nccl" if device_type(device) == "cuda" else "gloo",
