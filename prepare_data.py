@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from assets import EOT, fetch_shakespeare, get_tokenizer
 from data import HEADER_BYTES, MASK_SUFFIX, SHARD_SUFFIXES, write_mask, write_shard
-from files import LockError, atomic_write, directory_lock, file_sha256
+from files import LockError, atomic_write, directory_lock, file_sha256, first_line, report_error
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c / build-nanogpt: 100M tokens (200 MB) per shard
@@ -128,7 +128,7 @@ def file_documents(files, text_key):
         except PrepError:
             raise
         except Exception as e:  # OSError, UnicodeDecodeError, pyarrow errors: all mean "cannot read this file"
-            raise PrepError(f"{path}: cannot read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+            raise PrepError(f"{path}: cannot read ({first_line(e)})") from None
 
 
 def count_documents(files):
@@ -145,7 +145,7 @@ def count_documents(files):
                 import pyarrow.parquet as pq
                 total += pq.ParquetFile(path).metadata.num_rows
         except Exception as e:
-            raise PrepError(f"{path}: cannot read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+            raise PrepError(f"{path}: cannot read ({first_line(e)})") from None
     return total
 
 
@@ -545,7 +545,7 @@ def prepare_sft(inputs, out_dir=None, name=None, block_size=1024, shard_tokens=N
                             continue
                         yield tokens, mask
                 except (ValueError, OSError) as e:
-                    raise PrepError(str(e) if isinstance(e, ValueError) else f"{path}: cannot read ({e})") from None
+                    raise PrepError(str(e) if isinstance(e, ValueError) else f"{path}: cannot read ({first_line(e)})") from None
 
         rows = list(pack_rows(conversations(), block_size))
         n_val = min(-(-val_tokens // block_size), len(rows) - 1)
@@ -605,9 +605,8 @@ def main(argv=None):
             s = prepare_sft(args.input, out_dir=args.out_dir, name=args.name, block_size=args.block_size,
                             shard_tokens=args.shard_tokens, val_tokens=args.val_tokens)
         except (PrepError, OSError) as e:
-            if os.environ.get("GPT2_TRACEBACK") == "1":
-                raise
-            sys.exit(f"prepare_data.py: error: {e}")
+            report_error("prepare_data.py", e)
+            sys.exit(1)
         if s["skipped"]:
             print(f"prepare_data: skipped {s['skipped']} conversation(s) longer than --block_size {s['block_size']}: "
                   + ", ".join(s["skipped_lines"]) + (", ..." if s["skipped"] > len(s["skipped_lines"]) else ""))
@@ -622,10 +621,8 @@ def main(argv=None):
                     revision=args.revision, streaming=args.streaming, start_method=args.start_method,
                     batch_chars=args.batch_chars, progress=not args.no_progress)
     except (PrepError, OSError) as e:  # bad input or environment: one line (GPT2_TRACEBACK=1: the traceback)
-        if os.environ.get("GPT2_TRACEBACK") == "1":
-            raise
-        message = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename else e
-        sys.exit(f"prepare_data.py: error: {message}")
+        report_error("prepare_data.py", e)
+        sys.exit(1)
     print(f"{s['documents']:,} documents, {s['tokens']:,} tokens ({s['val_tokens']:,} val + {s['train_tokens']:,} train) "
           f"in {s['shards']} shards, {s['seconds']:.1f} s, {s['tokens_per_s']:,.0f} tokens/s -> {s['out_dir']}/{s['name']}_*.bin")
     return s

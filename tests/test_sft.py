@@ -95,12 +95,13 @@ def test_prep_round_trips_both_formats(sft_dir):
     ('{"text": "a"}', "expected {"),
     ('{"prompt": ', "Expecting value"),
 ])
-def test_bad_lines_are_one_line_errors_naming_file_and_line(tmp_path, line, expected):
+def test_bad_lines_are_one_line_errors_naming_file_and_line(tmp_path, capsys, line, expected):
     path = write_jsonl(tmp_path / "bad.jsonl", [ROWS[0], line])
     with pytest.raises(SystemExit) as e:
         prepare_data.main(["--input", str(path), "--format", "sft", "--out_dir", str(tmp_path / "out")])
-    assert "\n" not in str(e.value.code)
-    assert e.value.code.startswith(f"prepare_data.py: error: {path}:2: ") and expected in e.value.code
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1
+    assert err.startswith(f"prepare_data.py: error: {path}:2: ") and expected in err
 
 
 def test_too_long_conversations_are_skipped_counted_and_reported(tmp_path, capsys):
