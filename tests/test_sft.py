@@ -225,3 +225,24 @@ def test_sample_chat_renders_the_template_and_stops_at_the_end_of_turn():
     assert enc.decode(model.prompts[0]) == text
     assert out.getvalue().startswith(" Sure, bye.\n")
     assert chat.conversation("just text\n") == [{"role": "user", "content": "just text"}]
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_equal_one_process_with_accumulation_on_sft_data(sft_dir, tmp_path):
+    """The step's loss is the mean over the trained tokens of both ranks: 2 DDP ranks == 1 process x 2 micro-batches,
+    although the ranks' micro-batches hold different numbers of trained tokens."""
+    import os
+    import subprocess
+    import sys
+    common = [f"--data_dir={sft_dir}", "--max_steps=4", f"--total_batch_size={4 * BLOCK}", "--dropout=0.0",
+              "--eval_interval=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
+           *TINY, *common, f"--out_dir={tmp_path / 'ddp'}"]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert run(sft_dir, tmp_path / "single", *common) == 0
+    ddp, single = train_metrics(tmp_path / "ddp"), train_metrics(tmp_path / "single")
+    assert list(ddp) == list(range(1, 5))
+    for step, (loss, trained) in single.items():
+        assert abs(ddp[step][0] - loss) < 1e-5 and ddp[step][1] == trained, (step, ddp[step], single[step])
