@@ -110,3 +110,19 @@ def directory_lock(directory, program):
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
         os.close(fd)  # releases the flock
+
+
+def lock_holder(directory):
+    """Who holds `directory`'s directory_lock right now (its record, e.g. 'prepare_data.py (pid 12 on host)'),
+    or None: a shared flock tried and released at once."""
+    path = Path(directory) / LOCK_FILE
+    if fcntl is None or not path.is_file():
+        return None
+    with open(path, "rb") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read(512).decode(errors="replace").strip() or "another process"
+        except OSError:  # no locks on this filesystem
+            return None
+    return None

@@ -705,6 +705,8 @@ def run(user):
     log = tqdm.write if env.master else (lambda *a, **k: None)
     cfg = check_memory(cfg, ckpt, env, log)  # the plan line; a refusal; batch_size='auto' from the plan
     train_loader, val_loader = make_loaders(cfg, env)
+    log(f"data: {train_loader.summary().replace(' shards', ' train shards')}; "
+        f"val: {val_loader.summary() if val_loader else 'none (eval_interval=0)'}")
 
     # the bare GPT (checkpoints, samples, HellaSwag); a sharded run keeps it on the CPU for fully_shard to move
     raw_model, cfg = build_model(cfg, ckpt, "cpu" if env.sharded else env.device)
@@ -735,11 +737,12 @@ def run(user):
     peak = peak_flops(torch.cuda.get_device_name(env.device) if env.kind == "cuda" else env.kind, env.dtype)
     hellaswag_examples = []
     start_step, stopping, finished = progress.step, False, False
+    saved_step = start_step
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not env.master, unit="step", dynamic_ncols=True)
     try:
         while True:
             step, last = progress.step, progress.step >= cfg.max_steps
-            val = None
+            val, step_start = None, train_loader.state_dict()
             if step > start_step or start_step == 0:  # a resumed run's first step was evaluated before it stopped
                 due = lambda interval: interval > 0 and (step % interval == 0 or last) and not stopping  # noqa: E731
                 if due(cfg.eval_interval):
@@ -757,6 +760,7 @@ def run(user):
                     log(f"step {step}: sample: {sample_preview(raw_model, cfg, env)!r}")
             if step > start_step and (last or stopping or cfg.save_interval and step % cfg.save_interval == 0):
                 save(out_dir, val, progress, raw_model, optimizer, scaler, train_loader, tracker, cfg, env, log)
+                saved_step = step
             if last or stopping:
                 break
 
@@ -799,6 +803,12 @@ def run(user):
         finished = True
     except Halt as e:
         raise Halt(f"{e}; {kept_checkpoint(out_dir)}") from None
+    except ShardError as e:  # a shard changed under the run: first keep the steps done since the last save
+        if not env.distributed and progress.step > saved_step:  # (other ranks would wait in a collective)
+            optimizer.zero_grad(set_to_none=True)
+            train_loader.load_state_dict(step_start)
+            save(out_dir, None, progress, raw_model, optimizer, scaler, train_loader, tracker, cfg, env, log)
+        raise ShardError(f"{e}; {kept_checkpoint(out_dir)}") from None
     finally:
         bar.close()
         for s, handler in old_handlers.items():

@@ -800,3 +800,29 @@ def test_torchrun_on_missing_data_prints_one_line_once(tmp_path):
             "`python prepare_data.py --dataset fineweb-edu`\n")
     assert result.stderr.count("train.py: error: ") == 1 and line in result.stderr, result.stderr
     assert f'File "{ROOT / "train.py"}"' not in result.stderr  # no traceback from a rank
+
+
+def test_a_shard_that_changes_mid_run_is_one_line_after_saving_the_steps_done(data_dir, tmp_path, monkeypatch, capsys):
+    """Step 7 meets an id the start-up check did not see (the file changed under the run): the steps done since
+    the last save (5, 6) are saved first, then the error names the shard and the position; no IndexError."""
+    import shutil
+    import data
+    shutil.copytree(data_dir, tmp_path / "data")
+    shard, real, calls = tmp_path / "data" / "tiny_train_000000.bin", data.DataLoader.next_batch, []
+
+    def next_batch(self):
+        calls.append(self.shuffle)  # the train loader's
+        if calls.count(True) == 7:  # step 7's batch
+            with open(shard, "r+b") as f:
+                f.seek(1024)
+                f.write(np.full(30_000, 100, dtype="<u2").tobytes())
+        return real(self)
+    monkeypatch.setattr(data.DataLoader, "next_batch", next_batch)
+    expect_exit(1, run, tmp_path / "data", tmp_path / "out", "--max_steps=8", "--save_interval=4")
+    out, err = capsys.readouterr()
+    assert "data: 1 train shards, 30,000 tokens; val: 1 shards, 3,000 tokens" in out
+    assert err.count("train.py: error: ") == 1 and "Traceback" not in err and err.endswith("\n"), err
+    line = err[err.index("train.py: error: "):].rstrip("\n")
+    assert "\n" not in line and f"{shard}: token id 100 >= vocab_size 64 at token " in line
+    assert f"the last checkpoint, {tmp_path / 'out' / 'ckpt_000006.pt'}, is kept" in line
+    assert load_checkpoint(tmp_path / "out")["step"] == 6
