@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from checkpoint import (FORMAT, CheckpointError, checkpoint_path, clean_state_dict, list_checkpoints,
+from checkpoint import (FORMAT, CheckpointError, checkpoint_path, clean_state_dict, list_checkpoints, load_checkpoint,
                         load_latest_checkpoint, load_optimizer_state, load_sharded_checkpoint, prune_checkpoints,
                         rng_state, save_checkpoint, save_sharded_checkpoint, set_rng_state)
 from config import ARCH_KEYS, ConfigError, help_text, make_config, model_config, config_table, parse_args
@@ -96,10 +96,10 @@ def lock_out_dir(out_dir):
     return directory_lock(out_dir, "train.py")
 
 
-def resolve_config(user):
+def resolve_config(user, verify=True):
     """(TrainConfig, checkpoint dict or None). On init_from='resume' the newest checkpoint that verifies is
-    loaded (a note names each newer one skipped, and why); its config is the base the user's keys override;
-    the architecture cannot change."""
+    loaded (a note names each newer one skipped, and why; verify=False: the newest complete one, unhashed);
+    its config is the base the user's keys override (resumed_config); ckpt['path'] says where it was."""
     cfg = make_config(user)
     if cfg.init_from != "resume":
         if list_checkpoints(cfg.out_dir):
@@ -109,9 +109,16 @@ def resolve_config(user):
     if not list_checkpoints(cfg.out_dir):
         raise ConfigError(f"init_from='resume' but {cfg.out_dir} holds no checkpoint (ckpt_XXXXXX.pt or ckpt_XXXXXX/)")
     # a sharded checkpoint: its meta only; each rank reads its own shards later
-    ckpt, path = load_latest_checkpoint(cfg.out_dir, consolidate=False, note=note0)
+    ckpt, path = load_latest_checkpoint(cfg.out_dir, consolidate=False, note=note0, verify=verify)
+    return resumed_config(user, cfg.out_dir, {**ckpt, "path": str(path)})
+
+
+def resumed_config(user, out_dir, ckpt):
+    """The config of a run resuming from ckpt: the user's keys over the checkpoint's; the architecture and the
+    optimizer cannot change. Returns (cfg, ckpt)."""
+    path = ckpt["path"]
     # the run stays in the out_dir it found the checkpoint in (the checkpoint's own may be another, if moved)
-    cfg = make_config({**user, "out_dir": cfg.out_dir}, base=ckpt["config"])
+    cfg = make_config({**user, "out_dir": out_dir}, base=ckpt["config"])
     if cfg.optimizer != ckpt["config"].get("optimizer", "adamw"):  # the saved state is the other optimizer's
         raise ConfigError(f"cannot change optimizer when resuming: the checkpoint {path} has "
                           f"{ckpt['config'].get('optimizer', 'adamw')!r}, the config {cfg.optimizer!r}")
@@ -132,12 +139,37 @@ def resolve_config_or_defer(user):
     returned rather than raised. A rank that failed before joining the process group (a node that cannot see
     out_dir's checkpoints) would leave the others waiting in the rendezvous until it times out; instead every
     rank joins and check_shared_out_dir raises the error on all of them."""
-    try:
-        return (*resolve_config(user), None)
+    try:  # only rank 0 hashes the checkpoint; the others check that theirs is complete (agree_on_checkpoint)
+        return (*resolve_config(user, verify=is_rank0()), None)
     except (ConfigError, CheckpointError) as e:
         if not launched_by_torchrun():
             raise
         return make_config(user), None, str(e)  # a bad key fails here alike on every rank: nobody waits
+
+
+SETUP_KEYS = ("device", "dtype", "parallel", "shard_size", "seed", "dist_timeout_minutes")  # what setup() used
+
+
+def agree_on_checkpoint(user, cfg, ckpt, problem, env):
+    """Under torchrun only rank 0 sha256-hashed the checkpoint it resumes from (one read of an 18 GB file,
+    not one per rank); a rank that chose another (rank 0 skipped a damaged one) loads rank 0's, unhashed.
+    Returns (cfg, ckpt, problem); a problem is raised on every rank by check_shared_out_dir."""
+    if not env.distributed or cfg.init_from != "resume":
+        return cfg, ckpt, problem
+    chosen = [ckpt and ckpt["path"]]
+    dist.broadcast_object_list(chosen, src=0)
+    if problem or chosen[0] is None or chosen[0] == (ckpt and ckpt["path"]):
+        return cfg, ckpt, problem
+    try:
+        agreed, ckpt = resumed_config(user, cfg.out_dir, {**load_checkpoint(chosen[0], consolidate=False, verify=False),
+                                                          "path": chosen[0]})
+    except (ConfigError, CheckpointError) as e:
+        return cfg, None, str(e)
+    changed = [k for k in SETUP_KEYS if getattr(agreed, k) != getattr(cfg, k)]
+    if changed:
+        return cfg, None, (f"rank 0 resumes from {chosen[0]}, whose {changed[0]} differs from that of the checkpoint "
+                           f"this rank found; resume again")
+    return agreed, ckpt, None
 
 
 def check_shared_out_dir(out_dir, resumed_step, problem, env):
@@ -701,6 +733,7 @@ def run(user):
     cfg, ckpt, problem = resolve_config_or_defer(user)
     check_tracking_available(cfg.wandb_log, cfg.tensorboard_dir)  # every rank: all stop alike
     env = setup(cfg)
+    cfg, ckpt, problem = agree_on_checkpoint(user, cfg, ckpt, problem, env)
     check_shared_out_dir(cfg.out_dir, ckpt and ckpt["step"], problem, env)
     log = tqdm.write if env.master else (lambda *a, **k: None)
     cfg = check_memory(cfg, ckpt, env, log)  # the plan line; a refusal; batch_size='auto' from the plan
