@@ -369,6 +369,10 @@ def _load_file(path, map_location, note, verify=True):
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         found = ckpt.get("format") if isinstance(ckpt, dict) else type(ckpt).__name__
         raise CheckpointError(f"{path}: not a gpt2-train checkpoint (format {found!r}, expected {FORMAT!r})")
+    missing = [key for key, kind in (("model_args", dict), ("config", dict), ("step", int))
+               if not isinstance(ckpt.get(key), kind)]
+    if missing:
+        raise CheckpointError(f"{path}: incomplete gpt2-train checkpoint: no {missing[0]!r}")
     if verified is False:
         note(f"{path} has no {checksum_path(path).name} (written before checkpoints recorded their sha256): "
              f"loaded unverified")

@@ -207,6 +207,8 @@ def find_shards(data_dir, split):
         candidates = [Path(p) for p in sorted(glob.glob(data_dir))]
     elif os.path.isdir(data_dir):
         candidates = sorted(Path(data_dir).iterdir())
+    elif os.path.exists(data_dir):
+        raise ShardError(f"{data_dir}: is a file, not a data directory (data_dir: a directory of shards, or a glob)")
     else:
         raise NoShardsError(f"{data_dir}: no such data directory")
     word = re.compile(rf"(^|[_.-]){split}($|[_.-])")

@@ -443,6 +443,9 @@ class GPT(nn.Module):
                 if v.shape != ours[k].shape:
                     raise ValueError(f"GPT.from_pretrained: {path}: {name} has shape {tuple(v.shape)}, "
                                      f"expected {tuple(ours[k].shape)}")
+                if not v.is_floating_point():  # copy_ would cast quantized or damaged integers silently
+                    raise ValueError(f"GPT.from_pretrained: {path}: {name} holds {v.dtype} values, expected "
+                                     f"floating-point weights")
                 ours[k].copy_(v)
         return model
 
@@ -720,8 +723,14 @@ def _read_hf_weights(path: Path) -> dict:
             except ImportError as e:
                 raise ImportError(f"GPT.from_pretrained: {file} needs the safetensors package "
                                   "(pip install safetensors)") from e
-            sd.update(load_file(str(file)))
-        else:
-            sd.update(torch.load(file, map_location="cpu", weights_only=True))
+        try:
+            sd.update(load_file(str(file)) if file.name.endswith(".safetensors") else
+                      torch.load(file, map_location="cpu", weights_only=True))
+        except OSError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- a pickle that is not plain tensors (nothing ran), a damaged file
+            text = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            raise ValueError(f"GPT.from_pretrained: {file}: not a readable weights file ({type(e).__name__}"
+                             f"{': ' + text if text else ''})") from None
     return sd
 

@@ -13,6 +13,7 @@ and calls run(), the recipe: config, setup, data, model, optimizer, parallelize,
 it is a function above. Expected errors are one line on stderr (main(); see README "Failure modes").
 """
 import contextlib
+import errno
 import json
 import math
 import os
@@ -861,10 +862,16 @@ def run(user):
 EXPECTED_ERRORS = (ConfigError, TrackingError, CheckpointError, Halt, ShardError, LockError, OSError)
 
 
+OS_REASONS = {errno.EEXIST: "is a file, where a directory is expected", errno.ENOTDIR: "a part of this path is a "
+              "file, not a directory", errno.ENOSPC: "no space left on the device; free some disk space",
+              errno.EDQUOT: "disk quota exceeded; free some disk space"}
+
+
 def error_line(e):
-    """The one line an expected error prints: an OSError as '<file>: <reason>', the others their message."""
+    """The one line an expected error prints: an OSError as '<file>: <what is wrong with it>', the others their
+    message."""
     if isinstance(e, OSError) and e.filename is not None:
-        return f"{e.filename}: {e.strerror}"
+        return f"{e.filename}: {OS_REASONS.get(e.errno, e.strerror)}"
     return " ".join(str(e).split())
 
 

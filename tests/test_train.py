@@ -826,3 +826,18 @@ def test_a_shard_that_changes_mid_run_is_one_line_after_saving_the_steps_done(da
     assert "\n" not in line and f"{shard}: token id 100 >= vocab_size 64 at token " in line
     assert f"the last checkpoint, {tmp_path / 'out' / 'ckpt_000006.pt'}, is kept" in line
     assert load_checkpoint(tmp_path / "out")["step"] == 6
+
+
+@pytest.mark.parametrize("key, expected", [
+    ("out_dir", "{path}: is a file, where a directory is expected"),
+    ("tensorboard_dir", "{path}: is a file, where a directory is expected"),
+    ("data_dir", "{path}: is a file, not a data directory"),
+    ("out_dir_inside", "{path}: a part of this path is a file, not a directory"),
+])
+def test_a_file_where_a_directory_belongs_is_named_as_such(data_dir, tmp_path, capsys, key, expected):
+    (tmp_path / "file").write_text("")
+    path = tmp_path / "file" / "x" if key == "out_dir_inside" else tmp_path / "file"
+    keys = {"data_dir": data_dir, "out_dir": tmp_path / "out", key.replace("_inside", ""): path}
+    with pytest.raises(SystemExit):
+        train.main([*TINY, "--max_steps=1", *(f"--{k}={v}" for k, v in keys.items())])
+    assert f"train.py: error: {expected.format(path=path)}" in one_line_error(capsys)
