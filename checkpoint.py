@@ -92,8 +92,8 @@ def checksum_path(path):
 
 
 class _HashingWriter:
-    """A binary file wrapper that hashes what is written through it and keeps the OSError of a failed
-    write (torch.save turns it into 'unexpected pos ...')."""
+    """A binary file wrapper that hashes what is written through it and keeps the error of a failed write
+    (an OSError, or a second Ctrl-C's KeyboardInterrupt: torch.save turns it into 'unexpected pos ...')."""
 
     def __init__(self, f):
         self.f, self.sha256, self.error = f, hashlib.sha256(), None
@@ -101,11 +101,11 @@ class _HashingWriter:
     def write(self, data):
         try:
             written = self.f.write(data)
-        except OSError as e:
+            self.sha256.update(data)
+            return written
+        except BaseException as e:
             self.error = e
             raise
-        self.sha256.update(data)
-        return written
 
     def flush(self):
         self.f.flush()

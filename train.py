@@ -30,10 +30,10 @@ from checkpoint import (CheckpointError, Halt, Progress, kept_checkpoint, load_c
                         restore_rngs, resumed_config, save)
 from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text, make_config, model_config, parse_args
 from data import DataLoader, NoShardsError, ShardError
-from devices import autocast, device_type, fused_adamw_supported, peak_flops
+from devices import autocast, device_type, fused_adamw_supported, is_oom, peak_flops
 from files import LockError, atomic_write, directory_lock, report_error
 from hf import from_pretrained
-from memory import fitting_forward_backward, probe_batch_size, resolve_batch_size
+from memory import _free as free_memory, fitting_forward_backward, probe_batch_size, resolve_batch_size, smaller_micro_batch
 from model import GPT
 from optim import build_optimizer, set_lr
 from parallel import (check_shared_out_dir, clip_gradients, gathered, is_compiled, is_rank0, launched_by_torchrun, log,
@@ -224,32 +224,66 @@ def peak_memory(kind):
 
 # ----------------------------------------------------------------------------- evaluation
 
+class Abandoned(Exception):
+    """An evaluation cut short by SIGTERM/SIGINT: the loop saves a checkpoint and exits 0."""
+
+
+def stop_agreed(stop, env):
+    """Whether a rank got SIGTERM/SIGINT (StopRequest): under torchrun a collective, asked alike by every rank."""
+    if not env.distributed:
+        return stop.signal is not None
+    flag = torch.tensor(float(stop.signal is not None), device=env.device)
+    dist.all_reduce(flag)
+    return flag.item() > 0
+
+
 @torch.no_grad()
-def val_loss(model, loader, eval_steps, env):
-    """Mean loss over the same eval_steps val micro-batches every time, averaged over ranks."""
+def val_loss(model, loader, eval_steps, micro, env, stop=lambda: False, step=0):
+    """Mean loss over the same eval_steps val micro-batches every time, averaged over ranks. Their rows (read at
+    once, on the CPU) go through the model `micro` at a time, the training micro-batch: an out-of-memory halves
+    it as in a step (a Halt under torchrun or at 1). Abandoned as soon as stop() (agreed by all ranks)."""
     model.eval()
     loader.reset()
-    total = torch.zeros((), device=env.device)
-    for _ in range(eval_steps):
-        x, y = to_device(loader.next_batch(), env.device)
-        with autocast(env.device, env.dtype):
-            _, loss = model(x, y, return_logits=False)
-        total += loss.float()
+    x, y = (torch.cat(t) for t in zip(*(loader.next_batch() for _ in range(eval_steps))))  # (rows, T) each
+    total, at = torch.zeros((), device=env.device), 0
+    try:
+        while at < len(x):
+            if stop():
+                raise Abandoned
+            try:
+                xb, yb = to_device((x[at:at + micro], y[at:at + micro]), env.device)
+                with autocast(env.device, env.dtype):
+                    total += model(xb, yb, return_logits=False)[1].float() * len(xb)
+                at += len(xb)
+            except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled
+                if not is_oom(e):
+                    raise
+                smaller = smaller_micro_batch(len(x), micro)
+                if env.distributed or smaller is None:
+                    raise Halt(f"step {step}: out of memory in validation at micro-batch {micro}; try a smaller "
+                               f"batch_size, or eval_steps") from None
+                log(f"step {step}: out of memory in validation at micro-batch {micro}: evaluating at {smaller}")
+                micro = smaller
+                free_memory(env.device)
+    finally:
+        model.train()
     if env.distributed:
         dist.all_reduce(total)  # SUM: gloo has no AVG
-    model.train()
-    return total.item() / eval_steps / env.world_size
+    return total.item() / len(x) / env.world_size
 
 
-def hellaswag_eval(raw_model, examples, cfg, env):
+def hellaswag_eval(raw_model, examples, cfg, env, stop=None):
     """HellaSwag accuracy, examples sharded over ranks (every rank calls it); `examples` is filled on first use
-    and reused."""
+    and reused. Abandoned when stop() turns True on a rank (asked between batches)."""
     import hellaswag
     from assets import fetch_hellaswag
     if not examples:
         examples.extend(hellaswag.load_examples(fetch_hellaswag(), limit=cfg.hellaswag_limit))
     with gathered(raw_model) as model:
-        return hellaswag.evaluate(model, examples, env.device, dtype=env.dtype)
+        result = hellaswag.evaluate(model, examples, env.device, dtype=env.dtype, stop=stop)
+    if result is None:
+        raise Abandoned
+    return result
 
 
 def sample_preview(raw_model, cfg, env):
@@ -269,17 +303,18 @@ def sample_preview(raw_model, cfg, env):
     return enc.decode([t for t in out[0].tolist() if t < enc.n_vocab])
 
 
-def evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cfg, env, last):
+def evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cfg, env, last, stop):
     """The evaluations due at `step` (val loss, HellaSwag, a sample), logged; returns the val loss or None.
-    Every rank calls it: the val loss is averaged over ranks, a sharded model is gathered for the others."""
+    Every rank calls it: the val loss is averaged over ranks, a sharded model is gathered for the others.
+    A signal (stop: the StopRequest) abandons them between batches: Abandoned."""
     due = lambda interval: interval > 0 and (step % interval == 0 or last)  # noqa: E731
     val = None
     if due(cfg.eval_interval):
-        val = val_loss(model, val_loader, cfg.eval_steps, env)
+        val = val_loss(model, val_loader, cfg.eval_steps, cfg.batch_size, env, lambda: stop_agreed(stop, env), step)
         tracker.log({"step": step, "val_loss": val})
         log(f"step {step}: val loss {val:.4f}")
     if due(cfg.hellaswag_interval):
-        hs = hellaswag_eval(raw_model, hellaswag_examples, cfg, env)
+        hs = hellaswag_eval(raw_model, hellaswag_examples, cfg, env, stop=lambda: stop.signal is not None)
         tracker.log({"step": step, "hellaswag_acc": hs["acc"], "hellaswag_acc_norm": hs["acc_norm"],
                      "hellaswag_n": hs["n"]})
         log(f"step {step}: hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
@@ -360,7 +395,10 @@ def run(user):
             step, last = progress.step, progress.step >= cfg.max_steps
             val, step_start = None, train_loader.state_dict()  # a resumed run's first step was evaluated before it stopped
             if (step > start_step or start_step == 0) and not stopping:
-                val = evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cfg, env, last)
+                try:
+                    val = evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cfg, env, last, stop)
+                except Abandoned:  # a signal: save now rather than after a whole evaluation
+                    stopping = True
             if step > start_step and (last or stopping or cfg.save_interval and step % cfg.save_interval == 0):
                 save(out_dir, val, progress, raw_model, optimizer, scaler, train_loader, tracker, cfg, env)
                 saved_step = step
@@ -399,6 +437,8 @@ def run(user):
         finished = True
     except Halt as e:
         raise Halt(f"{e}; {kept_checkpoint(out_dir)}") from None
+    except KeyboardInterrupt:  # a second Ctrl-C: at once, even in the middle of a save
+        raise KeyboardInterrupt(kept_checkpoint(out_dir)) from None
     except ShardError as e:  # a shard changed under the run: first keep the steps done since the last save
         if not env.distributed and progress.step > saved_step:  # (other ranks would wait in a collective)
             optimizer.zero_grad(set_to_none=True)
@@ -433,6 +473,9 @@ def main(argv=None):
     except (ConfigError, TrackingError, CheckpointError, Halt, ShardError, LockError, OSError) as e:
         report_error("train.py", e)
         raise SystemExit(2 if isinstance(e, (ConfigError, TrackingError)) else 1) from None
+    except KeyboardInterrupt as e:  # 130, as a shell reports a Ctrl-C
+        report_error("train.py", KeyboardInterrupt(f"interrupted{'; ' if str(e) else ''}{e}"))
+        raise SystemExit(130) from None
     finally:
         if dist.is_available() and dist.is_initialized():  # the one place the process group is destroyed
             dist.destroy_process_group()
