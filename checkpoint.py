@@ -40,6 +40,7 @@ would run code): they are read here through an unpickler that builds only DCP's 
 (_MetadataUnpickler) and with weights_only=True (_safe_dcp), wherever a sharded checkpoint is opened.
 """
 import argparse
+import contextlib
 import errno
 import functools
 import hashlib
@@ -109,6 +110,35 @@ class _HashingWriter:
 
     def flush(self):
         self.f.flush()
+
+
+class _HashingStream(_HashingWriter):
+    """_HashingWriter for DCP's writer, which also asks its stream tell(), fileno() and close()."""
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+@functools.cache
+def _hashing_filesystem():
+    """DCP's FileSystem, hashing each shard file (.distcp) as it is written: .sums {file name: sha256}."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class HashingFileSystem(FileSystem):
+        def __init__(self):
+            super().__init__()
+            self.sums = {}
+
+        @contextlib.contextmanager
+        def create_stream(self, path, mode):
+            with super().create_stream(path, mode) as stream:
+                if "w" not in mode or not str(path).endswith(".distcp"):
+                    yield stream
+                    return
+                hashing = _HashingStream(stream)
+                yield hashing
+                self.sums[Path(path).name] = hashing.sha256.hexdigest()
+    return HashingFileSystem
 
 
 def storage_bytes(obj):
@@ -419,6 +449,7 @@ def save_sharded_checkpoint(path, meta, model, optimizer):
     and DCP's index are on disk. A rank killed midway leaves only the temporary directory behind."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     distributed = _distributed()
@@ -436,9 +467,10 @@ def save_sharded_checkpoint(path, meta, model, optimizer):
     # their shards written (and fsync'ed)
     with warnings.catch_warnings():  # DCP warns whenever it runs without a process group, as asked here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp), no_dist=not distributed)
-    rank = dist.get_rank() if distributed else 0  # DCP names a rank's shard files __<rank>_<n>.distcp
-    mine = {p.name: file_sha256(p) for p in tmp.glob(f"__{rank}_*.distcp")}  # each rank its own, in parallel
+        writer = FileSystemWriter(str(tmp))
+        writer.fs = _hashing_filesystem()()  # each rank hashes the shards it writes, as it writes them
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, storage_writer=writer, no_dist=not distributed)
+    mine = writer.fs.sums
     sums = [mine]
     if distributed:
         sums = [None] * dist.get_world_size()
