@@ -33,7 +33,7 @@ resumes at any world size, and loads into a single process without a process gro
 load_checkpoint, `python checkpoint.py consolidate` to write the single-file form).
 
 A sharded checkpoint is verified like a file before any tensor is read: its SHA256SUMS records the sha256
-of every file in it (each rank hashes the shards it wrote, rank 0 writes the list before the rename), and
+of every file in it (each rank hashes its shards as it writes them, rank 0 writes the list before the rename), and
 every shard the .metadata index names must be there, listed, at the size the index needs (check_shards).
 DCP itself unpickles .metadata and the shards' non-tensor values with plain pickle (a crafted checkpoint
 would run code): they are read here through an unpickler that builds only DCP's metadata classes
