@@ -237,7 +237,7 @@ class DataLoader:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if batch_size < 1 or block_size < 1 or seed < 0:
             raise ValueError(f"batch_size and block_size must be >= 1 and seed >= 0 (got {batch_size}, {block_size}, {seed})")
-        self.B, self.T, self.split = batch_size, block_size, split
+        self.B, self.T = batch_size, block_size
         self.rank, self.world_size = rank, world_size
         self.seed = seed
         self.vocab_size = vocab_size
