@@ -37,7 +37,7 @@ from checkpoint import (FORMAT, CheckpointError, checkpoint_path, clean_state_di
 from config import ARCH_KEYS, ConfigError, help_text, make_config, model_config, config_table, parse_args
 from data import DataLoader, NoShardsError, ShardError
 from devices import (autocast, device_type, fused_adamw_supported, is_oom, peak_flops, resolve_device,
-                     resolve_dtype, tune_cpu_allocator)
+                     resolve_dtype, tune_cpu_allocator, use_cuda_device)
 from files import LockError, atomic_write, directory_lock
 from memory import (MemoryPlanError, available_memory, check_fits, divisors, estimate_memory, maybe_fake_oom,
                     plan_micro_batch, probe_micro_batch, rows_per_rank, smaller_micro_batch)
@@ -220,9 +220,7 @@ def setup(cfg):
             raise ConfigError(f"parallel={parallel!r} trains in bfloat16 or float32, not float16 (dtype={cfg.dtype!r} "
                               f"resolved to float16 on {device}): set --dtype=float32 or a bf16 device")
     if device_type(device) == "cuda":
-        if distributed:
-            device = f"cuda:{local_rank}"
-        torch.cuda.set_device(device)  # also for --device=cuda:N alone: memory stats, syncs and RNG follow it
+        device = use_cuda_device(device, local_rank if distributed else None)
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls: ~8x fp32 throughput on Ampere+
         torch.backends.cudnn.allow_tf32 = True
     if distributed:  # the timeout covers rank 0 writing a checkpoint while the others wait in the next collective
