@@ -104,6 +104,9 @@ def shard(model, cfg, env):
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     if compile_blocks and not compile_works(model, cfg, env):
+        if not hasattr(model, "reset_iter_state"):  # newer than the torch floor
+            raise ConfigError(f"torch {torch.__version__} cannot recover FSDP from the failed torch.compile trial "
+                              "(no FSDPModule.reset_iter_state): set compile=False, or upgrade torch")
         model.reset_iter_state()  # the failed forward left FSDP mid-iteration
         for block in model.transformer.h:
             del block.forward  # back to Block.forward, eager

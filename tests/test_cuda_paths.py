@@ -1,14 +1,18 @@
 """The CUDA paths a CPU can reach, on a CPU-only torch that sees fake GPUs (conftest.fake_gpus: the device
 queries are mocked, torch's own argument parsing runs): setup() for device 'auto', 'cuda' and 'cuda:1', under
-torchrun and without, then the calls a run makes with the device it picked; bench.gpu's start."""
+torchrun and without, then the calls a run makes with the device it picked; bench.gpu's start. And the APIs
+newer than the torch floor (devices.MIN_TORCH), each gated: tested by deleting the attribute."""
 import pytest
 import torch
+import torch.distributed as dist
 
 import memory
+import parallel
 import train
 from bench import gpu
-from config import make_config
+from config import ConfigError, make_config, model_config
 from devices import peak_flops
+from model import GPT
 
 
 @pytest.fixture
@@ -49,3 +53,40 @@ def test_bench_gpu_starts_on_the_gpu_it_names(fake_gpus, monkeypatch, capsys, de
     assert gpus.set_to == [expected]
     out = capsys.readouterr().out
     assert f"train  cuda:{expected}" in out and "on NVIDIA H100 80GB HBM3 x 2" in out
+
+
+def test_muon_on_a_torch_without_it_is_a_one_line_config_error(monkeypatch):
+    monkeypatch.delattr(torch.optim, "Muon")
+    with pytest.raises(ConfigError, match=r"^optimizer='muon' needs torch.optim.Muon \(torch >= 2.9\), which torch "
+                       r"\S+ lacks: upgrade torch, or use optimizer='adamw'$"):
+        make_config({"optimizer": "muon"})
+    make_config({"optimizer": "adamw"})  # the default needs nothing new
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_fsdp_compile_failure_on_a_torch_without_reset_iter_state_is_a_one_line_error(monkeypatch, one_rank_group):
+    """The failed compile trial leaves FSDP mid-iteration; FSDPModule.reset_iter_state (newer than torch 2.6)
+    recovers it. Without it: a one-line error naming the way out, not a failure in the first step."""
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch.distributed.fsdp import FSDPModule
+
+    def broken_compile(forward):
+        def compiled(*args, **kwargs):
+            raise BackendCompilerFailed("inductor", RuntimeError("no working C++ compiler"), None)
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.delattr(FSDPModule, "reset_iter_state")
+    cfg = make_config({"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8, "vocab_size": 32, "batch_size": 1,
+                       "compile": True, "device": "cpu", "dtype": "float32", "parallel": "fsdp"})
+    env = parallel.Env(0, 0, 1, True, "cpu", "float32", "fsdp", (1,))
+    with pytest.raises(ConfigError) as error:
+        parallel.shard(GPT(model_config(cfg)), cfg, env)
+    assert str(error.value) == (f"torch {torch.__version__} cannot recover FSDP from the failed torch.compile trial "
+                                "(no FSDPModule.reset_iter_state): set compile=False, or upgrade torch")
