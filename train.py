@@ -42,7 +42,7 @@ from files import LockError, atomic_write, directory_lock
 from memory import (MemoryPlanError, available_memory, check_fits, divisors, estimate_memory, maybe_fake_oom,
                     plan_micro_batch, probe_micro_batch, rows_per_rank, smaller_micro_batch)
 from model import GPT, PRESETS
-from parallel import (Env, clip_gradients, gathered, is_compiled, mesh_shape, parallelize, set_grad_sync,
+from parallel import (Env, build_on_meta, clip_gradients, gathered, is_compiled, mesh_shape, parallelize, set_grad_sync,
                       weights_finite)
 from tracking import TRACKING_KEYS, Tracker, TrackingError, check_tracking_available
 
@@ -396,14 +396,16 @@ def make_loaders(cfg, env):
 
 def build_model(cfg, ckpt, device):
     """(the bare GPT on device, cfg with the model's real shape) from a checkpoint, scratch or pretrained.
-    A sharded checkpoint's weights are loaded later, by restore(), into the model as this run shards it."""
+    A sharded checkpoint's weights are loaded later, by restore(), into the model as this run shards it.
+    device 'meta' (scratch or a sharded checkpoint): parallel.build_on_meta, initialised when sharded."""
     training_only = {"dropout": cfg.dropout, "activation_checkpointing": cfg.activation_checkpointing}
+    new = build_on_meta if device == "meta" else GPT
     if ckpt is not None:
-        model = GPT(model_config(cfg, **{**ckpt["model_args"], **training_only}))
+        model = new(model_config(cfg, **{**ckpt["model_args"], **training_only}))
         if "shards" not in ckpt:
             model.load_state_dict(clean_state_dict(ckpt["model"]))
     elif cfg.init_from == "scratch":
-        model = GPT(model_config(cfg))
+        model = new(model_config(cfg))
     else:
         try:
             model = GPT.from_pretrained(cfg.init_from, **training_only)
@@ -704,8 +706,11 @@ def run(user):
     cfg = check_memory(cfg, ckpt, env, log)  # the plan line; a refusal; batch_size='auto' from the plan
     train_loader, val_loader = make_loaders(cfg, env)
 
-    # the bare GPT (checkpoints, samples, HellaSwag); a sharded run keeps it on the CPU for fully_shard to move
-    raw_model, cfg = build_model(cfg, ckpt, "cpu" if env.sharded else env.device)
+    # the bare GPT (checkpoints, samples, HellaSwag). A sharded run from scratch or from a sharded checkpoint builds
+    # it on meta, and parallelize() gives each rank its shards only; from whole weights it stays on the CPU for
+    # fully_shard to move
+    on_meta = env.sharded and (ckpt is None and cfg.init_from == "scratch" or ckpt is not None and "shards" in ckpt)
+    raw_model, cfg = build_model(cfg, ckpt, "meta" if on_meta else "cpu" if env.sharded else env.device)
     if cfg.batch_size == "auto":  # a probed device (CUDA)
         cfg = probe_batch_size(raw_model, cfg, env, log, [train_loader, val_loader])
     total_batch_size, grad_accum = batch_layout(cfg, env.world_size)
