@@ -42,8 +42,8 @@ from files import LockError, atomic_write, directory_lock
 from memory import (MemoryPlanError, available_memory, check_fits, divisors, estimate_memory, maybe_fake_oom,
                     plan_micro_batch, probe_micro_batch, rows_per_rank, smaller_micro_batch)
 from model import GPT, PRESETS
-from parallel import (Env, build_on_meta, clip_gradients, gathered, is_compiled, mesh_shape, parallelize, set_grad_sync,
-                      weights_finite)
+from parallel import (Env, build_on_meta, clip_gradients, gathered, is_compiled, mesh_shape, parallelize,
+                      set_grad_sync, weights_finite)
 from tracking import TRACKING_KEYS, Tracker, TrackingError, check_tracking_available
 
 
