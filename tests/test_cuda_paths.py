@@ -28,13 +28,13 @@ def test_setup_makes_an_indexed_gpu_current_and_the_run_can_query_it(fake_gpus, 
                                                                      device, torchrun):
     gpus = fake_gpus(2)
     groups = []
-    monkeypatch.setattr(train.dist, "init_process_group", lambda **kwargs: groups.append(kwargs["backend"]))
+    monkeypatch.setattr(parallel.dist, "init_process_group", lambda **kwargs: groups.append(kwargs["backend"]))
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)
     if torchrun:  # the second process on this node: its GPU is LOCAL_RANK's, whatever the config says
         for key, value in dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2").items():
             monkeypatch.setenv(key, value)
-    env = train.setup(make_config({"device": device}))
+    env = parallel.setup(make_config({"device": device}))
     expected = 1 if torchrun or device == "cuda:1" else 0
     assert env.device == f"cuda:{expected}" and gpus.set_to == [expected] and gpus.current == expected
     assert groups == (["nccl"] if torchrun else []) and env.dtype == "bfloat16"
