@@ -54,9 +54,9 @@ def sha(t):
 def run(tmp, name, nproc, args, env_extra=None):
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if name != "one" else []
     out = Path(tmp) / name
-    cmd = [sys.executable, *launcher, str(ROOT / "bench" / "meta_init.py"), "--worker", str(out), f"--nproc={nproc}",
-           "--", *args, f"--out_dir={Path(tmp) / ('out_' + name)}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    cmd = [sys.executable, *launcher, "-m", "bench.meta_init", *args, f"--out_dir={Path(tmp) / ('out_' + name)}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "BENCH_WORKER": f"{out},{nproc}",
+           **(env_extra or {})}
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode:
         sys.exit(f"{name} failed:\n{result.stderr[-3000:]}")
@@ -69,11 +69,10 @@ def main(argv=None):
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--parallel", default="fsdp", choices=["fsdp", "hsdp"])
     p.add_argument("--whole", action="store_true", help="also measure the old way (the whole model on every rank)")
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    opts, rest = p.parse_known_args(argv)
-    rest = [a for a in rest if a != "--"]
-    if opts.worker:
-        return worker(opts.worker, opts.nproc, rest)
+    if "BENCH_WORKER" in os.environ:  # a rank launched by run(): the rest of the command line is train.py's
+        out, nproc = os.environ["BENCH_WORKER"].split(",")
+        return worker(out, int(nproc), sys.argv[1:] if argv is None else argv)
+    opts = p.parse_args(argv)
     import numpy as np
     from data import write_shard
     from bench import machine_line
