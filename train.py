@@ -36,8 +36,8 @@ from hf import from_pretrained
 from memory import _free as free_memory, fitting_forward_backward, probe_batch_size, resolve_batch_size, smaller_micro_batch
 from model import GPT
 from optim import build_optimizer, set_lr
-from parallel import (check_shared_out_dir, clip_gradients, gathered, is_compiled, is_rank0, launched_by_torchrun, log,
-                      parallelize, set_grad_sync, setup)
+from parallel import (build_on_meta, check_shared_out_dir, clip_gradients, gathered, is_compiled, is_rank0,
+                      launched_by_torchrun, log, parallelize, set_grad_sync, setup)
 from tracking import TRACKING_KEYS, NoTracker, Tracker, TrackingError, check_tracking_available
 
 
@@ -119,14 +119,16 @@ def make_loaders(cfg, env):
 
 def build_model(cfg, ckpt, device):
     """(the bare GPT on device, cfg with the model's real shape) from a checkpoint, scratch or pretrained.
-    A sharded checkpoint's weights are loaded later, by restore(), into the model as this run shards it."""
+    A sharded checkpoint's weights are loaded later, by restore(), into the model as this run shards it.
+    device 'meta' (scratch or a sharded checkpoint): parallel.build_on_meta, initialised when sharded."""
     training_only = {"dropout": cfg.dropout, "activation_checkpointing": cfg.activation_checkpointing}
+    new = build_on_meta if device == "meta" else GPT
     if ckpt is not None:
-        model = GPT(model_config(cfg, **{**ckpt["model_args"], **training_only}))
+        model = new(model_config(cfg, **{**ckpt["model_args"], **training_only}))
         if "shards" not in ckpt:
             model.load_state_dict(ckpt["model"])
     elif cfg.init_from == "scratch":
-        model = GPT(model_config(cfg))
+        model = new(model_config(cfg))
     else:
         try:
             model = from_pretrained(cfg.init_from, **training_only)
@@ -361,8 +363,11 @@ def run(user):
     log(f"data: {train_loader.summary().replace(' shards', ' train shards')}; "
         f"val: {val_loader.summary() if val_loader else 'none (eval_interval=0)'}")
 
-    # the bare GPT (checkpoints, samples, HellaSwag); a sharded run keeps it on the CPU for fully_shard to move
-    raw_model, cfg = build_model(cfg, ckpt, "cpu" if env.sharded else env.device)
+    # the bare GPT (checkpoints, samples, HellaSwag). A sharded run from scratch or from a sharded checkpoint builds
+    # it on meta, and parallelize() gives each rank its shards only; from whole weights it stays on the CPU for
+    # fully_shard to move
+    on_meta = env.sharded and (ckpt is None and cfg.init_from == "scratch" or ckpt is not None and "shards" in ckpt)
+    raw_model, cfg = build_model(cfg, ckpt, "meta" if on_meta else "cpu" if env.sharded else env.device)
     if cfg.batch_size == "auto":  # a probed device (CUDA)
         cfg = probe_batch_size(raw_model, cfg, env, [train_loader, val_loader])
     total_batch_size, grad_accum = batch_layout(cfg, env.world_size)
