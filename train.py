@@ -42,8 +42,8 @@ from files import LockError, atomic_write, directory_lock
 from memory import (MemoryPlanError, available_memory, check_fits, divisors, estimate_memory, maybe_fake_oom,
                     plan_micro_batch, probe_micro_batch, rows_per_rank, smaller_micro_batch)
 from model import GPT, PRESETS
-from parallel import (Env, clip_gradients, gathered, is_compiled, mesh_shape, parallelize, set_grad_sync,
-                      weights_finite)
+from parallel import (Env, clip_gradients, gathered, is_compiled, keeps_grads, mesh_shape, parallelize,
+                      set_grad_sync, weights_finite)
 from tracking import TRACKING_KEYS, Tracker, TrackingError, check_tracking_available
 
 
@@ -506,10 +506,11 @@ def to_device(tensors, device):
     return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
 
 
-def forward_backward(model, loader, grad_accum, scaler, env):
-    """Gradients of the mean loss over grad_accum micro-batches; returns the summed loss (a device scalar)."""
+def forward_backward(model, loader, grad_accum, scaler, env, micro_steps=None):
+    """Gradients of the mean loss over grad_accum micro-batches; returns the summed loss (a device scalar).
+    micro_steps: which of them to run (default all; the dry run skips repeats)."""
     loss_sum = torch.zeros((), device=env.device)
-    for micro in range(grad_accum):
+    for micro in range(grad_accum) if micro_steps is None else micro_steps:
         x, y = to_device(loader.next_batch(), env.device)  # (B, T) each
         maybe_fake_oom(x.shape[0])  # test hook: GPT_FAKE_OOM_ABOVE simulates an out-of-memory
         set_grad_sync(model, micro == grad_accum - 1)
@@ -777,7 +778,7 @@ def run(user):
             else:
                 scaler.step(optimizer)
             scaler.update()
-            optimizer.zero_grad(set_to_none=True)  # also drops the gradients of a skipped step
+            optimizer.zero_grad(set_to_none=not keeps_grads(model))  # also drops the gradients of a skipped step
             dt = time.perf_counter() - t0
             progress.step = step = step + 1
 
