@@ -523,19 +523,25 @@ PARTS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer s
          "gathered": "all-gathered units (FSDP)", "activations": "activations + temporaries"}
 
 
-def report(cfg, world_size: int, gpus_per_node: int = 8) -> tuple[MemoryPlan, DryRun, str]:
-    """(plan, dry run, the printed comparison) of TrainConfig cfg at world_size."""
+def dry_run_plan(cfg, world_size: int, gpus_per_node: int = 8) -> MemoryPlan:
+    """The memory plan of TrainConfig cfg at world_size, on a GPU (dtype 'auto' as bf16), as the dry run sees it."""
     from config import model_config
     from parallel import mesh_shape
-    from train import batch_layout
-    dtype = GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype
     shard = mesh_shape(cfg.parallel, cfg.shard_size, world_size, min(gpus_per_node, world_size))[-1] \
         if cfg.parallel != "ddp" else None
-    plan = estimate_memory(model_config(cfg), cfg.batch_size, dtype, cfg.parallel, world_size, cfg.optimizer,
-                           shard_size=shard)
+    return estimate_memory(model_config(cfg), cfg.batch_size, GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype,
+                           cfg.parallel, world_size, cfg.optimizer, shard_size=shard)
+
+
+def report(cfg, world_size: int, gpus_per_node: int = 8) -> tuple[MemoryPlan, DryRun, str]:
+    """(plan, dry run, the printed comparison) of TrainConfig cfg at world_size."""
+    from train import batch_layout
+    dtype = GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype
+    plan = dry_run_plan(cfg, world_size, gpus_per_node)
     sim = dry_run(cfg, world_size, gpus_per_node)
     planned = {**{k: getattr(plan, k) for k in PARTS}, "activations": plan.activations + plan.logits}
-    mode = cfg.parallel + (f" (shards of {shard})" if cfg.parallel == "hsdp" else "")
+    mode = cfg.parallel + (f" (shard_size {cfg.shard_size or min(gpus_per_node, world_size)})"
+                           if cfg.parallel == "hsdp" else "")
     rows = [f"dry run: rank 0 of {world_size}, {mode}, {dtype}, micro-batch {cfg.batch_size} x "
             f"{batch_layout(cfg, world_size)[1]} accumulation steps"
             + (", activation checkpointing" if cfg.activation_checkpointing else "")

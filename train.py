@@ -268,7 +268,8 @@ def planned_shape(cfg, ckpt):
 
 def plan_kwargs(cfg, env):
     """estimate_memory's arguments besides the model and the micro-batch."""
-    return {"dtype": env.dtype, "parallel": env.parallel, "world_size": env.world_size, "shard_size": cfg.shard_size}
+    return {"dtype": env.dtype, "parallel": env.parallel, "world_size": env.world_size, "shard_size": cfg.shard_size,
+            "optimizer": cfg.optimizer}
 
 
 def device_memory(env):
