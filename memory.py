@@ -16,18 +16,20 @@ plan is an upper bound there.
 """
 import gc
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from devices import is_oom
+from checkpoint import Halt
+from config import ConfigError, batch_layout, model_config
+from devices import autocast, is_oom, rng_state, set_rng_state
+from model import PRESETS
+from parallel import log
 
 GiB = 2**30
-# batch_size='auto' from the plan (CPU/MPS): use at most this share of the available memory. On a CPU the
-# peak RSS ran 1.05-1.6x the plan (bench/memory.py): glibc's heap keeps freed blocks as holes that larger
-# requests cannot reuse
+# batch_size='auto' from the plan (CPU/MPS): use at most this share of the available memory. On a CPU the peak
+# RSS runs above the plan (docs/memory.md): glibc's heap keeps freed blocks as holes larger requests cannot reuse
 AUTO_FIT_FRACTION = 0.5
-FAKE_OOM_ENV = "GPT_FAKE_OOM_ABOVE"  # test hook: micro-batches above this raise torch.OutOfMemoryError
 OPTIMIZERS = {"adamw": "AdamW", "muon": "Muon+AdamW"}
 PARALLEL = ("ddp", "fsdp", "hsdp")
 
@@ -103,7 +105,7 @@ def _bytes_per_element(dtype) -> int:
     return 4 if name == "float32" else 2
 
 
-def saved_bytes_per_token(cfg, dtype="float32") -> tuple[int, int]:
+def saved_bytes_per_token(cfg, dtype="float32", low_params: bool = False) -> tuple[int, int]:
     """(bytes per token of one block, bytes per token outside the blocks) that autograd saves for backward.
 
     Per block: the residual stream x and x + attn (fp32 under autocast too: r bytes each), the ln_1/ln_2
@@ -111,7 +113,8 @@ def saved_bytes_per_token(cfg, dtype="float32") -> tuple[int, int]:
     and post-activation (hidden each), all in the compute dtype (a bytes), plus LayerNorm statistics and SDPA's
     log-sum-exp. Outside: token ids, ln_f's input and statistics."""
     C, nh = cfg.n_embd, cfg.n_head
-    H, a, r = param_stats(cfg)["hidden"], _bytes_per_element(dtype), 4
+    H, a = param_stats(cfg)["hidden"], _bytes_per_element(dtype)
+    r = a if low_params else 4  # FSDP's low-precision parameters make the residual stream low-precision too
     residuals = 1 if getattr(cfg, "parallel_residual", False) else 2  # parallel: both branches read ln(x)
     # rotary/QK-norm: new (B, nh, T, hs) q and k, so the attention output comes out in that layout and
     # (B, T, C) is one more copy
@@ -123,13 +126,15 @@ def saved_bytes_per_token(cfg, dtype="float32") -> tuple[int, int]:
 
 
 def activation_bytes(cfg, batch_size: int, dtype="float32", activation_checkpointing: bool = False,
-                     seq_len: int | None = None) -> int:
+                     seq_len: int | None = None, low_params: bool = False) -> int:
     """Bytes autograd holds for one micro-batch of (batch_size, seq_len) at the backward's peak: the saved
     tensors (saved_bytes_per_token; with checkpointing only each block's input, and one block recomputed at a
-    time), under autocast the matmul weights' low-precision copies, and the backward's working set."""
+    time), under autocast the matmul weights' low-precision copies, and the backward's working set.
+    low_params: FSDP/HSDP all-gathers low-precision parameters (the residual stream is in that dtype too)."""
     T = seq_len or cfg.block_size
-    stats, a, r = param_stats(cfg), _bytes_per_element(dtype), 4
-    block, outside = saved_bytes_per_token(cfg, dtype)
+    stats, a = param_stats(cfg), _bytes_per_element(dtype)
+    r = a if low_params else 4
+    block, outside = saved_bytes_per_token(cfg, dtype, low_params)
     backward = r * cfg.n_embd + a * stats["hidden"]  # the residual's gradient and the MLP hidden's
     weights = stats["block_matmul"] * 2 if a < 4 else 0  # autocast's copies, saved by the matmuls
     tokens, L = batch_size * T, cfg.n_layer
@@ -138,16 +143,19 @@ def activation_bytes(cfg, batch_size: int, dtype="float32", activation_checkpoin
     return tokens * (L * block + outside + backward) + L * weights
 
 
-def loss_bytes(cfg, batch_size: int, dtype="float32", seq_len: int | None = None) -> int:
+def loss_bytes(cfg, batch_size: int, dtype="float32", seq_len: int | None = None, low_params: bool = False) -> int:
     """Peak bytes of ChunkedLMHeadLoss's forward: its (V, C) weight-gradient and (N, C) input-gradient
     buffers, its input, and the one chunk of fp32 logits it reuses (under autocast also the chunk's
     low-precision product, the weight's low-precision copy, and a (V, C) chunk product with its fp32 conversion
-    while it is added to the fp32 gradient)."""
+    while it is added to the fp32 gradient). low_params (FSDP's bf16 weight): the weight gradient is accumulated
+    in place in the weight's dtype, no copy and no chunk product."""
     from model import LOSS_CHUNK_ROWS
     N = batch_size * (seq_len or cfg.block_size)
     n, V, C = min(N, LOSS_CHUNK_ROWS), cfg.vocab_size, cfg.n_embd
     if _bytes_per_element(dtype) == 4:
         return n * V * 4 + V * C * 4 + 2 * N * C * 4
+    if low_params:
+        return n * V * (4 + 2) + V * C * 2 + 2 * N * C * 4 + n * C * 2
     return n * V * (4 + 2) + V * C * (4 + 2 + 2 + 4) + 2 * N * C * 4 + n * C * 2
 
 
@@ -178,6 +186,7 @@ def estimate_memory(model_cfg, batch_size: int, dtype="float32", parallel: str =
         hidden = model_cfg.n_layer * stats["block_matmul"]
         state = hidden * 4 + 2 * (n - hidden) * 4
     shard = 1 if parallel == "ddp" else (shard_size or world_size) if parallel == "hsdp" else world_size
+    low = parallel != "ddp" and _bytes_per_element(dtype) < 4  # FSDP's MixedPrecisionPolicy: low-precision weights
     gathered = 0
     if shard > 1:  # the root unit (embeddings, ln_f, head) stays gathered through forward, plus the block in
         # use and the one prefetched, each with an unsharded gradient before its reduce-scatter
@@ -186,8 +195,8 @@ def estimate_memory(model_cfg, batch_size: int, dtype="float32", parallel: str =
         gathered = (root + 2 * stats["block"]) * p_bytes + (root + stats["block"]) * 4
     return MemoryPlan(
         params=-(-n * 4 // shard), grads=-(-n * 4 // shard), optimizer=-(-state // shard),
-        activations=activation_bytes(model_cfg, batch_size, dtype, activation_checkpointing, seq_len),
-        logits=loss_bytes(model_cfg, batch_size, dtype, seq_len), batch_size=batch_size,
+        activations=activation_bytes(model_cfg, batch_size, dtype, activation_checkpointing, seq_len, low),
+        logits=loss_bytes(model_cfg, batch_size, dtype, seq_len, low), batch_size=batch_size,
         optimizer_name=OPTIMIZERS[optimizer], gathered=gathered)
 
 
@@ -324,22 +333,7 @@ def smaller_micro_batch(rows: int, batch_size: int) -> int | None:
     return next((d for d in divisors(rows) if d <= batch_size // 2), None)
 
 
-def fake_oom_limit(fake_oom_above: int | None = None) -> int | None:
-    """The test hook's limit: the argument, else the GPT_FAKE_OOM_ABOVE environment variable, else None."""
-    if fake_oom_above is None and os.environ.get(FAKE_OOM_ENV):
-        fake_oom_above = int(os.environ[FAKE_OOM_ENV])
-    return fake_oom_above
-
-
-def maybe_fake_oom(batch_size: int, fake_oom_above: int | None = None) -> None:
-    """Test hook: raise the exception CUDA raises (torch.OutOfMemoryError) if batch_size > the limit."""
-    limit = fake_oom_limit(fake_oom_above)
-    if limit is not None and batch_size > limit:
-        raise torch.OutOfMemoryError(f"simulated out of memory: micro-batch {batch_size} > {FAKE_OOM_ENV}={limit}")
-
-
-def probe_micro_batch(try_step, candidates, fake_oom_above: int | None = None, reserve_bytes: int = 0,
-                      device=None) -> tuple[int, str]:
+def probe_micro_batch(try_step, candidates, reserve_bytes: int = 0, device=None) -> tuple[int, str]:
     """CUDA batch_size='auto': try_step(b) runs one real forward+backward at micro-batch b and raises
     torch.OutOfMemoryError if it does not fit. Starts at the largest candidate (divisors of the per-rank
     batch) and on out-of-memory moves to the largest candidate at most half the size. reserve_bytes are held
@@ -353,7 +347,6 @@ def probe_micro_batch(try_step, candidates, fake_oom_above: int | None = None, r
         try:
             if reserve_bytes:  # held while try_step runs
                 reserve = torch.empty(reserve_bytes, dtype=torch.uint8, device=device)
-            maybe_fake_oom(b, fake_oom_above)
             try_step(b)
         except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled; the rest is re-raised
             if not is_oom(e):
@@ -392,6 +385,141 @@ def _free(device) -> None:
     gc.collect()
     if device is not None and str(device).startswith("cuda"):
         torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- train.py's two calls
+
+PROBED_KINDS = ("cuda",)  # batch_size='auto' probes the real model on these devices; the others use the plan
+# held free while probing under torchrun: NCCL allocates its communication buffers after the probe (a few hundred MB
+# per communicator by default; DDP/FSDP may open several)
+NCCL_RESERVE = GiB
+
+
+def probes(env):
+    """Whether batch_size='auto' probes (probe_batch_size) rather than plans: not for a sharded run, whose bare
+    model is built on the CPU and would not fit one device whole."""
+    return env.kind in PROBED_KINDS and not env.sharded
+
+
+def planned_shape(cfg, ckpt):
+    """The GPTConfig the model will have, known before it is built; None for a Hugging Face directory."""
+    if ckpt is not None:
+        return model_config(cfg, **{**ckpt["model_args"], "dropout": cfg.dropout,
+                                    "activation_checkpointing": cfg.activation_checkpointing})
+    if cfg.init_from == "scratch":
+        return model_config(cfg)
+    return model_config(cfg, **PRESETS[cfg.init_from]) if cfg.init_from in PRESETS else None
+
+
+def plan_kwargs(cfg, env):
+    """estimate_memory's arguments besides the model and the micro-batch."""
+    return {"dtype": env.dtype, "parallel": env.parallel, "world_size": env.world_size, "shard_size": cfg.shard_size,
+            "optimizer": cfg.optimizer}
+
+
+def device_memory(env):
+    """(bytes one rank may use, description): the device's available memory; on a CPU/MPS shared by this node's
+    ranks, their share of it."""
+    available, what = available_memory(env.device)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if env.kind != "cuda" else 1
+    return (available // local, f"{what} / {local} ranks") if local > 1 else (available, what)
+
+
+def resolve_batch_size(cfg, ckpt, env):
+    """Before anything big is allocated: log the memory plan and the device's memory; refuse (ConfigError, one line
+    naming settings that fit) a batch_size whose plan exceeds it; resolve batch_size='auto' from the plan on devices
+    that are not probed (probes()). Returns cfg with batch_size resolved, or still 'auto' (probe_batch_size)."""
+    shape = planned_shape(cfg, ckpt)
+    auto = cfg.batch_size == "auto"
+    if auto:  # sequences per rank per optimizer step; total_batch_size is checked before anything is built
+        try:
+            rows = rows_per_rank(cfg.total_batch_size, cfg.block_size, env.world_size)
+        except ValueError as e:
+            raise ConfigError(f"batch_size='auto': {e}") from None
+    else:
+        rows = cfg.batch_size * batch_layout(cfg, env.world_size)[1]
+    if shape is None:
+        if auto and not probes(env):
+            raise ConfigError(f"batch_size='auto' cannot plan init_from={cfg.init_from!r} before loading it; set batch_size")
+        return cfg
+    available, what = device_memory(env)
+    if auto and not probes(env):
+        try:
+            b, why = plan_micro_batch(shape, rows, available, description=what, **plan_kwargs(cfg, env))
+        except MemoryPlanError as e:
+            raise ConfigError(str(e)) from None
+        log(f"batch_size='auto': {why}")
+        cfg = replace(cfg, batch_size=b)
+    plan = estimate_memory(shape, 1 if cfg.batch_size == "auto" else cfg.batch_size, **plan_kwargs(cfg, env))
+    log(plan.line() + (" [micro-batch 1; batch_size='auto' probes the rest]" if cfg.batch_size == "auto" else ""))
+    log(f"available memory: {what}")
+    if cfg.memory_check and not auto and plan.total > available:
+        msg = check_fits(shape, cfg.batch_size, available, what, rows, **plan_kwargs(cfg, env))
+        raise ConfigError(f"{msg} (memory_check=False skips this check)")
+    return cfg
+
+
+def probe_batch_size(raw_model, cfg, env, loaders):
+    """batch_size='auto' on a probed device: the largest divisor of the per-rank rows that runs one forward+
+    backward of the bare model (memory.probe_micro_batch; all ranks agree), leaving its RNGs and gradients as
+    they were. Returns cfg with the resolved batch_size; the loaders take it too."""
+    rows = rows_per_rank(cfg.total_batch_size, cfg.block_size, env.world_size)
+    plan = estimate_memory(raw_model.config, 1, **plan_kwargs(cfg, env))
+    rngs = rng_state()
+
+    def try_step(b):
+        x = torch.randint(0, cfg.vocab_size, (b, cfg.block_size), device=env.device)  # (b, T)
+        try:
+            with autocast(env.device, env.dtype):
+                raw_model(x, x, return_logits=False)[1].backward()
+        finally:
+            raw_model.zero_grad(set_to_none=True)
+
+    try:
+        b, why = probe_micro_batch(try_step, divisors(rows), device=env.device,
+                                   reserve_bytes=plan.optimizer + (NCCL_RESERVE if env.distributed else 0))
+    except MemoryPlanError as e:
+        raise ConfigError(str(e)) from None
+    set_rng_state(rngs)
+    torch.cuda.reset_peak_memory_stats(env.device)  # step 1's peak_mem_mb is then the step's, not the probe's
+    log(f"batch_size='auto': {why} ({rows // b} accumulation steps)")
+    return set_micro_batch(cfg, b, loaders)
+
+
+def set_micro_batch(cfg, b, loaders):
+    """cfg with batch_size=b (what checkpoints record), and the loaders reading b sequences per micro-batch."""
+    for loader in loaders:
+        if loader is not None:
+            loader.set_batch_size(b)
+    return replace(cfg, batch_size=b)
+
+
+def fitting_forward_backward(forward_backward, loader, grad_accum, optimizer, cfg, env, step):
+    """forward_backward(grad_accum), and on an out-of-memory: halve the micro-batch (the largest divisor of the per-rank rows at
+    most half), drop the partial step's gradients, rewind the loader to the step's start and re-run the same step
+    with the same data. Returns (loss sum, cfg, grad_accum), the latter two as changed. Under torchrun, or at
+    micro-batch 1, an out-of-memory is a Halt naming settings that would help (ranks cannot switch safely:
+    the others may be waiting in a gradient all-reduce)."""
+    start = loader.state_dict()
+    while True:
+        try:
+            return forward_backward(grad_accum), cfg, grad_accum
+        except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled
+            if not is_oom(e):
+                raise
+        b, rows = cfg.batch_size, cfg.batch_size * grad_accum
+        smaller = smaller_micro_batch(rows, b)
+        if env.distributed or smaller is None:
+            hint = f"batch_size={smaller} with {rows // smaller} accumulation steps, " if smaller else ""
+            raise Halt(f"step {step + 1}: out of memory at micro-batch {b}"
+                       + (" under torchrun (ranks cannot change micro-batch together mid-run)" if smaller else "")
+                       + f"; try {hint}activation_checkpointing=True, parallel='fsdp' or a smaller block_size")
+        optimizer.zero_grad(set_to_none=True)  # the partial step's gradients; the scaler has not stepped yet
+        _free(env.device)
+        loader.load_state_dict(start)
+        cfg, grad_accum = set_micro_batch(cfg, smaller, [loader]), rows // smaller
+        log(f"step {step + 1}: out of memory at micro-batch {b}: re-running the step at micro-batch {smaller} x "
+            f"{grad_accum} accumulation steps (batch_size={smaller} from now on)")
 
 
 # ----------------------------------------------------------------------------- the dry run
@@ -448,16 +576,15 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
     zero gradients). Micro-steps 3..N-1 start from the memory state micro-step 2 started from (checked) and are
     not re-run. No parameter memory is allocated: any size runs on a laptop."""
     import torch.distributed as dist
-    from dataclasses import replace
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from config import model_config
     from model import GPT
     from parallel import Env, clip_gradients, keeps_grads, mesh_shape, parallelize
-    from train import batch_layout, build_optimizer, forward_backward
+    from optim import build_optimizer
+    from train import forward_backward
     if cfg.batch_size == "auto":
         raise ValueError("the dry run needs batch_size set (it simulates a given micro-batch), not 'auto'")
     cfg = replace(cfg, compile=False, dtype=GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype)
@@ -479,7 +606,7 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
                 model = DDPBuckets(raw)
                 notes.append("DDP modelled, not run (its C++ reducer cannot run on fake tensors): gradients are views "
                              "of one fp32 bucket buffer, all-reduced in place")
-            optimizer = build_optimizer(raw, cfg, env)
+            optimizer = build_optimizer(raw, cfg, fused=True)  # as on a GPU
             for p in raw.parameters():  # a first update, untracked, on zero gradients: it makes the optimizer
                 p.grad = torch.zeros_like(p) if p.grad is None else p.grad  # state, and fills DTensor's sharding
             clip_gradients(raw, cfg.grad_clip)  # cache: its propagation runs global-shape ops in the same fake mode,
@@ -525,7 +652,6 @@ PARTS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer s
 
 def dry_run_plan(cfg, world_size: int, gpus_per_node: int = 8) -> MemoryPlan:
     """The memory plan of TrainConfig cfg at world_size, on a GPU (dtype 'auto' as bf16), as the dry run sees it."""
-    from config import model_config
     from parallel import mesh_shape
     shard = mesh_shape(cfg.parallel, cfg.shard_size, world_size, min(gpus_per_node, world_size))[-1] \
         if cfg.parallel != "ddp" else None
@@ -535,7 +661,6 @@ def dry_run_plan(cfg, world_size: int, gpus_per_node: int = 8) -> MemoryPlan:
 
 def report(cfg, world_size: int, gpus_per_node: int = 8) -> tuple[MemoryPlan, DryRun, str]:
     """(plan, dry run, the printed comparison) of TrainConfig cfg at world_size."""
-    from train import batch_layout
     dtype = GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype
     plan = dry_run_plan(cfg, world_size, gpus_per_node)
     sim = dry_run(cfg, world_size, gpus_per_node)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import memory
+import optim
 import parallel
 import train
 from config import make_config, model_config, parse_args
@@ -57,7 +58,7 @@ def test_ddp_gradients_stay_bucket_views_through_no_sync_micro_steps(tmp_path):
         env = parallel.Env(0, 0, 1, True, "cpu", "float32")
         raw = GPT(model_config(cfg))
         model = parallel.parallelize(raw, cfg, env)
-        optimizer = train.build_optimizer(raw, cfg, env)
+        optimizer = optim.build_optimizer(raw, cfg)
         x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
 
         class Batches:
@@ -83,7 +84,7 @@ def test_ddp_gradients_stay_bucket_views_through_no_sync_micro_steps(tmp_path):
 
 def test_plan_uses_the_configured_optimizer():
     cfg = make_config({**DEEP, "optimizer": "muon"})
-    kwargs = train.plan_kwargs(cfg, parallel.Env(0, 0, 1, False, "cpu", "bfloat16"))
+    kwargs = memory.plan_kwargs(cfg, parallel.Env(0, 0, 1, False, "cpu", "bfloat16"))
     plan = estimate_memory(model_config(cfg), cfg.batch_size, **kwargs)
     assert plan.optimizer_name == "Muon+AdamW"
     assert plan.optimizer == estimate_memory(model_config(cfg), 2, optimizer="muon").optimizer
@@ -99,3 +100,19 @@ def test_shipped_config_dry_runs_at_its_world_size_within_15_percent_of_the_plan
     short = make_config({**vars(cfg), "n_layer": 2})
     plan, sim, _ = memory.report(short, WORLD[name])
     assert plan.total == pytest.approx(sim.total, rel=0.15)
+
+
+def test_probe_reserves_nccl_buffers_and_resets_the_peak_memory_stats(monkeypatch):
+    seen = {}
+
+    def probe(try_step, candidates, device=None, reserve_bytes=0):
+        seen["reserve"] = reserve_bytes
+        return 2, "probed"
+
+    monkeypatch.setattr(memory, "probe_micro_batch", probe)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: seen.update(reset=device))
+    cfg = make_config({**DEEP, "batch_size": "auto", "total_batch_size": 2 * 32 * 2 * 2})
+    env = parallel.Env(0, 0, 2, True, "cuda:0", "bfloat16")
+    out = memory.probe_batch_size(GPT(model_config(cfg)), cfg, env, [])
+    plan = estimate_memory(model_config(cfg), 1, **memory.plan_kwargs(cfg, env))
+    assert out.batch_size == 2 and seen == {"reserve": plan.optimizer + memory.NCCL_RESERVE, "reset": "cuda:0"}
