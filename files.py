@@ -1,5 +1,5 @@
 """Crash-safe file writes, file hashes and directory locks, shared by checkpoints, shards, manifests, assets
-and run outputs; and the scripts' one-line error messages (first_line, error_line, report_error).
+and run outputs; and the scripts' one-line error messages (first_line, error_line, error_message, report_error).
 
 No torch here: prepare_data's tokenizer workers import it.
 """
@@ -32,17 +32,21 @@ def error_line(e):
     return " ".join(str(e).split())
 
 
-def report_error(prog, e, about=None):
-    """The scripts' handler for an expected error (bad input or environment), called in its except block:
-    '<prog>: error: [<about>: ]<one line>' on stderr, once per node (`about` is added where the message does not
-    name it already); the caller then exits. With GPT2_TRACEBACK=1 in the environment it re-raises instead."""
+def error_message(prog, e, about=None):
+    """The scripts' handler for an expected error (bad input or environment), called in its except block: the
+    line '<prog>: error: [<about>: ]<one line>' (`about` where the message does not name it already) for the
+    caller to print before it exits. With GPT2_TRACEBACK=1 in the environment it re-raises instead."""
     if os.environ.get("GPT2_TRACEBACK") == "1":
         raise e
     line = error_line(e)
-    if about and about not in line:
-        line = f"{about}: {line}"
+    return f"{prog}: error: {line if not about or about in line else f'{about}: {line}'}"
+
+
+def report_error(prog, e, about=None):
+    """error_message() on stderr, once per node (every node's log says why it stopped)."""
+    message = error_message(prog, e, about)
     if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"{prog}: error: {line}", file=sys.stderr, flush=True)
+        print(message, file=sys.stderr, flush=True)
 
 
 def fsync_dir(directory):

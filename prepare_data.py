@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from assets import EOT, fetch_shakespeare, get_tokenizer
 from data import HEADER_BYTES, SHARD_SUFFIXES, write_shard
-from files import LockError, atomic_write, directory_lock, file_sha256, first_line, report_error
+from files import LockError, atomic_write, directory_lock, error_message, file_sha256, first_line
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c / build-nanogpt: 100M tokens (200 MB) per shard
@@ -491,8 +491,7 @@ def main(argv=None):
                     revision=args.revision, streaming=args.streaming, start_method=args.start_method,
                     batch_chars=args.batch_chars, progress=not args.no_progress)
     except (PrepError, OSError) as e:  # bad input or environment: one line (GPT2_TRACEBACK=1: the traceback)
-        report_error("prepare_data.py", e)
-        sys.exit(1)
+        sys.exit(error_message("prepare_data.py", e))
     print(f"{s['documents']:,} documents, {s['tokens']:,} tokens ({s['val_tokens']:,} val + {s['train_tokens']:,} train) "
           f"in {s['shards']} shards, {s['seconds']:.1f} s, {s['tokens_per_s']:,.0f} tokens/s -> {s['out_dir']}/{s['name']}_*.bin")
     return s
