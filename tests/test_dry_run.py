@@ -30,6 +30,7 @@ def test_every_shipped_config_has_an_intended_world_size():
     assert {p.stem for p in (ROOT / "configs").glob("*.py")} - overlays == set(WORLD)
 
 
+@pytest.mark.slow  # ~30 s each here: a dry run of 8 layers
 @pytest.mark.parametrize("parallel_mode,world_size", [("fsdp", 4), ("hsdp", 8)])
 def test_sharded_accumulation_never_holds_whole_model_fp32_gradients(parallel_mode, world_size):
     """set_requires_gradient_sync(False) kept every unit's unsharded fp32 gradient until the last micro-step."""
@@ -41,6 +42,7 @@ def test_sharded_accumulation_never_holds_whole_model_fp32_gradients(parallel_mo
     assert sim.total - sim.parts["params"] - sim.parts["optimizer"] < 1.5 * whole_grads
 
 
+@pytest.mark.slow
 def test_dry_run_of_ddp_says_its_buckets_are_modelled_and_matches_the_plan():
     cfg = make_config({**DEEP, "total_batch_size": 2 * 32 * 2 * 2, "dtype": "float32"})
     plan, sim, text = memory.report(cfg, world_size=2)
