@@ -36,7 +36,7 @@ from hf import from_pretrained
 from memory import _free as free_memory, fitting_forward_backward, probe_batch_size, resolve_batch_size, smaller_micro_batch
 from model import GPT
 from optim import build_optimizer, set_lr
-from parallel import (build_on_meta, check_shared_out_dir, clip_gradients, gathered, is_compiled, is_rank0,
+from parallel import (build_on_meta, check_shared_out_dir, clip_gradients, gathered, is_compiled, is_rank0, keeps_grads,
                       launched_by_torchrun, log, parallelize, set_grad_sync, setup)
 from tracking import TRACKING_KEYS, NoTracker, Tracker, TrackingError, check_tracking_available
 
@@ -166,10 +166,11 @@ def to_device(tensors, device):
     return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
 
 
-def forward_backward(model, loader, grad_accum, scaler, env):
-    """Gradients of the mean loss over grad_accum micro-batches; returns the summed loss (a device scalar)."""
+def forward_backward(model, loader, grad_accum, scaler, env, micro_steps=None):
+    """Gradients of the mean loss over grad_accum micro-batches; returns the summed loss (a device scalar).
+    micro_steps: which of them to run (default all; the dry run skips repeats)."""
     loss_sum = torch.zeros((), device=env.device)
-    for micro in range(grad_accum):
+    for micro in range(grad_accum) if micro_steps is None else micro_steps:
         x, y = to_device(loader.next_batch(), env.device)  # (B, T) each
         set_grad_sync(model, micro == grad_accum - 1)
         with autocast(env.device, env.dtype):
@@ -428,7 +429,7 @@ def run(user):
             else:
                 scaler.step(optimizer)
             scaler.update()
-            optimizer.zero_grad(set_to_none=True)  # also drops the gradients of a skipped step
+            optimizer.zero_grad(set_to_none=not keeps_grads(model))  # also drops the gradients of a skipped step
             dt = time.perf_counter() - t0
             progress.step = step = step + 1
 
