@@ -244,6 +244,17 @@ def test_a_missing_package_is_a_one_line_error(tmp_path, monkeypatch):
     assert read_jsonl(tmp_path / "run" / "metrics.jsonl") == [train_record(1)]
 
 
+def test_wandb_dir_is_honoured_when_set(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))
+    out = tmp_path / "run"
+    tracker = Tracker(out, CONFIG, TOKENS, wandb_log=True, wandb_project="test")
+    tracker.log(train_record(1))
+    tracker.close()
+    assert not (out / "wandb").exists()
+    [(run_id, _, history)] = wandb_segments(tmp_path / "elsewhere")
+    assert run_id == (out / "wandb_id.txt").read_text().strip() and history[1]["train_loss"] == train_record(1)["train_loss"]
+
+
 def test_wandb_refusing_to_start_is_a_one_line_error(tmp_path, monkeypatch):
     import wandb
 
