@@ -438,3 +438,12 @@ def test_overlay_plot_of_several_runs(tmp_path, capsys):
     assert saved["titles"] == ["loss", "gradient norm", "learning rate", "tokens / s"]
     assert saved["labels"][0] == ["fp32 train", "fp32 val", "bf16 train", "bf16 val"]
     assert saved["labels"][1] == ["fp32", "bf16"]
+
+
+def test_plot_without_matplotlib_is_one_line_naming_the_install(tmp_path, monkeypatch):
+    run = write_metrics(tmp_path / "run", loop_records(0, 4))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: `import matplotlib` fails
+    with pytest.raises(SystemExit) as stop:
+        plot_metrics.main([str(run)])
+    assert str(stop.value) == "plot_metrics.py needs matplotlib, an optional extra: pip install matplotlib"
+    assert not (run / "metrics.png").exists()
