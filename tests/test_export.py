@@ -81,3 +81,51 @@ def test_a_model_imported_with_its_own_tokenizer_exports_that_tokenizer(byte_lev
     assert tok(text)["input_ids"] == own.encode(text) and tok.eos_token_id == own.eot_token == 0
     for name in ("config.json", "generation_config.json"):
         assert json.loads((tmp_path / "hf" / name).read_text())["eos_token_id"] == 0, name
+
+
+LM_EVAL_TASK = """task: hellaswag_as_hellaswag_py
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    validation: {data}
+output_type: multiple_choice
+validation_split: validation
+doc_to_text: "{{{{ctx}}}}"
+doc_to_choice: endings
+doc_to_target: label
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+
+
+def test_lm_eval_harness_scores_an_export_as_hellaswag_py(tmp_path, monkeypatch):
+    """The task of docs/evaluation-harness.md (context, then " " + ending): lm-eval's acc and log-likelihoods on
+    the export equal hellaswag.py's on the model, example for example. Runs only where lm-eval is installed."""
+    lm_eval = pytest.importorskip("lm_eval")
+    pytest.importorskip("lm_eval.models.huggingface")  # needs accelerate too: pip install "lm_eval[hf]"
+    import hellaswag
+    from lm_eval.tasks import TaskManager
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    torch.manual_seed(0)
+    # vocab 50257: no padded ids, so both softmaxes run over the same logits
+    model = GPT(GPTConfig(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)).eval()
+    model.save_pretrained(tmp_path / "hf")
+    endings = ["starts pulling up roofing.", "is  jumping, 3 times.", "falls; café naïve 😀", "leaves\n\nthe roof."]
+    examples = [{"ind": i, "ctx": f"A man (number {i}) is sitting on a roof. He", "label": i % 4,
+                 "endings": endings[i % 4:] + endings[:i % 4]} for i in range(6)]
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps(ex) + "\n" for ex in examples))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "task.yaml").write_text(LM_EVAL_TASK.format(data=tmp_path / "val.jsonl"))
+
+    ours = hellaswag.evaluate(model, hellaswag.load_examples(tmp_path / "val.jsonl"), "cpu")["preds"]
+    tasks = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)  # no index of lm-eval's own
+    out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={tmp_path / 'hf'}", device="cpu",
+                                  tasks=["hellaswag_as_hellaswag_py"], log_samples=True, batch_size=8,
+                                  task_manager=tasks)
+    theirs = sorted(out["samples"]["hellaswag_as_hellaswag_py"], key=lambda s: s["doc_id"])
+    assert len(theirs) == len(ours) == 6
+    for mine, sample in zip(ours, theirs):
+        assert sample["acc"] == float(mine["pred"] == mine["label"])
+        log_likelihoods = [resp[0] for resp in sample["filtered_resps"]]
+        assert log_likelihoods == pytest.approx([-loss for loss in mine["sum_loss"]], rel=1e-4)
