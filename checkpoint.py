@@ -37,20 +37,23 @@ import argparse
 import errno
 import hashlib
 import os
-import random
 import re
 import shutil
 import sys
 import warnings
 import zipfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
+import torch.distributed as dist
 
 import assets
-from devices import DTYPES, resolve_device, resolve_dtype
-from files import atomic_write, file_sha256, fsync_dir
+from config import ARCH_KEYS, ConfigError, make_config, model_config
+from devices import DTYPES, resolve_device, resolve_dtype, rng_state, set_rng_state
+from files import atomic_write, file_sha256, first_line, fsync_dir, report_error
+from hf import from_pretrained, save_pretrained
+from parallel import log, weights_finite
 
 FORMAT = "gpt2-train-ckpt-v1"
 CKPT_NAME = re.compile(r"^ckpt_(\d{6,})(\.pt)?$")  # a file ckpt_000100.pt or a sharded directory ckpt_000100
@@ -274,8 +277,7 @@ def _load_file(path, map_location, note):
         # cache instead of each reading the whole checkpoint into its own memory (8 x 18 GB at 1.5B)
         ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
     except Exception as e:  # truncated zip, foreign pickle, not a torch file at all...
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: not a readable checkpoint ({type(e).__name__}: {reason[:200]})") from None
+        raise CheckpointError(f"{path}: not a readable checkpoint ({first_line(e)})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         found = ckpt.get("format") if isinstance(ckpt, dict) else type(ckpt).__name__
         raise CheckpointError(f"{path}: not a gpt2-train checkpoint (format {found!r}, expected {FORMAT!r})")
@@ -283,39 +285,6 @@ def _load_file(path, map_location, note):
         note(f"{path} has no {checksum_path(path).name} (written before checkpoints recorded their sha256): "
              f"loaded unverified")
     return ckpt
-
-
-def rng_state():
-    """Every RNG this process draws from, as tensors and plain lists (weights_only-loadable)."""
-    version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": [version, list(internal), gauss],
-            "numpy": {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
-                      "cached_gaussian": float(cached)},
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None}
-
-
-def set_rng_state(state):
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    n = state["numpy"]
-    np.random.set_state((n["name"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def clean_state_dict(state_dict):
-    """Drop the prefixes DDP ('module.') and torch.compile ('_orig_mod.') add to parameter names."""
-    out = {}
-    for key, value in state_dict.items():
-        for prefix in ("module.", "_orig_mod."):
-            while key.startswith(prefix):
-                key = key[len(prefix):]
-        out[key] = value
-    return out
 
 
 def _remove(path):
@@ -347,11 +316,6 @@ def prune_checkpoints(out_dir, keep_last, keep_steps=()):
 def _distributed():
     import torch.distributed as dist
     return dist.is_available() and dist.is_initialized()
-
-
-def _reason(e):
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
 def save_sharded_checkpoint(path, meta, model, optimizer):
@@ -411,7 +375,7 @@ def load_sharded_checkpoint(path, model, optimizer=None, collective=None):
             no_dist = not (_distributed() if collective is None else collective)
             dcp.load(state, checkpoint_id=str(path), no_dist=no_dist)  # strict: every key must be there
     except Exception as e:
-        raise CheckpointError(f"{path}: cannot read the sharded checkpoint ({_reason(e)})") from None
+        raise CheckpointError(f"{path}: cannot read the sharded checkpoint ({first_line(e)})") from None
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))  # lm_head is wte
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
@@ -429,6 +393,111 @@ def load_optimizer_state(model, optimizer, state):
     by_name = {"state": {names[i]: v for i, v in state["state"].items()},
                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+
+
+# ----------------------------------------------------------------------------- train.py's checkpoints
+
+def resolve_config(user):
+    """(TrainConfig, checkpoint dict or None). On init_from='resume' the newest checkpoint that verifies is
+    loaded (a note names each newer one skipped, and why); its config is the base the user's keys override;
+    the architecture cannot change."""
+    cfg = make_config(user)
+    if cfg.init_from != "resume":
+        if list_checkpoints(cfg.out_dir):
+            raise ConfigError(f"{cfg.out_dir} already holds checkpoints; continue with --init_from=resume, "
+                              f"or pick another out_dir (or delete them) to start over")
+        return cfg, None
+    if not list_checkpoints(cfg.out_dir):
+        raise ConfigError(f"init_from='resume' but {cfg.out_dir} holds no checkpoint (ckpt_XXXXXX.pt or ckpt_XXXXXX/)")
+    # a sharded checkpoint: its meta only; each rank reads its own shards later
+    ckpt, path = load_latest_checkpoint(cfg.out_dir, consolidate=False, note=lambda message: log(message, note=True))
+    # the run stays in the out_dir it found the checkpoint in (the checkpoint's own may be another, if moved)
+    cfg = make_config({**user, "out_dir": cfg.out_dir}, base=ckpt["config"])
+    if cfg.optimizer != ckpt["config"].get("optimizer", "adamw"):  # the saved state is the other optimizer's
+        raise ConfigError(f"cannot change optimizer when resuming: the checkpoint {path} has "
+                          f"{ckpt['config'].get('optimizer', 'adamw')!r}, the config {cfg.optimizer!r}")
+    saved = model_config(cfg, **ckpt["model_args"])  # fields added since the checkpoint get their defaults
+    for key in ARCH_KEYS:
+        if getattr(cfg, key) != getattr(saved, key):
+            raise ConfigError(f"cannot change {key} when resuming: the checkpoint {path} has "
+                              f"{getattr(saved, key)!r}, the config {getattr(cfg, key)!r}")
+    return cfg, ckpt
+
+
+class Halt(Exception):
+    """Stop the run with exit code 1 (nonfinite='halt', too many skipped steps, non-finite weights)."""
+
+
+@dataclass
+class Progress:
+    """What the loop carries from step to step and a checkpoint carries across a restart."""
+    step: int = 0
+    best_step: int | None = None
+    best_val: float | None = None
+    skipped_in_a_row: int = 0
+
+
+def restore(ckpt, raw_model, optimizer, scaler, loader):
+    """Optimizer (and from a sharded checkpoint the weights, resharded to this run's layout), loss scaler and
+    loader position from a checkpoint; returns the Progress it recorded. Every rank calls it."""
+    if "shards" in ckpt:
+        load_sharded_checkpoint(ckpt["shards"], raw_model, optimizer)
+    else:
+        load_optimizer_state(raw_model, optimizer, ckpt["optimizer"])
+    if ckpt["scaler"] is not None:
+        scaler.load_state_dict(ckpt["scaler"])
+    try:
+        loader.load_state_dict(ckpt["loader"])
+    except ValueError as e:
+        saved = ckpt["config"]
+        raise ConfigError(f"cannot resume: {e}; the checkpoint's run used data_dir={saved.get('data_dir')!r} and "
+                          f"seed={saved.get('seed')}") from None
+    return Progress(ckpt["step"], ckpt.get("best_step"), ckpt.get("best_val_loss"))
+
+
+def restore_rngs(ckpt, env):
+    """Last, after everything that draws random numbers during setup: each rank's RNGs as they were."""
+    if len(ckpt["rng"]) == env.world_size:
+        set_rng_state(ckpt["rng"][env.rank])
+    else:
+        log(f"checkpoint has RNG states of {len(ckpt['rng'])} ranks, this run has {env.world_size}; "
+            "dropout masks will differ from an uninterrupted run", note=True)
+
+
+def kept_checkpoint(out_dir):
+    """What a halted run leaves to resume from, for its error message."""
+    found = list_checkpoints(out_dir)
+    if not found:
+        return "no checkpoint was written yet"
+    return f"the last checkpoint, {found[-1][1]}, is kept (continue with --init_from=resume)"
+
+
+def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, tracker, cfg, env):
+    """Write a checkpoint holding everything an exact resume needs, then prune old ones: ckpt_{step}.pt from
+    rank 0, or in a sharded run the directory ckpt_{step}/ to which every rank writes its own shards."""
+    rngs = [rng_state()]
+    if env.distributed:  # every rank's dropout RNG, so a resumed DDP run draws the same masks
+        rngs = [None] * env.world_size
+        dist.all_gather_object(rngs, rng_state())
+    if not (env.master or env.sharded):
+        return
+    step = progress.step
+    if not weights_finite(raw_model, env):
+        raise Halt(f"step {step}: the weights hold NaN/inf; not writing them")
+    if val is not None and (progress.best_val is None or val < progress.best_val):
+        progress.best_step, progress.best_val = step, val
+    meta = {"model_args": asdict(raw_model.config), "config": asdict(cfg), "step": step,
+            "scaler": scaler.state_dict() if scaler.is_enabled() else None, "loader": loader.state_dict(),
+            "rng": rngs, "val_loss": val, "best_step": progress.best_step, "best_val_loss": progress.best_val,
+            "tracker": tracker.state_dict(), "format": FORMAT}
+    path = checkpoint_path(out_dir, step, sharded=env.sharded)
+    if env.sharded:
+        save_sharded_checkpoint(path, meta, raw_model, optimizer)
+    else:
+        save_checkpoint(path, {**meta, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict()})
+    if env.master:
+        prune_checkpoints(out_dir, cfg.keep_last, keep_steps={progress.best_step})
+        log(f"step {step}: saved {path}")
 
 
 def _consolidated(ckpt):
@@ -460,7 +529,7 @@ def load_model(ckpt=None, init_from=None, device="cpu"):
     if (ckpt is None) == (init_from is None):
         raise ValueError("give exactly one of ckpt (a checkpoint file or out_dir) or init_from (a pretrained name)")
     if init_from is not None:
-        model = GPT.from_pretrained(init_from)
+        model = from_pretrained(init_from)
         info = {"source": str(init_from), "step": None, "val_loss": None, "config": None, "hf_dir": init_from}
     else:
         state = load_checkpoint(ckpt, consolidate=False)
@@ -468,7 +537,7 @@ def load_model(ckpt=None, init_from=None, device="cpu"):
         if "shards" in state:  # read straight into the model: no second copy of the weights
             load_sharded_checkpoint(state["shards"], model, collective=False)
         else:
-            model.load_state_dict(clean_state_dict(state["model"]))
+            model.load_state_dict(state["model"])
         info = {"source": str(ckpt), "step": state["step"], "val_loss": state.get("val_loss"),
                 "config": state["config"], "hf_dir": (state["config"] or {}).get("init_from")}
     if info["hf_dir"] is not None and not Path(info["hf_dir"]).is_dir():
@@ -510,12 +579,8 @@ def load_model_from_args(parser, args):
         model, info = load_model(ckpt=args.ckpt, init_from=args.init_from, device=device)
         enc = assets.load_tokenizer(info["hf_dir"], cache_dir=args.cache_dir)
     except (CheckpointError, OSError, ValueError, ImportError, RuntimeError) as e:
-        if os.environ.get("GPT2_TRACEBACK") == "1":
-            raise
-        message = " ".join(str(e).split())
-        if source not in message:  # e.g. a hub download error that doesn't say what was being loaded
-            message = f"{source}: {message}"
-        parser.exit(2, f"{parser.prog}: error: {message}\n")
+        report_error(parser.prog, e, about=source)  # e.g. a hub download error that doesn't say what was loaded
+        parser.exit(2)
     return model, enc, device, dtype
 
 
@@ -535,9 +600,9 @@ def main(argv=None):
             consolidate(args.src, args.dst)
         else:
             model, info = load_model(ckpt=args.src)
-            model.save_pretrained(args.dst, tokenizer_dir=info["hf_dir"])
+            save_pretrained(model, args.dst, tokenizer_dir=info["hf_dir"])
     except (CheckpointError, OSError, ValueError, ImportError, RuntimeError) as err:
-        print(f"checkpoint.py: error: {' '.join(str(err).split())}", file=sys.stderr)
+        report_error("checkpoint.py", err)
         return 2
     print(f"wrote {args.dst}")
     return 0

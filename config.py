@@ -144,7 +144,7 @@ FIELD_TYPES = typing.get_type_hints(TrainConfig)
 
 
 def config_docs():
-    """{key: (default, comment)} read from the source of GPTConfig and TrainConfig (--help, the README table)."""
+    """{key: (default, comment)} read from the source of GPTConfig and TrainConfig (--help, docs/config.md's table)."""
     source = inspect.getsource(GPTConfig) + inspect.getsource(TrainConfig)
     comments = dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.+)$", source, re.M))
     return {f.name: (f.default, comments.get(f.name, "")) for f in fields(TrainConfig)}
@@ -224,6 +224,16 @@ def model_config(cfg, **overrides):
     return GPTConfig(**{**{k: getattr(cfg, k) for k in MODEL_KEYS}, **overrides})
 
 
+def batch_layout(cfg, world_size):
+    """(tokens per optimizer step, accumulation steps): total_batch_size split over ranks and micro-batches."""
+    tokens_per_micro = cfg.batch_size * cfg.block_size * world_size
+    total = cfg.total_batch_size or tokens_per_micro
+    if total % tokens_per_micro:
+        raise ConfigError(f"total_batch_size={total} is not a multiple of batch_size*block_size*world_size"
+                          f" = {cfg.batch_size}*{cfg.block_size}*{world_size} = {tokens_per_micro}")
+    return total, total // tokens_per_micro
+
+
 def config_table(cfg, user):
     """The resolved config, one 'key  value' row per key; '*' marks keys set on this command line."""
     width = max(map(len, FIELD_TYPES))
@@ -231,7 +241,7 @@ def config_table(cfg, user):
 
 
 def key_table():
-    """The README's 'Every config key' table (markdown), generated from the same comments as --help."""
+    """docs/config.md's key table (markdown), generated from the same comments as --help."""
     escape = str.maketrans({"|": r"\|"})  # a literal | would end the cell
     rows = [f"| `{key}` | `{default!r}` | {comment.translate(escape)} |" for key, (default, comment) in config_docs().items()]
     return "\n".join(["| key | default | meaning |", "|---|---|---|", *rows])

@@ -242,6 +242,13 @@ class DataLoader:
         """Back to the start of the stream (validation: the same fixed batches again)."""
         self.position = 0
 
+    def set_batch_size(self, batch_size):
+        """Read batch_size sequences per micro-batch from now on (batch_size='auto', halving on out-of-memory).
+        The global sample stream is unchanged: positions count samples, not batches."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.B = batch_size
+
     def _plan(self, epoch):
         if epoch not in self._plans:
             if len(self._plans) >= 2:  # a batch usually touches one epoch, at most two

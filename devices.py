@@ -13,9 +13,11 @@ exits with a one-line error on an older one, instead of a confusing failure deep
 """
 import ctypes
 import functools
+import random
 import re
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 
 # The oldest torch this library runs on (requirements.txt says the same; a test checks). What sets it, with
@@ -80,7 +82,7 @@ def device_type(device):
 
 def cpu_has_fast_bf16():
     """Whether this x86 CPU multiplies bf16 in hardware (AVX512-BF16 or AMX). Without it torch emulates
-    bf16 matmuls, several times slower than fp32 (the README's measured section)."""
+    bf16 matmuls, several times slower than fp32 (docs/training.md, CPU defaults)."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private but stable since torch 2.3
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
@@ -109,7 +111,7 @@ def resolve_dtype(dtype, device):
 
 def resolve_compile(setting, device, dtype):
     """Whether to torch.compile: `setting` if True/False; 'auto' -> on CUDA, and on a CPU running bf16
-    (compile fuses the casts autocast adds; in fp32 on a CPU it measured no faster than eager)."""
+    (compile fuses the casts autocast adds; in fp32 on a CPU it gains nothing: docs/training.md)."""
     if setting != "auto":
         return bool(setting)
     kind = device_type(device)
@@ -234,3 +236,25 @@ def set_malloc_tuned(tuned: bool) -> bool:
 def tune_cpu_allocator(device) -> bool:
     """What every script does on a CPU: set_malloc_tuned(True). No-op elsewhere."""
     return device_type(device) == "cpu" and set_malloc_tuned(True)
+
+
+def rng_state():
+    """Every RNG this process draws from, as tensors and plain lists (weights_only-loadable)."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(internal), gauss],
+            "numpy": {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                      "cached_gaussian": float(cached)},
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None}
+
+
+def set_rng_state(state):
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["name"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

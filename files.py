@@ -1,5 +1,5 @@
 """Crash-safe file writes, file hashes and directory locks, shared by checkpoints, shards, manifests, assets
-and run outputs.
+and run outputs; and the scripts' one-line error messages (first_line, error_line, report_error).
 
 No torch here: prepare_data's tokenizer workers import it.
 """
@@ -17,6 +17,32 @@ except ImportError:  # Windows: no flock; directory_lock does not lock there
     fcntl = None
 
 LOCK_FILE = ".lock"
+
+
+def first_line(e):
+    """'<type>: <the first line of its message>' (200 characters at most), for a message that quotes an error."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
+
+
+def error_line(e):
+    """The one line an expected error prints: an OSError as '<file>: <reason>', the others their message."""
+    if isinstance(e, OSError) and e.filename is not None:
+        return f"{e.filename}: {e.strerror}"
+    return " ".join(str(e).split())
+
+
+def report_error(prog, e, about=None):
+    """The scripts' handler for an expected error (bad input or environment), called in its except block:
+    '<prog>: error: [<about>: ]<one line>' on stderr, once per node (`about` is added where the message does not
+    name it already); the caller then exits. With GPT2_TRACEBACK=1 in the environment it re-raises instead."""
+    if os.environ.get("GPT2_TRACEBACK") == "1":
+        raise e
+    line = error_line(e)
+    if about and about not in line:
+        line = f"{about}: {line}"
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"{prog}: error: {line}", file=sys.stderr, flush=True)
 
 
 def fsync_dir(directory):
@@ -80,7 +106,7 @@ def directory_lock(directory, program):
 
     The OS drops the lock when the process dies in any way (kill -9 included), so it is never stale;
     the file itself stays. Across machines it holds only where the shared filesystem implements flock
-    for all its clients (README, "Failure modes"); where flock is not supported at all, a note says the
+    for all its clients (docs/failure-modes.md); where flock is not supported at all, a note says the
     directory is not locked and the block runs anyway.
     """
     directory = Path(directory)

@@ -19,7 +19,6 @@ tokenizer (needs the `tokenizers` package); everything else with GPT-2's.
 """
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -32,6 +31,7 @@ from tqdm import tqdm
 import assets
 from checkpoint import add_model_args, load_model_from_args
 from devices import autocast, tune_cpu_allocator
+from files import report_error
 
 PAD_MULTIPLE = 8  # rows are padded to a multiple of this length (aligned shapes for matmul kernels)
 
@@ -225,10 +225,8 @@ def main(argv=None):
         if not examples:
             raise ValueError(f"{data}: no examples to evaluate")
     except (OSError, ValueError, RuntimeError) as e:
-        if os.environ.get("GPT2_TRACEBACK") == "1":
-            raise
-        message = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename else " ".join(str(e).split())
-        parser.exit(2, f"{parser.prog}: error: {message}\n")
+        report_error(parser.prog, e)
+        parser.exit(2)
     model, enc, device, dtype = load_model_from_args(parser, args)
     tune_cpu_allocator(device)  # big activations stay mapped, as in train.py
 

@@ -16,18 +16,20 @@ plan is an upper bound there.
 """
 import gc
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from devices import is_oom
+from checkpoint import Halt
+from config import ConfigError, batch_layout, model_config
+from devices import autocast, is_oom, rng_state, set_rng_state
+from model import PRESETS
+from parallel import log
 
 GiB = 2**30
-# batch_size='auto' from the plan (CPU/MPS): use at most this share of the available memory. On a CPU the
-# peak RSS ran 1.05-1.6x the plan (bench/memory.py): glibc's heap keeps freed blocks as holes that larger
-# requests cannot reuse
+# batch_size='auto' from the plan (CPU/MPS): use at most this share of the available memory. On a CPU the peak
+# RSS runs above the plan (docs/memory.md): glibc's heap keeps freed blocks as holes larger requests cannot reuse
 AUTO_FIT_FRACTION = 0.5
-FAKE_OOM_ENV = "GPT_FAKE_OOM_ABOVE"  # test hook: micro-batches above this raise torch.OutOfMemoryError
 OPTIMIZERS = {"adamw": "AdamW", "muon": "Muon+AdamW"}
 PARALLEL = ("ddp", "fsdp", "hsdp")
 
@@ -327,22 +329,7 @@ def smaller_micro_batch(rows: int, batch_size: int) -> int | None:
     return next((d for d in divisors(rows) if d <= batch_size // 2), None)
 
 
-def fake_oom_limit(fake_oom_above: int | None = None) -> int | None:
-    """The test hook's limit: the argument, else the GPT_FAKE_OOM_ABOVE environment variable, else None."""
-    if fake_oom_above is None and os.environ.get(FAKE_OOM_ENV):
-        fake_oom_above = int(os.environ[FAKE_OOM_ENV])
-    return fake_oom_above
-
-
-def maybe_fake_oom(batch_size: int, fake_oom_above: int | None = None) -> None:
-    """Test hook: raise the exception CUDA raises (torch.OutOfMemoryError) if batch_size > the limit."""
-    limit = fake_oom_limit(fake_oom_above)
-    if limit is not None and batch_size > limit:
-        raise torch.OutOfMemoryError(f"simulated out of memory: micro-batch {batch_size} > {FAKE_OOM_ENV}={limit}")
-
-
-def probe_micro_batch(try_step, candidates, fake_oom_above: int | None = None, reserve_bytes: int = 0,
-                      device=None) -> tuple[int, str]:
+def probe_micro_batch(try_step, candidates, reserve_bytes: int = 0, device=None) -> tuple[int, str]:
     """CUDA batch_size='auto': try_step(b) runs one real forward+backward at micro-batch b and raises
     torch.OutOfMemoryError if it does not fit. Starts at the largest candidate (divisors of the per-rank
     batch) and on out-of-memory moves to the largest candidate at most half the size. reserve_bytes are held
@@ -356,7 +343,6 @@ def probe_micro_batch(try_step, candidates, fake_oom_above: int | None = None, r
         try:
             if reserve_bytes:  # held while try_step runs
                 reserve = torch.empty(reserve_bytes, dtype=torch.uint8, device=device)
-            maybe_fake_oom(b, fake_oom_above)
             try_step(b)
         except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled; the rest is re-raised
             if not is_oom(e):
@@ -395,3 +381,133 @@ def _free(device) -> None:
     gc.collect()
     if device is not None and str(device).startswith("cuda"):
         torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- train.py's two calls
+
+PROBED_KINDS = ("cuda",)  # batch_size='auto' probes the real model on these devices; the others use the plan
+
+
+def probes(env):
+    """Whether batch_size='auto' probes (probe_batch_size) rather than plans: not for a sharded run, whose bare
+    model is built on the CPU and would not fit one device whole."""
+    return env.kind in PROBED_KINDS and not env.sharded
+
+
+def planned_shape(cfg, ckpt):
+    """The GPTConfig the model will have, known before it is built; None for a Hugging Face directory."""
+    if ckpt is not None:
+        return model_config(cfg, **{**ckpt["model_args"], "dropout": cfg.dropout,
+                                    "activation_checkpointing": cfg.activation_checkpointing})
+    if cfg.init_from == "scratch":
+        return model_config(cfg)
+    return model_config(cfg, **PRESETS[cfg.init_from]) if cfg.init_from in PRESETS else None
+
+
+def plan_kwargs(cfg, env):
+    """estimate_memory's arguments besides the model and the micro-batch."""
+    return {"dtype": env.dtype, "parallel": env.parallel, "world_size": env.world_size, "shard_size": cfg.shard_size}
+
+
+def device_memory(env):
+    """(bytes one rank may use, description): the device's available memory; on a CPU/MPS shared by this node's
+    ranks, their share of it."""
+    available, what = available_memory(env.device)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if env.kind != "cuda" else 1
+    return (available // local, f"{what} / {local} ranks") if local > 1 else (available, what)
+
+
+def resolve_batch_size(cfg, ckpt, env):
+    """Before anything big is allocated: log the memory plan and the device's memory; refuse (ConfigError, one line
+    naming settings that fit) a batch_size whose plan exceeds it; resolve batch_size='auto' from the plan on devices
+    that are not probed (probes()). Returns cfg with batch_size resolved, or still 'auto' (probe_batch_size)."""
+    shape = planned_shape(cfg, ckpt)
+    auto = cfg.batch_size == "auto"
+    if auto:  # sequences per rank per optimizer step; total_batch_size is checked before anything is built
+        try:
+            rows = rows_per_rank(cfg.total_batch_size, cfg.block_size, env.world_size)
+        except ValueError as e:
+            raise ConfigError(f"batch_size='auto': {e}") from None
+    else:
+        rows = cfg.batch_size * batch_layout(cfg, env.world_size)[1]
+    if shape is None:
+        if auto and not probes(env):
+            raise ConfigError(f"batch_size='auto' cannot plan init_from={cfg.init_from!r} before loading it; set batch_size")
+        return cfg
+    available, what = device_memory(env)
+    if auto and not probes(env):
+        try:
+            b, why = plan_micro_batch(shape, rows, available, description=what, **plan_kwargs(cfg, env))
+        except MemoryPlanError as e:
+            raise ConfigError(str(e)) from None
+        log(f"batch_size='auto': {why}")
+        cfg = replace(cfg, batch_size=b)
+    plan = estimate_memory(shape, 1 if cfg.batch_size == "auto" else cfg.batch_size, **plan_kwargs(cfg, env))
+    log(plan.line() + (" [micro-batch 1; batch_size='auto' probes the rest]" if cfg.batch_size == "auto" else ""))
+    log(f"available memory: {what}")
+    if cfg.memory_check and not auto and plan.total > available:
+        msg = check_fits(shape, cfg.batch_size, available, what, rows, **plan_kwargs(cfg, env))
+        raise ConfigError(f"{msg} (memory_check=False skips this check)")
+    return cfg
+
+
+def probe_batch_size(raw_model, cfg, env, loaders):
+    """batch_size='auto' on a probed device: the largest divisor of the per-rank rows that runs one forward+
+    backward of the bare model (memory.probe_micro_batch; all ranks agree), leaving its RNGs and gradients as
+    they were. Returns cfg with the resolved batch_size; the loaders take it too."""
+    rows = rows_per_rank(cfg.total_batch_size, cfg.block_size, env.world_size)
+    plan = estimate_memory(raw_model.config, 1, **plan_kwargs(cfg, env))
+    rngs = rng_state()
+
+    def try_step(b):
+        x = torch.randint(0, cfg.vocab_size, (b, cfg.block_size), device=env.device)  # (b, T)
+        try:
+            with autocast(env.device, env.dtype):
+                raw_model(x, x, return_logits=False)[1].backward()
+        finally:
+            raw_model.zero_grad(set_to_none=True)
+
+    try:
+        b, why = probe_micro_batch(try_step, divisors(rows), reserve_bytes=plan.optimizer + plan.ddp_buckets,
+                                   device=env.device)
+    except MemoryPlanError as e:
+        raise ConfigError(str(e)) from None
+    set_rng_state(rngs)
+    log(f"batch_size='auto': {why} ({rows // b} accumulation steps)")
+    return set_micro_batch(cfg, b, loaders)
+
+
+def set_micro_batch(cfg, b, loaders):
+    """cfg with batch_size=b (what checkpoints record), and the loaders reading b sequences per micro-batch."""
+    for loader in loaders:
+        if loader is not None:
+            loader.set_batch_size(b)
+    return replace(cfg, batch_size=b)
+
+
+def fitting_forward_backward(forward_backward, loader, grad_accum, optimizer, cfg, env, step):
+    """forward_backward(grad_accum), and on an out-of-memory: halve the micro-batch (the largest divisor of the per-rank rows at
+    most half), drop the partial step's gradients, rewind the loader to the step's start and re-run the same step
+    with the same data. Returns (loss sum, cfg, grad_accum), the latter two as changed. Under torchrun, or at
+    micro-batch 1, an out-of-memory is a Halt naming settings that would help (ranks cannot switch safely:
+    the others may be waiting in a gradient all-reduce)."""
+    start = loader.state_dict()
+    while True:
+        try:
+            return forward_backward(grad_accum), cfg, grad_accum
+        except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled
+            if not is_oom(e):
+                raise
+        b, rows = cfg.batch_size, cfg.batch_size * grad_accum
+        smaller = smaller_micro_batch(rows, b)
+        if env.distributed or smaller is None:
+            hint = f"batch_size={smaller} with {rows // smaller} accumulation steps, " if smaller else ""
+            raise Halt(f"step {step + 1}: out of memory at micro-batch {b}"
+                       + (" under torchrun (ranks cannot change micro-batch together mid-run)" if smaller else "")
+                       + f"; try {hint}activation_checkpointing=True, parallel='fsdp' or a smaller block_size")
+        optimizer.zero_grad(set_to_none=True)  # the partial step's gradients; the scaler has not stepped yet
+        _free(env.device)
+        loader.load_state_dict(start)
+        cfg, grad_accum = set_micro_batch(cfg, smaller, [loader]), rows // smaller
+        log(f"step {step + 1}: out of memory at micro-batch {b}: re-running the step at micro-batch {smaller} x "
+            f"{grad_accum} accumulation steps (batch_size={smaller} from now on)")

@@ -1,31 +1,21 @@
-"""GPT-2 in one file, with the GPT-NeoX / Pythia family and a few modern options: config, modules,
-Hugging Face import/export, optimizer, MFU, KV-cache generation.
-
-Parameter names follow OpenAI / Hugging Face GPT-2 (transformer.wte, transformer.h.N.attn.c_attn, ...),
-so moving weights to and from `GPT2LMHeadModel` is a key-by-key copy plus a transpose of the four
-Conv1D weights (HF stores them (in, out); nn.Linear stores (out, in)). GPT-NeoX (`GPTNeoXForCausalLM`,
-the Pythia checkpoints) is the same network with other names, an interleaved per-head QKV layout,
-rotary positions, a parallel residual and an untied output head: all options of GPTConfig here.
+"""GPT-2 in one file, with the GPT-NeoX / Pythia family and a few modern options: config, modules, the
+chunked loss, MFU, KV-cache generation. Parameter names follow OpenAI / Hugging Face GPT-2 (transformer.wte,
+transformer.h.N.attn.c_attn, ...); hf.py moves weights to and from Hugging Face's GPT-2 and GPT-NeoX.
 """
-import json
 import math
-import sys
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import assets
-from assets import EOT
+import optim
 
 GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this in a padded vocab are never generated
 LOSS_CHUNK_ROWS = 2048  # rows of (B*T) per lm_head+CE chunk when the full logits are not needed
-CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 ACTIVATIONS = ("gelu_tanh", "gelu", "relu2")
 
@@ -108,15 +98,6 @@ class GPTConfig:
     def rot_dim(self) -> int:
         return int(self.n_embd // self.n_head * self.rotary_pct) if self.rotary_pct else 0
 
-    @classmethod
-    def from_preset(cls, name: str, **overrides) -> "GPTConfig":
-        if name not in PRESETS:
-            raise ValueError(f"GPTConfig.from_preset: unknown preset {name!r}, expected one of {sorted(PRESETS)}")
-        known = {f.name for f in fields(cls)}
-        if unknown := set(overrides) - known:
-            raise ValueError(f"GPTConfig.from_preset: unknown field(s) {sorted(unknown)}, expected {sorted(known)}")
-        return cls(**{**PRESETS[name], **overrides})
-
 
 # ----------------------------------------------------------------------------- rotary (GPT-NeoX style)
 
@@ -163,9 +144,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.dropout, self.qk_norm = config.n_head, config.dropout, config.qk_norm
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v for all heads
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.use_sdpa = True  # False: explicit softmax(QK^T/sqrt(d)) attention, same math (for benchmarks)
 
     def forward(self, x, rope=None, cache: KVCache | None = None, pos: int = 0):
         B, T, C = x.shape
@@ -183,18 +162,12 @@ class CausalSelfAttention(nn.Module):
         # query t sits at absolute position S-T+t and may see keys 0..S-T+t; a single query sees everything.
         # sdpa's is_causal covers S == T without building a mask; an explicit one is only needed otherwise
         mask = None
-        if T > 1 and (S != T or not self.use_sdpa):
+        if T > 1 and S != T:
             mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)  # (T, S)
-        if self.use_sdpa:
-            # a plain Python bool (not an expression torch.compile traces symbolically): no graph break
-            causal = True if (mask is None and T > 1) else False
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                               dropout_p=self.dropout if self.training else 0.0)
-        else:
-            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, S)
-            if mask is not None:
-                att = att.masked_fill(~mask, float("-inf"))
-            y = self.attn_dropout(F.softmax(att, dim=-1)) @ v  # (B, nh, T, hs)
+        # a plain Python bool (not an expression torch.compile traces symbolically): no graph break
+        causal = True if (mask is None and T > 1) else False
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                           dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -380,13 +353,8 @@ class GPT(nn.Module):
     # ------------------------------------------------------------------------- training helpers
 
     def configure_optimizer(self, weight_decay: float, lr: float, betas, fused: bool = False) -> torch.optim.AdamW:
-        """AdamW with weight decay on 2D+ parameters only (matmul weights, embeddings), not biases/LayerNorms.
-        fused: the one-kernel implementation (devices.fused_adamw_supported says where it exists)."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        impl = {"fused": True} if fused else {"foreach": True}
-        return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), **impl)
+        """AdamW with weight decay on 2-D parameters only (optim.adamw, the one place it is defined)."""
+        return optim.adamw(self.parameters(), weight_decay, lr, betas, fused)
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token: 6N for the matmuls (fwd + bwd) + 12*L*H*Q*T for attention (PaLM appendix B)."""
@@ -396,132 +364,6 @@ class GPT(nn.Module):
     def estimate_mfu(self, tokens_per_s: float, peak_flops: float | None) -> float | None:
         """Model FLOPs utilisation: achieved training FLOP/s over the device peak (None if peak unknown)."""
         return None if not peak_flops else tokens_per_s * self.flops_per_token() / peak_flops
-
-    # ------------------------------------------------------------------------- Hugging Face import / export
-
-    @classmethod
-    def from_pretrained(cls, name_or_dir: str, **overrides) -> "GPT":
-        """Weights in Hugging Face format: a local dir (config.json + model.safetensors or pytorch_model.bin, or
-        their sharded *.index.json) holding a GPT-2 (model_type 'gpt2') or GPT-NeoX / Pythia ('gpt_neox') model,
-        or a GPT-2 hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl; needs internet). overrides: dropout,
-        activation_checkpointing."""
-        if bad := set(overrides) - {"dropout", "activation_checkpointing"}:
-            raise ValueError(f"GPT.from_pretrained: cannot override {sorted(bad)}; "
-                             "only dropout and activation_checkpointing")
-        path = Path(name_or_dir)
-        if not path.is_dir():
-            if name_or_dir not in HUB_NAMES:
-                raise ValueError(f"GPT.from_pretrained: {name_or_dir!r} is neither a directory nor one of {HUB_NAMES}")
-            path = _download_from_hub(name_or_dir)
-        hf, file = _read_hf_config(path), path / "config.json"
-        neox = hf.get("model_type") == "gpt_neox"
-        model = cls(GPTConfig(**(_neox_config if neox else _gpt2_config)(hf, file), **overrides))
-        theirs = _read_hf_weights(path)
-        if neox:  # transformers >= 5 names the head lm_head; the Pythia checkpoints call it embed_out
-            theirs = {("embed_out.weight" if k == "lm_head.weight" else k): v for k, v in theirs.items()
-                      if not k.endswith(("attention.bias", "attention.masked_bias", "rotary_emb.inv_freq"))}
-            head = "embed_out.weight"
-        else:  # the OpenAI hub files have no "transformer." prefix, no lm_head and causal-mask buffers
-            theirs = {(k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v
-                      for k, v in theirs.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
-            head = "lm_head.weight"
-        ours = model.state_dict()
-        if model.config.tie_embeddings:
-            ours.pop("lm_head.weight")  # it is wte
-            embed, lm_head = theirs.get(_hf_name("transformer.wte.weight", neox)), theirs.pop(head, None)
-            if lm_head is not None and embed is not None and not torch.equal(lm_head, embed):
-                raise ValueError(f"GPT.from_pretrained: {path}: {head} differs from the input embedding, "
-                                 f"but {file} says tie_word_embeddings=true")
-        names = {_hf_name(k, neox): k for k in ours}  # theirs -> ours
-        missing, unexpected = sorted(set(names) - set(theirs)), sorted(set(theirs) - set(names))
-        if missing or unexpected:
-            raise ValueError(f"GPT.from_pretrained: {path}: missing keys {missing[:5]}, "
-                             f"unexpected keys {unexpected[:5]}")
-        with torch.no_grad():
-            for name, v in theirs.items():
-                k = names[name]
-                v = _qkv_from_neox(v, model.config.n_head) if neox and ".c_attn." in k else (
-                    v.t() if not neox and k.endswith(CONV1D_WEIGHTS) else v)
-                if v.shape != ours[k].shape:
-                    raise ValueError(f"GPT.from_pretrained: {path}: {name} has shape {tuple(v.shape)}, "
-                                     f"expected {tuple(ours[k].shape)}")
-                ours[k].copy_(v)
-        return model
-
-    def save_pretrained(self, out_dir: str, tokenizer_dir: str | None = None, chat_template: str | None = None) -> None:
-        """Write config.json + model.safetensors that transformers loads: a GPT2LMHeadModel for learned positions
-        (rotary_pct=None), a GPTNeoXForCausalLM (Pythia layout) for rotary ones. bias=False is written as zero
-        biases; zero_init_proj and dropout need nothing. qk_norm, and a parallel residual with learned positions,
-        exist in neither (ValueError). With them the tokenizer (assets.save_tokenizer: tokenizer_dir's own
-        tokenizer.json if it has one, else GPT-2's; skipped, with a note, for a vocabulary too small for GPT-2's)
-        and generation_config.json with its <|endoftext|> id as eos."""
-        cfg = self.config
-        if cfg.qk_norm:
-            raise ValueError("GPT.save_pretrained: qk_norm=True has no Hugging Face GPT-2 or GPT-NeoX equivalent "
-                             "(neither normalises queries and keys); export needs qk_norm=False")
-        if cfg.rotary_pct is None and cfg.parallel_residual:
-            raise ValueError("GPT.save_pretrained: parallel_residual=True with learned positions (rotary_pct=None) "
-                             "fits neither GPT-2 (sequential residual) nor GPT-NeoX (rotary only)")
-        try:
-            from safetensors.torch import save_file
-        except ImportError as e:
-            raise ImportError("GPT.save_pretrained needs the safetensors package: pip install safetensors") from e
-        neox = cfg.rotary_pct is not None
-        # GPT-2 files hold the real vocabulary only; GPT-NeoX checkpoints keep their padded one (as Pythia's do)
-        vocab = GPT2_VOCAB if not neox and cfg.vocab_size > GPT2_VOCAB else cfg.vocab_size
-        sd = {k: v.detach().cpu() for k, v in self.state_dict().items()}
-        if cfg.tie_embeddings:
-            sd.pop("lm_head.weight")  # transformers re-ties it to the input embedding
-        if not cfg.bias:  # both have biases everywhere: bias=False is the same model with zero biases
-            for k, v in list(sd.items()):
-                if k.startswith("transformer.h.") or k.startswith("transformer.ln_f."):
-                    sd[k[:-len("weight")] + "bias"] = torch.zeros(v.shape[0], dtype=v.dtype)
-        tensors = {}
-        for k, v in sd.items():
-            if neox and ".c_attn." in k:
-                v = _qkv_to_neox(v, cfg.n_head)
-            elif not neox and k.endswith(CONV1D_WEIGHTS):
-                v = v.t()
-            elif k in ("transformer.wte.weight", "lm_head.weight"):
-                v = v[:vocab]
-            # safetensors needs contiguous tensors that share no memory
-            tensors[_hf_name(k, neox)] = v.clone(memory_format=torch.contiguous_format)
-        out = Path(out_dir)
-        if vocab > EOT or (tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file()):
-            eos = assets.save_tokenizer(out, tokenizer_dir, chat_template, model_max_length=cfg.block_size)
-        else:
-            eos = None
-            print(f"note: {out}: no tokenizer written: vocab_size {vocab} is smaller than GPT-2's {GPT2_VOCAB}",
-                  file=sys.stderr)
-        eos = vocab - 1 if eos is None else eos
-        act = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu2": "relu2"}[cfg.activation]
-        if neox:
-            hf_config = {
-                "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "vocab_size": vocab,
-                "max_position_embeddings": cfg.block_size, "hidden_size": cfg.n_embd,
-                "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
-                "intermediate_size": 4 * cfg.n_embd, "hidden_act": act, "rotary_pct": cfg.rotary_pct,
-                "rotary_emb_base": cfg.rotary_base, "use_parallel_residual": cfg.parallel_residual,
-                "layer_norm_eps": cfg.layer_norm_eps, "attention_dropout": cfg.dropout,
-                "hidden_dropout": cfg.dropout, "attention_bias": True, "initializer_range": 0.02,
-                "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True, "bos_token_id": eos,
-                "eos_token_id": eos,
-            }
-        else:
-            hf_config = {
-                "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab,
-                "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd,
-                "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None, "activation_function": act,
-                "layer_norm_epsilon": cfg.layer_norm_eps, "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
-                "attn_pdrop": cfg.dropout, "initializer_range": 0.02, "scale_attn_weights": True,
-                "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-                "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True, "bos_token_id": eos,
-                "eos_token_id": eos,
-            }
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eos, "eos_token_id": eos}) + "\n")
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
     # ------------------------------------------------------------------------- generation
 
@@ -559,8 +401,8 @@ class GPT(nn.Module):
         caches = [KVCache(bs) for _ in self.transformer.h] if use_kv_cache else None
         done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
         # each step multiplies one row per sequence by every weight matrix, a memory-bound read. On a CPU in
-        # fp32 MKL streams an (in, out)-contiguous matrix up to 2.1x faster than nn.Linear's (out, in) rows, so
-        # decoding reads a (C, V) copy of the embedding and column-major block weights; in bf16 the (out, in)
+        # fp32 MKL streams an (in, out)-contiguous matrix faster than nn.Linear's (out, in) rows (docs/speed.md),
+        # so decoding reads a (C, V) copy of the embedding and column-major block weights; in bf16 the (out, in)
         # layout is the fast one, so it stays
         w = self.lm_head.weight
         fp32_cpu = w.device.type == "cpu" and w.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
@@ -612,127 +454,4 @@ def _sample(logits, temperature, top_k, top_p, generator, n_vocab=GPT2_VOCAB):
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
-
-
-# ----------------------------------------------------------------------------- helpers: HF files, optimizer, peak FLOPs
-
-HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu2": "relu2"}
-NEOX_LAYER_NAMES = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
-                    "attn.c_attn": "attention.query_key_value", "attn.c_proj": "attention.dense",
-                    "mlp.c_fc": "mlp.dense_h_to_4h", "mlp.c_proj": "mlp.dense_4h_to_h"}
-
-
-def _hf_name(name: str, neox: bool) -> str:
-    """Our parameter name -> its Hugging Face name: GPT-2's is the same; GPT-NeoX's as in the Pythia checkpoints."""
-    if not neox:
-        return name
-    if name == "lm_head.weight":
-        return "embed_out.weight"
-    part = name.split(".")  # transformer.wte.weight | transformer.ln_f.bias | transformer.h.3.attn.c_attn.weight
-    if part[1] == "h":
-        return f"gpt_neox.layers.{part[2]}.{NEOX_LAYER_NAMES['.'.join(part[3:-1])]}.{part[-1]}"
-    return f"gpt_neox.{ {'wte': 'embed_in', 'ln_f': 'final_layer_norm'}[part[1]] }.{part[-1]}"
-
-
-def _qkv_from_neox(t: torch.Tensor, n_head: int) -> torch.Tensor:
-    """GPT-NeoX's fused QKV rows (3C, ...) are interleaved per head [q_0 k_0 v_0 q_1 ...]; ours are [q | k | v]."""
-    return t.unflatten(0, (n_head, 3, -1)).transpose(0, 1).flatten(0, 2)
-
-
-def _qkv_to_neox(t: torch.Tensor, n_head: int) -> torch.Tensor:
-    return t.unflatten(0, (3, n_head, -1)).transpose(0, 1).flatten(0, 2)
-
-
-def _download_from_hub(name: str) -> Path:
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError as e:
-        raise ImportError(f"GPT.from_pretrained({name!r}) needs huggingface_hub (pip install huggingface_hub) "
-                          "or a local directory with config.json + model.safetensors") from e
-    return Path(snapshot_download(f"openai-community/{name}", allow_patterns=["config.json", "model.safetensors"]))
-
-
-def _read_hf_config(path: Path) -> dict:
-    file = path / "config.json"
-    if not file.is_file():
-        raise FileNotFoundError(f"GPT.from_pretrained: {file} not found; expected a Hugging Face GPT-2 or "
-                                "GPT-NeoX directory")
-    hf = json.loads(file.read_text())
-    if hf.setdefault("model_type", "gpt2") not in ("gpt2", "gpt_neox"):
-        raise ValueError(f"GPT.from_pretrained: {file}: model_type={hf['model_type']!r}, expected 'gpt2' or 'gpt_neox'")
-    return hf
-
-
-_REQUIRED = object()
-
-
-def _hf_get(hf: dict, file: Path, key: str, default=_REQUIRED, allowed=None):
-    """hf[key] (default when absent, ValueError when absent without one), checked against allowed values."""
-    if key not in hf and default is _REQUIRED:
-        raise ValueError(f"GPT.from_pretrained: {file} has no {key!r}")
-    value = hf.get(key, default)
-    if allowed is not None and value not in allowed:
-        raise ValueError(f"GPT.from_pretrained: {file}: {key}={value!r}, expected one of {list(allowed)}")
-    return value
-
-
-def _gpt2_config(hf: dict, file: Path) -> dict:
-    """GPTConfig keywords of a GPT2LMHeadModel config.json."""
-    n_embd = _hf_get(hf, file, "n_embd")
-    _hf_get(hf, file, "n_inner", None, (None, 4 * n_embd))
-    for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                      ("reorder_and_upcast_attn", False)):
-        _hf_get(hf, file, key, want, (want,))
-    return dict(block_size=_hf_get(hf, file, "n_positions"), vocab_size=_hf_get(hf, file, "vocab_size"),
-                n_layer=_hf_get(hf, file, "n_layer"), n_head=_hf_get(hf, file, "n_head"), n_embd=n_embd, bias=True,
-                activation=HF_ACTIVATIONS[_hf_get(hf, file, "activation_function", "gelu_new", HF_ACTIVATIONS)],
-                layer_norm_eps=float(_hf_get(hf, file, "layer_norm_epsilon", 1e-5)),
-                tie_embeddings=_hf_get(hf, file, "tie_word_embeddings", True, (True, False)))
-
-
-def _neox_config(hf: dict, file: Path) -> dict:
-    """GPTConfig keywords of a GPTNeoXForCausalLM config.json (transformers 4 or 5 spelling of the rotary keys)."""
-    n_embd = _hf_get(hf, file, "hidden_size")
-    _hf_get(hf, file, "intermediate_size", 4 * n_embd, (4 * n_embd,))
-    _hf_get(hf, file, "attention_bias", True, (True,))
-    # transformers 5 writes rope_parameters; 4.x wrote rotary_pct / rotary_emb_base (later also rope_theta,
-    # partial_rotary_factor, rope_scaling). Only plain rotary (no scaling) is this model's.
-    rope = {**hf, **(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-    _hf_get(rope, file, "rope_type", rope.get("type", "default"), ("default",))
-    pct = rope.get("partial_rotary_factor", hf.get("rotary_pct", 0.25))
-    base = rope.get("rope_theta", hf.get("rotary_emb_base", 10000.0))
-    return dict(block_size=_hf_get(hf, file, "max_position_embeddings"), vocab_size=_hf_get(hf, file, "vocab_size"),
-                n_layer=_hf_get(hf, file, "num_hidden_layers"), n_head=_hf_get(hf, file, "num_attention_heads"),
-                n_embd=n_embd, bias=True, rotary_pct=float(pct), rotary_base=float(base),
-                parallel_residual=_hf_get(hf, file, "use_parallel_residual", True, (True, False)),
-                tie_embeddings=_hf_get(hf, file, "tie_word_embeddings", False, (True, False)),
-                activation=HF_ACTIVATIONS[_hf_get(hf, file, "hidden_act", "gelu", HF_ACTIVATIONS)],
-                layer_norm_eps=float(_hf_get(hf, file, "layer_norm_eps", 1e-5)))
-
-
-def _read_hf_weights(path: Path) -> dict:
-    """{name: tensor} from model.safetensors or pytorch_model.bin, whole or sharded (with its .index.json)."""
-    for single in ("model.safetensors", "pytorch_model.bin"):
-        index = path / f"{single}.index.json"
-        if (path / single).is_file():
-            files = [path / single]
-            break
-        if index.is_file():
-            files = [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-            break
-    else:
-        raise FileNotFoundError(f"GPT.from_pretrained: {path} has neither model.safetensors nor pytorch_model.bin "
-                                "(nor a sharded *.index.json of either)")
-    sd = {}
-    for file in files:
-        if file.name.endswith(".safetensors"):
-            try:
-                from safetensors.torch import load_file
-            except ImportError as e:
-                raise ImportError(f"GPT.from_pretrained: {file} needs the safetensors package "
-                                  "(pip install safetensors)") from e
-            sd.update(load_file(str(file)))
-        else:
-            sd.update(torch.load(file, map_location="cpu", weights_only=True))
-    return sd
 

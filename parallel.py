@@ -1,21 +1,32 @@
-"""How the model is spread over processes and compiled: the one seam between the bare GPT and the training
-loop (torchtitan's parallelize.py). parallelize() wraps the model once: DDP (every rank a whole replica),
-or FSDP2 / HSDP (parameters, gradients and optimizer state sharded over ranks), then torch.compile, tried
-once on dummy tokens so a compile error means eager from the start, never a swap mid-run. The helpers the
-loop needs from whatever parallelize() returned live here too: gradient sync for accumulation, the global
-gradient norm, a gathered copy of a sharded model for generation and HellaSwag.
+"""How the processes are arranged and how the model is spread over them: the one seam between the bare GPT and
+the training loop (torchtitan's ParallelDims and parallelize.py). setup() joins torchrun's process group and
+returns the Env (rank, device, precision, parallel mode) every later step takes; check_shared_out_dir() makes
+sure all nodes see one out_dir; log() is the run's rank-0 output. parallelize() wraps the model once: DDP
+(every rank a whole replica), or FSDP2 / HSDP (parameters, gradients and optimizer state sharded over ranks),
+then torch.compile, tried once on dummy tokens so a compile error means eager from the start, never a swap
+mid-run. The helpers the loop needs from whatever parallelize() returned live here too: gradient sync for
+accumulation, the global gradient norm, a gathered copy of a sharded model for generation and HellaSwag.
 """
 import math
+import os
+import random
+import socket
+import sys
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from checkpoint import rng_state, set_rng_state
 from config import ConfigError
-from devices import DTYPES, autocast, device_type, is_compile_error, resolve_compile
+from devices import (DTYPES, autocast, device_type, is_compile_error, resolve_compile, resolve_device, resolve_dtype,
+                     rng_state, set_rng_state, tune_cpu_allocator)
+from files import first_line
 from model import GPT
 
 
@@ -45,6 +56,119 @@ class Env:
 
 
 
+# ----------------------------------------------------------------------------- how the processes are arranged
+
+def is_rank0():
+    """Rank 0 of torchrun's processes, or a plain `python train.py`; usable before the process group exists."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def log(message, note=False):
+    """The run's one way to say something: from rank 0 only (the other ranks see the same things), through tqdm
+    so a progress bar stays whole; a note goes to stderr as 'note: ...'."""
+    if is_rank0():
+        tqdm.write(f"note: {message}" if note else message, file=sys.stderr if note else sys.stdout)
+
+
+def launched_by_torchrun():
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def check_shared_out_dir(out_dir, resumed_step, problem, env):
+    """The rule for torchrun runs: out_dir is one directory every rank sees (storage shared by all nodes), since
+    rank 0 alone writes the checkpoints that every rank reads on resume. Rank 0 writes a marker file there and
+    each rank looks for it; then ranks compare what they resumed from and any error they deferred. Raises the
+    same one-line ConfigError on every rank on a mismatch. Nothing to check outside torchrun."""
+    if not env.distributed:
+        return
+    token = [f"{socket.gethostname()}.{os.getpid()}.{time.time_ns()}"]  # unique: two runs never mix markers
+    dist.broadcast_object_list(token, src=0)
+    marker = Path(out_dir) / f".out_dir_check.{token[0]}"
+    if env.master:
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(token[0])
+        except OSError as e:
+            problem = problem or f"cannot write to out_dir {out_dir}: {e.strerror}"
+    dist.barrier()
+    sees = False
+    for _ in range(10):  # a shared filesystem may show a new file a moment late
+        try:
+            sees = marker.read_text() == token[0]
+        except OSError:
+            pass
+        if sees or env.master:
+            break
+        time.sleep(0.5)
+    ranks = [None] * env.world_size
+    dist.all_gather_object(ranks, {"host": socket.gethostname(), "sees": sees, "problem": problem,
+                                   "resumed_step": resumed_step})
+    if env.master:
+        marker.unlink(missing_ok=True)
+    blind = [r for r, info in enumerate(ranks) if not info["sees"]]
+    if blind and not ranks[0]["problem"]:
+        hosts = sorted({ranks[r]["host"] for r in blind})
+        raise ConfigError(f"out_dir {out_dir} must be storage shared by every node: rank(s) {span(blind)} on "
+                          f"{', '.join(hosts)} do not see the file rank 0 ({ranks[0]['host']}) wrote there "
+                          f"(node-local disk?); use a path on a shared filesystem")
+    failed = [(r, info) for r, info in enumerate(ranks) if info["problem"]]
+    if failed:
+        r, info = failed[0]
+        raise ConfigError(f"rank {r} ({info['host']}): {info['problem']}")
+    resumed = sorted({str(info["resumed_step"]) for info in ranks})
+    if len(resumed) > 1:
+        raise ConfigError(f"ranks resumed from checkpoints of different steps ({', '.join(resumed)}) in out_dir "
+                          f"{out_dir}: every node must see the same shared directory")
+
+
+def span(ranks):
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    runs = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
+
+
+def setup(cfg):
+    """Join torchrun's process group (RANK/LOCAL_RANK/WORLD_SIZE; a plain `python train.py` is rank 0 of 1),
+    pick device, precision and parallelism, and seed every RNG alike on all ranks (identical initial weights)."""
+    distributed = launched_by_torchrun()
+    rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
+                                    (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
+    try:
+        device = resolve_device(cfg.device)
+    except ValueError as e:
+        raise ConfigError(f"config key 'device': {e}") from None
+    dtype = resolve_dtype(cfg.dtype, device)
+    parallel, mesh = "ddp", ()
+    if cfg.parallel != "ddp" and not distributed:
+        log(f"parallel={cfg.parallel!r} ignored: not launched by torchrun, this one process trains the whole model",
+            note=True)
+    elif cfg.parallel != "ddp":
+        parallel = cfg.parallel
+        mesh = mesh_shape(parallel, cfg.shard_size, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        if dtype == "float16":  # GradScaler's inf check would see only this rank's gradient shard
+            raise ConfigError(f"parallel={parallel!r} trains in bfloat16 or float32, not float16 (dtype={cfg.dtype!r} "
+                              f"resolved to float16 on {device}): set --dtype=float32 or a bf16 device")
+    if device_type(device) == "cuda":
+        if distributed:
+            device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)  # also for --device=cuda:N alone: memory stats, syncs and RNG follow it
+        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls on Ampere+ (docs/speed.md)
+        torch.backends.cudnn.allow_tf32 = True
+    if distributed:  # the timeout covers rank 0 writing a checkpoint while the others wait in the next collective
+        dist.init_process_group(backend="nccl" if device_type(device) == "cuda" else "gloo",
+                                timeout=timedelta(minutes=cfg.dist_timeout_minutes))
+    tune_cpu_allocator(device)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    return Env(rank, local_rank, world_size, distributed, device, dtype, parallel, mesh)
+
+
 def mesh_shape(parallel, shard_size, world_size, local_world_size):
     """Device-mesh shape of a sharded run: 'fsdp' (world_size,), every rank holding 1/world_size of the model;
     'hsdp' (world_size // shard_size, shard_size): groups of shard_size ranks (default one node's ranks, so
@@ -57,6 +181,8 @@ def mesh_shape(parallel, shard_size, world_size, local_world_size):
                           f"shards within groups of shard_size ranks)")
     return (world_size // size, size)
 
+
+# ----------------------------------------------------------------------------- how the model is spread over them
 
 def parallelize(model, cfg, env):
     """The one place the bare model is wrapped for training: DDP across ranks, then torch.compile (which
@@ -135,14 +261,14 @@ def compile_works(compiled, cfg, env):
     except Exception as e:
         if not is_compile_error(e):
             raise
-        error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+        error = first_line(e)
     compiled.train()
     compiled.zero_grad(set_to_none=True)
     set_rng_state(rngs)
     if error is None:
         return True
-    if env.master:  # outside the except block: the failed attempt's tensors are freed by now
-        tqdm.write(f"torch.compile failed ({error}); training eagerly (compile=False skips the attempt)")
+    # outside the except block: the failed attempt's tensors are freed by now
+    log(f"torch.compile failed ({error}); training eagerly (compile=False skips the attempt)")
     return False
 
 

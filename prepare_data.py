@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from assets import EOT, fetch_shakespeare, get_tokenizer
 from data import HEADER_BYTES, SHARD_SUFFIXES, write_shard
-from files import LockError, atomic_write, directory_lock, file_sha256
+from files import LockError, atomic_write, directory_lock, file_sha256, first_line, report_error
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c / build-nanogpt: 100M tokens (200 MB) per shard
@@ -125,7 +125,7 @@ def file_documents(files, text_key):
         except PrepError:
             raise
         except Exception as e:  # OSError, UnicodeDecodeError, pyarrow errors: all mean "cannot read this file"
-            raise PrepError(f"{path}: cannot read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+            raise PrepError(f"{path}: cannot read ({first_line(e)})") from None
 
 
 def count_documents(files):
@@ -142,7 +142,7 @@ def count_documents(files):
                 import pyarrow.parquet as pq
                 total += pq.ParquetFile(path).metadata.num_rows
         except Exception as e:
-            raise PrepError(f"{path}: cannot read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+            raise PrepError(f"{path}: cannot read ({first_line(e)})") from None
     return total
 
 
@@ -491,10 +491,8 @@ def main(argv=None):
                     revision=args.revision, streaming=args.streaming, start_method=args.start_method,
                     batch_chars=args.batch_chars, progress=not args.no_progress)
     except (PrepError, OSError) as e:  # bad input or environment: one line (GPT2_TRACEBACK=1: the traceback)
-        if os.environ.get("GPT2_TRACEBACK") == "1":
-            raise
-        message = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename else e
-        sys.exit(f"prepare_data.py: error: {message}")
+        report_error("prepare_data.py", e)
+        sys.exit(1)
     print(f"{s['documents']:,} documents, {s['tokens']:,} tokens ({s['val_tokens']:,} val + {s['train_tokens']:,} train) "
           f"in {s['shards']} shards, {s['seconds']:.1f} s, {s['tokens_per_s']:,.0f} tokens/s -> {s['out_dir']}/{s['name']}_*.bin")
     return s

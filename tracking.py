@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from files import atomic_write, first_line
+
 TRACKING_KEYS = ("wandb_log", "wandb_project", "wandb_run_name", "tensorboard_dir", "cost_per_hour")
 
 
@@ -48,11 +50,6 @@ class MetricsLog:
     def write(self, record):
         self.file.write(json.dumps({k: json_safe(v) for k, v in record.items()}) + "\n")
         self.file.flush()
-
-
-def first_line(error):
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__
 
 
 def check_tracking_available(wandb_log, tensorboard_dir):
@@ -250,11 +247,24 @@ class Tracker:
         metrics.jsonl; returns the console summary."""
         s = self.summary()
         path = self.out_dir / "summary.json"
-        path.write_text(json.dumps({k: json_safe(v) for k, v in s.items()}, indent=2) + "\n")
+        atomic_write(path, json.dumps({k: json_safe(v) for k, v in s.items()}, indent=2) + "\n")
         self._each_sink("close", exit_code)
         self.sinks = []
         self.metrics.file.close()
         return summary_text(s, path)
+
+
+class NoTracker:
+    """What the ranks other than 0 track: nothing (rank 0's Tracker has the same three calls)."""
+
+    def log(self, record):
+        pass
+
+    def state_dict(self):
+        return None
+
+    def close(self, exit_code=0):
+        return None
 
 
 def summary_text(s, path):

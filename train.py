@@ -8,47 +8,36 @@
     python train.py --help                                              # every key, its default
 
 A config file is plain Python assignments to TrainConfig keys (config.py); `--key=value` overrides are
-Python literals (strings may be written bare) and win over the file. train() at the bottom locks out_dir
-and calls run(), the recipe: config, setup, data, model, optimizer, parallelize, then the loop; each step of
-it is a function above. Expected errors are one line on stderr (main(); see README "Failure modes").
+Python literals (strings may be written bare) and win over the file. run() at the bottom is the recipe: config,
+setup, data, model, optimizer, parallelize, then the loop; each step of it is a function above it or one call
+into the module named for its job. Expected errors are one line on stderr (main(); docs/failure-modes.md).
 """
 import contextlib
 import json
 import math
-import os
-import random
 import signal
-import socket
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
-from datetime import timedelta
+from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from checkpoint import (FORMAT, CheckpointError, checkpoint_path, clean_state_dict, list_checkpoints,
-                        load_latest_checkpoint, load_optimizer_state, load_sharded_checkpoint, prune_checkpoints,
-                        rng_state, save_checkpoint, save_sharded_checkpoint, set_rng_state)
-from config import ARCH_KEYS, ConfigError, help_text, make_config, model_config, config_table, parse_args
+from checkpoint import CheckpointError, Halt, Progress, kept_checkpoint, resolve_config, restore, restore_rngs, save
+from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text, make_config, model_config, parse_args
 from data import DataLoader, NoShardsError, ShardError
-from devices import (autocast, device_type, fused_adamw_supported, is_oom, peak_flops, resolve_device,
-                     resolve_dtype, tune_cpu_allocator)
-from files import LockError, atomic_write, directory_lock
-from memory import (MemoryPlanError, available_memory, check_fits, divisors, estimate_memory, maybe_fake_oom,
-                    plan_micro_batch, probe_micro_batch, rows_per_rank, smaller_micro_batch)
-from model import GPT, PRESETS
-from parallel import (Env, clip_gradients, gathered, is_compiled, mesh_shape, parallelize, set_grad_sync,
-                      weights_finite)
-from tracking import TRACKING_KEYS, Tracker, TrackingError, check_tracking_available
-
-
-class Halt(Exception):
-    """Stop the run with exit code 1 (nonfinite='halt', too many skipped steps, non-finite weights)."""
+from devices import autocast, device_type, fused_adamw_supported, peak_flops
+from files import LockError, atomic_write, directory_lock, report_error
+from hf import from_pretrained
+from memory import fitting_forward_backward, probe_batch_size, resolve_batch_size
+from model import GPT
+from optim import build_optimizer, set_lr
+from parallel import (check_shared_out_dir, clip_gradients, gathered, is_compiled, is_rank0, launched_by_torchrun, log,
+                      parallelize, set_grad_sync, setup)
+from tracking import TRACKING_KEYS, NoTracker, Tracker, TrackingError, check_tracking_available
 
 
 class StopRequest:
@@ -66,27 +55,7 @@ class StopRequest:
               file=sys.stderr, flush=True)
 
 
-@dataclass
-class Progress:
-    """What the loop carries from step to step and a checkpoint carries across a restart."""
-    step: int = 0
-    best_step: int | None = None
-    best_val: float | None = None
-    skipped_in_a_row: int = 0
-
-
 # ----------------------------------------------------------------------------- setup
-
-def is_rank0():
-    """Rank 0 of torchrun's processes, or a plain `python train.py`; usable before the process group exists."""
-    return os.environ.get("RANK", "0") == "0"
-
-
-def note0(message):
-    """A note on stderr from rank 0 only (the other ranks see the same things)."""
-    if is_rank0():
-        print(f"note: {message}", file=sys.stderr, flush=True)
-
 
 def lock_out_dir(out_dir):
     """One run per out_dir: rank 0 holds an exclusive lock on it (files.directory_lock) for the whole run;
@@ -94,37 +63,6 @@ def lock_out_dir(out_dir):
     if not is_rank0():
         return contextlib.nullcontext()
     return directory_lock(out_dir, "train.py")
-
-
-def resolve_config(user):
-    """(TrainConfig, checkpoint dict or None). On init_from='resume' the newest checkpoint that verifies is
-    loaded (a note names each newer one skipped, and why); its config is the base the user's keys override;
-    the architecture cannot change."""
-    cfg = make_config(user)
-    if cfg.init_from != "resume":
-        if list_checkpoints(cfg.out_dir):
-            raise ConfigError(f"{cfg.out_dir} already holds checkpoints; continue with --init_from=resume, "
-                              f"or pick another out_dir (or delete them) to start over")
-        return cfg, None
-    if not list_checkpoints(cfg.out_dir):
-        raise ConfigError(f"init_from='resume' but {cfg.out_dir} holds no checkpoint (ckpt_XXXXXX.pt or ckpt_XXXXXX/)")
-    # a sharded checkpoint: its meta only; each rank reads its own shards later
-    ckpt, path = load_latest_checkpoint(cfg.out_dir, consolidate=False, note=note0)
-    # the run stays in the out_dir it found the checkpoint in (the checkpoint's own may be another, if moved)
-    cfg = make_config({**user, "out_dir": cfg.out_dir}, base=ckpt["config"])
-    if cfg.optimizer != ckpt["config"].get("optimizer", "adamw"):  # the saved state is the other optimizer's
-        raise ConfigError(f"cannot change optimizer when resuming: the checkpoint {path} has "
-                          f"{ckpt['config'].get('optimizer', 'adamw')!r}, the config {cfg.optimizer!r}")
-    saved = model_config(cfg, **ckpt["model_args"])  # fields added since the checkpoint get their defaults
-    for key in ARCH_KEYS:
-        if getattr(cfg, key) != getattr(saved, key):
-            raise ConfigError(f"cannot change {key} when resuming: the checkpoint {path} has "
-                              f"{getattr(saved, key)!r}, the config {getattr(cfg, key)!r}")
-    return cfg, ckpt
-
-
-def launched_by_torchrun():
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def resolve_config_or_defer(user):
@@ -138,249 +76,6 @@ def resolve_config_or_defer(user):
         if not launched_by_torchrun():
             raise
         return make_config(user), None, str(e)  # a bad key fails here alike on every rank: nobody waits
-
-
-def check_shared_out_dir(out_dir, resumed_step, problem, env):
-    """The rule for torchrun runs: out_dir is one directory every rank sees (storage shared by all nodes), since
-    rank 0 alone writes the checkpoints that every rank reads on resume. Rank 0 writes a marker file there and
-    each rank looks for it; then ranks compare what they resumed from and any error they deferred. Raises the
-    same one-line ConfigError on every rank on a mismatch. Nothing to check outside torchrun."""
-    if not env.distributed:
-        return
-    token = [f"{socket.gethostname()}.{os.getpid()}.{time.time_ns()}"]  # unique: two runs never mix markers
-    dist.broadcast_object_list(token, src=0)
-    marker = Path(out_dir) / f".out_dir_check.{token[0]}"
-    if env.master:
-        try:
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(token[0])
-        except OSError as e:
-            problem = problem or f"cannot write to out_dir {out_dir}: {e.strerror}"
-    dist.barrier()
-    sees = False
-    for _ in range(10):  # a shared filesystem may show a new file a moment late
-        try:
-            sees = marker.read_text() == token[0]
-        except OSError:
-            pass
-        if sees or env.master:
-            break
-        time.sleep(0.5)
-    ranks = [None] * env.world_size
-    dist.all_gather_object(ranks, {"host": socket.gethostname(), "sees": sees, "problem": problem,
-                                   "resumed_step": resumed_step})
-    if env.master:
-        marker.unlink(missing_ok=True)
-    blind = [r for r, info in enumerate(ranks) if not info["sees"]]
-    if blind and not ranks[0]["problem"]:
-        hosts = sorted({ranks[r]["host"] for r in blind})
-        raise ConfigError(f"out_dir {out_dir} must be storage shared by every node: rank(s) {span(blind)} on "
-                          f"{', '.join(hosts)} do not see the file rank 0 ({ranks[0]['host']}) wrote there "
-                          f"(node-local disk?); use a path on a shared filesystem")
-    failed = [(r, info) for r, info in enumerate(ranks) if info["problem"]]
-    if failed:
-        r, info = failed[0]
-        raise ConfigError(f"rank {r} ({info['host']}): {info['problem']}")
-    resumed = sorted({str(info["resumed_step"]) for info in ranks})
-    if len(resumed) > 1:
-        raise ConfigError(f"ranks resumed from checkpoints of different steps ({', '.join(resumed)}) in out_dir "
-                          f"{out_dir}: every node must see the same shared directory")
-
-
-def span(ranks):
-    """[0, 1, 2, 5] -> '0-2, 5'."""
-    runs = []
-    for r in ranks:
-        if runs and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
-
-
-def setup(cfg):
-    """Join torchrun's process group (RANK/LOCAL_RANK/WORLD_SIZE; a plain `python train.py` is rank 0 of 1),
-    pick device, precision and parallelism, and seed every RNG alike on all ranks (identical initial weights)."""
-    distributed = launched_by_torchrun()
-    rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
-                                    (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
-    try:
-        device = resolve_device(cfg.device)
-    except ValueError as e:
-        raise ConfigError(f"config key 'device': {e}") from None
-    dtype = resolve_dtype(cfg.dtype, device)
-    parallel, mesh = "ddp", ()
-    if cfg.parallel != "ddp" and not distributed:
-        print(f"note: parallel={cfg.parallel!r} ignored: not launched by torchrun, this one process trains the "
-              "whole model", file=sys.stderr)
-    elif cfg.parallel != "ddp":
-        parallel = cfg.parallel
-        mesh = mesh_shape(parallel, cfg.shard_size, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-        if dtype == "float16":  # GradScaler's inf check would see only this rank's gradient shard
-            raise ConfigError(f"parallel={parallel!r} trains in bfloat16 or float32, not float16 (dtype={cfg.dtype!r} "
-                              f"resolved to float16 on {device}): set --dtype=float32 or a bf16 device")
-    if device_type(device) == "cuda":
-        if distributed:
-            device = f"cuda:{local_rank}"
-        torch.cuda.set_device(device)  # also for --device=cuda:N alone: memory stats, syncs and RNG follow it
-        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls: ~8x fp32 throughput on Ampere+
-        torch.backends.cudnn.allow_tf32 = True
-    if distributed:  # the timeout covers rank 0 writing a checkpoint while the others wait in the next collective
-        dist.init_process_group(backend="nccl" if device_type(device) == "cuda" else "gloo",
-                                timeout=timedelta(minutes=cfg.dist_timeout_minutes))
-    tune_cpu_allocator(device)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    return Env(rank, local_rank, world_size, distributed, device, dtype, parallel, mesh)
-
-
-def batch_layout(cfg, world_size):
-    """(tokens per optimizer step, accumulation steps): total_batch_size split over ranks and micro-batches."""
-    tokens_per_micro = cfg.batch_size * cfg.block_size * world_size
-    total = cfg.total_batch_size or tokens_per_micro
-    if total % tokens_per_micro:
-        raise ConfigError(f"total_batch_size={total} is not a multiple of batch_size*block_size*world_size"
-                          f" = {cfg.batch_size}*{cfg.block_size}*{world_size} = {tokens_per_micro}")
-    return total, total // tokens_per_micro
-
-
-# ----------------------------------------------------------------------------- memory: plan, auto micro-batch
-
-PROBED_KINDS = ("cuda",)  # batch_size='auto' probes the real model on these devices; the others use the plan
-
-
-def probes(env):
-    """Whether batch_size='auto' probes (probe_batch_size) rather than plans: not for a sharded run, whose bare
-    model is built on the CPU and would not fit one device whole."""
-    return env.kind in PROBED_KINDS and not env.sharded
-
-
-def planned_shape(cfg, ckpt):
-    """The GPTConfig the model will have, known before it is built; None for a Hugging Face directory."""
-    if ckpt is not None:
-        return model_config(cfg, **{**ckpt["model_args"], "dropout": cfg.dropout,
-                                    "activation_checkpointing": cfg.activation_checkpointing})
-    if cfg.init_from == "scratch":
-        return model_config(cfg)
-    return model_config(cfg, **PRESETS[cfg.init_from]) if cfg.init_from in PRESETS else None
-
-
-def plan_kwargs(cfg, env):
-    """estimate_memory's arguments besides the model and the micro-batch."""
-    return {"dtype": env.dtype, "parallel": env.parallel, "world_size": env.world_size, "shard_size": cfg.shard_size}
-
-
-def device_memory(env):
-    """(bytes one rank may use, description): the device's available memory; on a CPU/MPS shared by this node's
-    ranks, their share of it."""
-    available, what = available_memory(env.device)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if env.kind != "cuda" else 1
-    return (available // local, f"{what} / {local} ranks") if local > 1 else (available, what)
-
-
-def check_memory(cfg, ckpt, env, log):
-    """Before anything big is allocated: log the memory plan and the device's memory; refuse (ConfigError, one line
-    naming settings that fit) a batch_size whose plan exceeds it; resolve batch_size='auto' from the plan on devices
-    that are not probed (probes()). Returns cfg with batch_size resolved, or still 'auto' (probe_batch_size)."""
-    shape = planned_shape(cfg, ckpt)
-    auto = cfg.batch_size == "auto"
-    if auto:  # sequences per rank per optimizer step; total_batch_size is checked before anything is built
-        try:
-            rows = rows_per_rank(cfg.total_batch_size, cfg.block_size, env.world_size)
-        except ValueError as e:
-            raise ConfigError(f"batch_size='auto': {e}") from None
-    else:
-        rows = cfg.batch_size * batch_layout(cfg, env.world_size)[1]
-    if shape is None:
-        if auto and not probes(env):
-            raise ConfigError(f"batch_size='auto' cannot plan init_from={cfg.init_from!r} before loading it; set batch_size")
-        return cfg
-    available, what = device_memory(env)
-    if auto and not probes(env):
-        try:
-            b, why = plan_micro_batch(shape, rows, available, description=what, **plan_kwargs(cfg, env))
-        except MemoryPlanError as e:
-            raise ConfigError(str(e)) from None
-        log(f"batch_size='auto': {why}")
-        cfg = replace(cfg, batch_size=b)
-    plan = estimate_memory(shape, 1 if cfg.batch_size == "auto" else cfg.batch_size, **plan_kwargs(cfg, env))
-    log(plan.line() + (" [micro-batch 1; batch_size='auto' probes the rest]" if cfg.batch_size == "auto" else ""))
-    log(f"available memory: {what}")
-    if cfg.memory_check and not auto and plan.total > available:
-        msg = check_fits(shape, cfg.batch_size, available, what, rows, **plan_kwargs(cfg, env))
-        raise ConfigError(f"{msg} (memory_check=False skips this check)")
-    return cfg
-
-
-def probe_batch_size(raw_model, cfg, env, log, loaders):
-    """batch_size='auto' on a probed device: the largest divisor of the per-rank rows that runs one forward+
-    backward of the bare model (memory.probe_micro_batch; all ranks agree), leaving its RNGs and gradients as
-    they were. Returns cfg with the resolved batch_size; the loaders take it too."""
-    rows = rows_per_rank(cfg.total_batch_size, cfg.block_size, env.world_size)
-    plan = estimate_memory(raw_model.config, 1, **plan_kwargs(cfg, env))
-    rngs = rng_state()
-
-    def try_step(b):
-        x = torch.randint(0, cfg.vocab_size, (b, cfg.block_size), device=env.device)  # (b, T)
-        try:
-            with autocast(env.device, env.dtype):
-                raw_model(x, x, return_logits=False)[1].backward()
-        finally:
-            raw_model.zero_grad(set_to_none=True)
-
-    try:
-        b, why = probe_micro_batch(try_step, divisors(rows), reserve_bytes=plan.optimizer + plan.ddp_buckets,
-                                   device=env.device)
-    except MemoryPlanError as e:
-        raise ConfigError(str(e)) from None
-    set_rng_state(rngs)
-    log(f"batch_size='auto': {why} ({rows // b} accumulation steps)")
-    return set_micro_batch(cfg, b, loaders)
-
-
-def set_micro_batch(cfg, b, loaders):
-    """cfg with batch_size=b (what checkpoints record), and the loaders reading b sequences per micro-batch: the
-    global sample stream is unchanged (data.DataLoader counts positions in samples)."""
-    for loader in loaders:
-        if loader is not None:
-            loader.B = b
-    return replace(cfg, batch_size=b)
-
-
-def fitting_forward_backward(model, loader, grad_accum, scaler, optimizer, cfg, env, log, step):
-    """forward_backward, and on an out-of-memory: halve the micro-batch (the largest divisor of the per-rank rows at
-    most half), drop the partial step's gradients, rewind the loader to the step's start and re-run the same step
-    with the same data. Returns (loss sum, cfg, grad_accum), the latter two as changed. Under torchrun, or at
-    micro-batch 1, an out-of-memory is a Halt naming settings that would help (ranks cannot switch safely:
-    the others may be waiting in a gradient all-reduce)."""
-    start = loader.state_dict()
-    while True:
-        try:
-            return forward_backward(model, loader, grad_accum, scaler, env), cfg, grad_accum
-        except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled
-            if not is_oom(e):
-                raise
-        b, rows = cfg.batch_size, cfg.batch_size * grad_accum
-        smaller = smaller_micro_batch(rows, b)
-        if env.distributed or smaller is None:
-            hint = f"batch_size={smaller} with {rows // smaller} accumulation steps, " if smaller else ""
-            raise Halt(f"step {step + 1}: out of memory at micro-batch {b}"
-                       + (" under torchrun (ranks cannot change micro-batch together mid-run)" if smaller else "")
-                       + f"; try {hint}activation_checkpointing=True, parallel='fsdp' or a smaller block_size")
-        optimizer.zero_grad(set_to_none=True)  # the partial step's gradients; the scaler has not stepped yet
-        free_memory(env)
-        loader.load_state_dict(start)
-        cfg, grad_accum = set_micro_batch(cfg, smaller, [loader]), rows // smaller
-        log(f"step {step + 1}: out of memory at micro-batch {b}: re-running the step at micro-batch {smaller} x "
-            f"{grad_accum} accumulation steps (batch_size={smaller} from now on)")
-
-
-def free_memory(env):
-    import gc
-    gc.collect()
-    if env.kind == "cuda":
-        torch.cuda.empty_cache()
 
 
 def make_loaders(cfg, env):
@@ -403,79 +98,16 @@ def build_model(cfg, ckpt, device):
     if ckpt is not None:
         model = GPT(model_config(cfg, **{**ckpt["model_args"], **training_only}))
         if "shards" not in ckpt:
-            model.load_state_dict(clean_state_dict(ckpt["model"]))
+            model.load_state_dict(ckpt["model"])
     elif cfg.init_from == "scratch":
         model = GPT(model_config(cfg))
     else:
         try:
-            model = GPT.from_pretrained(cfg.init_from, **training_only)
+            model = from_pretrained(cfg.init_from, **training_only)
         except (ValueError, ImportError) as e:  # a broken model directory; a hub download's errors are OSErrors
             raise ConfigError(f"init_from={cfg.init_from!r}: {e}") from None
         cfg = make_config({**asdict(cfg), **{k: getattr(model.config, k) for k in ARCH_KEYS}})
     return model.to(device), cfg
-
-
-class MuonAdamW:
-    """torch.optim.Muon and torch.optim.AdamW stepped as one optimizer: param_groups lists Muon's groups, then
-    AdamW's (the loop sets each group's lr), state_dict/load_state_dict hold both (exact resume), and GradScaler
-    unscales and steps it like any optimizer."""
-
-    def __init__(self, muon, adamw):
-        self.muon, self.adamw = muon, adamw
-
-    @property
-    def param_groups(self):
-        return self.muon.param_groups + self.adamw.param_groups
-
-    def step(self):
-        self.muon.step()
-        self.adamw.step()
-
-    def zero_grad(self, set_to_none=True):
-        self.muon.zero_grad(set_to_none)
-        self.adamw.zero_grad(set_to_none)
-
-    def state_dict(self):
-        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
-
-    def load_state_dict(self, state):
-        self.muon.load_state_dict(state["muon"])
-        self.adamw.load_state_dict(state["adamw"])
-
-
-def hidden_matrices(model):
-    """Names of the parameters Muon trains: the 2-D weight matrices inside the blocks (attention c_attn/c_proj,
-    MLP c_fc/c_proj). Embeddings, the output head, biases and norms are not hidden matrices."""
-    return [n for n, p in model.named_parameters()
-            if p.requires_grad and p.dim() == 2 and n.startswith("transformer.h.")]
-
-
-def build_optimizer(model, cfg, env):
-    """AdamW for every parameter (optimizer='adamw'), or MuonAdamW: Muon for hidden_matrices(), AdamW for the
-    rest, weight decay on its 2-D tensors (embeddings, an untied head) as configure_optimizer does."""
-    fused = fused_adamw_supported(env.kind)
-    if cfg.optimizer == "adamw":
-        return model.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2), fused=fused)
-    hidden = set(hidden_matrices(model))
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}  # a tied head is wte, listed once
-    # adjust_lr_fn='original' (Keller Jordan's Muon): the update is scaled by sqrt(max(1, rows/cols))
-    muon = torch.optim.Muon([params[n] for n in hidden], lr=cfg.muon_lr, momentum=cfg.muon_momentum,
-                            nesterov=True, weight_decay=cfg.muon_weight_decay, adjust_lr_fn="original")
-    rest = [p for n, p in params.items() if n not in hidden]
-    groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
-    adamw = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                              **({"fused": True} if fused else {"foreach": True}))
-    return MuonAdamW(muon, adamw)
-
-
-def set_lr(optimizer, lr, cfg):
-    """Every group at the schedule's fraction lr / learning_rate of its own peak: learning_rate for AdamW's
-    groups, muon_lr for Muon's."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    for group in optimizer.muon.param_groups if isinstance(optimizer, MuonAdamW) else []:
-        group["lr"] = lr / cfg.learning_rate * cfg.muon_lr
 
 
 # ----------------------------------------------------------------------------- the step
@@ -511,7 +143,6 @@ def forward_backward(model, loader, grad_accum, scaler, env):
     loss_sum = torch.zeros((), device=env.device)
     for micro in range(grad_accum):
         x, y = to_device(loader.next_batch(), env.device)  # (B, T) each
-        maybe_fake_oom(x.shape[0])  # test hook: GPT_FAKE_OOM_ABOVE simulates an out-of-memory
         set_grad_sync(model, micro == grad_accum - 1)
         with autocast(env.device, env.dtype):
             _, loss = model(x, y, return_logits=False)
@@ -612,79 +243,40 @@ def sample_preview(raw_model, cfg, env):
     return enc.decode([t for t in out[0].tolist() if t < enc.n_vocab])
 
 
-# ----------------------------------------------------------------------------- checkpoints and RNGs
-
-def restore(ckpt, raw_model, optimizer, scaler, loader):
-    """Optimizer (and from a sharded checkpoint the weights, resharded to this run's layout), loss scaler and
-    loader position from a checkpoint; returns the Progress it recorded. Every rank calls it."""
-    if "shards" in ckpt:
-        load_sharded_checkpoint(ckpt["shards"], raw_model, optimizer)
-    else:
-        load_optimizer_state(raw_model, optimizer, ckpt["optimizer"])
-    if ckpt["scaler"] is not None:
-        scaler.load_state_dict(ckpt["scaler"])
-    try:
-        loader.load_state_dict(ckpt["loader"])
-    except ValueError as e:
-        saved = ckpt["config"]
-        raise ConfigError(f"cannot resume: {e}; the checkpoint's run used data_dir={saved.get('data_dir')!r} and "
-                          f"seed={saved.get('seed')}") from None
-    return Progress(ckpt["step"], ckpt.get("best_step"), ckpt.get("best_val_loss"))
-
-
-def restore_rngs(ckpt, env, log):
-    """Last, after everything that draws random numbers during setup: each rank's RNGs as they were."""
-    if len(ckpt["rng"]) == env.world_size:
-        set_rng_state(ckpt["rng"][env.rank])
-    else:
-        log(f"note: checkpoint has RNG states of {len(ckpt['rng'])} ranks, this run has {env.world_size}; "
-            "dropout masks will differ from an uninterrupted run")
+def evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cfg, env, last):
+    """The evaluations due at `step` (val loss, HellaSwag, a sample), logged; returns the val loss or None.
+    Every rank calls it: the val loss is averaged over ranks, a sharded model is gathered for the others."""
+    due = lambda interval: interval > 0 and (step % interval == 0 or last)  # noqa: E731
+    val = None
+    if due(cfg.eval_interval):
+        val = val_loss(model, val_loader, cfg.eval_steps, env)
+        tracker.log({"step": step, "val_loss": val})
+        log(f"step {step}: val loss {val:.4f}")
+    if due(cfg.hellaswag_interval):
+        hs = hellaswag_eval(raw_model, hellaswag_examples, cfg, env)
+        tracker.log({"step": step, "hellaswag_acc": hs["acc"], "hellaswag_acc_norm": hs["acc_norm"],
+                     "hellaswag_n": hs["n"]})
+        log(f"step {step}: hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
+    if step > 0 and due(cfg.sample_interval):
+        log(f"step {step}: sample: {sample_preview(raw_model, cfg, env)!r}")
+    return val
 
 
-def kept_checkpoint(out_dir):
-    """What a halted run leaves to resume from, for its error message."""
-    found = list_checkpoints(out_dir)
-    if not found:
-        return "no checkpoint was written yet"
-    return f"the last checkpoint, {found[-1][1]}, is kept (continue with --init_from=resume)"
-
-
-def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, tracker, cfg, env, log):
-    """Write a checkpoint holding everything an exact resume needs, then prune old ones: ckpt_{step}.pt from
-    rank 0, or in a sharded run the directory ckpt_{step}/ to which every rank writes its own shards."""
-    rngs = [rng_state()]
-    if env.distributed:  # every rank's dropout RNG, so a resumed DDP run draws the same masks
-        rngs = [None] * env.world_size
-        dist.all_gather_object(rngs, rng_state())
-    if not (env.master or env.sharded):
-        return
-    step = progress.step
-    if not weights_finite(raw_model, env):
-        raise Halt(f"step {step}: the weights hold NaN/inf; not writing them")
-    if val is not None and (progress.best_val is None or val < progress.best_val):
-        progress.best_step, progress.best_val = step, val
-    meta = {"model_args": asdict(raw_model.config), "config": asdict(cfg), "step": step,
-            "scaler": scaler.state_dict() if scaler.is_enabled() else None, "loader": loader.state_dict(),
-            "rng": rngs, "val_loss": val, "best_step": progress.best_step, "best_val_loss": progress.best_val,
-            "tracker": tracker.state_dict() if tracker else None, "format": FORMAT}
-    path = checkpoint_path(out_dir, step, sharded=env.sharded)
-    if env.sharded:
-        save_sharded_checkpoint(path, meta, raw_model, optimizer)
-    else:
-        save_checkpoint(path, {**meta, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict()})
-    if env.master:
-        prune_checkpoints(out_dir, cfg.keep_last, keep_steps={progress.best_step})
-        log(f"step {step}: saved {path}")
+def step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model, cfg, env):
+    """The metrics.jsonl record of one optimizer step."""
+    tokens_per_s = total_batch_size / dt
+    mem, reserved = peak_memory(env.kind)
+    record = {"step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+              "mfu": raw_model.estimate_mfu(tokens_per_s / env.world_size, peak), "step_ms": dt * 1000,
+              "peak_mem_mb": mem, "micro_batch": cfg.batch_size}
+    if reserved is not None:
+        record["peak_reserved_mb"] = reserved
+    if skipped:
+        record["skipped"] = skipped
+    return record
 
 
 # ----------------------------------------------------------------------------- the recipe
-
-def train(argv):
-    """One run: the command line's config, out_dir locked for all of it (lock_out_dir), the recipe."""
-    user = parse_args(argv)
-    with lock_out_dir(make_config(user).out_dir):
-        return run(user)
-
 
 def run_summary(raw_model, compiled, cfg, env, total_batch_size, grad_accum, resumed_step):
     """The one line that says what this run is: size, device, precision, world, batch layout."""
@@ -702,61 +294,45 @@ def run(user):
     check_tracking_available(cfg.wandb_log, cfg.tensorboard_dir)  # every rank: all stop alike
     env = setup(cfg)
     check_shared_out_dir(cfg.out_dir, ckpt and ckpt["step"], problem, env)
-    log = tqdm.write if env.master else (lambda *a, **k: None)
-    cfg = check_memory(cfg, ckpt, env, log)  # the plan line; a refusal; batch_size='auto' from the plan
+    cfg = resolve_batch_size(cfg, ckpt, env)  # the plan line; a refusal; batch_size='auto' from the plan
     train_loader, val_loader = make_loaders(cfg, env)
 
     # the bare GPT (checkpoints, samples, HellaSwag); a sharded run keeps it on the CPU for fully_shard to move
     raw_model, cfg = build_model(cfg, ckpt, "cpu" if env.sharded else env.device)
     if cfg.batch_size == "auto":  # a probed device (CUDA)
-        cfg = probe_batch_size(raw_model, cfg, env, log, [train_loader, val_loader])
+        cfg = probe_batch_size(raw_model, cfg, env, [train_loader, val_loader])
     total_batch_size, grad_accum = batch_layout(cfg, env.world_size)
     model = parallelize(raw_model, cfg, env)  # what the loop calls
-    optimizer = build_optimizer(raw_model, cfg, env)  # after sharding: fully_shard replaces the parameters
+    optimizer = build_optimizer(raw_model, cfg, fused_adamw_supported(env.kind))  # after sharding
     scaler = torch.amp.GradScaler(env.kind, enabled=env.dtype == "float16")  # loss scaling for fp16 only
     progress = restore(ckpt, raw_model, optimizer, scaler, train_loader) if ckpt else Progress()
 
-    out_dir, tracker = Path(cfg.out_dir), None  # rank 0 writes metrics.jsonl (+ W&B/TensorBoard) and config.json
+    out_dir, tracker = Path(cfg.out_dir), NoTracker()  # rank 0 writes metrics.jsonl (+ W&B/TB) and config.json
     if env.master:
         out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(out_dir / "config.json", json.dumps(asdict(cfg), indent=2) + "\n")
         tracker = Tracker(out_dir, asdict(cfg), total_batch_size, resume_step=progress.step if ckpt else None,
                           state=ckpt.get("tracker") if ckpt else None, **{k: getattr(cfg, k) for k in TRACKING_KEYS})
-        log(f"config ('*' = set on this command line):\n{config_table(cfg, user)}")
-        log(run_summary(raw_model, is_compiled(model), cfg, env, total_batch_size, grad_accum,
-                        progress.step if ckpt else None))
+    log(f"config ('*' = set on this command line):\n{config_table(cfg, user)}")
+    log(run_summary(raw_model, is_compiled(model), cfg, env, total_batch_size, grad_accum, ckpt and ckpt["step"]))
     if ckpt is not None:
-        restore_rngs(ckpt, env, log)
+        restore_rngs(ckpt, env)
     del ckpt  # free the checkpoint's copy of the weights and optimizer state
 
     stop, stop_flag = StopRequest(), torch.zeros((), device=env.device)
     main_thread = threading.current_thread() is threading.main_thread()
     old_handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     peak = peak_flops(torch.cuda.get_device_name(env.device) if env.kind == "cuda" else env.kind, env.dtype)
-    hellaswag_examples = []
-    start_step, stopping, finished = progress.step, False, False
+    hellaswag_examples, start_step, stopping, finished = [], progress.step, False, False
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not env.master, unit="step", dynamic_ncols=True)
     try:
         while True:
             step, last = progress.step, progress.step >= cfg.max_steps
-            val = None
-            if step > start_step or start_step == 0:  # a resumed run's first step was evaluated before it stopped
-                due = lambda interval: interval > 0 and (step % interval == 0 or last) and not stopping  # noqa: E731
-                if due(cfg.eval_interval):
-                    val = val_loss(model, val_loader, cfg.eval_steps, env)
-                    if env.master:
-                        tracker.log({"step": step, "val_loss": val})
-                    log(f"step {step}: val loss {val:.4f}")
-                if due(cfg.hellaswag_interval):
-                    hs = hellaswag_eval(raw_model, hellaswag_examples, cfg, env)
-                    if env.master:
-                        tracker.log({"step": step, "hellaswag_acc": hs["acc"], "hellaswag_acc_norm": hs["acc_norm"],
-                                       "hellaswag_n": hs["n"]})
-                    log(f"step {step}: hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
-                if step > 0 and due(cfg.sample_interval):  # every rank: a sharded model is gathered first
-                    log(f"step {step}: sample: {sample_preview(raw_model, cfg, env)!r}")
+            val = None  # a resumed run's first step was evaluated before it stopped
+            if (step > start_step or start_step == 0) and not stopping:
+                val = evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cfg, env, last)
             if step > start_step and (last or stopping or cfg.save_interval and step % cfg.save_interval == 0):
-                save(out_dir, val, progress, raw_model, optimizer, scaler, train_loader, tracker, cfg, env, log)
+                save(out_dir, val, progress, raw_model, optimizer, scaler, train_loader, tracker, cfg, env)
             if last or stopping:
                 break
 
@@ -764,8 +340,9 @@ def run(user):
             t0 = time.perf_counter()
             lr = get_lr(step, cfg)
             set_lr(optimizer, lr, cfg)
-            loss_sum, cfg, grad_accum = fitting_forward_backward(model, train_loader, grad_accum, scaler, optimizer,
-                                                                 cfg, env, log, step)
+            loss_sum, cfg, grad_accum = fitting_forward_backward(
+                lambda accum: forward_backward(model, train_loader, accum, scaler, env),
+                train_loader, grad_accum, optimizer, cfg, env, step)
             if stop.signal is not None:
                 stop_flag.fill_(1.0)
             scaler.unscale_(optimizer)  # true gradients before clipping (no-op without fp16)
@@ -781,21 +358,13 @@ def run(user):
             dt = time.perf_counter() - t0
             progress.step = step = step + 1
 
-            tokens_per_s = total_batch_size / dt
-            mfu = raw_model.estimate_mfu(tokens_per_s / env.world_size, peak)
-            mem, reserved = peak_memory(env.kind)
-            record = {"step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s":
-                      tokens_per_s, "mfu": mfu, "step_ms": dt * 1000, "peak_mem_mb": mem, "micro_batch": cfg.batch_size}
-            if reserved is not None:
-                record["peak_reserved_mb"] = reserved
-            if skipped:
-                record["skipped"] = skipped
-            if env.master:
-                tracker.log(record)
-                bar.update(1)
-                if cfg.log_interval and (step % cfg.log_interval == 0 or step == cfg.max_steps):
-                    log(f"step {step:>6}/{cfg.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | norm {grad_norm:.3f}"
-                        f" | {dt * 1000:.0f} ms | {tokens_per_s:,.0f} tok/s" + (f" | mfu {mfu:.1%}" if mfu else ""))
+            record = step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model, cfg, env)
+            tracker.log(record)
+            bar.update(1)
+            if cfg.log_interval and (step % cfg.log_interval == 0 or step == cfg.max_steps):
+                log(f"step {step:>6}/{cfg.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | norm {grad_norm:.3f} | "
+                    f"{dt * 1000:.0f} ms | {record['tokens_per_s']:,.0f} tok/s"
+                    + (f" | mfu {record['mfu']:.1%}" if record["mfu"] else ""))
         finished = True
     except Halt as e:
         raise Halt(f"{e}; {kept_checkpoint(out_dir)}") from None
@@ -803,26 +372,13 @@ def run(user):
         bar.close()
         for s, handler in old_handlers.items():
             signal.signal(s, handler)
-        if tracker:
-            summary = tracker.close(exit_code=0 if finished else 1)
-            if finished:
-                log(summary)
-        if env.distributed:
-            dist.destroy_process_group()
+        summary = tracker.close(exit_code=0 if finished else 1)
+        if finished and summary:
+            log(summary)
     if stopping:
         log(f"stopped by {signal.Signals(stop.signal).name if stop.signal else 'a signal on another rank'} at step "
             f"{progress.step}; continue with --init_from=resume")
     return 0
-
-
-EXPECTED_ERRORS = (ConfigError, TrackingError, CheckpointError, Halt, ShardError, LockError, OSError)
-
-
-def error_line(e):
-    """The one line an expected error prints: an OSError as '<file>: <reason>', the others their message."""
-    if isinstance(e, OSError) and e.filename is not None:
-        return f"{e.filename}: {e.strerror}"
-    return " ".join(str(e).split())
 
 
 def main(argv=None):
@@ -834,15 +390,14 @@ def main(argv=None):
         print(help_text(__doc__))
         return 0
     try:
-        return train(argv)
-    except EXPECTED_ERRORS as e:
-        if os.environ.get("GPT2_TRACEBACK") == "1":
-            raise
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node: every node's log says why it stopped
-            print(f"train.py: error: {error_line(e)}", file=sys.stderr, flush=True)
+        user = parse_args(argv)
+        with lock_out_dir(make_config(user).out_dir):  # one run per out_dir, for the whole run
+            return run(user)
+    except (ConfigError, TrackingError, CheckpointError, Halt, ShardError, LockError, OSError) as e:
+        report_error("train.py", e)
         raise SystemExit(2 if isinstance(e, (ConfigError, TrackingError)) else 1) from None
     finally:
-        if dist.is_available() and dist.is_initialized():  # also after an error: no "not destroyed" warning
+        if dist.is_available() and dist.is_initialized():  # the one place the process group is destroyed
             dist.destroy_process_group()
 
 

@@ -28,6 +28,7 @@ import argparse
 import copy
 import gc
 import json
+import math
 import resource
 import statistics
 import sys
@@ -46,7 +47,8 @@ from config import TrainConfig
 from assets import fetch_hellaswag
 from bench.hellaswag_speed import bench_hellaswag
 from hellaswag import load_examples
-from model import CONV1D_WEIGHTS, GPT, GPT2_VOCAB, PRESETS, GPTConfig
+from hf import CONV1D_WEIGHTS, save_pretrained
+from model import GPT, GPT2_VOCAB, PRESETS, GPTConfig
 
 SMALL = dict(n_layer=6, n_head=6, n_embd=384, block_size=256)  # the default config (issue 7 targets)
 GEN_PROMPT, GEN_NEW = 16, 200  # generation benchmark: prompt tokens, new tokens
@@ -233,14 +235,34 @@ def train_defaults_setup(device, batch_size):
                  clip=TrainConfig.grad_clip, note=note)
 
 
-def make_model(cfg: GPTConfig, device, sdpa=True):
+def make_model(cfg: GPTConfig, device):
     """Our GPT, seeded so every row starts from the same weights."""
     torch.manual_seed(0)
-    model = GPT(cfg).to(device)
-    for m in model.modules():
-        if hasattr(m, "use_sdpa"):
-            m.use_sdpa = sdpa
-    return model
+    return GPT(cfg).to(device)
+
+
+def explicit_attention(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0):
+    """softmax(QK^T / sqrt(d)) V written out: the attention of the rows before '+ SDPA attention' (model.py always
+    calls F.scaled_dot_product_attention; attention(False) swaps this in)."""
+    T, S = q.size(-2), k.size(-2)
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, S)
+    if attn_mask is None and is_causal:
+        attn_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    if attn_mask is not None:
+        att = att.masked_fill(~attn_mask, float("-inf"))
+    return F.dropout(F.softmax(att, dim=-1), dropout_p) @ v
+
+
+@contextmanager
+def attention(sdpa):
+    """SDPA as model.py calls it, or (sdpa=False) explicit_attention in its place while inside."""
+    real = F.scaled_dot_product_attention
+    if not sdpa:
+        F.scaled_dot_product_attention = explicit_attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = real
 
 
 def make_hf_model(cfg: GPTConfig, device):
@@ -285,7 +307,7 @@ class Trainer:
         self.cpu = device_type(device) == "cpu"
         if self.cpu:
             set_malloc_tuned(setup.malloc)
-        self.model = make_hf_model(cfg, device) if setup.hf else make_model(cfg, device, setup.sdpa)
+        self.model = make_hf_model(cfg, device) if setup.hf else make_model(cfg, device)
         self.optimizer = make_optimizer(self.model, setup, device)
         # dynamic=False: each batch size gets its own static graph, as in a real run
         self.forward = torch.compile(self.model, dynamic=False) if setup.compile else self.model
@@ -301,7 +323,7 @@ class Trainer:
             set_malloc_tuned(s.malloc)
         sync(self.device)
         t0 = time.perf_counter()
-        with tf32(s.tf32), autocast(self.device, s.dtype):
+        with tf32(s.tf32), attention(s.sdpa or s.hf), autocast(self.device, s.dtype):
             if s.hf:
                 logits = self.forward(input_ids=self.x).logits  # (B, T, V)
                 loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), self.y.reshape(-1))
@@ -413,7 +435,7 @@ def compare_generation(cfg, device, rounds, dtypes, slow_dtypes=()):
     prompt = torch.randint(0, min(cfg.vocab_size, GPT2_VOCAB), (1, GEN_PROMPT), generator=g).to(device)  # (1, T)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        ours32.save_pretrained(tmp)
+        save_pretrained(ours32, tmp)
         for dtype in dtypes:
             ours = copy.deepcopy(ours32).to(dtype)  # weights stored in the dtype: decoding reads half the bytes in bf16
             hf = GPT2LMHeadModel.from_pretrained(tmp, dtype=dtype, attn_implementation="sdpa").to(device).eval()

@@ -21,6 +21,25 @@ def test_peak_memory_sees_a_temporary_allocation():
     assert peak >= 60 or mem.lifetime
 
 
+def test_explicit_attention_of_the_baseline_rows_equals_sdpa(monkeypatch):
+    """The scoreboard's pre-SDPA rows swap model.py's F.scaled_dot_product_attention for the written-out softmax;
+    same model, same logits, in training (causal) and in KV-cache decoding (an explicit mask)."""
+    from model import GPT, GPTConfig
+    calls, explicit = [], scoreboard.explicit_attention
+    monkeypatch.setattr(scoreboard, "explicit_attention", lambda *a, **k: calls.append(1) or explicit(*a, **k))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=96)).eval()
+    idx = torch.randint(0, 96, (2, 16))
+    with torch.no_grad():
+        ref = model(idx, idx)[0]
+        sampled = model.generate(idx[:, :4], 6, temperature=0.0)
+        with scoreboard.attention(False):
+            assert (model(idx, idx)[0] - ref).abs().max() <= 1e-5
+            assert torch.equal(model.generate(idx[:, :4], 6, temperature=0.0), sampled)
+    assert len(calls) >= 2 * (1 + 6)  # 2 blocks, every forward: the swap really took effect
+    assert torch.nn.functional.scaled_dot_product_attention is not scoreboard.explicit_attention  # restored
+
+
 def _tiny(tmp_path, *extra):
     out = tmp_path / "bench.json"
     args = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "256", "--vocab_size", "512",

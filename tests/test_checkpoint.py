@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import checkpoint
-from checkpoint import (FORMAT, CheckpointError, add_model_args, checkpoint_path, checksum_path, clean_state_dict,
-                        latest_checkpoint, load_checkpoint, load_latest_checkpoint, load_model, load_model_from_args,
-                        prune_checkpoints, save_checkpoint)
+from checkpoint import (FORMAT, CheckpointError, add_model_args, checkpoint_path, checksum_path, latest_checkpoint,
+                        load_checkpoint, load_latest_checkpoint, load_model, load_model_from_args, prune_checkpoints,
+                        save_checkpoint)
 from files import file_sha256
 from model import GPT, GPTConfig
 
@@ -119,24 +119,17 @@ def test_prune_keeps_last_n_and_the_best(tmp_path):
     assert len(list(tmp_path.iterdir())) == 6
 
 
-def test_clean_state_dict_strips_ddp_and_compile_prefixes():
-    sd = {"module._orig_mod.lm_head.weight": 1, "_orig_mod.transformer.wte.weight": 2, "transformer.x": 3}
-    assert clean_state_dict(sd) == {"lm_head.weight": 1, "transformer.wte.weight": 2, "transformer.x": 3}
-
-
 def test_load_model_from_checkpoint(tmp_path):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY))
-    prefixed = {"_orig_mod." + k: v for k, v in model.state_dict().items()}
     save_checkpoint(checkpoint_path(tmp_path, 3), {
-        "format": FORMAT, "model": prefixed, "model_args": TINY, "config": {"seed": 1}, "step": 3, "val_loss": 2.5})
+        "format": FORMAT, "model": model.state_dict(), "model_args": TINY, "config": {"seed": 1}, "step": 3, "val_loss": 2.5})
     loaded, info = load_model(ckpt=str(tmp_path))
     assert not loaded.training and info["step"] == 3 and info["val_loss"] == 2.5
     for (k, a), (k2, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
         assert k == k2 and torch.equal(a, b)
     with pytest.raises(ValueError):
         load_model()
-
 
 
 def model_flags(*argv):

@@ -9,6 +9,7 @@ import torch
 import checkpoint
 import sample
 from assets import EOT, get_tokenizer, load_tokenizer
+from hf import save_pretrained
 from model import GPT, GPTConfig
 
 transformers = pytest.importorskip("transformers")
@@ -110,7 +111,7 @@ def test_lm_eval_harness_scores_an_export_as_hellaswag_py(tmp_path, monkeypatch)
     torch.manual_seed(0)
     # vocab 50257: no padded ids, so both softmaxes run over the same logits
     model = GPT(GPTConfig(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)).eval()
-    model.save_pretrained(tmp_path / "hf")
+    save_pretrained(model, tmp_path / "hf")
     endings = ["starts pulling up roofing.", "is  jumping, 3 times.", "falls; café naïve 😀", "leaves\n\nthe roof."]
     examples = [{"ind": i, "ctx": f"A man (number {i}) is sitting on a roof. He", "label": i % 4,
                  "endings": endings[i % 4:] + endings[:i % 4]} for i in range(6)]

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from test_hellaswag import EXAMPLES
+from test_train import TINY, markov_tokens, metrics, subprocess_env, train_losses
 
 import checkpoint
 import hellaswag
@@ -26,9 +28,8 @@ import train
 from checkpoint import latest_checkpoint, load_checkpoint, save_sharded_checkpoint
 from config import ConfigError, make_config
 from data import write_shard
+from hf import from_pretrained
 from model import GPT, GPTConfig
-from test_hellaswag import EXAMPLES
-from test_train import TINY, markov_tokens, metrics, subprocess_env, train_losses
 
 ROOT = Path(__file__).resolve().parent.parent
 # 2 ranks x 1 micro-batch of 4 x 16 tokens, or 1 process x 2; a clip of 0.5 is below every step's norm here
@@ -316,7 +317,7 @@ def test_consolidate_and_export_a_sharded_checkpoint(tmp_path, capsys):
     loaded, info = checkpoint.load_model(ckpt=str(tmp_path / "ckpt_000005"))  # straight from the shards
     assert info["step"] == 5 and all(torch.equal(t, loaded.state_dict()[k]) for k, t in model.state_dict().items())
     assert checkpoint.main(["export", str(tmp_path / "ckpt_000005"), str(tmp_path / "hf")]) == 0
-    hf = GPT.from_pretrained(str(tmp_path / "hf"))
+    hf = from_pretrained(str(tmp_path / "hf"))
     assert all(torch.equal(t, hf.state_dict()[k]) for k, t in model.state_dict().items())
     assert checkpoint.main(["consolidate", str(tmp_path / "one.pt"), str(tmp_path / "x.pt")]) == 2
     assert "not a sharded checkpoint directory" in capsys.readouterr().err

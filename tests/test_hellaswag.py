@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from assets import HFTokenizer, get_tokenizer, load_tokenizer
 from hellaswag import evaluate, load_examples, main, render_example, score_rows
+from hf import from_pretrained, save_pretrained
 from model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +69,7 @@ def hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(hf_dir):
-    return GPT.from_pretrained(str(hf_dir)).eval()
+    return from_pretrained(str(hf_dir)).eval()
 
 
 @pytest.fixture(scope="module")
@@ -167,9 +168,9 @@ import json, sys
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from hellaswag import evaluate, load_examples
-from model import GPT, GPTConfig
+from hf import from_pretrained
 dist.init_process_group("gloo")
-model = DistributedDataParallel(GPT.from_pretrained(sys.argv[1]))  # as train.py holds it
+model = DistributedDataParallel(from_pretrained(sys.argv[1]))  # as train.py holds it
 result = evaluate(model, load_examples(sys.argv[2], limit=7), "cpu", batch_size=3)
 with open(sys.argv[3] + str(dist.get_rank()), "w") as f:
     json.dump(result, f)
@@ -257,10 +258,10 @@ def test_cli_scores_with_the_model_dirs_tokenizer_json(byte_level_tokenizer_json
     assert isinstance(enc, HFTokenizer)
     torch.manual_seed(0)
     # vocab of the tokenizer's size: GPT-2 ids would not even fit this model
-    GPT(GPTConfig(block_size=BLOCK_SIZE, vocab_size=enc.n_vocab, n_layer=2, n_head=2, n_embd=32)).save_pretrained(tmp_path)
+    save_pretrained(GPT(GPTConfig(block_size=BLOCK_SIZE, vocab_size=enc.n_vocab, n_layer=2, n_head=2, n_embd=32)), tmp_path)
     shutil.copy(byte_level_tokenizer_json, tmp_path / "tokenizer.json")
     assert main(["--init_from", str(tmp_path), "--data", str(data_file), "--device", "cpu", "--json"]) == 0
-    expected = evaluate(GPT.from_pretrained(str(tmp_path)), load_examples(data_file), "cpu", enc=enc)
+    expected = evaluate(from_pretrained(str(tmp_path)), load_examples(data_file), "cpu", enc=enc)
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last == {"n": expected["n"], "acc": expected["acc"], "acc_norm": expected["acc_norm"]}
 

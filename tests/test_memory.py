@@ -10,7 +10,7 @@ import memory
 import model as M
 from bench.memory import peak_of_live_tensors
 from memory import GiB, MemoryPlanError, estimate_memory
-from model import GPT, GPTConfig
+from model import GPT, PRESETS, GPTConfig
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
 LINE = re.compile(r"^estimated peak memory per rank: (\d+\.\d+) GiB \(params (\d+\.\d+) \+ grads (\d+\.\d+) \+ "
@@ -36,12 +36,12 @@ def test_autocast_keeps_parameters_grads_and_adamw_in_fp32():
     cfg = GPTConfig(**TINY)
     fp32, bf16 = estimate_memory(cfg, 4), estimate_memory(cfg, 4, dtype="bfloat16")
     assert (bf16.params, bf16.grads, bf16.optimizer) == (fp32.params, fp32.grads, fp32.optimizer)
-    big = GPTConfig.from_preset("gpt2")
+    big = GPTConfig(**PRESETS["gpt2"])
     assert estimate_memory(big, 8, dtype="bfloat16").activations < 0.7 * estimate_memory(big, 8).activations
 
 
 def test_sharded_plan_holds_the_full_model_states_divided_by_the_shard_size():
-    cfg = GPTConfig.from_preset("gpt2")
+    cfg = GPTConfig(**PRESETS["gpt2"])
     full = estimate_memory(cfg, 8)
     fsdp = estimate_memory(cfg, 8, parallel="fsdp", world_size=4)
     hsdp = estimate_memory(cfg, 8, parallel="hsdp", world_size=8, shard_size=2)
@@ -56,7 +56,7 @@ def test_sharded_plan_holds_the_full_model_states_divided_by_the_shard_size():
 
 
 def test_plan_line_starts_with_the_total_in_gib_and_sums_its_parts():
-    plan = estimate_memory(GPTConfig.from_preset("gpt2"), 16)
+    plan = estimate_memory(GPTConfig(**PRESETS["gpt2"]), 16)
     m = LINE.match(plan.line())
     assert m, plan.line()
     total, *parts = map(float, m.group(1, 2, 3, 4, 5, 7))
@@ -97,14 +97,14 @@ def test_activation_model_matches_what_autograd_saves(dtype, extra):
 
 
 def test_activation_checkpointing_keeps_one_input_per_block():
-    cfg = GPTConfig.from_preset("gpt2")
+    cfg = GPTConfig(**PRESETS["gpt2"])
     plain, ckpt = estimate_memory(cfg, 16), estimate_memory(cfg, 16, activation_checkpointing=True)
     assert ckpt.activations < plain.activations / 4
-    assert estimate_memory(GPTConfig.from_preset("gpt2", activation_checkpointing=True), 16) == ckpt
+    assert estimate_memory(GPTConfig(**{**PRESETS["gpt2"], **dict(activation_checkpointing=True)}), 16) == ckpt
 
 
 def test_a_config_that_cannot_fit_is_refused_in_one_line_with_settings_that_fit_before_allocating():
-    cfg = GPTConfig.from_preset("gpt2-xl")  # 1.56B parameters: 6 GB just to build in fp32
+    cfg = GPTConfig(**PRESETS["gpt2-xl"])  # 1.56B parameters: 6 GB just to build in fp32
     rss = lambda: int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) * 1024
     before = rss()
     plan = estimate_memory(cfg, 16, world_size=4)
@@ -125,7 +125,7 @@ def test_a_config_that_cannot_fit_is_refused_in_one_line_with_settings_that_fit_
 
 
 def test_plan_micro_batch_picks_the_largest_divisor_that_fits_with_margin():
-    cfg = GPTConfig.from_preset("gpt2")
+    cfg = GPTConfig(**PRESETS["gpt2"])
     rows = 24  # divisors 24, 12, 8, 6, ...
     p8, p12 = estimate_memory(cfg, 8), estimate_memory(cfg, 12)
     available = int((p8.total + p12.total) / 2 / memory.AUTO_FIT_FRACTION)
@@ -140,29 +140,24 @@ def test_probe_halves_on_simulated_oom_and_ends_at_the_right_size():
     model = GPT(cfg)
     ran = []
 
-    def try_step(b):  # a real forward+backward at micro-batch b
+    def try_step(b):  # a real forward+backward at micro-batch b; above `limit` the out-of-memory CUDA raises
+        if b > limit:
+            raise torch.OutOfMemoryError(f"simulated: micro-batch {b} > {limit}")
         x = torch.randint(0, cfg.vocab_size, (b, cfg.block_size))
         model(x, x, return_logits=False)[1].backward()
         model.zero_grad(set_to_none=True)
         ran.append(b)
 
-    b, why = memory.probe_micro_batch(try_step, memory.divisors(12), fake_oom_above=4)
+    limit = 4
+    b, why = memory.probe_micro_batch(try_step, memory.divisors(12))
     assert (b, ran) == (3, [3]) and "out of memory at 12, 6" in why  # 12 -> 6 -> 3: halving, largest divisor
     ran.clear()
-    assert memory.probe_micro_batch(try_step, memory.divisors(16), fake_oom_above=4)[0] == 4 and ran == [4]
+    assert memory.probe_micro_batch(try_step, memory.divisors(16))[0] == 4 and ran == [4]
+    limit = 0
     with pytest.raises(MemoryPlanError, match="even at micro-batch 1"):
-        memory.probe_micro_batch(try_step, [4, 2, 1], fake_oom_above=0)
+        memory.probe_micro_batch(try_step, [4, 2, 1])
     with pytest.raises(ValueError, match="not an oom"):  # other errors are not swallowed
         memory.probe_micro_batch(lambda b: (_ for _ in ()).throw(ValueError("not an oom")), [2, 1])
-
-
-def test_fake_oom_hook_raises_what_cuda_raises(monkeypatch):
-    monkeypatch.setenv(memory.FAKE_OOM_ENV, "8")
-    memory.maybe_fake_oom(8)
-    with pytest.raises(torch.cuda.OutOfMemoryError):
-        memory.maybe_fake_oom(16)
-    monkeypatch.delenv(memory.FAKE_OOM_ENV)
-    memory.maybe_fake_oom(10**6)
 
 
 def test_is_oom_tells_out_of_memory_from_other_errors():

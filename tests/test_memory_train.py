@@ -3,15 +3,31 @@ fit, batch_size='auto' (from the plan, and by probing), and the runtime out-of-m
 micro-batch and re-runs the step. Out-of-memory is simulated (GPT_FAKE_OOM_ABOVE or a patched hook)."""
 import pytest
 import torch
+from test_train import TINY, data_dir, metrics, run, train_losses  # noqa: F401  (data_dir is a fixture)
 
 import memory
 import train
 from checkpoint import load_checkpoint
 from config import ConfigError, make_config, model_config, parse_args
-from test_train import TINY, data_dir, metrics, run, train_losses  # noqa: F401  (data_dir is a fixture)
+from model import GPT
 
 PLAN_PREFIX = "estimated peak memory per rank: "
 STEPS = ["--max_steps=5", "--eval_interval=0", "--save_interval=0"]
+
+
+def oom_above(monkeypatch, limit, calls=None, oom_at_call=None):
+    """From now on the model's training forward raises the out-of-memory CUDA raises: above micro-batch `limit`,
+    or at the oom_at_call-th call (counted in `calls`, which records each call's micro-batch)."""
+    forward = GPT.forward
+
+    def failing(self, idx, *args, **kwargs):
+        if calls is not None and torch.is_grad_enabled():
+            calls.append(idx.shape[0])
+        if torch.is_grad_enabled() and ((limit is not None and idx.shape[0] > limit) or
+                                        (oom_at_call is not None and len(calls) == oom_at_call)):
+            raise torch.OutOfMemoryError(f"simulated: micro-batch {idx.shape[0]}")
+        return forward(self, idx, *args, **kwargs)
+    monkeypatch.setattr(GPT, "forward", failing)
 
 
 def tiny_plan(batch_size):
@@ -30,7 +46,7 @@ def test_plan_line_is_printed_before_the_model_is_built(data_dir, tmp_path, caps
 
 def test_a_config_that_cannot_fit_is_refused_before_anything_is_allocated(data_dir, tmp_path, monkeypatch, capsys):
     available = (tiny_plan(2).total + tiny_plan(4).total) // 2  # micro-batch 2 fits, 4 (TINY's) does not
-    monkeypatch.setattr(train, "available_memory", lambda device: (available, "fake: tiny"))
+    monkeypatch.setattr(memory, "available_memory", lambda device: (available, "fake: tiny"))
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("allocated before the refusal")
@@ -71,7 +87,7 @@ def test_auto_from_the_plan_then_simulated_oom_ends_at_the_right_size(data_dir, 
     """CPU: the plan picks all 16 rows per micro-batch; the simulated out-of-memory above 4 halves it twice in
     step 1, which is re-run: the run equals one at micro-batch 4 from the start, bit for bit."""
     assert run(data_dir, tmp_path / "fixed", *STEPS, "--batch_size=4", "--total_batch_size=256") == 0
-    monkeypatch.setenv(memory.FAKE_OOM_ENV, "4")
+    oom_above(monkeypatch, 4)
     assert run(data_dir, tmp_path / "auto", *STEPS, "--batch_size=auto", "--total_batch_size=256") == 0
     out = capsys.readouterr().out
     assert "batch_size='auto': micro-batch 16 x 1 accumulation steps" in out
@@ -87,8 +103,8 @@ def test_auto_by_probing_ends_at_the_right_size(data_dir, tmp_path, monkeypatch,
     the probe leaves weights, gradients and RNGs as they were (dropout on: its masks would tell)."""
     args = [*STEPS, "--total_batch_size=256", "--dropout=0.1"]
     assert run(data_dir, tmp_path / "fixed", *args, "--batch_size=4") == 0
-    monkeypatch.setattr(train, "PROBED_KINDS", ("cpu",))
-    monkeypatch.setenv(memory.FAKE_OOM_ENV, "4")
+    monkeypatch.setattr(memory, "PROBED_KINDS", ("cpu",))
+    oom_above(monkeypatch, 4)
     assert run(data_dir, tmp_path / "auto", *args, "--batch_size=auto") == 0
     out = capsys.readouterr().out
     assert "batch_size='auto': micro-batch 4: the largest that ran forward+backward (out of memory at 16, 8)" in out
@@ -102,12 +118,7 @@ def test_runtime_oom_mid_step_reruns_the_step_with_the_same_data(data_dir, tmp_p
     4 x 4, nothing skipped or repeated: the losses equal a run at 4 x 4 from the start (up to summation order)."""
     assert run(data_dir, tmp_path / "small", *STEPS, "--batch_size=4", "--total_batch_size=256") == 0
     calls = []
-
-    def oom_in_step_3(batch_size, fake_oom_above=None):
-        calls.append(batch_size)
-        if len(calls) == 6:  # steps 1 and 2 took 2 micro-batches each
-            raise torch.OutOfMemoryError("simulated")
-    monkeypatch.setattr(train, "maybe_fake_oom", oom_in_step_3)
+    oom_above(monkeypatch, None, calls, oom_at_call=6)  # steps 1 and 2 took 2 micro-batches each
     assert run(data_dir, tmp_path / "halved", *STEPS, "--batch_size=8", "--total_batch_size=256") == 0
     assert calls == [8] * 6 + [4] * 12
     out = capsys.readouterr().out
@@ -120,7 +131,7 @@ def test_runtime_oom_mid_step_reruns_the_step_with_the_same_data(data_dir, tmp_p
 
 
 def test_oom_at_micro_batch_1_stops_with_one_line_naming_settings(data_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv(memory.FAKE_OOM_ENV, "0")
+    oom_above(monkeypatch, 0)
     with pytest.raises(SystemExit) as exit_:
         run(data_dir, tmp_path, *STEPS, "--batch_size=2")
     assert exit_.value.code == 1

@@ -3,13 +3,14 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
+import hf as hf_io
 import model as M
-from model import GPT, GPTConfig
+from hf import from_pretrained, save_pretrained
+from model import GPT, PRESETS, GPTConfig
 
-CONV1D = M.CONV1D_WEIGHTS
+CONV1D = hf_io.CONV1D_WEIGHTS
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -85,7 +86,7 @@ def test_import_matches_hf_logits_and_loss(tmp_path, layout):
             sd[f"h.{i}.attn.bias"] = torch.ones(1, 1, 32, 32).tril()
             sd[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
         torch.save(sd, tmp_path / "pytorch_model.bin")
-    ours = GPT.from_pretrained(str(tmp_path)).eval()
+    ours = from_pretrained(str(tmp_path)).eval()
     assert ours.config.vocab_size == 50257 and ours.config.block_size == 32 and ours.config.n_layer == 2
 
     idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -101,7 +102,7 @@ def test_import_matches_hf_logits_and_loss(tmp_path, layout):
 @pytest.mark.parametrize("bias", [True, False])
 def test_export_matches_hf_and_drops_vocab_padding(tmp_path, bias):
     ours = perturb_(small_gpt(vocab_size=50304, bias=bias))
-    ours.save_pretrained(str(tmp_path))
+    save_pretrained(ours, str(tmp_path))
     hf = GPT2LMHeadModel.from_pretrained(tmp_path, attn_implementation="eager").eval()
     assert hf.config.vocab_size == 50257 and hf.config.n_positions == 32
 
@@ -109,7 +110,7 @@ def test_export_matches_hf_and_drops_vocab_padding(tmp_path, bias):
     with torch.no_grad():
         logits, _ = ours(idx, shifted_targets(idx))
         ref = hf(idx).logits
-        back, _ = GPT.from_pretrained(str(tmp_path)).eval()(idx, shifted_targets(idx))
+        back, _ = from_pretrained(str(tmp_path)).eval()(idx, shifted_targets(idx))
     logit_diff = (logits[..., :50257] - ref).abs().max().item()
     print(f"export parity (bias={bias}): max abs logit diff {logit_diff:.2e}")
     assert logit_diff <= 1e-5
@@ -118,18 +119,18 @@ def test_export_matches_hf_and_drops_vocab_padding(tmp_path, bias):
 
 def test_from_pretrained_errors_are_clear(tmp_path):
     with pytest.raises(ValueError, match="neither a directory"):
-        GPT.from_pretrained(str(tmp_path / "nope"))
+        from_pretrained(str(tmp_path / "nope"))
     with pytest.raises(FileNotFoundError, match="config.json"):
-        GPT.from_pretrained(str(tmp_path))
+        from_pretrained(str(tmp_path))
     hf_gpt().config.save_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
-        GPT.from_pretrained(str(tmp_path))
+        from_pretrained(str(tmp_path))
 
 
 def test_adamw_step_matches_hf_plus_torch_adamw(tmp_path):
     hf = hf_gpt()
     hf.save_pretrained(tmp_path)
-    ours = GPT.from_pretrained(str(tmp_path))
+    ours = from_pretrained(str(tmp_path))
     hf.train(), ours.train()
     lr, wd, betas = 1e-3, 0.1, (0.9, 0.95)  # decaying a LayerNorm weight by mistake moves it ~1e-4
     params = list(hf.parameters())  # tied wte/lm_head appears once
@@ -261,17 +262,6 @@ def test_activation_checkpointing_gives_identical_gradients(monkeypatch):
     assert (plain_calls, ckpt_calls) == (2, 4)  # 2 blocks; each really was recomputed in backward
     for name in plain:
         assert torch.allclose(plain[name], ckpt[name], atol=1e-7, rtol=0), name
-
-
-def test_manual_attention_matches_sdpa():
-    model = perturb_(small_gpt())
-    idx = torch.randint(0, 96, (2, 16))
-    with torch.no_grad():
-        ref, _ = model(idx, idx)
-        for block in model.transformer.h:
-            block.attn.use_sdpa = False
-        manual, _ = model(idx, idx)
-    assert (ref - manual).abs().max() <= 1e-5
 
 
 # ----------------------------------------------------------------------------- rotary
@@ -468,14 +458,14 @@ def test_generate_rejects_bad_sampling_arguments():
                                            ("gpt2-large", 774_030_080), ("gpt2-xl", 1_557_611_200)])
 def test_gpt2_presets_have_the_published_parameter_counts(name, expected):
     with torch.device("meta"):  # shapes only, no memory
-        model = GPT(GPTConfig.from_preset(name, vocab_size=50257))
+        model = GPT(GPTConfig(**{**PRESETS[name], **dict(vocab_size=50257)}))
     assert model.num_params() == expected  # GPT2LMHeadModel's counts for the OpenAI checkpoints
 
 
 @pytest.mark.parametrize("name,size", [("gpt3-125m", 125e6), ("gpt3-350m", 350e6), ("gpt3-760m", 760e6),
                                        ("gpt3-1.3b", 1.3e9)])
 def test_gpt3_presets_match_their_names(name, size):
-    cfg = GPTConfig.from_preset(name)
+    cfg = GPTConfig(**PRESETS[name])
     with torch.device("meta"):
         model = GPT(cfg)
     assert cfg.block_size == 2048 and cfg.vocab_size == 50304
@@ -483,11 +473,11 @@ def test_gpt3_presets_match_their_names(name, size):
 
 
 def test_preset_errors_and_overrides():
-    assert GPTConfig.from_preset("gpt2", dropout=0.1, rotary_pct=0.25).dropout == 0.1
-    with pytest.raises(ValueError, match="unknown preset"):
-        GPTConfig.from_preset("gpt5")
-    with pytest.raises(ValueError, match="unknown field"):
-        GPTConfig.from_preset("gpt2", n_embed=12)
+    from config import ConfigError, make_config
+    cfg = make_config({"preset": "gpt2", "dropout": 0.1, "rotary_pct": 0.25})  # config.py resolves presets
+    assert (cfg.n_layer, cfg.n_embd, cfg.dropout, cfg.rotary_pct) == (12, 768, 0.1, 0.25)
+    with pytest.raises(ConfigError, match="config key 'preset' must be one of"):
+        make_config({"preset": "gpt5"})
     with pytest.raises(ValueError, match="divisible"):
         GPTConfig(n_embd=30, n_head=4)
 

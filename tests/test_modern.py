@@ -10,13 +10,14 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from test_train import ROOT, TINY, data_dir, metrics, run, subprocess_env, train_losses  # noqa: F401 (fixture)
 
 import checkpoint
+import optim
 import train
 from checkpoint import load_checkpoint
 from config import ConfigError, TrainConfig, make_config, model_config, parse_args
 from model import GPT
-from test_train import ROOT, TINY, data_dir, metrics, run, subprocess_env, train_losses  # noqa: F401 (fixture)
 
 MUON = ["--optimizer=muon", "--muon_lr=0.03"]
 MODERN = str(ROOT / "configs" / "modern.py")
@@ -25,9 +26,8 @@ MODERN = str(ROOT / "configs" / "modern.py")
 def tiny_setup(**keys):
     cfg = make_config({"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 64,
                        "learning_rate": 3e-3, "min_lr": 3e-4, "optimizer": "muon", "muon_lr": 0.03, **keys})
-    env = train.Env(0, 0, 1, False, "cpu", "float32")
     model = GPT(model_config(cfg))
-    return model, train.build_optimizer(model, cfg, env), cfg
+    return model, optim.build_optimizer(model, cfg), cfg
 
 
 def test_muon_trains_the_hidden_matrices_and_adamw_the_rest():
@@ -45,7 +45,7 @@ def test_muon_trains_the_hidden_matrices_and_adamw_the_rest():
     assert [g["lr"] for g in opt.muon.param_groups] == [0.03]
     assert [(g["lr"], g["weight_decay"]) for g in opt.adamw.param_groups] == [(3e-3, cfg.weight_decay), (3e-3, 0.0)]
     assert all(p.dim() == 2 for g in opt.adamw.param_groups[:1] for p in g["params"])  # decay: embeddings only
-    train.set_lr(opt, 1e-3, cfg)  # a third of the peak: both optimizers follow the schedule alike
+    optim.set_lr(opt, 1e-3, cfg)  # a third of the peak: both optimizers follow the schedule alike
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.01, 1e-3, 1e-3])
     _, plain, _ = tiny_setup(optimizer="adamw")
     assert type(plain) is torch.optim.AdamW  # the default is unchanged

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_model import perturb_, shifted_targets, single_thread, small_gpt  # noqa: F401  (autouse fixture)
 from transformers import GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 
+import hf as hf_io
 import model as M
-from model import GPT, GPTConfig
-from test_model import perturb_, shifted_targets, single_thread, small_gpt  # noqa: F401  (autouse fixture)
+from hf import from_pretrained, save_pretrained
+from model import GPT, PRESETS, GPTConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHIA_LIKE = dict(rotary_pct=0.25, parallel_residual=True, tie_embeddings=False, activation="gelu")
@@ -30,10 +32,10 @@ def ours_vs_hf_params(ours: GPT, hf: GPTNeoXForCausalLM, grads=False) -> float:
     """Max abs difference of every parameter (or its gradient) against the HF model, names and QKV layout mapped."""
     hf_params, diff = dict(hf.named_parameters()), 0.0
     for k, p in ours.named_parameters():
-        name = M._hf_name(k, neox=True)
+        name = hf_io._hf_name(k, neox=True)
         ref = hf_params["lm_head.weight" if name == "embed_out.weight" else name]
         ref = ref.grad if grads else ref
-        ref = M._qkv_from_neox(ref, ours.config.n_head) if ".c_attn." in k else ref
+        ref = hf_io._qkv_from_neox(ref, ours.config.n_head) if ".c_attn." in k else ref
         diff = max(diff, ((p.grad if grads else p) - ref).abs().max().item())
     return diff
 
@@ -47,7 +49,7 @@ CASES = [(0.25, True), (0.25, False), (1.0, True), (1.0, False)]  # rotary_pct, 
 def test_neox_import_matches_hf_logits_and_loss(tmp_path, rotary_pct, parallel):
     hf = hf_neox(rotary_pct, parallel)
     hf.save_pretrained(tmp_path)  # transformers 5 writes rope_parameters, not rotary_pct
-    ours = GPT.from_pretrained(str(tmp_path)).eval()
+    ours = from_pretrained(str(tmp_path)).eval()
     cfg = ours.config
     assert (cfg.rotary_pct, cfg.parallel_residual, cfg.tie_embeddings, cfg.activation) == (
         rotary_pct, parallel, False, "gelu")
@@ -65,7 +67,7 @@ def test_neox_import_matches_hf_logits_and_loss(tmp_path, rotary_pct, parallel):
 @pytest.mark.parametrize("rotary_pct,parallel", CASES)
 def test_neox_export_matches_hf_and_round_trips(tmp_path, rotary_pct, parallel):
     ours = perturb_(small_gpt(**{**PYTHIA_LIKE, "rotary_pct": rotary_pct, "parallel_residual": parallel}))
-    ours.save_pretrained(str(tmp_path))
+    save_pretrained(ours, str(tmp_path))
     hf = GPTNeoXForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     assert hf.config.use_parallel_residual is parallel and not hf.config.tie_word_embeddings
 
@@ -73,7 +75,7 @@ def test_neox_export_matches_hf_and_round_trips(tmp_path, rotary_pct, parallel):
     with torch.no_grad():
         logits, _ = ours(idx, shifted_targets(idx))
         ref = hf(idx).logits
-        back, _ = GPT.from_pretrained(str(tmp_path)).eval()(idx, shifted_targets(idx))
+        back, _ = from_pretrained(str(tmp_path)).eval()(idx, shifted_targets(idx))
     diff = (logits - ref).abs().max().item()
     print(f"GPT-NeoX export parity (rotary_pct={rotary_pct}, parallel={parallel}): max abs logit diff {diff:.2e}")
     assert diff <= 1e-4
@@ -84,11 +86,11 @@ def test_neox_export_matches_hf_and_round_trips(tmp_path, rotary_pct, parallel):
 def test_neox_tied_head_both_ways(tmp_path, direction):
     if direction == "import":
         hf_neox(tied=True).save_pretrained(tmp_path)
-        ours = GPT.from_pretrained(str(tmp_path)).eval()
+        ours = from_pretrained(str(tmp_path)).eval()
         assert ours.config.tie_embeddings and ours.lm_head.weight is ours.transformer.wte.weight
     else:
         ours = perturb_(small_gpt(**{**PYTHIA_LIKE, "tie_embeddings": True}))
-        ours.save_pretrained(str(tmp_path))
+        save_pretrained(ours, str(tmp_path))
     hf = GPTNeoXForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     assert hf.config.tie_word_embeddings
     idx = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -115,7 +117,7 @@ def test_neox_import_reads_pythia_hub_files(tmp_path):
     index = {"weight_map": {k: file for file, keys in shards.items() for k in keys}}
     (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps(index))
 
-    ours = GPT.from_pretrained(str(tmp_path)).eval()
+    ours = from_pretrained(str(tmp_path)).eval()
     assert ours.config.rotary_base == 500.0 and ours.config.rot_dim == 8
     idx = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -131,13 +133,13 @@ def test_neox_import_errors_are_clear(tmp_path):
                               ("model_type", "llama", "model_type='llama'")):
         (tmp_path / "config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(ValueError, match=match):
-            GPT.from_pretrained(str(tmp_path))
+            from_pretrained(str(tmp_path))
 
 
 def test_neox_adamw_step_matches_hf_plus_torch_adamw(tmp_path):
     hf = hf_neox(rotary_pct=0.25, parallel=True)
     hf.save_pretrained(tmp_path)
-    ours = GPT.from_pretrained(str(tmp_path))
+    ours = from_pretrained(str(tmp_path))
     hf.train(), ours.train()
     lr, wd, betas = 1e-3, 0.1, (0.9, 0.95)
     params = list(hf.parameters())
@@ -171,12 +173,12 @@ def test_neox_adamw_step_matches_hf_plus_torch_adamw(tmp_path):
                                      dict(layer_norm_eps=1e-6, zero_init_proj=True)], ids=str)
 def test_gpt2_export_of_options_matches_hf(tmp_path, options):
     ours = perturb_(small_gpt(vocab_size=50304, **options))
-    ours.save_pretrained(str(tmp_path))
+    save_pretrained(ours, str(tmp_path))
     hf = GPT2LMHeadModel.from_pretrained(tmp_path, attn_implementation="eager").eval()
     idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits, _ = ours(idx, shifted_targets(idx))
-        back = GPT.from_pretrained(str(tmp_path)).eval()
+        back = from_pretrained(str(tmp_path)).eval()
         back_logits, _ = back(idx, shifted_targets(idx))
         assert (logits[..., :50257] - hf(idx).logits).abs().max() <= 1e-5
     assert torch.equal(back_logits, logits[..., :50257])
@@ -188,7 +190,7 @@ def test_gpt2_export_of_options_matches_hf(tmp_path, options):
                                            (dict(parallel_residual=True), "parallel_residual")], ids=str)
 def test_export_of_unrepresentable_models_is_refused(tmp_path, options, match):
     with pytest.raises(ValueError, match=match) as err:
-        small_gpt(**options).save_pretrained(str(tmp_path))
+        save_pretrained(small_gpt(**options), str(tmp_path))
     assert "\n" not in str(err.value) and not (tmp_path / "config.json").exists()
 
 
@@ -368,7 +370,7 @@ PUBLISHED = {  # total parameters of the released checkpoints (Pythia model card
 
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_neox_presets_have_the_published_parameter_counts(name):
-    cfg = GPTConfig.from_preset(name)
+    cfg = GPTConfig(**PRESETS[name])
     assert (cfg.block_size, cfg.rotary_pct, cfg.parallel_residual, cfg.tie_embeddings, cfg.activation) == (
         2048, 0.25, True, False, "gelu")
     with torch.device("meta"):
@@ -407,10 +409,11 @@ def test_every_preset_is_a_valid_full_config():
 def test_neox_hf_dir_fine_tunes_resumes_exactly_and_samples(tmp_path):
     """init_from=<a GPT-NeoX HF dir> trains (parallel residual, untied head), resumes bit-exactly, and its
     checkpoint loads in sample.py's loader and generates."""
+    from test_train import markov_tokens
+
     import checkpoint
     import train
     from data import write_shard
-    from test_train import markov_tokens
 
     data = tmp_path / "data"
     write_shard(data / "tiny_train_000000.bin", markov_tokens(30_000, seed=1))

@@ -11,6 +11,7 @@ import torch
 
 from assets import HFTokenizer, get_tokenizer, load_tokenizer
 from checkpoint import save_checkpoint
+from hf import from_pretrained, save_pretrained
 from model import GPT, GPTConfig
 from sample import SEPARATOR, main, read_prompt, stream_samples
 
@@ -185,7 +186,7 @@ def hf_dir_with_tokenizer(byte_level_tokenizer_json, tmp_path_factory):
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=64, vocab_size=enc.n_vocab, n_layer=2, n_head=2, n_embd=32))
     path = tmp_path_factory.mktemp("hf_with_tokenizer")
-    model.save_pretrained(path)
+    save_pretrained(model, path)
     shutil.copy(byte_level_tokenizer_json, path / "tokenizer.json")
     return path
 
@@ -193,7 +194,7 @@ def hf_dir_with_tokenizer(byte_level_tokenizer_json, tmp_path_factory):
 def test_model_dir_with_tokenizer_json_samples_with_that_tokenizer(hf_dir_with_tokenizer, tmp_path, capsys):
     enc = load_tokenizer(hf_dir_with_tokenizer)
     assert isinstance(enc, HFTokenizer)
-    model = GPT.from_pretrained(str(hf_dir_with_tokenizer)).eval()
+    model = from_pretrained(str(hf_dir_with_tokenizer)).eval()
     prompt = "Once upon a time, naïve 😀"
     idx = torch.tensor([enc.encode(prompt)])
     expected = prompt + enc.decode(model.generate(idx, 20, temperature=0)[0, idx.shape[1]:].tolist())

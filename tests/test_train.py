@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ import torch
 import checkpoint
 import config
 import model as model_module
+import parallel
 import train
 from checkpoint import latest_checkpoint, load_checkpoint
 from config import ConfigError, TrainConfig, make_config, parse_args
@@ -728,18 +730,18 @@ def test_out_dir_not_shared_by_every_node_is_a_one_line_error_on_each_node(data_
 def test_process_group_timeout_is_the_config_key(monkeypatch):
     """A slow rank-0 save must not outlast the collective timeout the other ranks wait under."""
     calls = []
-    monkeypatch.setattr(train.dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(parallel.dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    env = train.setup(make_config({"device": "cpu", "dtype": "float32", "dist_timeout_minutes": 45}))
-    assert env.distributed and calls == [{"backend": "gloo", "timeout": train.timedelta(minutes=45)}]
+    env = parallel.setup(make_config({"device": "cpu", "dtype": "float32", "dist_timeout_minutes": 45}))
+    assert env.distributed and calls == [{"backend": "gloo", "timeout": timedelta(minutes=45)}]
     assert TrainConfig().dist_timeout_minutes == 30
     with pytest.raises(ConfigError, match="'dist_timeout_minutes' must be > 0; got 0"):
         make_config({"dist_timeout_minutes": 0})
 
 
 def test_span_of_ranks():
-    assert train.span([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and train.span([3]) == "3"
+    assert parallel.span([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and parallel.span([3]) == "3"
 
 
 # ----------------------------------------------------------------------------- plot_metrics.py

@@ -1,0 +1,265 @@
+"""Hugging Face import and export: the one place that knows transformers' file layout and key names (as
+torchtitan's state-dict adapters). from_pretrained() reads a local GPT-2 (`GPT2LMHeadModel`) or GPT-NeoX
+(`GPTNeoXForCausalLM`, the Pythia checkpoints) directory, or a GPT-2 hub name; save_pretrained() writes one
+that transformers loads.
+
+Our parameter names are GPT-2's (transformer.wte, transformer.h.N.attn.c_attn, ...), so GPT-2 is a key-by-key
+copy plus a transpose of the four Conv1D weights (HF stores them (in, out); nn.Linear stores (out, in)).
+GPT-NeoX is the same network with other names, an interleaved per-head QKV layout, rotary positions, a parallel
+residual and an untied output head: all options of GPTConfig.
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import assets
+from assets import EOT
+from model import GPT, GPT2_VOCAB, HUB_NAMES, GPTConfig
+
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu2": "relu2"}
+NEOX_LAYER_NAMES = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
+                    "attn.c_attn": "attention.query_key_value", "attn.c_proj": "attention.dense",
+                    "mlp.c_fc": "mlp.dense_h_to_4h", "mlp.c_proj": "mlp.dense_4h_to_h"}
+
+
+def from_pretrained(name_or_dir: str, **overrides) -> GPT:
+    """Weights in Hugging Face format: a local dir (config.json + model.safetensors or pytorch_model.bin, or
+    their sharded *.index.json) holding a GPT-2 (model_type 'gpt2') or GPT-NeoX / Pythia ('gpt_neox') model,
+    or a GPT-2 hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl; needs internet). overrides: dropout,
+    activation_checkpointing."""
+    if bad := set(overrides) - {"dropout", "activation_checkpointing"}:
+        raise ValueError(f"from_pretrained: cannot override {sorted(bad)}; "
+                         "only dropout and activation_checkpointing")
+    path = Path(name_or_dir)
+    if not path.is_dir():
+        if name_or_dir not in HUB_NAMES:
+            raise ValueError(f"from_pretrained: {name_or_dir!r} is neither a directory nor one of {HUB_NAMES}")
+        path = _download_from_hub(name_or_dir)
+    hf, file = _read_hf_config(path), path / "config.json"
+    neox = hf.get("model_type") == "gpt_neox"
+    model = GPT(GPTConfig(**(_neox_config if neox else _gpt2_config)(hf, file), **overrides))
+    theirs = _read_hf_weights(path)
+    if neox:  # transformers >= 5 names the head lm_head; the Pythia checkpoints call it embed_out
+        theirs = {("embed_out.weight" if k == "lm_head.weight" else k): v for k, v in theirs.items()
+                  if not k.endswith(("attention.bias", "attention.masked_bias", "rotary_emb.inv_freq"))}
+        head = "embed_out.weight"
+    else:  # the OpenAI hub files have no "transformer." prefix, no lm_head and causal-mask buffers
+        theirs = {(k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v
+                  for k, v in theirs.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+        head = "lm_head.weight"
+    ours = model.state_dict()
+    if model.config.tie_embeddings:
+        ours.pop("lm_head.weight")  # it is wte
+        embed, lm_head = theirs.get(_hf_name("transformer.wte.weight", neox)), theirs.pop(head, None)
+        if lm_head is not None and embed is not None and not torch.equal(lm_head, embed):
+            raise ValueError(f"from_pretrained: {path}: {head} differs from the input embedding, "
+                             f"but {file} says tie_word_embeddings=true")
+    names = {_hf_name(k, neox): k for k in ours}  # theirs -> ours
+    missing, unexpected = sorted(set(names) - set(theirs)), sorted(set(theirs) - set(names))
+    if missing or unexpected:
+        raise ValueError(f"from_pretrained: {path}: missing keys {missing[:5]}, "
+                         f"unexpected keys {unexpected[:5]}")
+    with torch.no_grad():
+        for name, v in theirs.items():
+            k = names[name]
+            v = _qkv_from_neox(v, model.config.n_head) if neox and ".c_attn." in k else (
+                v.t() if not neox and k.endswith(CONV1D_WEIGHTS) else v)
+            if v.shape != ours[k].shape:
+                raise ValueError(f"from_pretrained: {path}: {name} has shape {tuple(v.shape)}, "
+                                 f"expected {tuple(ours[k].shape)}")
+            ours[k].copy_(v)
+    return model
+
+def save_pretrained(model: GPT, out_dir: str, tokenizer_dir: str | None = None, chat_template: str | None = None) -> None:
+    """Write config.json + model.safetensors that transformers loads: a GPT2LMHeadModel for learned positions
+    (rotary_pct=None), a GPTNeoXForCausalLM (Pythia layout) for rotary ones. bias=False is written as zero
+    biases; zero_init_proj and dropout need nothing. qk_norm, and a parallel residual with learned positions,
+    exist in neither (ValueError). With them the tokenizer (assets.save_tokenizer: tokenizer_dir's own
+    tokenizer.json if it has one, else GPT-2's; skipped, with a note, for a vocabulary too small for GPT-2's)
+    and generation_config.json with its <|endoftext|> id as eos."""
+    cfg = model.config
+    if cfg.qk_norm:
+        raise ValueError("save_pretrained: qk_norm=True has no Hugging Face GPT-2 or GPT-NeoX equivalent "
+                         "(neither normalises queries and keys); export needs qk_norm=False")
+    if cfg.rotary_pct is None and cfg.parallel_residual:
+        raise ValueError("save_pretrained: parallel_residual=True with learned positions (rotary_pct=None) "
+                         "fits neither GPT-2 (sequential residual) nor GPT-NeoX (rotary only)")
+    try:
+        from safetensors.torch import save_file
+    except ImportError as e:
+        raise ImportError("save_pretrained needs the safetensors package: pip install safetensors") from e
+    neox = cfg.rotary_pct is not None
+    # GPT-2 files hold the real vocabulary only; GPT-NeoX checkpoints keep their padded one (as Pythia's do)
+    vocab = GPT2_VOCAB if not neox and cfg.vocab_size > GPT2_VOCAB else cfg.vocab_size
+    sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if cfg.tie_embeddings:
+        sd.pop("lm_head.weight")  # transformers re-ties it to the input embedding
+    if not cfg.bias:  # both have biases everywhere: bias=False is the same model with zero biases
+        for k, v in list(sd.items()):
+            if k.startswith("transformer.h.") or k.startswith("transformer.ln_f."):
+                sd[k[:-len("weight")] + "bias"] = torch.zeros(v.shape[0], dtype=v.dtype)
+    tensors = {}
+    for k, v in sd.items():
+        if neox and ".c_attn." in k:
+            v = _qkv_to_neox(v, cfg.n_head)
+        elif not neox and k.endswith(CONV1D_WEIGHTS):
+            v = v.t()
+        elif k in ("transformer.wte.weight", "lm_head.weight"):
+            v = v[:vocab]
+        # safetensors needs contiguous tensors that share no memory
+        tensors[_hf_name(k, neox)] = v.clone(memory_format=torch.contiguous_format)
+    out = Path(out_dir)
+    if vocab > EOT or (tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file()):
+        eos = assets.save_tokenizer(out, tokenizer_dir, chat_template, model_max_length=cfg.block_size)
+    else:
+        eos = None
+        print(f"note: {out}: no tokenizer written: vocab_size {vocab} is smaller than GPT-2's {GPT2_VOCAB}",
+              file=sys.stderr)
+    eos = vocab - 1 if eos is None else eos
+    act = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu2": "relu2"}[cfg.activation]
+    if neox:
+        hf_config = {
+            "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "vocab_size": vocab,
+            "max_position_embeddings": cfg.block_size, "hidden_size": cfg.n_embd,
+            "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
+            "intermediate_size": 4 * cfg.n_embd, "hidden_act": act, "rotary_pct": cfg.rotary_pct,
+            "rotary_emb_base": cfg.rotary_base, "use_parallel_residual": cfg.parallel_residual,
+            "layer_norm_eps": cfg.layer_norm_eps, "attention_dropout": cfg.dropout,
+            "hidden_dropout": cfg.dropout, "attention_bias": True, "initializer_range": 0.02,
+            "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True, "bos_token_id": eos,
+            "eos_token_id": eos,
+        }
+    else:
+        hf_config = {
+            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab,
+            "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd,
+            "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None, "activation_function": act,
+            "layer_norm_epsilon": cfg.layer_norm_eps, "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
+            "attn_pdrop": cfg.dropout, "initializer_range": 0.02, "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+            "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True, "bos_token_id": eos,
+            "eos_token_id": eos,
+        }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eos, "eos_token_id": eos}) + "\n")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _hf_name(name: str, neox: bool) -> str:
+    """Our parameter name -> its Hugging Face name: GPT-2's is the same; GPT-NeoX's as in the Pythia checkpoints."""
+    if not neox:
+        return name
+    if name == "lm_head.weight":
+        return "embed_out.weight"
+    part = name.split(".")  # transformer.wte.weight | transformer.ln_f.bias | transformer.h.3.attn.c_attn.weight
+    if part[1] == "h":
+        return f"gpt_neox.layers.{part[2]}.{NEOX_LAYER_NAMES['.'.join(part[3:-1])]}.{part[-1]}"
+    return f"gpt_neox.{ {'wte': 'embed_in', 'ln_f': 'final_layer_norm'}[part[1]] }.{part[-1]}"
+
+
+def _qkv_from_neox(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """GPT-NeoX's fused QKV rows (3C, ...) are interleaved per head [q_0 k_0 v_0 q_1 ...]; ours are [q | k | v]."""
+    return t.unflatten(0, (n_head, 3, -1)).transpose(0, 1).flatten(0, 2)
+
+
+def _qkv_to_neox(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    return t.unflatten(0, (3, n_head, -1)).transpose(0, 1).flatten(0, 2)
+
+
+def _download_from_hub(name: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:
+        raise ImportError(f"GPT.from_pretrained({name!r}) needs huggingface_hub (pip install huggingface_hub) "
+                          "or a local directory with config.json + model.safetensors") from e
+    return Path(snapshot_download(f"openai-community/{name}", allow_patterns=["config.json", "model.safetensors"]))
+
+
+def _read_hf_config(path: Path) -> dict:
+    file = path / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"GPT.from_pretrained: {file} not found; expected a Hugging Face GPT-2 or "
+                                "GPT-NeoX directory")
+    hf = json.loads(file.read_text())
+    if hf.setdefault("model_type", "gpt2") not in ("gpt2", "gpt_neox"):
+        raise ValueError(f"GPT.from_pretrained: {file}: model_type={hf['model_type']!r}, expected 'gpt2' or 'gpt_neox'")
+    return hf
+
+
+_REQUIRED = object()
+
+
+def _hf_get(hf: dict, file: Path, key: str, default=_REQUIRED, allowed=None):
+    """hf[key] (default when absent, ValueError when absent without one), checked against allowed values."""
+    if key not in hf and default is _REQUIRED:
+        raise ValueError(f"GPT.from_pretrained: {file} has no {key!r}")
+    value = hf.get(key, default)
+    if allowed is not None and value not in allowed:
+        raise ValueError(f"GPT.from_pretrained: {file}: {key}={value!r}, expected one of {list(allowed)}")
+    return value
+
+
+def _gpt2_config(hf: dict, file: Path) -> dict:
+    """GPTConfig keywords of a GPT2LMHeadModel config.json."""
+    n_embd = _hf_get(hf, file, "n_embd")
+    _hf_get(hf, file, "n_inner", None, (None, 4 * n_embd))
+    for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                      ("reorder_and_upcast_attn", False)):
+        _hf_get(hf, file, key, want, (want,))
+    return dict(block_size=_hf_get(hf, file, "n_positions"), vocab_size=_hf_get(hf, file, "vocab_size"),
+                n_layer=_hf_get(hf, file, "n_layer"), n_head=_hf_get(hf, file, "n_head"), n_embd=n_embd, bias=True,
+                activation=HF_ACTIVATIONS[_hf_get(hf, file, "activation_function", "gelu_new", HF_ACTIVATIONS)],
+                layer_norm_eps=float(_hf_get(hf, file, "layer_norm_epsilon", 1e-5)),
+                tie_embeddings=_hf_get(hf, file, "tie_word_embeddings", True, (True, False)))
+
+
+def _neox_config(hf: dict, file: Path) -> dict:
+    """GPTConfig keywords of a GPTNeoXForCausalLM config.json (transformers 4 or 5 spelling of the rotary keys)."""
+    n_embd = _hf_get(hf, file, "hidden_size")
+    _hf_get(hf, file, "intermediate_size", 4 * n_embd, (4 * n_embd,))
+    _hf_get(hf, file, "attention_bias", True, (True,))
+    # transformers 5 writes rope_parameters; 4.x wrote rotary_pct / rotary_emb_base (later also rope_theta,
+    # partial_rotary_factor, rope_scaling). Only plain rotary (no scaling) is this model's.
+    rope = {**hf, **(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    _hf_get(rope, file, "rope_type", rope.get("type", "default"), ("default",))
+    pct = rope.get("partial_rotary_factor", hf.get("rotary_pct", 0.25))
+    base = rope.get("rope_theta", hf.get("rotary_emb_base", 10000.0))
+    return dict(block_size=_hf_get(hf, file, "max_position_embeddings"), vocab_size=_hf_get(hf, file, "vocab_size"),
+                n_layer=_hf_get(hf, file, "num_hidden_layers"), n_head=_hf_get(hf, file, "num_attention_heads"),
+                n_embd=n_embd, bias=True, rotary_pct=float(pct), rotary_base=float(base),
+                parallel_residual=_hf_get(hf, file, "use_parallel_residual", True, (True, False)),
+                tie_embeddings=_hf_get(hf, file, "tie_word_embeddings", False, (True, False)),
+                activation=HF_ACTIVATIONS[_hf_get(hf, file, "hidden_act", "gelu", HF_ACTIVATIONS)],
+                layer_norm_eps=float(_hf_get(hf, file, "layer_norm_eps", 1e-5)))
+
+
+def _read_hf_weights(path: Path) -> dict:
+    """{name: tensor} from model.safetensors or pytorch_model.bin, whole or sharded (with its .index.json)."""
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        index = path / f"{single}.index.json"
+        if (path / single).is_file():
+            files = [path / single]
+            break
+        if index.is_file():
+            files = [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+            break
+    else:
+        raise FileNotFoundError(f"GPT.from_pretrained: {path} has neither model.safetensors nor pytorch_model.bin "
+                                "(nor a sharded *.index.json of either)")
+    sd = {}
+    for file in files:
+        if file.name.endswith(".safetensors"):
+            try:
+                from safetensors.torch import load_file
+            except ImportError as e:
+                raise ImportError(f"GPT.from_pretrained: {file} needs the safetensors package "
+                                  "(pip install safetensors)") from e
+            sd.update(load_file(str(file)))
+        else:
+            sd.update(torch.load(file, map_location="cpu", weights_only=True))
+    return sd
+
