@@ -167,20 +167,29 @@ def to_device(tensors, device):
 
 
 def forward_backward(model, loader, grad_accum, scaler, env, micro_steps=None):
-    """Gradients of the mean loss over grad_accum micro-batches; returns the summed loss (a device scalar).
-    micro_steps: which of them to run (default all; the dry run skips repeats)."""
+    """Gradients of the mean loss over the step's trained tokens (targets != -1, of all ranks); returns
+    (the summed loss, a device scalar; the number of trained tokens of the step, all ranks).
+    micro_steps: which of the grad_accum micro-steps to run (default all; the dry run skips repeats)."""
+    batches = {micro: loader.next_batch() for micro in (range(grad_accum) if micro_steps is None else micro_steps)}
+    counts = {micro: int((y != -1).sum()) for micro, (_, y) in batches.items()}  # trained tokens per micro-batch
+    masked = getattr(loader, "masks", None) is not None
+    trained = torch.tensor(sum(counts.values()), device=env.device)
+    if masked and env.distributed:
+        dist.all_reduce(trained)
+    trained = int(trained) if masked else sum(counts.values()) * env.world_size  # without masks all are trained
     loss_sum = torch.zeros((), device=env.device)
-    for micro in range(grad_accum) if micro_steps is None else micro_steps:
-        x, y = to_device(loader.next_batch(), env.device)  # (B, T) each
+    for micro, batch in batches.items():
+        x, y = to_device(batch, env.device)  # (B, T) each
         set_grad_sync(model, micro == grad_accum - 1)
         with autocast(env.device, env.dtype):
             _, loss = model(x, y, return_logits=False)
-        # each micro-batch loss is a mean over B*T tokens; dividing by grad_accum makes the summed
-        # gradients those of the mean over the whole step's tokens, not grad_accum times that
-        loss = loss / grad_accum
+        # each micro-batch loss is a mean over its trained tokens; weighting it by its share of the step's
+        # (x world_size: DDP averages over ranks) makes the summed gradients those of the mean over all the
+        # step's trained tokens. Without masks every share is 1/grad_accum
+        loss = loss * (counts[micro] * env.world_size / trained) if masked else loss / grad_accum
         loss_sum += loss.detach().float()
         scaler.scale(loss).backward()
-    return loss_sum
+    return loss_sum, trained
 
 
 def reduce_step_stats(loss_sum, stop_flag, grad_norm, env):
@@ -326,13 +335,14 @@ def evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cf
     return val
 
 
-def step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model, cfg, env):
+def step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model, cfg, env,
+                trained_tokens):
     """The metrics.jsonl record of one optimizer step."""
     tokens_per_s = total_batch_size / dt
     mem, reserved = peak_memory(env.kind)
     record = {"step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
               "mfu": raw_model.estimate_mfu(tokens_per_s / env.world_size, peak), "step_ms": dt * 1000,
-              "peak_mem_mb": mem, "micro_batch": cfg.batch_size}
+              "peak_mem_mb": mem, "micro_batch": cfg.batch_size, "trained_tokens": trained_tokens}
     if reserved is not None:
         record["peak_reserved_mb"] = reserved
     if skipped:
@@ -415,7 +425,7 @@ def run(user):
             t0 = time.perf_counter()
             lr = get_lr(step, cfg)
             set_lr(optimizer, lr, cfg)
-            loss_sum, cfg, grad_accum = fitting_forward_backward(
+            (loss_sum, trained_tokens), cfg, grad_accum = fitting_forward_backward(
                 lambda accum: forward_backward(model, train_loader, accum, scaler, env),
                 train_loader, grad_accum, optimizer, cfg, env, step)
             if stop.signal is not None:
@@ -433,7 +443,8 @@ def run(user):
             dt = time.perf_counter() - t0
             progress.step = step = step + 1
 
-            record = step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model, cfg, env)
+            record = step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model, cfg, env,
+                                 trained_tokens)
             tracker.log(record)
             bar.update(1)
             if cfg.log_interval and (step % cfg.log_interval == 0 or step == cfg.max_steps):
