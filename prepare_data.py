@@ -605,8 +605,7 @@ def main(argv=None):
             s = prepare_sft(args.input, out_dir=args.out_dir, name=args.name, block_size=args.block_size,
                             shard_tokens=args.shard_tokens, val_tokens=args.val_tokens)
         except (PrepError, OSError) as e:
-            report_error("prepare_data.py", e)
-            sys.exit(1)
+            sys.exit(error_message("prepare_data.py", e))
         if s["skipped"]:
             print(f"prepare_data: skipped {s['skipped']} conversation(s) longer than --block_size {s['block_size']}: "
                   + ", ".join(s["skipped_lines"]) + (", ..." if s["skipped"] > len(s["skipped_lines"]) else ""))
