@@ -172,31 +172,53 @@ def check_vocab(tokens, vocab_size, path, top=None):
                          f"{where:,}); tokenized for another vocabulary?")
 
 
-def recorded_max_tokens(paths):
-    """{shard path: its largest token id} as prepare_data's manifests (<name>_manifest.json next to the shards)
-    record it; shards without a record are left out."""
-    found = {}
-    for directory in {Path(p).parent for p in paths}:
-        for manifest in directory.glob("*_manifest.json"):
+def manifest_records(paths, split):
+    """{shard path: its record} for the shards that prepare_data's manifests (<name>_manifest.json next to them)
+    describe, after checking that each manifest covers its `split` shards: the prep finished (the manifest says
+    complete, and no prepare_data.py holds the directory's lock), every shard it lists is there at its recorded
+    size, and no shard under its <name>_ prefix is unlisted. ShardError naming the file otherwise. Shards
+    without a manifest (nanoGPT's, build-nanogpt's) are left out."""
+    from files import lock_holder
+    found, paths = {}, [Path(p) for p in paths]
+    for directory in sorted({p.parent for p in paths}):
+        for manifest in sorted(directory.glob("*_manifest.json")):
+            name = manifest.name[:-len("_manifest.json")]
+            holder = lock_holder(directory)
+            if holder and holder.startswith("prepare_data.py"):
+                raise ShardError(f"{directory} is being written by {holder}: wait until it ends")
             try:
-                records = json.loads(manifest.read_text())["shards"]
-                found.update({(directory / r["file"]): (int(r["max_token"]), int(r["tokens"]))
-                              for r in records if "max_token" in r})
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # not ours, or damaged: those shards get scanned
+                m = json.loads(manifest.read_text())
+                records = {directory / r["file"]: r for r in m["shards"] if r["split"] == split}
+                sizes = {path: HEADER_BYTES + 2 * int(r["tokens"]) for path, r in records.items()}
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ShardError(f"{manifest}: unreadable prep manifest ({type(e).__name__}: {e}); run "
+                                 f"prepare_data.py again, or delete it to train on the shards unchecked") from None
+            if not m.get("complete"):
+                raise ShardError(f"{manifest}: the prep that writes {name}_* did not finish; run it again to complete it")
+            for path, size in sizes.items():
+                have = path.stat().st_size if path.is_file() else None
+                if have != size:
+                    what = "is missing" if have is None else f"has {have:,} bytes, the manifest records {size:,}"
+                    raise ShardError(f"{path}: listed in {manifest.name} but {what}; run prepare_data.py again")
+            unlisted = [p for p in paths if p.parent == directory and p.name.startswith(f"{name}_") and p not in records]
+            if unlisted:
+                raise ShardError(f"{unlisted[0]}: not in {manifest.name} (another prep's shard?); move it out of "
+                                 f"{directory}, or run prepare_data.py again")
+            written = manifest.stat().st_mtime_ns  # after each of its shards
+            found.update({path: {**r, "manifest_mtime_ns": written} for path, r in records.items()})
     return found
 
 
-def check_shards_vocab(paths, shards, vocab_size, progress=True, chunk=1 << 26):
+def check_shards_vocab(paths, shards, vocab_size, progress=True, chunk=1 << 26, records=None):
     """Every token id of every shard < vocab_size, before training starts (ShardError naming the shard and
-    the id otherwise). A shard's max id comes from its manifest record when the token counts agree (free);
-    other shards are scanned once (at disk speed, a progress bar when there is over 1 GiB to read)."""
-    recorded = recorded_max_tokens(paths)
+    the id otherwise). A shard's max id comes from its manifest record (manifest_records) if the shard was not
+    modified after the manifest was written (free); other shards are scanned once (at disk speed, a progress
+    bar when there is over 1 GiB to read)."""
     todo = []
     for path, tokens in zip(paths, shards):
-        top, count = recorded.get(Path(path), (None, None))
-        if count == len(tokens):
-            check_vocab(tokens, vocab_size, path, top=top)
+        r = (records or {}).get(Path(path), {})
+        if "max_token" in r and r["tokens"] == len(tokens) and os.stat(path).st_mtime_ns <= r["manifest_mtime_ns"]:
+            check_vocab(tokens, vocab_size, path, top=int(r["max_token"]))
         else:
             todo.append((path, tokens))
     total = sum(len(tokens) for _, tokens in todo)
@@ -221,6 +243,8 @@ def find_shards(data_dir, split):
         candidates = [Path(p) for p in sorted(glob.glob(data_dir))]
     elif os.path.isdir(data_dir):
         candidates = sorted(Path(data_dir).iterdir())
+    elif os.path.exists(data_dir):
+        raise ShardError(f"{data_dir}: is a file, not a data directory (data_dir: a directory of shards, or a glob)")
     else:
         raise NoShardsError(f"{data_dir}: no such data directory")
     word = re.compile(rf"(^|[_.-]){split}($|[_.-])")
@@ -255,10 +279,11 @@ class DataLoader:
         self.vocab_size = vocab_size
         self.shuffle = (split == "train") if shuffle is None else bool(shuffle)
         self.paths = find_shards(data_dir, split)
+        records = manifest_records(self.paths, split)  # a prep's shards: all there, none foreign, prep finished
         # Memory-mapped once, headers validated; plain ndarray views skip np.memmap's per-slice overhead.
         self.shards = [load_shard(p).view(np.ndarray) for p in self.paths]
         if vocab_size is not None:  # now, not when a shard is first read many steps into the run
-            check_shards_vocab(self.paths, self.shards, vocab_size, progress=rank == 0)
+            check_shards_vocab(self.paths, self.shards, vocab_size, progress=rank == 0, records=records)
         # loss masks: all shards have one (SFT data) or none does
         masks = [p.with_suffix(MASK_SUFFIX) for p in self.paths]
         have = [m.is_file() for m in masks]
@@ -275,6 +300,10 @@ class DataLoader:
         self._plans = {}  # epoch -> (shard order, cumulative sample counts in that order)
         self._perms = {}  # (epoch, shard) -> permutation of that shard's samples
         self.position = 0  # global stream position: samples consumed by all ranks together
+
+    def summary(self):
+        """'9 shards, 5,516 tokens' (the start-up line's)."""
+        return f"{len(self.paths)} shards, {sum(len(s) for s in self.shards):,} tokens"
 
     @property
     def epoch(self):
@@ -333,8 +362,15 @@ class DataLoader:
         window = np.empty((B, T + 1), dtype=np.uint16)
         keep = np.empty((B, T + 1), dtype=np.uint8) if self.masks else None
         for at, shard, samples in self._runs(self.position + self.rank * B, B):  # usually a single run
-            where = samples[:, None] * T + self._window_offsets
-            window[at:at + len(samples)] = self.shards[shard][where]  # (b, T+1) gather
+            starts = samples * T
+            where = starts[:, None] + self._window_offsets
+            rows = window[at:at + len(samples)]
+            rows[:] = self.shards[shard][where]  # (b, T+1) gather
+            if self.vocab_size is not None and rows.size and int(rows.max()) >= self.vocab_size:  # changed since start
+                row, col = np.argwhere(rows >= self.vocab_size)[0]
+                raise ShardError(f"{self.paths[shard]}: token id {int(rows[row, col])} >= vocab_size {self.vocab_size} "
+                                 f"at token {int(starts[row]) + int(col):,}: the shard changed after the run checked it "
+                                 f"at start; restore or re-prepare it")
             if keep is not None:
                 keep[at:at + len(samples)] = self.masks[shard][where]
         self.position += B * self.world_size

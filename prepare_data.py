@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from assets import EOT, fetch_shakespeare, get_tokenizer
 from data import HEADER_BYTES, MASK_SUFFIX, SHARD_SUFFIXES, write_mask, write_shard
-from files import LockError, atomic_write, directory_lock, file_sha256, first_line, report_error
+from files import LockError, atomic_write, directory_lock, error_message, file_sha256, first_line
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c / build-nanogpt: 100M tokens (200 MB) per shard
@@ -605,8 +605,7 @@ def main(argv=None):
             s = prepare_sft(args.input, out_dir=args.out_dir, name=args.name, block_size=args.block_size,
                             shard_tokens=args.shard_tokens, val_tokens=args.val_tokens)
         except (PrepError, OSError) as e:
-            report_error("prepare_data.py", e)
-            sys.exit(1)
+            sys.exit(error_message("prepare_data.py", e))
         if s["skipped"]:
             print(f"prepare_data: skipped {s['skipped']} conversation(s) longer than --block_size {s['block_size']}: "
                   + ", ".join(s["skipped_lines"]) + (", ..." if s["skipped"] > len(s["skipped_lines"]) else ""))
@@ -621,8 +620,7 @@ def main(argv=None):
                     revision=args.revision, streaming=args.streaming, start_method=args.start_method,
                     batch_chars=args.batch_chars, progress=not args.no_progress)
     except (PrepError, OSError) as e:  # bad input or environment: one line (GPT2_TRACEBACK=1: the traceback)
-        report_error("prepare_data.py", e)
-        sys.exit(1)
+        sys.exit(error_message("prepare_data.py", e))
     print(f"{s['documents']:,} documents, {s['tokens']:,} tokens ({s['val_tokens']:,} val + {s['train_tokens']:,} train) "
           f"in {s['shards']} shards, {s['seconds']:.1f} s, {s['tokens_per_s']:,.0f} tokens/s -> {s['out_dir']}/{s['name']}_*.bin")
     return s
