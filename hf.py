@@ -8,6 +8,7 @@ copy plus a transpose of the four Conv1D weights (HF stores them (in, out); nn.L
 GPT-NeoX is the same network with other names, an interleaved per-head QKV layout, rotary positions, a parallel
 residual and an untied output head: all options of GPTConfig.
 """
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -158,6 +159,19 @@ def save_pretrained(model: GPT, out_dir: str, tokenizer_dir: str | None = None, 
     stop = [eos, chat_tokens["<|end|>"]] if chat_tokens else eos  # a chat model's reply ends at <|end|>
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eos, "eos_token_id": stop}) + "\n")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def pad_vocab(model: GPT, vocab_size: int) -> GPT:
+    """The model with its embedding (and an untied head) grown to vocab_size rows, e.g. GPT-2's 50257 to the padded
+    50304 that holds the chat tokens (chat.py). The new rows start as the mean of the old ones: an average token,
+    neither favoured nor ruled out by the head."""
+    old = model.config.vocab_size
+    bigger = GPT(dataclasses.replace(model.config, vocab_size=vocab_size))
+    sd = model.state_dict()  # a tied head is the same tensor as wte: both get the same rows
+    for k in ("transformer.wte.weight", "lm_head.weight"):
+        sd[k] = torch.cat([sd[k], sd[k].mean(0, keepdim=True).expand(vocab_size - old, -1)])
+    bigger.load_state_dict(sd)
+    return bigger
 
 
 def _hf_name(name: str, neox: bool) -> str:

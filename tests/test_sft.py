@@ -2,6 +2,7 @@
 step's loss, exact resume, and sample.py --chat."""
 import io
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -276,3 +277,19 @@ def test_chat_export_carries_the_template_and_tokens(tmp_path, monkeypatch, caps
         theirs = hf(x).logits[0, -1]
     assert theirs.shape[-1] == chat.END + 1 and torch.allclose(ours, theirs, atol=1e-4)
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == [chat.EOT, chat.END]
+
+
+def test_sft_from_a_pretrained_gpt2_pads_its_vocabulary_for_the_chat_tokens(sft_dir, tmp_path):
+    """A Hugging Face GPT-2 has 50257 rows, the chat tokens need 50261: init_from pads it to 50304 (new rows: the
+    mean of the old), keeping the old rows, and fine-tunes."""
+    from hf import pad_vocab, save_pretrained
+    torch.manual_seed(0)
+    gpt2 = GPT(GPTConfig(block_size=BLOCK, vocab_size=50257, n_layer=1, n_head=2, n_embd=16))
+    padded = pad_vocab(gpt2, 50304)
+    w = padded.transformer.wte.weight
+    assert torch.equal(w[:50257], gpt2.transformer.wte.weight) and torch.allclose(w[50257:], w[:50257].mean(0))
+    save_pretrained(gpt2, tmp_path / "hf")
+    assert run(sft_dir, tmp_path / "out", f"--init_from={tmp_path / 'hf'}", "--max_steps=2") == 0
+    ckpt = torch.load(next((tmp_path / "out").glob("ckpt_*.pt")), weights_only=False)
+    assert ckpt["model_args"]["vocab_size"] == 50304
+    assert all(math.isfinite(loss) for loss, _ in train_metrics(tmp_path / "out").values())
