@@ -778,14 +778,15 @@ def main(argv=None):
     c.add_argument("dst", help="the file to write, e.g. out/run/ckpt_000100.pt")
     e = commands.add_parser("export", help="checkpoint (file, sharded directory or out_dir) -> Hugging Face GPT-2")
     e.add_argument("src")
-    e.add_argument("dst", help="directory for config.json + model.safetensors")
+    e.add_argument("dst", help="directory for config.json, model.safetensors and the tokenizer files")
     args = parser.parse_args(argv)
     try:
         if args.command == "consolidate":
             consolidate(args.src, args.dst)
         else:
-            save_pretrained(load_model(ckpt=args.src)[0], args.dst)
-    except (CheckpointError, OSError, ValueError, ImportError) as err:
+            model, info = load_model(ckpt=args.src)
+            save_pretrained(model, args.dst, tokenizer_dir=info["hf_dir"])
+    except (CheckpointError, OSError, ValueError, ImportError, RuntimeError) as err:
         report_error("checkpoint.py", err)
         return 2
     print(f"wrote {args.dst}")

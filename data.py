@@ -7,6 +7,11 @@ headerless uint16 `.bin` files and build-nanogpt's uint16 `.npy` shards.
 
 Samples are non-overlapping windows of block_size+1 tokens at stride block_size within a shard
 (x = window[:-1], y = window[1:]); a window never crosses a shard boundary.
+
+Loss masks (supervised fine-tuning, prepare_data.py --format sft): a shard X.bin may have a mask shard X.mask
+beside it: the same llm.c header with magic MASK_MAGIC, version 1, the token count and the row length (the
+block_size it was packed for), then one uint8 per token, 1 where that token is a trained target. The loader
+then yields y = -1 where the mask is 0, which the loss ignores.
 """
 import glob
 import json
@@ -24,6 +29,8 @@ VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 SHARD_SUFFIXES = (".bin", ".npy")
+MASK_MAGIC = 20240527
+MASK_SUFFIX = ".mask"
 
 
 class ShardError(ValueError):
@@ -56,6 +63,35 @@ def write_shard(path, tokens):
         f.write(shard_header(tokens.size))
         f.write(np.ascontiguousarray(tokens, dtype="<u2").data)  # no extra copy when already uint16
     atomic_write(path, write)
+
+
+def write_mask(path, mask, row_tokens):
+    """Write a loss-mask shard (0/1 per token, rows of row_tokens) atomically; see the module docstring."""
+    mask = np.asarray(mask, dtype=np.uint8)
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:4] = (MASK_MAGIC, VERSION, mask.size, row_tokens)
+
+    def write(f):
+        f.write(header.tobytes())
+        f.write(mask.data)
+    atomic_write(Path(path), write)
+
+
+def load_mask(path, num_tokens, block_size):
+    """Memory-map a loss-mask shard as uint8; ShardError naming the file unless it is a mask of num_tokens
+    tokens packed in rows of block_size."""
+    path = Path(path)
+    size = path.stat().st_size
+    head = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    if len(head) < HEADER_INTS or head[0] != MASK_MAGIC or head[1] != VERSION:
+        raise ShardError(f"{path}: not a loss-mask shard (expected magic {MASK_MAGIC}, version {VERSION})")
+    count, row = int(head[2]), int(head[3])
+    if count != num_tokens or size != HEADER_BYTES + count:
+        raise ShardError(f"{path}: loss mask of {count} tokens ({size} bytes) for a token shard of {num_tokens} tokens")
+    if row != block_size:
+        raise ShardError(f"{path}: rows were packed for block_size {row}, this run has block_size {block_size}; "
+                         f"train with block_size={row} or prepare the data again with --block_size {block_size}")
+    return np.memmap(path, dtype=np.uint8, mode="r", offset=HEADER_BYTES, shape=(count,)).view(np.ndarray)
 
 
 def _looks_like_header(head):
@@ -248,6 +284,13 @@ class DataLoader:
         self.shards = [load_shard(p).view(np.ndarray) for p in self.paths]
         if vocab_size is not None:  # now, not when a shard is first read many steps into the run
             check_shards_vocab(self.paths, self.shards, vocab_size, progress=rank == 0, records=records)
+        # loss masks: all shards have one (SFT data) or none does
+        masks = [p.with_suffix(MASK_SUFFIX) for p in self.paths]
+        if any(m.is_file() for m in masks):
+            missing = next((m for m in masks if not m.is_file()), None)
+            if missing is not None:
+                raise ShardError(f"{missing}: missing loss-mask shard (other shards of {data_dir} have one)")
+        self.masks = [load_mask(m, len(s), block_size) for m, s in zip(masks, self.shards)] if masks[0].is_file() else None
         self._window_offsets = np.arange(block_size + 1)
         self.samples_per_shard = np.array([max(0, (len(s) - 1) // block_size) for s in self.shards], dtype=np.int64)
         self.num_samples = int(self.samples_per_shard.sum())
@@ -314,23 +357,30 @@ class DataLoader:
             done += take
 
     def next_batch(self):
-        """The next (x, y) of this rank: int64 CPU tensors of shape (B, T); y[:, t] == x[:, t+1]."""
+        """The next (x, y) of this rank: int64 CPU tensors of shape (B, T); y[:, t] == x[:, t+1], or -1 where a
+        loss mask is off."""
         B, T = self.B, self.T
         window = np.empty((B, T + 1), dtype=np.uint16)
+        keep = np.empty((B, T + 1), dtype=np.uint8) if self.masks else None
         for at, shard, samples in self._runs(self.position + self.rank * B, B):  # usually a single run
             starts = samples * T
+            where = starts[:, None] + self._window_offsets
             rows = window[at:at + len(samples)]
-            rows[:] = self.shards[shard][starts[:, None] + self._window_offsets]  # (b, T+1) gather
+            rows[:] = self.shards[shard][where]  # (b, T+1) gather
             if self.vocab_size is not None and rows.size and int(rows.max()) >= self.vocab_size:  # changed since start
                 row, col = np.argwhere(rows >= self.vocab_size)[0]
                 raise ShardError(f"{self.paths[shard]}: token id {int(rows[row, col])} >= vocab_size {self.vocab_size} "
                                  f"at token {int(starts[row]) + int(col):,}: the shard changed after the run checked it "
                                  f"at start; restore or re-prepare it")
+            if keep is not None:
+                keep[at:at + len(samples)] = self.masks[shard][where]
         self.position += B * self.world_size
         import torch  # not at the top: prepare_data's tokenizer workers import this module and need no torch
         x = torch.from_numpy(window[:, :-1].astype(np.int64))  # (B, T)
-        y = torch.from_numpy(window[:, 1:].astype(np.int64))  # (B, T)
-        return x, y
+        y = window[:, 1:].astype(np.int64)
+        if keep is not None:
+            y[keep[:, 1:] == 0] = -1
+        return x, torch.from_numpy(y)  # (B, T) each
 
     def state_dict(self):
         """Plain ints/bools: the stream position and what identifies the stream."""

@@ -36,8 +36,8 @@ from hf import from_pretrained
 from memory import _free as free_memory, fitting_forward_backward, probe_batch_size, resolve_batch_size, smaller_micro_batch
 from model import GPT
 from optim import build_optimizer, set_lr
-from parallel import (check_shared_out_dir, clip_gradients, gathered, is_compiled, is_rank0, launched_by_torchrun, log,
-                      parallelize, set_grad_sync, setup)
+from parallel import (build_on_meta, check_shared_out_dir, clip_gradients, gathered, is_compiled, is_rank0, keeps_grads,
+                      launched_by_torchrun, log, parallelize, set_grad_sync, setup)
 from tracking import TRACKING_KEYS, NoTracker, Tracker, TrackingError, check_tracking_available
 
 
@@ -119,14 +119,16 @@ def make_loaders(cfg, env):
 
 def build_model(cfg, ckpt, device):
     """(the bare GPT on device, cfg with the model's real shape) from a checkpoint, scratch or pretrained.
-    A sharded checkpoint's weights are loaded later, by restore(), into the model as this run shards it."""
+    A sharded checkpoint's weights are loaded later, by restore(), into the model as this run shards it.
+    device 'meta' (scratch or a sharded checkpoint): parallel.build_on_meta, initialised when sharded."""
     training_only = {"dropout": cfg.dropout, "activation_checkpointing": cfg.activation_checkpointing}
+    new = build_on_meta if device == "meta" else GPT
     if ckpt is not None:
-        model = GPT(model_config(cfg, **{**ckpt["model_args"], **training_only}))
+        model = new(model_config(cfg, **{**ckpt["model_args"], **training_only}))
         if "shards" not in ckpt:
             model.load_state_dict(ckpt["model"])
     elif cfg.init_from == "scratch":
-        model = GPT(model_config(cfg))
+        model = new(model_config(cfg))
     else:
         try:
             model = from_pretrained(cfg.init_from, **training_only)
@@ -164,20 +166,30 @@ def to_device(tensors, device):
     return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
 
 
-def forward_backward(model, loader, grad_accum, scaler, env):
-    """Gradients of the mean loss over grad_accum micro-batches; returns the summed loss (a device scalar)."""
+def forward_backward(model, loader, grad_accum, scaler, env, micro_steps=None):
+    """Gradients of the mean loss over the step's trained tokens (targets != -1, of all ranks); returns
+    (the summed loss, a device scalar; the number of trained tokens of the step, all ranks).
+    micro_steps: which of the grad_accum micro-steps to run (default all; the dry run skips repeats)."""
+    batches = {micro: loader.next_batch() for micro in (range(grad_accum) if micro_steps is None else micro_steps)}
+    counts = {micro: int((y != -1).sum()) for micro, (_, y) in batches.items()}  # trained tokens per micro-batch
+    masked = getattr(loader, "masks", None) is not None
+    trained = torch.tensor(sum(counts.values()), device=env.device)
+    if masked and env.distributed:
+        dist.all_reduce(trained)
+    trained = int(trained) if masked else sum(counts.values()) * env.world_size  # without masks all are trained
     loss_sum = torch.zeros((), device=env.device)
-    for micro in range(grad_accum):
-        x, y = to_device(loader.next_batch(), env.device)  # (B, T) each
+    for micro, batch in batches.items():
+        x, y = to_device(batch, env.device)  # (B, T) each
         set_grad_sync(model, micro == grad_accum - 1)
         with autocast(env.device, env.dtype):
             _, loss = model(x, y, return_logits=False)
-        # each micro-batch loss is a mean over B*T tokens; dividing by grad_accum makes the summed
-        # gradients those of the mean over the whole step's tokens, not grad_accum times that
-        loss = loss / grad_accum
+        # each micro-batch loss is a mean over its trained tokens; weighting it by its share of the step's
+        # (x world_size: DDP averages over ranks) makes the summed gradients those of the mean over all the
+        # step's trained tokens. Without masks every share is 1/grad_accum
+        loss = loss * (counts[micro] * env.world_size / trained) if masked else loss / grad_accum
         loss_sum += loss.detach().float()
         scaler.scale(loss).backward()
-    return loss_sum
+    return loss_sum, trained
 
 
 def reduce_step_stats(loss_sum, stop_flag, grad_norm, env):
@@ -323,13 +335,14 @@ def evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cf
     return val
 
 
-def step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model, cfg, env):
+def step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model, cfg, env,
+                trained_tokens):
     """The metrics.jsonl record of one optimizer step."""
     tokens_per_s = total_batch_size / dt
     mem, reserved = peak_memory(env.kind)
     record = {"step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
               "mfu": raw_model.estimate_mfu(tokens_per_s / env.world_size, peak), "step_ms": dt * 1000,
-              "peak_mem_mb": mem, "micro_batch": cfg.batch_size}
+              "peak_mem_mb": mem, "micro_batch": cfg.batch_size, "trained_tokens": trained_tokens}
     if reserved is not None:
         record["peak_reserved_mb"] = reserved
     if skipped:
@@ -361,8 +374,11 @@ def run(user):
     log(f"data: {train_loader.summary().replace(' shards', ' train shards')}; "
         f"val: {val_loader.summary() if val_loader else 'none (eval_interval=0)'}")
 
-    # the bare GPT (checkpoints, samples, HellaSwag); a sharded run keeps it on the CPU for fully_shard to move
-    raw_model, cfg = build_model(cfg, ckpt, "cpu" if env.sharded else env.device)
+    # the bare GPT (checkpoints, samples, HellaSwag). A sharded run from scratch or from a sharded checkpoint builds
+    # it on meta, and parallelize() gives each rank its shards only; from whole weights it stays on the CPU for
+    # fully_shard to move
+    on_meta = env.sharded and (ckpt is None and cfg.init_from == "scratch" or ckpt is not None and "shards" in ckpt)
+    raw_model, cfg = build_model(cfg, ckpt, "meta" if on_meta else "cpu" if env.sharded else env.device)
     if cfg.batch_size == "auto":  # a probed device (CUDA)
         cfg = probe_batch_size(raw_model, cfg, env, [train_loader, val_loader])
     total_batch_size, grad_accum = batch_layout(cfg, env.world_size)
@@ -409,7 +425,7 @@ def run(user):
             t0 = time.perf_counter()
             lr = get_lr(step, cfg)
             set_lr(optimizer, lr, cfg)
-            loss_sum, cfg, grad_accum = fitting_forward_backward(
+            (loss_sum, trained_tokens), cfg, grad_accum = fitting_forward_backward(
                 lambda accum: forward_backward(model, train_loader, accum, scaler, env),
                 train_loader, grad_accum, optimizer, cfg, env, step)
             if stop.signal is not None:
@@ -423,11 +439,12 @@ def run(user):
             else:
                 scaler.step(optimizer)
             scaler.update()
-            optimizer.zero_grad(set_to_none=True)  # also drops the gradients of a skipped step
+            optimizer.zero_grad(set_to_none=not keeps_grads(model))  # also drops the gradients of a skipped step
             dt = time.perf_counter() - t0
             progress.step = step = step + 1
 
-            record = step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model, cfg, env)
+            record = step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model, cfg, env,
+                                 trained_tokens)
             tracker.log(record)
             bar.update(1)
             if cfg.log_interval and (step % cfg.log_interval == 0 or step == cfg.max_steps):

@@ -310,7 +310,7 @@ examples, out = hellaswag.load_examples(sys.argv[1]), sys.argv[2]
 cfg = make_config(dict(n_layer=2, n_head=2, n_embd=32, block_size=64, device="cpu", dtype="float32", compile=False,
                        parallel="fsdp", sample_tokens=12, sample_prompt="The", seed=7))
 env = train.setup(cfg)
-raw, cfg = train.build_model(cfg, None, "cpu")
+raw, cfg = train.build_model(cfg, None, "meta")  # as train.py builds a sharded run: on meta
 model = train.parallelize(raw, cfg, env)
 torch.manual_seed(cfg.seed)
 alone = GPT(model_config(cfg))  # what one process starts from with the same seed
