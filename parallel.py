@@ -192,8 +192,10 @@ def parallelize(model, cfg, env):
         return shard(model, cfg, env)
     if env.distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
+        for p in model.parameters():  # DDP turns existing gradients into views of its buckets: from step 1 on
+            p.grad = torch.zeros_like(p)  # they stay there (keeps_grads), one copy, not two
         model = DDP(model, device_ids=[env.local_rank] if env.kind == "cuda" else None,
-                    gradient_as_bucket_view=True)  # gradients live in the all-reduce buckets: one copy, not two
+                    gradient_as_bucket_view=True)
     if not resolve_compile(cfg.compile, env.device, env.dtype):
         return model
     compiled = torch.compile(model)
@@ -328,7 +330,7 @@ def compile_works(compiled, cfg, env):
             raise
         error = first_line(e)
     compiled.train()
-    compiled.zero_grad(set_to_none=True)
+    compiled.zero_grad(set_to_none=not keeps_grads(compiled))
     set_rng_state(rngs)
     if error is None:
         return True
@@ -338,14 +340,22 @@ def compile_works(compiled, cfg, env):
 
 
 def set_grad_sync(model, enabled):
-    """Whether the next backward all-reduces (DDP) or reduce-scatters (FSDP) gradients: only the last micro-step
-    of an accumulation needs to; must be set before the forward. Under FSDP the micro-steps in between keep
-    whole fp32 gradients of every unit (4 bytes/param) until that last reduction."""
+    """Whether the next backward all-reduces gradients across replicas: only the last micro-step of an
+    accumulation needs to; must be set before the forward. DDP skips its all-reduce (gradients accumulate in its
+    buckets). FSDP/HSDP reduce-scatter every micro-step, so a rank only ever holds its fp32 gradient shard (the
+    no-sync alternative keeps whole fp32 gradients of every unit, 4 bytes/param of the whole model); HSDP adds
+    up the shards locally and all-reduces them across replicas on the last micro-step only."""
     inner = getattr(model, "_orig_mod", model)  # under torch.compile
     if hasattr(inner, "require_backward_grad_sync"):  # DDP
         inner.require_backward_grad_sync = enabled
-    elif hasattr(inner, "set_requires_gradient_sync"):  # FSDP
-        inner.set_requires_gradient_sync(enabled)
+    elif hasattr(inner, "set_requires_all_reduce"):  # FSDP2 (a no-op without replicas)
+        inner.set_requires_all_reduce(enabled)
+
+
+def keeps_grads(model):
+    """Whether model's gradients are DDP's bucket views (gradient_as_bucket_view): zero them in place, never
+    set them to None, or the next step's no-sync micro-steps allocate a second copy beside the buckets."""
+    return hasattr(getattr(model, "_orig_mod", model), "require_backward_grad_sync")
 
 
 def clip_gradients(model, max_norm):
