@@ -343,7 +343,7 @@ def losses(records):
 def check_sigterm_resume(report, opts, tmp, data_dir):
     """SIGTERM after step 5 (train.py saves after the step and exits 0), resume, and compare every step's loss
     with an uninterrupted run's."""
-    args = [*train_args(opts, data_dir, steps=150 if opts.tiny else 60), "--dropout=0.1"]
+    args = [*train_args(opts, data_dir, steps=60), "--dropout=0.1"]
     env, out = train_env(tmp, "sigterm"), Path(tmp) / "sigterm"
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"--out_dir={out}"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -501,8 +501,9 @@ def check_1558m_memory(report, opts, tmp, data_dir):
     import memory
     config = ROOT / "configs" / "gpt2_1558m.py"
     cfg = make_config(parse_args([str(config)]))
+    cfg = make_config(parse_args([str(config), f"--total_batch_size={2 * cfg.batch_size * cfg.block_size}"]))
     args = [str(config), f"--data_dir={data_dir}", "--max_steps=3", "--eval_interval=0",
-            f"--total_batch_size={2 * cfg.batch_size * cfg.block_size}", "--hellaswag_interval=0",
+            f"--total_batch_size={cfg.total_batch_size}", "--hellaswag_interval=0",
             "--sample_interval=0", "--save_interval=0", f"--device={opts.device}", "--memory_check=False"]
     rc, err, records = run_train(args, Path(tmp) / "1558m", train_env(tmp, "1558m"))
     if rc or not records:
