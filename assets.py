@@ -254,7 +254,10 @@ class HFTokenizer:
             raise ImportError(f"{path}: this model's tokenizer needs the `tokenizers` package: "
                               "pip install tokenizers") from None
         self.name = str(path)
-        self._tok = Tokenizer.from_file(str(path))
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception naming no file
+            raise ValueError(f"{path}: not a readable tokenizer.json ({' '.join(str(e).split())[:200]})") from None
         if not isinstance(self._tok.decoder, decoders.ByteLevel):
             raise ValueError(f"{path}: only byte-level BPE tokenizers (GPT-2 / GPT-NeoX style) are supported, "
                              f"this one decodes with {type(self._tok.decoder).__name__}")

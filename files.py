@@ -1,5 +1,5 @@
 """Crash-safe file writes, file hashes and directory locks, shared by checkpoints, shards, manifests, assets
-and run outputs; and the scripts' one-line error messages (first_line, error_line, report_error).
+and run outputs; and the scripts' one-line error messages (first_line, error_line, error_message, report_error).
 
 No torch here: prepare_data's tokenizer workers import it.
 """
@@ -25,24 +25,34 @@ def first_line(e):
     return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
+OS_REASONS = {errno.EEXIST: "is a file, where a directory is expected", errno.ENOTDIR: "a part of this path is a "
+              "file, not a directory", errno.ENOSPC: "no space left on the device; free some disk space",
+              errno.EDQUOT: "disk quota exceeded; free some disk space"}
+
+
 def error_line(e):
-    """The one line an expected error prints: an OSError as '<file>: <reason>', the others their message."""
+    """The one line an expected error prints: an OSError as '<file>: <what is wrong with it>', the others their
+    message."""
     if isinstance(e, OSError) and e.filename is not None:
-        return f"{e.filename}: {e.strerror}"
+        return f"{e.filename}: {OS_REASONS.get(e.errno, e.strerror)}"
     return " ".join(str(e).split())
 
 
-def report_error(prog, e, about=None):
-    """The scripts' handler for an expected error (bad input or environment), called in its except block:
-    '<prog>: error: [<about>: ]<one line>' on stderr, once per node (`about` is added where the message does not
-    name it already); the caller then exits. With GPT2_TRACEBACK=1 in the environment it re-raises instead."""
+def error_message(prog, e, about=None):
+    """The scripts' handler for an expected error (bad input or environment), called in its except block: the
+    line '<prog>: error: [<about>: ]<one line>' (`about` where the message does not name it already) for the
+    caller to print before it exits. With GPT2_TRACEBACK=1 in the environment it re-raises instead."""
     if os.environ.get("GPT2_TRACEBACK") == "1":
         raise e
     line = error_line(e)
-    if about and about not in line:
-        line = f"{about}: {line}"
+    return f"{prog}: error: {line if not about or about in line else f'{about}: {line}'}"
+
+
+def report_error(prog, e, about=None):
+    """error_message() on stderr, once per node (every node's log says why it stopped)."""
+    message = error_message(prog, e, about)
     if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"{prog}: error: {line}", file=sys.stderr, flush=True)
+        print(message, file=sys.stderr, flush=True)
 
 
 def fsync_dir(directory):
@@ -80,6 +90,11 @@ def atomic_write(path, data):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.filename is None:  # a failed write (ENOSPC...) names no file
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -136,3 +151,19 @@ def directory_lock(directory, program):
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
         os.close(fd)  # releases the flock
+
+
+def lock_holder(directory):
+    """Who holds `directory`'s directory_lock right now (its record, e.g. 'prepare_data.py (pid 12 on host)'),
+    or None: a shared flock tried and released at once."""
+    path = Path(directory) / LOCK_FILE
+    if fcntl is None or not path.is_file():
+        return None
+    with open(path, "rb") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read(512).decode(errors="replace").strip() or "another process"
+        except OSError:  # no locks on this filesystem
+            return None
+    return None

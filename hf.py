@@ -16,6 +16,7 @@ import torch
 
 import assets
 from assets import EOT
+from files import first_line
 from model import GPT, GPT2_VOCAB, HUB_NAMES, GPTConfig
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -70,6 +71,9 @@ def from_pretrained(name_or_dir: str, **overrides) -> GPT:
             if v.shape != ours[k].shape:
                 raise ValueError(f"from_pretrained: {path}: {name} has shape {tuple(v.shape)}, "
                                  f"expected {tuple(ours[k].shape)}")
+            if not v.is_floating_point():  # copy_ would cast quantized or damaged integers silently
+                raise ValueError(f"from_pretrained: {path}: {name} holds {v.dtype} values, expected "
+                                 f"floating-point weights")
             ours[k].copy_(v)
     return model
 
@@ -258,8 +262,12 @@ def _read_hf_weights(path: Path) -> dict:
             except ImportError as e:
                 raise ImportError(f"GPT.from_pretrained: {file} needs the safetensors package "
                                   "(pip install safetensors)") from e
-            sd.update(load_file(str(file)))
-        else:
-            sd.update(torch.load(file, map_location="cpu", weights_only=True))
+        try:
+            sd.update(load_file(str(file)) if file.name.endswith(".safetensors") else
+                      torch.load(file, map_location="cpu", weights_only=True))
+        except OSError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- a pickle that is not plain tensors (nothing ran), a damaged file
+            raise ValueError(f"GPT.from_pretrained: {file}: not a readable weights file ({first_line(e)})") from None
     return sd
 

@@ -48,19 +48,16 @@ class MemoryPlan:
     logits: int
     batch_size: int
     optimizer_name: str = "AdamW"
-    ddp_buckets: int = 0  # DDP's flat gradient buckets (a second copy of the gradients) at world size > 1
     gathered: int = 0  # FSDP/HSDP: the all-gathered (unsharded) parameters and gradients of the units in use
 
     @property
     def total(self) -> int:
-        return (self.params + self.grads + self.optimizer + self.activations + self.logits + self.ddp_buckets
-                + self.gathered)
+        return self.params + self.grads + self.optimizer + self.activations + self.logits + self.gathered
 
     def line(self) -> str:
         """'estimated peak memory per rank: 21.3 GiB (params 2.9 + grads 2.9 + AdamW 5.8 + activations 9.1 at
         micro-batch 16 + logits 0.6)'. The prefix and the total first are a contract: tools parse them."""
         parts = [f"params {gib(self.params)}", f"grads {gib(self.grads)}"]
-        parts += [f"DDP buckets {gib(self.ddp_buckets)}"] if self.ddp_buckets else []
         parts += [f"{self.optimizer_name} {gib(self.optimizer)}"]
         parts += [f"all-gathered {gib(self.gathered)}"] if self.gathered else []
         parts += [f"activations {gib(self.activations)} at micro-batch {self.batch_size}", f"logits {gib(self.logits)}"]
@@ -108,7 +105,7 @@ def _bytes_per_element(dtype) -> int:
     return 4 if name == "float32" else 2
 
 
-def saved_bytes_per_token(cfg, dtype="float32") -> tuple[int, int]:
+def saved_bytes_per_token(cfg, dtype="float32", low_params: bool = False) -> tuple[int, int]:
     """(bytes per token of one block, bytes per token outside the blocks) that autograd saves for backward.
 
     Per block: the residual stream x and x + attn (fp32 under autocast too: r bytes each), the ln_1/ln_2
@@ -116,7 +113,8 @@ def saved_bytes_per_token(cfg, dtype="float32") -> tuple[int, int]:
     and post-activation (hidden each), all in the compute dtype (a bytes), plus LayerNorm statistics and SDPA's
     log-sum-exp. Outside: token ids, ln_f's input and statistics."""
     C, nh = cfg.n_embd, cfg.n_head
-    H, a, r = param_stats(cfg)["hidden"], _bytes_per_element(dtype), 4
+    H, a = param_stats(cfg)["hidden"], _bytes_per_element(dtype)
+    r = a if low_params else 4  # FSDP's low-precision parameters make the residual stream low-precision too
     residuals = 1 if getattr(cfg, "parallel_residual", False) else 2  # parallel: both branches read ln(x)
     # rotary/QK-norm: new (B, nh, T, hs) q and k, so the attention output comes out in that layout and
     # (B, T, C) is one more copy
@@ -128,13 +126,15 @@ def saved_bytes_per_token(cfg, dtype="float32") -> tuple[int, int]:
 
 
 def activation_bytes(cfg, batch_size: int, dtype="float32", activation_checkpointing: bool = False,
-                     seq_len: int | None = None) -> int:
+                     seq_len: int | None = None, low_params: bool = False) -> int:
     """Bytes autograd holds for one micro-batch of (batch_size, seq_len) at the backward's peak: the saved
     tensors (saved_bytes_per_token; with checkpointing only each block's input, and one block recomputed at a
-    time), under autocast the matmul weights' low-precision copies, and the backward's working set."""
+    time), under autocast the matmul weights' low-precision copies, and the backward's working set.
+    low_params: FSDP/HSDP all-gathers low-precision parameters (the residual stream is in that dtype too)."""
     T = seq_len or cfg.block_size
-    stats, a, r = param_stats(cfg), _bytes_per_element(dtype), 4
-    block, outside = saved_bytes_per_token(cfg, dtype)
+    stats, a = param_stats(cfg), _bytes_per_element(dtype)
+    r = a if low_params else 4
+    block, outside = saved_bytes_per_token(cfg, dtype, low_params)
     backward = r * cfg.n_embd + a * stats["hidden"]  # the residual's gradient and the MLP hidden's
     weights = stats["block_matmul"] * 2 if a < 4 else 0  # autocast's copies, saved by the matmuls
     tokens, L = batch_size * T, cfg.n_layer
@@ -143,16 +143,19 @@ def activation_bytes(cfg, batch_size: int, dtype="float32", activation_checkpoin
     return tokens * (L * block + outside + backward) + L * weights
 
 
-def loss_bytes(cfg, batch_size: int, dtype="float32", seq_len: int | None = None) -> int:
+def loss_bytes(cfg, batch_size: int, dtype="float32", seq_len: int | None = None, low_params: bool = False) -> int:
     """Peak bytes of ChunkedLMHeadLoss's forward: its (V, C) weight-gradient and (N, C) input-gradient
     buffers, its input, and the one chunk of fp32 logits it reuses (under autocast also the chunk's
     low-precision product, the weight's low-precision copy, and a (V, C) chunk product with its fp32 conversion
-    while it is added to the fp32 gradient)."""
+    while it is added to the fp32 gradient). low_params (FSDP's bf16 weight): the weight gradient is accumulated
+    in place in the weight's dtype, no copy and no chunk product."""
     from model import LOSS_CHUNK_ROWS
     N = batch_size * (seq_len or cfg.block_size)
     n, V, C = min(N, LOSS_CHUNK_ROWS), cfg.vocab_size, cfg.n_embd
     if _bytes_per_element(dtype) == 4:
         return n * V * 4 + V * C * 4 + 2 * N * C * 4
+    if low_params:
+        return n * V * (4 + 2) + V * C * 2 + 2 * N * C * 4 + n * C * 2
     return n * V * (4 + 2) + V * C * (4 + 2 + 2 + 4) + 2 * N * C * 4 + n * C * 2
 
 
@@ -162,7 +165,8 @@ def estimate_memory(model_cfg, batch_size: int, dtype="float32", parallel: str =
     """Predicted peak memory per rank of one training step at micro-batch batch_size.
 
     dtype: the autocast dtype ('float32' = none); parameters, gradients and AdamW state stay fp32.
-    parallel: 'ddp' (full copies; DDP's gradient buckets at world_size > 1), 'fsdp' (sharded over
+    parallel: 'ddp' (full copies; at world_size > 1 the gradients are views of DDP's all-reduce buckets, one
+    copy: parallel.keeps_grads), 'fsdp' (sharded over
     world_size) or 'hsdp' (sharded over shard_size, default world_size). activation_checkpointing None:
     model_cfg's. The sum assumes gradients are resident during the forward (any accumulation step after
     the first), which makes it an upper bound for a step without accumulation."""
@@ -182,6 +186,7 @@ def estimate_memory(model_cfg, batch_size: int, dtype="float32", parallel: str =
         hidden = model_cfg.n_layer * stats["block_matmul"]
         state = hidden * 4 + 2 * (n - hidden) * 4
     shard = 1 if parallel == "ddp" else (shard_size or world_size) if parallel == "hsdp" else world_size
+    low = parallel != "ddp" and _bytes_per_element(dtype) < 4  # FSDP's MixedPrecisionPolicy: low-precision weights
     gathered = 0
     if shard > 1:  # the root unit (embeddings, ln_f, head) stays gathered through forward, plus the block in
         # use and the one prefetched, each with an unsharded gradient before its reduce-scatter
@@ -190,10 +195,9 @@ def estimate_memory(model_cfg, batch_size: int, dtype="float32", parallel: str =
         gathered = (root + 2 * stats["block"]) * p_bytes + (root + stats["block"]) * 4
     return MemoryPlan(
         params=-(-n * 4 // shard), grads=-(-n * 4 // shard), optimizer=-(-state // shard),
-        activations=activation_bytes(model_cfg, batch_size, dtype, activation_checkpointing, seq_len),
-        logits=loss_bytes(model_cfg, batch_size, dtype, seq_len), batch_size=batch_size,
-        optimizer_name=OPTIMIZERS[optimizer], ddp_buckets=n * 4 if parallel == "ddp" and world_size > 1 else 0,
-        gathered=gathered)
+        activations=activation_bytes(model_cfg, batch_size, dtype, activation_checkpointing, seq_len, low),
+        logits=loss_bytes(model_cfg, batch_size, dtype, seq_len, low), batch_size=batch_size,
+        optimizer_name=OPTIMIZERS[optimizer], gathered=gathered)
 
 
 # ----------------------------------------------------------------------------- what the device has
@@ -333,7 +337,7 @@ def probe_micro_batch(try_step, candidates, reserve_bytes: int = 0, device=None)
     """CUDA batch_size='auto': try_step(b) runs one real forward+backward at micro-batch b and raises
     torch.OutOfMemoryError if it does not fit. Starts at the largest candidate (divisors of the per-rank
     batch) and on out-of-memory moves to the largest candidate at most half the size. reserve_bytes are held
-    on `device` during each try (optimizer state and DDP buckets not yet allocated). try_step should run the
+    on `device` during each try (optimizer state not yet allocated). try_step should run the
     bare model (no DDP collectives: ranks may fail at different sizes). All ranks then agree on the smallest
     choice (one all-reduce MIN). Returns (micro_batch, why)."""
     candidates = sorted(set(candidates), reverse=True)
@@ -386,6 +390,9 @@ def _free(device) -> None:
 # ----------------------------------------------------------------------------- train.py's two calls
 
 PROBED_KINDS = ("cuda",)  # batch_size='auto' probes the real model on these devices; the others use the plan
+# held free while probing under torchrun: NCCL allocates its communication buffers after the probe (a few hundred MB
+# per communicator by default; DDP/FSDP may open several)
+NCCL_RESERVE = GiB
 
 
 def probes(env):
@@ -406,7 +413,8 @@ def planned_shape(cfg, ckpt):
 
 def plan_kwargs(cfg, env):
     """estimate_memory's arguments besides the model and the micro-batch."""
-    return {"dtype": env.dtype, "parallel": env.parallel, "world_size": env.world_size, "shard_size": cfg.shard_size}
+    return {"dtype": env.dtype, "parallel": env.parallel, "world_size": env.world_size, "shard_size": cfg.shard_size,
+            "optimizer": cfg.optimizer}
 
 
 def device_memory(env):
@@ -468,11 +476,12 @@ def probe_batch_size(raw_model, cfg, env, loaders):
             raw_model.zero_grad(set_to_none=True)
 
     try:
-        b, why = probe_micro_batch(try_step, divisors(rows), reserve_bytes=plan.optimizer + plan.ddp_buckets,
-                                   device=env.device)
+        b, why = probe_micro_batch(try_step, divisors(rows), device=env.device,
+                                   reserve_bytes=plan.optimizer + (NCCL_RESERVE if env.distributed else 0))
     except MemoryPlanError as e:
         raise ConfigError(str(e)) from None
     set_rng_state(rngs)
+    torch.cuda.reset_peak_memory_stats(env.device)  # step 1's peak_mem_mb is then the step's, not the probe's
     log(f"batch_size='auto': {why} ({rows // b} accumulation steps)")
     return set_micro_batch(cfg, b, loaders)
 
@@ -488,7 +497,7 @@ def set_micro_batch(cfg, b, loaders):
 def fitting_forward_backward(forward_backward, loader, grad_accum, optimizer, cfg, env, step):
     """forward_backward(grad_accum), and on an out-of-memory: halve the micro-batch (the largest divisor of the per-rank rows at
     most half), drop the partial step's gradients, rewind the loader to the step's start and re-run the same step
-    with the same data. Returns (loss sum, cfg, grad_accum), the latter two as changed. Under torchrun, or at
+    with the same data. Returns (what forward_backward returned, cfg, grad_accum), the latter two as changed. Under torchrun, or at
     micro-batch 1, an out-of-memory is a Halt naming settings that would help (ranks cannot switch safely:
     the others may be waiting in a gradient all-reduce)."""
     start = loader.state_dict()
@@ -511,3 +520,191 @@ def fitting_forward_backward(forward_backward, loader, grad_accum, optimizer, cf
         cfg, grad_accum = set_micro_batch(cfg, smaller, [loader]), rows // smaller
         log(f"step {step + 1}: out of memory at micro-batch {b}: re-running the step at micro-batch {smaller} x "
             f"{grad_accum} accumulation steps (batch_size={smaller} from now on)")
+
+
+# ----------------------------------------------------------------------------- the dry run
+
+NOT_SIMULATED = ("not simulated: torch.compile, CUDA kernels' workspaces, NCCL's buffers and the caching allocator's "
+                 "fragmentation (leave headroom for them)")
+GPU_DTYPE = "bfloat16"  # dtype='auto' on a GPU with native bf16 (devices.resolve_dtype): what the dry run assumes
+
+
+class DDPBuckets(torch.nn.Module):
+    """DDP as the dry run models it (its C++ reducer cannot run on fake tensors): one flat fp32 buffer whose views
+    are the gradients (gradient_as_bucket_view=True, kept across steps: parallel.keeps_grads); the all-reduce is
+    in place, so it costs no more memory. set_grad_sync/keeps_grads see it as DDP."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module, self.require_backward_grad_sync = module, True
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.buckets = torch.zeros(sum(p.numel() for p in params))
+        for p, view in zip(params, self.buckets.split([p.numel() for p in params])):
+            p.grad = view.view_as(p)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+@dataclass
+class DryRun:
+    """The simulated peak of one rank, in bytes, by the plan's parts; notes say what was modelled or skipped."""
+    parts: dict
+    notes: list
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+def _categories(snapshot) -> dict:
+    """A MemTracker peak snapshot (category name -> bytes) as the plan's parts."""
+    by_name = {str(getattr(k, "value", k)): v for k, v in snapshot.items()}
+    get = lambda *names: sum(by_name.get(n, 0) for n in names)  # noqa: E731
+    return {"params": get("Parameter", "Sharded Param", "Buffer"), "grads": get("Gradient", "Sharded Grad", "Other"),
+            "optimizer": get("Optstate", "OptState"),
+            "gathered": get("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter"),
+            "activations": get("Activation", "Temp", "Inputs")}
+
+
+def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
+    """Simulate one optimizer step of rank 0 of `world_size` for TrainConfig cfg (an int batch_size) on fake
+    tensors and the fake process group: the project's own model (built on meta, materialised fake), parallelize
+    (FSDP/HSDP sharding on a CPU mesh), optimizer, forward_backward (with cfg's autocast dtype, 'auto' as a bf16
+    GPU, activation checkpointing and the chunked loss), clip and update, tracked by torch's MemTracker /
+    FSDPMemTracker. The simulated step is a steady one: the optimizer state exists (made by a first update on
+    zero gradients). Micro-steps 3..N-1 start from the memory state micro-step 2 started from (checked) and are
+    not re-run. No parameter memory is allocated: any size runs on a laptop."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from model import GPT
+    from parallel import Env, clip_gradients, keeps_grads, mesh_shape, parallelize
+    from optim import build_optimizer
+    from train import forward_backward
+    if cfg.batch_size == "auto":
+        raise ValueError("the dry run needs batch_size set (it simulates a given micro-batch), not 'auto'")
+    cfg = replace(cfg, compile=False, dtype=GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype)
+    parallel = cfg.parallel
+    mesh = () if parallel == "ddp" else mesh_shape(parallel, cfg.shard_size, world_size, min(gpus_per_node, world_size))
+    env = Env(0, 0, world_size, True, "cpu", cfg.dtype, parallel, mesh)
+    grad_accum = batch_layout(cfg, world_size)[1]
+    notes = []
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        with torch.device("meta"):
+            raw = GPT(model_config(cfg))
+        model = parallelize(raw, cfg, env) if env.sharded else raw  # the mesh is made outside FakeTensorMode
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            raw.to_empty(device="cpu")
+            if cfg.tie_embeddings and not env.sharded:  # to_empty gives each module its own tensor (FSDP keeps ties)
+                raw.transformer.wte.weight = raw.lm_head.weight
+            if not env.sharded and world_size > 1:
+                model = DDPBuckets(raw)
+                notes.append("DDP modelled, not run (its C++ reducer cannot run on fake tensors): gradients are views "
+                             "of one fp32 bucket buffer, all-reduced in place")
+            optimizer = build_optimizer(raw, cfg, fused=True)  # as on a GPU
+            for p in raw.parameters():  # a first update, untracked, on zero gradients: it makes the optimizer
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad  # state, and fills DTensor's sharding
+            clip_gradients(raw, cfg.grad_clip)  # cache: its propagation runs global-shape ops in the same fake mode,
+            optimizer.step()  # which a tracker would count as memory
+            optimizer.zero_grad(set_to_none=not keeps_grads(model))
+            inner = [optimizer.muon, optimizer.adamw] if hasattr(optimizer, "muon") else [optimizer]
+            if env.sharded:
+                tracker = FSDPMemTracker(model, optimizer)
+            else:
+                tracker = MemTracker()
+                tracker.track_external(model, *inner, *([model.buckets] if keeps_grads(model) else []))
+            x = torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long)
+
+            class Batches:  # what forward_backward reads; each micro-step is a new iteration for the tracker
+                def next_batch(self):
+                    tracker.reset_mod_stats()
+                    return x, x
+
+            scaler = torch.amp.GradScaler("cpu", enabled=False)
+            with tracker:
+                states = []
+                for micro in range(grad_accum):
+                    state = _categories(tracker.get_tracker_snapshot()[torch.device("cpu")])
+                    if micro < grad_accum - 1 and len(states) >= 2 and state == states[-1]:
+                        continue  # the same memory state as the micro-step before: the same peak
+                    if micro < grad_accum - 1:
+                        states.append(state)
+                    forward_backward(model, Batches(), grad_accum, scaler, env, micro_steps=[micro])
+                clip_gradients(raw, cfg.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=not keeps_grads(model))
+            if grad_accum > 3 and len(states) == 2:
+                notes.append(f"micro-steps 3-{grad_accum - 1} start from the memory state micro-step 2 started from: "
+                             "the same peak, not re-run")
+        return DryRun(_categories(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]), notes)
+    finally:
+        dist.destroy_process_group()
+
+
+PARTS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
+         "gathered": "all-gathered units (FSDP)", "activations": "activations + temporaries"}
+
+
+def dry_run_plan(cfg, world_size: int, gpus_per_node: int = 8) -> MemoryPlan:
+    """The memory plan of TrainConfig cfg at world_size, on a GPU (dtype 'auto' as bf16), as the dry run sees it."""
+    from parallel import mesh_shape
+    shard = mesh_shape(cfg.parallel, cfg.shard_size, world_size, min(gpus_per_node, world_size))[-1] \
+        if cfg.parallel != "ddp" else None
+    return estimate_memory(model_config(cfg), cfg.batch_size, GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype,
+                           cfg.parallel, world_size, cfg.optimizer, shard_size=shard)
+
+
+def report(cfg, world_size: int, gpus_per_node: int = 8) -> tuple[MemoryPlan, DryRun, str]:
+    """(plan, dry run, the printed comparison) of TrainConfig cfg at world_size."""
+    dtype = GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype
+    plan = dry_run_plan(cfg, world_size, gpus_per_node)
+    sim = dry_run(cfg, world_size, gpus_per_node)
+    planned = {**{k: getattr(plan, k) for k in PARTS}, "activations": plan.activations + plan.logits}
+    mode = cfg.parallel + (f" (shard_size {cfg.shard_size or min(gpus_per_node, world_size)})"
+                           if cfg.parallel == "hsdp" else "")
+    rows = [f"dry run: rank 0 of {world_size}, {mode}, {dtype}, micro-batch {cfg.batch_size} x "
+            f"{batch_layout(cfg, world_size)[1]} accumulation steps"
+            + (", activation checkpointing" if cfg.activation_checkpointing else "")
+            + f": one optimizer step simulated on fake tensors", f"  {'GiB per rank':<28}{'plan':>8}{'simulated':>11}"]
+    rows += [f"  {name:<28}{planned[k] / GiB:>8.2f}{sim.parts[k] / GiB:>11.2f}" for k, name in PARTS.items()]
+    rows += [f"  {'peak':<28}{plan.total / GiB:>8.2f}{sim.total / GiB:>11.2f}  (plan/simulated {plan.total / sim.total:.2f})"]
+    return plan, sim, "\n".join([plan.line(), *rows, *[f"note: {n}" for n in sim.notes], f"note: {NOT_SIMULATED}"])
+
+
+def main(argv=None) -> int:
+    """python memory.py CONFIG [--key=value ...] --world_size=N [--gpus_per_node=8] [--device_memory_gib=80]:
+    the memory plan and the dry run side by side; exit 1 if the simulated peak exceeds device_memory_gib."""
+    import sys
+    from config import ConfigError, make_config, parse_args
+    argv = sys.argv[1:] if argv is None else list(argv)
+    own = {"world_size": None, "gpus_per_node": 8, "device_memory_gib": 80.0}
+    rest = []
+    try:
+        for arg in argv:
+            key, eq, value = arg[2:].partition("=")
+            if arg.startswith("--") and eq and key in own:
+                own[key] = type(own[key] or 0)(float(value) if key == "device_memory_gib" else int(value))
+            else:
+                rest.append(arg)
+        if not own["world_size"] or own["world_size"] < 1 or own["gpus_per_node"] < 1:
+            raise ConfigError(f"memory.py needs --world_size=N >= 1 (and --gpus_per_node >= 1); got {own}")
+        cfg = make_config(parse_args(rest))
+        _, sim, text = report(cfg, own["world_size"], own["gpus_per_node"])
+    except (ConfigError, ValueError) as e:
+        print(f"memory.py: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(text)
+    limit = own["device_memory_gib"] * GiB
+    fits = sim.total <= limit
+    print(f"{'fits' if fits else 'does NOT fit'}: simulated peak {gib(sim.total)} GiB "
+          f"{'<=' if fits else '>'} {own['device_memory_gib']:g} GiB per device")
+    return 0 if fits else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -48,8 +48,11 @@ class MetricsLog:
         self.file = open(path, "a")
 
     def write(self, record):
-        self.file.write(json.dumps({k: json_safe(v) for k, v in record.items()}) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps({k: json_safe(v) for k, v in record.items()}) + "\n")
+            self.file.flush()
+        except OSError as e:  # a full disk: say which file
+            raise OSError(e.errno, e.strerror, self.file.name) from None
 
 
 def check_tracking_available(wandb_log, tensorboard_dir):

@@ -1,0 +1,121 @@
+"""memory.py's dry run (fake tensors + the fake process group) and the memory fixes it proves: FSDP reduce-scatters
+every micro-step, DDP's gradients stay bucket views, the plan follows the configured optimizer; every shipped
+config is dry-run at its intended world size."""
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import memory
+import optim
+import parallel
+import train
+from config import make_config, model_config, parse_args
+from memory import GiB, dry_run, estimate_memory
+from model import GPT
+
+ROOT = Path(__file__).resolve().parent.parent
+# a model whose units are small next to the whole: a no-sync accumulation would hold every unit's fp32 gradient
+DEEP = dict(n_layer=8, n_head=2, n_embd=64, block_size=32, vocab_size=128, batch_size=2, compile=False,
+            dtype="bfloat16", data_dir=".", out_dir="unused")
+# each shipped config's intended world size (its header's torchrun / sbatch line)
+WORLD = {"shakespeare_cpu": 1, "gpt2_124m": 8, "gpt2_124m_modern": 8, "gpt2_1558m": 8, "gpt3_125m": 8,
+         "gpt3_350m": 8, "gpt3_760m": 8, "gpt3_1p3b": 8, "gpt3_2p7b": 8, "gpt3_6p7b": 8, "pythia_160m": 8,
+         "pythia_6p9b": 8, "neox_20b": 64}
+
+
+def test_every_shipped_config_has_an_intended_world_size():
+    overlays = {"modern"}  # recipe knobs only, dry-run as gpt2_124m_modern
+    assert {p.stem for p in (ROOT / "configs").glob("*.py")} - overlays == set(WORLD)
+
+
+@pytest.mark.slow  # ~30 s each here: a dry run of 8 layers
+@pytest.mark.parametrize("parallel_mode,world_size", [("fsdp", 4), ("hsdp", 8)])
+def test_sharded_accumulation_never_holds_whole_model_fp32_gradients(parallel_mode, world_size):
+    """set_requires_gradient_sync(False) kept every unit's unsharded fp32 gradient until the last micro-step."""
+    cfg = make_config({**DEEP, "parallel": parallel_mode, "total_batch_size": 2 * 32 * world_size * 3,
+                       "shard_size": 4})
+    whole_grads = sum(p.numel() for p in GPT(model_config(cfg)).parameters()) * 4
+    sim = dry_run(cfg, world_size)  # shards of 4 ranks: a quarter of the gradients, plus a unit or two gathered
+    # measured: 1.1x whole_grads here; the whole unsharded fp32 gradients that no-sync keeps made it 2.1x
+    assert sim.total - sim.parts["params"] - sim.parts["optimizer"] < 1.5 * whole_grads
+
+
+@pytest.mark.slow
+def test_dry_run_of_ddp_says_its_buckets_are_modelled_and_matches_the_plan():
+    cfg = make_config({**DEEP, "total_batch_size": 2 * 32 * 2 * 2, "dtype": "float32"})
+    plan, sim, text = memory.report(cfg, world_size=2)
+    assert "DDP modelled" in text and memory.NOT_SIMULATED in text
+    whole = sum(p.numel() for p in GPT(model_config(cfg)).parameters()) * 4
+    assert sim.parts["params"] == sim.parts["grads"] == plan.params == plan.grads == whole  # one gradient copy
+    assert sim.parts["optimizer"] == pytest.approx(plan.optimizer, rel=1e-3)  # + AdamW's step counters
+
+
+def test_ddp_gradients_stay_bucket_views_through_no_sync_micro_steps(tmp_path):
+    """zero_grad(set_to_none=True) freed them: each no-sync micro-step then allocated a second copy beside DDP's
+    buckets."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        cfg = make_config({**DEEP, "dtype": "float32", "total_batch_size": 2 * 32 * 2})
+        env = parallel.Env(0, 0, 1, True, "cpu", "float32")
+        raw = GPT(model_config(cfg))
+        model = parallel.parallelize(raw, cfg, env)
+        optimizer = optim.build_optimizer(raw, cfg)
+        x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+
+        class Batches:
+            def next_batch(self):
+                return x, x
+
+        def grad_storages():
+            return {p.grad.untyped_storage().data_ptr() for p in raw.parameters() if p.grad is not None}
+
+        few = len(list(raw.parameters())) // 4  # DDP's buckets (it rebuilds them once, after the first backward)
+        assert 0 < len(grad_storages()) < few  # views of a few flat buckets from the start
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        for _ in range(2):
+            train.forward_backward(model, Batches(), 2, scaler, env, micro_steps=[0])  # no sync
+            assert len(grad_storages()) < few
+            train.forward_backward(model, Batches(), 2, scaler, env, micro_steps=[1])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=not parallel.keeps_grads(model))
+            assert len(grad_storages()) < few
+    finally:
+        dist.destroy_process_group()
+
+
+def test_plan_uses_the_configured_optimizer():
+    cfg = make_config({**DEEP, "optimizer": "muon"})
+    kwargs = memory.plan_kwargs(cfg, parallel.Env(0, 0, 1, False, "cpu", "bfloat16"))
+    plan = estimate_memory(model_config(cfg), cfg.batch_size, **kwargs)
+    assert plan.optimizer_name == "Muon+AdamW"
+    assert plan.optimizer == estimate_memory(model_config(cfg), 2, optimizer="muon").optimizer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(WORLD))
+def test_shipped_config_dry_runs_at_its_world_size_within_15_percent_of_the_plan(name):
+    """At the config's width, micro-batch, accumulation and world size, 2 of its layers (the time is per layer;
+    docs/dry-run.md has the whole models): the plan agrees with the simulation, and the whole model's plan fits."""
+    cfg = make_config(parse_args([str(ROOT / "configs" / f"{name}.py")]))
+    assert memory.dry_run_plan(cfg, WORLD[name]).total < 80 * GiB * 0.85  # the whole model's plan fits
+    short = make_config({**vars(cfg), "n_layer": 2})
+    plan, sim, _ = memory.report(short, WORLD[name])
+    assert plan.total == pytest.approx(sim.total, rel=0.15)
+
+
+def test_probe_reserves_nccl_buffers_and_resets_the_peak_memory_stats(monkeypatch):
+    seen = {}
+
+    def probe(try_step, candidates, device=None, reserve_bytes=0):
+        seen["reserve"] = reserve_bytes
+        return 2, "probed"
+
+    monkeypatch.setattr(memory, "probe_micro_batch", probe)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: seen.update(reset=device))
+    cfg = make_config({**DEEP, "batch_size": "auto", "total_batch_size": 2 * 32 * 2 * 2})
+    env = parallel.Env(0, 0, 2, True, "cuda:0", "bfloat16")
+    out = memory.probe_batch_size(GPT(model_config(cfg)), cfg, env, [])
+    plan = estimate_memory(model_config(cfg), 1, **memory.plan_kwargs(cfg, env))
+    assert out.batch_size == 2 and seen == {"reserve": plan.optimizer + memory.NCCL_RESERVE, "reset": "cuda:0"}
