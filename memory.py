@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from checkpoint import Halt
+from checkpoint import Halt, is_checkpoint
 from config import ConfigError, batch_layout, model_config
 from devices import autocast, is_oom, rng_state, set_rng_state
 from model import PRESETS
@@ -406,7 +406,7 @@ def planned_shape(cfg, ckpt):
     if ckpt is not None:
         return model_config(cfg, **{**ckpt["model_args"], "dropout": cfg.dropout,
                                     "activation_checkpointing": cfg.activation_checkpointing})
-    if cfg.init_from == "scratch":
+    if cfg.init_from == "scratch" or is_checkpoint(cfg.init_from):  # a checkpoint's shape is cfg's (fine_tune_config)
         return model_config(cfg)
     return model_config(cfg, **PRESETS[cfg.init_from]) if cfg.init_from in PRESETS else None
 

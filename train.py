@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from checkpoint import (CheckpointError, Halt, Progress, kept_checkpoint, load_checkpoint, resolve_config, restore,
-                        restore_rngs, resumed_config, save)
+from checkpoint import (CheckpointError, Halt, Progress, is_checkpoint, kept_checkpoint, load_checkpoint,
+                        load_sharded_checkpoint, resolve_config, restore, restore_rngs, resumed_config, save)
 from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text, make_config, model_config, parse_args
 from data import DataLoader, NoShardsError, ShardError
 from devices import autocast, device_type, fused_adamw_supported, is_oom, peak_flops
@@ -129,6 +129,13 @@ def build_model(cfg, ckpt, device):
             model.load_state_dict(ckpt["model"])
     elif cfg.init_from == "scratch":
         model = new(model_config(cfg))
+    elif is_checkpoint(cfg.init_from):  # fine-tuning: the weights only (resolve_config took its architecture)
+        state = load_checkpoint(cfg.init_from, consolidate=False, note=lambda message: None)  # noted already
+        model = GPT(model_config(cfg))
+        if "shards" in state:
+            load_sharded_checkpoint(state["shards"], model, collective=False)
+        else:
+            model.load_state_dict(state["model"])
     else:
         try:
             model = from_pretrained(cfg.init_from, **training_only)
