@@ -802,13 +802,17 @@ def main(argv=None):
     e = commands.add_parser("export", help="checkpoint (file, sharded directory or out_dir) -> Hugging Face GPT-2")
     e.add_argument("src")
     e.add_argument("dst", help="directory for config.json, model.safetensors and the tokenizer files")
+    e.add_argument("--chat", action="store_true", help="a chat model (fine-tuned with prepare_data.py --format sft): "
+                   "export the chat tokens and the chat template (docs/sft.md)")
     args = parser.parse_args(argv)
     try:
         if args.command == "consolidate":
             consolidate(args.src, args.dst)
         else:
             model, info = load_model(ckpt=args.src)
-            save_pretrained(model, args.dst, tokenizer_dir=info["hf_dir"])
+            from chat import CHAT_TEMPLATE
+            save_pretrained(model, args.dst, tokenizer_dir=info["hf_dir"],
+                            chat_template=CHAT_TEMPLATE if args.chat else None)
     except (CheckpointError, OSError, ValueError, ImportError, RuntimeError) as err:
         report_error("checkpoint.py", err)
         return 2
