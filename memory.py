@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from checkpoint import Halt
-from config import ConfigError, batch_layout, model_config
+from config import ConfigError, batch_layout, make_config, model_config
 from devices import autocast, is_oom, rng_state, set_rng_state
 from model import PRESETS
 from parallel import log
@@ -676,33 +676,39 @@ def report(cfg, world_size: int, gpus_per_node: int = 8) -> tuple[MemoryPlan, Dr
     return plan, sim, "\n".join([plan.line(), *rows, *[f"note: {n}" for n in sim.notes], f"note: {NOT_SIMULATED}"])
 
 
+DRY_RUN_FLAGS = {"world_size": int, "gpus_per_node": int, "device_memory_gib": float}  # memory.py's own, not config keys
+
+
 def main(argv=None) -> int:
     """python memory.py CONFIG [--key=value ...] --world_size=N [--gpus_per_node=8] [--device_memory_gib=80]:
-    the memory plan and the dry run side by side; exit 1 if the simulated peak exceeds device_memory_gib."""
+    the memory plan and the dry run side by side; exit 1 if the simulated peak exceeds device_memory_gib, 2 on
+    a bad config or flag."""
     import sys
-    from config import ConfigError, make_config, parse_args
+    from config import parse_args
+    from files import report_error
     argv = sys.argv[1:] if argv is None else list(argv)
-    own = {"world_size": None, "gpus_per_node": 8, "device_memory_gib": 80.0}
-    rest = []
+    flags = {"gpus_per_node": 8, "device_memory_gib": 80.0}
     try:
+        rest = []
         for arg in argv:
             key, eq, value = arg[2:].partition("=")
-            if arg.startswith("--") and eq and key in own:
-                own[key] = type(own[key] or 0)(float(value) if key == "device_memory_gib" else int(value))
-            else:
+            if not (arg.startswith("--") and eq and key in DRY_RUN_FLAGS):
                 rest.append(arg)
-        if not own["world_size"] or own["world_size"] < 1 or own["gpus_per_node"] < 1:
-            raise ConfigError(f"memory.py needs --world_size=N >= 1 (and --gpus_per_node >= 1); got {own}")
-        cfg = make_config(parse_args(rest))
-        _, sim, text = report(cfg, own["world_size"], own["gpus_per_node"])
+                continue
+            try:
+                flags[key] = DRY_RUN_FLAGS[key](value)
+            except ValueError:
+                raise ConfigError(f"{arg}: expected {DRY_RUN_FLAGS[key].__name__}") from None
+        if flags.get("world_size", 0) < 1 or flags["gpus_per_node"] < 1:
+            raise ConfigError("memory.py needs --world_size=N (N >= 1; and --gpus_per_node >= 1)")
+        _, sim, text = report(make_config(parse_args(rest)), flags["world_size"], flags["gpus_per_node"])
     except (ConfigError, ValueError) as e:
-        print(f"memory.py: error: {' '.join(str(e).split())}", file=sys.stderr)
+        report_error("memory.py", e)
         return 2
     print(text)
-    limit = own["device_memory_gib"] * GiB
-    fits = sim.total <= limit
-    print(f"{'fits' if fits else 'does NOT fit'}: simulated peak {gib(sim.total)} GiB "
-          f"{'<=' if fits else '>'} {own['device_memory_gib']:g} GiB per device")
+    fits = sim.total <= flags["device_memory_gib"] * GiB
+    print(f"{'fits' if fits else 'does NOT fit'}: simulated peak {gib(sim.total)} GiB {'<=' if fits else '>'} "
+          f"{flags['device_memory_gib']:g} GiB per device")
     return 0 if fits else 1
 
 

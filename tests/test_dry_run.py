@@ -119,3 +119,15 @@ def test_probe_reserves_nccl_buffers_and_resets_the_peak_memory_stats(monkeypatc
     out = memory.probe_batch_size(GPT(model_config(cfg)), cfg, env, [])
     plan = estimate_memory(model_config(cfg), 1, **memory.plan_kwargs(cfg, env))
     assert out.batch_size == 2 and seen == {"reserve": plan.optimizer + memory.NCCL_RESERVE, "reset": "cuda:0"}
+
+
+def test_cli_exits_1_above_device_memory_and_2_on_a_bad_flag(monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(memory, "report", lambda cfg, world_size, gpus_per_node: seen.append(
+        (cfg.n_layer, world_size, gpus_per_node)) or (None, memory.DryRun({"params": 2 * GiB}, []), "the table"))
+    config = str(ROOT / "configs" / "gpt3_125m.py")
+    assert memory.main([config, "--world_size=16", "--n_layer=3", "--device_memory_gib=1.5"]) == 1
+    assert "does NOT fit: simulated peak 2.0 GiB > 1.5 GiB" in capsys.readouterr().out
+    assert memory.main([config, "--world_size=16", "--gpus_per_node=4"]) == 0 and seen == [(3, 16, 8), (12, 16, 4)]
+    assert memory.main([config]) == 2 and "--world_size=N" in capsys.readouterr().err
+    assert memory.main([config, "--world_size=eight"]) == 2 and "expected int" in capsys.readouterr().err
