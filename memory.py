@@ -131,6 +131,12 @@ def activation_bytes(cfg, batch_size: int, dtype="float32", activation_checkpoin
     tensors (saved_bytes_per_token; with checkpointing only each block's input, and one block recomputed at a
     time), under autocast the matmul weights' low-precision copies, and the backward's working set.
     low_params: FSDP/HSDP all-gathers low-precision parameters (the residual stream is in that dtype too)."""
+    return sum(_activation_parts(cfg, batch_size, dtype, activation_checkpointing, seq_len, low_params))
+
+
+def _activation_parts(cfg, batch_size, dtype, activation_checkpointing, seq_len, low_params) -> tuple[int, int]:
+    """(saved through the whole backward, the backward's working set: the recomputed block, its weights'
+    low-precision copies and the gradients in flight); see activation_bytes."""
     T = seq_len or cfg.block_size
     stats, a = param_stats(cfg), _bytes_per_element(dtype)
     r = a if low_params else 4
@@ -139,8 +145,8 @@ def activation_bytes(cfg, batch_size: int, dtype="float32", activation_checkpoin
     weights = stats["block_matmul"] * 2 if a < 4 else 0  # autocast's copies, saved by the matmuls
     tokens, L = batch_size * T, cfg.n_layer
     if activation_checkpointing:
-        return tokens * ((L + 1) * r * cfg.n_embd + 8 + block + backward) + weights
-    return tokens * (L * block + outside + backward) + L * weights
+        return tokens * (L + 1) * r * cfg.n_embd, tokens * (8 + block + backward) + weights
+    return tokens * (L * block + outside) + L * weights, tokens * backward
 
 
 def loss_bytes(cfg, batch_size: int, dtype="float32", seq_len: int | None = None, low_params: bool = False) -> int:
@@ -188,15 +194,17 @@ def estimate_memory(model_cfg, batch_size: int, dtype="float32", parallel: str =
     shard = 1 if parallel == "ddp" else (shard_size or world_size) if parallel == "hsdp" else world_size
     low = parallel != "ddp" and _bytes_per_element(dtype) < 4  # FSDP's MixedPrecisionPolicy: low-precision weights
     gathered = 0
-    if shard > 1:  # the root unit (embeddings, ln_f, head) stays gathered through forward, plus the block in
-        # use and the one prefetched, each with an unsharded gradient before its reduce-scatter
-        p_bytes = _bytes_per_element(dtype)  # FSDP's mixed precision gathers parameters in the compute dtype
+    if shard > 1:  # at the backward's peak (dry run): the root unit (embeddings, ln_f, head) and one block
+        # gathered, the root's unsharded gradient (its reduce-scatter comes last) and a block's fp32 gradient
+        # going into its reduce-scatter; FSDP's mixed precision gathers in the compute dtype
+        p_bytes = _bytes_per_element(dtype)
         root = n - model_cfg.n_layer * stats["block"]
-        gathered = (root + 2 * stats["block"]) * p_bytes + (root + stats["block"]) * 4
-    return MemoryPlan(
-        params=-(-n * 4 // shard), grads=-(-n * 4 // shard), optimizer=-(-state // shard),
-        activations=activation_bytes(model_cfg, batch_size, dtype, activation_checkpointing, seq_len, low),
-        logits=loss_bytes(model_cfg, batch_size, dtype, seq_len, low), batch_size=batch_size,
+        gathered = (2 * root + stats["block"]) * p_bytes + stats["block"] * 4
+    saved, working = _activation_parts(model_cfg, batch_size, dtype, activation_checkpointing, seq_len, low)
+    return MemoryPlan(  # the loss runs before the backward: logits counts only what its buffers add to the
+        # backward's working set, which is never live at the same time
+        params=-(-n * 4 // shard), grads=-(-n * 4 // shard), optimizer=-(-state // shard), activations=saved + working,
+        logits=max(0, loss_bytes(model_cfg, batch_size, dtype, seq_len, low) - working), batch_size=batch_size,
         optimizer_name=OPTIMIZERS[optimizer], gathered=gathered)
 
 
