@@ -254,7 +254,10 @@ class HFTokenizer:
             raise ImportError(f"{path}: this model's tokenizer needs the `tokenizers` package: "
                               "pip install tokenizers") from None
         self.name = str(path)
-        self._tok = Tokenizer.from_file(str(path))
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception naming no file
+            raise ValueError(f"{path}: not a readable tokenizer.json ({' '.join(str(e).split())[:200]})") from None
         if not isinstance(self._tok.decoder, decoders.ByteLevel):
             raise ValueError(f"{path}: only byte-level BPE tokenizers (GPT-2 / GPT-NeoX style) are supported, "
                              f"this one decodes with {type(self._tok.decoder).__name__}")
@@ -294,3 +297,74 @@ class HFTokenizer:
         if piece is None:
             raise KeyError(token)
         return bytes(self._bytes[c] for c in piece)
+
+
+# ----------------------------------------------------------------------------- tokenizer files for an export
+
+def _bpe_parts(ranks, token, below):
+    """token's bytes merged as tiktoken's BPE merges them, using only tokens of rank < `below`."""
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 1:
+        rank, i = min((ranks.get(a + b, below), i) for i, (a, b) in enumerate(zip(parts, parts[1:])))
+        if rank >= below:
+            break
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    return parts
+
+
+@functools.lru_cache(maxsize=None)
+def gpt2_tokenizer_json(cache_dir=None):
+    """GPT-2's tokenizer.json (a Hugging Face byte-level BPE), built from the ranks get_tokenizer() uses, with
+    the stdlib. Vocabulary: each token's bytes in the byte-level alphabet, id = rank. Merges: token r is the
+    merge of the two parts BPE leaves of its bytes with ranks < r only, listed in rank order, so applying
+    them by priority reproduces tiktoken's lowest-rank-first merging (the tests check it id for id)."""
+    enc = get_tokenizer(cache_dir)
+    ranks = {enc.decode_single_token_bytes(i): i for i in range(enc.n_vocab) if i != EOT}
+    char = {b: c for c, b in _byte_level_chars().items()}
+    text = lambda token: "".join(char[b] for b in token)  # noqa: E731
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) > 1:
+            left, right = _bpe_parts(ranks, token, rank)  # exactly two parts, or the ranks are not BPE's
+            merges.append(f"{text(left)} {text(right)}")
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    return json.dumps({
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": EOT, "content": "<|endoftext|>", "single_word": False, "lstrip": False,
+                          "rstrip": False, "normalized": True, "special": True}],
+        "normalizer": None, "pre_tokenizer": byte_level, "post_processor": byte_level, "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False,
+                  "vocab": {**{text(t): r for t, r in ranks.items()}, "<|endoftext|>": EOT}, "merges": merges},
+    }, ensure_ascii=False)
+
+
+def save_tokenizer(out_dir, model_dir=None, chat_template=None, model_max_length=None, cache_dir=None):
+    """Write the tokenizer files transformers' AutoTokenizer reads into out_dir and return the id of
+    <|endoftext|> (None if the tokenizer has none): `model_dir`/tokenizer.json copied when that file exists
+    (a model imported with its own tokenizer, e.g. Pythia), else GPT-2's built offline (gpt2_tokenizer_json);
+    tokenizer_config.json and special_tokens_map.json with <|endoftext|> as bos, eos and unk token, and
+    `chat_template` (a Jinja string) when given."""
+    own = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
+    if own is not None and own.is_file():
+        tokenizer_json = own.read_text(encoding="utf-8")
+        try:
+            tok = json.loads(tokenizer_json)
+            eot = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}.get("<|endoftext|>")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{own}: not a Hugging Face tokenizer.json ({e})") from None
+    else:
+        tokenizer_json, eot = gpt2_tokenizer_json(cache_dir), EOT
+    special = {} if eot is None else {key: "<|endoftext|>" for key in ("bos_token", "eos_token", "unk_token")}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "add_prefix_space": False,
+              "clean_up_tokenization_spaces": False}  # decode() gives the text back exactly
+    if model_max_length is not None:
+        config["model_max_length"] = model_max_length
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    return eot

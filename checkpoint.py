@@ -22,8 +22,7 @@ Each checkpoint's sha256 is recorded in a sidecar, ckpt_{step:06d}.pt.sha256 (`s
 written before the checkpoint is renamed into place, so a checkpoint written here never lacks one. Every
 load verifies it: a damaged file is an error naming it, and a directory (out_dir) means its newest
 checkpoint that verifies and loads, with a note for each newer one skipped. A checkpoint without a
-sidecar (written before sidecars existed) loads with a note. A sharded checkpoint's meta.pt has one
-too; its DCP shards are checked for completeness (the .metadata index), not hashed.
+sidecar (written before sidecars existed) loads with a note.
 
 A sharded run (parallel='fsdp'/'hsdp') writes a directory out_dir/ckpt_{step:06d}/ instead: model and
 optimizer as torch.distributed.checkpoint (DCP) shards, every rank writing its own part in parallel
@@ -32,11 +31,21 @@ the model and optimizer. It is written as .ckpt_{step:06d}.tmp/ and renamed by r
 shards and the index are on disk, so it is complete or absent. DCP reshards on load: a sharded checkpoint
 resumes at any world size, and loads into a single process without a process group (load_model,
 load_checkpoint, `python checkpoint.py consolidate` to write the single-file form).
+
+A sharded checkpoint is verified like a file before any tensor is read: its SHA256SUMS records the sha256
+of every file in it (each rank hashes its shards as it writes them, rank 0 writes the list before the rename), and
+every shard the .metadata index names must be there, listed, at the size the index needs (check_shards).
+DCP itself unpickles .metadata and the shards' non-tensor values with plain pickle (a crafted checkpoint
+would run code): they are read here through an unpickler that builds only DCP's metadata classes
+(_MetadataUnpickler) and with weights_only=True (_safe_dcp), wherever a sharded checkpoint is opened.
 """
 import argparse
+import contextlib
 import errno
+import functools
 import hashlib
 import os
+import pickle
 import re
 import shutil
 import sys
@@ -58,6 +67,7 @@ from parallel import log, weights_finite
 FORMAT = "gpt2-train-ckpt-v1"
 CKPT_NAME = re.compile(r"^ckpt_(\d{6,})(\.pt)?$")  # a file ckpt_000100.pt or a sharded directory ckpt_000100
 META = "meta.pt"  # a sharded checkpoint's everything-but-the-tensors file
+SUMS = "SHA256SUMS"  # a sharded checkpoint's sidecar: the sha256 of each of its files (`sha256sum -c SHA256SUMS`)
 TIED = "lm_head.weight"  # the same tensor as transformer.wte.weight: stored once in sharded checkpoints
 
 
@@ -76,14 +86,15 @@ def is_sharded(path):
 
 
 def checksum_path(path):
-    """The sidecar recording a checkpoint's sha256: ckpt_000100.pt -> ckpt_000100.pt.sha256."""
+    """The sidecar recording a checkpoint's sha256: ckpt_000100.pt -> ckpt_000100.pt.sha256; for a sharded
+    checkpoint directory, the sha256 of every file in it: ckpt_000100/SHA256SUMS."""
     path = Path(path)
-    return path.with_name(path.name + ".sha256")
+    return path / SUMS if path.is_dir() else path.with_name(path.name + ".sha256")
 
 
 class _HashingWriter:
-    """A binary file wrapper that hashes what is written through it and keeps the OSError of a failed
-    write (torch.save turns it into 'unexpected pos ...')."""
+    """A binary file wrapper that hashes what is written through it and keeps the error of a failed write
+    (an OSError, or a second Ctrl-C's KeyboardInterrupt: torch.save turns it into 'unexpected pos ...')."""
 
     def __init__(self, f):
         self.f, self.sha256, self.error = f, hashlib.sha256(), None
@@ -91,14 +102,43 @@ class _HashingWriter:
     def write(self, data):
         try:
             written = self.f.write(data)
-        except OSError as e:
+            self.sha256.update(data)
+            return written
+        except BaseException as e:
             self.error = e
             raise
-        self.sha256.update(data)
-        return written
 
     def flush(self):
         self.f.flush()
+
+
+class _HashingStream(_HashingWriter):
+    """_HashingWriter for DCP's writer, which also asks its stream tell(), fileno() and close()."""
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+@functools.cache
+def _hashing_filesystem():
+    """DCP's FileSystem, hashing each shard file (.distcp) as it is written: .sums {file name: sha256}."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class HashingFileSystem(FileSystem):
+        def __init__(self):
+            super().__init__()
+            self.sums = {}
+
+        @contextlib.contextmanager
+        def create_stream(self, path, mode):
+            with super().create_stream(path, mode) as stream:
+                if "w" not in mode or not str(path).endswith(".distcp"):
+                    yield stream
+                    return
+                hashing = _HashingStream(stream)
+                yield hashing
+                self.sums[Path(path).name] = hashing.sha256.hexdigest()
+    return HashingFileSystem
 
 
 def storage_bytes(obj):
@@ -197,14 +237,90 @@ def verify_checkpoint(path):
 def _is_complete(path):
     """Cheap integrity check: torch.save writes a zip whose central directory comes last, so a
     truncated file has no readable directory (reading the whole file is too slow for 18 GB).
-    A sharded directory is complete with DCP's index and a complete meta.pt."""
+    A sharded directory: check_shards (every file its index names, at least at the size it needs)."""
     if Path(path).is_dir():
-        return (Path(path) / ".metadata").is_file() and _is_complete(Path(path) / META)
+        try:
+            check_shards(path)
+        except CheckpointError:
+            return False
+        return True
     try:
         with zipfile.ZipFile(path) as z:
             return any(name.endswith("data.pkl") for name in z.namelist())
     except (OSError, zipfile.BadZipFile):
         return False
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata index is a pickle (torch reads it with plain pickle.load: a crafted file runs code).
+    This unpickler builds only DCP's metadata classes, torch.Size, dtypes and layouts; anything else is refused
+    before it is imported or called."""
+
+    def find_class(self, module, name):
+        allowed = _metadata_globals()
+        if (module, name) not in allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's .metadata")
+        return allowed[module, name]
+
+
+def _metadata_globals():
+    import pathlib
+    import torch.distributed.checkpoint.metadata as md
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    classes = [md.Metadata, md.TensorStorageMetadata, md.BytesStorageMetadata, md.ChunkStorageMetadata,
+               md.TensorProperties, md.MetadataIndex, md.StorageMeta, md._MEM_FORMAT_ENCODING, _StorageInfo,
+               torch.Size, torch.serialization._get_layout, pathlib.PurePosixPath, pathlib.PosixPath,
+               pathlib.PureWindowsPath, pathlib.WindowsPath]
+    allowed = {(c.__module__, c.__qualname__): c for c in classes}
+    allowed.update({("pathlib", c.__name__): c for c in classes[-4:]})  # pickled from Python >= 3.13 too
+    allowed.update({("torch", n): getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)})
+    return allowed
+
+
+def read_metadata(path):
+    """The DCP index (.metadata) of the sharded checkpoint directory `path`, read with _MetadataUnpickler.
+    CheckpointError naming the file if it is missing, truncated or holds anything but metadata."""
+    from torch.distributed.checkpoint.metadata import Metadata
+    file = Path(path) / ".metadata"
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except OSError as e:
+        raise CheckpointError(f"{path}: incomplete sharded checkpoint: cannot read .metadata ({e.strerror})") from None
+    except Exception as e:  # noqa: BLE001 -- a refused global, a truncated or foreign pickle
+        raise CheckpointError(f"{file}: not a DCP checkpoint index ({first_line(e)})") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise CheckpointError(f"{file}: not a DCP checkpoint index (a {type(metadata).__name__})")
+    return metadata
+
+
+def check_shards(path):
+    """The DCP index of the sharded checkpoint `path` (read_metadata), after checking the directory holds
+    every shard file the index names, each at least as long as the items it records in it, and meta.pt;
+    with a SHA256SUMS, that every one of them is listed there. CheckpointError naming what is missing."""
+    path = Path(path)
+    if not (path / META).is_file():
+        raise CheckpointError(f"{path}: incomplete sharded checkpoint: no {META}")
+    needed = {}  # shard file -> bytes its items reach
+    for info in read_metadata(path).storage_data.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or Path(name).name != name or name.startswith("."):
+            raise CheckpointError(f"{path}/.metadata: names a shard outside the directory ({name!r})")
+        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    for name, size in sorted(needed.items()):
+        have = (path / name).stat().st_size if (path / name).is_file() else None
+        if have is None or have < size:
+            what = "is missing" if have is None else f"has {have:,} bytes, its index needs {size:,}"
+            raise CheckpointError(f"{path}: incomplete sharded checkpoint: shard {name} {what}")
+    if checksum_path(path).is_file():
+        try:
+            listed = read_checksums(checksum_path(path))
+        except (OSError, ValueError, UnicodeDecodeError):
+            listed = {}  # verify_checkpoint says what is wrong with it
+        unlisted = sorted((set(needed) | {".metadata", META}) - set(listed))
+        if unlisted:
+            raise CheckpointError(f"{path}: {unlisted[0]} is not in {SUMS}: cannot verify the checkpoint")
+    return needed
 
 
 def list_checkpoints(out_dir):
@@ -222,7 +338,8 @@ def latest_checkpoint(out_dir):
     """Path of the newest checkpoint in out_dir that verifies (or, without a sidecar, looks complete), or None."""
     for _, path in reversed(list_checkpoints(out_dir)):
         try:
-            if verify_checkpoint(path) or _is_complete(path):
+            verify_checkpoint(path)
+            if _is_complete(path):
                 return path
         except CheckpointError:
             pass
@@ -234,7 +351,7 @@ def print_note(message):
     print(f"note: {message}", file=sys.stderr, flush=True)
 
 
-def load_latest_checkpoint(out_dir, map_location="cpu", consolidate=True, note=print_note):
+def load_latest_checkpoint(out_dir, map_location="cpu", consolidate=True, note=print_note, verify=True):
     """(checkpoint dict, path) of the newest checkpoint in out_dir that verifies and loads; note() is called
     with the reason for each newer one skipped. CheckpointError if out_dir holds none that loads."""
     found = list_checkpoints(out_dir)
@@ -243,35 +360,38 @@ def load_latest_checkpoint(out_dir, map_location="cpu", consolidate=True, note=p
     reasons = []
     for _, path in reversed(found):
         try:
-            return load_checkpoint(path, map_location, consolidate, note), path
+            return load_checkpoint(path, map_location, consolidate, note, verify), path
         except CheckpointError as e:
             reasons.append(str(e))
             note(f"skipping {e}")
     raise CheckpointError(f"{out_dir}: none of its {len(found)} checkpoints loads (newest: {reasons[0]})")
 
 
-def load_checkpoint(path, map_location="cpu", consolidate=True, note=print_note):
+def load_checkpoint(path, map_location="cpu", consolidate=True, note=print_note, verify=True):
     """The checkpoint dict at `path`: a file (verified against its sidecar), a sharded checkpoint directory, or
     an out_dir meaning its newest checkpoint that verifies and loads (load_latest_checkpoint; note() says which
     newer ones were skipped and why). A sharded checkpoint is gathered into this process, in the single-file
     layout; with consolidate=False its model and optimizer stay on disk instead, named by ckpt['shards'] (what
-    a sharded resume loads from, each rank only its part)."""
+    a sharded resume loads from, each rank only its part). verify=False skips the sha256 (another process
+    verified the same files) but still checks that the checkpoint is complete."""
     path = Path(path)
     if path.is_dir() and not is_sharded(path):
-        return load_latest_checkpoint(path, map_location, consolidate, note)[0]
-    if path.is_dir():
-        if not _is_complete(path):
-            raise CheckpointError(f"{path}: incomplete sharded checkpoint (no .metadata or no complete {META})")
-        ckpt = _load_file(path / META, map_location, note)
+        return load_latest_checkpoint(path, map_location, consolidate, note, verify)[0]
+    if path.is_dir():  # every shard verified (or, without a SHA256SUMS, present) before any tensor is read
+        check_shards(path)
+        verified = verify and verify_checkpoint(path)
+        if verify and not verified:
+            note(f"{path} has no {SUMS} (written before sharded checkpoints recorded their sha256): loaded unverified")
+        ckpt = _load_file(path / META, map_location, note, verify)
         ckpt["shards"] = str(path)
         return _consolidated(ckpt) if consolidate else ckpt
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
-    return _load_file(path, map_location, note)
+    return _load_file(path, map_location, note, verify)
 
 
-def _load_file(path, map_location, note):
-    verified = verify_checkpoint(path)
+def _load_file(path, map_location, note, verify=True):
+    verified = verify_checkpoint(path) if verify else None
     try:
         # mmap: tensors are read from the file as they are touched, and ranks on one node share the page
         # cache instead of each reading the whole checkpoint into its own memory (8 x 18 GB at 1.5B)
@@ -281,7 +401,11 @@ def _load_file(path, map_location, note):
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         found = ckpt.get("format") if isinstance(ckpt, dict) else type(ckpt).__name__
         raise CheckpointError(f"{path}: not a gpt2-train checkpoint (format {found!r}, expected {FORMAT!r})")
-    if not verified:
+    missing = [key for key, kind in (("model_args", dict), ("config", dict), ("step", int))
+               if not isinstance(ckpt.get(key), kind)]
+    if missing:
+        raise CheckpointError(f"{path}: incomplete gpt2-train checkpoint: no {missing[0]!r}")
+    if verified is False:
         note(f"{path} has no {checksum_path(path).name} (written before checkpoints recorded their sha256): "
              f"loaded unverified")
     return ckpt
@@ -325,6 +449,7 @@ def save_sharded_checkpoint(path, meta, model, optimizer):
     and DCP's index are on disk. A rank killed midway leaves only the temporary directory behind."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     distributed = _distributed()
@@ -342,9 +467,19 @@ def save_sharded_checkpoint(path, meta, model, optimizer):
     # their shards written (and fsync'ed)
     with warnings.catch_warnings():  # DCP warns whenever it runs without a process group, as asked here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp), no_dist=not distributed)
+        writer = FileSystemWriter(str(tmp))
+        writer.fs = _hashing_filesystem()()  # each rank hashes the shards it writes, as it writes them
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, storage_writer=writer, no_dist=not distributed)
+    mine = writer.fs.sums
+    sums = [mine]
+    if distributed:
+        sums = [None] * dist.get_world_size()
+        dist.all_gather_object(sums, mine)
     if first:
         save_checkpoint(tmp / META, meta)
+        sums = {name: digest for ranks in sums for name, digest in ranks.items()}
+        sums.update({name: file_sha256(tmp / name) for name in (".metadata", META)})
+        atomic_write(tmp / SUMS, "".join(f"{digest}  {name}\n" for name, digest in sorted(sums.items())))
         fsync_dir(tmp)
         old = path.with_name(f".{path.name}.old.tmp")
         if path.exists():  # the same step saved again
@@ -362,6 +497,7 @@ def load_sharded_checkpoint(path, model, optimizer=None, collective=None):
     each rank needs: a collective of every rank under torch.distributed (collective=None: if there is a
     process group), else a plain read by this process alone."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
@@ -373,12 +509,50 @@ def load_sharded_checkpoint(path, model, optimizer=None, collective=None):
         with warnings.catch_warnings():  # DCP warns whenever it runs without a process group, as asked here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             no_dist = not (_distributed() if collective is None else collective)
-            dcp.load(state, checkpoint_id=str(path), no_dist=no_dist)  # strict: every key must be there
-    except Exception as e:
-        raise CheckpointError(f"{path}: cannot read the sharded checkpoint ({first_line(e)})") from None
+            reader, planner = _safe_dcp()
+            dcp.load(state, storage_reader=reader(str(path)), planner=planner(), no_dist=no_dist)  # strict: every key must be there
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"{path}: cannot read the sharded checkpoint ({_dcp_reason(e)})") from None
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))  # lm_head is wte
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def _dcp_reason(e):
+    """The first failure inside a DCP CheckpointException (which wraps each rank's), else first_line(e)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, error = sorted(failures.items())[0]
+        return f"rank {rank}: {first_line(error)}"
+    return first_line(e)
+
+
+@functools.cache
+def _safe_dcp():
+    """(reader, planner) classes reading a DCP checkpoint without unpickling code: the index through
+    _MetadataUnpickler, and the non-tensor values that DCP torch.saves into the shards (torch's own planner
+    loads them with weights_only=False) with weights_only=True."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata = read_metadata(self.path)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = getattr(self, "load_id", None)
+            return metadata
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return Reader, Planner
 
 
 def load_optimizer_state(model, optimizer, state):
@@ -397,10 +571,10 @@ def load_optimizer_state(model, optimizer, state):
 
 # ----------------------------------------------------------------------------- train.py's checkpoints
 
-def resolve_config(user):
+def resolve_config(user, verify=True):
     """(TrainConfig, checkpoint dict or None). On init_from='resume' the newest checkpoint that verifies is
-    loaded (a note names each newer one skipped, and why); its config is the base the user's keys override;
-    the architecture cannot change."""
+    loaded (a note names each newer one skipped, and why; verify=False: the newest complete one, unhashed);
+    its config is the base the user's keys override (resumed_config); ckpt['path'] says where it was."""
     cfg = make_config(user)
     if cfg.init_from != "resume":
         if list_checkpoints(cfg.out_dir):
@@ -410,9 +584,17 @@ def resolve_config(user):
     if not list_checkpoints(cfg.out_dir):
         raise ConfigError(f"init_from='resume' but {cfg.out_dir} holds no checkpoint (ckpt_XXXXXX.pt or ckpt_XXXXXX/)")
     # a sharded checkpoint: its meta only; each rank reads its own shards later
-    ckpt, path = load_latest_checkpoint(cfg.out_dir, consolidate=False, note=lambda message: log(message, note=True))
+    ckpt, path = load_latest_checkpoint(cfg.out_dir, consolidate=False, note=lambda message: log(message, note=True),
+                                        verify=verify)
+    return resumed_config(user, cfg.out_dir, {**ckpt, "path": str(path)})
+
+
+def resumed_config(user, out_dir, ckpt):
+    """(cfg, ckpt) of a run resuming from ckpt: the user's keys over the checkpoint's config; the architecture and
+    the optimizer cannot change."""
+    path = ckpt["path"]
     # the run stays in the out_dir it found the checkpoint in (the checkpoint's own may be another, if moved)
-    cfg = make_config({**user, "out_dir": cfg.out_dir}, base=ckpt["config"])
+    cfg = make_config({**user, "out_dir": out_dir}, base=ckpt["config"])
     if cfg.optimizer != ckpt["config"].get("optimizer", "adamw"):  # the saved state is the other optimizer's
         raise ConfigError(f"cannot change optimizer when resuming: the checkpoint {path} has "
                           f"{ckpt['config'].get('optimizer', 'adamw')!r}, the config {cfg.optimizer!r}")
@@ -516,7 +698,10 @@ def consolidate(src, dst):
     """Write the sharded checkpoint directory `src` as the single-file checkpoint `dst` (resumable too)."""
     if not is_sharded(src):
         raise CheckpointError(f"{src}: not a sharded checkpoint directory (expected ckpt_XXXXXX/ with {META})")
-    save_checkpoint(dst, load_checkpoint(src))
+    ckpt = load_checkpoint(src)  # verified: a damaged directory is refused
+    if not all(torch.isfinite(t).all() for t in ckpt["model"].values()):
+        raise CheckpointError(f"{src}: its weights hold NaN/inf; not writing them to {dst}")
+    save_checkpoint(dst, ckpt)
 
 
 def load_model(ckpt=None, init_from=None, device="cpu"):
@@ -593,14 +778,15 @@ def main(argv=None):
     c.add_argument("dst", help="the file to write, e.g. out/run/ckpt_000100.pt")
     e = commands.add_parser("export", help="checkpoint (file, sharded directory or out_dir) -> Hugging Face GPT-2")
     e.add_argument("src")
-    e.add_argument("dst", help="directory for config.json + model.safetensors")
+    e.add_argument("dst", help="directory for config.json, model.safetensors and the tokenizer files")
     args = parser.parse_args(argv)
     try:
         if args.command == "consolidate":
             consolidate(args.src, args.dst)
         else:
-            save_pretrained(load_model(ckpt=args.src)[0], args.dst)
-    except (CheckpointError, OSError, ValueError, ImportError) as err:
+            model, info = load_model(ckpt=args.src)
+            save_pretrained(model, args.dst, tokenizer_dir=info["hf_dir"])
+    except (CheckpointError, OSError, ValueError, ImportError, RuntimeError) as err:
         report_error("checkpoint.py", err)
         return 2
     print(f"wrote {args.dst}")

@@ -19,6 +19,8 @@ import typing
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+import torch
+
 from model import HUB_NAMES, PRESETS, GPTConfig
 
 MODEL_KEYS = tuple(f.name for f in fields(GPTConfig))
@@ -112,6 +114,9 @@ class TrainConfig(GPTConfig):
         if self.optimizer == "muon" and self.parallel != "ddp":
             raise ConfigError(f"optimizer='muon' is not supported with parallel={self.parallel!r}; use "
                               "parallel='ddp', or optimizer='adamw' to shard")
+        if self.optimizer == "muon" and not hasattr(torch.optim, "Muon"):  # torch.optim.Muon arrived in torch 2.9
+            raise ConfigError(f"optimizer='muon' needs torch.optim.Muon (torch >= 2.9), which torch "
+                              f"{torch.__version__} lacks: upgrade torch, or use optimizer='adamw'")
         if self.min_lr > self.learning_rate:
             raise ConfigError(f"config key 'min_lr' must be <= learning_rate={self.learning_rate}; got {self.min_lr}")
         try:

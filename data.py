@@ -7,6 +7,11 @@ headerless uint16 `.bin` files and build-nanogpt's uint16 `.npy` shards.
 
 Samples are non-overlapping windows of block_size+1 tokens at stride block_size within a shard
 (x = window[:-1], y = window[1:]); a window never crosses a shard boundary.
+
+Loss masks (supervised fine-tuning, prepare_data.py --format sft): a shard X.bin may have a mask shard X.mask
+beside it: the same llm.c header with magic MASK_MAGIC, version 1, the token count and the row length (the
+block_size it was packed for), then one uint8 per token, 1 where that token is a trained target. The loader
+then yields y = -1 where the mask is 0, which the loss ignores.
 """
 import glob
 import json
@@ -24,6 +29,8 @@ VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 SHARD_SUFFIXES = (".bin", ".npy")
+MASK_MAGIC = 20240527
+MASK_SUFFIX = ".mask"
 
 
 class ShardError(ValueError):
@@ -56,6 +63,35 @@ def write_shard(path, tokens):
         f.write(shard_header(tokens.size))
         f.write(np.ascontiguousarray(tokens, dtype="<u2").data)  # no extra copy when already uint16
     atomic_write(path, write)
+
+
+def write_mask(path, mask, row_tokens):
+    """Write a loss-mask shard (0/1 per token, rows of row_tokens) atomically; see the module docstring."""
+    mask = np.asarray(mask, dtype=np.uint8)
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:4] = (MASK_MAGIC, VERSION, mask.size, row_tokens)
+
+    def write(f):
+        f.write(header.tobytes())
+        f.write(mask.data)
+    atomic_write(Path(path), write)
+
+
+def load_mask(path, num_tokens, block_size):
+    """Memory-map a loss-mask shard as uint8; ShardError naming the file unless it is a mask of num_tokens
+    tokens packed in rows of block_size."""
+    path = Path(path)
+    size = path.stat().st_size
+    head = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    if len(head) < HEADER_INTS or head[0] != MASK_MAGIC or head[1] != VERSION:
+        raise ShardError(f"{path}: not a loss-mask shard (expected magic {MASK_MAGIC}, version {VERSION})")
+    count, row = int(head[2]), int(head[3])
+    if count != num_tokens or size != HEADER_BYTES + count:
+        raise ShardError(f"{path}: loss mask of {count} tokens ({size} bytes) for a token shard of {num_tokens} tokens")
+    if row != block_size:
+        raise ShardError(f"{path}: rows were packed for block_size {row}, this run has block_size {block_size}; "
+                         f"train with block_size={row} or prepare the data again with --block_size {block_size}")
+    return np.memmap(path, dtype=np.uint8, mode="r", offset=HEADER_BYTES, shape=(count,)).view(np.ndarray)
 
 
 def _looks_like_header(head):
@@ -136,31 +172,53 @@ def check_vocab(tokens, vocab_size, path, top=None):
                          f"{where:,}); tokenized for another vocabulary?")
 
 
-def recorded_max_tokens(paths):
-    """{shard path: its largest token id} as prepare_data's manifests (<name>_manifest.json next to the shards)
-    record it; shards without a record are left out."""
-    found = {}
-    for directory in {Path(p).parent for p in paths}:
-        for manifest in directory.glob("*_manifest.json"):
+def manifest_records(paths, split):
+    """{shard path: its record} for the shards that prepare_data's manifests (<name>_manifest.json next to them)
+    describe, after checking that each manifest covers its `split` shards: the prep finished (the manifest says
+    complete, and no prepare_data.py holds the directory's lock), every shard it lists is there at its recorded
+    size, and no shard under its <name>_ prefix is unlisted. ShardError naming the file otherwise. Shards
+    without a manifest (nanoGPT's, build-nanogpt's) are left out."""
+    from files import lock_holder
+    found, paths = {}, [Path(p) for p in paths]
+    for directory in sorted({p.parent for p in paths}):
+        for manifest in sorted(directory.glob("*_manifest.json")):
+            name = manifest.name[:-len("_manifest.json")]
+            holder = lock_holder(directory)
+            if holder and holder.startswith("prepare_data.py"):
+                raise ShardError(f"{directory} is being written by {holder}: wait until it ends")
             try:
-                records = json.loads(manifest.read_text())["shards"]
-                found.update({(directory / r["file"]): (int(r["max_token"]), int(r["tokens"]))
-                              for r in records if "max_token" in r})
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # not ours, or damaged: those shards get scanned
+                m = json.loads(manifest.read_text())
+                records = {directory / r["file"]: r for r in m["shards"] if r["split"] == split}
+                sizes = {path: HEADER_BYTES + 2 * int(r["tokens"]) for path, r in records.items()}
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ShardError(f"{manifest}: unreadable prep manifest ({type(e).__name__}: {e}); run "
+                                 f"prepare_data.py again, or delete it to train on the shards unchecked") from None
+            if not m.get("complete"):
+                raise ShardError(f"{manifest}: the prep that writes {name}_* did not finish; run it again to complete it")
+            for path, size in sizes.items():
+                have = path.stat().st_size if path.is_file() else None
+                if have != size:
+                    what = "is missing" if have is None else f"has {have:,} bytes, the manifest records {size:,}"
+                    raise ShardError(f"{path}: listed in {manifest.name} but {what}; run prepare_data.py again")
+            unlisted = [p for p in paths if p.parent == directory and p.name.startswith(f"{name}_") and p not in records]
+            if unlisted:
+                raise ShardError(f"{unlisted[0]}: not in {manifest.name} (another prep's shard?); move it out of "
+                                 f"{directory}, or run prepare_data.py again")
+            written = manifest.stat().st_mtime_ns  # after each of its shards
+            found.update({path: {**r, "manifest_mtime_ns": written} for path, r in records.items()})
     return found
 
 
-def check_shards_vocab(paths, shards, vocab_size, progress=True, chunk=1 << 26):
+def check_shards_vocab(paths, shards, vocab_size, progress=True, chunk=1 << 26, records=None):
     """Every token id of every shard < vocab_size, before training starts (ShardError naming the shard and
-    the id otherwise). A shard's max id comes from its manifest record when the token counts agree (free);
-    other shards are scanned once (at disk speed, a progress bar when there is over 1 GiB to read)."""
-    recorded = recorded_max_tokens(paths)
+    the id otherwise). A shard's max id comes from its manifest record (manifest_records) if the shard was not
+    modified after the manifest was written (free); other shards are scanned once (at disk speed, a progress
+    bar when there is over 1 GiB to read)."""
     todo = []
     for path, tokens in zip(paths, shards):
-        top, count = recorded.get(Path(path), (None, None))
-        if count == len(tokens):
-            check_vocab(tokens, vocab_size, path, top=top)
+        r = (records or {}).get(Path(path), {})
+        if "max_token" in r and r["tokens"] == len(tokens) and os.stat(path).st_mtime_ns <= r["manifest_mtime_ns"]:
+            check_vocab(tokens, vocab_size, path, top=int(r["max_token"]))
         else:
             todo.append((path, tokens))
     total = sum(len(tokens) for _, tokens in todo)
@@ -185,6 +243,8 @@ def find_shards(data_dir, split):
         candidates = [Path(p) for p in sorted(glob.glob(data_dir))]
     elif os.path.isdir(data_dir):
         candidates = sorted(Path(data_dir).iterdir())
+    elif os.path.exists(data_dir):
+        raise ShardError(f"{data_dir}: is a file, not a data directory (data_dir: a directory of shards, or a glob)")
     else:
         raise NoShardsError(f"{data_dir}: no such data directory")
     word = re.compile(rf"(^|[_.-]){split}($|[_.-])")
@@ -219,10 +279,18 @@ class DataLoader:
         self.vocab_size = vocab_size
         self.shuffle = (split == "train") if shuffle is None else bool(shuffle)
         self.paths = find_shards(data_dir, split)
+        records = manifest_records(self.paths, split)  # a prep's shards: all there, none foreign, prep finished
         # Memory-mapped once, headers validated; plain ndarray views skip np.memmap's per-slice overhead.
         self.shards = [load_shard(p).view(np.ndarray) for p in self.paths]
         if vocab_size is not None:  # now, not when a shard is first read many steps into the run
-            check_shards_vocab(self.paths, self.shards, vocab_size, progress=rank == 0)
+            check_shards_vocab(self.paths, self.shards, vocab_size, progress=rank == 0, records=records)
+        # loss masks: all shards have one (SFT data) or none does
+        masks = [p.with_suffix(MASK_SUFFIX) for p in self.paths]
+        if any(m.is_file() for m in masks):
+            missing = next((m for m in masks if not m.is_file()), None)
+            if missing is not None:
+                raise ShardError(f"{missing}: missing loss-mask shard (other shards of {data_dir} have one)")
+        self.masks = [load_mask(m, len(s), block_size) for m, s in zip(masks, self.shards)] if masks[0].is_file() else None
         self._window_offsets = np.arange(block_size + 1)
         self.samples_per_shard = np.array([max(0, (len(s) - 1) // block_size) for s in self.shards], dtype=np.int64)
         self.num_samples = int(self.samples_per_shard.sum())
@@ -233,6 +301,10 @@ class DataLoader:
         self._plans = {}  # epoch -> (shard order, cumulative sample counts in that order)
         self._perms = {}  # (epoch, shard) -> permutation of that shard's samples
         self.position = 0  # global stream position: samples consumed by all ranks together
+
+    def summary(self):
+        """'9 shards, 5,516 tokens' (the start-up line's)."""
+        return f"{len(self.paths)} shards, {sum(len(s) for s in self.shards):,} tokens"
 
     @property
     def epoch(self):
@@ -285,17 +357,30 @@ class DataLoader:
             done += take
 
     def next_batch(self):
-        """The next (x, y) of this rank: int64 CPU tensors of shape (B, T); y[:, t] == x[:, t+1]."""
+        """The next (x, y) of this rank: int64 CPU tensors of shape (B, T); y[:, t] == x[:, t+1], or -1 where a
+        loss mask is off."""
         B, T = self.B, self.T
         window = np.empty((B, T + 1), dtype=np.uint16)
+        keep = np.empty((B, T + 1), dtype=np.uint8) if self.masks else None
         for at, shard, samples in self._runs(self.position + self.rank * B, B):  # usually a single run
             starts = samples * T
-            window[at:at + len(samples)] = self.shards[shard][starts[:, None] + self._window_offsets]  # (b, T+1) gather
+            where = starts[:, None] + self._window_offsets
+            rows = window[at:at + len(samples)]
+            rows[:] = self.shards[shard][where]  # (b, T+1) gather
+            if self.vocab_size is not None and rows.size and int(rows.max()) >= self.vocab_size:  # changed since start
+                row, col = np.argwhere(rows >= self.vocab_size)[0]
+                raise ShardError(f"{self.paths[shard]}: token id {int(rows[row, col])} >= vocab_size {self.vocab_size} "
+                                 f"at token {int(starts[row]) + int(col):,}: the shard changed after the run checked it "
+                                 f"at start; restore or re-prepare it")
+            if keep is not None:
+                keep[at:at + len(samples)] = self.masks[shard][where]
         self.position += B * self.world_size
         import torch  # not at the top: prepare_data's tokenizer workers import this module and need no torch
         x = torch.from_numpy(window[:, :-1].astype(np.int64))  # (B, T)
-        y = torch.from_numpy(window[:, 1:].astype(np.int64))  # (B, T)
-        return x, y
+        y = window[:, 1:].astype(np.int64)
+        if keep is not None:
+            y[keep[:, 1:] == 0] = -1
+        return x, torch.from_numpy(y)  # (B, T) each
 
     def state_dict(self):
         """Plain ints/bools: the stream position and what identifies the stream."""

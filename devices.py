@@ -75,6 +75,16 @@ def check_device(device):
         raise ValueError(f"{device!r}: MPS is not available on this machine; use 'cpu' or 'auto'")
 
 
+def use_cuda_device(device, local_rank=None):
+    """Make a CUDA GPU this process's current device and return its indexed name, 'cuda:N': torchrun's
+    local_rank picks each process's GPU; without torchrun 'cuda' is GPU 0 and 'cuda:N' GPU N. Memory stats,
+    syncs, the RNG and NCCL follow the current device. (torch.cuda.set_device('cuda') raises ValueError: it
+    needs an index.)"""
+    index = local_rank if local_rank is not None else torch.device(device).index or 0
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
 def device_type(device):
     """'cuda:1' -> 'cuda' (what torch.autocast wants)."""
     return str(device).split(":")[0]
@@ -165,7 +175,14 @@ def is_compile_error(exc) -> bool:
 # Dense (non-sparse) peak FLOP/s from vendor data sheets: bf16/fp16 tensor cores, and "tf32" for fp32 training
 # with TF32 matmuls. Matched against the words of torch.cuda.get_device_name() (split on spaces and dashes), the
 # first row whose words all appear winning, so "L40" never matches an "L40S" and the NVL/PCIe rows come first.
+# Blackwell and Grace rows, per GPU, halving the data sheets' "with sparsity" figures: NVIDIA HGX B200 data sheet
+# (8 GPUs: FP16/BF16 36 PFLOPS, TF32 18 PFLOPS, sparse), GB200 NVL72 data sheet (72 GPUs: FP16/BF16 360 PFLOPS,
+# TF32 180 PFLOPS, sparse), GH200 Grace Hopper Superchip data sheet (BF16/FP16 1,979 TFLOPS, TF32 989, sparse:
+# the H100 SXM's). A Grace GPU's name starts with G ("NVIDIA GH200 480GB"), so "B200" never matches "GB200".
 PEAK_FLOPS = [
+    (("GB200",), {"bf16": 2500e12, "fp16": 2500e12, "tf32": 1250e12}),
+    (("B200",), {"bf16": 2250e12, "fp16": 2250e12, "tf32": 1125e12}),
+    (("GH200",), {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12}),
     (("H100", "NVL"), {"bf16": 835e12, "fp16": 835e12, "tf32": 418e12}),
     (("H200", "NVL"), {"bf16": 835e12, "fp16": 835e12, "tf32": 418e12}),
     (("H100", "PCIE"), {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12}),

@@ -25,10 +25,16 @@ def first_line(e):
     return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
+OS_REASONS = {errno.EEXIST: "is a file, where a directory is expected", errno.ENOTDIR: "a part of this path is a "
+              "file, not a directory", errno.ENOSPC: "no space left on the device; free some disk space",
+              errno.EDQUOT: "disk quota exceeded; free some disk space"}
+
+
 def error_line(e):
-    """The one line an expected error prints: an OSError as '<file>: <reason>', the others their message."""
+    """The one line an expected error prints: an OSError as '<file>: <what is wrong with it>', the others their
+    message."""
     if isinstance(e, OSError) and e.filename is not None:
-        return f"{e.filename}: {e.strerror}"
+        return f"{e.filename}: {OS_REASONS.get(e.errno, e.strerror)}"
     return " ".join(str(e).split())
 
 
@@ -84,6 +90,11 @@ def atomic_write(path, data):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.filename is None:  # a failed write (ENOSPC...) names no file
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -140,3 +151,19 @@ def directory_lock(directory, program):
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
         os.close(fd)  # releases the flock
+
+
+def lock_holder(directory):
+    """Who holds `directory`'s directory_lock right now (its record, e.g. 'prepare_data.py (pid 12 on host)'),
+    or None: a shared flock tried and released at once."""
+    path = Path(directory) / LOCK_FILE
+    if fcntl is None or not path.is_file():
+        return None
+    with open(path, "rb") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read(512).decode(errors="replace").strip() or "another process"
+        except OSError:  # no locks on this filesystem
+            return None
+    return None

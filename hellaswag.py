@@ -141,7 +141,7 @@ def unwrap_model(model):
 
 
 def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None, dtype=None,
-             enc=None, progress=False):
+             enc=None, progress=False, stop=None):
     """HellaSwag accuracy of `model` on `examples` (dicts from load_examples).
 
     batch_size: examples per forward, i.e. 4 * batch_size rows of similar length.
@@ -153,6 +153,8 @@ def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None,
     Returns dict(n, correct, correct_norm, acc, acc_norm, preds): preds has one dict per example
     of THIS rank, in input order: ind, label, pred, pred_norm, sum_loss[4], mean_loss[4].
     The model is put in eval mode and its previous train/eval mode is restored afterwards.
+    stop: a function asked between batches; once it returns True on any rank, the rank stops scoring and
+    evaluate returns None on every rank (train.py's SIGTERM: the 30 s before SIGKILL are for the checkpoint).
     """
     distributed = dist.is_available() and dist.is_initialized()
     if rank is None:
@@ -174,12 +176,15 @@ def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None,
     sum_loss = torch.zeros(len(tokens))
     mean_loss = torch.zeros(len(tokens))
 
-    was_training = model.training
+    was_training, abandoned = model.training, 0
     model.eval()
     try:
         rows_per_forward = 4 * batch_size
         batches = [order[i:i + rows_per_forward] for i in range(0, len(order), rows_per_forward)]
         for batch in tqdm(batches, desc="hellaswag", unit="batch", dynamic_ncols=True, disable=not progress):
+            if stop is not None and stop():
+                abandoned = 1
+                break
             s, m = score_rows(model, [tokens[r] for r in batch], [masks[r] for r in batch], device, block_size, dtype)
             sum_loss[batch] = s
             mean_loss[batch] = m
@@ -192,12 +197,14 @@ def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None,
         preds.append({"ind": ex["ind"], "label": ex["label"], "pred": int(s.argmin()),
                       "pred_norm": int(m.argmin()), "sum_loss": s.tolist(), "mean_loss": m.tolist()})
     counts = torch.tensor([len(preds), sum(p["pred"] == p["label"] for p in preds),
-                           sum(p["pred_norm"] == p["label"] for p in preds)], dtype=torch.long)
-    if distributed and world_size > 1:
+                           sum(p["pred_norm"] == p["label"] for p in preds), abandoned], dtype=torch.long)
+    if distributed and world_size > 1:  # the one collective, also on a rank that stopped early
         on = device if dist.get_backend() == "nccl" else "cpu"
         counts = counts.to(on)
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-    n, correct, correct_norm = counts.tolist()
+    n, correct, correct_norm, abandoned = counts.tolist()
+    if abandoned:
+        return None
     if n == 0:  # an accuracy of 0/0 is no result
         raise ValueError("hellaswag: no examples to evaluate")
     return {"n": n, "correct": correct, "correct_norm": correct_norm, "acc": correct / n,

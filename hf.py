@@ -9,11 +9,14 @@ GPT-NeoX is the same network with other names, an interleaved per-head QKV layou
 residual and an untied output head: all options of GPTConfig.
 """
 import json
+import sys
 from pathlib import Path
 
 import torch
 
+import assets
 from assets import EOT
+from files import first_line
 from model import GPT, GPT2_VOCAB, HUB_NAMES, GPTConfig
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -68,14 +71,19 @@ def from_pretrained(name_or_dir: str, **overrides) -> GPT:
             if v.shape != ours[k].shape:
                 raise ValueError(f"from_pretrained: {path}: {name} has shape {tuple(v.shape)}, "
                                  f"expected {tuple(ours[k].shape)}")
+            if not v.is_floating_point():  # copy_ would cast quantized or damaged integers silently
+                raise ValueError(f"from_pretrained: {path}: {name} holds {v.dtype} values, expected "
+                                 f"floating-point weights")
             ours[k].copy_(v)
     return model
 
-def save_pretrained(model: GPT, out_dir: str) -> None:
+def save_pretrained(model: GPT, out_dir: str, tokenizer_dir: str | None = None, chat_template: str | None = None) -> None:
     """Write config.json + model.safetensors that transformers loads: a GPT2LMHeadModel for learned positions
     (rotary_pct=None), a GPTNeoXForCausalLM (Pythia layout) for rotary ones. bias=False is written as zero
     biases; zero_init_proj and dropout need nothing. qk_norm, and a parallel residual with learned positions,
-    exist in neither (ValueError)."""
+    exist in neither (ValueError). With them the tokenizer (assets.save_tokenizer: tokenizer_dir's own
+    tokenizer.json if it has one, else GPT-2's; skipped, with a note, for a vocabulary too small for GPT-2's)
+    and generation_config.json with its <|endoftext|> id as eos."""
     cfg = model.config
     if cfg.qk_norm:
         raise ValueError("save_pretrained: qk_norm=True has no Hugging Face GPT-2 or GPT-NeoX equivalent "
@@ -107,7 +115,14 @@ def save_pretrained(model: GPT, out_dir: str) -> None:
             v = v[:vocab]
         # safetensors needs contiguous tensors that share no memory
         tensors[_hf_name(k, neox)] = v.clone(memory_format=torch.contiguous_format)
-    eos = EOT if vocab > EOT else vocab - 1  # GPT-2 BPE's <|endoftext|>, the tokenizer this library trains with
+    out = Path(out_dir)
+    if vocab > EOT or (tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file()):
+        eos = assets.save_tokenizer(out, tokenizer_dir, chat_template, model_max_length=cfg.block_size)
+    else:
+        eos = None
+        print(f"note: {out}: no tokenizer written: vocab_size {vocab} is smaller than GPT-2's {GPT2_VOCAB}",
+              file=sys.stderr)
+    eos = vocab - 1 if eos is None else eos
     act = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu2": "relu2"}[cfg.activation]
     if neox:
         hf_config = {
@@ -132,9 +147,9 @@ def save_pretrained(model: GPT, out_dir: str) -> None:
             "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True, "bos_token_id": eos,
             "eos_token_id": eos,
         }
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eos, "eos_token_id": eos}) + "\n")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -247,8 +262,12 @@ def _read_hf_weights(path: Path) -> dict:
             except ImportError as e:
                 raise ImportError(f"GPT.from_pretrained: {file} needs the safetensors package "
                                   "(pip install safetensors)") from e
-            sd.update(load_file(str(file)))
-        else:
-            sd.update(torch.load(file, map_location="cpu", weights_only=True))
+        try:
+            sd.update(load_file(str(file)) if file.name.endswith(".safetensors") else
+                      torch.load(file, map_location="cpu", weights_only=True))
+        except OSError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- a pickle that is not plain tensors (nothing ran), a damaged file
+            raise ValueError(f"GPT.from_pretrained: {file}: not a readable weights file ({first_line(e)})") from None
     return sd
 

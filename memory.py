@@ -505,7 +505,7 @@ def set_micro_batch(cfg, b, loaders):
 def fitting_forward_backward(forward_backward, loader, grad_accum, optimizer, cfg, env, step):
     """forward_backward(grad_accum), and on an out-of-memory: halve the micro-batch (the largest divisor of the per-rank rows at
     most half), drop the partial step's gradients, rewind the loader to the step's start and re-run the same step
-    with the same data. Returns (loss sum, cfg, grad_accum), the latter two as changed. Under torchrun, or at
+    with the same data. Returns (what forward_backward returned, cfg, grad_accum), the latter two as changed. Under torchrun, or at
     micro-batch 1, an out-of-memory is a Halt naming settings that would help (ranks cannot switch safely:
     the others may be waiting in a gradient all-reduce)."""
     start = loader.state_dict()

@@ -221,7 +221,10 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
         with torch.autocast(dev, enabled=False):  # dtypes are explicit below
             wc = w.to(dtype)
-            grad_h, grad_w = (torch.empty_like(h), torch.zeros_like(w)) if need_grad else (None, None)
+            # the weight gradient sums over every chunk: in fp32 even for low-precision weights (FSDP's bf16
+            # all-gathered parameters), as the fp32 path does, then rounded once (autograd casts it to w's dtype)
+            grad_h, grad_w = (None, None) if not need_grad else (torch.empty_like(h),
+                                                                  torch.zeros_like(w, dtype=torch.float32))
             loss_sum = torch.zeros((), device=h.device, dtype=torch.float32)
             # one chunk's fp32 logits, turned in place into their gradient, in one buffer reused by every chunk
             # (plus the low-precision product's buffer under autocast): freeing and reallocating per chunk

@@ -21,13 +21,14 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from tqdm import tqdm
 
 from config import ConfigError
 from devices import (DTYPES, autocast, device_type, is_compile_error, resolve_compile, resolve_device, resolve_dtype,
-                     rng_state, set_rng_state, tune_cpu_allocator)
+                     rng_state, set_rng_state, tune_cpu_allocator, use_cuda_device)
 from files import first_line
-from model import GPT
+from model import GPT, rotary_cos_sin
 
 
 @dataclass
@@ -154,9 +155,7 @@ def setup(cfg):
             raise ConfigError(f"parallel={parallel!r} trains in bfloat16 or float32, not float16 (dtype={cfg.dtype!r} "
                               f"resolved to float16 on {device}): set --dtype=float32 or a bf16 device")
     if device_type(device) == "cuda":
-        if distributed:
-            device = f"cuda:{local_rank}"
-        torch.cuda.set_device(device)  # also for --device=cuda:N alone: memory stats, syncs and RNG follow it
+        device = use_cuda_device(device, local_rank if distributed else None)
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls on Ampere+ (docs/speed.md)
         torch.backends.cudnn.allow_tf32 = True
     if distributed:  # the timeout covers rank 0 writing a checkpoint while the others wait in the next collective
@@ -231,7 +230,12 @@ def shard(model, cfg, env):
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    if "deferred_init" in model.__dict__:  # built on meta: this rank's shards only, initialised as one process would
+        materialise(model, env)
     if compile_blocks and not compile_works(model, cfg, env):
+        if not hasattr(model, "reset_iter_state"):  # newer than the torch floor
+            raise ConfigError(f"torch {torch.__version__} cannot recover FSDP from the failed torch.compile trial "
+                              "(no FSDPModule.reset_iter_state): set compile=False, or upgrade torch")
         model.reset_iter_state()  # the failed forward left FSDP mid-iteration
         for block in model.transformer.h:
             del block.forward  # back to Block.forward, eager
@@ -240,6 +244,66 @@ def shard(model, cfg, env):
             unit.reshard()
     model.zero_grad(set_to_none=True)  # the trial's gradients on the root's shards, unseen while it was gathered
     return model
+
+
+class RecordInit(torch.overrides.TorchFunctionMode):
+    """While a model is built on the meta device: every in-place call on one of its parameters (nn.init.normal_,
+    kaiming_uniform_, Tensor.zero_, ...), in order, to be replayed on real tensors by materialise()."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = kwargs.get("tensor", args[0] if args else None)  # nn.init passes it by keyword
+        name = getattr(func, "__name__", "")
+        if isinstance(target, nn.Parameter) and name.endswith("_") and not name.startswith("__"):
+            self.calls.append((target, func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def build_on_meta(config):
+    """GPT(config) with its parameters on the meta device (no memory), carrying what materialise() needs to give
+    it exactly the weights GPT(config) would have drawn here: the RNG state and every init call, in order."""
+    rng = torch.get_rng_state()
+    with torch.device("meta"), RecordInit() as record:
+        model = GPT(config)
+    names = {id(p): n for n, p in model.named_parameters()}  # a tensor no longer in the model (wte's own weight,
+    model.deferred_init = (rng, [(names.get(id(t)), t.shape, f, a, k) for t, f, a, k in record.calls])  # before
+    return model  # tying) maps to None: its draws are replayed for the RNG stream and dropped
+
+
+def materialise(model, env):
+    """Allocate a model built by build_on_meta() on `device` (a sharded one: only this rank's shards) and initialise
+    it as GPT() would have from the same RNG state: each init call is replayed on a whole CPU tensor, one parameter
+    at a time, and each rank keeps its slice. Host memory: the shards plus the largest parameter. Afterwards the
+    RNG is where GPT() would have left it; the rotary tables are recomputed."""
+    rng, calls = model.__dict__.pop("deferred_init")
+    model.to_empty(device=env.device)
+    shards = env.mesh_shape[-1]  # the mesh is (replicate, shard) or (shard,), ranks laid out row-major
+    torch.set_rng_state(rng)
+    with torch.no_grad():
+        for name, shape, func, args, kwargs in calls:
+            whole = torch.empty(shape)
+            if "tensor" in kwargs:
+                func(*args, **{**kwargs, "tensor": whole})
+            else:
+                func(whole, *args[1:], **kwargs)
+            if name is not None:
+                local = model.get_parameter(name).to_local()
+                local.copy_(local_slice(whole, shards, env.rank % shards))
+        if model.config.rotary_pct is not None:
+            for buffer, table in zip((model.rope_cos, model.rope_sin), rotary_cos_sin(
+                    model.config.rot_dim, model.config.block_size, model.config.rotary_base)):
+                buffer.copy_(table)
+
+
+def local_slice(whole, shards, index):
+    """Shard `index` of `whole` split over `shards` ranks as FSDP2 splits a parameter: torch.chunk along dim 0
+    (trailing ranks of a short dim 0 get nothing)."""
+    chunks = whole.chunk(shards)
+    return chunks[index] if index < len(chunks) else whole[:0]
 
 
 def is_compiled(model):

@@ -15,6 +15,9 @@ shards from another input or settings is refused.
 Documents: a .txt file is one document; a .jsonl file has one per line (field --text_key);
 a .parquet file one per row (column --text_key); directories are searched recursively for those.
 The shakespeare preset splits Tiny Shakespeare at blank lines, so each speech is one document.
+
+--format sft: supervised fine-tuning data (jsonl of prompt/completion or chat messages) -> token shards
+plus loss-mask shards packed in rows of --block_size tokens; see prepare_sft() and docs/sft.md.
 """
 import argparse
 import contextlib
@@ -33,7 +36,7 @@ import numpy as np
 from tqdm import tqdm
 
 from assets import EOT, fetch_shakespeare, get_tokenizer
-from data import HEADER_BYTES, SHARD_SUFFIXES, write_shard
+from data import HEADER_BYTES, MASK_SUFFIX, SHARD_SUFFIXES, write_mask, write_shard
 from files import LockError, atomic_write, directory_lock, error_message, file_sha256, first_line
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -464,6 +467,114 @@ def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=Non
                 "tokenized": writer.tokens_added, "seconds": seconds, "tokens_per_s": writer.tokens_added / seconds}
 
 
+# ---------------------------------------------------------------------------- supervised fine-tuning data
+
+def pack_rows(conversations, block_size):
+    """Next-fit packing of (tokens, mask) conversations, in order, into rows of block_size tokens: a row starts
+    at a conversation start; a conversation that does not fit the rest of the row starts the next row, and the
+    rest is padded with <|endoftext|> (masked). Yields (tokens uint16 (block_size,), mask uint8 (block_size,))."""
+    row_t, row_m = [], []
+    for tokens, mask in conversations:
+        if row_t and len(row_t) + len(tokens) > block_size:
+            pad = block_size - len(row_t)
+            yield np.array(row_t + [EOT] * pad, dtype=np.uint16), np.array(row_m + [0] * pad, dtype=np.uint8)
+            row_t, row_m = [], []
+        row_t, row_m = row_t + tokens, row_m + mask
+    if row_t:
+        pad = block_size - len(row_t)
+        yield np.array(row_t + [EOT] * pad, dtype=np.uint16), np.array(row_m + [0] * pad, dtype=np.uint8)
+
+
+def prepare_sft(inputs, out_dir=None, name=None, block_size=1024, shard_tokens=None, val_tokens=None):
+    """--format sft: jsonl conversations (chat.parse: {"prompt", "completion"} or {"messages"}) rendered with the
+    chat template (chat.py) and packed in rows of block_size tokens (pack_rows), written as token shards plus
+    aligned loss-mask shards (data.write_mask): <name>_val_000000.bin/.mask (the first rows, at least
+    val_tokens tokens), <name>_train_NNNNNN.bin/.mask (shard_tokens // block_size rows each), each shard one
+    trailing <|endoftext|> longer so that its last row is a whole sample. A bad line is a PrepError naming
+    file:line; a conversation longer than block_size is skipped, counted and reported (a truncated one would
+    teach answers that never end). A re-run with the same input and settings verifies the shards and stops;
+    anything else rewrites them all (one pass, no resume mid-way: SFT sets are small)."""
+    import chat
+    files = expand_inputs(inputs)
+    if any(f.suffix != ".jsonl" for f in files):
+        raise PrepError(f"{next(f for f in files if f.suffix != '.jsonl')}: --format sft reads .jsonl files")
+    shard_tokens = shard_tokens or DEFAULT_SHARD_TOKENS
+    val_tokens = 1 if val_tokens is None else val_tokens  # default: the first row
+    if min(block_size, val_tokens) < 1 or shard_tokens < block_size:
+        raise PrepError(f"--block_size and --val_tokens must be >= 1 and --shard_tokens >= --block_size, got "
+                        f"{block_size}, {val_tokens}, {shard_tokens}")
+    name = re.sub(r"[^A-Za-z0-9]+", "_", name or (files[0].stem if len(files) == 1 else "sft")).strip("_") or "sft"
+    out_dir = Path(out_dir or Path("data") / name)
+    settings = {"format": "llm.c uint16 shards v1 + uint8 loss masks", "tokenizer": "gpt2+chat", "template":
+                chat.CHAT_TEMPLATE, "block_size": block_size, "shard_tokens": shard_tokens, "val_tokens": val_tokens,
+                "input": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
+    fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    manifest_path = out_dir / f"{name}_manifest.json"
+    held = contextlib.ExitStack()  # out_dir's lock, as in prepare()
+    try:
+        held.enter_context(directory_lock(out_dir, "prepare_data.py"))
+    except LockError as e:
+        raise PrepError(str(e)) from None
+    except OSError as e:
+        raise PrepError(f"cannot write to the output directory {out_dir} ({e.strerror}: {e.filename})") from None
+    with held:
+        remove_stale_temp_files(out_dir, name)
+        old = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
+        if old and old.get("fingerprint") == fingerprint and old.get("complete") and all(
+                shard_is_complete(out_dir, r) and file_sha256(out_dir / r["mask"]) == r["mask_sha256"]
+                for r in old["shards"]):
+            return {**old["summary"], "out_dir": str(out_dir), "name": name, "seconds": 0.0, "reused": True}
+        ours = re.compile(rf"{re.escape(name)}_(train|val)_\d{{6}}\.(bin|mask)")
+        others = sorted(p.name for p in out_dir.iterdir() if p.suffix in SHARD_SUFFIXES and not ours.fullmatch(p.name))
+        if others or (old is None and any(ours.fullmatch(p.name) for p in out_dir.iterdir())):
+            raise PrepError(f"{out_dir} holds token files ({(others or ['<name> shards without a manifest'])[0]}, ...) "
+                            f"from another run or tool; use another --out_dir or --name, or delete them")
+        for stale in (p for p in out_dir.iterdir() if ours.fullmatch(p.name)):
+            stale.unlink()  # ours from other settings or an interrupted run: rewritten below
+        t0, enc, skipped, count = time.time(), chat.tokenizer(get_tokenizer()), [], 0
+
+        def conversations():
+            nonlocal count
+            for path in files:
+                try:
+                    for lineno, messages in chat.read_conversations(path):
+                        count += 1
+                        tokens, mask = chat.encode(enc, messages)
+                        if len(tokens) > block_size:
+                            skipped.append(f"{path}:{lineno} ({len(tokens)} tokens)")
+                            continue
+                        yield tokens, mask
+                except (ValueError, OSError) as e:
+                    raise PrepError(str(e) if isinstance(e, ValueError) else f"{path}: cannot read ({first_line(e)})") from None
+
+        rows = list(pack_rows(conversations(), block_size))
+        n_val = min(-(-val_tokens // block_size), len(rows) - 1)
+        if n_val < 1:
+            raise PrepError(f"{len(rows)} row(s) of {block_size} tokens from {count} conversations: need 2 or more "
+                            f"(one for validation); add data or lower --block_size")
+        per_shard = shard_tokens // block_size
+        parts = [("val", 0, rows[:n_val])] + [("train", i // per_shard, rows[n_val:][i:i + per_shard])
+                                             for i in range(0, len(rows) - n_val, per_shard)]
+        manifest = {"fingerprint": fingerprint, "settings": settings, "complete": False, "shards": []}
+        for split, index, part in parts:
+            tokens = np.concatenate([t for t, _ in part] + [np.array([EOT], dtype=np.uint16)])
+            mask = np.concatenate([m for _, m in part] + [np.zeros(1, dtype=np.uint8)])
+            path = out_dir / f"{name}_{split}_{index:06d}.bin"
+            write_shard(path, tokens)
+            write_mask(path.with_suffix(MASK_SUFFIX), mask, block_size)
+            manifest["shards"].append({"file": path.name, "split": split, "tokens": int(len(tokens)), "rows": len(part),
+                                       "max_token": int(tokens.max()), "sha256": file_sha256(path),
+                                       "mask": path.with_suffix(MASK_SUFFIX).name, "trained_tokens": int(mask.sum()),
+                                       "mask_sha256": file_sha256(path.with_suffix(MASK_SUFFIX))})
+        total = sum(r["tokens"] for r in manifest["shards"])
+        summary = {"conversations": count - len(skipped), "skipped": len(skipped), "skipped_lines": skipped[:10],
+                   "rows": len(rows), "tokens": total, "trained_tokens": sum(r["trained_tokens"] for r in manifest["shards"]),
+                   "val_rows": n_val, "shards": len(parts), "block_size": block_size}
+        manifest.update(complete=True, summary=summary)
+        write_manifest(manifest_path, manifest)
+        return {**summary, "out_dir": str(out_dir), "name": name, "seconds": time.time() - t0, "reused": False}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", metavar="PATH", help=".txt/.jsonl/.parquet files, directories or globs")
@@ -483,7 +594,25 @@ def main(argv=None):
                    help="multiprocessing start method (default: the platform's)")
     p.add_argument("--batch_chars", type=int, default=1 << 18, help="characters of text per worker task")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.add_argument("--format", choices=["text", "sft"], default="text",
+                   help="text: documents for pretraining; sft: prompt/completion or chat jsonl -> tokens + loss masks")
+    p.add_argument("--block_size", type=int, default=1024, help="--format sft: tokens per packed row (the training block_size)")
     args = p.parse_args(argv)
+    if args.format == "sft":
+        if args.dataset or not args.input:
+            p.error("--format sft reads --input FILE.jsonl [...] (prompt/completion or messages lines)")
+        try:
+            s = prepare_sft(args.input, out_dir=args.out_dir, name=args.name, block_size=args.block_size,
+                            shard_tokens=args.shard_tokens, val_tokens=args.val_tokens)
+        except (PrepError, OSError) as e:
+            sys.exit(error_message("prepare_data.py", e))
+        if s["skipped"]:
+            print(f"prepare_data: skipped {s['skipped']} conversation(s) longer than --block_size {s['block_size']}: "
+                  + ", ".join(s["skipped_lines"]) + (", ..." if s["skipped"] > len(s["skipped_lines"]) else ""))
+        print(f"{s['conversations']:,} conversations in {s['rows']:,} rows of {s['block_size']} ({s['val_rows']:,} val), "
+              f"{s['tokens']:,} tokens of which {s['trained_tokens']:,} trained, {s['shards']} shards"
+              + (" (already prepared, verified)" if s["reused"] else f", {s['seconds']:.1f} s") + f" -> {s['out_dir']}/{s['name']}_*")
+        return s
     try:
         s = prepare(inputs=args.input, dataset=args.dataset, out_dir=args.out_dir, name=args.name,
                     shard_tokens=args.shard_tokens, val_tokens=args.val_tokens, num_proc=args.num_proc,

@@ -4,9 +4,14 @@
     python sample.py --init_from gpt2 --prompt "Hello, I'm a language model,"
     python sample.py --ckpt out/ckpt_000500.pt --prompt FILE:prompt.txt --temperature 0
     echo "Once upon a time" | python sample.py --ckpt out/ --num_samples 3 --seed 7
+    python sample.py --ckpt out/sft --chat                        # chat with a fine-tuned model (docs/sft.md)
+    python sample.py --ckpt out/sft --chat --prompt FILE:conversation.json --temperature 0
 
 Without --prompt, the prompt is read from stdin when stdin is not a terminal; an empty prompt
 starts from <|endoftext|>, i.e. the beginning of a new document. The same --seed gives the same text.
+--chat renders the prompt with the chat template (chat.py): a conversation ({"messages": [...]} or a list of
+messages, e.g. from a file) or plain text (one user message), and streams the assistant's reply up to its
+<|end|>; with no prompt on a terminal it is an interactive chat.
 A Hugging Face model directory with a tokenizer.json (e.g. an imported Pythia) is sampled with that
 tokenizer (needs the `tokenizers` package); everything else with GPT-2's.
 """
@@ -17,6 +22,7 @@ import sys
 
 import torch
 
+import chat
 from checkpoint import add_model_args, load_model_from_args
 from devices import autocast
 
@@ -47,15 +53,22 @@ def token_bytes(enc, token):
 
 @torch.no_grad()
 def stream_samples(model, enc, prompt, num_samples=1, max_new_tokens=200, temperature=1.0, top_k=None,
-                   top_p=None, seed=1337, device="cpu", dtype=None, out=None):
+                   top_p=None, seed=1337, device="cpu", dtype=None, out=None, messages=None,
+                   end="\n" + SEPARATOR + "\n"):
     """Generate num_samples continuations of `prompt`, writing each to `out` token by token.
 
-    Each sample is written as prompt + continuation, then a newline and a separator line. One
+    Each sample is written as prompt + continuation, then `end` (a newline and a separator line). One
     torch.Generator seeded with `seed` drives all samples, so a seed fixes the whole output.
-    Returns the list of texts (prompt + continuation).
+    Returns the list of texts (prompt + continuation). With `messages` (--chat; enc: chat.tokenizer()) the
+    prompt is their rendering with the assistant's turn opened, and only the reply is written and returned:
+    it ends before <|end|> (or <|endoftext|>).
     """
     out = sys.stdout if out is None else out
-    tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [enc.eot_token]
+    stop = ()
+    if messages is not None:
+        tokens, stop, prompt = chat.encode(enc, messages, add_generation_prompt=True)[0], (chat.END, enc.eot_token), ""
+    else:
+        tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [enc.eot_token]
     generator = torch.Generator(device=device).manual_seed(seed)
     model.eval()
     texts = []
@@ -69,12 +82,14 @@ def stream_samples(model, enc, prompt, num_samples=1, max_new_tokens=200, temper
         with autocast(device, dtype):
             for new in model.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k,
                                              top_p=top_p, generator=generator, n_vocab=enc.n_vocab):  # new: (1,)
+                if int(new[0]) in stop:
+                    break
                 piece = decoder.decode(token_bytes(enc, int(new[0])))
                 pieces.append(piece)
                 out.write(piece)
                 out.flush()
         pieces.append(decoder.decode(b"", final=True))
-        out.write(pieces[-1] + "\n" + SEPARATOR + "\n")
+        out.write(pieces[-1] + end)
         out.flush()
         texts.append("".join(pieces))
     return texts
@@ -90,6 +105,8 @@ def main(argv=None):
     parser.add_argument("--top_k", type=int, default=None, help="sample only among the k most likely tokens")
     parser.add_argument("--top_p", type=float, default=None, help="nucleus sampling: smallest set with this much mass")
     parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--chat", action="store_true", help="reply as the assistant of a fine-tuned chat model: the "
+                        "prompt is a conversation (JSON) or one user message; none on a terminal: chat interactively")
     args = parser.parse_args(argv)
     if args.num_samples < 1 or args.max_new_tokens < 0:
         parser.error("--num_samples must be >= 1 and --max_new_tokens >= 0")
@@ -105,15 +122,32 @@ def main(argv=None):
         prompt = read_prompt(args.prompt)
     except (OSError, UnicodeDecodeError) as e:
         parser.exit(2, f"{parser.prog}: error: prompt: {' '.join(str(e).split())}\n")
-    if not prompt and enc.eot_token is None:
+    if args.chat:
+        try:
+            enc = chat.tokenizer(enc)
+            messages = chat.conversation(prompt) if prompt else None
+        except ValueError as e:
+            parser.exit(2, f"{parser.prog}: error: --chat: {e}\n")
+    elif not prompt and enc.eot_token is None:
         parser.exit(2, f"{parser.prog}: error: an empty prompt starts at <|endoftext|>, which {enc.name} lacks; "
                        "give --prompt\n")
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")  # a terminal that can't show a character gets '?', not a crash
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, device=device, dtype=dtype)
     try:
-        stream_samples(model, enc, prompt, num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                       device=device, dtype=dtype)
+        if args.chat and messages is None:  # interactive: each reply joins the conversation
+            messages = []
+            while True:
+                try:
+                    messages.append({"role": "user", "content": input("user> ")})
+                except EOFError:
+                    return 0
+                print("assistant> ", end="", flush=True)
+                reply = stream_samples(model, enc, "", messages=messages, end="\n", **options)[0]
+                messages.append({"role": "assistant", "content": reply})
+        stream_samples(model, enc, prompt, num_samples=args.num_samples, messages=messages if args.chat else None,
+                       **options)
     except KeyboardInterrupt:  # Ctrl-C while streaming: stop quietly
         print(file=sys.stderr)
         return 130

@@ -48,8 +48,11 @@ class MetricsLog:
         self.file = open(path, "a")
 
     def write(self, record):
-        self.file.write(json.dumps({k: json_safe(v) for k, v in record.items()}) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps({k: json_safe(v) for k, v in record.items()}) + "\n")
+            self.file.flush()
+        except OSError as e:  # a full disk: say which file
+            raise OSError(e.errno, e.strerror, self.file.name) from None
 
 
 def check_tracking_available(wandb_log, tensorboard_dir):
@@ -70,13 +73,15 @@ def check_tracking_available(wandb_log, tensorboard_dir):
 
 class WandbSink:
     """A W&B run with step as its x-axis. Resuming passes the same id with resume='allow'; with
-    WANDB_MODE=offline the run is written under out_dir/wandb/ for a later `wandb sync`."""
+    WANDB_MODE=offline the run is written under out_dir/wandb/ (or $WANDB_DIR/wandb/ when WANDB_DIR is set,
+    W&B's own convention) for a later `wandb sync`."""
     name = "wandb"
 
     def __init__(self, out_dir, run_config, run_id, project, run_name):
         import wandb
         try:
-            self.run = wandb.init(project=project, name=run_name, id=run_id, resume="allow", dir=str(out_dir))
+            self.run = wandb.init(project=project, name=run_name, id=run_id, resume="allow",
+                                  dir=os.environ.get("WANDB_DIR") or str(out_dir))
             self.run.config.update(run_config, allow_val_change=True)  # a resume may change e.g. max_steps
         except Exception as e:
             raise TrackingError(f"wandb.init failed ({first_line(e)}); log in (`wandb login`), record offline "

@@ -26,17 +26,18 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from checkpoint import CheckpointError, Halt, Progress, kept_checkpoint, resolve_config, restore, restore_rngs, save
+from checkpoint import (CheckpointError, Halt, Progress, kept_checkpoint, load_checkpoint, resolve_config, restore,
+                        restore_rngs, resumed_config, save)
 from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text, make_config, model_config, parse_args
 from data import DataLoader, NoShardsError, ShardError
-from devices import autocast, device_type, fused_adamw_supported, peak_flops
+from devices import autocast, device_type, fused_adamw_supported, is_oom, peak_flops
 from files import LockError, atomic_write, directory_lock, report_error
 from hf import from_pretrained
-from memory import fitting_forward_backward, probe_batch_size, resolve_batch_size
+from memory import _free as free_memory, fitting_forward_backward, probe_batch_size, resolve_batch_size, smaller_micro_batch
 from model import GPT
 from optim import build_optimizer, set_lr
-from parallel import (check_shared_out_dir, clip_gradients, gathered, is_compiled, is_rank0, launched_by_torchrun, log,
-                      keeps_grads, parallelize, set_grad_sync, setup)
+from parallel import (build_on_meta, check_shared_out_dir, clip_gradients, gathered, is_compiled, is_rank0, keeps_grads,
+                      launched_by_torchrun, log, parallelize, set_grad_sync, setup)
 from tracking import TRACKING_KEYS, NoTracker, Tracker, TrackingError, check_tracking_available
 
 
@@ -70,12 +71,37 @@ def resolve_config_or_defer(user):
     returned rather than raised. A rank that failed before joining the process group (a node that cannot see
     out_dir's checkpoints) would leave the others waiting in the rendezvous until it times out; instead every
     rank joins and check_shared_out_dir raises the error on all of them."""
-    try:
-        return (*resolve_config(user), None)
+    try:  # only rank 0 hashes the checkpoint; the others check that theirs is complete (agree_on_checkpoint)
+        return (*resolve_config(user, verify=is_rank0()), None)
     except (ConfigError, CheckpointError) as e:
         if not launched_by_torchrun():
             raise
         return make_config(user), None, str(e)  # a bad key fails here alike on every rank: nobody waits
+
+
+SETUP_KEYS = ("device", "dtype", "parallel", "shard_size", "seed", "dist_timeout_minutes")  # what setup() used
+
+
+def agree_on_checkpoint(user, cfg, ckpt, problem, env):
+    """Under torchrun only rank 0 sha256-hashed the checkpoint it resumes from (one read of an 18 GB file,
+    not one per rank); a rank that chose another (rank 0 skipped a damaged one) loads rank 0's, unhashed.
+    Returns (cfg, ckpt, problem); a problem is raised on every rank by check_shared_out_dir."""
+    if not env.distributed or cfg.init_from != "resume":
+        return cfg, ckpt, problem
+    chosen = [ckpt and ckpt["path"]]
+    dist.broadcast_object_list(chosen, src=0)
+    if problem or chosen[0] is None or chosen[0] == (ckpt and ckpt["path"]):
+        return cfg, ckpt, problem
+    try:
+        agreed, ckpt = resumed_config(user, cfg.out_dir, {**load_checkpoint(chosen[0], consolidate=False, verify=False),
+                                                          "path": chosen[0]})
+    except (ConfigError, CheckpointError) as e:
+        return cfg, None, str(e)
+    changed = [k for k in SETUP_KEYS if getattr(agreed, k) != getattr(cfg, k)]
+    if changed:
+        return cfg, None, (f"rank 0 resumes from {chosen[0]}, whose {changed[0]} differs from that of the checkpoint "
+                           f"this rank found; resume again")
+    return agreed, ckpt, None
 
 
 def make_loaders(cfg, env):
@@ -93,14 +119,16 @@ def make_loaders(cfg, env):
 
 def build_model(cfg, ckpt, device):
     """(the bare GPT on device, cfg with the model's real shape) from a checkpoint, scratch or pretrained.
-    A sharded checkpoint's weights are loaded later, by restore(), into the model as this run shards it."""
+    A sharded checkpoint's weights are loaded later, by restore(), into the model as this run shards it.
+    device 'meta' (scratch or a sharded checkpoint): parallel.build_on_meta, initialised when sharded."""
     training_only = {"dropout": cfg.dropout, "activation_checkpointing": cfg.activation_checkpointing}
+    new = build_on_meta if device == "meta" else GPT
     if ckpt is not None:
-        model = GPT(model_config(cfg, **{**ckpt["model_args"], **training_only}))
+        model = new(model_config(cfg, **{**ckpt["model_args"], **training_only}))
         if "shards" not in ckpt:
             model.load_state_dict(ckpt["model"])
     elif cfg.init_from == "scratch":
-        model = GPT(model_config(cfg))
+        model = new(model_config(cfg))
     else:
         try:
             model = from_pretrained(cfg.init_from, **training_only)
@@ -139,20 +167,29 @@ def to_device(tensors, device):
 
 
 def forward_backward(model, loader, grad_accum, scaler, env, micro_steps=None):
-    """Gradients of the mean loss over grad_accum micro-batches; returns the summed loss (a device scalar).
-    micro_steps: which of them to run (default all; the dry run skips repeats)."""
+    """Gradients of the mean loss over the step's trained tokens (targets != -1, of all ranks); returns
+    (the summed loss, a device scalar; the number of trained tokens of the step, all ranks).
+    micro_steps: which of the grad_accum micro-steps to run (default all; the dry run skips repeats)."""
+    batches = {micro: loader.next_batch() for micro in (range(grad_accum) if micro_steps is None else micro_steps)}
+    counts = {micro: int((y != -1).sum()) for micro, (_, y) in batches.items()}  # trained tokens per micro-batch
+    masked = getattr(loader, "masks", None) is not None
+    trained = torch.tensor(sum(counts.values()), device=env.device)
+    if masked and env.distributed:
+        dist.all_reduce(trained)
+    trained = int(trained) if masked else sum(counts.values()) * env.world_size  # without masks all are trained
     loss_sum = torch.zeros((), device=env.device)
-    for micro in range(grad_accum) if micro_steps is None else micro_steps:
-        x, y = to_device(loader.next_batch(), env.device)  # (B, T) each
+    for micro, batch in batches.items():
+        x, y = to_device(batch, env.device)  # (B, T) each
         set_grad_sync(model, micro == grad_accum - 1)
         with autocast(env.device, env.dtype):
             _, loss = model(x, y, return_logits=False)
-        # each micro-batch loss is a mean over B*T tokens; dividing by grad_accum makes the summed
-        # gradients those of the mean over the whole step's tokens, not grad_accum times that
-        loss = loss / grad_accum
+        # each micro-batch loss is a mean over its trained tokens; weighting it by its share of the step's
+        # (x world_size: DDP averages over ranks) makes the summed gradients those of the mean over all the
+        # step's trained tokens. Without masks every share is 1/grad_accum
+        loss = loss * (counts[micro] * env.world_size / trained) if masked else loss / grad_accum
         loss_sum += loss.detach().float()
         scaler.scale(loss).backward()
-    return loss_sum
+    return loss_sum, trained
 
 
 def reduce_step_stats(loss_sum, stop_flag, grad_norm, env):
@@ -199,32 +236,66 @@ def peak_memory(kind):
 
 # ----------------------------------------------------------------------------- evaluation
 
+class Abandoned(Exception):
+    """An evaluation cut short by SIGTERM/SIGINT: the loop saves a checkpoint and exits 0."""
+
+
+def stop_agreed(stop, env):
+    """Whether a rank got SIGTERM/SIGINT (StopRequest): under torchrun a collective, asked alike by every rank."""
+    if not env.distributed:
+        return stop.signal is not None
+    flag = torch.tensor(float(stop.signal is not None), device=env.device)
+    dist.all_reduce(flag)
+    return flag.item() > 0
+
+
 @torch.no_grad()
-def val_loss(model, loader, eval_steps, env):
-    """Mean loss over the same eval_steps val micro-batches every time, averaged over ranks."""
+def val_loss(model, loader, eval_steps, micro, env, stop=lambda: False, step=0):
+    """Mean loss over the same eval_steps val micro-batches every time, averaged over ranks. Their rows (read at
+    once, on the CPU) go through the model `micro` at a time, the training micro-batch: an out-of-memory halves
+    it as in a step (a Halt under torchrun or at 1). Abandoned as soon as stop() (agreed by all ranks)."""
     model.eval()
     loader.reset()
-    total = torch.zeros((), device=env.device)
-    for _ in range(eval_steps):
-        x, y = to_device(loader.next_batch(), env.device)
-        with autocast(env.device, env.dtype):
-            _, loss = model(x, y, return_logits=False)
-        total += loss.float()
+    x, y = (torch.cat(t) for t in zip(*(loader.next_batch() for _ in range(eval_steps))))  # (rows, T) each
+    total, at = torch.zeros((), device=env.device), 0
+    try:
+        while at < len(x):
+            if stop():
+                raise Abandoned
+            try:
+                xb, yb = to_device((x[at:at + micro], y[at:at + micro]), env.device)
+                with autocast(env.device, env.dtype):
+                    total += model(xb, yb, return_logits=False)[1].float() * len(xb)
+                at += len(xb)
+            except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled
+                if not is_oom(e):
+                    raise
+                smaller = smaller_micro_batch(len(x), micro)
+                if env.distributed or smaller is None:
+                    raise Halt(f"step {step}: out of memory in validation at micro-batch {micro}; try a smaller "
+                               f"batch_size, or eval_steps") from None
+                log(f"step {step}: out of memory in validation at micro-batch {micro}: evaluating at {smaller}")
+                micro = smaller
+                free_memory(env.device)
+    finally:
+        model.train()
     if env.distributed:
         dist.all_reduce(total)  # SUM: gloo has no AVG
-    model.train()
-    return total.item() / eval_steps / env.world_size
+    return total.item() / len(x) / env.world_size
 
 
-def hellaswag_eval(raw_model, examples, cfg, env):
+def hellaswag_eval(raw_model, examples, cfg, env, stop=None):
     """HellaSwag accuracy, examples sharded over ranks (every rank calls it); `examples` is filled on first use
-    and reused."""
+    and reused. Abandoned when stop() turns True on a rank (asked between batches)."""
     import hellaswag
     from assets import fetch_hellaswag
     if not examples:
         examples.extend(hellaswag.load_examples(fetch_hellaswag(), limit=cfg.hellaswag_limit))
     with gathered(raw_model) as model:
-        return hellaswag.evaluate(model, examples, env.device, dtype=env.dtype)
+        result = hellaswag.evaluate(model, examples, env.device, dtype=env.dtype, stop=stop)
+    if result is None:
+        raise Abandoned
+    return result
 
 
 def sample_preview(raw_model, cfg, env):
@@ -244,17 +315,18 @@ def sample_preview(raw_model, cfg, env):
     return enc.decode([t for t in out[0].tolist() if t < enc.n_vocab])
 
 
-def evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cfg, env, last):
+def evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cfg, env, last, stop):
     """The evaluations due at `step` (val loss, HellaSwag, a sample), logged; returns the val loss or None.
-    Every rank calls it: the val loss is averaged over ranks, a sharded model is gathered for the others."""
+    Every rank calls it: the val loss is averaged over ranks, a sharded model is gathered for the others.
+    A signal (stop: the StopRequest) abandons them between batches: Abandoned."""
     due = lambda interval: interval > 0 and (step % interval == 0 or last)  # noqa: E731
     val = None
     if due(cfg.eval_interval):
-        val = val_loss(model, val_loader, cfg.eval_steps, env)
+        val = val_loss(model, val_loader, cfg.eval_steps, cfg.batch_size, env, lambda: stop_agreed(stop, env), step)
         tracker.log({"step": step, "val_loss": val})
         log(f"step {step}: val loss {val:.4f}")
     if due(cfg.hellaswag_interval):
-        hs = hellaswag_eval(raw_model, hellaswag_examples, cfg, env)
+        hs = hellaswag_eval(raw_model, hellaswag_examples, cfg, env, stop=lambda: stop.signal is not None)
         tracker.log({"step": step, "hellaswag_acc": hs["acc"], "hellaswag_acc_norm": hs["acc_norm"],
                      "hellaswag_n": hs["n"]})
         log(f"step {step}: hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
@@ -263,13 +335,14 @@ def evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cf
     return val
 
 
-def step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model, cfg, env):
+def step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model, cfg, env,
+                trained_tokens):
     """The metrics.jsonl record of one optimizer step."""
     tokens_per_s = total_batch_size / dt
     mem, reserved = peak_memory(env.kind)
     record = {"step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
               "mfu": raw_model.estimate_mfu(tokens_per_s / env.world_size, peak), "step_ms": dt * 1000,
-              "peak_mem_mb": mem, "micro_batch": cfg.batch_size}
+              "peak_mem_mb": mem, "micro_batch": cfg.batch_size, "trained_tokens": trained_tokens}
     if reserved is not None:
         record["peak_reserved_mb"] = reserved
     if skipped:
@@ -294,12 +367,18 @@ def run(user):
     cfg, ckpt, problem = resolve_config_or_defer(user)
     check_tracking_available(cfg.wandb_log, cfg.tensorboard_dir)  # every rank: all stop alike
     env = setup(cfg)
+    cfg, ckpt, problem = agree_on_checkpoint(user, cfg, ckpt, problem, env)
     check_shared_out_dir(cfg.out_dir, ckpt and ckpt["step"], problem, env)
     cfg = resolve_batch_size(cfg, ckpt, env)  # the plan line; a refusal; batch_size='auto' from the plan
     train_loader, val_loader = make_loaders(cfg, env)
+    log(f"data: {train_loader.summary().replace(' shards', ' train shards')}; "
+        f"val: {val_loader.summary() if val_loader else 'none (eval_interval=0)'}")
 
-    # the bare GPT (checkpoints, samples, HellaSwag); a sharded run keeps it on the CPU for fully_shard to move
-    raw_model, cfg = build_model(cfg, ckpt, "cpu" if env.sharded else env.device)
+    # the bare GPT (checkpoints, samples, HellaSwag). A sharded run from scratch or from a sharded checkpoint builds
+    # it on meta, and parallelize() gives each rank its shards only; from whole weights it stays on the CPU for
+    # fully_shard to move
+    on_meta = env.sharded and (ckpt is None and cfg.init_from == "scratch" or ckpt is not None and "shards" in ckpt)
+    raw_model, cfg = build_model(cfg, ckpt, "meta" if on_meta else "cpu" if env.sharded else env.device)
     if cfg.batch_size == "auto":  # a probed device (CUDA)
         cfg = probe_batch_size(raw_model, cfg, env, [train_loader, val_loader])
     total_batch_size, grad_accum = batch_layout(cfg, env.world_size)
@@ -325,15 +404,20 @@ def run(user):
     old_handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     peak = peak_flops(torch.cuda.get_device_name(env.device) if env.kind == "cuda" else env.kind, env.dtype)
     hellaswag_examples, start_step, stopping, finished = [], progress.step, False, False
+    saved_step = start_step
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not env.master, unit="step", dynamic_ncols=True)
     try:
         while True:
             step, last = progress.step, progress.step >= cfg.max_steps
-            val = None  # a resumed run's first step was evaluated before it stopped
+            val, step_start = None, train_loader.state_dict()  # a resumed run's first step was evaluated before it stopped
             if (step > start_step or start_step == 0) and not stopping:
-                val = evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cfg, env, last)
+                try:
+                    val = evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cfg, env, last, stop)
+                except Abandoned:  # a signal: save now rather than after a whole evaluation
+                    stopping = True
             if step > start_step and (last or stopping or cfg.save_interval and step % cfg.save_interval == 0):
                 save(out_dir, val, progress, raw_model, optimizer, scaler, train_loader, tracker, cfg, env)
+                saved_step = step
             if last or stopping:
                 break
 
@@ -341,7 +425,7 @@ def run(user):
             t0 = time.perf_counter()
             lr = get_lr(step, cfg)
             set_lr(optimizer, lr, cfg)
-            loss_sum, cfg, grad_accum = fitting_forward_backward(
+            (loss_sum, trained_tokens), cfg, grad_accum = fitting_forward_backward(
                 lambda accum: forward_backward(model, train_loader, accum, scaler, env),
                 train_loader, grad_accum, optimizer, cfg, env, step)
             if stop.signal is not None:
@@ -359,7 +443,8 @@ def run(user):
             dt = time.perf_counter() - t0
             progress.step = step = step + 1
 
-            record = step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model, cfg, env)
+            record = step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model, cfg, env,
+                                 trained_tokens)
             tracker.log(record)
             bar.update(1)
             if cfg.log_interval and (step % cfg.log_interval == 0 or step == cfg.max_steps):
@@ -369,6 +454,14 @@ def run(user):
         finished = True
     except Halt as e:
         raise Halt(f"{e}; {kept_checkpoint(out_dir)}") from None
+    except KeyboardInterrupt:  # a second Ctrl-C: at once, even in the middle of a save
+        raise KeyboardInterrupt(kept_checkpoint(out_dir)) from None
+    except ShardError as e:  # a shard changed under the run: first keep the steps done since the last save
+        if not env.distributed and progress.step > saved_step:  # (other ranks would wait in a collective)
+            optimizer.zero_grad(set_to_none=True)
+            train_loader.load_state_dict(step_start)
+            save(out_dir, None, progress, raw_model, optimizer, scaler, train_loader, tracker, cfg, env)
+        raise ShardError(f"{e}; {kept_checkpoint(out_dir)}") from None
     finally:
         bar.close()
         for s, handler in old_handlers.items():
@@ -397,6 +490,9 @@ def main(argv=None):
     except (ConfigError, TrackingError, CheckpointError, Halt, ShardError, LockError, OSError) as e:
         report_error("train.py", e)
         raise SystemExit(2 if isinstance(e, (ConfigError, TrackingError)) else 1) from None
+    except KeyboardInterrupt as e:  # 130, as a shell reports a Ctrl-C
+        report_error("train.py", KeyboardInterrupt(f"interrupted{'; ' if str(e) else ''}{e}"))
+        raise SystemExit(130) from None
     finally:
         if dist.is_available() and dist.is_initialized():  # the one place the process group is destroyed
             dist.destroy_process_group()

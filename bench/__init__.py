@@ -5,8 +5,10 @@
     python -m bench.hellaswag_speed   # HellaSwag batched vs one example per forward
     python -m bench.recipes           # learning speed: the GPT-2 recipe vs configs/modern.py (steps, time to a loss)
 
-They import only library modules and their public names, never train.py.
+They import only library modules and their public names, never train.py. A run that needs an optional
+package (transformers for `bench.scoreboard --compare`) checks it with require() before measuring anything.
 """
+import importlib
 import os
 import platform
 
@@ -29,3 +31,17 @@ def machine_line(device):
     bf16 = "with" if cpu_has_fast_bf16() else "without"
     return (f"{name} ({bf16} AVX512-BF16/AMX), {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; "
             f"torch {torch.__version__}")
+
+
+def require(what, *packages):
+    """Stop with one line naming the optional packages `what` needs that do not import, and the command that
+    installs them; called before anything is measured."""
+    missing = []
+    for name in packages:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise SystemExit(f"{what} needs {' and '.join(missing)} (optional, not installed): "
+                         f"pip install {' '.join(missing)}   (or: pip install -r requirements-dev.txt)")

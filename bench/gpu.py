@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from config import TrainConfig, make_config, model_config, parse_args
-from devices import autocast, device_type, peak_flops, resolve_device, resolve_dtype
+from devices import autocast, device_type, peak_flops, resolve_device, resolve_dtype, use_cuda_device
 from model import GPT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -334,9 +334,7 @@ def parse(argv):
 
 def main(argv=None):
     opts = parse(sys.argv[1:] if argv is None else argv)
-    device = opts.device
-    if device_type(device) == "cuda":
-        torch.cuda.set_device(device)
+    device = opts.device = use_cuda_device(opts.device) if device_type(opts.device) == "cuda" else opts.device
     report = Report()
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import devices
-from bench import machine_line
+from bench import machine_line, require
 from devices import autocast, device_type, glibc, malloc_tuned, resolve_device, set_malloc_tuned
 from config import TrainConfig
 from assets import fetch_hellaswag
@@ -777,6 +777,8 @@ def resolve_args(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.compare:  # transformers' model and generate; safetensors for the save_pretrained round trip
+        require("bench.scoreboard --compare", "transformers", "safetensors")
     for limit in ("cache_size_limit", "recompile_limit"):  # interleaved setups keep several compiled models alive
         if hasattr(torch._dynamo.config, limit):
             setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))

@@ -43,3 +43,41 @@ def read_only(monkeypatch):
                             else real_os_open(path, flags, *a, **k))
         monkeypatch.setattr(os, "mkdir", lambda path, *a, **k: refuse(path) if inside(path) else real_mkdir(path, *a, **k))
     return make
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """fake_gpus(n): this CPU-only torch sees n CUDA GPUs. Only the device queries and the runtime calls below
+    them are mocked (is_available, device_count, current_device, properties, free memory, set-device): torch's
+    own functions and their argument parsing (torch.cuda._utils._get_device_index) run, so a call a real GPU
+    would reject (set_device('cuda'), an index out of range) fails here too. Returns the state: current device,
+    and every index set_device reached."""
+    import torch
+    from types import SimpleNamespace
+    from torch.cuda._utils import _get_device_index
+
+    def make(n=2, name="NVIDIA H100 80GB HBM3", capability=(9, 0)):
+        state = SimpleNamespace(current=0, set_to=[])
+
+        def index(device):
+            i = _get_device_index(device, optional=True)
+            if not 0 <= i < n:
+                raise AssertionError(f"Invalid device id {i}")  # what torch says
+            return i
+
+        def set_device(i):
+            state.current = index(i)
+            state.set_to.append(i)
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: state.current)
+        monkeypatch.setattr(torch._C, "_cuda_setDevice", set_device, raising=False)
+        monkeypatch.setattr(torch._C, "_cuda_resetPeakMemoryStats", index, raising=False)
+        monkeypatch.setattr(torch.cuda, "cudart", lambda: SimpleNamespace(
+            cudaMemGetInfo=lambda i: (70 << 30, 80 << 30) if index(i) >= 0 else None))
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(
+            name=name, major=capability[0], minor=capability[1], total_memory=80 << 30, index=index(device)))
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: capability >= (8, 0))
+        return state
+    return make

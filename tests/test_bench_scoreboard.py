@@ -1,5 +1,6 @@
 """bench.scoreboard: peak-memory probe, tables, and a tiny end-to-end run (no timing assertions)."""
 import json
+import sys
 
 import pytest
 import torch
@@ -79,3 +80,12 @@ def test_compare_reports_ratios_and_generation(tmp_path):
     bf16 = {g["variant"] for g in result["compare_generation"] if g["dtype"] == "bfloat16"}
     assert {"ours, KV cache", "transformers generate"} <= bf16  # bf16 decoding is always reported
     assert result["compare_training"]["ceiling_tok_s"]["float32"] > 0
+
+
+def test_compare_without_transformers_stops_before_measuring(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed: `import transformers` fails
+    monkeypatch.setattr(scoreboard, "measure_all", lambda *a: pytest.fail("measured without transformers"))
+    with pytest.raises(SystemExit) as stop:
+        scoreboard.main(["--compare"])
+    assert str(stop.value) == ("bench.scoreboard --compare needs transformers (optional, not installed): "
+                               "pip install transformers   (or: pip install -r requirements-dev.txt)")

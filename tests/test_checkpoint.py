@@ -20,7 +20,7 @@ TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32)
 
 
 def fake_ckpt(step, **extra):
-    return {"format": FORMAT, "step": step, "model": {"w": torch.full((3,), float(step))},
+    return {"format": FORMAT, "step": step, "model": {"w": torch.full((3,), float(step))}, "model_args": {}, "config": {},
             "rng": [{"python": [3, list(range(5)), None]}], **extra}
 
 
@@ -233,7 +233,7 @@ def test_nothing_loads_is_one_line(tmp_path):
 def test_storage_bytes_counts_shared_storage_once_and_bounds_the_file(tmp_path):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY))  # lm_head.weight is wte.weight: one storage
-    obj = {"model": model.state_dict(), "format": FORMAT, "step": 1}
+    obj = {"model": model.state_dict(), "format": FORMAT, "step": 1, "model_args": {}, "config": {}}
     assert checkpoint.storage_bytes(obj) == sum(p.numel() * 4 for p in model.parameters())  # lists it once
     save_checkpoint(checkpoint_path(tmp_path, 1), obj)
     size = checkpoint_path(tmp_path, 1).stat().st_size

@@ -1,4 +1,5 @@
 """Shard format, prepare_data.py and the DataLoader (issue 4)."""
+import contextlib
 import json
 import random
 import struct
@@ -494,3 +495,66 @@ def test_val_loader_reads_fixed_batches_in_file_order(numbered):
     assert sample_ids(loader, 2) == first[:8]
     halves = [sample_ids(DataLoader(numbered, "val", batch_size=2, block_size=T, rank=r, world_size=2), 1) for r in range(2)]
     assert halves[0] + halves[1] == first[:4]  # ranks split each global batch
+
+
+# ---------------------------------------------------------------------------- data that is what the manifest says
+
+@pytest.fixture
+def prepped(tmp_path):
+    """A finished prep: docs_val_000000.bin, docs_train_000000..7.bin and docs_manifest.json."""
+    src = write_jsonl(tmp_path / "docs.jsonl", make_docs(60, seed=7))
+    run_prep("--input", src, "--out_dir", tmp_path / "out", "--shard_tokens", 300, "--val_tokens", 200, "--num_proc", 1)
+    return tmp_path / "out"
+
+
+def poke(path, at, value):
+    """Token `at` of an llm.c shard set to `value` in place: the same size, as an edit or bit rot leaves it."""
+    with open(path, "r+b") as f:
+        f.seek(1024 + 2 * at)
+        f.write(struct.pack("<H", value))
+
+
+def test_a_shard_changed_after_prep_is_scanned_not_trusted_to_its_record(prepped):
+    import os
+    shard = prepped / "docs_train_000003.bin"
+    poke(shard, 123, 60000)
+    later = (prepped / "docs_manifest.json").stat().st_mtime + 5
+    os.utime(shard, (later, later))  # what any write does (set here: filesystem clocks can be coarse)
+    with pytest.raises(ShardError, match=r"docs_train_000003.bin: token id 60000 >= vocab_size 50304 .*at token 123"):
+        DataLoader(prepped, "train", batch_size=2, block_size=8, vocab_size=50304)
+
+
+def test_an_id_that_appears_after_the_start_check_is_a_shard_error_naming_the_position(prepped):
+    loader = DataLoader(prepped, "train", batch_size=4, block_size=8, vocab_size=50304, shuffle=False)
+    poke(prepped / "docs_train_000000.bin", 13, 60000)  # the memory-mapped file changes under the run
+    with pytest.raises(ShardError, match=r"docs_train_000000.bin: token id 60000 >= vocab_size 50304 at token 13: "
+                                         r"the shard changed after the run checked it at start"):
+        loader.next_batch()
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("missing", r"docs_train_000002.bin: listed in docs_manifest.json but is missing"),
+    ("replaced", r"docs_train_000002.bin: listed in docs_manifest.json but has 1,604 bytes, the manifest records 1,624"),
+    ("foreign", r"docs_train_000099.bin: not in docs_manifest.json \(another prep's shard\?\)"),
+    ("unfinished", r"docs_manifest.json: the prep that writes docs_\* did not finish"),
+    ("locked", r"is being written by prepare_data.py \(pid"),
+])
+def test_the_loader_trains_only_on_what_the_manifest_lists(prepped, case, expected):
+    from files import directory_lock
+    shard = prepped / "docs_train_000002.bin"
+    manifest = json.loads((prepped / "docs_manifest.json").read_text())
+    assert [r["tokens"] for r in manifest["shards"] if r["file"] == shard.name] == [300]
+    lock = directory_lock(prepped, "prepare_data.py")
+    if case == "missing":
+        shard.unlink()
+    elif case == "replaced":  # another prep run's shard under the same name
+        write_shard(shard, np.arange(290))
+    elif case == "foreign":
+        write_shard(prepped / "docs_train_000099.bin", np.arange(300))
+    elif case == "unfinished":
+        manifest["complete"] = False
+        (prepped / "docs_manifest.json").write_text(json.dumps(manifest))
+    with lock if case == "locked" else contextlib.nullcontext():
+        with pytest.raises(ShardError, match=expected):
+            DataLoader(prepped, "train", batch_size=2, block_size=8, vocab_size=50304)
+    DataLoader(prepped, "val", batch_size=2, block_size=8) if case in ("missing", "replaced", "foreign") else None

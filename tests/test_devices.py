@@ -83,7 +83,13 @@ def test_cuda_dtype_uses_native_bf16_only(monkeypatch):
     ("NVIDIA L4", "bfloat16", 121e12),
     ("NVIDIA GeForce RTX 4090", "bfloat16", 165e12),
     ("Tesla V100-SXM2-16GB", "bfloat16", None),
-    ("NVIDIA GH200 480GB", "bfloat16", None),  # unknown: no MFU rather than a wrong one
+    ("NVIDIA GH200 480GB", "bfloat16", 989e12),
+    ("NVIDIA GH200 144G HBM3e", "tf32", 494e12),
+    ("NVIDIA B200", "bfloat16", 2250e12),
+    ("NVIDIA B200", "float32", 1125e12),
+    ("NVIDIA GB200", "bfloat16", 2500e12),  # not B200's row
+    ("NVIDIA GB200", "tf32", 1250e12),
+    ("NVIDIA B100", "bfloat16", None),  # unknown: no MFU rather than a wrong one
     ("cpu", "float32", None),
 ])
 def test_peak_flops_matches_whole_device_names(name, dtype, expected):

@@ -1,4 +1,5 @@
 """files.py: an atomic write leaves the whole new file or the old one, no temporary file, and a durable rename."""
+import errno
 import hashlib
 import os
 import stat
@@ -119,3 +120,12 @@ def test_directory_lock_names_its_holder_and_dies_with_it(tmp_path):
             with files.directory_lock(tmp_path / "run", "fourth.py"):
                 pass
     assert lock_file.read_text() == ""  # released: nobody named as the holder
+
+
+def test_a_full_disk_names_the_file_being_written(tmp_path):
+    def fill(f):
+        raise OSError(errno.ENOSPC, "No space left on device")  # what f.write raises: no file name
+    with pytest.raises(OSError) as e:
+        atomic_write(tmp_path / "config.json", fill)
+    assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(tmp_path / "config.json"))
+    assert list(tmp_path.iterdir()) == []

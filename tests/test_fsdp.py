@@ -237,6 +237,66 @@ def test_kill_9_of_one_rank_during_a_sharded_save_keeps_the_previous_checkpoint(
     assert not (out / ".ckpt_000003.tmp").exists()  # the next save cleared what the killed one left
 
 
+COUNTING_HASHES = """
+import json, os, sys
+import checkpoint, files, train
+
+out, argv = sys.argv[1], sys.argv[2:]
+hashed, real = [], files.file_sha256
+
+def file_sha256(path):  # what each rank hashes before its first step
+    if not hashed or hashed[-1] != "started":
+        hashed.append(os.path.basename(str(path)))
+    return real(path)
+
+checkpoint.file_sha256 = file_sha256
+real_restore = train.restore
+train.restore = lambda *a, **k: hashed.append("started") or real_restore(*a, **k)
+try:
+    sys.exit(train.main(argv))
+finally:
+    with open(out + os.environ["RANK"], "w") as f:
+        json.dump(hashed, f)
+"""
+
+
+@pytest.mark.slow
+def test_only_rank_0_hashes_the_checkpoint_and_every_rank_takes_its_choice(data_dir, tmp_path):
+    """A damaged newest checkpoint: rank 0 hashes it, skips it and hashes the one before; rank 1 hashes nothing,
+    picks the newest complete one and then resumes from rank 0's choice (issue 24: 18.7 GB x 64 ranks)."""
+    out = tmp_path / "out"
+    assert train.main([*COMMON, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=4",
+                       "--save_interval=2"]) == 0
+    losses = train_losses(out)
+    newest = out / "ckpt_000004.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 1
+    newest.write_bytes(bytes(data))
+    (tmp_path / "count.py").write_text(COUNTING_HASHES)
+    result = torchrun(tmp_path / "hashed", "--init_from=resume", f"--out_dir={out}", "--max_steps=4",
+                      script=tmp_path / "count.py")
+    assert f"note: skipping {newest}: damaged" in result.stderr and "resumed from step 2" in result.stdout
+    hashed = [json.loads((tmp_path / f"hashed{r}").read_text()) for r in range(2)]
+    assert hashed == [["ckpt_000004.pt", "ckpt_000002.pt", "started"], ["started"]]
+    assert close(train_losses(out), losses)  # steps 3 and 4 again, as the single process did them
+    assert load_checkpoint(newest)["step"] == 4  # rewritten, and verifies
+
+
+def test_under_torchrun_a_rank_other_than_0_hashes_nothing(data_dir, tmp_path, monkeypatch):
+    assert train.main([*COMMON, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_steps=2",
+                       "--save_interval=1"]) == 0
+    hashed, real = [], checkpoint.file_sha256
+    monkeypatch.setattr(checkpoint, "file_sha256", lambda path: hashed.append(path) or real(path))
+    user = train.parse_args(["--init_from=resume", f"--out_dir={tmp_path}"])
+    for rank, expected in (("1", []), ("0", [tmp_path / "ckpt_000002.pt"])):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        hashed.clear()
+        cfg, ckpt, problem = train.resolve_config_or_defer(user)
+        assert hashed == expected, rank
+        assert ckpt["path"] == str(tmp_path / "ckpt_000002.pt") and problem is None
+
+
 # ----------------------------------------------------------------------------- evaluation of a sharded model
 
 SHARDED_EVAL = """
@@ -250,7 +310,7 @@ examples, out = hellaswag.load_examples(sys.argv[1]), sys.argv[2]
 cfg = make_config(dict(n_layer=2, n_head=2, n_embd=32, block_size=64, device="cpu", dtype="float32", compile=False,
                        parallel="fsdp", sample_tokens=12, sample_prompt="The", seed=7))
 env = train.setup(cfg)
-raw, cfg = train.build_model(cfg, None, "cpu")
+raw, cfg = train.build_model(cfg, None, "meta")  # as train.py builds a sharded run: on meta
 model = train.parallelize(raw, cfg, env)
 torch.manual_seed(cfg.seed)
 alone = GPT(model_config(cfg))  # what one process starts from with the same seed

@@ -288,3 +288,14 @@ def test_bad_per_example_path_fails_before_evaluating(hf_dir, data_file, tmp_pat
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.endswith(f"error: {bad}: No such file or directory\n") and err.count("\n") == 1, err
+
+
+def test_a_stop_request_abandons_the_evaluation_between_batches(model, enc, monkeypatch):
+    """train.py's SIGTERM: once stop() is True no further batch is scored and the result is None."""
+    import hellaswag
+    scored, asked = [], []
+    real = hellaswag.score_rows
+    monkeypatch.setattr(hellaswag, "score_rows", lambda *a, **k: scored.append(1) or real(*a, **k))
+    stop = lambda: asked.append(1) or len(asked) > 2  # noqa: E731  (a signal arrives during the second batch)
+    assert evaluate(model, EXAMPLES, "cpu", batch_size=1, enc=enc, stop=stop) is None
+    assert len(scored) == 2 and len(EXAMPLES) > 2

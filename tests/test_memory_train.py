@@ -139,3 +139,25 @@ def test_oom_at_micro_batch_1_stops_with_one_line_naming_settings(data_dir, tmp_
     [line] = [line for line in err.splitlines() if "train.py: error:" in line]  # the progress bar is on stderr too
     assert line.startswith("train.py: error: ") and "Traceback" not in err
     assert "step 1: out of memory at micro-batch 1; try activation_checkpointing=True, parallel='fsdp'" in line
+
+
+def test_oom_in_validation_halves_its_micro_batch_like_a_step(data_dir, tmp_path, monkeypatch, capsys):
+    """Validation runs at the training micro-batch (8) and an out-of-memory there halves it, as a step's does:
+    the same rows are evaluated, so the val losses equal those of a run that fits."""
+    args = ["--max_steps=4", "--eval_interval=2", "--eval_steps=2", "--save_interval=0", "--batch_size=8"]
+    assert run(data_dir, tmp_path / "fits", *args) == 0
+    forward, sizes = GPT.forward, []
+
+    def failing(self, idx, *a, **k):
+        if not torch.is_grad_enabled():
+            sizes.append(idx.shape[0])
+            if idx.shape[0] > 4:
+                raise torch.OutOfMemoryError(f"simulated: micro-batch {idx.shape[0]}")
+        return forward(self, idx, *a, **k)
+    monkeypatch.setattr(GPT, "forward", failing)
+    assert run(data_dir, tmp_path / "oom", *args) == 0
+    assert sizes == [8, 4, 4, 4, 4] * 3  # steps 0, 2, 4: 16 rows each
+    assert "step 0: out of memory in validation at micro-batch 8: evaluating at 4" in capsys.readouterr().out
+    val = lambda out: {m["step"]: m["val_loss"] for m in metrics(out) if "val_loss" in m}  # noqa: E731
+    assert val(tmp_path / "oom") == pytest.approx(val(tmp_path / "fits"), rel=1e-6)
+    assert train_losses(tmp_path / "oom") == train_losses(tmp_path / "fits")

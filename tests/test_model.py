@@ -239,6 +239,25 @@ def test_chunked_loss_under_bf16_autocast_tracks_the_plain_path(monkeypatch):
     assert (grad_a - grad_b).abs().max() < 2e-2 * grad_a.abs().max()
 
 
+def test_chunked_loss_accumulates_a_bf16_weights_gradient_in_fp32(monkeypatch):
+    """FSDP's bf16 parameters hand the chunked loss a bf16 lm_head weight: its gradient, summed over 32 chunks, must
+    be the fp32 sum rounded once to bf16, exactly what an fp32 weight holding the same values gets, not a bf16
+    running sum (4-10x the error)."""
+    monkeypatch.setattr(M, "LOSS_CHUNK_ROWS", 4)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(128, 32, generator=g).bfloat16()  # 32 chunks of 4 rows
+    w = (torch.randn(96, 32, generator=g) * 0.5).bfloat16()
+    targets = torch.randint(0, 96, (128,), generator=g)
+    grads = []
+    for weight in (w.float(), w):  # the fp32 path, then FSDP's bf16 parameter with the same values
+        weight = weight.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            M.ChunkedLMHeadLoss.apply(h, weight, targets, True).backward()
+        grads.append(weight.grad)
+    fp32_path, bf16_weight = grads
+    assert bf16_weight.dtype == torch.bfloat16 and torch.equal(bf16_weight, fp32_path.bfloat16())
+
+
 def test_activation_checkpointing_gives_identical_gradients(monkeypatch):
     model = small_gpt(dropout=0.1).train()  # dropout: the recompute must replay the same random masks
     idx = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -245,3 +245,52 @@ def test_nan_sampling_settings_are_one_line_errors(ckpt, capsys, flag, value):
     err = capsys.readouterr().err
     # argparse's way, as for any bad flag: the usage, then one error line
     assert err.startswith("usage: ") and f": error: {flag} must be" in err.splitlines()[-1] and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- start-up errors are one line
+
+def error_of(capsys, *argv):
+    """sample.main's exit status 2 and its one error line (no traceback)."""
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--device", "cpu", "--max_new_tokens", "2", "--prompt", "x"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_integer_weights_in_a_model_directory_are_refused(hf_dir_with_tokenizer, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(hf_dir_with_tokenizer, tmp_path / "hf")
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    weights["transformer.h.0.mlp.c_fc.weight"] = (weights["transformer.h.0.mlp.c_fc.weight"] * 100).to(torch.int8)
+    save_file(weights, tmp_path / "hf" / "model.safetensors")
+    assert "transformer.h.0.mlp.c_fc.weight holds torch.int8 values, expected floating-point weights" in error_of(
+        capsys, "--init_from", str(tmp_path / "hf"))
+
+
+class Opaque:
+    """A class torch's weights-only unpickler does not know."""
+
+
+def test_a_pickled_object_in_pytorch_model_bin_is_one_line_that_does_not_suggest_weights_only_false(
+        hf_dir_with_tokenizer, tmp_path, capsys):
+    shutil.copytree(hf_dir_with_tokenizer, tmp_path / "hf")
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    torch.save({"x": Opaque()}, tmp_path / "hf" / "pytorch_model.bin")  # not a tensor: never unpickled
+    err = error_of(capsys, "--init_from", str(tmp_path / "hf"))
+    assert f"{tmp_path / 'hf' / 'pytorch_model.bin'}: not a readable weights file (UnpicklingError" in err
+    assert "weights_only=False" not in err
+
+
+def test_a_broken_tokenizer_json_is_one_line_naming_it(hf_dir_with_tokenizer, tmp_path, capsys):
+    shutil.copytree(hf_dir_with_tokenizer, tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"')
+    assert f"{tmp_path / 'hf' / 'tokenizer.json'}: not a readable tokenizer.json (" in error_of(
+        capsys, "--init_from", str(tmp_path / "hf"))
+
+
+def test_a_checkpoint_without_model_args_is_one_line(model, tmp_path, capsys):
+    save_checkpoint(tmp_path / "ckpt_000001.pt", {"model": model.state_dict(), "config": {}, "step": 1,
+                                                  "format": "gpt2-train-ckpt-v1"})
+    assert "ckpt_000001.pt: incomplete gpt2-train checkpoint: no 'model_args'" in error_of(
+        capsys, "--ckpt", str(tmp_path / "ckpt_000001.pt"))

@@ -244,6 +244,17 @@ def test_a_missing_package_is_a_one_line_error(tmp_path, monkeypatch):
     assert read_jsonl(tmp_path / "run" / "metrics.jsonl") == [train_record(1)]
 
 
+def test_wandb_dir_is_honoured_when_set(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))
+    out = tmp_path / "run"
+    tracker = Tracker(out, CONFIG, TOKENS, wandb_log=True, wandb_project="test")
+    tracker.log(train_record(1))
+    tracker.close()
+    assert not (out / "wandb").exists()
+    [(run_id, _, history)] = wandb_segments(tmp_path / "elsewhere")
+    assert run_id == (out / "wandb_id.txt").read_text().strip() and history[1]["train_loss"] == train_record(1)["train_loss"]
+
+
 def test_wandb_refusing_to_start_is_a_one_line_error(tmp_path, monkeypatch):
     import wandb
 
@@ -427,3 +438,12 @@ def test_overlay_plot_of_several_runs(tmp_path, capsys):
     assert saved["titles"] == ["loss", "gradient norm", "learning rate", "tokens / s"]
     assert saved["labels"][0] == ["fp32 train", "fp32 val", "bf16 train", "bf16 val"]
     assert saved["labels"][1] == ["fp32", "bf16"]
+
+
+def test_plot_without_matplotlib_is_one_line_naming_the_install(tmp_path, monkeypatch):
+    run = write_metrics(tmp_path / "run", loop_records(0, 4))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: `import matplotlib` fails
+    with pytest.raises(SystemExit) as stop:
+        plot_metrics.main([str(run)])
+    assert str(stop.value) == "plot_metrics.py needs matplotlib, an optional extra: pip install matplotlib"
+    assert not (run / "metrics.png").exists()

@@ -4,6 +4,7 @@ Runs use a tiny model (vocab 64) on a synthetic dataset: a random Markov chain o
 (3 possible successors per token), so a model can learn it and its loss visibly falls.
 """
 import errno
+import hashlib
 import json
 import math
 import os
@@ -802,3 +803,90 @@ def test_torchrun_on_missing_data_prints_one_line_once(tmp_path):
             "`python prepare_data.py --dataset fineweb-edu`\n")
     assert result.stderr.count("train.py: error: ") == 1 and line in result.stderr, result.stderr
     assert f'File "{ROOT / "train.py"}"' not in result.stderr  # no traceback from a rank
+
+
+def test_a_shard_that_changes_mid_run_is_one_line_after_saving_the_steps_done(data_dir, tmp_path, monkeypatch, capsys):
+    """Step 7 meets an id the start-up check did not see (the file changed under the run): the steps done since
+    the last save (5, 6) are saved first, then the error names the shard and the position; no IndexError."""
+    import shutil
+    import data
+    shutil.copytree(data_dir, tmp_path / "data")
+    shard, real, calls = tmp_path / "data" / "tiny_train_000000.bin", data.DataLoader.next_batch, []
+
+    def next_batch(self):
+        calls.append(self.shuffle)  # the train loader's
+        if calls.count(True) == 7:  # step 7's batch
+            with open(shard, "r+b") as f:
+                f.seek(1024)
+                f.write(np.full(30_000, 100, dtype="<u2").tobytes())
+        return real(self)
+    monkeypatch.setattr(data.DataLoader, "next_batch", next_batch)
+    expect_exit(1, run, tmp_path / "data", tmp_path / "out", "--max_steps=8", "--save_interval=4")
+    out, err = capsys.readouterr()
+    assert "data: 1 train shards, 30,000 tokens; val: 1 shards, 3,000 tokens" in out
+    assert err.count("train.py: error: ") == 1 and "Traceback" not in err and err.endswith("\n"), err
+    line = err[err.index("train.py: error: "):].rstrip("\n")
+    assert "\n" not in line and f"{shard}: token id 100 >= vocab_size 64 at token " in line
+    assert f"the last checkpoint, {tmp_path / 'out' / 'ckpt_000006.pt'}, is kept" in line
+    assert load_checkpoint(tmp_path / "out")["step"] == 6
+
+
+@pytest.mark.parametrize("key, expected", [
+    ("out_dir", "{path}: is a file, where a directory is expected"),
+    ("tensorboard_dir", "{path}: is a file, where a directory is expected"),
+    ("data_dir", "{path}: is a file, not a data directory"),
+    ("out_dir_inside", "{path}: a part of this path is a file, not a directory"),
+])
+def test_a_file_where_a_directory_belongs_is_named_as_such(data_dir, tmp_path, capsys, key, expected):
+    (tmp_path / "file").write_text("")
+    path = tmp_path / "file" / "x" if key == "out_dir_inside" else tmp_path / "file"
+    keys = {"data_dir": data_dir, "out_dir": tmp_path / "out", key.replace("_inside", ""): path}
+    with pytest.raises(SystemExit):
+        train.main([*TINY, "--max_steps=1", *(f"--{k}={v}" for k, v in keys.items())])
+    assert f"train.py: error: {expected.format(path=path)}" in one_line_error(capsys)
+
+
+def test_sigterm_during_validation_abandons_it_saves_and_exits_0(data_dir, tmp_path, monkeypatch):
+    """A 40-batch validation at step 4 gets SIGTERM at its second batch: no further batch runs, step 4 is saved,
+    exit 0 (the seconds before SIGKILL are for the checkpoint, not the evaluation)."""
+    forward, evals = model_module.GPT.forward, []
+
+    def forward_then_signal(self, idx, *a, **k):
+        if not torch.is_grad_enabled():
+            evals.append(idx.shape[0])
+            if len(evals) == 40 + 2:  # step 0's 40 batches, then step 4's second
+                os.kill(os.getpid(), signal.SIGTERM)
+        return forward(self, idx, *a, **k)
+    monkeypatch.setattr(model_module.GPT, "forward", forward_then_signal)
+    assert run(data_dir, tmp_path, "--max_steps=8", "--eval_interval=4", "--eval_steps=40", "--save_interval=0") == 0
+    assert len(evals) == 42
+    assert load_checkpoint(tmp_path)["step"] == 4 and load_checkpoint(tmp_path)["val_loss"] is None
+    assert [m["step"] for m in metrics(tmp_path) if "val_loss" in m] == [0]
+
+
+def test_a_second_ctrl_c_during_a_save_exits_130_and_says_what_was_kept(data_dir, tmp_path, monkeypatch, capsys):
+    real_write = checkpoint._HashingWriter.write
+    saves = []
+
+    class Interrupted:  # the file being written, as Ctrl-C is pressed twice during the write
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            return self.f.write(data)
+
+    def write(self, data):
+        if self.sha256.digest() == hashlib.sha256().digest():  # the first write of a checkpoint
+            saves.append(1)
+            if len(saves) == 2:
+                self.f = Interrupted(self.f)
+        return real_write(self, data)
+    monkeypatch.setattr(checkpoint._HashingWriter, "write", write)
+    expect_exit(130, run, data_dir, tmp_path, "--max_steps=8")
+    err = capsys.readouterr().err
+    assert err.count("train.py: error: ") == 1 and "Traceback" not in err, err
+    assert (f"train.py: error: interrupted; the last checkpoint, {tmp_path / 'ckpt_000004.pt'}, is kept (continue "
+            f"with --init_from=resume)\n") in err
+    assert sorted(p.name for p in tmp_path.glob("*ckpt*")) == ["ckpt_000004.pt", "ckpt_000004.pt.sha256"]

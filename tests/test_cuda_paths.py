@@ -1,0 +1,92 @@
+"""The CUDA paths a CPU can reach, on a CPU-only torch that sees fake GPUs (conftest.fake_gpus: the device
+queries are mocked, torch's own argument parsing runs): setup() for device 'auto', 'cuda' and 'cuda:1', under
+torchrun and without, then the calls a run makes with the device it picked; bench.gpu's start. And the APIs
+newer than the torch floor (devices.MIN_TORCH), each gated: tested by deleting the attribute."""
+import pytest
+import torch
+import torch.distributed as dist
+
+import memory
+import parallel
+import train
+from bench import gpu
+from config import ConfigError, make_config, model_config
+from devices import peak_flops
+from model import GPT
+
+
+@pytest.fixture
+def no_tf32_leak():  # setup() turns TF32 on for CUDA runs: keep it from the other tests
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.mark.parametrize("torchrun", [False, True])
+@pytest.mark.parametrize("device", ["auto", "cuda", "cuda:1"])
+def test_setup_makes_an_indexed_gpu_current_and_the_run_can_query_it(fake_gpus, monkeypatch, no_tf32_leak,
+                                                                     device, torchrun):
+    gpus = fake_gpus(2)
+    groups = []
+    monkeypatch.setattr(parallel.dist, "init_process_group", lambda **kwargs: groups.append(kwargs["backend"]))
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    if torchrun:  # the second process on this node: its GPU is LOCAL_RANK's, whatever the config says
+        for key, value in dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2").items():
+            monkeypatch.setenv(key, value)
+    env = parallel.setup(make_config({"device": device}))
+    expected = 1 if torchrun or device == "cuda:1" else 0
+    assert env.device == f"cuda:{expected}" and gpus.set_to == [expected] and gpus.current == expected
+    assert groups == (["nccl"] if torchrun else []) and env.dtype == "bfloat16"
+    # what run() and the memory plan then ask of that device
+    assert peak_flops(torch.cuda.get_device_name(env.device), env.dtype) == 989e12
+    assert memory.available_memory(env.device) == (70 << 30, f"cuda:{expected}: 70.0 GiB free of 80.0 GiB")
+    assert train.peak_memory(env.kind)[0] == 0
+
+
+@pytest.mark.parametrize("device, expected", [("auto", 0), ("cuda", 0), ("cuda:1", 1)])
+def test_bench_gpu_starts_on_the_gpu_it_names(fake_gpus, monkeypatch, capsys, device, expected):
+    gpus = fake_gpus(2)
+    monkeypatch.setattr(gpu, "write_random_shards", lambda *a, **k: None)
+    monkeypatch.setattr(gpu, "check_train", lambda report, opts, *a: report.add("train", opts.device, "-", "SKIP"))
+    assert gpu.main([f"--device={device}", "--nproc=0"]) == 0
+    assert gpus.set_to == [expected]
+    out = capsys.readouterr().out
+    assert f"train  cuda:{expected}" in out and "on NVIDIA H100 80GB HBM3 x 2" in out
+
+
+def test_muon_on_a_torch_without_it_is_a_one_line_config_error(monkeypatch):
+    monkeypatch.delattr(torch.optim, "Muon")
+    with pytest.raises(ConfigError, match=r"^optimizer='muon' needs torch.optim.Muon \(torch >= 2.9\), which torch "
+                       r"\S+ lacks: upgrade torch, or use optimizer='adamw'$"):
+        make_config({"optimizer": "muon"})
+    make_config({"optimizer": "adamw"})  # the default needs nothing new
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_fsdp_compile_failure_on_a_torch_without_reset_iter_state_is_a_one_line_error(monkeypatch, one_rank_group):
+    """The failed compile trial leaves FSDP mid-iteration; FSDPModule.reset_iter_state (newer than torch 2.6)
+    recovers it. Without it: a one-line error naming the way out, not a failure in the first step."""
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch.distributed.fsdp import FSDPModule
+
+    def broken_compile(forward):
+        def compiled(*args, **kwargs):
+            raise BackendCompilerFailed("inductor", RuntimeError("no working C++ compiler"), None)
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    monkeypatch.delattr(FSDPModule, "reset_iter_state")
+    cfg = make_config({"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8, "vocab_size": 32, "batch_size": 1,
+                       "compile": True, "device": "cpu", "dtype": "float32", "parallel": "fsdp"})
+    env = parallel.Env(0, 0, 1, True, "cpu", "float32", "fsdp", (1,))
+    with pytest.raises(ConfigError) as error:
+        parallel.shard(GPT(model_config(cfg)), cfg, env)
+    assert str(error.value) == (f"torch {torch.__version__} cannot recover FSDP from the failed torch.compile trial "
+                                "(no FSDPModule.reset_iter_state): set compile=False, or upgrade torch")

@@ -1,0 +1,59 @@
+"""Meta-device initialisation of sharded runs (parallel.build_on_meta + materialise in shard()): every rank ends up
+holding exactly its slice of the weights one process draws from the same seed, at any world size, FSDP or HSDP.
+
+The ranks are simulated one after another in this process with torch's fake process group (collectives are
+no-ops; initialisation needs none): fast enough for any world size."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import parallel
+from config import make_config, model_config
+from model import GPT
+
+ARCHS = {  # sizes that do not divide by 4: uneven shards
+    "gpt2 (tied, learned positions)": dict(n_layer=2, n_head=2, n_embd=12, block_size=8, vocab_size=30),
+    "neox (untied, rotary)": dict(n_layer=2, n_head=3, n_embd=12, block_size=8, vocab_size=30, rotary_pct=0.5,
+                                  parallel_residual=True, tie_embeddings=False, activation="gelu"),
+}
+
+
+def rank_shards(cfg, mode, mesh, rank):
+    """One rank of a world of prod(mesh): build on meta, shard and materialise as train.py does; returns the model
+    and the RNG state it leaves."""
+    world = 1
+    for size in mesh:
+        world *= size
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        torch.manual_seed(cfg.seed)
+        model = parallel.build_on_meta(model_config(cfg))
+        env = parallel.Env(rank, rank, world, True, "cpu", "float32", mode, mesh)
+        parallel.shard(model, cfg, env)
+        return model, torch.get_rng_state()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode, mesh", [("fsdp", (2,)), ("fsdp", (4,)), ("hsdp", (2, 2))])
+def test_every_rank_holds_its_slice_of_the_one_process_init(arch, mode, mesh):
+    cfg = make_config({**ARCHS[arch], "seed": 1234, "device": "cpu", "dtype": "float32", "compile": False,
+                       "parallel": mode})
+    torch.manual_seed(cfg.seed)
+    reference = GPT(model_config(cfg))  # one process, the same seed
+    rng_after = torch.get_rng_state()
+    ranks = [rank_shards(cfg, mode, mesh, r) for r in range(mesh[0] * (mesh[1] if len(mesh) > 1 else 1))]
+    shard_size = mesh[-1]
+    for name, whole in reference.named_parameters():
+        for group in range(len(ranks) // shard_size):  # HSDP: each group of shard_size ranks holds one copy
+            members = ranks[group * shard_size:(group + 1) * shard_size]
+            pieces = [model.get_parameter(name).to_local() for model, _ in members]
+            assert torch.equal(torch.cat(pieces), whole.detach()), name
+    for model, rng in ranks:
+        assert torch.equal(rng, rng_after)  # dropout masks then draw what one process draws
+        assert (model.lm_head.weight is model.transformer.wte.weight) == cfg.tie_embeddings
+        assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+        for name, buffer in reference.named_buffers():  # the rotary tables, recomputed
+            assert torch.equal(model.get_buffer(name), buffer), name

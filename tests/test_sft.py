@@ -1,0 +1,247 @@
+"""Supervised fine-tuning: chat template, prepare_data.py --format sft, masked targets in the loader and the
+step's loss, exact resume, and sample.py --chat."""
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import chat
+import prepare_data
+import train
+from data import DataLoader, ShardError
+from model import GPT, GPTConfig, ChunkedLMHeadLoss
+from sample import stream_samples
+
+ROOT = Path(__file__).resolve().parent.parent
+ROWS = [
+    {"prompt": "What is 2+2?", "completion": " 4"},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi, naïve café 😀"},
+                  {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": ""},
+                  {"role": "assistant", "content": "Bye <|user|> now."}]},
+    {"prompt": "", "completion": "empty prompt, fine"},
+    {"prompt": "Count", "completion": " one two three"},
+] + [{"prompt": f"Reverse {i} {i + 1}", "completion": f" {i + 1} {i}"} for i in range(40)]
+BLOCK = 32
+TINY = ["--n_layer=1", "--n_head=2", "--n_embd=16", f"--block_size={BLOCK}", "--batch_size=2", "--warmup_steps=2",
+        "--learning_rate=3e-3", "--eval_interval=4", "--eval_steps=1", "--log_interval=0", "--save_interval=4",
+        "--device=cpu", "--dtype=float32", "--compile=False", "--sample_interval=0"]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def sft_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sft")
+    prepare_data.main(["--input", str(write_jsonl(d / "chat.jsonl", ROWS)), "--format", "sft", "--out_dir",
+                       str(d / "data"), "--block_size", str(BLOCK), "--shard_tokens", str(4 * BLOCK)])
+    return d / "data"
+
+
+def messages_of(row):
+    return chat.parse(row)
+
+
+def test_template_renders_as_transformers_apply_chat_template():
+    from transformers.utils.chat_template_utils import render_jinja_template
+    enc = chat.tokenizer()
+    for row in ROWS[:3]:
+        messages = messages_of(row)
+        for gen in (False, True):
+            text = render_jinja_template([messages], chat_template=chat.CHAT_TEMPLATE, add_generation_prompt=gen)[0][0]
+            assert text == chat.render(messages, add_generation_prompt=gen)
+            assert enc.decode(chat.encode(enc, messages, gen)[0]) == text
+    plain = messages_of(ROWS[0])  # contents without special-token text tokenize alike either way
+    assert enc.encode(chat.render(plain), allowed_special="all") == chat.encode(enc, plain)[0]
+
+
+def test_prep_round_trips_both_formats(sft_dir):
+    """Rows hold whole conversations from their start, in order; decode(tokens) is the rendered text; the mask
+    covers exactly the assistant contents and their <|end|>; padding is <|endoftext|>, masked."""
+    enc = chat.tokenizer()
+    texts, trained = [], []
+    for split in ("val", "train"):
+        for loader in [DataLoader(sft_dir, split, 1, BLOCK, shuffle=False)]:
+            for tokens, mask in zip(loader.shards, loader.masks):
+                assert tokens[-1] == chat.EOT and mask[-1] == 0 and len(tokens) % BLOCK == 1
+                for r in range(len(tokens) // BLOCK):
+                    row, m = tokens[r * BLOCK:(r + 1) * BLOCK].tolist(), mask[r * BLOCK:(r + 1) * BLOCK].tolist()
+                    assert row[0] == chat.EOT and m[0] == 0  # a row starts at a conversation start
+                    while row[-1] == chat.EOT:  # padding (a conversation ends with <|end|>), masked
+                        assert m[-1] == 0
+                        row, m = row[:-1], m[:-1]
+                    texts.append(enc.decode(row))
+                    trained.append(enc.decode([t for t, k in zip(row, m) if k]))
+    rendered = [chat.render(messages_of(r)) for r in ROWS]
+    assert "".join(texts) == "".join(rendered)
+    assert "".join(trained) == "".join(m["content"] + "<|end|>" for r in ROWS for m in messages_of(r)
+                                       if m["role"] == "assistant")
+    manifest = json.loads((sft_dir / "chat_manifest.json").read_text())
+    assert manifest["summary"]["conversations"] == len(ROWS) and manifest["summary"]["skipped"] == 0
+
+
+@pytest.mark.parametrize("line, expected", [
+    ('{"prompt": "a"}', "no 'completion' field"),
+    ('{"prompt": "a", "completion": ""}', "empty assistant content"),
+    ('{"messages": [{"role": "bot", "content": "a"}]}', "unknown role 'bot'"),
+    ('{"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]}', "ends with a 'user'"),
+    ('{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "b"}]}', "content is a int"),
+    ('{"text": "a"}', "expected {"),
+    ('{"prompt": ', "Expecting value"),
+])
+def test_bad_lines_are_one_line_errors_naming_file_and_line(tmp_path, capsys, line, expected):
+    path = write_jsonl(tmp_path / "bad.jsonl", [ROWS[0], line])
+    with pytest.raises(SystemExit) as e:
+        prepare_data.main(["--input", str(path), "--format", "sft", "--out_dir", str(tmp_path / "out")])
+    message = str(e.value.code)  # sys.exit(message): printed on stderr, exit status 1, as text prep does
+    assert "\n" not in message and message.startswith(f"prepare_data.py: error: {path}:2: ") and expected in message
+
+
+def test_too_long_conversations_are_skipped_counted_and_reported(tmp_path, capsys):
+    long = {"prompt": "x " * 40, "completion": "y"}
+    path = write_jsonl(tmp_path / "c.jsonl", [ROWS[0], long, *ROWS[3:6]])
+    s = prepare_data.main(["--input", str(path), "--format", "sft", "--out_dir", str(tmp_path / "o"),
+                           "--block_size", str(BLOCK)])
+    assert s["skipped"] == 1 and s["conversations"] == 4
+    assert f"skipped 1 conversation(s) longer than --block_size {BLOCK}: {path}:2 (" in capsys.readouterr().out
+
+
+def test_loader_yields_minus_one_where_the_mask_is_off(sft_dir):
+    loader = DataLoader(sft_dir, "train", 3, BLOCK, shuffle=False)
+    x, y = loader.next_batch()
+    mask = torch.from_numpy(loader.masks[0][:3 * BLOCK + 1].astype(np.int64))
+    tokens = torch.from_numpy(loader.shards[0][:3 * BLOCK + 1].astype(np.int64))
+    expected = torch.where(mask[1:] == 1, tokens[1:], -1).view(3, BLOCK)
+    assert torch.equal(y, expected) and (y == -1).any() and (y != -1).any()
+    assert torch.equal(x, tokens[:-1].view(3, BLOCK))
+
+
+def test_loader_checks_the_masks(sft_dir, tmp_path):
+    with pytest.raises(ShardError, match=f"packed for block_size {BLOCK}, this run has block_size 16"):
+        DataLoader(sft_dir, "train", 1, 16)
+    import shutil
+    shutil.copytree(sft_dir, tmp_path / "d")
+    (tmp_path / "d" / "chat_train_000001.mask").unlink()
+    with pytest.raises(ShardError, match="chat_train_000001.mask: missing loss-mask shard"):
+        DataLoader(tmp_path / "d", "train", 1, BLOCK)
+
+
+def test_masked_rows_get_no_gradient_from_the_chunked_loss():
+    """ChunkedLMHeadLoss (what the model trains with): the loss is the mean CE over targets != -1 and a row whose
+    target is -1 gets exactly zero gradient."""
+    torch.manual_seed(0)
+    h, w = torch.randn(10, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True)
+    targets = torch.tensor([3, -1, 7, -1, -1, 0, 49, -1, 5, 1])
+    ChunkedLMHeadLoss.apply(h, w, targets, True).backward()
+    keep = targets != -1
+    h2, w2 = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = F.cross_entropy(h2[keep] @ w2.t(), targets[keep])
+    ref.backward()
+    assert torch.all(h.grad[~keep] == 0)
+    assert torch.allclose(h.grad, h2.grad, atol=1e-6) and torch.allclose(w.grad, w2.grad, atol=1e-6)
+
+
+class Env:
+    device, kind, dtype, distributed, world_size = "cpu", "cpu", "float32", False, 1
+
+
+def test_step_loss_is_the_mean_over_the_trained_tokens_of_all_micro_batches(sft_dir):
+    """forward_backward with 2 micro-batches of different trained-token counts: the loss and the gradients are
+    those of one cross entropy over the step's trained (completion) tokens, computed independently, and it
+    reports their number."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=BLOCK, vocab_size=50304, n_layer=1, n_head=2, n_embd=16))
+    loader = DataLoader(sft_dir, "train", 2, BLOCK, shuffle=False)
+    batches = [loader.next_batch() for _ in range(2)]
+    counts = [int((y != -1).sum()) for _, y in batches]
+    assert counts[0] != counts[1]  # so per-micro-batch means would weigh tokens unequally
+    loader.reset()
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    loss_sum, trained = train.forward_backward(model, loader, 2, scaler, Env())
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    # independently: logits of every position, CE over the positions whose target token is in the mask
+    masks = [torch.from_numpy(loader.masks[0][:4 * BLOCK + 1].astype(bool))]
+    tokens = torch.from_numpy(loader.shards[0][:4 * BLOCK + 1].astype(np.int64))
+    x, tgt, keep = tokens[:-1].view(4, BLOCK), tokens[1:].view(4, BLOCK), masks[0][1:].view(4, BLOCK)
+    logits = model.hidden_states(x) @ model.lm_head.weight.t()
+    ref = F.cross_entropy(logits[keep], tgt[keep])
+    ref.backward()
+    assert trained == sum(counts) == int(keep.sum())
+    assert abs(loss_sum.item() - ref.item()) < 1e-5
+    for n, p in model.named_parameters():
+        assert torch.allclose(grads[n], p.grad, atol=1e-6), n
+
+
+def run(data_dir, out_dir, *args):
+    return train.main([*TINY, f"--data_dir={data_dir}", f"--out_dir={out_dir}", *args])
+
+
+def train_metrics(out_dir):
+    lines = [json.loads(x) for x in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {m["step"]: (m["train_loss"], m["trained_tokens"]) for m in lines if "train_loss" in m}
+
+
+def test_resume_with_sft_data_is_bit_exact_and_logs_trained_tokens(sft_dir, tmp_path):
+    common = ["--dropout=0.1", f"--total_batch_size={4 * BLOCK}", "--lr_decay_steps=8"]  # 2 accumulation steps
+    assert run(sft_dir, tmp_path / "full", *common, "--max_steps=8") == 0
+    assert run(sft_dir, tmp_path / "split", *common, "--max_steps=4") == 0
+    assert train.main(["--init_from=resume", f"--out_dir={tmp_path / 'split'}", "--max_steps=8"]) == 0
+    full, split = train_metrics(tmp_path / "full"), train_metrics(tmp_path / "split")
+    assert list(split) == list(range(1, 9)) and split == full
+    assert all(0 < n < 4 * BLOCK for _, n in full.values())  # trained tokens: the masked targets are left out
+
+
+class ScriptedModel:
+    """Stands in for GPT: records the prompt and yields fixed tokens."""
+
+    def __init__(self, tokens):
+        self.tokens, self.prompts = tokens, []
+
+    def eval(self):
+        return self
+
+    def generate_stream(self, idx, max_new_tokens, **kwargs):
+        self.prompts.append(idx[0].tolist())
+        for t in self.tokens[:max_new_tokens]:
+            yield torch.tensor([t])
+
+
+def test_sample_chat_renders_the_template_and_stops_at_the_end_of_turn():
+    from transformers.utils.chat_template_utils import render_jinja_template
+    enc = chat.tokenizer()
+    messages = chat.conversation(json.dumps({"messages": messages_of(ROWS[1])[:-1]}))
+    model = ScriptedModel(enc.encode(" Sure, bye.") + [chat.END] + enc.encode(" never shown"))
+    out = io.StringIO()
+    assert stream_samples(model, enc, "", messages=messages, out=out) == [" Sure, bye."]
+    text = render_jinja_template([messages], chat_template=chat.CHAT_TEMPLATE, add_generation_prompt=True)[0][0]
+    assert enc.decode(model.prompts[0]) == text
+    assert out.getvalue().startswith(" Sure, bye.\n")
+    assert chat.conversation("just text\n") == [{"role": "user", "content": "just text"}]
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_equal_one_process_with_accumulation_on_sft_data(sft_dir, tmp_path):
+    """The step's loss is the mean over the trained tokens of both ranks: 2 DDP ranks == 1 process x 2 micro-batches,
+    although the ranks' micro-batches hold different numbers of trained tokens."""
+    import os
+    import subprocess
+    import sys
+    common = [f"--data_dir={sft_dir}", "--max_steps=4", f"--total_batch_size={4 * BLOCK}", "--dropout=0.0",
+              "--eval_interval=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
+           *TINY, *common, f"--out_dir={tmp_path / 'ddp'}"]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert run(sft_dir, tmp_path / "single", *common) == 0
+    ddp, single = train_metrics(tmp_path / "ddp"), train_metrics(tmp_path / "single")
+    assert list(ddp) == list(range(1, 5))
+    for step, (loss, trained) in single.items():
+        assert abs(ddp[step][0] - loss) < 1e-5 and ddp[step][1] == trained, (step, ddp[step], single[step])
