@@ -153,16 +153,15 @@ def loss_bytes(cfg, batch_size: int, dtype="float32", seq_len: int | None = None
     """Peak bytes of ChunkedLMHeadLoss's forward: its (V, C) weight-gradient and (N, C) input-gradient
     buffers, its input, and the one chunk of fp32 logits it reuses (under autocast also the chunk's
     low-precision product, the weight's low-precision copy, and a (V, C) chunk product with its fp32 conversion
-    while it is added to the fp32 gradient). low_params (FSDP's bf16 weight): the weight gradient is accumulated
-    in place in the weight's dtype, no copy and no chunk product."""
+    while it is added to the fp32 gradient). low_params: FSDP's all-gathered weight is already low-precision,
+    so there is no copy of it."""
     from model import LOSS_CHUNK_ROWS
     N = batch_size * (seq_len or cfg.block_size)
     n, V, C = min(N, LOSS_CHUNK_ROWS), cfg.vocab_size, cfg.n_embd
     if _bytes_per_element(dtype) == 4:
         return n * V * 4 + V * C * 4 + 2 * N * C * 4
-    if low_params:
-        return n * V * (4 + 2) + V * C * 2 + 2 * N * C * 4 + n * C * 2
-    return n * V * (4 + 2) + V * C * (4 + 2 + 2 + 4) + 2 * N * C * 4 + n * C * 2
+    copy = 0 if low_params else 2
+    return n * V * (4 + 2) + V * C * (4 + copy + 2 + 4) + 2 * N * C * 4 + n * C * 2
 
 
 def estimate_memory(model_cfg, batch_size: int, dtype="float32", parallel: str = "ddp", world_size: int = 1,
