@@ -142,7 +142,7 @@ def _activation_parts(cfg, batch_size, dtype, activation_checkpointing, seq_len,
     r = a if low_params else 4
     block, outside = saved_bytes_per_token(cfg, dtype, low_params)
     backward = r * cfg.n_embd + a * stats["hidden"]  # the residual's gradient and the MLP hidden's
-    weights = stats["block_matmul"] * 2 if a < 4 else 0  # autocast's copies, saved by the matmuls
+    weights = stats["block_matmul"] * 2 if a < 4 and not low_params else 0  # autocast's copies, saved by the matmuls
     tokens, L = batch_size * T, cfg.n_layer
     if activation_checkpointing:
         return tokens * (L + 1) * r * cfg.n_embd, tokens * (8 + block + backward) + weights
@@ -192,18 +192,18 @@ def estimate_memory(model_cfg, batch_size: int, dtype="float32", parallel: str =
         state = hidden * 4 + 2 * (n - hidden) * 4
     shard = 1 if parallel == "ddp" else (shard_size or world_size) if parallel == "hsdp" else world_size
     low = parallel != "ddp" and _bytes_per_element(dtype) < 4  # FSDP's MixedPrecisionPolicy: low-precision weights
-    gathered = 0
-    if shard > 1:  # at the backward's peak (dry run): the root unit (embeddings, ln_f, head) and one block
-        # gathered, the root's unsharded gradient (its reduce-scatter comes last) and a block's fp32 gradient
-        # going into its reduce-scatter; FSDP's mixed precision gathers in the compute dtype
-        p_bytes = _bytes_per_element(dtype)
-        root = n - model_cfg.n_layer * stats["block"]
-        gathered = (2 * root + stats["block"]) * p_bytes + stats["block"] * 4
     saved, working = _activation_parts(model_cfg, batch_size, dtype, activation_checkpointing, seq_len, low)
-    return MemoryPlan(  # the loss runs before the backward: logits counts only what its buffers add to the
-        # backward's working set, which is never live at the same time
+    at_loss, gathered = loss_bytes(model_cfg, batch_size, dtype, seq_len, low), 0
+    if shard > 1:  # FSDP's mixed precision gathers in the compute dtype. During the loss the root unit
+        # (embeddings, ln_f, head) is gathered; at the backward's peak (dry run) also one block, the root's
+        # unsharded gradient (its reduce-scatter comes last) and one block's fp32 gradient going into its reduce-scatter
+        p_bytes, root = _bytes_per_element(dtype), n - model_cfg.n_layer * stats["block"]
+        at_loss += root * p_bytes
+        gathered = (2 * root + stats["block"]) * p_bytes + stats["block"] * 4
+    return MemoryPlan(  # the loss runs before the backward: logits counts only what the loss phase needs beyond
+        # the backward's peak (its working set and gathered units), which is never live at the same time
         params=-(-n * 4 // shard), grads=-(-n * 4 // shard), optimizer=-(-state // shard), activations=saved + working,
-        logits=max(0, loss_bytes(model_cfg, batch_size, dtype, seq_len, low) - working), batch_size=batch_size,
+        logits=max(0, at_loss - working - gathered), batch_size=batch_size,
         optimizer_name=OPTIMIZERS[optimizer], gathered=gathered)
 
 
@@ -605,6 +605,7 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
         with torch.device("meta"):
             raw = GPT(model_config(cfg))
         model = parallelize(raw, cfg, env) if env.sharded else raw  # the mesh is made outside FakeTensorMode
+        x = torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long)  # a real batch, as the loader's
         with FakeTensorMode(allow_non_fake_inputs=True):
             raw.to_empty(device="cpu")
             if cfg.tie_embeddings and not env.sharded:  # to_empty gives each module its own tensor (FSDP keeps ties)
@@ -625,7 +626,6 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
             else:
                 tracker = MemTracker()
                 tracker.track_external(model, *inner, *([model.buckets] if keeps_grads(model) else []))
-            x = torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long)
 
             class Batches:  # what forward_backward reads; each micro-step is a new iteration for the tracker
                 def next_batch(self):
