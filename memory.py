@@ -120,6 +120,8 @@ def saved_bytes_per_token(cfg, dtype="float32", low_params: bool = False) -> tup
     # (B, T, C) is one more copy
     rotated = getattr(cfg, "rotary_pct", None) is not None or getattr(cfg, "qk_norm", False)
     block = residuals * r * C + a * (6 * C + 2 * H) + (3 * a * C if rotated else 0) + 2 * 8 + 4 * nh
+    if getattr(cfg, "qk_norm", False) and a < 4:  # autocast runs rms_norm in fp32: it saves fp32 copies of q and k
+        block += 2 * 4 * C
     if getattr(cfg, "dropout", 0.0) > 0:  # rough: dropout masks, and attention's (T, T) math path
         block += 2 * a * C + nh * cfg.block_size * (2 * a + 1)
     return block, 8 + r * C + 8
