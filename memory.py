@@ -647,6 +647,9 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
                 clip_gradients(raw, cfg.grad_clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=not keeps_grads(model))
+            if parallel == "hsdp" and grad_accum > 1:
+                notes.append("HSDP: until the last micro-step's all-reduce across replicas, the gradient shards add "
+                             "up in FSDP's partial-reduce buffer, counted under temporaries")
             if grad_accum > 3 and len(states) == 2:
                 notes.append(f"micro-steps 3-{grad_accum - 1} start from the memory state micro-step 2 started from: "
                              "the same peak, not re-run")
