@@ -3,7 +3,8 @@
 estimate_memory(cfg, batch_size, ...) -> MemoryPlan adds up, per rank and in bytes: parameters, gradients and
 optimizer state (fp32 under autocast; divided by the shard size under FSDP/HSDP), the tensors autograd saves
 for backward in one micro-batch (with or without activation checkpointing) plus the backward's working set,
-and the chunked loss's buffers. MemoryPlan.line() is the one line train.py prints before step 1.
+and the chunked loss's buffers (the loss and the backward's peak are never live together: the larger counts).
+MemoryPlan.line() is the one line train.py prints before step 1.
 available_memory(device) says what the device has; check_fits() refuses a plan that cannot fit, naming the
 settings that would. batch_size='auto' uses plan_micro_batch() (CPU/MPS: from the plan) or
 probe_micro_batch() (CUDA: real forward+backward, halving on out-of-memory; devices.is_oom classifies errors).
@@ -13,6 +14,11 @@ input and the residual after attention (fp32 under autocast too), the LayerNorm 
 sees them, q/k/v in one (B, T, 3C) buffer, the attention output, the MLP's pre- and post-activation (B, T, 4C)
 and, under autocast, the low-precision copies of the block's matmul weights. torch.compile saves less, so the
 plan is an upper bound there.
+
+The dry run, `python memory.py CONFIG [--key=value ...] --world_size=N [--gpus_per_node=8]
+[--device_memory_gib=80]` (main(), report(), dry_run()), prints the plan beside a simulation of one optimizer
+step of the config at world size N: the project's own model, sharding, optimizer and step on fake tensors and a
+fake process group, measured by torch's memory trackers (docs/dry-run.md).
 """
 import gc
 import os
