@@ -22,7 +22,7 @@ DEEP = dict(n_layer=8, n_head=2, n_embd=64, block_size=32, vocab_size=128, batch
 # each shipped config's intended world size (its header's torchrun / sbatch line)
 WORLD = {"shakespeare_cpu": 1, "gpt2_124m": 8, "gpt2_124m_modern": 8, "gpt2_1558m": 8, "gpt3_125m": 8,
          "gpt3_350m": 8, "gpt3_760m": 8, "gpt3_1p3b": 8, "gpt3_2p7b": 8, "gpt3_6p7b": 8, "pythia_160m": 8,
-         "pythia_6p9b": 8, "neox_20b": 64}
+         "pythia_6p9b": 8, "neox_20b": 64, "sft_gpt2": 1}  # sft_gpt2: GPT-2 124M's shape, as the config's keys give it
 
 
 def test_every_shipped_config_has_an_intended_world_size():
