@@ -29,8 +29,9 @@ import torch
 from checkpoint import Halt
 from config import ConfigError, batch_layout, make_config, model_config
 from devices import autocast, is_oom, rng_state, set_rng_state
-from model import PRESETS
-from parallel import log
+from model import GPT, PRESETS
+from optim import build_optimizer
+from parallel import Env, clip_gradients, keeps_grads, log, mesh_shape, parallelize
 
 GiB = 2**30
 # batch_size='auto' from the plan (CPU/MPS): use at most this share of the available memory. On a CPU the peak
@@ -588,18 +589,15 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
     (FSDP/HSDP sharding on a CPU mesh), optimizer, forward_backward (with cfg's autocast dtype, 'auto' as a bf16
     GPU, activation checkpointing and the chunked loss), clip and update, tracked by torch's MemTracker /
     FSDPMemTracker. The simulated step is a steady one: the optimizer state exists (made by a first update on
-    zero gradients). Micro-steps 3..N-1 start from the memory state micro-step 2 started from (checked) and are
-    not re-run. No parameter memory is allocated: any size runs on a laptop."""
+    zero gradients). Micro-steps that start from the memory state micro-step 2 started from (checked) have its
+    peak and are not re-run, but the last. No parameter memory is allocated: any size runs on a laptop."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from model import GPT
-    from parallel import Env, clip_gradients, keeps_grads, mesh_shape, parallelize
-    from optim import build_optimizer
-    from train import forward_backward
+    from train import forward_backward  # train imports this module
     if cfg.batch_size == "auto":
         raise ValueError("the dry run needs batch_size set (it simulates a given micro-batch), not 'auto'")
     cfg = replace(cfg, compile=False, dtype=GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype)
@@ -623,10 +621,12 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
                 notes.append("DDP modelled, not run (its C++ reducer cannot run on fake tensors): gradients are views "
                              "of one fp32 bucket buffer, all-reduced in place")
             optimizer = build_optimizer(raw, cfg, fused=True)  # as on a GPU
-            for p in raw.parameters():  # a first update, untracked, on zero gradients: it makes the optimizer
-                p.grad = torch.zeros_like(p) if p.grad is None else p.grad  # state, and fills DTensor's sharding
-            clip_gradients(raw, cfg.grad_clip)  # cache: its propagation runs global-shape ops in the same fake mode,
-            optimizer.step()  # which a tracker would count as memory
+            # a first update, untracked, on zero gradients: it makes the optimizer state, and fills DTensor's
+            # sharding cache (its propagation runs global-shape ops in this fake mode, which a tracker would count)
+            for p in raw.parameters():
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+            clip_gradients(raw, cfg.grad_clip)
+            optimizer.step()
             optimizer.zero_grad(set_to_none=not keeps_grads(model))
             inner = [optimizer.muon, optimizer.adamw] if hasattr(optimizer, "muon") else [optimizer]
             if env.sharded:
@@ -642,13 +642,12 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
 
             scaler = torch.amp.GradScaler("cpu", enabled=False)
             with tracker:
-                states = []
+                starts, skipped = [], []  # the memory state each micro-step started from
                 for micro in range(grad_accum):
-                    state = _categories(tracker.get_tracker_snapshot()[torch.device("cpu")])
-                    if micro < grad_accum - 1 and len(states) >= 2 and state == states[-1]:
-                        continue  # the same memory state as the micro-step before: the same peak
-                    if micro < grad_accum - 1:
-                        states.append(state)
+                    starts.append(_categories(tracker.get_tracker_snapshot()[torch.device("cpu")]))
+                    if 1 < micro < grad_accum - 1 and starts[-1] == starts[1]:  # as micro-step 2 began: its peak
+                        skipped.append(micro)
+                        continue
                     forward_backward(model, Batches(), grad_accum, scaler, env, micro_steps=[micro])
                 clip_gradients(raw, cfg.grad_clip)
                 optimizer.step()
@@ -656,9 +655,9 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
             if parallel == "hsdp" and grad_accum > 1:
                 notes.append("HSDP: until the last micro-step's all-reduce across replicas, the gradient shards add "
                              "up in FSDP's partial-reduce buffer, counted under temporaries")
-            if grad_accum > 3 and len(states) == 2:
-                notes.append(f"micro-steps 3-{grad_accum - 1} start from the memory state micro-step 2 started from: "
-                             "the same peak, not re-run")
+            if skipped:
+                notes.append(f"micro-steps {skipped[0] + 1}-{skipped[-1] + 1} of {grad_accum} start from the memory "
+                             "state micro-step 2 started from: the same peak, not re-run")
         return DryRun(_categories(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]), notes)
     finally:
         dist.destroy_process_group()
