@@ -27,8 +27,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from chat import CHAT_VOCAB
-from checkpoint import (CheckpointError, Halt, Progress, kept_checkpoint, load_checkpoint, resolve_config, restore,
-                        restore_rngs, resumed_config, save)
+from checkpoint import (CheckpointError, Halt, Progress, is_checkpoint, kept_checkpoint, load_checkpoint,
+                        load_sharded_checkpoint, resolve_config, restore, restore_rngs, resumed_config, save)
 from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text, make_config, model_config, parse_args
 from data import DataLoader, NoShardsError, ShardError
 from devices import autocast, device_type, fused_adamw_supported, is_oom, peak_flops
@@ -131,6 +131,13 @@ def build_model(cfg, ckpt, device, min_vocab=0):
             model.load_state_dict(ckpt["model"])
     elif cfg.init_from == "scratch":
         model = new(model_config(cfg))
+    elif is_checkpoint(cfg.init_from):  # fine-tuning: the weights only (resolve_config took its architecture)
+        state = load_checkpoint(cfg.init_from, consolidate=False, note=lambda message: None)  # noted already
+        model = GPT(model_config(cfg))
+        if "shards" in state:
+            load_sharded_checkpoint(state["shards"], model, collective=False)
+        else:
+            model.load_state_dict(state["model"])
     else:
         try:
             model = from_pretrained(cfg.init_from, **training_only)
@@ -175,8 +182,8 @@ def forward_backward(model, loader, grad_accum, scaler, env, micro_steps=None):
     (the summed loss, a device scalar; the number of trained tokens of the step, all ranks).
     micro_steps: which of the grad_accum micro-steps to run (default all; the dry run skips repeats)."""
     batches = {micro: loader.next_batch() for micro in (range(grad_accum) if micro_steps is None else micro_steps)}
-    counts = {micro: int((y != -1).sum()) for micro, (_, y) in batches.items()}  # trained tokens per micro-batch
-    masked = getattr(loader, "masks", None) is not None
+    masked = getattr(loader, "masks", None) is not None  # without masks every token is trained
+    counts = {micro: int((y != -1).sum()) if masked else y.numel() for micro, (_, y) in batches.items()}
     trained = torch.tensor(sum(counts.values()), device=env.device)
     if masked and env.distributed:
         dist.all_reduce(trained)
