@@ -293,6 +293,7 @@ def materialise(model, env):
             if name is not None:
                 local = model.get_parameter(name).to_local()
                 local.copy_(local_slice(whole, shards, env.rank % shards))
+            del whole  # before the next one is allocated: one whole parameter at a time
         if model.config.rotary_pct is not None:
             for buffer, table in zip((model.rope_cos, model.rope_sin), rotary_cos_sin(
                     model.config.rot_dim, model.config.block_size, model.config.rotary_base)):

@@ -26,13 +26,14 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from checkpoint import (CheckpointError, Halt, Progress, kept_checkpoint, load_checkpoint, resolve_config, restore,
-                        restore_rngs, resumed_config, save)
+from chat import CHAT_VOCAB
+from checkpoint import (CheckpointError, Halt, Progress, is_checkpoint, kept_checkpoint, load_checkpoint,
+                        load_sharded_checkpoint, resolve_config, restore, restore_rngs, resumed_config, save)
 from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text, make_config, model_config, parse_args
 from data import DataLoader, NoShardsError, ShardError
 from devices import autocast, device_type, fused_adamw_supported, is_oom, peak_flops
 from files import LockError, atomic_write, directory_lock, report_error
-from hf import from_pretrained
+from hf import from_pretrained, pad_vocab
 from memory import _free as free_memory, fitting_forward_backward, probe_batch_size, resolve_batch_size, smaller_micro_batch
 from model import GPT
 from optim import build_optimizer, set_lr
@@ -117,8 +118,9 @@ def make_loaders(cfg, env):
         raise NoShardsError(f"{e}; prepare it with `{prepare_command(cfg.data_dir)}`") from None
 
 
-def build_model(cfg, ckpt, device):
-    """(the bare GPT on device, cfg with the model's real shape) from a checkpoint, scratch or pretrained.
+def build_model(cfg, ckpt, device, min_vocab=0):
+    """(the bare GPT on device, cfg with the model's real shape) from a checkpoint, scratch or pretrained; pretrained
+    weights with fewer than min_vocab rows (GPT-2's 50257, for SFT data's chat tokens) are padded to a multiple of 64.
     A sharded checkpoint's weights are loaded later, by restore(), into the model as this run shards it.
     device 'meta' (scratch or a sharded checkpoint): parallel.build_on_meta, initialised when sharded."""
     training_only = {"dropout": cfg.dropout, "activation_checkpointing": cfg.activation_checkpointing}
@@ -129,11 +131,20 @@ def build_model(cfg, ckpt, device):
             model.load_state_dict(ckpt["model"])
     elif cfg.init_from == "scratch":
         model = new(model_config(cfg))
+    elif is_checkpoint(cfg.init_from):  # fine-tuning: the weights only (resolve_config took its architecture)
+        state = load_checkpoint(cfg.init_from, consolidate=False, note=lambda message: None)  # noted already
+        model = GPT(model_config(cfg))
+        if "shards" in state:
+            load_sharded_checkpoint(state["shards"], model, collective=False)
+        else:
+            model.load_state_dict(state["model"])
     else:
         try:
             model = from_pretrained(cfg.init_from, **training_only)
         except (ValueError, ImportError) as e:  # a broken model directory; a hub download's errors are OSErrors
             raise ConfigError(f"init_from={cfg.init_from!r}: {e}") from None
+        if model.config.vocab_size < min_vocab:
+            model = pad_vocab(model, -(-min_vocab // 64) * 64)
         cfg = make_config({**asdict(cfg), **{k: getattr(model.config, k) for k in ARCH_KEYS}})
     return model.to(device), cfg
 
@@ -171,8 +182,8 @@ def forward_backward(model, loader, grad_accum, scaler, env, micro_steps=None):
     (the summed loss, a device scalar; the number of trained tokens of the step, all ranks).
     micro_steps: which of the grad_accum micro-steps to run (default all; the dry run skips repeats)."""
     batches = {micro: loader.next_batch() for micro in (range(grad_accum) if micro_steps is None else micro_steps)}
-    counts = {micro: int((y != -1).sum()) for micro, (_, y) in batches.items()}  # trained tokens per micro-batch
-    masked = getattr(loader, "masks", None) is not None
+    masked = getattr(loader, "masks", None) is not None  # without masks every token is trained
+    counts = {micro: int((y != -1).sum()) if masked else y.numel() for micro, (_, y) in batches.items()}
     trained = torch.tensor(sum(counts.values()), device=env.device)
     if masked and env.distributed:
         dist.all_reduce(trained)
@@ -378,7 +389,8 @@ def run(user):
     # it on meta, and parallelize() gives each rank its shards only; from whole weights it stays on the CPU for
     # fully_shard to move
     on_meta = env.sharded and (ckpt is None and cfg.init_from == "scratch" or ckpt is not None and "shards" in ckpt)
-    raw_model, cfg = build_model(cfg, ckpt, "meta" if on_meta else "cpu" if env.sharded else env.device)
+    raw_model, cfg = build_model(cfg, ckpt, "meta" if on_meta else "cpu" if env.sharded else env.device,
+                                 min_vocab=CHAT_VOCAB if train_loader.masks is not None else 0)
     if cfg.batch_size == "auto":  # a probed device (CUDA)
         cfg = probe_batch_size(raw_model, cfg, env, [train_loader, val_loader])
     total_batch_size, grad_accum = batch_layout(cfg, env.world_size)
