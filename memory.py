@@ -498,7 +498,8 @@ def probe_batch_size(raw_model, cfg, env, loaders):
     except MemoryPlanError as e:
         raise ConfigError(str(e)) from None
     set_rng_state(rngs)
-    torch.cuda.reset_peak_memory_stats(env.device)  # step 1's peak_mem_mb is then the step's, not the probe's
+    if env.kind == "cuda":  # step 1's peak_mem_mb is then the step's, not the probe's
+        torch.cuda.reset_peak_memory_stats(env.device)
     log(f"batch_size='auto': {why} ({rows // b} accumulation steps)")
     return set_micro_batch(cfg, b, loaders)
 
