@@ -399,8 +399,7 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(data_dir, tmp_p
         real_save(obj, f)
 
     monkeypatch.setattr(checkpoint.torch, "save", save_then_crash)
-    with pytest.raises(KeyboardInterrupt):
-        run(data_dir, tmp_path, "--max_steps=8")
+    expect_exit(130, run, data_dir, tmp_path, "--max_steps=8")  # as a Ctrl-C
     assert saves == [4, 8]
     assert latest_checkpoint(tmp_path) == tmp_path / "ckpt_000004.pt"
     assert load_checkpoint(tmp_path)["step"] == 4
@@ -648,7 +647,8 @@ def test_read_only_out_dir_is_one_line(data_dir, tmp_path, read_only, capsys):
     ("--device=gpu", "config key 'device': 'gpu' is not a device ('auto', 'cpu', 'cuda', 'cuda:N' or 'mps')"),
     ("--device=cuda", "config key 'device': 'cuda': "),
     ("--init_from=gpt3", "config key 'init_from' must be 'scratch', 'resume', one of gpt2, gpt2-medium, gpt2-large, "
-                         "gpt2-xl or a Hugging Face model directory; got 'gpt3' (no such directory)"),
+                         "gpt2-xl, a Hugging Face model directory or a checkpoint of this library (a ckpt_XXXXXX.pt "
+                         "file, a ckpt_XXXXXX/ directory or a run's out_dir); got 'gpt3' (no such file or directory)"),
 ])
 def test_bad_device_or_init_from_is_one_line(data_dir, tmp_path, capsys, arg, expected):
     if arg == "--device=cuda" and torch.cuda.is_available():
