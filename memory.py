@@ -3,7 +3,8 @@
 estimate_memory(cfg, batch_size, ...) -> MemoryPlan adds up, per rank and in bytes: parameters, gradients and
 optimizer state (fp32 under autocast; divided by the shard size under FSDP/HSDP), the tensors autograd saves
 for backward in one micro-batch (with or without activation checkpointing) plus the backward's working set,
-and the chunked loss's buffers. MemoryPlan.line() is the one line train.py prints before step 1.
+and the chunked loss's buffers (the loss and the backward's peak are never live together: the larger counts).
+MemoryPlan.line() is the one line train.py prints before step 1.
 available_memory(device) says what the device has; check_fits() refuses a plan that cannot fit, naming the
 settings that would. batch_size='auto' uses plan_micro_batch() (CPU/MPS: from the plan) or
 probe_micro_batch() (CUDA: real forward+backward, halving on out-of-memory; devices.is_oom classifies errors).
@@ -13,6 +14,11 @@ input and the residual after attention (fp32 under autocast too), the LayerNorm 
 sees them, q/k/v in one (B, T, 3C) buffer, the attention output, the MLP's pre- and post-activation (B, T, 4C)
 and, under autocast, the low-precision copies of the block's matmul weights. torch.compile saves less, so the
 plan is an upper bound there.
+
+The dry run, `python memory.py CONFIG [--key=value ...] --world_size=N [--gpus_per_node=8]
+[--device_memory_gib=80]` (main(), report(), dry_run()), prints the plan beside a simulation of one optimizer
+step of the config at world size N: the project's own model, sharding, optimizer and step on fake tensors and a
+fake process group, measured by torch's memory trackers (docs/dry-run.md).
 """
 import gc
 import os
@@ -20,11 +26,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from checkpoint import Halt
-from config import ConfigError, batch_layout, model_config
+from checkpoint import Halt, is_checkpoint
+from config import ConfigError, batch_layout, make_config, model_config
 from devices import autocast, is_oom, rng_state, set_rng_state
-from model import PRESETS
-from parallel import log
+from model import GPT, PRESETS
+from optim import build_optimizer
+from parallel import Env, clip_gradients, keeps_grads, log, mesh_shape, parallelize
 
 GiB = 2**30
 # batch_size='auto' from the plan (CPU/MPS): use at most this share of the available memory. On a CPU the peak
@@ -120,6 +127,8 @@ def saved_bytes_per_token(cfg, dtype="float32", low_params: bool = False) -> tup
     # (B, T, C) is one more copy
     rotated = getattr(cfg, "rotary_pct", None) is not None or getattr(cfg, "qk_norm", False)
     block = residuals * r * C + a * (6 * C + 2 * H) + (3 * a * C if rotated else 0) + 2 * 8 + 4 * nh
+    if getattr(cfg, "qk_norm", False) and a < 4:  # autocast runs rms_norm in fp32: it saves fp32 copies of q and k
+        block += 2 * 4 * C
     if getattr(cfg, "dropout", 0.0) > 0:  # rough: dropout masks, and attention's (T, T) math path
         block += 2 * a * C + nh * cfg.block_size * (2 * a + 1)
     return block, 8 + r * C + 8
@@ -131,16 +140,22 @@ def activation_bytes(cfg, batch_size: int, dtype="float32", activation_checkpoin
     tensors (saved_bytes_per_token; with checkpointing only each block's input, and one block recomputed at a
     time), under autocast the matmul weights' low-precision copies, and the backward's working set.
     low_params: FSDP/HSDP all-gathers low-precision parameters (the residual stream is in that dtype too)."""
+    return sum(_activation_parts(cfg, batch_size, dtype, activation_checkpointing, seq_len, low_params))
+
+
+def _activation_parts(cfg, batch_size, dtype, activation_checkpointing, seq_len, low_params) -> tuple[int, int]:
+    """(saved through the whole backward, the backward's working set: the recomputed block, its weights'
+    low-precision copies and the gradients in flight); see activation_bytes."""
     T = seq_len or cfg.block_size
     stats, a = param_stats(cfg), _bytes_per_element(dtype)
     r = a if low_params else 4
     block, outside = saved_bytes_per_token(cfg, dtype, low_params)
     backward = r * cfg.n_embd + a * stats["hidden"]  # the residual's gradient and the MLP hidden's
-    weights = stats["block_matmul"] * 2 if a < 4 else 0  # autocast's copies, saved by the matmuls
+    weights = stats["block_matmul"] * 2 if a < 4 and not low_params else 0  # autocast's copies, saved by the matmuls
     tokens, L = batch_size * T, cfg.n_layer
     if activation_checkpointing:
-        return tokens * ((L + 1) * r * cfg.n_embd + 8 + block + backward) + weights
-    return tokens * (L * block + outside + backward) + L * weights
+        return tokens * (L + 1) * r * cfg.n_embd, tokens * (8 + block + backward) + weights
+    return tokens * (L * block + outside) + L * weights, tokens * backward
 
 
 def loss_bytes(cfg, batch_size: int, dtype="float32", seq_len: int | None = None, low_params: bool = False) -> int:
@@ -187,16 +202,18 @@ def estimate_memory(model_cfg, batch_size: int, dtype="float32", parallel: str =
         state = hidden * 4 + 2 * (n - hidden) * 4
     shard = 1 if parallel == "ddp" else (shard_size or world_size) if parallel == "hsdp" else world_size
     low = parallel != "ddp" and _bytes_per_element(dtype) < 4  # FSDP's MixedPrecisionPolicy: low-precision weights
-    gathered = 0
-    if shard > 1:  # the root unit (embeddings, ln_f, head) stays gathered through forward, plus the block in
-        # use and the one prefetched, each with an unsharded gradient before its reduce-scatter
-        p_bytes = _bytes_per_element(dtype)  # FSDP's mixed precision gathers parameters in the compute dtype
-        root = n - model_cfg.n_layer * stats["block"]
-        gathered = (root + 2 * stats["block"]) * p_bytes + (root + stats["block"]) * 4
-    return MemoryPlan(
-        params=-(-n * 4 // shard), grads=-(-n * 4 // shard), optimizer=-(-state // shard),
-        activations=activation_bytes(model_cfg, batch_size, dtype, activation_checkpointing, seq_len, low),
-        logits=loss_bytes(model_cfg, batch_size, dtype, seq_len, low), batch_size=batch_size,
+    saved, working = _activation_parts(model_cfg, batch_size, dtype, activation_checkpointing, seq_len, low)
+    at_loss, gathered = loss_bytes(model_cfg, batch_size, dtype, seq_len, low), 0
+    if shard > 1:  # FSDP's mixed precision gathers in the compute dtype. During the loss the root unit
+        # (embeddings, ln_f, head) is gathered; at the backward's peak (dry run) also one block, the root's
+        # unsharded gradient (its reduce-scatter comes last) and one block's fp32 gradient going into its reduce-scatter
+        p_bytes, root = _bytes_per_element(dtype), n - model_cfg.n_layer * stats["block"]
+        at_loss += root * p_bytes
+        gathered = (2 * root + stats["block"]) * p_bytes + stats["block"] * 4
+    return MemoryPlan(  # the loss runs before the backward: logits counts only what the loss phase needs beyond
+        # the backward's peak (its working set and gathered units), which is never live at the same time
+        params=-(-n * 4 // shard), grads=-(-n * 4 // shard), optimizer=-(-state // shard), activations=saved + working,
+        logits=max(0, at_loss - working - gathered), batch_size=batch_size,
         optimizer_name=OPTIMIZERS[optimizer], gathered=gathered)
 
 
@@ -406,7 +423,7 @@ def planned_shape(cfg, ckpt):
     if ckpt is not None:
         return model_config(cfg, **{**ckpt["model_args"], "dropout": cfg.dropout,
                                     "activation_checkpointing": cfg.activation_checkpointing})
-    if cfg.init_from == "scratch":
+    if cfg.init_from == "scratch" or is_checkpoint(cfg.init_from):  # a checkpoint's shape is cfg's (fine_tune_config)
         return model_config(cfg)
     return model_config(cfg, **PRESETS[cfg.init_from]) if cfg.init_from in PRESETS else None
 
@@ -481,7 +498,8 @@ def probe_batch_size(raw_model, cfg, env, loaders):
     except MemoryPlanError as e:
         raise ConfigError(str(e)) from None
     set_rng_state(rngs)
-    torch.cuda.reset_peak_memory_stats(env.device)  # step 1's peak_mem_mb is then the step's, not the probe's
+    if env.kind == "cuda":  # step 1's peak_mem_mb is then the step's, not the probe's
+        torch.cuda.reset_peak_memory_stats(env.device)
     log(f"batch_size='auto': {why} ({rows // b} accumulation steps)")
     return set_micro_batch(cfg, b, loaders)
 
@@ -520,6 +538,28 @@ def fitting_forward_backward(forward_backward, loader, grad_accum, optimizer, cf
         cfg, grad_accum = set_micro_batch(cfg, smaller, [loader]), rows // smaller
         log(f"step {step + 1}: out of memory at micro-batch {b}: re-running the step at micro-batch {smaller} x "
             f"{grad_accum} accumulation steps (batch_size={smaller} from now on)")
+
+
+def in_micro_batches(run, rows, micro, env, what):
+    """Validation's rows: run(a, b) over rows [0, rows) `micro` at a time (micro divides rows); an out-of-memory
+    halves micro (the largest divisor of rows at most half) and retries that slice; under torchrun, or at
+    micro-batch 1, a Halt. `what` starts the messages ('step 100')."""
+    at = 0
+    while at < rows:
+        try:
+            run(at, at + micro)
+            at += micro
+            continue
+        except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled
+            if not is_oom(e):
+                raise
+        smaller = smaller_micro_batch(rows, micro)
+        if env.distributed or smaller is None:
+            raise Halt(f"{what}: out of memory in validation at micro-batch {micro}; try a smaller batch_size, "
+                       f"or eval_steps")
+        log(f"{what}: out of memory in validation at micro-batch {micro}: evaluating at {smaller}")
+        micro = smaller
+        _free(env.device)
 
 
 # ----------------------------------------------------------------------------- the dry run
@@ -573,18 +613,15 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
     (FSDP/HSDP sharding on a CPU mesh), optimizer, forward_backward (with cfg's autocast dtype, 'auto' as a bf16
     GPU, activation checkpointing and the chunked loss), clip and update, tracked by torch's MemTracker /
     FSDPMemTracker. The simulated step is a steady one: the optimizer state exists (made by a first update on
-    zero gradients). Micro-steps 3..N-1 start from the memory state micro-step 2 started from (checked) and are
-    not re-run. No parameter memory is allocated: any size runs on a laptop."""
+    zero gradients). Micro-steps that start from the memory state micro-step 2 started from (checked) have its
+    peak and are not re-run, but the last. No parameter memory is allocated: any size runs on a laptop."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from model import GPT
-    from parallel import Env, clip_gradients, keeps_grads, mesh_shape, parallelize
-    from optim import build_optimizer
-    from train import forward_backward
+    from train import forward_backward  # train imports this module
     if cfg.batch_size == "auto":
         raise ValueError("the dry run needs batch_size set (it simulates a given micro-batch), not 'auto'")
     cfg = replace(cfg, compile=False, dtype=GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype)
@@ -598,6 +635,7 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
         with torch.device("meta"):
             raw = GPT(model_config(cfg))
         model = parallelize(raw, cfg, env) if env.sharded else raw  # the mesh is made outside FakeTensorMode
+        x = torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long)  # a real batch, as the loader's
         with FakeTensorMode(allow_non_fake_inputs=True):
             raw.to_empty(device="cpu")
             if cfg.tie_embeddings and not env.sharded:  # to_empty gives each module its own tensor (FSDP keeps ties)
@@ -607,10 +645,12 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
                 notes.append("DDP modelled, not run (its C++ reducer cannot run on fake tensors): gradients are views "
                              "of one fp32 bucket buffer, all-reduced in place")
             optimizer = build_optimizer(raw, cfg, fused=True)  # as on a GPU
-            for p in raw.parameters():  # a first update, untracked, on zero gradients: it makes the optimizer
-                p.grad = torch.zeros_like(p) if p.grad is None else p.grad  # state, and fills DTensor's sharding
-            clip_gradients(raw, cfg.grad_clip)  # cache: its propagation runs global-shape ops in the same fake mode,
-            optimizer.step()  # which a tracker would count as memory
+            # a first update, untracked, on zero gradients: it makes the optimizer state, and fills DTensor's
+            # sharding cache (its propagation runs global-shape ops in this fake mode, which a tracker would count)
+            for p in raw.parameters():
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+            clip_gradients(raw, cfg.grad_clip)
+            optimizer.step()
             optimizer.zero_grad(set_to_none=not keeps_grads(model))
             inner = [optimizer.muon, optimizer.adamw] if hasattr(optimizer, "muon") else [optimizer]
             if env.sharded:
@@ -618,7 +658,6 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
             else:
                 tracker = MemTracker()
                 tracker.track_external(model, *inner, *([model.buckets] if keeps_grads(model) else []))
-            x = torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long)
 
             class Batches:  # what forward_backward reads; each micro-step is a new iteration for the tracker
                 def next_batch(self):
@@ -627,20 +666,22 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
 
             scaler = torch.amp.GradScaler("cpu", enabled=False)
             with tracker:
-                states = []
+                starts, skipped = [], []  # the memory state each micro-step started from
                 for micro in range(grad_accum):
-                    state = _categories(tracker.get_tracker_snapshot()[torch.device("cpu")])
-                    if micro < grad_accum - 1 and len(states) >= 2 and state == states[-1]:
-                        continue  # the same memory state as the micro-step before: the same peak
-                    if micro < grad_accum - 1:
-                        states.append(state)
+                    starts.append(_categories(tracker.get_tracker_snapshot()[torch.device("cpu")]))
+                    if 1 < micro < grad_accum - 1 and starts[-1] == starts[1]:  # as micro-step 2 began: its peak
+                        skipped.append(micro)
+                        continue
                     forward_backward(model, Batches(), grad_accum, scaler, env, micro_steps=[micro])
                 clip_gradients(raw, cfg.grad_clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=not keeps_grads(model))
-            if grad_accum > 3 and len(states) == 2:
-                notes.append(f"micro-steps 3-{grad_accum - 1} start from the memory state micro-step 2 started from: "
-                             "the same peak, not re-run")
+            if parallel == "hsdp" and grad_accum > 1:
+                notes.append("HSDP: until the last micro-step's all-reduce across replicas, the gradient shards add "
+                             "up in FSDP's partial-reduce buffer, counted under temporaries")
+            if skipped:
+                notes.append(f"micro-steps {skipped[0] + 1}-{skipped[-1] + 1} of {grad_accum} start from the memory "
+                             "state micro-step 2 started from: the same peak, not re-run")
         return DryRun(_categories(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]), notes)
     finally:
         dist.destroy_process_group()
@@ -670,39 +711,45 @@ def report(cfg, world_size: int, gpus_per_node: int = 8) -> tuple[MemoryPlan, Dr
     rows = [f"dry run: rank 0 of {world_size}, {mode}, {dtype}, micro-batch {cfg.batch_size} x "
             f"{batch_layout(cfg, world_size)[1]} accumulation steps"
             + (", activation checkpointing" if cfg.activation_checkpointing else "")
-            + f": one optimizer step simulated on fake tensors", f"  {'GiB per rank':<28}{'plan':>8}{'simulated':>11}"]
+            + ": one optimizer step simulated on fake tensors", f"  {'GiB per rank':<28}{'plan':>8}{'simulated':>11}"]
     rows += [f"  {name:<28}{planned[k] / GiB:>8.2f}{sim.parts[k] / GiB:>11.2f}" for k, name in PARTS.items()]
     rows += [f"  {'peak':<28}{plan.total / GiB:>8.2f}{sim.total / GiB:>11.2f}  (plan/simulated {plan.total / sim.total:.2f})"]
     return plan, sim, "\n".join([plan.line(), *rows, *[f"note: {n}" for n in sim.notes], f"note: {NOT_SIMULATED}"])
 
 
+DRY_RUN_FLAGS = {"world_size": int, "gpus_per_node": int, "device_memory_gib": float}  # memory.py's own, not config keys
+
+
 def main(argv=None) -> int:
     """python memory.py CONFIG [--key=value ...] --world_size=N [--gpus_per_node=8] [--device_memory_gib=80]:
-    the memory plan and the dry run side by side; exit 1 if the simulated peak exceeds device_memory_gib."""
+    the memory plan and the dry run side by side; exit 1 if the simulated peak exceeds device_memory_gib, 2 on
+    a bad config or flag."""
     import sys
-    from config import ConfigError, make_config, parse_args
+    from config import parse_args
+    from files import report_error
     argv = sys.argv[1:] if argv is None else list(argv)
-    own = {"world_size": None, "gpus_per_node": 8, "device_memory_gib": 80.0}
-    rest = []
+    flags = {"gpus_per_node": 8, "device_memory_gib": 80.0}
     try:
+        rest = []
         for arg in argv:
             key, eq, value = arg[2:].partition("=")
-            if arg.startswith("--") and eq and key in own:
-                own[key] = type(own[key] or 0)(float(value) if key == "device_memory_gib" else int(value))
-            else:
+            if not (arg.startswith("--") and eq and key in DRY_RUN_FLAGS):
                 rest.append(arg)
-        if not own["world_size"] or own["world_size"] < 1 or own["gpus_per_node"] < 1:
-            raise ConfigError(f"memory.py needs --world_size=N >= 1 (and --gpus_per_node >= 1); got {own}")
-        cfg = make_config(parse_args(rest))
-        _, sim, text = report(cfg, own["world_size"], own["gpus_per_node"])
+                continue
+            try:
+                flags[key] = DRY_RUN_FLAGS[key](value)
+            except ValueError:
+                raise ConfigError(f"{arg}: expected {DRY_RUN_FLAGS[key].__name__}") from None
+        if flags.get("world_size", 0) < 1 or flags["gpus_per_node"] < 1:
+            raise ConfigError("memory.py needs --world_size=N (N >= 1; and --gpus_per_node >= 1)")
+        _, sim, text = report(make_config(parse_args(rest)), flags["world_size"], flags["gpus_per_node"])
     except (ConfigError, ValueError) as e:
-        print(f"memory.py: error: {' '.join(str(e).split())}", file=sys.stderr)
+        report_error("memory.py", e)
         return 2
     print(text)
-    limit = own["device_memory_gib"] * GiB
-    fits = sim.total <= limit
-    print(f"{'fits' if fits else 'does NOT fit'}: simulated peak {gib(sim.total)} GiB "
-          f"{'<=' if fits else '>'} {own['device_memory_gib']:g} GiB per device")
+    fits = sim.total <= flags["device_memory_gib"] * GiB
+    print(f"{'fits' if fits else 'does NOT fit'}: simulated peak {gib(sim.total)} GiB {'<=' if fits else '>'} "
+          f"{flags['device_memory_gib']:g} GiB per device")
     return 0 if fits else 1
 
 

@@ -48,7 +48,7 @@ def test_sharded_plan_holds_the_full_model_states_divided_by_the_shard_size():
     for part in ("params", "grads", "optimizer"):
         assert getattr(fsdp, part) == -(-getattr(full, part) // 4)
         assert getattr(hsdp, part) == -(-getattr(full, part) // 2)
-    assert fsdp.activations == full.activations and fsdp.logits == full.logits
+    assert fsdp.activations == full.activations  # (logits: the loss phase's excess over the backward's peak)
     assert 0 < fsdp.gathered < full.params  # only the units in use are gathered, never the whole model
     ddp2 = estimate_memory(cfg, 8, world_size=2)
     assert ddp2.total == full.total  # DDP's gradients are views of its buckets (parallel.keeps_grads): one copy
@@ -84,7 +84,7 @@ def saved_tensor_bytes(cfg, batch_size, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("extra", [{}, {"rotary_pct": 1.0}])
+@pytest.mark.parametrize("extra", [{}, {"rotary_pct": 1.0}, {"qk_norm": True, "rotary_pct": 1.0}])
 def test_activation_model_matches_what_autograd_saves(dtype, extra):
     cfg = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=24, vocab_size=96, **extra)
     B, T = 3, cfg.block_size
