@@ -18,6 +18,7 @@ from assets import EOT, get_tokenizer
 ROLES = ("system", "user", "assistant")
 SPECIAL = {"<|system|>": 50257, "<|user|>": 50258, "<|assistant|>": 50259, "<|end|>": 50260}
 END = SPECIAL["<|end|>"]
+CHAT_VOCAB = END + 1  # rows a model needs for the chat tokens (a pretrained GPT-2 is padded to 50304 for SFT)
 
 # The same rendering for transformers' apply_chat_template (the export writes it as `chat_template`).
 CHAT_TEMPLATE = ("{{ '<|endoftext|>' }}{% for message in messages %}"

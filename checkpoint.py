@@ -62,7 +62,8 @@ from config import ARCH_KEYS, ConfigError, make_config, model_config
 from devices import DTYPES, resolve_device, resolve_dtype, rng_state, set_rng_state
 from files import atomic_write, file_sha256, first_line, fsync_dir, report_error
 from hf import from_pretrained, save_pretrained
-from parallel import log, weights_finite
+from model import PRESETS
+from parallel import is_rank0, launched_by_torchrun, log, weights_finite
 
 FORMAT = "gpt2-train-ckpt-v1"
 CKPT_NAME = re.compile(r"^ckpt_(\d{6,})(\.pt)?$")  # a file ckpt_000100.pt or a sharded directory ckpt_000100
@@ -323,6 +324,13 @@ def check_shards(path):
     return needed
 
 
+def is_checkpoint(path):
+    """Whether `path` (an init_from) names a checkpoint of this library: a file, a sharded checkpoint directory or
+    a run directory holding checkpoints, as opposed to a Hugging Face model directory."""
+    path = Path(path)
+    return path.is_file() or is_sharded(path) or bool(list_checkpoints(path))
+
+
 def list_checkpoints(out_dir):
     """[(step, path)] of the ckpt_XXXXXX.pt files and ckpt_XXXXXX/ sharded directories in out_dir, oldest
     first (no integrity check)."""
@@ -503,8 +511,15 @@ def load_sharded_checkpoint(path, model, optimizer=None, collective=None):
                                                          set_optimizer_state_dict)
     state = {"model": get_model_state_dict(model)}
     state["model"].pop(TIED, None)
+    # DCP creates the optimizer's state (a zero-lr step) only where no parameter has a gradient yet; DDP's are its
+    # bucket views from the start (parallel.keeps_grads): set aside while it does, then put back
+    grads = {p: p.grad for p in model.parameters()}
+    for p in grads:
+        p.grad = None
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    for p, g in grads.items():
+        p.grad = g
     try:
         with warnings.catch_warnings():  # DCP warns whenever it runs without a process group, as asked here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -580,7 +595,7 @@ def resolve_config(user, verify=True):
         if list_checkpoints(cfg.out_dir):
             raise ConfigError(f"{cfg.out_dir} already holds checkpoints; continue with --init_from=resume, "
                               f"or pick another out_dir (or delete them) to start over")
-        return cfg, None
+        return fine_tune_config(user, cfg) if is_checkpoint(cfg.init_from) else cfg, None
     if not list_checkpoints(cfg.out_dir):
         raise ConfigError(f"init_from='resume' but {cfg.out_dir} holds no checkpoint (ckpt_XXXXXX.pt or ckpt_XXXXXX/)")
     # a sharded checkpoint: its meta only; each rank reads its own shards later
@@ -604,6 +619,59 @@ def resumed_config(user, out_dir, ckpt):
             raise ConfigError(f"cannot change {key} when resuming: the checkpoint {path} has "
                               f"{getattr(saved, key)!r}, the config {getattr(cfg, key)!r}")
     return cfg, ckpt
+
+
+def fine_tune_config(user, cfg):
+    """cfg with the architecture of the checkpoint cfg.init_from names (train.build_model loads its weights); the
+    step count, optimizer, schedule and data order stay this run's. An architecture key the user set (directly or
+    through `preset`) that differs from the checkpoint's is a ConfigError."""
+    ckpt = load_checkpoint(cfg.init_from, consolidate=False, note=lambda message: log(message, note=True))
+    saved = model_config(cfg, **ckpt["model_args"])  # fields added since the checkpoint get their defaults
+    chosen = {**PRESETS.get(user.get("preset"), {}), **user}
+    for key in ARCH_KEYS:
+        if key in chosen and chosen[key] != getattr(saved, key):
+            raise ConfigError(f"init_from={cfg.init_from!r}: the checkpoint has {key}={getattr(saved, key)!r}, the "
+                              f"config {key}={chosen[key]!r}; a fine-tuned model keeps its architecture: drop {key} "
+                              f"from the config")
+    return make_config({**user, **{key: getattr(saved, key) for key in ARCH_KEYS}})
+
+
+def resolve_config_or_defer(user):
+    """(cfg, checkpoint or None, error message or None): resolve_config, except that under torchrun its error is
+    returned rather than raised. A rank that failed before joining the process group (a node that cannot see
+    out_dir's checkpoints) would leave the others waiting in the rendezvous until it times out; instead every
+    rank joins and check_shared_out_dir raises the error on all of them."""
+    try:  # only rank 0 hashes the checkpoint; the others check that theirs is complete (agree_on_checkpoint)
+        return (*resolve_config(user, verify=is_rank0()), None)
+    except (ConfigError, CheckpointError) as e:
+        if not launched_by_torchrun():
+            raise
+        return make_config(user), None, str(e)  # a bad key fails here alike on every rank: nobody waits
+
+
+SETUP_KEYS = ("device", "dtype", "parallel", "shard_size", "seed", "dist_timeout_minutes")  # what setup() used
+
+
+def agree_on_checkpoint(user, cfg, ckpt, problem, env):
+    """Under torchrun only rank 0 sha256-hashed the checkpoint it resumes from (one read of an 18 GB file,
+    not one per rank); a rank that chose another (rank 0 skipped a damaged one) loads rank 0's, unhashed.
+    Returns (cfg, ckpt, problem); a problem is raised on every rank by check_shared_out_dir."""
+    if not env.distributed or cfg.init_from != "resume":
+        return cfg, ckpt, problem
+    chosen = [ckpt and ckpt["path"]]
+    dist.broadcast_object_list(chosen, src=0)
+    if problem or chosen[0] is None or chosen[0] == (ckpt and ckpt["path"]):
+        return cfg, ckpt, problem
+    try:
+        agreed, ckpt = resumed_config(user, cfg.out_dir, {**load_checkpoint(chosen[0], consolidate=False, verify=False),
+                                                          "path": chosen[0]})
+    except (ConfigError, CheckpointError) as e:
+        return cfg, None, str(e)
+    changed = [k for k in SETUP_KEYS if getattr(agreed, k) != getattr(cfg, k)]
+    if changed:
+        return cfg, None, (f"rank 0 resumes from {chosen[0]}, whose {changed[0]} differs from that of the checkpoint "
+                           f"this rank found; resume again")
+    return agreed, ckpt, None
 
 
 class Halt(Exception):
@@ -784,13 +852,17 @@ def main(argv=None):
     e = commands.add_parser("export", help="checkpoint (file, sharded directory or out_dir) -> Hugging Face GPT-2")
     e.add_argument("src")
     e.add_argument("dst", help="directory for config.json, model.safetensors and the tokenizer files")
+    e.add_argument("--chat", action="store_true", help="a chat model (fine-tuned with prepare_data.py --format sft): "
+                   "export the chat tokens and the chat template (docs/sft.md)")
     args = parser.parse_args(argv)
     try:
         if args.command == "consolidate":
             consolidate(args.src, args.dst)
         else:
             model, info = load_model(ckpt=args.src)
-            save_pretrained(model, args.dst, tokenizer_dir=info["hf_dir"])
+            from chat import CHAT_TEMPLATE
+            save_pretrained(model, args.dst, tokenizer_dir=info["hf_dir"],
+                            chat_template=CHAT_TEMPLATE if args.chat else None)
     except (CheckpointError, OSError, ValueError, ImportError, RuntimeError) as err:
         report_error("checkpoint.py", err)
         return 2

@@ -37,7 +37,7 @@ class TrainConfig(GPTConfig):
     # data and output
     data_dir: str = "data/fineweb-edu"  # directory (or glob) of token shards written by prepare_data.py
     out_dir: str = "out"  # checkpoints, metrics.jsonl and config.json are written here
-    init_from: str = "scratch"  # 'scratch', 'resume' (latest checkpoint in out_dir), 'gpt2'..'gpt2-xl' or an HF dir
+    init_from: str = "scratch"  # 'scratch', 'resume' (latest checkpoint in out_dir), 'gpt2'..'gpt2-xl', an HF dir, or a checkpoint/run dir to fine-tune
     preset: str | None = None  # fill the model keys from model.PRESETS, e.g. 'gpt2', 'gpt3-350m' (keys set win)
     # batch
     batch_size: int | str = 16  # micro-batch: sequences per process per forward/backward; 'auto': the largest that fits (needs total_batch_size)
@@ -106,9 +106,11 @@ class TrainConfig(GPTConfig):
             value = getattr(self, key)
             if value is not None and not ok(value):
                 raise ConfigError(f"config key '{key}' must be {what}; got {value!r}")
-        if self.init_from not in ("scratch", "resume", *HUB_NAMES) and not Path(self.init_from).is_dir():
-            raise ConfigError(f"config key 'init_from' must be 'scratch', 'resume', one of {', '.join(HUB_NAMES)} or a "
-                              f"Hugging Face model directory; got {self.init_from!r} (no such directory)")
+        if self.init_from not in ("scratch", "resume", *HUB_NAMES) and not Path(self.init_from).exists():
+            raise ConfigError(f"config key 'init_from' must be 'scratch', 'resume', one of {', '.join(HUB_NAMES)}, a "
+                              f"Hugging Face model directory or a checkpoint of this library (a ckpt_XXXXXX.pt file, "
+                              f"a ckpt_XXXXXX/ directory or a run's out_dir); got {self.init_from!r} (no such file "
+                              f"or directory)")
         # torch.optim.Muon on FSDP's DTensor shards runs each Newton-Schulz matmul as collectives over whole
         # matrices, and the sharded checkpoint path knows torch optimizers only: not a combination we support
         if self.optimizer == "muon" and self.parallel != "ddp":

@@ -286,11 +286,10 @@ class DataLoader:
             check_shards_vocab(self.paths, self.shards, vocab_size, progress=rank == 0, records=records)
         # loss masks: all shards have one (SFT data) or none does
         masks = [p.with_suffix(MASK_SUFFIX) for p in self.paths]
-        if any(m.is_file() for m in masks):
-            missing = next((m for m in masks if not m.is_file()), None)
-            if missing is not None:
-                raise ShardError(f"{missing}: missing loss-mask shard (other shards of {data_dir} have one)")
-        self.masks = [load_mask(m, len(s), block_size) for m, s in zip(masks, self.shards)] if masks[0].is_file() else None
+        have = [m.is_file() for m in masks]
+        if any(have) and not all(have):
+            raise ShardError(f"{masks[have.index(False)]}: missing loss-mask shard (other shards of {data_dir} have one)")
+        self.masks = [load_mask(m, len(s), block_size) for m, s in zip(masks, self.shards)] if all(have) else None
         self._window_offsets = np.arange(block_size + 1)
         self.samples_per_shard = np.array([max(0, (len(s) - 1) // block_size) for s in self.shards], dtype=np.int64)
         self.num_samples = int(self.samples_per_shard.sum())

@@ -8,6 +8,7 @@ copy plus a transpose of the four Conv1D weights (HF stores them (in, out); nn.L
 GPT-NeoX is the same network with other names, an interleaved per-head QKV layout, rotary positions, a parallel
 residual and an untied output head: all options of GPTConfig.
 """
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -98,6 +99,11 @@ def save_pretrained(model: GPT, out_dir: str, tokenizer_dir: str | None = None, 
     neox = cfg.rotary_pct is not None
     # GPT-2 files hold the real vocabulary only; GPT-NeoX checkpoints keep their padded one (as Pythia's do)
     vocab = GPT2_VOCAB if not neox and cfg.vocab_size > GPT2_VOCAB else cfg.vocab_size
+    chat_tokens = {}
+    if chat_template is not None:  # the chat tokens (chat.py) are rows of the padded vocabulary: they go too
+        import chat
+        chat_tokens = chat.SPECIAL
+        vocab = max(vocab, max(chat_tokens.values()) + 1)
     sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight")  # transformers re-ties it to the input embedding
@@ -117,7 +123,8 @@ def save_pretrained(model: GPT, out_dir: str, tokenizer_dir: str | None = None, 
         tensors[_hf_name(k, neox)] = v.clone(memory_format=torch.contiguous_format)
     out = Path(out_dir)
     if vocab > EOT or (tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file()):
-        eos = assets.save_tokenizer(out, tokenizer_dir, chat_template, model_max_length=cfg.block_size)
+        eos = assets.save_tokenizer(out, tokenizer_dir, chat_template, model_max_length=cfg.block_size,
+                                    special_tokens=chat_tokens)
     else:
         eos = None
         print(f"note: {out}: no tokenizer written: vocab_size {vocab} is smaller than GPT-2's {GPT2_VOCAB}",
@@ -149,8 +156,22 @@ def save_pretrained(model: GPT, out_dir: str, tokenizer_dir: str | None = None, 
         }
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eos, "eos_token_id": eos}) + "\n")
+    stop = [eos, chat_tokens["<|end|>"]] if chat_tokens else eos  # a chat model's reply ends at <|end|>
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eos, "eos_token_id": stop}) + "\n")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def pad_vocab(model: GPT, vocab_size: int) -> GPT:
+    """The model with its embedding (and an untied head) grown to vocab_size rows, e.g. GPT-2's 50257 to the padded
+    50304 that holds the chat tokens (chat.py). The new rows start as the mean of the old ones: an average token,
+    neither favoured nor ruled out by the head."""
+    old = model.config.vocab_size
+    bigger = GPT(dataclasses.replace(model.config, vocab_size=vocab_size))
+    sd = model.state_dict()  # a tied head is the same tensor as wte: both get the same rows
+    for k in ("transformer.wte.weight", "lm_head.weight"):
+        sd[k] = torch.cat([sd[k], sd[k].mean(0, keepdim=True).expand(vocab_size - old, -1)])
+    bigger.load_state_dict(sd)
+    return bigger
 
 
 def _hf_name(name: str, neox: bool) -> str:

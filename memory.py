@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from checkpoint import Halt
+from checkpoint import Halt, is_checkpoint
 from config import ConfigError, batch_layout, make_config, model_config
 from devices import autocast, is_oom, rng_state, set_rng_state
 from model import GPT, PRESETS
@@ -162,15 +162,16 @@ def loss_bytes(cfg, batch_size: int, dtype="float32", seq_len: int | None = None
     """Peak bytes of ChunkedLMHeadLoss's forward: its (V, C) weight-gradient and (N, C) input-gradient
     buffers, its input, and the one chunk of fp32 logits it reuses (under autocast also the chunk's
     low-precision product, the weight's low-precision copy, and a (V, C) chunk product with its fp32 conversion
-    while it is added to the fp32 gradient). low_params: FSDP's all-gathered weight is already low-precision,
-    so there is no copy of it."""
+    while it is added to the fp32 gradient). low_params (FSDP's bf16 weight and input): no copy of the weight, and
+    the input and its gradient in bf16; the weight gradient is still accumulated in fp32."""
     from model import LOSS_CHUNK_ROWS
     N = batch_size * (seq_len or cfg.block_size)
     n, V, C = min(N, LOSS_CHUNK_ROWS), cfg.vocab_size, cfg.n_embd
     if _bytes_per_element(dtype) == 4:
         return n * V * 4 + V * C * 4 + 2 * N * C * 4
-    copy = 0 if low_params else 2
-    return n * V * (4 + 2) + V * C * (4 + copy + 2 + 4) + 2 * N * C * 4 + n * C * 2
+    if low_params:
+        return n * V * (4 + 2) + V * C * (4 + 2 + 4) + 2 * N * C * 2
+    return n * V * (4 + 2) + V * C * (4 + 2 + 2 + 4) + 2 * N * C * 4 + n * C * 2
 
 
 def estimate_memory(model_cfg, batch_size: int, dtype="float32", parallel: str = "ddp", world_size: int = 1,
@@ -422,7 +423,7 @@ def planned_shape(cfg, ckpt):
     if ckpt is not None:
         return model_config(cfg, **{**ckpt["model_args"], "dropout": cfg.dropout,
                                     "activation_checkpointing": cfg.activation_checkpointing})
-    if cfg.init_from == "scratch":
+    if cfg.init_from == "scratch" or is_checkpoint(cfg.init_from):  # a checkpoint's shape is cfg's (fine_tune_config)
         return model_config(cfg)
     return model_config(cfg, **PRESETS[cfg.init_from]) if cfg.init_from in PRESETS else None
 
@@ -497,7 +498,8 @@ def probe_batch_size(raw_model, cfg, env, loaders):
     except MemoryPlanError as e:
         raise ConfigError(str(e)) from None
     set_rng_state(rngs)
-    torch.cuda.reset_peak_memory_stats(env.device)  # step 1's peak_mem_mb is then the step's, not the probe's
+    if env.kind == "cuda":  # step 1's peak_mem_mb is then the step's, not the probe's
+        torch.cuda.reset_peak_memory_stats(env.device)
     log(f"batch_size='auto': {why} ({rows // b} accumulation steps)")
     return set_micro_batch(cfg, b, loaders)
 
@@ -536,6 +538,28 @@ def fitting_forward_backward(forward_backward, loader, grad_accum, optimizer, cf
         cfg, grad_accum = set_micro_batch(cfg, smaller, [loader]), rows // smaller
         log(f"step {step + 1}: out of memory at micro-batch {b}: re-running the step at micro-batch {smaller} x "
             f"{grad_accum} accumulation steps (batch_size={smaller} from now on)")
+
+
+def in_micro_batches(run, rows, micro, env, what):
+    """Validation's rows: run(a, b) over rows [0, rows) `micro` at a time (micro divides rows); an out-of-memory
+    halves micro (the largest divisor of rows at most half) and retries that slice; under torchrun, or at
+    micro-batch 1, a Halt. `what` starts the messages ('step 100')."""
+    at = 0
+    while at < rows:
+        try:
+            run(at, at + micro)
+            at += micro
+            continue
+        except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled
+            if not is_oom(e):
+                raise
+        smaller = smaller_micro_batch(rows, micro)
+        if env.distributed or smaller is None:
+            raise Halt(f"{what}: out of memory in validation at micro-batch {micro}; try a smaller batch_size, "
+                       f"or eval_steps")
+        log(f"{what}: out of memory in validation at micro-batch {micro}: evaluating at {smaller}")
+        micro = smaller
+        _free(env.device)
 
 
 # ----------------------------------------------------------------------------- the dry run
@@ -687,7 +711,7 @@ def report(cfg, world_size: int, gpus_per_node: int = 8) -> tuple[MemoryPlan, Dr
     rows = [f"dry run: rank 0 of {world_size}, {mode}, {dtype}, micro-batch {cfg.batch_size} x "
             f"{batch_layout(cfg, world_size)[1]} accumulation steps"
             + (", activation checkpointing" if cfg.activation_checkpointing else "")
-            + f": one optimizer step simulated on fake tensors", f"  {'GiB per rank':<28}{'plan':>8}{'simulated':>11}"]
+            + ": one optimizer step simulated on fake tensors", f"  {'GiB per rank':<28}{'plan':>8}{'simulated':>11}"]
     rows += [f"  {name:<28}{planned[k] / GiB:>8.2f}{sim.parts[k] / GiB:>11.2f}" for k, name in PARTS.items()]
     rows += [f"  {'peak':<28}{plan.total / GiB:>8.2f}{sim.total / GiB:>11.2f}  (plan/simulated {plan.total / sim.total:.2f})"]
     return plan, sim, "\n".join([plan.line(), *rows, *[f"note: {n}" for n in sim.notes], f"note: {NOT_SIMULATED}"])

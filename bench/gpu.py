@@ -19,6 +19,18 @@ It prints one table, check | result | reference or limit | status, and exits 1 i
              while memory.py is absent). FAIL if the plan underestimates by more than 10%.
   ddp, fsdp  with >= 2 GPUs (or --nproc N): torchrun with N ranks against one process with N accumulation
              steps, per-step losses over a few steps (fsdp only where config.TrainConfig has `parallel`).
+  sigterm    train.py stopped by SIGTERM mid-run (as a preemption does), then resumed: the same losses as an
+             uninterrupted run (--tiny: exactly; GPU: within 1e-3).
+  host syncs (CUDA) the host-device synchronisations per training step, counted with torch.profiler: expect 1.
+  oom        (CUDA) batch_size='auto' must finish; so must a micro-batch twice what the plan says fits (a real
+             out-of-memory, halved until it fits).
+  fsdp bf16  (>= 2 GPUs) FSDP in bf16 with compile, activation checkpointing and 2 accumulation steps, saved,
+             then resumed on half the ranks: its losses against the uninterrupted run's.
+  ddp x8     (8 GPUs) gpt2_124m DDP on 8 ranks with evaluation, HellaSwag (when it has the data) and samples
+             on: tokens/s against 8x the one-GPU train row; FAIL below 85% scaling.
+  1558m      (CUDA) configs/gpt2_1558m.py with 2 accumulation steps: measured peak against the plan and the
+             dry run (memory.dry_run, where this checkout has it).
+The header names torch, CUDA and NCCL versions and the GPU topology (nvidia-smi topo -m).
 
 Each train.py run gets its own empty torch.compile cache, so compile times are first-run times.
 """
@@ -26,6 +38,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -83,9 +96,22 @@ class Report:
 
 def describe(device):
     if device_type(device) == "cuda":
+        nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else "none"
+        nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl
         return (f"{torch.cuda.get_device_name(device)} x {torch.cuda.device_count()}, torch {torch.__version__}, "
-                f"CUDA {torch.version.cuda}")
+                f"CUDA {torch.version.cuda}, NCCL {nccl}")
     return f"CPU ({os.cpu_count()} cores), torch {torch.__version__}"
+
+
+def topology(device):
+    """nvidia-smi topo -m: how the GPUs are linked (NVLink, PCIe), what the torchrun rows' speed depends on."""
+    if device_type(device) != "cuda":
+        return ""
+    try:
+        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        out = f"(nvidia-smi topo -m: {e})"
+    return f"GPU topology (nvidia-smi topo -m):\n{out}\n"
 
 
 def sync(device):
@@ -302,6 +328,198 @@ def check_torchrun(report, opts, tmp, data_dir, nproc):
                    f"diff| {diff:.1e}", f"<= {tol:g}", "PASS" if diff <= tol else "FAIL")
 
 
+def train_args(opts, data_dir, model_args=None, steps=8, batch=4, dtype="float32"):
+    """A few train.py steps on random tokens: the tiny model (--tiny) or SMALL, no evaluation, no compile."""
+    model_args = model_args or (TINY if opts.tiny else SMALL)
+    return [*(f"--{k}={v}" for k, v in model_args.items()), f"--data_dir={data_dir}", f"--max_steps={steps}",
+            f"--batch_size={batch}", f"--dtype={dtype}", "--compile=False", "--eval_interval=0", "--save_interval=0",
+            "--warmup_steps=1", "--learning_rate=1e-3", "--log_interval=0", f"--device={opts.device}"]
+
+
+def losses(records):
+    return {r["step"]: r["train_loss"] for r in records}
+
+
+def check_sigterm_resume(report, opts, tmp, data_dir):
+    """SIGTERM after step 5 (train.py saves after the step and exits 0), resume, and compare every step's loss
+    with an uninterrupted run's."""
+    args = [*train_args(opts, data_dir, steps=60), "--dropout=0.1"]
+    env, out = train_env(tmp, "sigterm"), Path(tmp) / "sigterm"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"--out_dir={out}"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while proc.poll() is None and time.time() < deadline:  # until it has trained 5 steps
+        metrics = out / "metrics.jsonl"
+        if metrics.exists() and metrics.read_text().count('"train_loss"') >= 5:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=600)[1]
+    stopped = len(run_train_records(out))
+    rc, err2, resumed = run_train([*args, "--init_from=resume"], out, env)
+    rc2, err3, straight = run_train(args, Path(tmp) / "sigterm_straight", env)
+    if proc.returncode or rc or rc2 or not straight:
+        tail = (err3 or err2 or err).strip().splitlines()[-1:] or ["?"]
+        report.add("sigterm", f"a run failed: {tail[0]}", "exit 0", "FAIL")
+        return
+    if stopped >= len(straight):
+        report.add("sigterm", "the run finished before the signal arrived: nothing checked", "-", "SKIP")
+        return
+    a, b = losses(resumed), losses(straight)
+    diff = max(abs(a[k] - b[k]) for k in b) if set(a) == set(b) else math.inf
+    tol = 0.0 if opts.tiny else 1e-3  # a GPU's kernels need not be deterministic
+    report.add("sigterm", f"stopped after step {stopped} of {len(straight)}, resumed: max |loss diff| {diff:.1e}",
+               f"<= {tol:g}", "PASS" if diff <= tol else "FAIL")
+
+
+def run_train_records(out_dir):
+    path = Path(out_dir) / "metrics.jsonl"
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "train_loss" in r] if path.exists() else []
+
+
+COUNT_SYNCS = """
+import json, sys
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+import tracking, train
+# the CUDA runtime calls that make the host wait for the device
+SYNCS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
+prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=schedule(wait=3, warmup=1, active=4))
+real_log = tracking.Tracker.log
+def log(self, record):
+    real_log(self, record)
+    if "train_loss" in record:
+        prof.step()  # one profiler step per training step
+tracking.Tracker.log = log
+prof.start()
+code = train.main(sys.argv[2:])
+prof.stop()
+counts = {e.key: e.count for e in prof.key_averages() if e.key in SYNCS}
+json.dump({"code": code, "per_step": sum(counts.values()) / 4, "counts": counts}, open(sys.argv[1], "w"))
+"""
+
+
+def check_host_syncs(report, opts, tmp, data_dir):
+    if device_type(opts.device) != "cuda":
+        report.add("host syncs", "CUDA only (counts CUDA runtime synchronisations)", "-", "SKIP")
+        return
+    script, result = Path(tmp) / "count_syncs.py", Path(tmp) / "syncs.json"
+    script.write_text(COUNT_SYNCS)
+    cmd = [sys.executable, str(script), str(result), *train_args(opts, data_dir, steps=10, dtype="bfloat16"),
+           f"--out_dir={Path(tmp) / 'syncs'}"]
+    run = subprocess.run(cmd, cwd=ROOT, env=train_env(tmp, "syncs"), capture_output=True, text=True, timeout=1800)
+    if run.returncode or not result.exists():
+        report.add("host syncs", f"failed: {run.stderr.strip().splitlines()[-1:]}", "exit 0", "FAIL")
+        return
+    found = json.loads(result.read_text())
+    report.add("host syncs", f"{found['per_step']:g} per step over 4 profiled steps ({found['counts']})", "1",
+               "PASS" if found["per_step"] <= 1 else "FAIL")
+
+
+def check_oom(report, opts, tmp, data_dir):
+    if device_type(opts.device) != "cuda":
+        report.add("oom", "CUDA only (batch_size='auto' probes the GPU; a real out-of-memory)", "-", "SKIP")
+        return
+    import memory
+    cfg = make_config(opts.user)
+    free = torch.cuda.mem_get_info(opts.device)[0]
+    b = 1
+    while memory.estimate_memory(model_config(cfg), b, dtype=resolve_dtype(cfg.dtype, opts.device)).total < 2 * free:
+        b *= 2
+    base = [*opts.train_args, f"--data_dir={data_dir}", "--max_steps=3", "--eval_interval=0", "--save_interval=0",
+            "--hellaswag_interval=0", "--sample_interval=0", f"--device={opts.device}",
+            f"--total_batch_size={b * cfg.block_size}"]
+    for name, extra in (("auto", ["--batch_size=auto"]),
+                        (f"micro-batch {b}", [f"--batch_size={b}", "--memory_check=False"])):
+        rc, err, records = run_train([*base, *extra], Path(tmp) / f"oom_{name.split()[-1]}", train_env(tmp, "oom"))
+        ok = rc == 0 and len(records) == 3
+        micro = sorted({r.get("micro_batch") for r in records})
+        report.add(f"oom ({name})", f"finished 3 steps at micro-batch {micro}" if ok else
+                   f"failed: {err.strip().splitlines()[-1:] or rc}", "exit 0, 3 steps", "PASS" if ok else "FAIL")
+
+
+def check_fsdp_bf16_resume(report, opts, tmp, data_dir, nproc):
+    """FSDP in bf16 with compile, activation checkpointing and accumulation; checkpoint at step 4; resumed on
+    nproc // 2 ranks (one process for 2) to step 8, against the uninterrupted run."""
+    if opts.tiny or nproc < 2:
+        report.add("fsdp bf16", "needs >= 2 GPUs (tests/test_fsdp.py covers its CPU part)", "-", "SKIP")
+        return
+    batch = 4
+    args = [*train_args(opts, data_dir, steps=8, batch=batch, dtype="bfloat16"), "--compile=True", "--parallel=fsdp",
+            "--activation_checkpointing=True", f"--total_batch_size={2 * batch * SMALL['block_size'] * nproc}",
+            "--save_interval=4", "--keep_last=0"]
+    out, straight = Path(tmp) / "fsdp_bf16", Path(tmp) / "fsdp_bf16_straight"
+    rc, err, full = run_train(args, straight, train_env(tmp, "fsdp_bf16"), nproc=nproc)
+    if not rc:
+        import shutil
+        shutil.copytree(straight / "ckpt_000004", out / "ckpt_000004")
+        half = nproc // 2 if nproc > 2 else 0
+        rc, err, resumed = run_train(["--init_from=resume", f"--device={opts.device}"], out,
+                                     train_env(tmp, "fsdp_bf16_resume"), nproc=half)
+    if rc or not full:
+        report.add("fsdp bf16", f"a run failed: {err.strip().splitlines()[-1:] or rc}", "exit 0", "FAIL")
+        return
+    a, b = losses(resumed), {k: v for k, v in losses(full).items() if k > 4}
+    diff = max(abs(a[k] - b[k]) for k in b) if set(a) == set(b) else math.inf
+    report.add("fsdp bf16", f"{nproc} ranks, compile + checkpointing + 2 accumulation steps; resumed at step 4 on "
+               f"{half or 1}: max |loss diff| {diff:.1e} over steps 5-8", "<= 0.02", "PASS" if diff <= 0.02 else "FAIL")
+
+
+def check_ddp_scaling(report, opts, tmp, data_dir, trained):
+    """8 ranks at the train row's micro-batch (what fitted one GPU) against 8x that row's tokens/s."""
+    if device_type(opts.device) != "cuda" or torch.cuda.device_count() < 8:
+        report.add("ddp x8", "needs 8 GPUs", "-", "SKIP")
+        return
+    try:  # train.py reads HellaSwag from the cache fetch_hellaswag fills; an offline node may not have it
+        from assets import fetch_hellaswag
+        fetch_hellaswag()
+        hellaswag = 20
+    except Exception:  # noqa: BLE001 -- no data: the row runs without HellaSwag and says so
+        hellaswag = 0
+    if trained is None:
+        report.add("ddp x8", "the train row failed: no one-GPU reference", "-", "FAIL")
+        return
+    cfg, _, one = trained
+    one_gpu_tokens_per_s = statistics.median(r["tokens_per_s"] for r in one[max(1, len(one) // 4):])
+    args = [*opts.train_args, f"--data_dir={data_dir}", f"--max_steps={opts.steps}", f"--batch_size={cfg.batch_size}",
+            f"--total_batch_size={8 * cfg.batch_size * cfg.block_size}", "--eval_interval=10", "--eval_steps=5",
+            f"--hellaswag_interval={hellaswag}", "--hellaswag_limit=200", "--sample_interval=20", "--save_interval=0"]
+    rc, err, records = run_train(args, Path(tmp) / "ddp8", train_env(tmp, "ddp8"), nproc=8)
+    if rc or not records:
+        report.add("ddp x8", f"failed: {err.strip().splitlines()[-1:] or rc}", "exit 0", "FAIL")
+        return
+    timed = records[max(1, len(records) // 4):]
+    scaling = statistics.median(r["tokens_per_s"] for r in timed) / (8 * one_gpu_tokens_per_s)
+    report.add("ddp x8", f"{scaling:.0%} of 8x one GPU (eval, samples" + (", HellaSwag" if hellaswag else "") + " on)",
+               ">= 85%", "PASS" if scaling >= 0.85 else "FAIL")
+
+
+def check_1558m_memory(report, opts, tmp, data_dir):
+    if opts.tiny:
+        report.add("1558m memory", "CUDA only", "-", "SKIP")
+        return
+    import memory
+    config = ROOT / "configs" / "gpt2_1558m.py"
+    cfg = make_config(parse_args([str(config)]))
+    cfg = make_config(parse_args([str(config), f"--total_batch_size={2 * cfg.batch_size * cfg.block_size}"]))
+    args = [str(config), f"--data_dir={data_dir}", "--max_steps=3", "--eval_interval=0",
+            f"--total_batch_size={cfg.total_batch_size}", "--hellaswag_interval=0",
+            "--sample_interval=0", "--save_interval=0", f"--device={opts.device}", "--memory_check=False"]
+    rc, err, records = run_train(args, Path(tmp) / "1558m", train_env(tmp, "1558m"))
+    if rc or not records:
+        report.add("1558m memory", f"failed: {err.strip().splitlines()[-1:] or rc}", "exit 0", "FAIL")
+        return
+    dtype = resolve_dtype(cfg.dtype, opts.device)
+    plan = memory.estimate_memory(model_config(cfg), cfg.batch_size, dtype=dtype, optimizer=cfg.optimizer)
+    dry = getattr(memory, "dry_run", None)
+    simulated = f"{dry(cfg, world_size=1).total / 2**30:.1f} GiB" if dry else "n/a (no memory.dry_run here)"
+    measured = max(r["peak_mem_mb"] for r in records) * 2**20
+    status, ratio = memory_verdict(plan.total, measured)
+    report.add("1558m memory", f"2 accumulation steps: measured {measured / 2**30:.1f} GiB, planned "
+               f"{plan.total / 2**30:.1f} GiB ({ratio:.2f}x), dry run {simulated}",
+               f"measured <= {MEMORY_SLACK:.2f}x planned", status)
+
+
 # ----------------------------------------------------------------------------- main
 
 def parse(argv):
@@ -353,7 +571,13 @@ def main(argv=None):
             check_torchrun(report, opts, tmp, data_dir, opts.nproc)
         else:
             report.add("ddp", "needs >= 2 GPUs (--nproc N runs it; on a CPU with gloo)", "-", "SKIP")
-    print(f"\nbench.gpu on {describe(device)} ({time.perf_counter() - t_start:.0f} s)\n")
+        check_sigterm_resume(report, opts, tmp, data_dir)
+        check_host_syncs(report, opts, tmp, data_dir)
+        check_oom(report, opts, tmp, data_dir)
+        check_fsdp_bf16_resume(report, opts, tmp, data_dir, opts.nproc)
+        check_ddp_scaling(report, opts, tmp, data_dir, trained)
+        check_1558m_memory(report, opts, tmp, data_dir)
+    print(f"\nbench.gpu on {describe(device)} ({time.perf_counter() - t_start:.0f} s)\n{topology(device)}")
     print(report.table())
     if report.failed():
         print("\nFAILED: at least one check gave a wrong result (see the rows marked FAIL)")

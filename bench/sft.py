@@ -4,13 +4,14 @@ Not a test: a measurement, printed as Markdown and written as JSON (docs/sft.md 
     python -m bench.sft                        # the documented run (a few minutes on 2 CPU cores)
     python -m bench.sft --steps 100 --eval 50  # a quick look
 
-The task: reverse a sequence of --min_len..--max_len letters ("reverse: c a f b" -> "b f a c"), as
-prompt/completion jsonl; --eval held-out prompts that never occur in the training set. Both runs are the same
+The task: sort --length distinct letters ("sort: k c f a" -> " a c f k"), as prompt/completion jsonl; --eval
+held-out prompts whose letter sets never occur in the training set. With the defaults a conversation is 15
+tokens, so each row of 16 holds one. Both runs are the same
 `python train.py --key=value ...` (a subprocess, from scratch, the same seed, data order and steps) on the same
 shards from `prepare_data.py --format sft`: 'masked' with the loss-mask shards, 'unmasked' on a copy of the data
 directory without them (every token trained: what a dropped mask does). So both see exactly the same completion
 tokens; the unmasked run also trains on the prompts and the padding. Exact match: the greedy reply
-(sample.stream_samples --chat style, up to <|end|>) equals the reversed sequence.
+(sample.stream_samples as --chat runs it, up to <|end|>) equals the sorted sequence.
 """
 import argparse
 import json
@@ -24,29 +25,30 @@ from pathlib import Path
 import prepare_data
 from bench import machine_line
 
-LETTERS = "abcdefghij"
+LETTERS = "abcdefghijklmnop"  # " a" .. " p": one GPT-2 token each
 
 
-def task(rng, min_len, max_len):
-    seq = [rng.choice(LETTERS) for _ in range(rng.randint(min_len, max_len))]
-    return "reverse: " + " ".join(seq), " ".join(reversed(seq))
-
-
-def make_data(work, n_train, n_eval, min_len, max_len, seed):
-    """(train.jsonl path, held-out [(prompt, answer)]): held-out prompts are drawn first and excluded from training."""
+def make_data(work, n_train, n_eval, length, seed):
+    """(train.jsonl path, held-out [(prompt, answer)]): sort `length` distinct letters ("sort: k c f a" ->
+    " a c f k"). The held-out prompts' letter *sets* never occur in training (not just their orders)."""
     rng = random.Random(seed)
-    held = {}
-    while len(held) < n_eval:
-        prompt, answer = task(rng, min_len, max_len)
-        held[prompt] = answer
+
+    def task(letters):
+        seq = rng.sample(letters, len(letters))
+        return "sort: " + " ".join(seq), " " + " ".join(sorted(seq))
+    sets = set()
+    while len(sets) < n_eval:
+        sets.add("".join(sorted(rng.sample(LETTERS, length))))
+    held = [task(list(s)) for s in sorted(sets)]
     rows = []
     while len(rows) < n_train:
-        prompt, answer = task(rng, min_len, max_len)
-        if prompt not in held:
+        letters = rng.sample(LETTERS, length)
+        if "".join(sorted(letters)) not in sets:
+            prompt, answer = task(letters)
             rows.append({"prompt": prompt, "completion": answer})
-    path = work / "reverse.jsonl"
+    path = work / "sort.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path, sorted(held.items())
+    return path, held
 
 
 def exact_match(out_dir, held):
@@ -87,23 +89,22 @@ def train_run(data_dir, out_dir, args):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", default="out/bench_sft", help="data, runs and results.json go here (replaced)")
-    p.add_argument("--train", type=int, default=20000, help="training conversations")
+    p.add_argument("--train", type=int, default=10000, help="training conversations")
     p.add_argument("--eval", type=int, default=200, help="held-out prompts")
-    p.add_argument("--min_len", type=int, default=4)
-    p.add_argument("--max_len", type=int, default=4)
-    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--length", type=int, default=4, help="letters per prompt (distinct)")
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--block_size", type=int, default=64)
+    p.add_argument("--block_size", type=int, default=16)
     p.add_argument("--n_layer", type=int, default=2)
     p.add_argument("--n_head", type=int, default=4)
-    p.add_argument("--n_embd", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--n_embd", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    path, held = make_data(work, args.train, args.eval, args.min_len, args.max_len, args.seed)
+    path, held = make_data(work, args.train, args.eval, args.length, args.seed)
     prepare_data.main(["--input", str(path), "--format", "sft", "--out_dir", str(work / "data"),
                        "--block_size", str(args.block_size)])
     shutil.copytree(work / "data", work / "data_unmasked", ignore=shutil.ignore_patterns("*.mask"))

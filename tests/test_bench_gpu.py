@@ -56,8 +56,11 @@ def test_tiny_cpu_run_passes_every_check_it_can_run_and_prints_one_table():
     assert {check: status for check, (_, status) in rows.items()} == {
         "train": "INFO", "compile": "SKIP", "chunked loss (float32)": "PASS", "chunked loss (bfloat16)": "PASS",
         "hellaswag": "PASS", "memory plan": "INFO" if (ROOT / "memory.py").exists() else "SKIP", "ddp": "PASS",
-        **({"fsdp": "PASS"} if "parallel" in gpu.TrainConfig.__dataclass_fields__ else {})}
+        **({"fsdp": "PASS"} if "parallel" in gpu.TrainConfig.__dataclass_fields__ else {}),
+        "sigterm": "PASS", "host syncs": "SKIP", "oom": "SKIP", "fsdp bf16": "SKIP", "ddp x8": "SKIP",
+        "1558m memory": "SKIP"}
     assert "tokens/s" in rows["train"][0] and "2 ranks vs 1 process x 2 accumulation steps" in rows["ddp"][0]
+    assert "stopped after step " in rows["sigterm"][0] and "max |loss diff| 0.0e+00" in rows["sigterm"][0]
 
 
 @pytest.mark.slow

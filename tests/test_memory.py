@@ -190,16 +190,16 @@ def test_available_memory_on_cpu_is_at_most_the_machine_ram():
     assert what.startswith("cpu: ") and "GiB" in what
 
 
-@pytest.mark.parametrize("dtype,low_params", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
+@pytest.mark.parametrize("dtype, low_params", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
 @pytest.mark.parametrize("chunk_rows", [16, 1000])  # 4 chunks (the buffer reused) and one
 def test_loss_bytes_is_the_chunked_loss_peak_of_live_tensors(monkeypatch, dtype, low_params, chunk_rows):
-    """low_params: the weight as FSDP's bf16 all-gather hands it over."""
     from torch.profiler import ProfilerActivity, profile
     monkeypatch.setattr(M, "LOSS_CHUNK_ROWS", chunk_rows)
     cfg, B = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32, vocab_size=4000), 2
     N = B * cfg.block_size
     h, w = torch.randn(N, cfg.n_embd), torch.randn(cfg.vocab_size, cfg.n_embd)
-    w = w.bfloat16() if low_params else w
+    if low_params:  # FSDP's bf16 parameters: a bf16 weight, and a bf16 residual stream into the loss
+        h, w = h.bfloat16(), w.bfloat16()
     targets = torch.randint(0, cfg.vocab_size, (N,))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, devices.autocast("cpu", dtype):
         M.ChunkedLMHeadLoss.apply(h, w, targets, True)

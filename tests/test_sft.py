@@ -2,6 +2,7 @@
 step's loss, exact resume, and sample.py --chat."""
 import io
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -245,3 +246,50 @@ def test_ddp_two_processes_equal_one_process_with_accumulation_on_sft_data(sft_d
     assert list(ddp) == list(range(1, 5))
     for step, (loss, trained) in single.items():
         assert abs(ddp[step][0] - loss) < 1e-5 and ddp[step][1] == trained, (step, ddp[step], single[step])
+
+
+def test_chat_export_carries_the_template_and_tokens(tmp_path, monkeypatch, capsys):
+    """`checkpoint.py export --chat`: AutoTokenizer's apply_chat_template renders and tokenizes a conversation exactly
+    as sample.py --chat does, and transformers' model scores the chat tokens as ours does."""
+    from dataclasses import asdict
+
+    import transformers
+
+    import checkpoint
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=64, vocab_size=50304, n_layer=1, n_head=2, n_embd=16)).eval()
+    checkpoint.save_checkpoint(tmp_path / "ckpt_000001.pt", {
+        "model": model.state_dict(), "model_args": asdict(model.config), "config": {}, "step": 1, "optimizer": None,
+        "scaler": None, "loader": {}, "rng": {}, "val_loss": None, "format": checkpoint.FORMAT})
+    assert checkpoint.main(["export", str(tmp_path), str(tmp_path / "hf"), "--chat"]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    enc, messages = chat.tokenizer(), messages_of(ROWS[1])[:-1]
+    for gen in (False, True):
+        assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen) == chat.render(messages, gen)
+    ids = tok.apply_chat_template(messages[:3], tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert list(ids) == chat.encode(enc, messages[:3], add_generation_prompt=True)[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    x = torch.tensor([list(ids)])
+    with torch.no_grad():
+        ours = model.hidden_states(x)[0, -1] @ model.lm_head.weight[:chat.END + 1].t()
+        theirs = hf(x).logits[0, -1]
+    assert theirs.shape[-1] == chat.END + 1 and torch.allclose(ours, theirs, atol=1e-4)
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == [chat.EOT, chat.END]
+
+
+def test_sft_from_a_pretrained_gpt2_pads_its_vocabulary_for_the_chat_tokens(sft_dir, tmp_path):
+    """A Hugging Face GPT-2 has 50257 rows, the chat tokens need 50261: init_from pads it to 50304 (new rows: the
+    mean of the old), keeping the old rows, and fine-tunes."""
+    from hf import pad_vocab, save_pretrained
+    torch.manual_seed(0)
+    gpt2 = GPT(GPTConfig(block_size=BLOCK, vocab_size=50257, n_layer=1, n_head=2, n_embd=16))
+    padded = pad_vocab(gpt2, 50304)
+    w = padded.transformer.wte.weight
+    assert torch.equal(w[:50257], gpt2.transformer.wte.weight) and torch.allclose(w[50257:], w[:50257].mean(0))
+    save_pretrained(gpt2, tmp_path / "hf")
+    assert run(sft_dir, tmp_path / "out", f"--init_from={tmp_path / 'hf'}", "--max_steps=2") == 0
+    ckpt = torch.load(next((tmp_path / "out").glob("ckpt_*.pt")), weights_only=False)
+    assert ckpt["model_args"]["vocab_size"] == 50304
+    assert all(math.isfinite(loss) for loss, _ in train_metrics(tmp_path / "out").values())

@@ -27,7 +27,7 @@ import parallel
 import train
 from checkpoint import latest_checkpoint, load_checkpoint
 from config import ConfigError, TrainConfig, make_config, parse_args
-from data import ShardError, write_shard
+from data import DataLoader, ShardError, write_shard
 from train import get_lr
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -305,6 +305,50 @@ def test_resume_cannot_change_the_architecture(data_dir, tmp_path, capsys):
     assert "cannot change n_layer when resuming" in capsys.readouterr().err
 
 
+# ----------------------------------------------------------------------------- fine-tuning a checkpoint
+
+@pytest.fixture(scope="module")
+def pretrained(data_dir, tmp_path_factory):
+    """A 4-step run (its out_dir) and the same checkpoint rewritten as a sharded directory."""
+    out = tmp_path_factory.mktemp("pretrained")
+    assert run(data_dir, out / "run", "--max_steps=4") == 0
+    state = load_checkpoint(out / "run")
+    model = model_module.GPT(model_module.GPTConfig(**state["model_args"]))
+    model.load_state_dict(state["model"])
+    meta = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+    optimizer = model.configure_optimizer(0.1, 1e-3, (0.9, 0.95))
+    checkpoint.save_sharded_checkpoint(out / "sharded" / "ckpt_000004", meta, model, optimizer)
+    return out
+
+
+@pytest.mark.parametrize("source", ["run", "run/ckpt_000004.pt", "sharded/ckpt_000004"])
+def test_fine_tune_starts_from_the_checkpoints_weights_with_a_fresh_run(pretrained, tmp_path, source):
+    other = tmp_path / "other"  # other data: uniform random tokens, not the Markov chain
+    other.mkdir()
+    write_shard(other / "rand_train_000000.bin", np.random.default_rng(7).integers(0, 64, 5_000).astype(np.uint16))
+    # no architecture keys: they come from the checkpoint (the defaults would be GPT-2 124M's)
+    assert train.main([f"--init_from={pretrained / source}", f"--data_dir={other}", f"--out_dir={tmp_path / 'ft'}",
+                       "--batch_size=4", "--max_steps=2", "--warmup_steps=1", "--eval_interval=0", "--log_interval=0",
+                       "--save_interval=0", "--hellaswag_interval=0", "--sample_interval=0", "--device=cpu",
+                       "--dtype=float32", "--compile=False"]) == 0
+    losses = train_losses(tmp_path / "ft")
+    assert list(losses) == [1, 2]  # a fresh step count (and schedule, optimizer, data order: this run's)
+    weights, _ = checkpoint.load_model(ckpt=pretrained / "run")
+    x, y = DataLoader(other, "train", 4, 16, seed=TrainConfig.seed, vocab_size=64).next_batch()  # its first batch
+    with torch.no_grad():
+        assert losses[1] == pytest.approx(weights(x, y)[1].item(), rel=1e-5)
+    ft = load_checkpoint(tmp_path / "ft")
+    assert ft["step"] == 2 and ft["model_args"] == load_checkpoint(pretrained / "run")["model_args"]
+
+
+def test_fine_tune_refuses_a_config_that_contradicts_the_checkpoint(pretrained, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train.main([f"--init_from={pretrained / 'run'}", f"--out_dir={tmp_path / 'ft'}", "--n_layer=3"])
+    err = capsys.readouterr().err
+    assert "the checkpoint has n_layer=2, the config n_layer=3" in err and err.count("\n") == 1, err
+    assert not checkpoint.list_checkpoints(tmp_path / "ft")
+
+
 # ----------------------------------------------------------------------------- faults
 
 def inject_nan_loss(monkeypatch, at_call):
@@ -355,8 +399,7 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(data_dir, tmp_p
         real_save(obj, f)
 
     monkeypatch.setattr(checkpoint.torch, "save", save_then_crash)
-    with pytest.raises(KeyboardInterrupt):
-        run(data_dir, tmp_path, "--max_steps=8")
+    expect_exit(130, run, data_dir, tmp_path, "--max_steps=8")  # as a Ctrl-C
     assert saves == [4, 8]
     assert latest_checkpoint(tmp_path) == tmp_path / "ckpt_000004.pt"
     assert load_checkpoint(tmp_path)["step"] == 4
@@ -604,7 +647,8 @@ def test_read_only_out_dir_is_one_line(data_dir, tmp_path, read_only, capsys):
     ("--device=gpu", "config key 'device': 'gpu' is not a device ('auto', 'cpu', 'cuda', 'cuda:N' or 'mps')"),
     ("--device=cuda", "config key 'device': 'cuda': "),
     ("--init_from=gpt3", "config key 'init_from' must be 'scratch', 'resume', one of gpt2, gpt2-medium, gpt2-large, "
-                         "gpt2-xl or a Hugging Face model directory; got 'gpt3' (no such directory)"),
+                         "gpt2-xl, a Hugging Face model directory or a checkpoint of this library (a ckpt_XXXXXX.pt "
+                         "file, a ckpt_XXXXXX/ directory or a run's out_dir); got 'gpt3' (no such file or directory)"),
 ])
 def test_bad_device_or_init_from_is_one_line(data_dir, tmp_path, capsys, arg, expected):
     if arg == "--device=cuda" and torch.cuda.is_available():
