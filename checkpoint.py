@@ -690,15 +690,10 @@ class Progress:
 def restore(ckpt, raw_model, optimizer, scaler, loader):
     """Optimizer (and from a sharded checkpoint the weights, resharded to this run's layout), loss scaler and
     loader position from a checkpoint; returns the Progress it recorded. Every rank calls it."""
-    grads = [p.grad for p in raw_model.parameters()]  # DDP's bucket views (parallel.keeps_grads): torch's loader
-    for p in raw_model.parameters():  # creates the optimizer state it fills only while every gradient is None
-        p.grad = None
     if "shards" in ckpt:
         load_sharded_checkpoint(ckpt["shards"], raw_model, optimizer)
     else:
         load_optimizer_state(raw_model, optimizer, ckpt["optimizer"])
-    for p, grad in zip(raw_model.parameters(), grads):
-        p.grad = grad
     if ckpt["scaler"] is not None:
         scaler.load_state_dict(ckpt["scaler"])
     try:
