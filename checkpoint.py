@@ -511,8 +511,15 @@ def load_sharded_checkpoint(path, model, optimizer=None, collective=None):
                                                          set_optimizer_state_dict)
     state = {"model": get_model_state_dict(model)}
     state["model"].pop(TIED, None)
+    # DCP creates the optimizer's state (a zero-lr step) only where no parameter has a gradient yet; DDP's are its
+    # bucket views from the start (parallel.keeps_grads): set aside while it does, then put back
+    grads = {p: p.grad for p in model.parameters()}
+    for p in grads:
+        p.grad = None
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    for p, g in grads.items():
+        p.grad = g
     try:
         with warnings.catch_warnings():  # DCP warns whenever it runs without a process group, as asked here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
