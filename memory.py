@@ -31,7 +31,7 @@ from config import ConfigError, batch_layout, make_config, model_config
 from devices import autocast, is_oom, rng_state, set_rng_state
 from model import GPT, PRESETS
 from optim import build_optimizer
-from parallel import Env, clip_gradients, keeps_grads, log, mesh_shape, parallelize
+from parallel import Env, clip_gradients, forward_backward, keeps_grads, log, mesh_shape, parallelize
 
 GiB = 2**30
 # batch_size='auto' from the plan (CPU/MPS): use at most this share of the available memory. On a CPU the peak
@@ -621,7 +621,6 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from train import forward_backward  # train imports this module
     if cfg.batch_size == "auto":
         raise ValueError("the dry run needs batch_size set (it simulates a given micro-batch), not 'auto'")
     cfg = replace(cfg, compile=False, dtype=GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype)

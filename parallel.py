@@ -4,8 +4,9 @@ returns the Env (rank, device, precision, parallel mode) every later step takes;
 sure all nodes see one out_dir; log() is the run's rank-0 output. parallelize() wraps the model once: DDP
 (every rank a whole replica), or FSDP2 / HSDP (parameters, gradients and optimizer state sharded over ranks),
 then torch.compile, tried once on dummy tokens so a compile error means eager from the start, never a swap
-mid-run. The helpers the loop needs from whatever parallelize() returned live here too: gradient sync for
-accumulation, the global gradient norm, a gathered copy of a sharded model for generation and HellaSwag.
+mid-run. The helpers the loop needs from whatever parallelize() returned live here too: forward_backward() (a
+step's micro-batches, with gradient sync for accumulation; memory.py's dry run runs it too), the global gradient
+norm, a gathered copy of a sharded model for generation and HellaSwag.
 """
 import contextlib
 import math
@@ -384,6 +385,41 @@ def keeps_grads(model):
     """Whether model's gradients are DDP's bucket views (gradient_as_bucket_view): zero them in place, never
     set them to None, or the next step's no-sync micro-steps allocate a second copy beside the buckets."""
     return hasattr(getattr(model, "_orig_mod", model), "require_backward_grad_sync")
+
+
+def to_device(tensors, device):
+    """CPU batch tensors on `device`. On CUDA the copy goes through pinned memory and is only queued: a copy
+    from pageable memory first waits for all the work already queued on the GPU (a host sync per micro-batch,
+    with or without non_blocking). Elsewhere a plain .to() (a no-op on the CPU)."""
+    if device_type(device) != "cuda":
+        return tuple(t.to(device) for t in tensors)
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
+
+
+def forward_backward(model, loader, grad_accum, scaler, env, micro_steps=None):
+    """Gradients of the mean loss over the step's trained tokens (targets != -1, of all ranks); returns
+    (the summed loss, a device scalar; the number of trained tokens of the step, all ranks).
+    micro_steps: which of the grad_accum micro-steps to run (default all; the dry run skips repeats)."""
+    batches = {micro: loader.next_batch() for micro in (range(grad_accum) if micro_steps is None else micro_steps)}
+    masked = getattr(loader, "masks", None) is not None  # without masks every token is trained
+    counts = {micro: int((y != -1).sum()) if masked else y.numel() for micro, (_, y) in batches.items()}
+    trained = torch.tensor(sum(counts.values()), device=env.device)
+    if masked and env.distributed:
+        dist.all_reduce(trained)
+    trained = int(trained) if masked else sum(counts.values()) * env.world_size  # without masks all are trained
+    loss_sum = torch.zeros((), device=env.device)
+    for micro, batch in batches.items():
+        x, y = to_device(batch, env.device)  # (B, T) each
+        set_grad_sync(model, micro == grad_accum - 1)
+        with autocast(env.device, env.dtype):
+            _, loss = model(x, y, return_logits=False)
+        # each micro-batch loss is a mean over its trained tokens; weighting it by its share of the step's
+        # (x world_size: DDP averages over ranks) makes the summed gradients those of the mean over all the
+        # step's trained tokens. Without masks every share is 1/grad_accum
+        loss = loss * (counts[micro] * env.world_size / trained) if masked else loss / grad_accum
+        loss_sum += loss.detach().float()
+        scaler.scale(loss).backward()
+    return loss_sum, trained
 
 
 def clip_gradients(model, max_norm):

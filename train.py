@@ -30,14 +30,14 @@ from checkpoint import (CheckpointError, Halt, Progress, agree_on_checkpoint, is
                         load_checkpoint, load_sharded_checkpoint, resolve_config_or_defer, restore, restore_rngs, save)
 from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text, make_config, model_config, parse_args
 from data import DataLoader, NoShardsError, ShardError
-from devices import autocast, device_type, fused_adamw_supported, peak_flops, peak_memory
+from devices import autocast, fused_adamw_supported, peak_flops, peak_memory
 from files import LockError, atomic_write, report_error
 from hf import from_pretrained, pad_vocab
 from memory import fitting_forward_backward, in_micro_batches, probe_batch_size, resolve_batch_size
 from model import GPT
 from optim import build_optimizer, set_lr
-from parallel import (any_rank, build_device, build_on_meta, check_shared_out_dir, clip_gradients, gathered,
-                      is_compiled, keeps_grads, lock_out_dir, log, parallelize, set_grad_sync, setup)
+from parallel import (any_rank, build_device, build_on_meta, check_shared_out_dir, clip_gradients, forward_backward,
+                      gathered, is_compiled, keeps_grads, lock_out_dir, log, parallelize, setup, to_device)
 from tracking import TRACKING_KEYS, NoTracker, Tracker, TrackingError, check_tracking_available
 
 
@@ -122,41 +122,6 @@ def get_lr(step, cfg):
         return cfg.learning_rate
     progress = (step - decay_start) / max(1, decay_steps - decay_start)
     return cfg.learning_rate + progress * (cfg.min_lr - cfg.learning_rate)
-
-
-def to_device(tensors, device):
-    """CPU batch tensors on `device`. On CUDA the copy goes through pinned memory and is only queued: a copy
-    from pageable memory first waits for all the work already queued on the GPU (a host sync per micro-batch,
-    with or without non_blocking). Elsewhere a plain .to() (a no-op on the CPU)."""
-    if device_type(device) != "cuda":
-        return tuple(t.to(device) for t in tensors)
-    return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
-
-
-def forward_backward(model, loader, grad_accum, scaler, env, micro_steps=None):
-    """Gradients of the mean loss over the step's trained tokens (targets != -1, of all ranks); returns
-    (the summed loss, a device scalar; the number of trained tokens of the step, all ranks).
-    micro_steps: which of the grad_accum micro-steps to run (default all; the dry run skips repeats)."""
-    batches = {micro: loader.next_batch() for micro in (range(grad_accum) if micro_steps is None else micro_steps)}
-    masked = getattr(loader, "masks", None) is not None  # without masks every token is trained
-    counts = {micro: int((y != -1).sum()) if masked else y.numel() for micro, (_, y) in batches.items()}
-    trained = torch.tensor(sum(counts.values()), device=env.device)
-    if masked and env.distributed:
-        dist.all_reduce(trained)
-    trained = int(trained) if masked else sum(counts.values()) * env.world_size  # without masks all are trained
-    loss_sum = torch.zeros((), device=env.device)
-    for micro, batch in batches.items():
-        x, y = to_device(batch, env.device)  # (B, T) each
-        set_grad_sync(model, micro == grad_accum - 1)
-        with autocast(env.device, env.dtype):
-            _, loss = model(x, y, return_logits=False)
-        # each micro-batch loss is a mean over its trained tokens; weighting it by its share of the step's
-        # (x world_size: DDP averages over ranks) makes the summed gradients those of the mean over all the
-        # step's trained tokens. Without masks every share is 1/grad_accum
-        loss = loss * (counts[micro] * env.world_size / trained) if masked else loss / grad_accum
-        loss_sum += loss.detach().float()
-        scaler.scale(loss).backward()
-    return loss_sum, trained
 
 
 def reduce_step_stats(loss_sum, stop_flag, grad_norm, env):

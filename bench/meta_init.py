@@ -3,10 +3,10 @@ initialisation (--max_steps=0), against the whole fp32 model's bytes; and whethe
 bit-identical to one process's.
 
     python -m bench.meta_init                         # pythia-1b, 2 FSDP ranks (gloo) vs 1 process
-    python -m bench.meta_init --preset=gpt2 --nproc=2 --whole   # also the old way: every rank builds the whole model
+    python -m bench.meta_init --preset=gpt2 --nproc=4
 
-Each run is train.py's own main() (in a wrapper that keeps the model parallelize() got, to hash its weights after):
-one plain process, then torchrun with --nproc FSDP ranks. Each rank reports its peak RSS (ru_maxrss) when main()
+Each run is train.py itself (run as a script by a wrapper that keeps the model parallelize() got, to hash its
+weights after): one plain process, then torchrun with --nproc FSDP ranks. Each rank reports its peak RSS (ru_maxrss) when main()
 returns, and a sha256 of each parameter's slice it holds (the one process: of every rank's slice of it). The
 done-criterion of issue 24: every rank below 0.75x the whole fp32 model, and every slice's hash equal.
 """
@@ -25,16 +25,18 @@ LIMIT = 0.75  # peak RSS per rank / the whole fp32 model's bytes
 
 
 def worker(out, nproc, argv):
-    """One rank (or the one process): train.main(argv), then its peak RSS and the hashes of the slices it holds."""
+    """One rank (or the one process): train.py as a script (runpy, as `python train.py` runs it; the library's
+    parallelize() wrapped to keep the model it gets), then its peak RSS and the hashes of the slices it holds."""
+    import runpy
     import parallel
-    import train
     kept = []
-    real = train.parallelize
-    train.parallelize = lambda model, *a, **k: (kept.append(model), real(model, *a, **k))[1]
-    if os.environ.get("BENCH_WHOLE") == "1":  # the old way, for comparison: the whole model on every rank's host
-        build = train.build_model
-        train.build_model = lambda cfg, ckpt, device: build(cfg, ckpt, "cpu" if device == "meta" else device)
-    assert train.main(argv) == 0
+    real = parallel.parallelize
+    parallel.parallelize = lambda model, *a, **k: (kept.append(model), real(model, *a, **k))[1]
+    sys.argv = [str(ROOT / "train.py"), *argv]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        assert not e.code, f"train.py exited with {e.code}"
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rank = int(os.environ.get("RANK", 0))
     hashes = {}
@@ -51,12 +53,11 @@ def sha(t):
     return hashlib.sha256(t.detach().contiguous().cpu().view(-1).view(dtype=t.dtype).numpy().tobytes()).hexdigest()
 
 
-def run(tmp, name, nproc, args, env_extra=None):
+def run(tmp, name, nproc, args):
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if name != "one" else []
     out = Path(tmp) / name
     cmd = [sys.executable, *launcher, "-m", "bench.meta_init", *args, f"--out_dir={Path(tmp) / ('out_' + name)}"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "BENCH_WORKER": f"{out},{nproc}",
-           **(env_extra or {})}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "BENCH_WORKER": f"{out},{nproc}"}
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode:
         sys.exit(f"{name} failed:\n{result.stderr[-3000:]}")
@@ -68,7 +69,6 @@ def main(argv=None):
     p.add_argument("--preset", default="pythia-1b")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--parallel", default="fsdp", choices=["fsdp", "hsdp"])
-    p.add_argument("--whole", action="store_true", help="also measure the old way (the whole model on every rank)")
     if "BENCH_WORKER" in os.environ:  # a rank launched by run(): the rest of the command line is train.py's
         out, nproc = os.environ["BENCH_WORKER"].split(",")
         return worker(out, int(nproc), sys.argv[1:] if argv is None else argv)
@@ -87,9 +87,6 @@ def main(argv=None):
         rows = [("1 process", one)]
         sharded = run(tmp, "sharded", opts.nproc, [*args, f"--parallel={opts.parallel}"])
         rows += [(f"{opts.parallel} rank {r} (meta init)", info) for r, info in enumerate(sharded)]
-        if opts.whole:
-            whole = run(tmp, "whole", opts.nproc, [*args, f"--parallel={opts.parallel}"], {"BENCH_WHOLE": "1"})
-            rows += [(f"{opts.parallel} rank {r} (whole model first)", info) for r, info in enumerate(whole)]
     model_bytes = one["params"] * 4
     print(f"bench.meta_init: {opts.preset}, {one['params'] / 1e6:.0f}M parameters = {model_bytes / 2**30:.2f} GiB "
           f"fp32; {opts.nproc} ranks; {machine_line('cpu')}\n")

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import devices
 import memory
 import parallel
-import train
 from bench import gpu
 from config import ConfigError, make_config, model_config
 from devices import peak_flops
@@ -41,7 +41,7 @@ def test_setup_makes_an_indexed_gpu_current_and_the_run_can_query_it(fake_gpus, 
     # what run() and the memory plan then ask of that device
     assert peak_flops(torch.cuda.get_device_name(env.device), env.dtype) == 989e12
     assert memory.available_memory(env.device) == (70 << 30, f"cuda:{expected}: 70.0 GiB free of 80.0 GiB")
-    assert train.peak_memory(env.kind)[0] == 0
+    assert devices.peak_memory(env.kind)[0] == 0
 
 
 @pytest.mark.parametrize("device, expected", [("auto", 0), ("cuda", 0), ("cuda:1", 1)])

@@ -10,7 +10,6 @@ import torch.distributed as dist
 import memory
 import optim
 import parallel
-import train
 from config import make_config, model_config, parse_args
 from memory import GiB, dry_run, estimate_memory
 from model import GPT
@@ -75,9 +74,9 @@ def test_ddp_gradients_stay_bucket_views_through_no_sync_micro_steps(tmp_path):
         assert 0 < len(grad_storages()) < few  # views of a few flat buckets from the start
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         for _ in range(2):
-            train.forward_backward(model, Batches(), 2, scaler, env, micro_steps=[0])  # no sync
+            parallel.forward_backward(model, Batches(), 2, scaler, env, micro_steps=[0])  # no sync
             assert len(grad_storages()) < few
-            train.forward_backward(model, Batches(), 2, scaler, env, micro_steps=[1])
+            parallel.forward_backward(model, Batches(), 2, scaler, env, micro_steps=[1])
             optimizer.step()
             optimizer.zero_grad(set_to_none=not parallel.keeps_grads(model))
             assert len(grad_storages()) < few
