@@ -130,9 +130,19 @@ def save_pretrained(model: GPT, out_dir: str, tokenizer_dir: str | None = None, 
         print(f"note: {out}: no tokenizer written: vocab_size {vocab} is smaller than GPT-2's {GPT2_VOCAB}",
               file=sys.stderr)
     eos = vocab - 1 if eos is None else eos
+    hf_config = _hf_config(cfg, vocab, eos, neox)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    stop = [eos, chat_tokens["<|end|>"]] if chat_tokens else eos  # a chat model's reply ends at <|end|>
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eos, "eos_token_id": stop}) + "\n")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _hf_config(cfg, vocab: int, eos: int, neox: bool) -> dict:
+    """config.json of the GPTNeoXForCausalLM (neox) or GPT2LMHeadModel that is this GPTConfig."""
     act = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu2": "relu2"}[cfg.activation]
     if neox:
-        hf_config = {
+        return {
             "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "vocab_size": vocab,
             "max_position_embeddings": cfg.block_size, "hidden_size": cfg.n_embd,
             "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
@@ -144,7 +154,7 @@ def save_pretrained(model: GPT, out_dir: str, tokenizer_dir: str | None = None, 
             "eos_token_id": eos,
         }
     else:
-        hf_config = {
+        return {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab,
             "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd,
             "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None, "activation_function": act,
@@ -154,11 +164,6 @@ def save_pretrained(model: GPT, out_dir: str, tokenizer_dir: str | None = None, 
             "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True, "bos_token_id": eos,
             "eos_token_id": eos,
         }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    stop = [eos, chat_tokens["<|end|>"]] if chat_tokens else eos  # a chat model's reply ends at <|end|>
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eos, "eos_token_id": stop}) + "\n")
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
 def pad_vocab(model: GPT, vocab_size: int) -> GPT:

@@ -375,6 +375,51 @@ def resolve_source(inputs, dataset, text_key, hf_config, split, revision, stream
     return describe, texts, lambda: loaded.get("total"), preset, dataset.split("/")[-1]
 
 
+def locked(out_dir):
+    """One prep per output directory (files.directory_lock), held while the returned context is: the lock makes
+    any temporary file of ours found there a killed run's. Taking it is the first write, so an output directory
+    that cannot be written fails now, before any work."""
+    held = contextlib.ExitStack()
+    try:
+        held.enter_context(directory_lock(out_dir, "prepare_data.py"))
+    except LockError as e:
+        raise PrepError(str(e)) from None
+    except OSError as e:
+        raise PrepError(f"cannot write to the output directory {out_dir} ({e.strerror}: {e.filename})") from None
+    return held
+
+
+def resumable_manifest(out_dir, name, manifest_path, fingerprint, settings):
+    """(the manifest to continue, the names of our shards found in out_dir): the earlier run's finished shards
+    that verify (all of them, and complete, if it finished), or a fresh manifest. Somebody else's token files
+    there, our shards without a manifest, or a manifest of another input are a PrepError."""
+    ours = re.compile(rf"{re.escape(name)}_(train|val)_\d{{6}}\.bin")
+    existing = sorted(p.name for p in out_dir.iterdir() if ours.fullmatch(p.name))
+    others = sorted(p.name for p in out_dir.iterdir() if p.suffix in SHARD_SUFFIXES and not ours.fullmatch(p.name))
+    if others:  # a loader reading out_dir would mix them with ours
+        raise PrepError(f"{out_dir} holds other token files ({others[0]}, ...) that a loader reading the directory "
+                        f"would mix with the {name} shards; use another --out_dir")
+    manifest = {"fingerprint": fingerprint, "settings": settings, "complete": False, "shards": []}
+    if manifest_path.exists():
+        try:
+            old = json.loads(manifest_path.read_text())
+        except (OSError, ValueError) as e:
+            raise PrepError(f"{manifest_path}: unreadable manifest ({e}); delete it and the {name}_* shards") from None
+        if old.get("fingerprint") != fingerprint:
+            raise PrepError(f"{out_dir} holds {name} shards from a different input or settings ({manifest_path.name}); "
+                            f"use another --out_dir or --name, or delete them")
+        for record in old["shards"]:
+            if not shard_is_complete(out_dir, record):
+                break
+            manifest["shards"].append(record)
+        if old.get("complete") and len(manifest["shards"]) == len(old["shards"]):
+            manifest.update(complete=True, documents=old["documents"], tokens=old["tokens"])
+    elif existing:
+        raise PrepError(f"{out_dir} holds {name} shards ({existing[0]}, ...) but no {manifest_path.name}, so they come "
+                        f"from another run or tool; use another --out_dir or --name, or delete them")
+    return manifest, existing
+
+
 def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=None, val_tokens=None,
             num_proc=None, text_key="text", dataset_config=None, split=None, revision=None, streaming=None,
             start_method=None, batch_chars=1 << 18, progress=True):
@@ -394,44 +439,10 @@ def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=Non
                 "shard_tokens": shard_tokens, "val_tokens": val_tokens}
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
-    # One prep per output directory: the lock makes any temporary file of ours found there a killed run's.
-    # Taking it is the first write, so an output directory we cannot write fails now, before any work.
-    held = contextlib.ExitStack()  # the lock, released when the `with held` block ends
-    try:
-        held.enter_context(directory_lock(out_dir, "prepare_data.py"))
-    except LockError as e:
-        raise PrepError(str(e)) from None
-    except OSError as e:
-        raise PrepError(f"cannot write to the output directory {out_dir} ({e.strerror}: {e.filename})") from None
-    with held:
+    with locked(out_dir):
         remove_stale_temp_files(out_dir, name)
-        # What is already there: our own finished shards (verified) or somebody else's.
         manifest_path = out_dir / f"{name}_manifest.json"
-        ours = re.compile(rf"{re.escape(name)}_(train|val)_\d{{6}}\.bin")
-        existing = sorted(p.name for p in out_dir.iterdir() if ours.fullmatch(p.name))
-        others = sorted(p.name for p in out_dir.iterdir() if p.suffix in SHARD_SUFFIXES and not ours.fullmatch(p.name))
-        if others:  # a loader reading out_dir would mix them with ours
-            raise PrepError(f"{out_dir} holds other token files ({others[0]}, ...) that a loader reading the directory "
-                            f"would mix with the {name} shards; use another --out_dir")
-        manifest = {"fingerprint": fingerprint, "settings": settings, "complete": False, "shards": []}
-        if manifest_path.exists():
-            try:
-                old = json.loads(manifest_path.read_text())
-            except (OSError, ValueError) as e:
-                raise PrepError(f"{manifest_path}: unreadable manifest ({e}); delete it and the {name}_* shards") from None
-            if old.get("fingerprint") != fingerprint:
-                raise PrepError(f"{out_dir} holds {name} shards from a different input or settings ({manifest_path.name}); "
-                                f"use another --out_dir or --name, or delete them")
-            for record in old["shards"]:
-                if not shard_is_complete(out_dir, record):
-                    break
-                manifest["shards"].append(record)
-            if old.get("complete") and len(manifest["shards"]) == len(old["shards"]):
-                manifest.update(complete=True, documents=old["documents"], tokens=old["tokens"])
-        elif existing:
-            raise PrepError(f"{out_dir} holds {name} shards ({existing[0]}, ...) but no {manifest_path.name}, so they come "
-                            f"from another run or tool; use another --out_dir or --name, or delete them")
-
+        manifest, existing = resumable_manifest(out_dir, name, manifest_path, fingerprint, settings)
         writer = ShardWriter(out_dir, name, shard_tokens, val_tokens, manifest)
         num_docs = writer.start[0]
         if not manifest["complete"]:
@@ -485,6 +496,18 @@ def pack_rows(conversations, block_size):
         yield np.array(row_t + [EOT] * pad, dtype=np.uint16), np.array(row_m + [0] * pad, dtype=np.uint8)
 
 
+def write_sft_shard(path, split, rows, block_size):
+    """One shard of packed SFT rows (token, mask) and its loss-mask file; returns its manifest record. One
+    trailing <|endoftext|> (masked) makes the last row a whole sample."""
+    tokens = np.concatenate([t for t, _ in rows] + [np.array([EOT], dtype=np.uint16)])
+    mask = np.concatenate([m for _, m in rows] + [np.zeros(1, dtype=np.uint8)])
+    write_shard(path, tokens)
+    write_mask(path.with_suffix(MASK_SUFFIX), mask, block_size)
+    return {"file": path.name, "split": split, "tokens": int(len(tokens)), "rows": len(rows),
+            "max_token": int(tokens.max()), "sha256": file_sha256(path), "mask": path.with_suffix(MASK_SUFFIX).name,
+            "trained_tokens": int(mask.sum()), "mask_sha256": file_sha256(path.with_suffix(MASK_SUFFIX))}
+
+
 def prepare_sft(inputs, out_dir=None, name=None, block_size=1024, shard_tokens=None, val_tokens=None):
     """--format sft: jsonl conversations (chat.parse: {"prompt", "completion"} or {"messages"}) rendered with the
     chat template (chat.py) and packed in rows of block_size tokens (pack_rows), written as token shards plus
@@ -510,14 +533,7 @@ def prepare_sft(inputs, out_dir=None, name=None, block_size=1024, shard_tokens=N
                 "input": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     manifest_path = out_dir / f"{name}_manifest.json"
-    held = contextlib.ExitStack()  # out_dir's lock, as in prepare()
-    try:
-        held.enter_context(directory_lock(out_dir, "prepare_data.py"))
-    except LockError as e:
-        raise PrepError(str(e)) from None
-    except OSError as e:
-        raise PrepError(f"cannot write to the output directory {out_dir} ({e.strerror}: {e.filename})") from None
-    with held:
+    with locked(out_dir):
         remove_stale_temp_files(out_dir, name)
         old = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
         if old and old.get("fingerprint") == fingerprint and old.get("complete") and all(
@@ -555,17 +571,9 @@ def prepare_sft(inputs, out_dir=None, name=None, block_size=1024, shard_tokens=N
         per_shard = shard_tokens // block_size
         parts = [("val", 0, rows[:n_val])] + [("train", i // per_shard, rows[n_val:][i:i + per_shard])
                                              for i in range(0, len(rows) - n_val, per_shard)]
-        manifest = {"fingerprint": fingerprint, "settings": settings, "complete": False, "shards": []}
-        for split, index, part in parts:
-            tokens = np.concatenate([t for t, _ in part] + [np.array([EOT], dtype=np.uint16)])
-            mask = np.concatenate([m for _, m in part] + [np.zeros(1, dtype=np.uint8)])
-            path = out_dir / f"{name}_{split}_{index:06d}.bin"
-            write_shard(path, tokens)
-            write_mask(path.with_suffix(MASK_SUFFIX), mask, block_size)
-            manifest["shards"].append({"file": path.name, "split": split, "tokens": int(len(tokens)), "rows": len(part),
-                                       "max_token": int(tokens.max()), "sha256": file_sha256(path),
-                                       "mask": path.with_suffix(MASK_SUFFIX).name, "trained_tokens": int(mask.sum()),
-                                       "mask_sha256": file_sha256(path.with_suffix(MASK_SUFFIX))})
+        manifest = {"fingerprint": fingerprint, "settings": settings, "complete": False,
+                    "shards": [write_sft_shard(out_dir / f"{name}_{split}_{index:06d}.bin", split, part, block_size)
+                               for split, index, part in parts]}
         total = sum(r["tokens"] for r in manifest["shards"])
         summary = {"conversations": count - len(skipped), "skipped": len(skipped), "skipped_lines": skipped[:10],
                    "rows": len(rows), "tokens": total, "trained_tokens": sum(r["trained_tokens"] for r in manifest["shards"]),
