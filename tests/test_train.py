@@ -647,7 +647,8 @@ def test_read_only_out_dir_is_one_line(data_dir, tmp_path, read_only, capsys):
     ("--device=gpu", "config key 'device': 'gpu' is not a device ('auto', 'cpu', 'cuda', 'cuda:N' or 'mps')"),
     ("--device=cuda", "config key 'device': 'cuda': "),
     ("--init_from=gpt3", "config key 'init_from' must be 'scratch', 'resume', one of gpt2, gpt2-medium, gpt2-large, "
-                         "gpt2-xl or a Hugging Face model directory; got 'gpt3' (no such directory)"),
+                         "gpt2-xl, a Hugging Face model directory or a checkpoint of this library (a ckpt_XXXXXX.pt "
+                         "file, a ckpt_XXXXXX/ directory or a run's out_dir); got 'gpt3' (no such file or directory)"),
 ])
 def test_bad_device_or_init_from_is_one_line(data_dir, tmp_path, capsys, arg, expected):
     if arg == "--device=cuda" and torch.cuda.is_available():
