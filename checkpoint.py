@@ -63,7 +63,7 @@ from devices import DTYPES, resolve_device, resolve_dtype, rng_state, set_rng_st
 from files import atomic_write, file_sha256, first_line, fsync_dir, report_error
 from hf import from_pretrained, save_pretrained
 from model import PRESETS
-from parallel import log, weights_finite
+from parallel import is_rank0, launched_by_torchrun, log, weights_finite
 
 FORMAT = "gpt2-train-ckpt-v1"
 CKPT_NAME = re.compile(r"^ckpt_(\d{6,})(\.pt)?$")  # a file ckpt_000100.pt or a sharded directory ckpt_000100
@@ -627,6 +627,44 @@ def fine_tune_config(user, cfg):
                               f"config {key}={chosen[key]!r}; a fine-tuned model keeps its architecture: drop {key} "
                               f"from the config")
     return make_config({**user, **{key: getattr(saved, key) for key in ARCH_KEYS}})
+
+
+def resolve_config_or_defer(user):
+    """(cfg, checkpoint or None, error message or None): resolve_config, except that under torchrun its error is
+    returned rather than raised. A rank that failed before joining the process group (a node that cannot see
+    out_dir's checkpoints) would leave the others waiting in the rendezvous until it times out; instead every
+    rank joins and check_shared_out_dir raises the error on all of them."""
+    try:  # only rank 0 hashes the checkpoint; the others check that theirs is complete (agree_on_checkpoint)
+        return (*resolve_config(user, verify=is_rank0()), None)
+    except (ConfigError, CheckpointError) as e:
+        if not launched_by_torchrun():
+            raise
+        return make_config(user), None, str(e)  # a bad key fails here alike on every rank: nobody waits
+
+
+SETUP_KEYS = ("device", "dtype", "parallel", "shard_size", "seed", "dist_timeout_minutes")  # what setup() used
+
+
+def agree_on_checkpoint(user, cfg, ckpt, problem, env):
+    """Under torchrun only rank 0 sha256-hashed the checkpoint it resumes from (one read of an 18 GB file,
+    not one per rank); a rank that chose another (rank 0 skipped a damaged one) loads rank 0's, unhashed.
+    Returns (cfg, ckpt, problem); a problem is raised on every rank by check_shared_out_dir."""
+    if not env.distributed or cfg.init_from != "resume":
+        return cfg, ckpt, problem
+    chosen = [ckpt and ckpt["path"]]
+    dist.broadcast_object_list(chosen, src=0)
+    if problem or chosen[0] is None or chosen[0] == (ckpt and ckpt["path"]):
+        return cfg, ckpt, problem
+    try:
+        agreed, ckpt = resumed_config(user, cfg.out_dir, {**load_checkpoint(chosen[0], consolidate=False, verify=False),
+                                                          "path": chosen[0]})
+    except (ConfigError, CheckpointError) as e:
+        return cfg, None, str(e)
+    changed = [k for k in SETUP_KEYS if getattr(agreed, k) != getattr(cfg, k)]
+    if changed:
+        return cfg, None, (f"rank 0 resumes from {chosen[0]}, whose {changed[0]} differs from that of the checkpoint "
+                           f"this rank found; resume again")
+    return agreed, ckpt, None
 
 
 class Halt(Exception):

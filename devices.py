@@ -15,6 +15,7 @@ import ctypes
 import functools
 import random
 import re
+import sys
 from contextlib import nullcontext
 
 import numpy as np
@@ -275,3 +276,17 @@ def set_rng_state(state):
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def peak_memory(kind):
+    """(peak allocated, peak reserved) MiB since the last call on CUDA; peak RSS elsewhere (reserved None)."""
+    if kind == "cuda":
+        out = torch.cuda.max_memory_allocated() / 2**20, torch.cuda.max_memory_reserved() / 2**20
+        torch.cuda.reset_peak_memory_stats()
+        return out
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None, None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return (rss / 2**20 if sys.platform == "darwin" else rss / 2**10), None

@@ -540,6 +540,28 @@ def fitting_forward_backward(forward_backward, loader, grad_accum, optimizer, cf
             f"{grad_accum} accumulation steps (batch_size={smaller} from now on)")
 
 
+def in_micro_batches(run, rows, micro, env, what):
+    """Validation's rows: run(a, b) over rows [0, rows) `micro` at a time (micro divides rows); an out-of-memory
+    halves micro (the largest divisor of rows at most half) and retries that slice; under torchrun, or at
+    micro-batch 1, a Halt. `what` starts the messages ('step 100')."""
+    at = 0
+    while at < rows:
+        try:
+            run(at, at + micro)
+            at += micro
+            continue
+        except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled
+            if not is_oom(e):
+                raise
+        smaller = smaller_micro_batch(rows, micro)
+        if env.distributed or smaller is None:
+            raise Halt(f"{what}: out of memory in validation at micro-batch {micro}; try a smaller batch_size, "
+                       f"or eval_steps")
+        log(f"{what}: out of memory in validation at micro-batch {micro}: evaluating at {smaller}")
+        micro = smaller
+        _free(env.device)
+
+
 # ----------------------------------------------------------------------------- the dry run
 
 NOT_SIMULATED = ("not simulated: torch.compile, CUDA kernels' workspaces, NCCL's buffers and the caching allocator's "
@@ -689,7 +711,7 @@ def report(cfg, world_size: int, gpus_per_node: int = 8) -> tuple[MemoryPlan, Dr
     rows = [f"dry run: rank 0 of {world_size}, {mode}, {dtype}, micro-batch {cfg.batch_size} x "
             f"{batch_layout(cfg, world_size)[1]} accumulation steps"
             + (", activation checkpointing" if cfg.activation_checkpointing else "")
-            + f": one optimizer step simulated on fake tensors", f"  {'GiB per rank':<28}{'plan':>8}{'simulated':>11}"]
+            + ": one optimizer step simulated on fake tensors", f"  {'GiB per rank':<28}{'plan':>8}{'simulated':>11}"]
     rows += [f"  {name:<28}{planned[k] / GiB:>8.2f}{sim.parts[k] / GiB:>11.2f}" for k, name in PARTS.items()]
     rows += [f"  {'peak':<28}{plan.total / GiB:>8.2f}{sim.total / GiB:>11.2f}  (plan/simulated {plan.total / sim.total:.2f})"]
     return plan, sim, "\n".join([plan.line(), *rows, *[f"note: {n}" for n in sim.notes], f"note: {NOT_SIMULATED}"])

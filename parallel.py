@@ -7,6 +7,7 @@ then torch.compile, tried once on dummy tokens so a compile error means eager fr
 mid-run. The helpers the loop needs from whatever parallelize() returned live here too: gradient sync for
 accumulation, the global gradient norm, a gathered copy of a sharded model for generation and HellaSwag.
 """
+import contextlib
 import math
 import os
 import random
@@ -27,7 +28,7 @@ from tqdm import tqdm
 from config import ConfigError
 from devices import (DTYPES, autocast, device_type, is_compile_error, resolve_compile, resolve_device, resolve_dtype,
                      rng_state, set_rng_state, tune_cpu_allocator, use_cuda_device)
-from files import first_line
+from files import directory_lock, first_line
 from model import GPT, rotary_cos_sin
 
 
@@ -69,6 +70,14 @@ def log(message, note=False):
     so a progress bar stays whole; a note goes to stderr as 'note: ...'."""
     if is_rank0():
         tqdm.write(f"note: {message}" if note else message, file=sys.stderr if note else sys.stdout)
+
+
+def lock_out_dir(out_dir):
+    """One run per out_dir: rank 0 holds an exclusive lock on it (files.directory_lock) for the whole run;
+    a second run there is a one-line error naming the holder. The other ranks of a torchrun job don't lock."""
+    if not is_rank0():
+        return contextlib.nullcontext()
+    return directory_lock(out_dir, "train.py")
 
 
 def launched_by_torchrun():
@@ -120,6 +129,15 @@ def check_shared_out_dir(out_dir, resumed_step, problem, env):
     if len(resumed) > 1:
         raise ConfigError(f"ranks resumed from checkpoints of different steps ({', '.join(resumed)}) in out_dir "
                           f"{out_dir}: every node must see the same shared directory")
+
+
+def any_rank(flag, env):
+    """Whether flag is true on any rank: under torchrun a collective, so every rank must ask alike."""
+    if not env.distributed:
+        return bool(flag)
+    t = torch.tensor(float(bool(flag)), device=env.device)
+    dist.all_reduce(t)
+    return t.item() > 0
 
 
 def span(ranks):
@@ -261,6 +279,16 @@ class RecordInit(torch.overrides.TorchFunctionMode):
         if isinstance(target, nn.Parameter) and name.endswith("_") and not name.startswith("__"):
             self.calls.append((target, func, args, kwargs))
         return func(*args, **kwargs)
+
+
+def build_device(cfg, ckpt, env):
+    """Where train.py builds the bare GPT: a sharded run from scratch or from a sharded checkpoint on meta
+    (parallelize() then gives each rank its shards only), one from whole weights on the CPU for fully_shard to
+    move; an unsharded run on its device."""
+    if not env.sharded:
+        return env.device
+    on_meta = ckpt is None and cfg.init_from == "scratch" or ckpt is not None and "shards" in ckpt
+    return "meta" if on_meta else "cpu"
 
 
 def build_on_meta(config):

@@ -12,7 +12,6 @@ Python literals (strings may be written bare) and win over the file. run() at th
 setup, data, model, optimizer, parallelize, then the loop; each step of it is a function above it or one call
 into the module named for its job. Expected errors are one line on stderr (main(); docs/failure-modes.md).
 """
-import contextlib
 import json
 import math
 import signal
@@ -27,18 +26,18 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from chat import CHAT_VOCAB
-from checkpoint import (CheckpointError, Halt, Progress, is_checkpoint, kept_checkpoint, load_checkpoint,
-                        load_sharded_checkpoint, resolve_config, restore, restore_rngs, resumed_config, save)
+from checkpoint import (CheckpointError, Halt, Progress, agree_on_checkpoint, is_checkpoint, kept_checkpoint,
+                        load_checkpoint, load_sharded_checkpoint, resolve_config_or_defer, restore, restore_rngs, save)
 from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text, make_config, model_config, parse_args
 from data import DataLoader, NoShardsError, ShardError
-from devices import autocast, device_type, fused_adamw_supported, is_oom, peak_flops
-from files import LockError, atomic_write, directory_lock, report_error
+from devices import autocast, device_type, fused_adamw_supported, peak_flops, peak_memory
+from files import LockError, atomic_write, report_error
 from hf import from_pretrained, pad_vocab
-from memory import _free as free_memory, fitting_forward_backward, probe_batch_size, resolve_batch_size, smaller_micro_batch
+from memory import fitting_forward_backward, in_micro_batches, probe_batch_size, resolve_batch_size
 from model import GPT
 from optim import build_optimizer, set_lr
-from parallel import (build_on_meta, check_shared_out_dir, clip_gradients, gathered, is_compiled, is_rank0, keeps_grads,
-                      launched_by_torchrun, log, parallelize, set_grad_sync, setup)
+from parallel import (any_rank, build_device, build_on_meta, check_shared_out_dir, clip_gradients, gathered,
+                      is_compiled, keeps_grads, lock_out_dir, log, parallelize, set_grad_sync, setup)
 from tracking import TRACKING_KEYS, NoTracker, Tracker, TrackingError, check_tracking_available
 
 
@@ -59,52 +58,6 @@ class StopRequest:
 
 # ----------------------------------------------------------------------------- setup
 
-def lock_out_dir(out_dir):
-    """One run per out_dir: rank 0 holds an exclusive lock on it (files.directory_lock) for the whole run;
-    a second run there is a one-line error naming the holder. The other ranks of a torchrun job don't lock."""
-    if not is_rank0():
-        return contextlib.nullcontext()
-    return directory_lock(out_dir, "train.py")
-
-
-def resolve_config_or_defer(user):
-    """(cfg, checkpoint or None, error message or None): resolve_config, except that under torchrun its error is
-    returned rather than raised. A rank that failed before joining the process group (a node that cannot see
-    out_dir's checkpoints) would leave the others waiting in the rendezvous until it times out; instead every
-    rank joins and check_shared_out_dir raises the error on all of them."""
-    try:  # only rank 0 hashes the checkpoint; the others check that theirs is complete (agree_on_checkpoint)
-        return (*resolve_config(user, verify=is_rank0()), None)
-    except (ConfigError, CheckpointError) as e:
-        if not launched_by_torchrun():
-            raise
-        return make_config(user), None, str(e)  # a bad key fails here alike on every rank: nobody waits
-
-
-SETUP_KEYS = ("device", "dtype", "parallel", "shard_size", "seed", "dist_timeout_minutes")  # what setup() used
-
-
-def agree_on_checkpoint(user, cfg, ckpt, problem, env):
-    """Under torchrun only rank 0 sha256-hashed the checkpoint it resumes from (one read of an 18 GB file,
-    not one per rank); a rank that chose another (rank 0 skipped a damaged one) loads rank 0's, unhashed.
-    Returns (cfg, ckpt, problem); a problem is raised on every rank by check_shared_out_dir."""
-    if not env.distributed or cfg.init_from != "resume":
-        return cfg, ckpt, problem
-    chosen = [ckpt and ckpt["path"]]
-    dist.broadcast_object_list(chosen, src=0)
-    if problem or chosen[0] is None or chosen[0] == (ckpt and ckpt["path"]):
-        return cfg, ckpt, problem
-    try:
-        agreed, ckpt = resumed_config(user, cfg.out_dir, {**load_checkpoint(chosen[0], consolidate=False, verify=False),
-                                                          "path": chosen[0]})
-    except (ConfigError, CheckpointError) as e:
-        return cfg, None, str(e)
-    changed = [k for k in SETUP_KEYS if getattr(agreed, k) != getattr(cfg, k)]
-    if changed:
-        return cfg, None, (f"rank 0 resumes from {chosen[0]}, whose {changed[0]} differs from that of the checkpoint "
-                           f"this rank found; resume again")
-    return agreed, ckpt, None
-
-
 def make_loaders(cfg, env):
     """Train and val loaders: every rank reads its own slice of one global, world-size-invariant stream.
     Every shard is validated here, token ids included, before step 1."""
@@ -112,10 +65,13 @@ def make_loaders(cfg, env):
         return DataLoader(cfg.data_dir, split, 1 if cfg.batch_size == "auto" else cfg.batch_size, cfg.block_size, rank=env.rank,
                           world_size=env.world_size, seed=cfg.seed, vocab_size=cfg.vocab_size)
     try:
-        return loader("train"), loader("val") if cfg.eval_interval > 0 else None
+        train_loader, val_loader = loader("train"), loader("val") if cfg.eval_interval > 0 else None
     except NoShardsError as e:
         from prepare_data import prepare_command
         raise NoShardsError(f"{e}; prepare it with `{prepare_command(cfg.data_dir)}`") from None
+    log(f"data: {train_loader.summary().replace(' shards', ' train shards')}; "
+        f"val: {val_loader.summary() if val_loader else 'none (eval_interval=0)'}")
+    return train_loader, val_loader
 
 
 def build_model(cfg, ckpt, device, min_vocab=0):
@@ -231,33 +187,10 @@ def skip_reason(train_loss, grad_norm, scaler, cfg, progress, step):
     return reason
 
 
-def peak_memory(kind):
-    """(peak allocated, peak reserved) MiB since the last call on CUDA; peak RSS elsewhere (reserved None)."""
-    if kind == "cuda":
-        out = torch.cuda.max_memory_allocated() / 2**20, torch.cuda.max_memory_reserved() / 2**20
-        torch.cuda.reset_peak_memory_stats()
-        return out
-    try:
-        import resource
-    except ImportError:  # Windows
-        return None, None
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return (rss / 2**20 if sys.platform == "darwin" else rss / 2**10), None
-
-
 # ----------------------------------------------------------------------------- evaluation
 
 class Abandoned(Exception):
     """An evaluation cut short by SIGTERM/SIGINT: the loop saves a checkpoint and exits 0."""
-
-
-def stop_agreed(stop, env):
-    """Whether a rank got SIGTERM/SIGINT (StopRequest): under torchrun a collective, asked alike by every rank."""
-    if not env.distributed:
-        return stop.signal is not None
-    flag = torch.tensor(float(stop.signal is not None), device=env.device)
-    dist.all_reduce(flag)
-    return flag.item() > 0
 
 
 @torch.no_grad()
@@ -268,26 +201,16 @@ def val_loss(model, loader, eval_steps, micro, env, stop=lambda: False, step=0):
     model.eval()
     loader.reset()
     x, y = (torch.cat(t) for t in zip(*(loader.next_batch() for _ in range(eval_steps))))  # (rows, T) each
-    total, at = torch.zeros((), device=env.device), 0
+    total = torch.zeros((), device=env.device)
+
+    def rows(a, b):
+        if stop():
+            raise Abandoned
+        xb, yb = to_device((x[a:b], y[a:b]), env.device)
+        with autocast(env.device, env.dtype):
+            total.add_(model(xb, yb, return_logits=False)[1].float() * (b - a))
     try:
-        while at < len(x):
-            if stop():
-                raise Abandoned
-            try:
-                xb, yb = to_device((x[at:at + micro], y[at:at + micro]), env.device)
-                with autocast(env.device, env.dtype):
-                    total += model(xb, yb, return_logits=False)[1].float() * len(xb)
-                at += len(xb)
-            except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled
-                if not is_oom(e):
-                    raise
-                smaller = smaller_micro_batch(len(x), micro)
-                if env.distributed or smaller is None:
-                    raise Halt(f"step {step}: out of memory in validation at micro-batch {micro}; try a smaller "
-                               f"batch_size, or eval_steps") from None
-                log(f"step {step}: out of memory in validation at micro-batch {micro}: evaluating at {smaller}")
-                micro = smaller
-                free_memory(env.device)
+        in_micro_batches(rows, len(x), micro, env, f"step {step}")
     finally:
         model.train()
     if env.distributed:
@@ -333,7 +256,7 @@ def evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cf
     due = lambda interval: interval > 0 and (step % interval == 0 or last)  # noqa: E731
     val = None
     if due(cfg.eval_interval):
-        val = val_loss(model, val_loader, cfg.eval_steps, cfg.batch_size, env, lambda: stop_agreed(stop, env), step)
+        val = val_loss(model, val_loader, cfg.eval_steps, cfg.batch_size, env, lambda: any_rank(stop.signal, env), step)
         tracker.log({"step": step, "val_loss": val})
         log(f"step {step}: val loss {val:.4f}")
     if due(cfg.hellaswag_interval):
@@ -361,6 +284,29 @@ def step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, 
     return record
 
 
+def report_step(record, tracker, bar, cfg):
+    """One step's record to metrics.jsonl (and W&B/TensorBoard), the progress bar, and every log_interval a line."""
+    tracker.log(record)
+    bar.update(1)
+    step = record["step"]
+    if cfg.log_interval and (step % cfg.log_interval == 0 or step == cfg.max_steps):
+        log(f"step {step:>6}/{cfg.max_steps} | loss {record['train_loss']:.4f} | lr {record['lr']:.2e} | norm "
+            f"{record['grad_norm']:.3f} | {record['step_ms']:.0f} ms | {record['tokens_per_s']:,.0f} tok/s"
+            + (f" | mfu {record['mfu']:.1%}" if record["mfu"] else ""))
+
+
+def start_tracking(cfg, ckpt, progress, total_batch_size, env):
+    """Rank 0 writes out_dir/config.json and tracks the run (metrics.jsonl, W&B, TensorBoard; resumed with the
+    checkpoint's state); the other ranks track nothing."""
+    if not env.master:
+        return NoTracker()
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(out_dir / "config.json", json.dumps(asdict(cfg), indent=2) + "\n")
+    return Tracker(out_dir, asdict(cfg), total_batch_size, resume_step=progress.step if ckpt else None,
+                   state=ckpt.get("tracker") if ckpt else None, **{k: getattr(cfg, k) for k in TRACKING_KEYS})
+
+
 # ----------------------------------------------------------------------------- the recipe
 
 def run_summary(raw_model, compiled, cfg, env, total_batch_size, grad_accum, resumed_step):
@@ -382,14 +328,9 @@ def run(user):
     check_shared_out_dir(cfg.out_dir, ckpt and ckpt["step"], problem, env)
     cfg = resolve_batch_size(cfg, ckpt, env)  # the plan line; a refusal; batch_size='auto' from the plan
     train_loader, val_loader = make_loaders(cfg, env)
-    log(f"data: {train_loader.summary().replace(' shards', ' train shards')}; "
-        f"val: {val_loader.summary() if val_loader else 'none (eval_interval=0)'}")
 
-    # the bare GPT (checkpoints, samples, HellaSwag). A sharded run from scratch or from a sharded checkpoint builds
-    # it on meta, and parallelize() gives each rank its shards only; from whole weights it stays on the CPU for
-    # fully_shard to move
-    on_meta = env.sharded and (ckpt is None and cfg.init_from == "scratch" or ckpt is not None and "shards" in ckpt)
-    raw_model, cfg = build_model(cfg, ckpt, "meta" if on_meta else "cpu" if env.sharded else env.device,
+    # the bare GPT (checkpoints, samples, HellaSwag); SFT data's chat tokens need GPT-2's vocabulary padded
+    raw_model, cfg = build_model(cfg, ckpt, build_device(cfg, ckpt, env),
                                  min_vocab=CHAT_VOCAB if train_loader.masks is not None else 0)
     if cfg.batch_size == "auto":  # a probed device (CUDA)
         cfg = probe_batch_size(raw_model, cfg, env, [train_loader, val_loader])
@@ -399,12 +340,7 @@ def run(user):
     scaler = torch.amp.GradScaler(env.kind, enabled=env.dtype == "float16")  # loss scaling for fp16 only
     progress = restore(ckpt, raw_model, optimizer, scaler, train_loader) if ckpt else Progress()
 
-    out_dir, tracker = Path(cfg.out_dir), NoTracker()  # rank 0 writes metrics.jsonl (+ W&B/TB) and config.json
-    if env.master:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write(out_dir / "config.json", json.dumps(asdict(cfg), indent=2) + "\n")
-        tracker = Tracker(out_dir, asdict(cfg), total_batch_size, resume_step=progress.step if ckpt else None,
-                          state=ckpt.get("tracker") if ckpt else None, **{k: getattr(cfg, k) for k in TRACKING_KEYS})
+    out_dir, tracker = Path(cfg.out_dir), start_tracking(cfg, ckpt, progress, total_batch_size, env)
     log(f"config ('*' = set on this command line):\n{config_table(cfg, user)}")
     log(run_summary(raw_model, is_compiled(model), cfg, env, total_batch_size, grad_accum, ckpt and ckpt["step"]))
     if ckpt is not None:
@@ -455,14 +391,8 @@ def run(user):
             dt = time.perf_counter() - t0
             progress.step = step = step + 1
 
-            record = step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model, cfg, env,
-                                 trained_tokens)
-            tracker.log(record)
-            bar.update(1)
-            if cfg.log_interval and (step % cfg.log_interval == 0 or step == cfg.max_steps):
-                log(f"step {step:>6}/{cfg.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | norm {grad_norm:.3f} | "
-                    f"{dt * 1000:.0f} ms | {record['tokens_per_s']:,.0f} tok/s"
-                    + (f" | mfu {record['mfu']:.1%}" if record["mfu"] else ""))
+            report_step(step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model,
+                                    cfg, env, trained_tokens), tracker, bar, cfg)
         finished = True
     except Halt as e:
         raise Halt(f"{e}; {kept_checkpoint(out_dir)}") from None
