@@ -181,11 +181,12 @@ def manifest_records(paths, split):
     from files import lock_holder
     found, paths = {}, [Path(p) for p in paths]
     for directory in sorted({p.parent for p in paths}):
-        for manifest in sorted(directory.glob("*_manifest.json")):
+        manifests = sorted(directory.glob("*_manifest.json"))
+        holder = lock_holder(directory) if manifests else None
+        if holder and holder.startswith("prepare_data.py"):
+            raise ShardError(f"{directory} is being written by {holder}: wait until it ends")
+        for manifest in manifests:
             name = manifest.name[:-len("_manifest.json")]
-            holder = lock_holder(directory)
-            if holder and holder.startswith("prepare_data.py"):
-                raise ShardError(f"{directory} is being written by {holder}: wait until it ends")
             try:
                 m = json.loads(manifest.read_text())
                 records = {directory / r["file"]: r for r in m["shards"] if r["split"] == split}

@@ -204,7 +204,7 @@ def _download_from_hub(name: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
     except ImportError as e:
-        raise ImportError(f"GPT.from_pretrained({name!r}) needs huggingface_hub (pip install huggingface_hub) "
+        raise ImportError(f"from_pretrained({name!r}) needs huggingface_hub (pip install huggingface_hub) "
                           "or a local directory with config.json + model.safetensors") from e
     return Path(snapshot_download(f"openai-community/{name}", allow_patterns=["config.json", "model.safetensors"]))
 
@@ -212,11 +212,11 @@ def _download_from_hub(name: str) -> Path:
 def _read_hf_config(path: Path) -> dict:
     file = path / "config.json"
     if not file.is_file():
-        raise FileNotFoundError(f"GPT.from_pretrained: {file} not found; expected a Hugging Face GPT-2 or "
+        raise FileNotFoundError(f"from_pretrained: {file} not found; expected a Hugging Face GPT-2 or "
                                 "GPT-NeoX directory")
     hf = json.loads(file.read_text())
     if hf.setdefault("model_type", "gpt2") not in ("gpt2", "gpt_neox"):
-        raise ValueError(f"GPT.from_pretrained: {file}: model_type={hf['model_type']!r}, expected 'gpt2' or 'gpt_neox'")
+        raise ValueError(f"from_pretrained: {file}: model_type={hf['model_type']!r}, expected 'gpt2' or 'gpt_neox'")
     return hf
 
 
@@ -226,10 +226,10 @@ _REQUIRED = object()
 def _hf_get(hf: dict, file: Path, key: str, default=_REQUIRED, allowed=None):
     """hf[key] (default when absent, ValueError when absent without one), checked against allowed values."""
     if key not in hf and default is _REQUIRED:
-        raise ValueError(f"GPT.from_pretrained: {file} has no {key!r}")
+        raise ValueError(f"from_pretrained: {file} has no {key!r}")
     value = hf.get(key, default)
     if allowed is not None and value not in allowed:
-        raise ValueError(f"GPT.from_pretrained: {file}: {key}={value!r}, expected one of {list(allowed)}")
+        raise ValueError(f"from_pretrained: {file}: {key}={value!r}, expected one of {list(allowed)}")
     return value
 
 
@@ -278,7 +278,7 @@ def _read_hf_weights(path: Path) -> dict:
             files = [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
             break
     else:
-        raise FileNotFoundError(f"GPT.from_pretrained: {path} has neither model.safetensors nor pytorch_model.bin "
+        raise FileNotFoundError(f"from_pretrained: {path} has neither model.safetensors nor pytorch_model.bin "
                                 "(nor a sharded *.index.json of either)")
     sd = {}
     for file in files:
@@ -286,7 +286,7 @@ def _read_hf_weights(path: Path) -> dict:
             try:
                 from safetensors.torch import load_file
             except ImportError as e:
-                raise ImportError(f"GPT.from_pretrained: {file} needs the safetensors package "
+                raise ImportError(f"from_pretrained: {file} needs the safetensors package "
                                   "(pip install safetensors)") from e
         try:
             sd.update(load_file(str(file)) if file.name.endswith(".safetensors") else
@@ -294,6 +294,6 @@ def _read_hf_weights(path: Path) -> dict:
         except OSError:
             raise
         except Exception as e:  # noqa: BLE001 -- a pickle that is not plain tensors (nothing ran), a damaged file
-            raise ValueError(f"GPT.from_pretrained: {file}: not a readable weights file ({first_line(e)})") from None
+            raise ValueError(f"from_pretrained: {file}: not a readable weights file ({first_line(e)})") from None
     return sd
 
