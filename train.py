@@ -379,6 +379,8 @@ def run(user):
     if stopping:
         log(f"stopped by {signal.Signals(stop.signal).name if stop.signal else 'a signal on another rank'} at step "
             f"{progress.step}; continue with --init_from=resume")
+    if env.distributed:  # no rank tears its process group down (main) while rank 0 still writes
+        dist.barrier()
     return 0
 
 
