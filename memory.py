@@ -22,13 +22,15 @@ import os
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from checkpoint import is_checkpoint
 from config import ConfigError, batch_layout, model_config
-from console import log
+from console import distributed, log
 from devices import autocast, is_oom, rng_state, set_rng_state
 from files import Halt
 from model import GPT, LOSS_CHUNK_ROWS, PRESETS
+from parallel import forward_backward
 
 GiB = 2**30
 # batch_size='auto' from the plan (CPU/MPS): use at most this share of the available memory. On a CPU the peak
@@ -385,8 +387,7 @@ def probe_micro_batch(try_step, candidates, reserve_bytes: int = 0, device=None)
 
 def agree_micro_batch(batch_size: int, device=None) -> int:
     """The smallest batch_size over all ranks (an all-reduce MIN) when torch.distributed is initialized."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
+    if not distributed():
         return batch_size
     t = torch.tensor([batch_size], device=device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -413,12 +414,10 @@ def probes(env):
     return env.kind in PROBED_KINDS and not env.sharded
 
 
-def planned_shape(cfg, ckpt):
-    """The GPTConfig the model will have, known before it is built; None for a Hugging Face directory."""
-    if ckpt is not None:
-        return model_config(cfg, **{**ckpt["model_args"], "dropout": cfg.dropout,
-                                    "activation_checkpointing": cfg.activation_checkpointing})
-    if cfg.init_from == "scratch" or is_checkpoint(cfg.init_from):  # a checkpoint's shape is cfg's (fine_tune_config)
+def planned_shape(cfg):
+    """The GPTConfig the model will have, known before it is built; None for a Hugging Face directory. A resumed
+    or fine-tuned run's cfg has its checkpoint's architecture (resume.resolve_config)."""
+    if cfg.init_from in ("scratch", "resume") or is_checkpoint(cfg.init_from):
         return model_config(cfg)
     return model_config(cfg, **PRESETS[cfg.init_from]) if cfg.init_from in PRESETS else None
 
@@ -437,11 +436,11 @@ def device_memory(env):
     return (available // local, f"{what} / {local} ranks") if local > 1 else (available, what)
 
 
-def resolve_batch_size(cfg, ckpt, env):
+def resolve_batch_size(cfg, env):
     """Before anything big is allocated: log the memory plan and the device's memory; refuse (ConfigError, one line
     naming settings that fit) a batch_size whose plan exceeds it; resolve batch_size='auto' from the plan on devices
     that are not probed (probes()). Returns cfg with batch_size resolved, or still 'auto' (probe_batch_size)."""
-    shape = planned_shape(cfg, ckpt)
+    shape = planned_shape(cfg)
     auto = cfg.batch_size == "auto"
     if auto:  # sequences per rank per optimizer step; total_batch_size is checked before anything is built
         try:
@@ -496,43 +495,38 @@ def probe_batch_size(raw_model, cfg, env, loaders):
     if env.kind == "cuda":  # step 1's peak_mem_mb is then the step's, not the probe's
         torch.cuda.reset_peak_memory_stats(env.device)
     log(f"batch_size='auto': {why} ({rows // b} accumulation steps)")
-    return set_micro_batch(cfg, b, loaders)
-
-
-def set_micro_batch(cfg, b, loaders):
-    """cfg with batch_size=b (what checkpoints record), and the loaders reading b sequences per micro-batch."""
     for loader in loaders:
         if loader is not None:
             loader.set_batch_size(b)
     return replace(cfg, batch_size=b)
 
 
-def fitting_forward_backward(forward_backward, loader, grad_accum, optimizer, cfg, env, step):
-    """forward_backward(grad_accum), and on an out-of-memory: halve the micro-batch (the largest divisor of the per-rank rows at
+def fitting_forward_backward(model, loader, rows, optimizer, scaler, env, step):
+    """parallel.forward_backward of one optimizer step: `rows` sequences per rank, loader.B (the live micro-batch)
+    at a time. On an out-of-memory: halve the micro-batch for the rest of the run (the largest divisor of rows at
     most half), drop the partial step's gradients, rewind the loader to the step's start and re-run the same step
-    with the same data. Returns (what forward_backward returned, cfg, grad_accum), the latter two as changed. Under torchrun, or at
-    micro-batch 1, an out-of-memory is a Halt naming settings that would help (ranks cannot switch safely:
-    the others may be waiting in a gradient all-reduce)."""
+    with the same data. Under torchrun, or at micro-batch 1, an out-of-memory is a Halt naming settings that would
+    help (ranks cannot switch safely: the others may be waiting in a gradient all-reduce)."""
     start = loader.state_dict()
     while True:
+        b = loader.B
         try:
-            return forward_backward(grad_accum), cfg, grad_accum
+            return forward_backward(model, loader, rows // b, scaler, env)
         except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled
             if not is_oom(e):
                 raise
-        b, rows = cfg.batch_size, cfg.batch_size * grad_accum
         smaller = smaller_micro_batch(rows, b)
         if env.distributed or smaller is None:
             hint = f"batch_size={smaller} with {rows // smaller} accumulation steps, " if smaller else ""
-            raise Halt(f"step {step + 1}: out of memory at micro-batch {b}"
-                       + (" under torchrun (ranks cannot change micro-batch together mid-run)" if smaller else "")
-                       + f"; try {hint}activation_checkpointing=True, parallel='fsdp' or a smaller block_size")
+            torchrun = " under torchrun (ranks cannot change micro-batch together mid-run)" if smaller else ""
+            raise Halt(f"step {step + 1}: out of memory at micro-batch {b}{torchrun}; try {hint}"
+                       f"activation_checkpointing=True, parallel='fsdp' or a smaller block_size")
         optimizer.zero_grad(set_to_none=True)  # the partial step's gradients; the scaler has not stepped yet
         _free(env.device)
         loader.load_state_dict(start)
-        cfg, grad_accum = set_micro_batch(cfg, smaller, [loader]), rows // smaller
+        loader.set_batch_size(smaller)
         log(f"step {step + 1}: out of memory at micro-batch {b}: re-running the step at micro-batch {smaller} x "
-            f"{grad_accum} accumulation steps (batch_size={smaller} from now on)")
+            f"{rows // smaller} accumulation steps (batch_size={smaller} from now on)")
 
 
 def in_micro_batches(run, rows, micro, env, what):
