@@ -15,8 +15,9 @@ def library():
 
 
 def imports_by_module():
-    """{module: set of top-level repo modules it imports} for every .py under the repo (tests excluded)."""
-    files = [p for p in ROOT.rglob("*.py") if ".venv" not in p.parts and "tests" not in p.parts]
+    """{module: set of top-level repo modules it imports} for the library, bench/, scripts/ and configs/ (not tests,
+    nor what runs leave in data/ or out*/)."""
+    files = [*ROOT.glob("*.py"), *(p for folder in ("bench", "scripts", "configs") for p in (ROOT / folder).rglob("*.py"))]
     local = {p.stem for p in ROOT.glob("*.py")}
     graph = {}
     for path in files:
