@@ -632,7 +632,7 @@ def main(argv=None):
     p.add_argument("--name", help="shard name prefix (default: the preset, dataset or single input's name)")
     p.add_argument("--shard_tokens", type=int, help=f"tokens per train shard (default {DEFAULT_SHARD_TOKENS:,})")
     p.add_argument("--val_tokens", type=int, help=f"validation tokens, taken from the start in whole documents (a long one is cut) "
-                   f"(default {VAL_SHARE:.0%} of the input, at most {DEFAULT_VAL_TOKENS:,}; presets differ)")
+                   f"(default {VAL_SHARE:.0%}% of the input, at most {DEFAULT_VAL_TOKENS:,}; presets differ)")
     p.add_argument("--num_proc", type=int, help="tokenizer processes (default: all CPUs)")
     p.add_argument("--start_method", choices=multiprocessing.get_all_start_methods(),
                    help="multiprocessing start method (default: the platform's)")
