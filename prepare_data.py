@@ -99,7 +99,7 @@ def expand_inputs(patterns):
     if skipped:
         skipped = list(dict.fromkeys(skipped))
         names = ", ".join(map(str, skipped[:5])) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
-        print(f"prepare_data: skipped {len(skipped)} file(s) that are not .txt, .jsonl or .parquet: {names}")
+        log(f"prepare_data: skipped {len(skipped)} file(s) that are not .txt, .jsonl or .parquet: {names}", note=True)
     return list(dict.fromkeys(files))  # drop repeats, keep order
 
 

@@ -127,8 +127,8 @@ def test_files_of_other_types_under_an_input_directory_are_named_as_skipped(tmp_
     (tmp_path / "in" / "book.txt").write_text(" ".join(make_docs(30)), encoding="utf-8")
     (tmp_path / "in" / "README.md").write_text("about the books")
     run_prep("--input", tmp_path / "in", "--out_dir", tmp_path / "out", "--num_proc", 1)
-    out = capsys.readouterr().out
-    assert "skipped 1 file(s) that are not .txt, .jsonl or .parquet: " + str(tmp_path / "in" / "README.md") in out
+    note = "note: prepare_data: skipped 1 file(s) that are not .txt, .jsonl or .parquet: "
+    assert note + str(tmp_path / "in" / "README.md") in capsys.readouterr().err
 
 
 def test_default_val_split_is_a_tenth_of_a_small_corpus_in_whole_documents(tmp_path, enc):
