@@ -254,6 +254,7 @@ def key_table():
 
 
 def help_text(doc):
-    """`python train.py --help`: the script's docstring, then every key with its default and meaning."""
+    """`python train.py --help`: a usage line, the script's docstring, then every key with its default and meaning."""
     keys = "\n".join(f"  {key} = {default!r}  # {comment}" for key, (default, comment) in config_docs().items())
-    return f"{doc.strip()}\n\nkeys (default  # meaning):\n{keys}"
+    usage = "usage: train.py [CONFIG_FILE ...] [--key=value ...]"
+    return f"{usage}\n\n{doc.strip()}\n\nkeys (default  # meaning):\n{keys}"

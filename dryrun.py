@@ -211,6 +211,10 @@ def main(argv=None) -> int:
     the memory plan and the dry run side by side; exit 1 if the simulated peak exceeds device_memory_gib, 2 on
     a bad config or flag."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        print("usage: dryrun.py CONFIG [--key=value ...] --world_size=N [--gpus_per_node=8] [--device_memory_gib=80]\n\n"
+              f"{__doc__.strip()}\n\nCONFIG and --key=value are train.py's: `python train.py --help` lists every key.")
+        return 0
     flags = {"gpus_per_node": 8, "device_memory_gib": 80.0}
     try:
         rest = []

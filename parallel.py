@@ -316,17 +316,20 @@ def is_compiled(model):
 
 def compile_works(compiled, cfg, env):
     """Run the compiled model once as training and once as evaluation, leaving weights, gradients and RNGs as
-    they were. False (with a note) on a compile error; an out-of-memory or any other error propagates."""
-    x = torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long, device=env.device)
+    they were. False (with a note) on a compile error; an out-of-memory or any other error propagates. The
+    trial's calls are the loop's (distinct inputs and targets: dynamo guards on `idx is targets`), so the graphs
+    compiled here are the ones the steps and evaluations run, not compiled a second time."""
+    log("compiling the model (torch.compile): the first step waits for it; compile=False skips it")
+    x, y = (torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long, device=env.device) for _ in range(2))
     rngs = rng_state()
     error = None
     try:
         with autocast(env.device, env.dtype):
-            compiled(x, x, return_logits=False)[1].backward()
+            compiled(x, y, return_logits=False)[1].backward()
             if cfg.eval_interval > 0:  # evaluation compiles a graph of its own
                 compiled.eval()
                 with torch.no_grad():
-                    compiled(x, x, return_logits=False)
+                    compiled(x, y, return_logits=False)
     except Exception as e:
         if not is_compile_error(e):
             raise

@@ -111,7 +111,7 @@ def compare_text(path_a, path_b, result):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run directories (out_dir) or metrics.jsonl files")
     parser.add_argument("-o", "--out", help="PNG to write (default: metrics.png next to the first run's metrics)")
     parser.add_argument("--compare", action="store_true",

@@ -4,13 +4,14 @@
     python prepare_data.py --dataset fineweb-edu --num_proc 16
     python prepare_data.py --input books/ notes/*.jsonl --out_dir data/mine --val_tokens 100000
 
-Writes out_dir/<name>_val_000000.bin (whole documents, at least --val_tokens tokens, taken from
-the start of the input), then <name>_train_000000.bin, <name>_train_000001.bin, ... of
---shard_tokens tokens each (the last one shorter; a document may continue into the next shard),
-and <name>_manifest.json, which records the input, the settings and every finished shard (its
-size, sha256 and where in the document stream it starts and ends). A re-run verifies the
-finished shards, skips them and tokenizes only what is missing; a directory holding <name>
-shards from another input or settings is refused.
+Writes out_dir/<name>_val_000000.bin (the start of the input: the fewest whole documents holding
+--val_tokens tokens, by default 10% of the input and at most 1M; a document that would more than
+double that is cut at --val_tokens, so one long text splits 90/10 as in nanoGPT), then
+<name>_train_000000.bin, <name>_train_000001.bin, ... of --shard_tokens tokens each (the last one
+shorter; a document may continue into the next shard), and <name>_manifest.json, which records the
+input, the settings and every finished shard (its size, sha256 and where in the document stream it
+starts and ends). A re-run verifies the finished shards, skips them and tokenizes only what is
+missing; a directory holding <name> shards from another input or settings is refused.
 
 Documents: a .txt file is one document; a .jsonl file has one per line (field --text_key);
 a .parquet file one per row (column --text_key); directories are searched recursively for those.
@@ -42,7 +43,8 @@ from files import LockError, atomic_write, directory_lock, error_message, file_s
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c / build-nanogpt: 100M tokens (200 MB) per shard
-DEFAULT_VAL_TOKENS = 1_000_000
+VAL_SHARE = 0.1  # default validation split: the first 10% of the input, like nanoGPT's 90/10 ...
+DEFAULT_VAL_TOKENS = 1_000_000  # ... and at most this many tokens (1M tokens estimate a val loss well enough)
 
 # Ready-made datasets. fineweb-edu follows build-nanogpt / llm.c: sample-10BT in 100M-token
 # shards, the first shard validation. Hugging Face presets stream unless they are small.
@@ -71,8 +73,9 @@ def split_speeches(text):
 
 def expand_inputs(patterns):
     """Input files, in argument order: plain files as given; directories (searched recursively)
-    and globs contribute their .txt/.jsonl/.parquet files in sorted order."""
-    files = []
+    and globs contribute their .txt/.jsonl/.parquet files in sorted order. The other files they
+    hold are skipped, and a line names them (a README.md in a folder of books is not read)."""
+    files, skipped = [], []
     for pattern in patterns:
         if any(c in pattern for c in "*?["):
             matches = sorted(glob.glob(pattern, recursive=True))
@@ -81,14 +84,22 @@ def expand_inputs(patterns):
         found = []
         for m in map(Path, matches):
             if m.is_dir():
-                found += sorted(p for p in m.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+                under = sorted(p for p in m.rglob("*") if p.is_file())
+                found += [p for p in under if p.suffix in TEXT_SUFFIXES]
+                skipped += [p for p in under if p.suffix not in TEXT_SUFFIXES]
             elif m.suffix in TEXT_SUFFIXES:
                 found.append(m)
             elif m.is_file() and m == Path(pattern):
                 raise PrepError(f"{m}: unsupported input type {m.suffix!r} (expected .txt, .jsonl or .parquet)")
+            elif m.is_file():
+                skipped.append(m)
         if not found:
             raise PrepError(f"no input files matched {pattern!r} (expected .txt, .jsonl or .parquet files, directories or globs)")
         files += found
+    if skipped:
+        skipped = list(dict.fromkeys(skipped))
+        names = ", ".join(map(str, skipped[:5])) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+        log(f"prepare_data: skipped {len(skipped)} file(s) that are not .txt, .jsonl or .parquet: {names}", note=True)
     return list(dict.fromkeys(files))  # drop repeats, keep order
 
 
@@ -266,6 +277,9 @@ class ShardWriter:
 
     A stream position is [document index, token offset inside that document's tokens]; each shard
     record keeps where it starts and ends, so a re-run can resume right after the last good shard.
+    The val shard is the start of the stream (split_val); val_tokens None means VAL_SHARE of the
+    input, at most DEFAULT_VAL_TOKENS, so the writer holds up to DEFAULT_VAL_TOKENS / VAL_SHARE
+    tokens before it knows whether the input is smaller than that.
     """
 
     def __init__(self, out_dir, name, shard_tokens, val_tokens, manifest):
@@ -273,7 +287,7 @@ class ShardWriter:
         self.shard_tokens, self.val_tokens = shard_tokens, val_tokens
         self.manifest = manifest
         self.records = manifest["shards"]  # finished shards, val first
-        self.val_parts, self.val_count = [], 0
+        self.held, self.held_count = [], 0  # (first document, tokens, lengths) batches before the val split
         self.buffer = np.empty(shard_tokens, dtype=np.uint16)
         self.fill = 0
         self.start = self.records[-1]["end"] if self.records else [0, 0]  # stream position of buffer[0]
@@ -286,22 +300,41 @@ class ShardWriter:
     def add(self, first_doc, tokens, lengths):
         """Tokens of documents first_doc, first_doc+1, ...; leading tokens before self.start
         (a resumed run's first, partly written document) are skipped."""
+        skip = self.start[1] if first_doc == self.start[0] else 0
+        self.tokens_added += len(tokens) - skip
+        if not self.in_val:
+            self._add_train(first_doc, tokens, lengths, skip)
+            return
+        self.held.append((first_doc, tokens, lengths))  # a val split starts at [0, 0]: nothing to skip
+        self.held_count += len(tokens)
+        if self.held_count >= (self.val_tokens or DEFAULT_VAL_TOKENS / VAL_SHARE):
+            self._split_val(self.val_tokens or DEFAULT_VAL_TOKENS)
+
+    def _split_val(self, target):
+        """Write the val shard from the held batches: the fewest whole documents holding `target` tokens, or
+        exactly `target` tokens where the document that crosses it would more than double the split (a long
+        document: a book, a one-file corpus, which would otherwise go to val whole); the rest goes on to train."""
+        first_doc = self.held[0][0]
+        tokens = np.concatenate([t for _, t, _ in self.held])
+        lengths = np.concatenate([n for _, _, n in self.held])
+        self.held = []
+        ends = np.cumsum(lengths)
+        k = int(np.searchsorted(ends, target, side="left"))  # the document in which the target-th token lies
+        if ends[k] <= 2 * target:
+            cut, end = int(ends[k]), [first_doc + k + 1, 0]
+        else:
+            cut, end = target, [first_doc + k, int(target - (ends[k - 1] if k else 0))]
+        self._write("val", tokens[:cut], [0, 0], end)
+        self._add_train(first_doc, tokens, lengths, cut)
+
+    def _add_train(self, first_doc, tokens, lengths, pos):
+        """Append tokens[pos:] (of documents first_doc, ...) to the train shards, writing each one that fills."""
         ends = np.cumsum(lengths)  # token position just after each document
 
         def position(pos):
             i = int(np.searchsorted(ends, pos, side="right"))
             return [first_doc + i, int(pos - (ends[i - 1] if i else 0))]
 
-        pos = skip = self.start[1] if first_doc == self.start[0] else 0
-        self.tokens_added += len(tokens) - skip
-        if self.in_val:  # whole documents until there are val_tokens of them
-            k = min(int(np.searchsorted(ends, self.val_tokens - self.val_count, side="left")) + 1, len(ends))
-            self.val_parts.append(tokens[: ends[k - 1]])
-            self.val_count += int(ends[k - 1])
-            pos = int(ends[k - 1])
-            if self.val_count >= self.val_tokens:
-                self._write("val", np.concatenate(self.val_parts), [0, 0], [first_doc + k, 0])
-                self.val_parts = []
         while pos < len(tokens):
             n = min(len(tokens) - pos, self.shard_tokens - self.fill)
             self.buffer[self.fill: self.fill + n] = tokens[pos: pos + n]
@@ -310,14 +343,16 @@ class ShardWriter:
                 self._write_train(position(pos))
 
     def finish(self, num_docs):
-        if self.in_val:
-            raise PrepError(f"the whole input ({num_docs} documents, {self.val_count} tokens) is smaller than "
-                            f"--val_tokens {self.val_tokens}, leaving nothing to train on; lower --val_tokens")
+        if self.in_val:  # the whole input is held: now its size is known
+            if self.val_tokens and self.held_count <= self.val_tokens:
+                raise PrepError(f"the whole input ({num_docs} documents, {self.held_count} tokens) is not larger than "
+                                f"--val_tokens {self.val_tokens}, leaving nothing to train on; lower --val_tokens")
+            self._split_val(self.val_tokens or max(1, round(VAL_SHARE * self.held_count)))
         if self.fill:
             self._write_train([num_docs, 0])
         if len(self.records) < 2:
-            raise PrepError(f"no tokens left for training: all {num_docs} documents went to the validation split "
-                            f"(--val_tokens {self.val_tokens}); lower --val_tokens")
+            raise PrepError(f"no tokens left for training: the validation split took all {self.records[0]['tokens']} "
+                            f"tokens of the input" + ("; lower --val_tokens" if self.val_tokens else "; add text"))
 
     def _write_train(self, end):
         self._write("train", self.buffer[: self.fill], self.start, end)
@@ -431,13 +466,13 @@ def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=Non
     name = re.sub(r"[^A-Za-z0-9]+", "_", name or default_name).strip("_") or "data"
     out_dir = Path(out_dir or Path("data") / (dataset if dataset in PRESETS else name))  # e.g. data/fineweb-edu
     shard_tokens = preset.get("shard_tokens", DEFAULT_SHARD_TOKENS) if shard_tokens is None else shard_tokens
-    val_tokens = preset.get("val_tokens", DEFAULT_VAL_TOKENS) if val_tokens is None else val_tokens
+    val_tokens = preset.get("val_tokens") if val_tokens is None else val_tokens  # None: a share of the input
     num_proc = (os.cpu_count() or 1) if num_proc is None else num_proc
-    if min(shard_tokens, val_tokens, num_proc, batch_chars) < 1 or shard_tokens >= 2**31:
+    if min(shard_tokens, 1 if val_tokens is None else val_tokens, num_proc, batch_chars) < 1 or shard_tokens >= 2**31:
         raise PrepError(f"--shard_tokens (below 2^31), --val_tokens, --num_proc and --batch_chars must be >= 1, got "
                         f"{shard_tokens}, {val_tokens}, {num_proc}, {batch_chars}")
-    settings = {"format": "llm.c uint16 shards v1", "tokenizer": "gpt2", "input": describe,
-                "shard_tokens": shard_tokens, "val_tokens": val_tokens}
+    settings = {"format": "llm.c uint16 shards v1", "tokenizer": "gpt2", "input": describe, "shard_tokens": shard_tokens,
+                "val_tokens": val_tokens or {"share": VAL_SHARE, "max": DEFAULT_VAL_TOKENS}}
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
     with locked(out_dir):
@@ -597,7 +632,8 @@ def main(argv=None):
     p.add_argument("--out_dir", help="output directory (default data/<preset> or data/<name>)")
     p.add_argument("--name", help="shard name prefix (default: the preset, dataset or single input's name)")
     p.add_argument("--shard_tokens", type=int, help=f"tokens per train shard (default {DEFAULT_SHARD_TOKENS:,})")
-    p.add_argument("--val_tokens", type=int, help=f"validation tokens, whole documents (default {DEFAULT_VAL_TOKENS:,}; presets differ)")
+    p.add_argument("--val_tokens", type=int, help=f"validation tokens, taken from the start in whole documents (a long one is cut) "
+                   f"(default {VAL_SHARE:.0%}% of the input, at most {DEFAULT_VAL_TOKENS:,}; presets differ)")
     p.add_argument("--num_proc", type=int, help="tokenizer processes (default: all CPUs)")
     p.add_argument("--start_method", choices=multiprocessing.get_all_start_methods(),
                    help="multiprocessing start method (default: the platform's)")

@@ -99,12 +99,16 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Sample text from a checkpoint or a pretrained GPT-2.")
     add_model_args(parser)
     parser.add_argument("--prompt", help="prompt text, or FILE:path to read it from a file (default: stdin if piped)")
-    parser.add_argument("--num_samples", type=int, default=1)
-    parser.add_argument("--max_new_tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (argmax)")
+    parser.add_argument("--num_samples", type=int, default=1,
+                        help="continuations of the prompt, one after another (default %(default)s)")
+    parser.add_argument("--max_new_tokens", type=int, default=200,
+                        help="tokens to generate per sample, at most (default %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="sampling temperature; 0 is greedy, the argmax (default %(default)s)")
     parser.add_argument("--top_k", type=int, default=None, help="sample only among the k most likely tokens")
     parser.add_argument("--top_p", type=float, default=None, help="nucleus sampling: smallest set with this much mass")
-    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--seed", type=int, default=1337,
+                        help="random seed: the same seed, prompt and model give the same text (default %(default)s)")
     parser.add_argument("--chat", action="store_true", help="reply as the assistant of a fine-tuned chat model: the "
                         "prompt is a conversation (JSON) or one user message; none on a terminal: chat interactively")
     args = parser.parse_args(argv)

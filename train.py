@@ -397,7 +397,7 @@ def main(argv=None):
     checkpoint or data, a halt, out_dir in use, an unwritable or full disk): one line on stderr from rank 0,
     no traceback. A traceback is for bugs, or for everything with GPT2_TRACEBACK=1 in the environment."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] in (["-h"], ["--help"]):
+    if "-h" in argv or "--help" in argv:
         print(help_text(__doc__))
         return 0
     try:

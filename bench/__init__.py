@@ -12,14 +12,16 @@ import importlib
 import os
 import platform
 
-import torch
-
-from devices import cpu_has_fast_bf16, device_type
-
 
 def machine_line(device):
     """What the numbers were measured on: the GPU, or the CPU model, whether it multiplies bf16 in hardware,
     its cores and torch's threads; and the torch version."""
+    # imported here, not at the top: every `python -m bench.X` imports this package (its --help too), and the
+    # launchers that measure child processes (bench.memory, bench.fsdp_memory, bench.meta_init) load no torch
+    import torch
+
+    from devices import cpu_has_fast_bf16, device_type
+
     if device_type(device) == "cuda":
         return f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}"
     name = platform.processor() or platform.machine()

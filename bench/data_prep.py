@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch  # noqa: F401  imported up front so the loader's first batch is not charged for it
 
 from assets import fetch_shakespeare, get_tokenizer
 from bench import machine_line
@@ -141,6 +140,8 @@ def main():
     p.add_argument("--world_size", type=int, default=1)
     p.add_argument("--steps", type=int, default=200)
     args = p.parse_args()
+    # after parsing (--help needs no torch), before timing: the loader's first batch is not charged for it
+    import torch  # noqa: F401
     print(f"machine: {machine_line('cpu')}")
     text = Path(fetch_shakespeare()).read_text(encoding="utf-8")
     speeches = split_speeches(text) * args.copies

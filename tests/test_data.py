@@ -115,11 +115,63 @@ def test_txt_jsonl_parquet_directories_and_globs(tmp_path, enc):
     (tmp_path / "e2.txt").write_text(docs[8], encoding="utf-8")
     out = tmp_path / "out"
     run_prep("--input", tmp_path / "in", tmp_path / "d.parquet", tmp_path / "e*.txt", "--text_key", "content",
-             "--out_dir", out, "--name", "mix", "--val_tokens", 1, "--num_proc", 1)
+             "--out_dir", out, "--name", "mix", "--val_tokens", len(enc.encode_ordinary(docs[0])) + 1, "--num_proc", 1)
     val, = shard_tokens(out, "mix", "val")
     stream = np.concatenate([val, *shard_tokens(out, "mix", "train")])
     assert split_docs(stream, enc) == docs
     assert split_docs(val, enc) == docs[:1]
+
+
+def test_files_of_other_types_under_an_input_directory_are_named_as_skipped(tmp_path, capsys):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "book.txt").write_text(" ".join(make_docs(30)), encoding="utf-8")
+    (tmp_path / "in" / "README.md").write_text("about the books")
+    run_prep("--input", tmp_path / "in", "--out_dir", tmp_path / "out", "--num_proc", 1)
+    note = "note: prepare_data: skipped 1 file(s) that are not .txt, .jsonl or .parquet: "
+    assert note + str(tmp_path / "in" / "README.md") in capsys.readouterr().err
+
+
+def test_default_val_split_is_a_tenth_of_a_small_corpus_in_whole_documents(tmp_path, enc):
+    docs = make_docs(200, seed=7)
+    run_prep("--input", write_jsonl(tmp_path / "docs.jsonl", docs), "--out_dir", tmp_path / "out", "--num_proc", 1)
+    val, = shard_tokens(tmp_path / "out", "docs", "val")
+    train, = shard_tokens(tmp_path / "out", "docs", "train")
+    lengths = [len(enc.encode_ordinary(d)) + 1 for d in docs]
+    k = len(split_docs(val, enc))
+    assert sum(lengths[:k]) == len(val) >= sum(lengths) / 10 > sum(lengths[:k - 1])  # the fewest reaching 10%
+    assert split_docs(train, enc) == docs[k:]
+
+
+def test_default_val_split_cuts_a_single_text_file_90_10(tmp_path, enc):
+    text = "\n\n".join(make_docs(60, seed=8))  # one .txt file is one document
+    (tmp_path / "corpus.txt").write_text(text, encoding="utf-8")
+    summary = run_prep("--input", tmp_path / "corpus.txt", "--out_dir", tmp_path / "out", "--num_proc", 1)
+    val, = shard_tokens(tmp_path / "out", "corpus", "val")
+    train, = shard_tokens(tmp_path / "out", "corpus", "train")
+    assert len(val) == round((len(enc.encode_ordinary(text)) + 1) / 10) == summary["val_tokens"]
+    assert np.concatenate([val, train]).tolist() == [EOT, *enc.encode_ordinary(text)]
+
+
+def test_a_run_interrupted_after_a_cut_val_split_resumes_mid_document(tmp_path, monkeypatch):
+    (tmp_path / "corpus.txt").write_text("\n\n".join(make_docs(60, seed=9)), encoding="utf-8")
+    args = ["--input", tmp_path / "corpus.txt", "--val_tokens", 50, "--shard_tokens", 300, "--num_proc", 1]
+    run_prep(*args, "--out_dir", tmp_path / "clean")
+    real_write = prepare_data.write_shard
+
+    def crash_after_val(path, tokens):
+        if "_train_" in path.name:
+            raise KeyboardInterrupt
+        real_write(path, tokens)
+    monkeypatch.setattr(prepare_data, "write_shard", crash_after_val)
+    with pytest.raises(KeyboardInterrupt):
+        run_prep(*args, "--out_dir", tmp_path / "crashed")
+    monkeypatch.setattr(prepare_data, "write_shard", real_write)
+    run_prep(*args, "--out_dir", tmp_path / "crashed")
+    names = sorted(p.name for p in (tmp_path / "clean").iterdir())
+    assert len(shard_tokens(tmp_path / "clean", "corpus", "val")[0]) == 50 and len(names) >= 4
+    assert names == sorted(p.name for p in (tmp_path / "crashed").iterdir())
+    for name in names:
+        assert (tmp_path / "clean" / name).read_bytes() == (tmp_path / "crashed" / name).read_bytes(), name
 
 
 def test_shakespeare_preset_makes_one_document_per_speech(tmp_path, monkeypatch, enc):
@@ -127,11 +179,12 @@ def test_shakespeare_preset_makes_one_document_per_speech(tmp_path, monkeypatch,
     (tmp_path / "input.txt").write_text(text)
     monkeypatch.setattr(prepare_data, "fetch_shakespeare", lambda: tmp_path / "input.txt")
     monkeypatch.chdir(tmp_path)
-    run_prep("--dataset", "shakespeare", "--val_tokens", 1, "--num_proc", 1)
+    first = "First Citizen:\nBefore we proceed,\nhear me."
+    run_prep("--dataset", "shakespeare", "--val_tokens", len(enc.encode_ordinary(first)) + 1, "--num_proc", 1)
     out = tmp_path / "data" / "shakespeare"  # the default out_dir, where configs/ look for it
     val, = shard_tokens(out, "shakespeare", "val")
     train, = shard_tokens(out, "shakespeare", "train")
-    assert split_docs(val, enc) == ["First Citizen:\nBefore we proceed,\nhear me."]
+    assert split_docs(val, enc) == [first]
     assert split_docs(train, enc) == ["All:\nSpeak, speak.", "First Citizen:\nYou are resolved."]
 
 

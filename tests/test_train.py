@@ -168,6 +168,27 @@ def test_compile_failure_falls_back_to_eager(data_dir, tmp_path, monkeypatch, ca
     assert train_losses(tmp_path / "compiled") == train_losses(tmp_path / "eager")  # the trial left no trace
 
 
+def test_the_compile_trial_says_so_and_calls_the_model_as_the_loop_does(data_dir, tmp_path, monkeypatch, capsys):
+    """The trial compile is the silent wait before the first step, so a line says it. Its inputs and targets are
+    distinct tensors as in the loop: dynamo guards on `idx is targets`, and a trial passing one tensor as both
+    compiled graphs the loop never ran, then the first evaluation and step compiled again."""
+    same = []
+
+    class RecordingCompiled(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self._orig_mod = model
+
+        def forward(self, idx, targets=None, **kwargs):
+            same.append(idx is targets)
+            return self._orig_mod(idx, targets, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", RecordingCompiled)
+    assert run(data_dir, tmp_path, "--max_steps=2", "--compile=True") == 0
+    assert "compiling the model (torch.compile)" in capsys.readouterr().out
+    assert same and not any(same)
+
+
 def test_out_of_memory_under_compile_is_not_called_a_compile_failure(data_dir, tmp_path, monkeypatch, capsys):
     fake_compile(monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"))
     with pytest.raises(torch.OutOfMemoryError):
