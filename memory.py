@@ -15,30 +15,30 @@ sees them, q/k/v in one (B, T, 3C) buffer, the attention output, the MLP's pre- 
 and, under autocast, the low-precision copies of the block's matmul weights. torch.compile saves less, so the
 plan is an upper bound there.
 
-The dry run, `python memory.py CONFIG [--key=value ...] --world_size=N [--gpus_per_node=8]
-[--device_memory_gib=80]` (main(), report(), dry_run()), prints the plan beside a simulation of one optimizer
-step of the config at world size N: the project's own model, sharding, optimizer and step on fake tensors and a
-fake process group, measured by torch's memory trackers (docs/dry-run.md).
+A run calls resolve_batch_size() before anything is built (the plan line, a refusal, batch_size='auto' from the
+plan), probe_batch_size() once the bare model exists (batch_size='auto' on CUDA), and in the loop
+fitting_forward_backward() and in_micro_batches(), which halve the micro-batch on an out-of-memory in a
+single-process run. dryrun.py proves a plan at the real size and world size on fake tensors.
 """
 import gc
 import os
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
-from checkpoint import Halt, is_checkpoint
-from config import ConfigError, batch_layout, make_config, model_config
+from checkpoint import is_checkpoint
+from config import CHOICES, ConfigError, batch_layout, model_config
+from console import distributed, log
 from devices import autocast, is_oom, rng_state, set_rng_state
-from model import GPT, PRESETS
-from optim import build_optimizer
-from parallel import Env, clip_gradients, forward_backward, keeps_grads, log, mesh_shape, parallelize
+from files import Halt
+from model import GPT, LOSS_CHUNK_ROWS, PRESETS
+from parallel import forward_backward
 
 GiB = 2**30
 # batch_size='auto' from the plan (CPU/MPS): use at most this share of the available memory. On a CPU the peak
 # RSS runs above the plan (docs/memory.md): glibc's heap keeps freed blocks as holes larger requests cannot reuse
 AUTO_FIT_FRACTION = 0.5
-OPTIMIZERS = {"adamw": "AdamW", "muon": "Muon+AdamW"}
-PARALLEL = ("ddp", "fsdp", "hsdp")
 
 
 class MemoryPlanError(ValueError):
@@ -92,16 +92,14 @@ def param_stats(cfg) -> dict:
 
 
 def _count_params(cfg) -> dict:
-    from model import GPT
     with torch.device("meta"):
         m = GPT(cfg)
     blocks = m.transformer.h
     block_params = sum(p.numel() for p in blocks[0].parameters()) if len(blocks) else 0
     matmul = sum(mod.weight.numel() for mod in blocks[0].modules() if isinstance(mod, torch.nn.Linear)) \
         if len(blocks) else 0
-    fc = getattr(getattr(blocks[0], "mlp", None), "c_fc", None) if len(blocks) else None
     return {"total": sum(p.numel() for p in m.parameters()), "block": block_params, "block_matmul": matmul,
-            "hidden": fc.out_features if isinstance(fc, torch.nn.Linear) else 4 * cfg.n_embd}
+            "hidden": blocks[0].mlp.c_fc.out_features if len(blocks) else 4 * cfg.n_embd}
 
 
 def _bytes_per_element(dtype) -> int:
@@ -122,30 +120,23 @@ def saved_bytes_per_token(cfg, dtype="float32", low_params: bool = False) -> tup
     C, nh = cfg.n_embd, cfg.n_head
     H, a = param_stats(cfg)["hidden"], _bytes_per_element(dtype)
     r = a if low_params else 4  # FSDP's low-precision parameters make the residual stream low-precision too
-    residuals = 1 if getattr(cfg, "parallel_residual", False) else 2  # parallel: both branches read ln(x)
+    residuals = 1 if cfg.parallel_residual else 2  # parallel: both branches read ln(x)
     # rotary/QK-norm: new (B, nh, T, hs) q and k, so the attention output comes out in that layout and
     # (B, T, C) is one more copy
-    rotated = getattr(cfg, "rotary_pct", None) is not None or getattr(cfg, "qk_norm", False)
+    rotated = cfg.rotary_pct is not None or cfg.qk_norm
     block = residuals * r * C + a * (6 * C + 2 * H) + (3 * a * C if rotated else 0) + 2 * 8 + 4 * nh
-    if getattr(cfg, "qk_norm", False) and a < 4:  # autocast runs rms_norm in fp32: it saves fp32 copies of q and k
+    if cfg.qk_norm and a < 4:  # autocast runs rms_norm in fp32: it saves fp32 copies of q and k
         block += 2 * 4 * C
-    if getattr(cfg, "dropout", 0.0) > 0:  # rough: dropout masks, and attention's (T, T) math path
+    if cfg.dropout > 0:  # rough: dropout masks, and attention's (T, T) math path
         block += 2 * a * C + nh * cfg.block_size * (2 * a + 1)
     return block, 8 + r * C + 8
 
 
-def activation_bytes(cfg, batch_size: int, dtype="float32", activation_checkpointing: bool = False,
-                     seq_len: int | None = None, low_params: bool = False) -> int:
-    """Bytes autograd holds for one micro-batch of (batch_size, seq_len) at the backward's peak: the saved
-    tensors (saved_bytes_per_token; with checkpointing only each block's input, and one block recomputed at a
-    time), under autocast the matmul weights' low-precision copies, and the backward's working set.
-    low_params: FSDP/HSDP all-gathers low-precision parameters (the residual stream is in that dtype too)."""
-    return sum(_activation_parts(cfg, batch_size, dtype, activation_checkpointing, seq_len, low_params))
-
-
 def _activation_parts(cfg, batch_size, dtype, activation_checkpointing, seq_len, low_params) -> tuple[int, int]:
     """(saved through the whole backward, the backward's working set: the recomputed block, its weights'
-    low-precision copies and the gradients in flight); see activation_bytes."""
+    low-precision copies and the gradients in flight). With activation checkpointing only each block's input is
+    saved, and one block is recomputed at a time; low_params: FSDP/HSDP all-gathers low-precision parameters (the
+    residual stream is in that dtype too)."""
     T = seq_len or cfg.block_size
     stats, a = param_stats(cfg), _bytes_per_element(dtype)
     r = a if low_params else 4
@@ -164,7 +155,6 @@ def loss_bytes(cfg, batch_size: int, dtype="float32", seq_len: int | None = None
     low-precision product, the weight's low-precision copy, and a (V, C) chunk product with its fp32 conversion
     while it is added to the fp32 gradient). low_params (FSDP's bf16 weight and input): no copy of the weight, and
     the input and its gradient in bf16; the weight gradient is still accumulated in fp32."""
-    from model import LOSS_CHUNK_ROWS
     N = batch_size * (seq_len or cfg.block_size)
     n, V, C = min(N, LOSS_CHUNK_ROWS), cfg.vocab_size, cfg.n_embd
     if _bytes_per_element(dtype) == 4:
@@ -185,14 +175,13 @@ def estimate_memory(model_cfg, batch_size: int, dtype="float32", parallel: str =
     world_size) or 'hsdp' (sharded over shard_size, default world_size). activation_checkpointing None:
     model_cfg's. The sum assumes gradients are resident during the forward (any accumulation step after
     the first), which makes it an upper bound for a step without accumulation."""
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"estimate_memory: optimizer {optimizer!r}, expected one of {sorted(OPTIMIZERS)}")
-    if parallel not in PARALLEL:
-        raise ValueError(f"estimate_memory: parallel {parallel!r}, expected one of {PARALLEL}")
+    for key, value in (("optimizer", optimizer), ("parallel", parallel)):
+        if value not in CHOICES[key]:
+            raise ValueError(f"estimate_memory: {key} {value!r}, expected one of {CHOICES[key]}")
     if batch_size < 1 or world_size < 1:
         raise ValueError(f"estimate_memory: batch_size={batch_size}, world_size={world_size}; expected >= 1")
     if activation_checkpointing is None:
-        activation_checkpointing = getattr(model_cfg, "activation_checkpointing", False)
+        activation_checkpointing = model_cfg.activation_checkpointing
     stats = param_stats(model_cfg)
     n = stats["total"]
     if optimizer == "adamw":
@@ -203,18 +192,21 @@ def estimate_memory(model_cfg, batch_size: int, dtype="float32", parallel: str =
     shard = 1 if parallel == "ddp" else (shard_size or world_size) if parallel == "hsdp" else world_size
     low = parallel != "ddp" and _bytes_per_element(dtype) < 4  # FSDP's MixedPrecisionPolicy: low-precision weights
     saved, working = _activation_parts(model_cfg, batch_size, dtype, activation_checkpointing, seq_len, low)
-    at_loss, gathered = loss_bytes(model_cfg, batch_size, dtype, seq_len, low), 0
-    if shard > 1:  # FSDP's mixed precision gathers in the compute dtype. During the loss the root unit
-        # (embeddings, ln_f, head) is gathered; at the backward's peak (dry run) also one block, the root's
-        # unsharded gradient (its reduce-scatter comes last) and one block's fp32 gradient going into its reduce-scatter
-        p_bytes, root = _bytes_per_element(dtype), n - model_cfg.n_layer * stats["block"]
+    at_loss = loss_bytes(model_cfg, batch_size, dtype, seq_len, low)
+    gathered = 0
+    if shard > 1:
+        # FSDP's mixed precision gathers in the compute dtype. During the loss the root unit (embeddings, ln_f, head)
+        # is gathered; at the backward's peak (dry run) also one block, the root's unsharded gradient (its
+        # reduce-scatter comes last) and one block's fp32 gradient going into its reduce-scatter
+        p_bytes = _bytes_per_element(dtype)
+        root = n - model_cfg.n_layer * stats["block"]
         at_loss += root * p_bytes
         gathered = (2 * root + stats["block"]) * p_bytes + stats["block"] * 4
-    return MemoryPlan(  # the loss runs before the backward: logits counts only what the loss phase needs beyond
-        # the backward's peak (its working set and gathered units), which is never live at the same time
-        params=-(-n * 4 // shard), grads=-(-n * 4 // shard), optimizer=-(-state // shard), activations=saved + working,
-        logits=max(0, at_loss - working - gathered), batch_size=batch_size,
-        optimizer_name=OPTIMIZERS[optimizer], gathered=gathered)
+    # the loss runs before the backward: logits counts only what the loss phase needs beyond the backward's peak
+    # (its working set and gathered units), which is never live at the same time
+    return MemoryPlan(params=-(-n * 4 // shard), grads=-(-n * 4 // shard), optimizer=-(-state // shard),
+                      activations=saved + working, logits=max(0, at_loss - working - gathered), batch_size=batch_size,
+                      optimizer_name="AdamW" if optimizer == "adamw" else "Muon+AdamW", gathered=gathered)
 
 
 # ----------------------------------------------------------------------------- what the device has
@@ -227,10 +219,8 @@ def available_memory(device) -> tuple[int, str]:
         free, total = torch.cuda.mem_get_info(torch.device(device))
         return free, f"{str(device)}: {gib(free)} GiB free of {gib(total)} GiB"
     if kind == "mps":
-        if hasattr(torch.mps, "recommended_max_memory"):
-            rec = torch.mps.recommended_max_memory()
-            return rec, f"mps: recommended max {gib(rec)} GiB"
-        kind = "cpu"  # older torch: the unified memory is the system's
+        rec = torch.mps.recommended_max_memory()
+        return rec, f"mps: recommended max {gib(rec)} GiB"
     avail, what = _cpu_available()
     return avail, f"{kind}: {gib(avail)} GiB {what}"
 
@@ -280,7 +270,7 @@ def suggest_fits(model_cfg, batch_size: int, available: int, rows: int | None = 
     combinations of them when no single change is enough."""
     rows = rows or batch_size
     ckpt = plan_kwargs.pop("activation_checkpointing", None)
-    ckpt = getattr(model_cfg, "activation_checkpointing", False) if ckpt is None else ckpt
+    ckpt = model_cfg.activation_checkpointing if ckpt is None else ckpt
     world = plan_kwargs.get("world_size", 1)
     fsdp_options = [False, True] if plan_kwargs.get("parallel", "ddp") == "ddp" and world > 1 else [False]
 
@@ -390,8 +380,7 @@ def probe_micro_batch(try_step, candidates, reserve_bytes: int = 0, device=None)
 
 def agree_micro_batch(batch_size: int, device=None) -> int:
     """The smallest batch_size over all ranks (an all-reduce MIN) when torch.distributed is initialized."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
+    if not distributed():
         return batch_size
     t = torch.tensor([batch_size], device=device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -404,7 +393,7 @@ def _free(device) -> None:
         torch.cuda.empty_cache()
 
 
-# ----------------------------------------------------------------------------- train.py's two calls
+# ----------------------------------------------------------------------------- a run's micro-batch
 
 PROBED_KINDS = ("cuda",)  # batch_size='auto' probes the real model on these devices; the others use the plan
 # held free while probing under torchrun: NCCL allocates its communication buffers after the probe (a few hundred MB
@@ -418,12 +407,10 @@ def probes(env):
     return env.kind in PROBED_KINDS and not env.sharded
 
 
-def planned_shape(cfg, ckpt):
-    """The GPTConfig the model will have, known before it is built; None for a Hugging Face directory."""
-    if ckpt is not None:
-        return model_config(cfg, **{**ckpt["model_args"], "dropout": cfg.dropout,
-                                    "activation_checkpointing": cfg.activation_checkpointing})
-    if cfg.init_from == "scratch" or is_checkpoint(cfg.init_from):  # a checkpoint's shape is cfg's (fine_tune_config)
+def planned_shape(cfg):
+    """The GPTConfig the model will have, known before it is built; None for a Hugging Face directory. A resumed
+    or fine-tuned run's cfg has its checkpoint's architecture (resume.resolve_config)."""
+    if cfg.init_from in ("scratch", "resume") or is_checkpoint(cfg.init_from):
         return model_config(cfg)
     return model_config(cfg, **PRESETS[cfg.init_from]) if cfg.init_from in PRESETS else None
 
@@ -442,11 +429,11 @@ def device_memory(env):
     return (available // local, f"{what} / {local} ranks") if local > 1 else (available, what)
 
 
-def resolve_batch_size(cfg, ckpt, env):
+def resolve_batch_size(cfg, env):
     """Before anything big is allocated: log the memory plan and the device's memory; refuse (ConfigError, one line
     naming settings that fit) a batch_size whose plan exceeds it; resolve batch_size='auto' from the plan on devices
     that are not probed (probes()). Returns cfg with batch_size resolved, or still 'auto' (probe_batch_size)."""
-    shape = planned_shape(cfg, ckpt)
+    shape = planned_shape(cfg)
     auto = cfg.batch_size == "auto"
     if auto:  # sequences per rank per optimizer step; total_batch_size is checked before anything is built
         try:
@@ -501,43 +488,38 @@ def probe_batch_size(raw_model, cfg, env, loaders):
     if env.kind == "cuda":  # step 1's peak_mem_mb is then the step's, not the probe's
         torch.cuda.reset_peak_memory_stats(env.device)
     log(f"batch_size='auto': {why} ({rows // b} accumulation steps)")
-    return set_micro_batch(cfg, b, loaders)
-
-
-def set_micro_batch(cfg, b, loaders):
-    """cfg with batch_size=b (what checkpoints record), and the loaders reading b sequences per micro-batch."""
     for loader in loaders:
         if loader is not None:
             loader.set_batch_size(b)
     return replace(cfg, batch_size=b)
 
 
-def fitting_forward_backward(forward_backward, loader, grad_accum, optimizer, cfg, env, step):
-    """forward_backward(grad_accum), and on an out-of-memory: halve the micro-batch (the largest divisor of the per-rank rows at
+def fitting_forward_backward(model, loader, rows, optimizer, scaler, env, step):
+    """parallel.forward_backward of one optimizer step: `rows` sequences per rank, loader.B (the live micro-batch)
+    at a time. On an out-of-memory: halve the micro-batch for the rest of the run (the largest divisor of rows at
     most half), drop the partial step's gradients, rewind the loader to the step's start and re-run the same step
-    with the same data. Returns (what forward_backward returned, cfg, grad_accum), the latter two as changed. Under torchrun, or at
-    micro-batch 1, an out-of-memory is a Halt naming settings that would help (ranks cannot switch safely:
-    the others may be waiting in a gradient all-reduce)."""
+    with the same data. Under torchrun, or at micro-batch 1, an out-of-memory is a Halt naming settings that would
+    help (ranks cannot switch safely: the others may be waiting in a gradient all-reduce)."""
     start = loader.state_dict()
     while True:
+        b = loader.B
         try:
-            return forward_backward(grad_accum), cfg, grad_accum
+            return forward_backward(model, loader, rows // b, scaler, env)
         except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled
             if not is_oom(e):
                 raise
-        b, rows = cfg.batch_size, cfg.batch_size * grad_accum
         smaller = smaller_micro_batch(rows, b)
         if env.distributed or smaller is None:
             hint = f"batch_size={smaller} with {rows // smaller} accumulation steps, " if smaller else ""
-            raise Halt(f"step {step + 1}: out of memory at micro-batch {b}"
-                       + (" under torchrun (ranks cannot change micro-batch together mid-run)" if smaller else "")
-                       + f"; try {hint}activation_checkpointing=True, parallel='fsdp' or a smaller block_size")
+            torchrun = " under torchrun (ranks cannot change micro-batch together mid-run)" if smaller else ""
+            raise Halt(f"step {step + 1}: out of memory at micro-batch {b}{torchrun}; try {hint}"
+                       f"activation_checkpointing=True, parallel='fsdp' or a smaller block_size")
         optimizer.zero_grad(set_to_none=True)  # the partial step's gradients; the scaler has not stepped yet
         _free(env.device)
         loader.load_state_dict(start)
-        cfg, grad_accum = set_micro_batch(cfg, smaller, [loader]), rows // smaller
+        loader.set_batch_size(smaller)
         log(f"step {step + 1}: out of memory at micro-batch {b}: re-running the step at micro-batch {smaller} x "
-            f"{grad_accum} accumulation steps (batch_size={smaller} from now on)")
+            f"{rows // smaller} accumulation steps (batch_size={smaller} from now on)")
 
 
 def in_micro_batches(run, rows, micro, env, what):
@@ -560,197 +542,3 @@ def in_micro_batches(run, rows, micro, env, what):
         log(f"{what}: out of memory in validation at micro-batch {micro}: evaluating at {smaller}")
         micro = smaller
         _free(env.device)
-
-
-# ----------------------------------------------------------------------------- the dry run
-
-NOT_SIMULATED = ("not simulated: torch.compile, CUDA kernels' workspaces, NCCL's buffers and the caching allocator's "
-                 "fragmentation (leave headroom for them)")
-GPU_DTYPE = "bfloat16"  # dtype='auto' on a GPU with native bf16 (devices.resolve_dtype): what the dry run assumes
-
-
-class DDPBuckets(torch.nn.Module):
-    """DDP as the dry run models it (its C++ reducer cannot run on fake tensors): one flat fp32 buffer whose views
-    are the gradients (gradient_as_bucket_view=True, kept across steps: parallel.keeps_grads); the all-reduce is
-    in place, so it costs no more memory. set_grad_sync/keeps_grads see it as DDP."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module, self.require_backward_grad_sync = module, True
-        params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets = torch.zeros(sum(p.numel() for p in params))
-        for p, view in zip(params, self.buckets.split([p.numel() for p in params])):
-            p.grad = view.view_as(p)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-
-@dataclass
-class DryRun:
-    """The simulated peak of one rank, in bytes, by the plan's parts; notes say what was modelled or skipped."""
-    parts: dict
-    notes: list
-
-    @property
-    def total(self) -> int:
-        return sum(self.parts.values())
-
-
-def _categories(snapshot) -> dict:
-    """A MemTracker peak snapshot (category name -> bytes) as the plan's parts."""
-    by_name = {str(getattr(k, "value", k)): v for k, v in snapshot.items()}
-    get = lambda *names: sum(by_name.get(n, 0) for n in names)  # noqa: E731
-    return {"params": get("Parameter", "Sharded Param", "Buffer"), "grads": get("Gradient", "Sharded Grad", "Other"),
-            "optimizer": get("Optstate", "OptState"),
-            "gathered": get("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter"),
-            "activations": get("Activation", "Temp", "Inputs")}
-
-
-def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
-    """Simulate one optimizer step of rank 0 of `world_size` for TrainConfig cfg (an int batch_size) on fake
-    tensors and the fake process group: the project's own model (built on meta, materialised fake), parallelize
-    (FSDP/HSDP sharding on a CPU mesh), optimizer, forward_backward (with cfg's autocast dtype, 'auto' as a bf16
-    GPU, activation checkpointing and the chunked loss), clip and update, tracked by torch's MemTracker /
-    FSDPMemTracker. The simulated step is a steady one: the optimizer state exists (made by a first update on
-    zero gradients). Micro-steps that start from the memory state micro-step 2 started from (checked) have its
-    peak and are not re-run, but the last. No parameter memory is allocated: any size runs on a laptop."""
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if cfg.batch_size == "auto":
-        raise ValueError("the dry run needs batch_size set (it simulates a given micro-batch), not 'auto'")
-    cfg = replace(cfg, compile=False, dtype=GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype)
-    parallel = cfg.parallel
-    mesh = () if parallel == "ddp" else mesh_shape(parallel, cfg.shard_size, world_size, min(gpus_per_node, world_size))
-    env = Env(0, 0, world_size, True, "cpu", cfg.dtype, parallel, mesh)
-    grad_accum = batch_layout(cfg, world_size)[1]
-    notes = []
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        with torch.device("meta"):
-            raw = GPT(model_config(cfg))
-        model = parallelize(raw, cfg, env) if env.sharded else raw  # the mesh is made outside FakeTensorMode
-        x = torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long)  # a real batch, as the loader's
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            raw.to_empty(device="cpu")
-            if cfg.tie_embeddings and not env.sharded:  # to_empty gives each module its own tensor (FSDP keeps ties)
-                raw.transformer.wte.weight = raw.lm_head.weight
-            if not env.sharded and world_size > 1:
-                model = DDPBuckets(raw)
-                notes.append("DDP modelled, not run (its C++ reducer cannot run on fake tensors): gradients are views "
-                             "of one fp32 bucket buffer, all-reduced in place")
-            optimizer = build_optimizer(raw, cfg, fused=True)  # as on a GPU
-            # a first update, untracked, on zero gradients: it makes the optimizer state, and fills DTensor's
-            # sharding cache (its propagation runs global-shape ops in this fake mode, which a tracker would count)
-            for p in raw.parameters():
-                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
-            clip_gradients(raw, cfg.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=not keeps_grads(model))
-            inner = [optimizer.muon, optimizer.adamw] if hasattr(optimizer, "muon") else [optimizer]
-            if env.sharded:
-                tracker = FSDPMemTracker(model, optimizer)
-            else:
-                tracker = MemTracker()
-                tracker.track_external(model, *inner, *([model.buckets] if keeps_grads(model) else []))
-
-            class Batches:  # what forward_backward reads; each micro-step is a new iteration for the tracker
-                def next_batch(self):
-                    tracker.reset_mod_stats()
-                    return x, x
-
-            scaler = torch.amp.GradScaler("cpu", enabled=False)
-            with tracker:
-                starts, skipped = [], []  # the memory state each micro-step started from
-                for micro in range(grad_accum):
-                    starts.append(_categories(tracker.get_tracker_snapshot()[torch.device("cpu")]))
-                    if 1 < micro < grad_accum - 1 and starts[-1] == starts[1]:  # as micro-step 2 began: its peak
-                        skipped.append(micro)
-                        continue
-                    forward_backward(model, Batches(), grad_accum, scaler, env, micro_steps=[micro])
-                clip_gradients(raw, cfg.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=not keeps_grads(model))
-            if parallel == "hsdp" and grad_accum > 1:
-                notes.append("HSDP: until the last micro-step's all-reduce across replicas, the gradient shards add "
-                             "up in FSDP's partial-reduce buffer, counted under temporaries")
-            if skipped:
-                notes.append(f"micro-steps {skipped[0] + 1}-{skipped[-1] + 1} of {grad_accum} start from the memory "
-                             "state micro-step 2 started from: the same peak, not re-run")
-        return DryRun(_categories(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]), notes)
-    finally:
-        dist.destroy_process_group()
-
-
-PARTS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
-         "gathered": "all-gathered units (FSDP)", "activations": "activations + temporaries"}
-
-
-def dry_run_plan(cfg, world_size: int, gpus_per_node: int = 8) -> MemoryPlan:
-    """The memory plan of TrainConfig cfg at world_size, on a GPU (dtype 'auto' as bf16), as the dry run sees it."""
-    from parallel import mesh_shape
-    shard = mesh_shape(cfg.parallel, cfg.shard_size, world_size, min(gpus_per_node, world_size))[-1] \
-        if cfg.parallel != "ddp" else None
-    return estimate_memory(model_config(cfg), cfg.batch_size, GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype,
-                           cfg.parallel, world_size, cfg.optimizer, shard_size=shard)
-
-
-def report(cfg, world_size: int, gpus_per_node: int = 8) -> tuple[MemoryPlan, DryRun, str]:
-    """(plan, dry run, the printed comparison) of TrainConfig cfg at world_size."""
-    dtype = GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype
-    plan = dry_run_plan(cfg, world_size, gpus_per_node)
-    sim = dry_run(cfg, world_size, gpus_per_node)
-    planned = {**{k: getattr(plan, k) for k in PARTS}, "activations": plan.activations + plan.logits}
-    mode = cfg.parallel + (f" (shard_size {cfg.shard_size or min(gpus_per_node, world_size)})"
-                           if cfg.parallel == "hsdp" else "")
-    rows = [f"dry run: rank 0 of {world_size}, {mode}, {dtype}, micro-batch {cfg.batch_size} x "
-            f"{batch_layout(cfg, world_size)[1]} accumulation steps"
-            + (", activation checkpointing" if cfg.activation_checkpointing else "")
-            + ": one optimizer step simulated on fake tensors", f"  {'GiB per rank':<28}{'plan':>8}{'simulated':>11}"]
-    rows += [f"  {name:<28}{planned[k] / GiB:>8.2f}{sim.parts[k] / GiB:>11.2f}" for k, name in PARTS.items()]
-    rows += [f"  {'peak':<28}{plan.total / GiB:>8.2f}{sim.total / GiB:>11.2f}  (plan/simulated {plan.total / sim.total:.2f})"]
-    return plan, sim, "\n".join([plan.line(), *rows, *[f"note: {n}" for n in sim.notes], f"note: {NOT_SIMULATED}"])
-
-
-DRY_RUN_FLAGS = {"world_size": int, "gpus_per_node": int, "device_memory_gib": float}  # memory.py's own, not config keys
-
-
-def main(argv=None) -> int:
-    """python memory.py CONFIG [--key=value ...] --world_size=N [--gpus_per_node=8] [--device_memory_gib=80]:
-    the memory plan and the dry run side by side; exit 1 if the simulated peak exceeds device_memory_gib, 2 on
-    a bad config or flag."""
-    import sys
-    from config import parse_args
-    from files import report_error
-    argv = sys.argv[1:] if argv is None else list(argv)
-    flags = {"gpus_per_node": 8, "device_memory_gib": 80.0}
-    try:
-        rest = []
-        for arg in argv:
-            key, eq, value = arg[2:].partition("=")
-            if not (arg.startswith("--") and eq and key in DRY_RUN_FLAGS):
-                rest.append(arg)
-                continue
-            try:
-                flags[key] = DRY_RUN_FLAGS[key](value)
-            except ValueError:
-                raise ConfigError(f"{arg}: expected {DRY_RUN_FLAGS[key].__name__}") from None
-        if flags.get("world_size", 0) < 1 or flags["gpus_per_node"] < 1:
-            raise ConfigError("memory.py needs --world_size=N (N >= 1; and --gpus_per_node >= 1)")
-        _, sim, text = report(make_config(parse_args(rest)), flags["world_size"], flags["gpus_per_node"])
-    except (ConfigError, ValueError) as e:
-        report_error("memory.py", e)
-        return 2
-    print(text)
-    fits = sim.total <= flags["device_memory_gib"] * GiB
-    print(f"{'fits' if fits else 'does NOT fit'}: simulated peak {gib(sim.total)} GiB {'<=' if fits else '>'} "
-          f"{flags['device_memory_gib']:g} GiB per device")
-    return 0 if fits else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -22,10 +22,12 @@ from test_train import TINY, markov_tokens, metrics, subprocess_env, train_losse
 
 import checkpoint
 import hellaswag
+import optim
 import parallel
+import resume
 import sample
 import train
-from checkpoint import latest_checkpoint, load_checkpoint, save_sharded_checkpoint
+from checkpoint import load_checkpoint, load_latest_checkpoint, save_sharded_checkpoint
 from config import ConfigError, make_config
 from data import write_shard
 from hf import from_pretrained
@@ -231,7 +233,7 @@ def test_kill_9_of_one_rank_during_a_sharded_save_keeps_the_previous_checkpoint(
     assert proc.returncode != 0  # torchrun saw a worker die
 
     assert (out / ".ckpt_000003.tmp").is_dir() and not (out / "ckpt_000003").exists()
-    assert latest_checkpoint(out) == out / "ckpt_000002"
+    assert load_latest_checkpoint(out, consolidate=False)[1] == out / "ckpt_000002"
     assert train.main(["--init_from=resume", f"--out_dir={out}", "--max_steps=4"]) == 0  # in one process
     assert close(train_losses(out), steps(train_losses(fsdp_run), 1, 4))
     assert not (out / ".ckpt_000003.tmp").exists()  # the next save cleared what the killed one left
@@ -292,7 +294,7 @@ def test_under_torchrun_a_rank_other_than_0_hashes_nothing(data_dir, tmp_path, m
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("WORLD_SIZE", "2")
         hashed.clear()
-        cfg, ckpt, problem = train.resolve_config_or_defer(user)
+        cfg, ckpt, problem = resume.resolve_config_or_defer(user)
         assert hashed == expected, rank
         assert ckpt["path"] == str(tmp_path / "ckpt_000002.pt") and problem is None
 
@@ -302,15 +304,15 @@ def test_under_torchrun_a_rank_other_than_0_hashes_nothing(data_dir, tmp_path, m
 SHARDED_EVAL = """
 import json, sys
 import torch
-import hellaswag, train
+import hellaswag, parallel, train
 from config import make_config, model_config
 from model import GPT
 
 examples, out = hellaswag.load_examples(sys.argv[1]), sys.argv[2]
 cfg = make_config(dict(n_layer=2, n_head=2, n_embd=32, block_size=64, device="cpu", dtype="float32", compile=False,
                        parallel="fsdp", sample_tokens=12, sample_prompt="The", seed=7))
-env = train.setup(cfg)
-raw, cfg = train.build_model(cfg, None, "meta")  # as train.py builds a sharded run: on meta
+env = parallel.setup(cfg)
+raw, cfg = train.build_model(cfg, None, env)  # as train.py builds a sharded run: on meta
 model = train.parallelize(raw, cfg, env)
 torch.manual_seed(cfg.seed)
 alone = GPT(model_config(cfg))  # what one process starts from with the same seed
@@ -353,7 +355,7 @@ def tiny_sharded_checkpoint(path, vocab_size=32):
     torch.manual_seed(0)
     cfg = make_config(dict(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=vocab_size))
     model = GPT(GPTConfig(**{k: getattr(cfg, k) for k in asdict(GPTConfig())}))
-    optimizer = model.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2))
+    optimizer = optim.adamw(model.parameters(), cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2))
     x = torch.randint(0, vocab_size, (2, 32))
     model(x, x, return_logits=False)[1].backward()
     optimizer.step()
@@ -403,7 +405,7 @@ def test_sharded_directories_are_listed_pruned_and_skipped_while_incomplete(tmp_
     (tmp_path / "ckpt_000003" / ".metadata").unlink()  # as if copied half-way
     shutil.copytree(tmp_path / "ckpt_000001", tmp_path / ".ckpt_000004.tmp")  # an interrupted save
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [1, 2, 3]
-    assert latest_checkpoint(tmp_path) == tmp_path / "ckpt_000002"
+    assert load_latest_checkpoint(tmp_path, consolidate=False)[1] == tmp_path / "ckpt_000002"
     meta = load_checkpoint(tmp_path, consolidate=False)
     assert meta["shards"] == str(tmp_path / "ckpt_000002") and "model" not in meta
     with pytest.raises(checkpoint.CheckpointError, match="incomplete sharded checkpoint"):
@@ -434,5 +436,5 @@ def test_sharded_float16_is_a_config_error(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="parallel='fsdp' trains in bfloat16 or float32, not float16"):
-        train.setup(make_config(dict(parallel="fsdp", dtype="float16", device="cpu")))
+        parallel.setup(make_config(dict(parallel="fsdp", dtype="float16", device="cpu")))
     assert not dist.is_initialized()
