@@ -295,8 +295,8 @@ def find_shards(data_dir, split):
 
 def document_items(tokens, row_tokens, doc_token, split_long):
     """A shard's documents as packable items (start, length, ends_document), each at most row_tokens long, plus
-    the (starts, lengths) of the documents left out. A document starts at a doc_token (the shard's first item may instead
-    continue a document of the previous shard). A document longer than a row: split_long cuts it into pieces of
+    the (starts, lengths) of the documents left out. A document starts at a doc_token (the shard's first item may
+    instead continue a document of the previous shard). A document longer than a row: split_long cuts it into pieces of
     row_tokens that overlap by one token (the last target of one piece is the first input of the next, so every
     target is trained once) and a remainder (its last tokens, packed like a short document); otherwise it is
     left out (SFT: a truncated conversation would teach an answer that never ends)."""
@@ -443,8 +443,9 @@ class DataLoader:
             total = sum(len(s) for s in self.shards)
             if masks is not None:
                 shortest = min(int(n.min()) for r in self.rows for n in r.left_out[1:] if len(n))
-                raise ShardError(f"{data_dir}: every {split} conversation is longer than block_size+1 = {block_size + 1} "
-                                 f"tokens (the shortest has {shortest}); train with block_size >= {shortest - 1}")
+                raise ShardError(f"{data_dir}: every {split} conversation is longer than block_size+1 = "
+                                 f"{block_size + 1} tokens (the shortest has {shortest}); train with block_size >= "
+                                 f"{shortest - 1}")
             raise ShardError(f"{data_dir}: the {split} shards hold {total} tokens; none has the "
                              f"block_size+1 = {block_size + 1} tokens of one sample")
         self._plans = {}  # epoch -> (shard order, cumulative sample counts in that order)

@@ -600,8 +600,8 @@ def main(argv=None):
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.add_argument("--format", choices=["text", "sft"], default="text",
                    help="text: documents for pretraining; sft: prompt/completion or chat jsonl -> tokens + loss masks")
-    p.add_argument("--block_size", type=int, help="--format sft: report the conversations a run at this block_size leaves "
-                   "out (rows are built at load time, for any block_size)")
+    p.add_argument("--block_size", type=int, help="--format sft: report the conversations a run at this block_size "
+                   "leaves out (rows are built at load time, for any block_size)")
     args = p.parse_args(argv)
     if args.format == "sft":
         if args.dataset or not args.input:
@@ -613,13 +613,14 @@ def main(argv=None):
             sys.exit(error_message("prepare_data.py", e))
         if s["too_long"]:
             print(f"prepare_data: {s['too_long']} conversation(s) longer than block_size+1 = {s['block_size'] + 1} "
-                  f"tokens, which training at block_size {s['block_size']} leaves out: " + ", ".join(s["too_long_lines"])
+                  f"tokens, which training at block_size {s['block_size']} leaves out: "
+                  + ", ".join(s["too_long_lines"])
                   + (", ..." if s["too_long"] > len(s["too_long_lines"]) else "")
                   + f"; block_size >= {s['longest'] - 1} keeps them all")
         print(f"{s['conversations']:,} conversations ({s['val_conversations']:,} val, the longest {s['longest']:,} "
               f"tokens), {s['tokens']:,} tokens of which {s['trained_tokens']:,} trained, {s['shards']} shards"
-              + (" (already prepared, verified)" if s["reused"] else f", {s['seconds']:.1f} s") + f" -> {s['out_dir']}/{s['name']}_*"
-              + "; rows are built at load time, for any block_size")
+              + (" (already prepared, verified)" if s["reused"] else f", {s['seconds']:.1f} s")
+              + f" -> {s['out_dir']}/{s['name']}_*; rows are built at load time, for any block_size")
         return s
     try:
         s = prepare(inputs=args.input, dataset=args.dataset, out_dir=args.out_dir, name=args.name,

@@ -37,7 +37,7 @@ def train_run(data, out_dir, packing, seed, args):
            "--eval_interval=0", "--sample_interval=0", "--log_interval=0", f"--save_interval={args.steps}",
            f"--device={args.device}", "--dtype=float32", "--compile=False", f"--seed={seed}"]
     t0 = time.time()
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
     lines = [json.loads(x) for x in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
