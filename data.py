@@ -439,6 +439,9 @@ class DataLoader:
             self._window_offsets = np.arange(block_size + 1)
             self.samples_per_shard = np.array([max(0, (len(s) - 1) // block_size) for s in self.shards], dtype=np.int64)
         self.num_samples = int(self.samples_per_shard.sum())
+        if masks is not None and self.num_samples and not self.trained_tokens:
+            raise ShardError(f"{data_dir}: the loss masks of the {split} shards mark no token as trained; prepare the "
+                             f"data again")
         if self.num_samples == 0:
             total = sum(len(s) for s in self.shards)
             if masks is not None:

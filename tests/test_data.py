@@ -3,6 +3,7 @@ import contextlib
 import json
 import random
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -669,3 +670,34 @@ def test_training_with_document_rows_resumes_bit_exactly(tmp_path):
         lines = [json.loads(x) for x in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
         return {m["step"]: (m["train_loss"], m["trained_tokens"]) for m in lines if "train_loss" in m}
     assert list(losses("split")) == list(range(1, 9)) and losses("split") == losses("full")
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_equal_one_process_with_accumulation_on_document_rows(tmp_path):
+    """Document rows have padding (targets -1) in varying amounts: the step's loss is the mean over the trained
+    tokens of both ranks, so 2 DDP ranks == 1 process x 2 micro-batches."""
+    import os
+    import subprocess
+    import sys
+
+    import train
+    make_documents(tmp_path / "data")
+    root = Path(__file__).resolve().parent.parent
+    args = ["--n_layer=1", "--n_head=2", "--n_embd=16", f"--block_size={T}", "--batch_size=2", "--max_steps=4",
+            f"--total_batch_size={4 * T}", "--warmup_steps=2", "--eval_interval=0", "--log_interval=0",
+            "--device=cpu", "--dtype=float32", "--compile=False", "--sample_interval=0", "--dropout=0.0",
+            "--packing=document", f"--data_dir={tmp_path / 'data'}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(root / "train.py"),
+           *args, f"--out_dir={tmp_path / 'ddp'}"]
+    result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert train.main([*args, f"--out_dir={tmp_path / 'single'}"]) == 0
+
+    def losses(out):
+        lines = [json.loads(x) for x in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+        return {m["step"]: (m["train_loss"], m["trained_tokens"]) for m in lines if "train_loss" in m}
+    ddp, single = losses("ddp"), losses("single")
+    assert list(ddp) == list(range(1, 5)) and len({n for _, n in single.values()}) > 1  # padding varies
+    for step, (loss, trained) in single.items():
+        assert abs(ddp[step][0] - loss) < 1e-5 and ddp[step][1] == trained, (step, ddp[step], single[step])

@@ -145,6 +145,7 @@ def sft_copy(sft_dir, tmp_path):
     ("all_missing", r"chat_val_000000.mask: missing loss-mask shard \(chat_manifest.json lists it\)"),
     ("value", r"chat_train_000001.mask: loss-mask value 7 at token 3 \(a mask holds 0 and 1 only\)"),
     ("bits", r"chat_train_000001.mask: [\d,]+ trained tokens, chat_manifest.json records [\d,]+: the mask changed"),
+    ("all_zero", r"the loss masks of the train shards mark no token as trained; prepare the data again"),
     ("old_format", r"chat_train_000001.mask: rows packed for block_size 32 by an older prepare_data.py; prepare the "
                    r"data again with `prepare_data.py --format sft`"),
 ])
@@ -157,6 +158,10 @@ def test_loader_checks_the_masks_against_the_manifest(sft_dir, tmp_path, case, e
     elif case == "all_missing":
         for m in d.glob("*.mask"):
             m.unlink()
+    elif case == "all_zero":  # no manifest to compare with: masks that train nothing are still refused
+        (d / "chat_manifest.json").unlink()
+        for m in d.glob("chat_train_*.mask"):
+            m.write_bytes(m.read_bytes()[:1024] + bytes(m.stat().st_size - 1024))
     else:
         data = bytearray(mask.read_bytes())
         if case == "value":
