@@ -531,11 +531,12 @@ def prepare_sft(inputs, out_dir=None, name=None, block_size=None, shard_tokens=N
         else:
             manifest = write_sft_shards(files, out_dir, name, old, shard_tokens, val_tokens, fingerprint, settings)
         summary = dict(manifest["summary"])
-        lengths = summary.pop("lengths")
-        too_long = [f"{where} ({n} tokens)" for where, n in lengths if block_size and n > block_size + 1]
+        longest = summary.pop("longest")  # [where, tokens] of the longest conversations, longest first
+        too_long = [f"{where} ({n} tokens)" for where, n in longest if block_size and n > block_size + 1]
         return {**summary, "too_long": len(too_long), "too_long_lines": too_long[:10],
-                "longest": max(n for _, n in lengths), "block_size": block_size, "out_dir": str(out_dir),
-                "name": name, "seconds": time.time() - t0, "reused": reused}
+                "too_long_at_least": len(too_long) == len(longest) < summary["conversations"],
+                "longest": longest[0][1], "block_size": block_size, "out_dir": str(out_dir), "name": name,
+                "seconds": time.time() - t0, "reused": reused}
 
 
 def write_sft_shards(files, out_dir, name, old, shard_tokens, val_tokens, fingerprint, settings):
@@ -572,7 +573,7 @@ def write_sft_shards(files, out_dir, name, old, shard_tokens, val_tokens, finger
                for i, (split, part) in enumerate(parts)]
     summary = {"conversations": len(conversations), "val_conversations": n_val,
                "tokens": sum(r["tokens"] for r in records), "trained_tokens": sum(r["trained_tokens"] for r in records),
-               "shards": len(records), "lengths": lengths}
+               "shards": len(records), "longest": sorted(lengths, key=lambda c: -c[1])[:1000]}
     manifest = {"fingerprint": fingerprint, "settings": settings, "complete": True, "shards": records,
                 "summary": summary}
     write_manifest(out_dir / f"{name}_manifest.json", manifest)
@@ -612,7 +613,7 @@ def main(argv=None):
         except (PrepError, OSError) as e:
             sys.exit(error_message("prepare_data.py", e))
         if s["too_long"]:
-            print(f"prepare_data: {s['too_long']} conversation(s) longer than block_size+1 = {s['block_size'] + 1} "
+            print(f"prepare_data: {'at least ' * s['too_long_at_least']}{s['too_long']} conversation(s) longer than block_size+1 = {s['block_size'] + 1} "
                   f"tokens, which training at block_size {s['block_size']} leaves out: "
                   + ", ".join(s["too_long_lines"])
                   + (", ..." if s["too_long"] > len(s["too_long_lines"]) else "")

@@ -12,7 +12,6 @@ import torch
 import prepare_data
 from assets import get_tokenizer
 from data import DataLoader, ShardError, find_shards, load_shard, write_shard
-from assets import EOT
 
 EOT = 50256
 

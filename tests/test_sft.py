@@ -146,8 +146,8 @@ def sft_copy(sft_dir, tmp_path):
     ("value", r"chat_train_000001.mask: loss-mask value 7 at token 3 \(a mask holds 0 and 1 only\)"),
     ("bits", r"chat_train_000001.mask: [\d,]+ trained tokens, chat_manifest.json records [\d,]+: the mask changed"),
     ("all_zero", r"the loss masks of the train shards mark no token as trained; prepare the data again"),
-    ("old_format", r"chat_train_000001.mask: rows packed for block_size 32 by an older prepare_data.py; prepare the "
-                   r"data again with `prepare_data.py --format sft`"),
+    ("old_format", (r"chat_train_000001.mask: rows packed for block_size 32 by an older prepare_data.py; prepare the "
+                    r"data again with `prepare_data.py --format sft`")),
 ])
 def test_loader_checks_the_masks_against_the_manifest(sft_dir, tmp_path, case, expected):
     import os
