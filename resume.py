@@ -62,9 +62,9 @@ def resumed_config(user, out_dir, ckpt):
     path = ckpt["path"]
     # the run stays in the out_dir it found the checkpoint in (the checkpoint's own may be another, if moved)
     cfg = make_config({**user, "out_dir": out_dir}, base=ckpt["config"])
-    if cfg.optimizer != ckpt["config"].get("optimizer", "adamw"):  # the saved state is the other optimizer's
+    if cfg.optimizer != ckpt["config"]["optimizer"]:  # the saved state is the other optimizer's
         raise ConfigError(f"cannot change optimizer when resuming: the checkpoint {path} has "
-                          f"{ckpt['config'].get('optimizer', 'adamw')!r}, the config {cfg.optimizer!r}")
+                          f"{ckpt['config']['optimizer']!r}, the config {cfg.optimizer!r}")
     saved = model_config(cfg, **ckpt["model_args"])  # fields added since the checkpoint get their defaults
     for key in ARCH_KEYS:
         if getattr(cfg, key) != getattr(saved, key):
