@@ -353,7 +353,7 @@ class DocumentRows:
         order = np.lexsort((start, row_of))
         self.start, self.length, self.ends = start[order], length[order], ends[order]
         self.ptr = np.searchsorted(row_of[order], np.arange(self.num_rows + 1))
-        self.tokens = int(length.sum())  # tokens in rows (each once, but a long document's piece borders twice)
+        self.tokens = int(length.sum())  # tokens in rows (a long document's piece borders count twice)
 
     def gather(self, rows, out, keep, tokens, mask, doc_token):
         """Fill out (b, row_tokens) with rows' tokens (padding: doc_token) and keep (b, row_tokens) with 1 where the
@@ -361,13 +361,15 @@ class DocumentRows:
         the previous segment ended its document and this one starts one (its doc_token is a right target), at the
         first padding token only when the last segment ended its document."""
         lo = self.ptr[rows]
-        count = self.ptr[rows + 1] - lo
-        seg = np.arange(count.sum()) + np.repeat(lo - (np.cumsum(count) - count), count)  # the rows' segments
+        count = self.ptr[rows + 1] - lo  # segments per row
+        first_seg = np.cumsum(count) - count  # each row's first segment, among the batch's
+        seg_row = np.repeat(np.arange(len(rows)), count)  # each segment's row in the batch
+        seg = np.arange(count.sum()) + np.repeat(lo - first_seg, count)  # the segments' indices
         length, start = self.length[seg], self.start[seg]
         before = np.cumsum(length) - length  # tokens of the batch before each segment
-        col0 = before - np.repeat(before[np.cumsum(count) - count], count)  # each segment's column in its row
+        col0 = before - before[first_seg][seg_row]  # each segment's first column in its row
         inside = np.arange(length.sum()) - np.repeat(before, length)  # each token's place in its segment
-        row = np.repeat(np.repeat(np.arange(len(rows)), count), length)
+        row = np.repeat(seg_row, length)
         col = np.repeat(col0, length) + inside
         src = np.repeat(start, length) + inside
         out[:] = doc_token
@@ -377,14 +379,11 @@ class DocumentRows:
             keep[row, col] = mask[src]
             return
         keep[row, col] = 1
-        seg_row = np.repeat(np.arange(len(rows)), count)
-        prev_ends = np.concatenate([[False], self.ends[seg][:-1]])
-        starts_doc = tokens[start] == doc_token
-        first = col0 > 0
-        keep[seg_row[first], col0[first]] = prev_ends[first] & starts_doc[first]
+        ends = self.ends[seg]
+        later = col0 > 0  # segments after a row's first: is their first token a right target?
+        keep[seg_row[later], col0[later]] = ends[np.flatnonzero(later) - 1] & (tokens[start[later]] == doc_token)
         fill = np.bincount(seg_row, weights=length, minlength=len(rows)).astype(np.int64)
-        last = np.cumsum(count) - 1
-        pad = (fill < out.shape[1]) & self.ends[seg][last]
+        pad = (fill < out.shape[1]) & ends[first_seg + count - 1]  # the first padding: after a document's end
         keep[np.flatnonzero(pad), fill[pad]] = 1
 
 
