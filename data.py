@@ -241,7 +241,9 @@ def manifest_records(paths, split):
                 raise ShardError(f"{unlisted[0]}: not in {manifest.name} (another prep's shard?); move it out of "
                                  f"{directory}, or run prepare_data.py again")
             written = manifest.stat().st_mtime_ns  # after each of its shards
-            found.update({path: {**r, "manifest": manifest.name, "manifest_mtime_ns": written}
+            tokenizer = m.get("tokenizer") if isinstance(m.get("tokenizer"), dict) else {}
+            doc_token = {"doc_token": int(tokenizer["eot"])} if tokenizer.get("eot") is not None else {}
+            found.update({path: {**r, "manifest": manifest.name, "manifest_mtime_ns": written, **doc_token}
                           for path, r in records.items()})
     return found
 
@@ -402,7 +404,7 @@ class DataLoader:
     """
 
     def __init__(self, data_dir, split, batch_size, block_size, rank=0, world_size=1, seed=0,
-                 vocab_size=None, shuffle=None, packing="window", doc_token=EOT):
+                 vocab_size=None, shuffle=None, packing="window", doc_token=None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if batch_size < 1 or block_size < 1 or seed < 0:
@@ -413,10 +415,12 @@ class DataLoader:
         self.rank, self.world_size = rank, world_size
         self.seed = seed
         self.vocab_size = vocab_size
-        self.doc_token = doc_token
         self.shuffle = (split == "train") if shuffle is None else bool(shuffle)
         self.paths = find_shards(data_dir, split)
         records = manifest_records(self.paths, split)  # a prep's shards: all there, none foreign, prep finished
+        # what starts a document: the <|endoftext|> of the tokenizer the manifest records, else GPT-2's
+        self.doc_token = doc_token if doc_token is not None else next(
+            (r["doc_token"] for r in records.values() if "doc_token" in r), EOT)
         # Memory-mapped once, headers validated; plain ndarray views skip np.memmap's per-slice overhead.
         self.shards = [load_shard(p).view(np.ndarray) for p in self.paths]
         if vocab_size is not None:  # now, not when a shard is first read many steps into the run
@@ -429,7 +433,7 @@ class DataLoader:
         self.masked = self.packing == "document"
         self.rows = None
         if self.packing == "document":
-            self.rows = [DocumentRows(s, block_size + 1, doc_token, split_long=masks is None) for s in self.shards]
+            self.rows = [DocumentRows(s, block_size + 1, self.doc_token, split_long=masks is None) for s in self.shards]
             self.samples_per_shard = np.array([r.num_rows for r in self.rows], dtype=np.int64)
             if masks is not None:  # the trained tokens of the conversations left out
                 self.trained_tokens -= sum(int(m[s:s + n].sum(dtype=np.int64)) for r, m in zip(self.rows, self.masks)

@@ -700,3 +700,20 @@ def test_ddp_two_processes_equal_one_process_with_accumulation_on_document_rows(
     assert list(ddp) == list(range(1, 5)) and len({n for _, n in single.values()}) > 1  # padding varies
     for step, (loss, trained) in single.items():
         assert abs(ddp[step][0] - loss) < 1e-5 and ddp[step][1] == trained, (step, ddp[step], single[step])
+
+
+def test_document_rows_start_at_the_end_of_text_token_of_the_tokenizer_the_manifest_records(prepped):
+    """A prep with another tokenizer (its manifest's "tokenizer" entry names its <|endoftext|> id): documents start
+    there, not at GPT-2's 50256."""
+    manifest = json.loads((prepped / "docs_manifest.json").read_text())
+    gpt2 = DataLoader(prepped, "train", batch_size=2, block_size=8, packing="document")
+    assert gpt2.doc_token == EOT
+    other = int(np.asarray(gpt2.shards[0])[1])  # a token id that is not 50256, as if it were the separator
+    (prepped / "docs_manifest.json").write_text(json.dumps({**manifest, "tokenizer": {"id": "x", "eot": other}}))
+    loader = DataLoader(prepped, "train", batch_size=2, block_size=8, packing="document")
+    assert loader.doc_token == other and loader.num_samples != gpt2.num_samples
+    for tokens, rows in zip(loader.shards, loader.rows):
+        separators = np.flatnonzero(np.asarray(tokens) == other)
+        for p in rows.start.tolist():  # a segment starts at a separator, a piece border of a long document, or 0
+            doc = separators[separators <= p].max(initial=0)
+            assert p == doc or (p - doc) % 8 == 0, (p, doc)
