@@ -38,6 +38,7 @@ class TrainConfig(GPTConfig):
     out_dir: str = "out"  # checkpoints, metrics.jsonl and config.json are written here
     init_from: str = "scratch"  # 'scratch', 'resume' (latest checkpoint in out_dir), 'gpt2'..'gpt2-xl', an HF dir, or a checkpoint/run dir to fine-tune
     preset: str | None = None  # fill the model keys from model.PRESETS, e.g. 'gpt2', 'gpt3-350m' (keys set win)
+    packing: str = "window"  # rows: 'window' (fixed windows across documents) or 'document' (each row starts a document, best-fit packed; docs/data.md). SFT data: always 'document'
     # batch
     batch_size: int | str = 16  # micro-batch: sequences per process per forward/backward; 'auto': the largest that fits (needs total_batch_size)
     total_batch_size: int | None = None  # tokens per step: a multiple of batch_size*block_size*world_size (None: that)
@@ -128,7 +129,7 @@ class TrainConfig(GPTConfig):
 
 CHOICES = {"lr_schedule": ("cosine", "wsd"), "optimizer": ("adamw", "muon"), "nonfinite": ("skip", "halt"),
            "compile": (True, False, "auto"), "dtype": ("auto", "float32", "bfloat16", "float16"),
-           "parallel": ("ddp", "fsdp", "hsdp")}
+           "parallel": ("ddp", "fsdp", "hsdp"), "packing": ("window", "document")}
 AT_LEAST_ONE = ("eval_steps", "sample_tokens", "total_batch_size", "lr_decay_steps", "hellaswag_limit",
                 "shard_size")
 NON_NEGATIVE = ("max_steps", "warmup_steps", "eval_interval", "hellaswag_interval", "sample_interval", "log_interval",

@@ -5,14 +5,18 @@ count, then zeros), followed by the tokens as little-endian uint16. Every docume
 by the end-of-text token 50256. prepare_data.py writes these; the loader also reads nanoGPT's
 headerless uint16 `.bin` files and build-nanogpt's uint16 `.npy` shards.
 
-Samples are non-overlapping windows of block_size+1 tokens at stride block_size within a shard
-(x = window[:-1], y = window[1:]); a window never crosses a shard boundary.
+Samples (rows of block_size+1 tokens: x = row[:-1], y = row[1:]) never cross a shard boundary. packing='window':
+non-overlapping windows at stride block_size. packing='document': every row starts at a document start (or
+continues a document longer than a row), whole documents packed best-fit into rows, the rest of a row padding
+that is never a target (DocumentRows).
 
 Loss masks (supervised fine-tuning, prepare_data.py --format sft): a shard X.bin may have a mask shard X.mask
-beside it: the same llm.c header with magic MASK_MAGIC, version 1, the token count and the row length (the
-block_size it was packed for), then one uint8 per token, 1 where that token is a trained target. The loader
-then yields y = -1 where the mask is 0, which the loss ignores.
+beside it: the same llm.c header with magic MASK_MAGIC, version 1, the token count and 0 (the row length of
+an older format, which packed rows at prep time), then one uint8 per token, 1 where that token is a trained
+target. SFT data is always read as rows of whole conversations (packing='document'; a conversation longer
+than a row is left out, counted and reported), and the loader yields y = -1 where the mask is 0.
 """
+import bisect
 import glob
 import json
 import os
@@ -22,6 +26,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from assets import EOT
 from files import atomic_write
 
 MAGIC = 20240520
@@ -31,6 +36,7 @@ HEADER_BYTES = HEADER_INTS * 4
 SHARD_SUFFIXES = (".bin", ".npy")
 MASK_MAGIC = 20240527
 MASK_SUFFIX = ".mask"
+PACKINGS = ("window", "document")
 
 
 class ShardError(ValueError):
@@ -65,11 +71,11 @@ def write_shard(path, tokens):
     atomic_write(path, write)
 
 
-def write_mask(path, mask, row_tokens):
-    """Write a loss-mask shard (0/1 per token, rows of row_tokens) atomically; see the module docstring."""
+def write_mask(path, mask):
+    """Write a loss-mask shard (0/1 per token) atomically; see the module docstring."""
     mask = np.asarray(mask, dtype=np.uint8)
     header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:4] = (MASK_MAGIC, VERSION, mask.size, row_tokens)
+    header[:3] = (MASK_MAGIC, VERSION, mask.size)
 
     def write(f):
         f.write(header.tobytes())
@@ -77,21 +83,50 @@ def write_mask(path, mask, row_tokens):
     atomic_write(Path(path), write)
 
 
-def load_mask(path, num_tokens, block_size):
-    """Memory-map a loss-mask shard as uint8; ShardError naming the file unless it is a mask of num_tokens
-    tokens packed in rows of block_size."""
+def load_mask(path, num_tokens, record=None):
+    """(the loss mask of a shard of num_tokens tokens, memory-mapped as uint8; its number of trained tokens).
+    ShardError naming the file unless it is such a mask with only 0 and 1 and, when the prep's manifest
+    `record` lists it, the trained-token count recorded there. Like token shards (check_shards_vocab), a mask
+    not modified after its manifest was written is trusted to its record; any other is scanned."""
     path = Path(path)
     size = path.stat().st_size
     head = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
     if len(head) < HEADER_INTS or head[0] != MASK_MAGIC or head[1] != VERSION:
         raise ShardError(f"{path}: not a loss-mask shard (expected magic {MASK_MAGIC}, version {VERSION})")
     count, row = int(head[2]), int(head[3])
+    if row:
+        raise ShardError(f"{path}: rows packed for block_size {row} by an older prepare_data.py; prepare the data "
+                         f"again with `prepare_data.py --format sft` (rows are now built at load time, any block_size)")
     if count != num_tokens or size != HEADER_BYTES + count:
         raise ShardError(f"{path}: loss mask of {count} tokens ({size} bytes) for a token shard of {num_tokens} tokens")
-    if row != block_size:
-        raise ShardError(f"{path}: rows were packed for block_size {row}, this run has block_size {block_size}; "
-                         f"train with block_size={row} or prepare the data again with --block_size {block_size}")
-    return np.memmap(path, dtype=np.uint8, mode="r", offset=HEADER_BYTES, shape=(count,)).view(np.ndarray)
+    mask = np.memmap(path, dtype=np.uint8, mode="r", offset=HEADER_BYTES, shape=(count,)).view(np.ndarray)
+    recorded = (record or {}).get("trained_tokens")
+    if recorded is not None and os.stat(path).st_mtime_ns <= record["manifest_mtime_ns"]:
+        return mask, int(recorded)
+    top = int(mask.max())
+    if top > 1:
+        raise ShardError(f"{path}: loss-mask value {top} at token {int(np.argmax(mask > 1)):,} (a mask holds 0 and 1 "
+                         f"only); prepare the data again")
+    trained = int(mask.sum(dtype=np.int64))
+    if recorded is not None and trained != recorded:
+        raise ShardError(f"{path}: {trained:,} trained tokens, {record['manifest']} records {recorded:,}: the mask "
+                         f"changed after the prep; prepare the data again")
+    return mask, trained
+
+
+def load_masks(paths, shards, records, data_dir):
+    """[(mask, trained tokens)] of SFT data, a mask X.mask beside each shard X.bin (load_mask), or None for text
+    data: no shard has a mask file and no manifest lists one. A missing mask is a ShardError naming it."""
+    listed = [records.get(Path(p), {}).get("mask") for p in paths]
+    masks = [Path(p).with_suffix(MASK_SUFFIX) for p in paths]
+    have = [m.is_file() for m in masks]
+    if not any(have) and not any(listed):
+        return None
+    for path, mask, there, name in zip(paths, masks, have, listed):
+        if not there:
+            why = f"{records[Path(path)]['manifest']} lists it" if name else f"other shards of {data_dir} have one"
+            raise ShardError(f"{mask}: missing loss-mask shard ({why}); prepare the data again")
+    return [load_mask(m, len(s), records.get(Path(p))) for p, m, s in zip(paths, masks, shards)]
 
 
 def _looks_like_header(head):
@@ -206,7 +241,10 @@ def manifest_records(paths, split):
                 raise ShardError(f"{unlisted[0]}: not in {manifest.name} (another prep's shard?); move it out of "
                                  f"{directory}, or run prepare_data.py again")
             written = manifest.stat().st_mtime_ns  # after each of its shards
-            found.update({path: {**r, "manifest_mtime_ns": written} for path, r in records.items()})
+            tokenizer = m.get("tokenizer") if isinstance(m.get("tokenizer"), dict) else {}
+            doc_token = {"doc_token": int(tokenizer["eot"])} if tokenizer.get("eot") is not None else {}
+            found.update({path: {**r, "manifest": manifest.name, "manifest_mtime_ns": written, **doc_token}
+                          for path, r in records.items()})
     return found
 
 
@@ -255,25 +293,124 @@ def find_shards(data_dir, split):
     return paths
 
 
+# ---------------------------------------------------------------------------- document rows (packing='document')
+
+def document_items(tokens, row_tokens, doc_token, split_long):
+    """A shard's documents as packable items (start, length, ends_document), each at most row_tokens long, plus
+    the (starts, lengths) of the documents left out. A document starts at a doc_token (the shard's first item may
+    instead continue a document of the previous shard). A document longer than a row: split_long cuts it into pieces of
+    row_tokens that overlap by one token (the last target of one piece is the first input of the next, so every
+    target is trained once) and a remainder (its last tokens, packed like a short document); otherwise it is
+    left out (SFT: a truncated conversation would teach an answer that never ends)."""
+    starts = np.flatnonzero(tokens == doc_token)
+    if not len(starts) or starts[0] != 0:
+        starts = np.concatenate([[0], starts])
+    ends = np.append(starts[1:], len(tokens))
+    lengths = ends - starts
+    fits = lengths <= row_tokens
+    if not split_long:
+        return starts[fits], lengths[fits], ends[fits] < len(tokens), (starts[~fits], lengths[~fits])
+    T = row_tokens - 1  # stride between pieces of one long document
+    pieces = np.where(fits, 1, -(-(lengths - 1) // np.maximum(T, 1)))  # pieces per document (targets: length - 1)
+    first = np.repeat(starts, pieces) + T * (np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces, pieces))
+    doc_end = np.repeat(ends, pieces)
+    end = np.minimum(first + row_tokens, doc_end)
+    return first, end - first, (end == doc_end) & (end < len(tokens)), (starts[:0], lengths[:0])
+
+
+def pack_best_fit(lengths, capacity):
+    """Best-fit decreasing: the longest item first, each into the row with the least room that still holds it (a new
+    row when none does). Returns (row of each item, number of rows); rows are numbered as they open."""
+    room_rows = [[] for _ in range(capacity + 1)]  # room left -> the rows with exactly that much room
+    rooms = []  # sorted, the rooms that some row has
+    row_of = np.empty(len(lengths), dtype=np.int64)
+    rows = 0
+    for i in np.lexsort((np.arange(len(lengths)), -lengths)).tolist():  # longest first, ties in file order
+        need = int(lengths[i])
+        k = bisect.bisect_left(rooms, need)
+        if k == len(rooms):
+            row, room = rows, capacity
+            rows += 1
+        else:
+            room = rooms[k]
+            row = room_rows[room].pop()
+            if not room_rows[room]:
+                del rooms[k]
+        row_of[i] = row
+        if room > need:
+            if not room_rows[room - need]:
+                bisect.insort(rooms, room - need)
+            room_rows[room - need].append(row)
+    return row_of, rows
+
+
+class DocumentRows:
+    """One shard's rows of row_tokens tokens, each starting at a document start (or continuing a document longer
+    than a row), documents packed best-fit (pack_best_fit); the rest of a row is padding (doc_token, never a
+    target). Row r is segments ptr[r]:ptr[r+1] of (start, length, ends_document) in the shard, in file order."""
+
+    def __init__(self, tokens, row_tokens, doc_token, split_long):
+        start, length, ends, self.left_out = document_items(tokens, row_tokens, doc_token, split_long)
+        row_of, self.num_rows = pack_best_fit(length, row_tokens)
+        order = np.lexsort((start, row_of))
+        self.start, self.length, self.ends = start[order], length[order], ends[order]
+        self.ptr = np.searchsorted(row_of[order], np.arange(self.num_rows + 1))
+        self.tokens = int(length.sum())  # tokens in rows (a long document's piece borders count twice)
+
+    def gather(self, rows, out, keep, tokens, mask, doc_token):
+        """Fill out (b, row_tokens) with rows' tokens (padding: doc_token) and keep (b, row_tokens) with 1 where the
+        token is a trained target: mask's value (SFT), else 1 inside a segment, at a segment's first token only when
+        the previous segment ended its document and this one starts one (its doc_token is a right target), at the
+        first padding token only when the last segment ended its document."""
+        lo = self.ptr[rows]
+        count = self.ptr[rows + 1] - lo  # segments per row
+        first_seg = np.cumsum(count) - count  # each row's first segment, among the batch's
+        seg_row = np.repeat(np.arange(len(rows)), count)  # each segment's row in the batch
+        seg = np.arange(count.sum()) + np.repeat(lo - first_seg, count)  # the segments' indices
+        length, start = self.length[seg], self.start[seg]
+        before = np.cumsum(length) - length  # tokens of the batch before each segment
+        col0 = before - before[first_seg][seg_row]  # each segment's first column in its row
+        inside = np.arange(length.sum()) - np.repeat(before, length)  # each token's place in its segment
+        row = np.repeat(seg_row, length)
+        col = np.repeat(col0, length) + inside
+        src = np.repeat(start, length) + inside
+        out[:] = doc_token
+        out[row, col] = tokens[src]
+        keep[:] = 0
+        if mask is not None:
+            keep[row, col] = mask[src]
+            return
+        keep[row, col] = 1
+        ends = self.ends[seg]
+        later = col0 > 0  # segments after a row's first: is their first token a right target?
+        keep[seg_row[later], col0[later]] = ends[np.flatnonzero(later) - 1] & (tokens[start[later]] == doc_token)
+        fill = np.bincount(seg_row, weights=length, minlength=len(rows)).astype(np.int64)
+        pad = (fill < out.shape[1]) & ends[first_seg + count - 1]  # the first padding: after a document's end
+        keep[np.flatnonzero(pad), fill[pad]] = 1
+
+
 class DataLoader:
     """(x, y) batches of B x T token ids from the shards of one split.
 
-    The data is a sequence of samples (windows, see the module docstring). The stream is the
-    infinite concatenation of epochs; epoch e visits every sample once, in an order fixed by
+    The data is a sequence of samples (rows: windows or packed documents, see the module docstring). The
+    stream is the infinite concatenation of epochs; epoch e visits every sample once, in an order fixed by
     (seed, e): shards in a permuted order, each shard's samples in a permuted order (or in file
     order when shuffle is False). Micro-step k of the whole job consumes stream positions
     [k*B*W, (k+1)*B*W) and rank r reads only [k*B*W + r*B, k*B*W + (r+1)*B). So the samples of an
     optimizer step depend only on W*B*accumulation, and an epoch is covered exactly once across
     ranks. A micro-batch that reaches the end of an epoch continues into the next one (the stream
-    position is just a number: nothing is dropped or repeated within any epoch).
+    position is just a number: nothing is dropped or repeated within any epoch). Document rows are a
+    deterministic function of the shards and block_size, so the position is all the state there is.
     """
 
     def __init__(self, data_dir, split, batch_size, block_size, rank=0, world_size=1, seed=0,
-                 vocab_size=None, shuffle=None):
+                 vocab_size=None, shuffle=None, packing="window", doc_token=None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if batch_size < 1 or block_size < 1 or seed < 0:
             raise ValueError(f"batch_size and block_size must be >= 1 and seed >= 0 (got {batch_size}, {block_size}, {seed})")
+        if packing not in PACKINGS:
+            raise ValueError(f"packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
         self.B, self.T = batch_size, block_size
         self.rank, self.world_size = rank, world_size
         self.seed = seed
@@ -281,21 +418,40 @@ class DataLoader:
         self.shuffle = (split == "train") if shuffle is None else bool(shuffle)
         self.paths = find_shards(data_dir, split)
         records = manifest_records(self.paths, split)  # a prep's shards: all there, none foreign, prep finished
+        # what starts a document: the <|endoftext|> of the tokenizer the manifest records, else GPT-2's
+        self.doc_token = doc_token if doc_token is not None else next(
+            (r["doc_token"] for r in records.values() if "doc_token" in r), EOT)
         # Memory-mapped once, headers validated; plain ndarray views skip np.memmap's per-slice overhead.
         self.shards = [load_shard(p).view(np.ndarray) for p in self.paths]
         if vocab_size is not None:  # now, not when a shard is first read many steps into the run
             check_shards_vocab(self.paths, self.shards, vocab_size, progress=rank == 0, records=records)
-        # loss masks: all shards have one (SFT data) or none does
-        masks = [p.with_suffix(MASK_SUFFIX) for p in self.paths]
-        have = [m.is_file() for m in masks]
-        if any(have) and not all(have):
-            raise ShardError(f"{masks[have.index(False)]}: missing loss-mask shard (other shards of {data_dir} have one)")
-        self.masks = [load_mask(m, len(s), block_size) for m, s in zip(masks, self.shards)] if all(have) else None
-        self._window_offsets = np.arange(block_size + 1)
-        self.samples_per_shard = np.array([max(0, (len(s) - 1) // block_size) for s in self.shards], dtype=np.int64)
+        masks = load_masks(self.paths, self.shards, records, data_dir)  # SFT data; None for text
+        self.masks = None if masks is None else [m for m, _ in masks]
+        self.trained_tokens = None if masks is None else sum(n for _, n in masks)
+        self.packing = "document" if masks is not None else packing  # SFT: rows of whole conversations
+        # masked: some targets are -1 (SFT masks, document rows' padding), so a step weighs micro-batches by them
+        self.masked = self.packing == "document"
+        self.rows = None
+        if self.packing == "document":
+            self.rows = [DocumentRows(s, block_size + 1, self.doc_token, split_long=masks is None) for s in self.shards]
+            self.samples_per_shard = np.array([r.num_rows for r in self.rows], dtype=np.int64)
+            if masks is not None:  # the trained tokens of the conversations left out
+                self.trained_tokens -= sum(int(m[s:s + n].sum(dtype=np.int64)) for r, m in zip(self.rows, self.masks)
+                                           for s, n in zip(*r.left_out))
+        else:
+            self._window_offsets = np.arange(block_size + 1)
+            self.samples_per_shard = np.array([max(0, (len(s) - 1) // block_size) for s in self.shards], dtype=np.int64)
         self.num_samples = int(self.samples_per_shard.sum())
+        if masks is not None and self.num_samples and not self.trained_tokens:
+            raise ShardError(f"{data_dir}: the loss masks of the {split} shards mark no token as trained; prepare the "
+                             f"data again")
         if self.num_samples == 0:
             total = sum(len(s) for s in self.shards)
+            if masks is not None:
+                shortest = min(int(n.min()) for r in self.rows for n in r.left_out[1:] if len(n))
+                raise ShardError(f"{data_dir}: every {split} conversation is longer than block_size+1 = "
+                                 f"{block_size + 1} tokens (the shortest has {shortest}); train with block_size >= "
+                                 f"{shortest - 1}")
             raise ShardError(f"{data_dir}: the {split} shards hold {total} tokens; none has the "
                              f"block_size+1 = {block_size + 1} tokens of one sample")
         self._plans = {}  # epoch -> (shard order, cumulative sample counts in that order)
@@ -303,8 +459,22 @@ class DataLoader:
         self.position = 0  # global stream position: samples consumed by all ranks together
 
     def summary(self):
-        """'9 shards, 5,516 tokens' (the start-up line's)."""
-        return f"{len(self.paths)} shards, {sum(len(s) for s in self.shards):,} tokens"
+        """'9 shards, 5,516 tokens' (the start-up line's), and with document rows how many, the share of
+        padding, the trained tokens of SFT data and the conversations left out."""
+        text = f"{len(self.paths)} shards, {sum(len(s) for s in self.shards):,} tokens"
+        if self.rows is None:
+            return text
+        slots = self.num_samples * (self.T + 1)
+        used = sum(r.tokens for r in self.rows)
+        text += f" in {self.num_samples:,} document rows ({(slots - used) / slots:.1%} padding)"
+        if self.masks is None:
+            return text
+        text += f", {self.trained_tokens:,} trained"
+        left = np.concatenate([r.left_out[1] for r in self.rows])
+        if len(left):
+            text += (f"; {len(left):,} conversation(s) longer than block_size+1 = {self.T + 1} tokens left out (the "
+                     f"longest has {int(left.max()):,}: block_size >= {int(left.max()) - 1} keeps them all)")
+        return text
 
     @property
     def epoch(self):
@@ -358,22 +528,26 @@ class DataLoader:
 
     def next_batch(self):
         """The next (x, y) of this rank: int64 CPU tensors of shape (B, T); y[:, t] == x[:, t+1], or -1 where a
-        loss mask is off."""
+        loss mask is off or a document row is padded."""
         B, T = self.B, self.T
         window = np.empty((B, T + 1), dtype=np.uint16)
-        keep = np.empty((B, T + 1), dtype=np.uint8) if self.masks else None
+        keep = np.empty((B, T + 1), dtype=np.uint8) if self.masked else None
         for at, shard, samples in self._runs(self.position + self.rank * B, B):  # usually a single run
-            starts = samples * T
-            where = starts[:, None] + self._window_offsets
             rows = window[at:at + len(samples)]
-            rows[:] = self.shards[shard][where]  # (b, T+1) gather
+            mask = None if self.masks is None else self.masks[shard]
+            if self.rows is not None:
+                self.rows[shard].gather(samples, rows, keep[at:at + len(samples)], self.shards[shard], mask,
+                                        self.doc_token)
+            else:
+                where = (samples * T)[:, None] + self._window_offsets
+                rows[:] = self.shards[shard][where]  # (b, T+1) gather
             if self.vocab_size is not None and rows.size and int(rows.max()) >= self.vocab_size:  # changed since start
                 row, col = np.argwhere(rows >= self.vocab_size)[0]
+                at_token = (f"at token {int(samples[row]) * T + int(col):,}" if self.rows is None else
+                            f"in document row {int(samples[row]):,}")
                 raise ShardError(f"{self.paths[shard]}: token id {int(rows[row, col])} >= vocab_size {self.vocab_size} "
-                                 f"at token {int(starts[row]) + int(col):,}: the shard changed after the run checked it "
-                                 f"at start; restore or re-prepare it")
-            if keep is not None:
-                keep[at:at + len(samples)] = self.masks[shard][where]
+                                 f"{at_token}: the shard changed after the run checked it at start; restore or "
+                                 f"re-prepare it")
         self.position += B * self.world_size
         import torch  # not at the top: prepare_data's tokenizer workers import this module and need no torch
         x = torch.from_numpy(window[:, :-1].astype(np.int64))  # (B, T)
@@ -385,13 +559,13 @@ class DataLoader:
     def state_dict(self):
         """Plain ints/bools: the stream position and what identifies the stream."""
         return {"position": int(self.position), "seed": int(self.seed), "block_size": int(self.T),
-                "num_samples": int(self.num_samples), "shuffle": bool(self.shuffle)}
+                "num_samples": int(self.num_samples), "shuffle": bool(self.shuffle), "packing": self.packing}
 
     def load_state_dict(self, state):
         """Continue the exact stream of the loader that saved state (any B/world_size split)."""
-        for key in ("seed", "block_size", "num_samples", "shuffle"):
+        for key in ("packing", "seed", "block_size", "num_samples", "shuffle"):
             mine = getattr(self, {"block_size": "T"}.get(key, key))
-            if state.get(key) != mine:
+            if state.get(key, "window" if key == "packing" else None) != mine:  # older states: windows
                 raise ValueError(f"loader state is for a different stream: {key} is {state.get(key)!r} "
                                  f"in the saved state but {mine!r} here (data or settings changed?)")
         self.position = int(state["position"])

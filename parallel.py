@@ -377,7 +377,7 @@ def forward_backward(model, loader, grad_accum, scaler, env, micro_steps=None):
     (the summed loss, a device scalar; the number of trained tokens of the step, all ranks).
     micro_steps: which of the grad_accum micro-steps to run (default all; the dry run skips repeats)."""
     batches = {micro: loader.next_batch() for micro in (range(grad_accum) if micro_steps is None else micro_steps)}
-    masked = getattr(loader, "masks", None) is not None  # without masks every token is trained
+    masked = getattr(loader, "masked", False)  # some targets are -1 (SFT masks, document padding); else all are trained
     counts = {micro: int((y != -1).sum()) if masked else y.numel() for micro, (_, y) in batches.items()}
     trained = torch.tensor(sum(counts.values()), device=env.device)
     if masked and env.distributed:

@@ -18,7 +18,8 @@ a .parquet file one per row (column --text_key); directories are searched recurs
 The shakespeare preset splits Tiny Shakespeare at blank lines, so each speech is one document.
 
 --format sft: supervised fine-tuning data (jsonl of prompt/completion or chat messages) -> token shards
-plus loss-mask shards packed in rows of --block_size tokens; see prepare_sft() and docs/sft.md.
+plus loss-mask shards of whole conversations (rows built at load time, for any block_size); see prepare_sft()
+and docs/sft.md.
 """
 import argparse
 import contextlib
@@ -516,107 +517,102 @@ def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=Non
 
 # ---------------------------------------------------------------------------- supervised fine-tuning data
 
-def pack_rows(conversations, block_size):
-    """Next-fit packing of (tokens, mask) conversations, in order, into rows of block_size tokens: a row starts
-    at a conversation start; a conversation that does not fit the rest of the row starts the next row, and the
-    rest is padded with <|endoftext|> (masked). Yields (tokens uint16 (block_size,), mask uint8 (block_size,))."""
-    row_t, row_m = [], []
-    for tokens, mask in conversations:
-        if row_t and len(row_t) + len(tokens) > block_size:
-            pad = block_size - len(row_t)
-            yield np.array(row_t + [EOT] * pad, dtype=np.uint16), np.array(row_m + [0] * pad, dtype=np.uint8)
-            row_t, row_m = [], []
-        row_t, row_m = row_t + tokens, row_m + mask
-    if row_t:
-        pad = block_size - len(row_t)
-        yield np.array(row_t + [EOT] * pad, dtype=np.uint16), np.array(row_m + [0] * pad, dtype=np.uint8)
-
-
-def write_sft_shard(path, split, rows, block_size):
-    """One shard of packed SFT rows (token, mask) and its loss-mask file; returns its manifest record. One
-    trailing <|endoftext|> (masked) makes the last row a whole sample."""
-    tokens = np.concatenate([t for t, _ in rows] + [np.array([EOT], dtype=np.uint16)])
-    mask = np.concatenate([m for _, m in rows] + [np.zeros(1, dtype=np.uint8)])
+def write_sft_shard(path, split, conversations):
+    """One shard of whole (tokens, mask) conversations, back to back, and its loss-mask file; returns its manifest
+    record."""
+    tokens = np.array([t for c, _ in conversations for t in c], dtype=np.uint16)
+    mask = np.array([m for _, k in conversations for m in k], dtype=np.uint8)
     write_shard(path, tokens)
-    write_mask(path.with_suffix(MASK_SUFFIX), mask, block_size)
-    return {"file": path.name, "split": split, "tokens": int(len(tokens)), "rows": len(rows),
+    write_mask(path.with_suffix(MASK_SUFFIX), mask)
+    return {"file": path.name, "split": split, "tokens": len(tokens), "conversations": len(conversations),
             "max_token": int(tokens.max()), "sha256": file_sha256(path), "mask": path.with_suffix(MASK_SUFFIX).name,
             "trained_tokens": int(mask.sum()), "mask_sha256": file_sha256(path.with_suffix(MASK_SUFFIX))}
 
 
-def prepare_sft(inputs, out_dir=None, name=None, block_size=1024, shard_tokens=None, val_tokens=None):
+def prepare_sft(inputs, out_dir=None, name=None, block_size=None, shard_tokens=None, val_tokens=None):
     """--format sft: jsonl conversations (chat.parse: {"prompt", "completion"} or {"messages"}) rendered with the
-    chat template (chat.py) and packed in rows of block_size tokens (pack_rows), written as token shards plus
-    aligned loss-mask shards (data.write_mask): <name>_val_000000.bin/.mask (the first rows, at least
-    val_tokens tokens), <name>_train_NNNNNN.bin/.mask (shard_tokens // block_size rows each), each shard one
-    trailing <|endoftext|> longer so that its last row is a whole sample. A bad line is a PrepError naming
-    file:line; a conversation longer than block_size is skipped, counted and reported (a truncated one would
-    teach answers that never end). A re-run with the same input and settings verifies the shards and stops;
-    anything else rewrites them all (one pass, no resume mid-way: SFT sets are small)."""
+    chat template (chat.py), written in input order as token shards plus aligned loss-mask shards
+    (data.write_mask): <name>_val_000000.bin/.mask (the first conversations, at least val_tokens tokens),
+    <name>_train_NNNNNN.bin/.mask (up to shard_tokens tokens of whole conversations each). Rows are built at load
+    time for the run's block_size (data.DocumentRows), so the data trains at any block_size; block_size here
+    only reports the conversations a run at that block_size would leave out. A bad line is a PrepError naming
+    file:line. A re-run with the same input and settings verifies the shards and stops; anything else rewrites
+    them all (one pass, no resume mid-way: SFT sets are small)."""
     import chat
     files = expand_inputs(inputs)
     if any(f.suffix != ".jsonl" for f in files):
         raise PrepError(f"{next(f for f in files if f.suffix != '.jsonl')}: --format sft reads .jsonl files")
     shard_tokens = shard_tokens or DEFAULT_SHARD_TOKENS
-    val_tokens = 1 if val_tokens is None else val_tokens  # default: the first row
-    if min(block_size, val_tokens) < 1 or shard_tokens < block_size:
-        raise PrepError(f"--block_size and --val_tokens must be >= 1 and --shard_tokens >= --block_size, got "
-                        f"{block_size}, {val_tokens}, {shard_tokens}")
+    val_tokens = 1024 if val_tokens is None else val_tokens  # default: about a row of GPT-2's block_size
+    if min(val_tokens, shard_tokens, block_size or 1) < 1:
+        raise PrepError(f"--val_tokens, --shard_tokens and --block_size must be >= 1, got "
+                        f"{val_tokens}, {shard_tokens}, {block_size}")
     name = re.sub(r"[^A-Za-z0-9]+", "_", name or (files[0].stem if len(files) == 1 else "sft")).strip("_") or "sft"
     out_dir = Path(out_dir or Path("data") / name)
-    settings = {"format": "llm.c uint16 shards v1 + uint8 loss masks", "tokenizer": "gpt2+chat", "template":
-                chat.CHAT_TEMPLATE, "block_size": block_size, "shard_tokens": shard_tokens, "val_tokens": val_tokens,
-                "input": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
+    settings = {"format": "llm.c uint16 shards v1 + uint8 loss masks, whole conversations (rows at load time)",
+                "tokenizer": "gpt2+chat", "template": chat.CHAT_TEMPLATE, "shard_tokens": shard_tokens,
+                "val_tokens": val_tokens, "input": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns]
+                                                    for p in files]}
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     manifest_path = out_dir / f"{name}_manifest.json"
     with locked(out_dir):
         remove_stale_temp_files(out_dir, name)
         old = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
+        t0, reused = time.time(), False
         if old and old.get("fingerprint") == fingerprint and old.get("complete") and all(
                 shard_is_complete(out_dir, r) and file_sha256(out_dir / r["mask"]) == r["mask_sha256"]
                 for r in old["shards"]):
-            return {**old["summary"], "out_dir": str(out_dir), "name": name, "seconds": 0.0, "reused": True}
-        ours = re.compile(rf"{re.escape(name)}_(train|val)_\d{{6}}\.(bin|mask)")
-        others = sorted(p.name for p in out_dir.iterdir() if p.suffix in SHARD_SUFFIXES and not ours.fullmatch(p.name))
-        if others or (old is None and any(ours.fullmatch(p.name) for p in out_dir.iterdir())):
-            raise PrepError(f"{out_dir} holds token files ({(others or ['<name> shards without a manifest'])[0]}, ...) "
-                            f"from another run or tool; use another --out_dir or --name, or delete them")
-        for stale in (p for p in out_dir.iterdir() if ours.fullmatch(p.name)):
-            stale.unlink()  # ours from other settings or an interrupted run: rewritten below
-        t0, enc, skipped, count = time.time(), chat.tokenizer(get_tokenizer()), [], 0
+            manifest, reused = old, True
+        else:
+            manifest = write_sft_shards(files, out_dir, name, old, shard_tokens, val_tokens, fingerprint, settings)
+        summary = dict(manifest["summary"])
+        longest = summary.pop("longest")  # [where, tokens] of the longest conversations, longest first
+        too_long = [f"{where} ({n} tokens)" for where, n in longest if block_size and n > block_size + 1]
+        return {**summary, "too_long": len(too_long), "too_long_lines": too_long[:10],
+                "too_long_at_least": len(too_long) == len(longest) < summary["conversations"],
+                "longest": longest[0][1], "block_size": block_size, "out_dir": str(out_dir), "name": name,
+                "seconds": time.time() - t0, "reused": reused}
 
-        def conversations():
-            nonlocal count
-            for path in files:
-                try:
-                    for lineno, messages in chat.read_conversations(path):
-                        count += 1
-                        tokens, mask = chat.encode(enc, messages)
-                        if len(tokens) > block_size:
-                            skipped.append(f"{path}:{lineno} ({len(tokens)} tokens)")
-                            continue
-                        yield tokens, mask
-                except (ValueError, OSError) as e:
-                    raise PrepError(str(e) if isinstance(e, ValueError) else f"{path}: cannot read ({first_line(e)})") from None
 
-        rows = list(pack_rows(conversations(), block_size))
-        n_val = min(-(-val_tokens // block_size), len(rows) - 1)
-        if n_val < 1:
-            raise PrepError(f"{len(rows)} row(s) of {block_size} tokens from {count} conversations: need 2 or more "
-                            f"(one for validation); add data or lower --block_size")
-        per_shard = shard_tokens // block_size
-        parts = [("val", 0, rows[:n_val])] + [("train", i // per_shard, rows[n_val:][i:i + per_shard])
-                                             for i in range(0, len(rows) - n_val, per_shard)]
-        manifest = {"fingerprint": fingerprint, "settings": settings, "complete": False,
-                    "shards": [write_sft_shard(out_dir / f"{name}_{split}_{index:06d}.bin", split, part, block_size)
-                               for split, index, part in parts]}
-        total = sum(r["tokens"] for r in manifest["shards"])
-        summary = {"conversations": count - len(skipped), "skipped": len(skipped), "skipped_lines": skipped[:10],
-                   "rows": len(rows), "tokens": total, "trained_tokens": sum(r["trained_tokens"] for r in manifest["shards"]),
-                   "val_rows": n_val, "shards": len(parts), "block_size": block_size}
-        manifest.update(complete=True, summary=summary)
-        write_manifest(manifest_path, manifest)
-        return {**summary, "out_dir": str(out_dir), "name": name, "seconds": time.time() - t0, "reused": False}
+def write_sft_shards(files, out_dir, name, old, shard_tokens, val_tokens, fingerprint, settings):
+    """prepare_sft's writing: the shards, then the complete manifest (returned)."""
+    import chat
+    ours = re.compile(rf"{re.escape(name)}_(train|val)_\d{{6}}\.(bin|mask)")
+    others = sorted(p.name for p in out_dir.iterdir() if p.suffix in SHARD_SUFFIXES and not ours.fullmatch(p.name))
+    if others or (old is None and any(ours.fullmatch(p.name) for p in out_dir.iterdir())):
+        raise PrepError(f"{out_dir} holds token files ({(others or ['<name> shards without a manifest'])[0]}, ...) "
+                        f"from another run or tool; use another --out_dir or --name, or delete them")
+    for stale in (p for p in out_dir.iterdir() if ours.fullmatch(p.name)):
+        stale.unlink()  # ours from other settings or an interrupted run: rewritten below
+    enc, conversations, lengths = chat.tokenizer(get_tokenizer()), [], []
+    for path in files:
+        try:
+            for lineno, messages in chat.read_conversations(path):
+                conversations.append(chat.encode(enc, messages))
+                lengths.append((f"{path}:{lineno}", len(conversations[-1][0])))
+        except (ValueError, OSError) as e:
+            raise PrepError(str(e) if isinstance(e, ValueError) else f"{path}: cannot read ({first_line(e)})") from None
+    if len(conversations) < 2:
+        raise PrepError(f"{len(conversations)} conversation(s) in the input: need 2 or more (one for validation)")
+    ends = np.cumsum([n for _, n in lengths])
+    n_val = min(int(np.searchsorted(ends, val_tokens)) + 1, len(conversations) - 1)  # whole conversations
+    parts, part, size = [("val", conversations[:n_val])], [], 0
+    for c in conversations[n_val:]:
+        if part and size + len(c[0]) > shard_tokens:
+            parts.append(("train", part))
+            part, size = [], 0
+        part.append(c)
+        size += len(c[0])
+    parts.append(("train", part))
+    records = [write_sft_shard(out_dir / f"{name}_{split}_{max(0, i - 1):06d}.bin", split, part)
+               for i, (split, part) in enumerate(parts)]
+    summary = {"conversations": len(conversations), "val_conversations": n_val,
+               "tokens": sum(r["tokens"] for r in records), "trained_tokens": sum(r["trained_tokens"] for r in records),
+               "shards": len(records), "longest": sorted(lengths, key=lambda c: -c[1])[:1000]}
+    manifest = {"fingerprint": fingerprint, "settings": settings, "complete": True, "shards": records,
+                "summary": summary}
+    write_manifest(out_dir / f"{name}_manifest.json", manifest)
+    return manifest
 
 
 def main(argv=None):
@@ -641,7 +637,8 @@ def main(argv=None):
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.add_argument("--format", choices=["text", "sft"], default="text",
                    help="text: documents for pretraining; sft: prompt/completion or chat jsonl -> tokens + loss masks")
-    p.add_argument("--block_size", type=int, default=1024, help="--format sft: tokens per packed row (the training block_size)")
+    p.add_argument("--block_size", type=int, help="--format sft: report the conversations a run at this block_size "
+                   "leaves out (rows are built at load time, for any block_size)")
     args = p.parse_args(argv)
     if args.format == "sft":
         if args.dataset or not args.input:
@@ -651,12 +648,16 @@ def main(argv=None):
                             shard_tokens=args.shard_tokens, val_tokens=args.val_tokens)
         except (PrepError, OSError) as e:
             sys.exit(error_message("prepare_data.py", e))
-        if s["skipped"]:
-            print(f"prepare_data: skipped {s['skipped']} conversation(s) longer than --block_size {s['block_size']}: "
-                  + ", ".join(s["skipped_lines"]) + (", ..." if s["skipped"] > len(s["skipped_lines"]) else ""))
-        print(f"{s['conversations']:,} conversations in {s['rows']:,} rows of {s['block_size']} ({s['val_rows']:,} val), "
-              f"{s['tokens']:,} tokens of which {s['trained_tokens']:,} trained, {s['shards']} shards"
-              + (" (already prepared, verified)" if s["reused"] else f", {s['seconds']:.1f} s") + f" -> {s['out_dir']}/{s['name']}_*")
+        if s["too_long"]:
+            print(f"prepare_data: {'at least ' * s['too_long_at_least']}{s['too_long']} conversation(s) longer than block_size+1 = {s['block_size'] + 1} "
+                  f"tokens, which training at block_size {s['block_size']} leaves out: "
+                  + ", ".join(s["too_long_lines"])
+                  + (", ..." if s["too_long"] > len(s["too_long_lines"]) else "")
+                  + f"; block_size >= {s['longest'] - 1} keeps them all")
+        print(f"{s['conversations']:,} conversations ({s['val_conversations']:,} val, the longest {s['longest']:,} "
+              f"tokens), {s['tokens']:,} tokens of which {s['trained_tokens']:,} trained, {s['shards']} shards"
+              + (" (already prepared, verified)" if s["reused"] else f", {s['seconds']:.1f} s")
+              + f" -> {s['out_dir']}/{s['name']}_*; rows are built at load time, for any block_size")
         return s
     try:
         s = prepare(inputs=args.input, dataset=args.dataset, out_dir=args.out_dir, name=args.name,

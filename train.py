@@ -63,7 +63,7 @@ def make_loaders(cfg, env):
     Every shard is validated here, token ids included, before step 1."""
     def loader(split):  # batch_size='auto': 1 until probe_batch_size sets it
         return DataLoader(cfg.data_dir, split, 1 if cfg.batch_size == "auto" else cfg.batch_size, cfg.block_size, rank=env.rank,
-                          world_size=env.world_size, seed=cfg.seed, vocab_size=cfg.vocab_size)
+                          world_size=env.world_size, seed=cfg.seed, vocab_size=cfg.vocab_size, packing=cfg.packing)
     try:
         train_loader, val_loader = loader("train"), loader("val") if cfg.eval_interval > 0 else None
     except NoShardsError as e:

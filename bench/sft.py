@@ -9,8 +9,9 @@ held-out prompts whose letter sets never occur in the training set. With the def
 tokens, so each row of 16 holds one. Both runs are the same
 `python train.py --key=value ...` (a subprocess, from scratch, the same seed, data order and steps) on the same
 shards from `prepare_data.py --format sft`: 'masked' with the loss-mask shards, 'unmasked' on a copy of the data
-directory without them (every token trained: what a dropped mask does). So both see exactly the same completion
-tokens; the unmasked run also trains on the prompts and the padding. Exact match: the greedy reply
+directory without them and their manifest (every token trained: what a dropped mask did before the loader
+checked masks against the manifest), both with packing='document' (rows of whole conversations). So both see
+exactly the same completion tokens; the unmasked run also trains on the prompts. Exact match: the greedy reply
 (sample.stream_samples as --chat runs it, up to <|end|>) equals the sorted sequence.
 """
 import argparse
@@ -77,7 +78,8 @@ def train_run(data_dir, out_dir, args):
            f"--total_batch_size={args.batch_size * args.block_size}", f"--max_steps={args.steps}",
            f"--learning_rate={args.lr}", f"--min_lr={args.lr / 10}", "--warmup_steps=20", "--dropout=0.0",
            "--eval_interval=0", "--sample_interval=0", "--hellaswag_interval=0", "--log_interval=0",
-           f"--save_interval={args.steps}", "--device=cpu", "--dtype=float32", "--compile=False", f"--seed={args.seed}"]
+           f"--save_interval={args.steps}", "--device=cpu", "--dtype=float32", "--compile=False", f"--seed={args.seed}",
+           "--packing=document"]  # the unmasked copy too: rows of whole conversations, as SFT data always is
     t0 = time.time()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     lines = [json.loads(x) for x in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -107,7 +109,8 @@ def main(argv=None):
     path, held = make_data(work, args.train, args.eval, args.length, args.seed)
     prepare_data.main(["--input", str(path), "--format", "sft", "--out_dir", str(work / "data"),
                        "--block_size", str(args.block_size)])
-    shutil.copytree(work / "data", work / "data_unmasked", ignore=shutil.ignore_patterns("*.mask"))
+    # without the masks and the manifest that lists them (else the loader refuses the copy)
+    shutil.copytree(work / "data", work / "data_unmasked", ignore=shutil.ignore_patterns("*.mask", "*_manifest.json"))
     results = {"args": vars(args), "machine": machine_line("cpu")}
     for name, data in (("masked", work / "data"), ("unmasked", work / "data_unmasked")):
         results[name] = train_run(data, work / name, args)

@@ -1,10 +1,10 @@
 # Supervised fine-tuning of a pretrained GPT-2 (124M) on chat / instruction data (docs/sft.md):
-#   python prepare_data.py --input sft.jsonl --format sft --out_dir data/sft   # rows of 1024 tokens + loss masks
+#   python prepare_data.py --input sft.jsonl --format sft --out_dir data/sft   # tokens + loss masks, any block_size
 #   python train.py configs/sft_gpt2.py
 #   python sample.py --ckpt out/sft --chat
 # Only the assistant tokens are trained (the mask shards); the logged train_loss is the mean over them and
-# trained_tokens counts them. The architecture (block_size included) comes from the pretrained weights, so
-# the data is packed for block_size 1024. init_from may also be a Hugging Face directory.
+# trained_tokens counts them. The architecture (block_size included) comes from the pretrained weights; the
+# loader builds rows of whole conversations for it (1024). init_from may also be a Hugging Face directory.
 init_from = "gpt2"
 data_dir = "data/sft"
 out_dir = "out/sft"

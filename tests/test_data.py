@@ -3,6 +3,7 @@ import contextlib
 import json
 import random
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -611,3 +612,161 @@ def test_the_loader_trains_only_on_what_the_manifest_lists(prepped, case, expect
         with pytest.raises(ShardError, match=expected):
             DataLoader(prepped, "train", batch_size=2, block_size=8, vocab_size=50304)
     DataLoader(prepped, "val", batch_size=2, block_size=8) if case in ("missing", "replaced", "foreign") else None
+
+
+# ---------------------------------------------------------------------------- document rows (packing='document')
+
+def make_documents(tmp_path, seed=0):
+    """Shards of documents (each <|endoftext|> then distinct ids, so a token names its place), some longer than a
+    row of T+1; the first shard opens with the tail of a document (no <|endoftext|>), as a prep's shards can.
+    Returns {token: (shard, position)} for every non-EOT token."""
+    rng, next_id, where = np.random.default_rng(seed), 1, {}
+    for i in range(3):
+        parts = [] if i else [np.arange(next_id, next_id + 5)]
+        next_id += 0 if i else 5
+        for _ in range(12):
+            n = int(rng.choice([1, 3, 5, 8, 9, 10, 17, 30]))
+            parts += [np.array([EOT]), np.arange(next_id, next_id + n)]
+            next_id += n
+        tokens = np.concatenate(parts)
+        where.update({int(t): (i, p) for p, t in enumerate(tokens) if t != EOT})
+        write_shard(tmp_path / f"doc_train_{i:06d}.bin", tokens)
+        write_shard(tmp_path / f"doc_val_{i:06d}.bin", tokens)
+    return where
+
+
+def epoch_rows(loader):
+    """(x, y) rows of one epoch, in stream order."""
+    xs, ys = [], []
+    for _ in range(-(-loader.num_samples // loader.B)):
+        x, y = loader.next_batch()
+        xs += x.tolist()
+        ys += y.tolist()
+    return xs[:loader.num_samples], ys[:loader.num_samples]
+
+
+def test_document_rows_start_at_a_document_and_train_each_target_once(tmp_path):
+    where = make_documents(tmp_path)
+    loader = DataLoader(tmp_path, "train", batch_size=3, block_size=T, packing="document", seed=4)
+    assert loader.masked and loader.summary().startswith("3 shards, ") and "document rows" in loader.summary()
+    shards = [np.asarray(s) for s in loader.shards]
+    xs, ys = epoch_rows(loader)
+    targets, inputs = [], []
+    for x, y in zip(xs, ys):
+        if x[0] != EOT:  # a row that continues a long document: at a piece border, or the shard's opening tail
+            shard, p = where[x[0]]
+            doc = max([q for q in range(p + 1) if shards[shard][q] == EOT], default=0)
+            assert (p - doc) % T == 0, (x, p, doc)
+        for t, (a, b) in enumerate(zip(x, y)):
+            if b == -1:
+                continue
+            assert t + 1 == T or x[t + 1] == b  # y is x shifted by one
+            if b == EOT:  # a document's end is trained only where the document really ends
+                shard, p = where[a]
+                assert shards[shard][p + 1] == EOT
+            else:
+                targets.append(b)
+        inputs += [a for a in x if a != EOT]
+    first = int(shards[0][0])  # the opening tail's first token has no context in its shard: never a target
+    assert sorted(targets) == sorted(set(where) - {first})  # every target once, none twice
+    assert len(inputs) == len(set(inputs))  # no token is an input twice in an epoch
+    # padding is rare: the rows hold about the tokens there are
+    assert loader.num_samples * (T + 1) < 1.25 * sum(len(s) for s in shards)
+
+
+def test_document_rows_pack_best_fit_and_split_only_longer_documents():
+    from data import document_items, pack_best_fit
+    lengths = np.array([9, 2, 7, 4, 5, 3, 1, 6])
+    row, rows = pack_best_fit(lengths, 9)
+    assert rows == 5 and all(np.bincount(row, weights=lengths) <= 9)  # 37 tokens: 5 rows is the minimum
+    tokens = np.array([EOT, 1, 2, EOT, *range(3, 23), EOT, 30])  # documents of 3, 21 and 2 tokens
+    start, length, ends, left = document_items(tokens, 9, EOT, split_long=True)
+    assert start.tolist() == [0, 3, 11, 19, 24] and length.tolist() == [3, 9, 9, 5, 2]  # pieces overlap by one
+    assert ends.tolist() == [True, False, False, True, False] and not len(left[0])  # the last may go on
+    start, length, ends, left = document_items(tokens, 9, EOT, split_long=False)
+    assert start.tolist() == [0, 24] and left[0].tolist() == [3] and left[1].tolist() == [21]
+
+
+def test_document_rows_are_the_same_global_rows_at_any_world_size_and_resume_exactly(tmp_path):
+    make_documents(tmp_path, seed=1)
+
+    def rows(world_size, batch, steps, state=None):
+        loaders = [DataLoader(tmp_path, "train", batch, T, rank=r, world_size=world_size, seed=5, packing="document")
+                   for r in range(world_size)]
+        for loader in loaders:
+            loader.load_state_dict(state) if state else None
+        out = [tuple(map(tuple, loader.next_batch()[1].tolist())) for _ in range(steps) for loader in loaders]
+        return [r for batch in out for r in batch], loaders[0].state_dict()
+    one, _ = rows(1, 4, 6)
+    two, _ = rows(2, 2, 6)
+    assert one == two  # 2 ranks x 2 rows == 1 rank x 4 rows, row for row, across epoch ends
+    first, state = rows(1, 4, 3)
+    rest, _ = rows(1, 4, 3, json.loads(json.dumps(state)))
+    assert first + rest == one
+    with pytest.raises(ValueError, match="packing is 'document' in the saved state but 'window' here"):
+        DataLoader(tmp_path, "train", 4, T, seed=5).load_state_dict(state)
+
+
+def test_training_with_document_rows_resumes_bit_exactly(tmp_path):
+    import train
+    make_documents(tmp_path / "data")
+    tiny = ["--n_layer=1", "--n_head=2", "--n_embd=16", f"--block_size={T}", "--batch_size=2", "--vocab_size=50304",
+            f"--total_batch_size={4 * T}", "--warmup_steps=2", "--eval_interval=4", "--eval_steps=1",
+            "--log_interval=0", "--save_interval=4", "--device=cpu", "--dtype=float32", "--compile=False",
+            "--sample_interval=0", "--packing=document", "--lr_decay_steps=8", f"--data_dir={tmp_path / 'data'}"]
+    assert train.main([*tiny, f"--out_dir={tmp_path / 'full'}", "--max_steps=8"]) == 0
+    assert train.main([*tiny, f"--out_dir={tmp_path / 'split'}", "--max_steps=4"]) == 0
+    assert train.main(["--init_from=resume", f"--out_dir={tmp_path / 'split'}", "--max_steps=8"]) == 0
+
+    def losses(out):
+        lines = [json.loads(x) for x in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+        return {m["step"]: (m["train_loss"], m["trained_tokens"]) for m in lines if "train_loss" in m}
+    assert list(losses("split")) == list(range(1, 9)) and losses("split") == losses("full")
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_equal_one_process_with_accumulation_on_document_rows(tmp_path):
+    """Document rows have padding (targets -1) in varying amounts: the step's loss is the mean over the trained
+    tokens of both ranks, so 2 DDP ranks == 1 process x 2 micro-batches."""
+    import os
+    import subprocess
+    import sys
+
+    import train
+    make_documents(tmp_path / "data")
+    root = Path(__file__).resolve().parent.parent
+    args = ["--n_layer=1", "--n_head=2", "--n_embd=16", f"--block_size={T}", "--batch_size=2", "--max_steps=4",
+            f"--total_batch_size={4 * T}", "--warmup_steps=2", "--eval_interval=0", "--log_interval=0",
+            "--device=cpu", "--dtype=float32", "--compile=False", "--sample_interval=0", "--dropout=0.0",
+            "--packing=document", f"--data_dir={tmp_path / 'data'}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(root / "train.py"),
+           *args, f"--out_dir={tmp_path / 'ddp'}"]
+    result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert train.main([*args, f"--out_dir={tmp_path / 'single'}"]) == 0
+
+    def losses(out):
+        lines = [json.loads(x) for x in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+        return {m["step"]: (m["train_loss"], m["trained_tokens"]) for m in lines if "train_loss" in m}
+    ddp, single = losses("ddp"), losses("single")
+    assert list(ddp) == list(range(1, 5)) and len({n for _, n in single.values()}) > 1  # padding varies
+    for step, (loss, trained) in single.items():
+        assert abs(ddp[step][0] - loss) < 1e-5 and ddp[step][1] == trained, (step, ddp[step], single[step])
+
+
+def test_document_rows_start_at_the_end_of_text_token_of_the_tokenizer_the_manifest_records(prepped):
+    """A prep with another tokenizer (its manifest's "tokenizer" entry names its <|endoftext|> id): documents start
+    there, not at GPT-2's 50256."""
+    manifest = json.loads((prepped / "docs_manifest.json").read_text())
+    gpt2 = DataLoader(prepped, "train", batch_size=2, block_size=8, packing="document")
+    assert gpt2.doc_token == EOT
+    other = int(np.asarray(gpt2.shards[0])[1])  # a token id that is not 50256, as if it were the separator
+    (prepped / "docs_manifest.json").write_text(json.dumps({**manifest, "tokenizer": {"id": "x", "eot": other}}))
+    loader = DataLoader(prepped, "train", batch_size=2, block_size=8, packing="document")
+    assert loader.doc_token == other and loader.num_samples != gpt2.num_samples
+    for tokens, rows in zip(loader.shards, loader.rows):
+        separators = np.flatnonzero(np.asarray(tokens) == other)
+        for p in rows.start.tolist():  # a segment starts at a separator, a piece border of a long document, or 0
+            doc = separators[separators <= p].max(initial=0)
+            assert p == doc or (p - doc) % 8 == 0, (p, doc)

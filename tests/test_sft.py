@@ -35,7 +35,7 @@ def write_jsonl(path, rows):
 def sft_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("sft")
     prepare_data.main(["--input", str(write_jsonl(d / "chat.jsonl", ROWS)), "--format", "sft", "--out_dir",
-                       str(d / "data"), "--block_size", str(BLOCK), "--shard_tokens", str(4 * BLOCK)])
+                       str(d / "data"), "--shard_tokens", str(4 * BLOCK), "--val_tokens", "40"])  # no block_size
     return d / "data"
 
 
@@ -44,28 +44,40 @@ def messages_of(row):
 
 
 def test_prep_round_trips_both_formats(sft_dir):
-    """Rows hold whole conversations from their start, in order; decode(tokens) is the rendered text; the mask
-    covers exactly the assistant contents and their <|end|>; padding is <|endoftext|>, masked."""
+    """The shards hold every conversation whole, in order (decode(tokens) is the rendered text), and the mask
+    covers exactly the assistant contents and their <|end|>."""
     enc = chat.tokenizer()
     texts, trained = [], []
     for split in ("val", "train"):
-        for loader in [DataLoader(sft_dir, split, 1, BLOCK, shuffle=False)]:
-            for tokens, mask in zip(loader.shards, loader.masks):
-                assert tokens[-1] == chat.EOT and mask[-1] == 0 and len(tokens) % BLOCK == 1
-                for r in range(len(tokens) // BLOCK):
-                    row, m = tokens[r * BLOCK:(r + 1) * BLOCK].tolist(), mask[r * BLOCK:(r + 1) * BLOCK].tolist()
-                    assert row[0] == chat.EOT and m[0] == 0  # a row starts at a conversation start
-                    while row[-1] == chat.EOT:  # padding (a conversation ends with <|end|>), masked
-                        assert m[-1] == 0
-                        row, m = row[:-1], m[:-1]
-                    texts.append(enc.decode(row))
-                    trained.append(enc.decode([t for t, k in zip(row, m) if k]))
-    rendered = [render(messages_of(r)) for r in ROWS]
-    assert "".join(texts) == "".join(rendered)
+        loader = DataLoader(sft_dir, split, 1, BLOCK, shuffle=False)
+        for tokens, mask in zip(loader.shards, loader.masks):
+            assert tokens[0] == chat.EOT and mask[0] == 0  # a shard starts at a conversation start
+            texts.append(enc.decode(tokens.tolist()))
+            trained.append(enc.decode([t for t, k in zip(tokens.tolist(), mask.tolist()) if k]))
+    assert "".join(texts) == "".join(render(messages_of(r)) for r in ROWS)
     assert "".join(trained) == "".join(m["content"] + "<|end|>" for r in ROWS for m in messages_of(r)
                                        if m["role"] == "assistant")
     manifest = json.loads((sft_dir / "chat_manifest.json").read_text())
-    assert manifest["summary"]["conversations"] == len(ROWS) and manifest["summary"]["skipped"] == 0
+    assert manifest["summary"]["conversations"] == len(ROWS)
+
+
+def test_rows_hold_whole_conversations_at_any_block_size(sft_dir):
+    """Rows are built at load time: each starts at a conversation start and holds whole conversations; y is -1
+    where the mask is off and on the padding; every trained token of the split is a target once per epoch."""
+    enc = chat.tokenizer()
+    for block in (BLOCK, 2 * BLOCK, 3 * BLOCK + 5):
+        loader = DataLoader(sft_dir, "train", 4, block, seed=1)
+        trained = []
+        xs, ys = zip(*(loader.next_batch() for _ in range(-(-loader.num_samples // 4))))
+        for row, target in list(zip(torch.cat(xs).tolist(), torch.cat(ys).tolist()))[:loader.num_samples]:
+            assert row[0] == chat.EOT
+            text = enc.decode(row + [t for t in target[-1:] if t != -1])  # + the last target, if trained
+            while text.endswith("<|endoftext|>"):  # padding
+                text = text.removesuffix("<|endoftext|>")
+            assert text.startswith("<|endoftext|><|") and text.endswith("<|end|>")  # whole conversations
+            trained += [t for t in target if t != -1]
+        assert len(trained) == loader.trained_tokens == sum(int(m.sum()) for m in loader.masks)
+        assert f"{loader.trained_tokens:,} trained" in loader.summary()
 
 
 @pytest.mark.parametrize("line, expected", [
@@ -85,33 +97,85 @@ def test_bad_lines_are_one_line_errors_naming_file_and_line(tmp_path, capsys, li
     assert "\n" not in message and message.startswith(f"prepare_data.py: error: {path}:2: ") and expected in message
 
 
-def test_too_long_conversations_are_skipped_counted_and_reported(tmp_path, capsys):
-    long = {"prompt": "x " * 40, "completion": "y"}
+def test_too_long_conversations_are_left_out_at_load_time_counted_and_reported(tmp_path, capsys):
+    long = {"prompt": "x " * 40, "completion": "y"}  # 47 tokens
     path = write_jsonl(tmp_path / "c.jsonl", [ROWS[0], long, *ROWS[3:6]])
     s = prepare_data.main(["--input", str(path), "--format", "sft", "--out_dir", str(tmp_path / "o"),
-                           "--block_size", str(BLOCK)])
-    assert s["skipped"] == 1 and s["conversations"] == 4
-    assert f"skipped 1 conversation(s) longer than --block_size {BLOCK}: {path}:2 (" in capsys.readouterr().out
+                           "--block_size", str(BLOCK), "--val_tokens", "1"])
+    assert s["too_long"] == 1 and s["conversations"] == 5 and s["longest"] == 47
+    out = capsys.readouterr().out
+    assert f"1 conversation(s) longer than block_size+1 = {BLOCK + 1} tokens, which training at block_size {BLOCK} " \
+           f"leaves out: {path}:2 (47 tokens); block_size >= 46 keeps them all" in out
+    loader = DataLoader(tmp_path / "o", "train", 1, BLOCK)
+    assert loader.num_samples == 1 and loader.summary().endswith(
+        f"; 1 conversation(s) longer than block_size+1 = {BLOCK + 1} tokens left out (the longest has 47: "
+        f"block_size >= 46 keeps them all)")
+    assert "left out" not in DataLoader(tmp_path / "o", "train", 1, 46).summary()
+
+
+def test_every_conversation_longer_than_a_row_asks_for_a_larger_block_size(sft_dir):
+    with pytest.raises(ShardError, match=r"every val conversation is longer than block_size\+1 = 9 tokens \(the "
+                                         r"shortest has \d+\); train with block_size >= \d+"):
+        DataLoader(sft_dir, "val", 1, 8)
 
 
 def test_loader_yields_minus_one_where_the_mask_is_off(sft_dir):
     loader = DataLoader(sft_dir, "train", 3, BLOCK, shuffle=False)
     x, y = loader.next_batch()
-    mask = torch.from_numpy(loader.masks[0][:3 * BLOCK + 1].astype(np.int64))
-    tokens = torch.from_numpy(loader.shards[0][:3 * BLOCK + 1].astype(np.int64))
-    expected = torch.where(mask[1:] == 1, tokens[1:], -1).view(3, BLOCK)
-    assert torch.equal(y, expected) and (y == -1).any() and (y != -1).any()
-    assert torch.equal(x, tokens[:-1].view(3, BLOCK))
+    rows = loader.rows[0]
+    for r in range(3):  # row r: its segments of the shard, then padding
+        segs = range(rows.ptr[r], rows.ptr[r + 1])
+        tokens = np.concatenate([loader.shards[0][rows.start[i]:rows.start[i] + rows.length[i]] for i in segs])
+        mask = np.concatenate([loader.masks[0][rows.start[i]:rows.start[i] + rows.length[i]] for i in segs])
+        n = len(tokens)
+        assert x[r, :n].tolist() == tokens[:BLOCK].tolist() and (x[r, n:] == chat.EOT).all()
+        expected = np.where(mask[1:] == 1, tokens[1:].astype(np.int64), -1)
+        assert y[r, :n - 1].tolist() == expected.tolist()[:BLOCK] and (y[r, n - 1:] == -1).all()
+    assert (y == -1).any() and (y != -1).any()
 
 
-def test_loader_checks_the_masks(sft_dir, tmp_path):
-    with pytest.raises(ShardError, match=f"packed for block_size {BLOCK}, this run has block_size 16"):
-        DataLoader(sft_dir, "train", 1, 16)
+def sft_copy(sft_dir, tmp_path):
     import shutil
     shutil.copytree(sft_dir, tmp_path / "d")
-    (tmp_path / "d" / "chat_train_000001.mask").unlink()
-    with pytest.raises(ShardError, match="chat_train_000001.mask: missing loss-mask shard"):
-        DataLoader(tmp_path / "d", "train", 1, BLOCK)
+    return tmp_path / "d"
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("missing", r"chat_train_000001.mask: missing loss-mask shard \(chat_manifest.json lists it\); prepare the data"),
+    ("all_missing", r"chat_val_000000.mask: missing loss-mask shard \(chat_manifest.json lists it\)"),
+    ("value", r"chat_train_000001.mask: loss-mask value 7 at token 3 \(a mask holds 0 and 1 only\)"),
+    ("bits", r"chat_train_000001.mask: [\d,]+ trained tokens, chat_manifest.json records [\d,]+: the mask changed"),
+    ("all_zero", r"the loss masks of the train shards mark no token as trained; prepare the data again"),
+    ("old_format", (r"chat_train_000001.mask: rows packed for block_size 32 by an older prepare_data.py; prepare the "
+                    r"data again with `prepare_data.py --format sft`")),
+])
+def test_loader_checks_the_masks_against_the_manifest(sft_dir, tmp_path, case, expected):
+    import os
+    d = sft_copy(sft_dir, tmp_path)
+    mask = d / "chat_train_000001.mask"
+    if case == "missing":
+        mask.unlink()
+    elif case == "all_missing":
+        for m in d.glob("*.mask"):
+            m.unlink()
+    elif case == "all_zero":  # no manifest to compare with: masks that train nothing are still refused
+        (d / "chat_manifest.json").unlink()
+        for m in d.glob("chat_train_*.mask"):
+            m.write_bytes(m.read_bytes()[:1024] + bytes(m.stat().st_size - 1024))
+    else:
+        data = bytearray(mask.read_bytes())
+        if case == "value":
+            data[1024 + 3] = 7
+        elif case == "bits":
+            rng = np.random.default_rng(0)
+            data[1024:] = rng.integers(0, 2, len(data) - 1024, dtype=np.uint8).tobytes()
+        else:
+            data[12:16] = (32).to_bytes(4, "little")
+        mask.write_bytes(bytes(data))
+        later = (d / "chat_manifest.json").stat().st_mtime + 5
+        os.utime(mask, (later, later))  # what any write does (set here: filesystem clocks can be coarse)
+    with pytest.raises(ShardError, match=expected):
+        DataLoader(d, "val" if case == "all_missing" else "train", 1, BLOCK)
 
 
 def test_masked_rows_get_no_gradient_from_the_chunked_loss():
@@ -148,10 +212,9 @@ def test_step_loss_is_the_mean_over_the_trained_tokens_of_all_micro_batches(sft_
     loss_sum, trained = parallel.forward_backward(model, loader, 2, scaler, Env())
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    # independently: logits of every position, CE over the positions whose target token is in the mask
-    masks = [torch.from_numpy(loader.masks[0][:4 * BLOCK + 1].astype(bool))]
-    tokens = torch.from_numpy(loader.shards[0][:4 * BLOCK + 1].astype(np.int64))
-    x, tgt, keep = tokens[:-1].view(4, BLOCK), tokens[1:].view(4, BLOCK), masks[0][1:].view(4, BLOCK)
+    # independently: logits of every position, CE over the positions with a trained target
+    x, tgt = torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
+    keep = tgt != -1
     logits = model.hidden_states(x) @ model.lm_head.weight.t()
     ref = F.cross_entropy(logits[keep], tgt[keep])
     ref.backward()
@@ -178,6 +241,14 @@ def test_resume_with_sft_data_is_bit_exact_and_logs_trained_tokens(sft_dir, tmp_
     full, split = train_metrics(tmp_path / "full"), train_metrics(tmp_path / "split")
     assert list(split) == list(range(1, 9)) and split == full
     assert all(0 < n < 4 * BLOCK for _, n in full.values())  # trained tokens: the masked targets are left out
+
+
+def test_sft_data_prepared_once_trains_at_two_block_sizes(sft_dir, tmp_path, capsys):
+    for block in (BLOCK, 2 * BLOCK):
+        assert run(sft_dir, tmp_path / str(block), f"--block_size={block}", "--max_steps=2", "--eval_interval=2") == 0
+        assert len(train_metrics(tmp_path / str(block))) == 2
+    out = capsys.readouterr().out
+    assert "trained;" in out or " trained" in out
 
 
 class ScriptedModel:
