@@ -177,7 +177,8 @@ def manifest_records(paths, split):
     describe, after checking that each manifest covers its `split` shards: the prep finished (the manifest says
     complete, and no prepare_data.py holds the directory's lock), every shard it lists is there at its recorded
     size, and no shard under its <name>_ prefix is unlisted. ShardError naming the file otherwise. Shards
-    without a manifest (nanoGPT's, build-nanogpt's) are left out."""
+    without a manifest (nanoGPT's, build-nanogpt's) are left out; mixed in one directory with shards a manifest
+    lists, they are a ShardError too."""
     from files import lock_holder
     found, paths = {}, [Path(p) for p in paths]
     for directory in sorted({p.parent for p in paths}):
@@ -207,6 +208,11 @@ def manifest_records(paths, split):
                                  f"{directory}, or run prepare_data.py again")
             written = manifest.stat().st_mtime_ns  # after each of its shards
             found.update({path: {**r, "manifest_mtime_ns": written} for path, r in records.items()})
+        mine = [p for p in paths if p.parent == directory]
+        stray = [p for p in mine if p not in found]
+        if stray and len(stray) < len(mine):  # a prep's shards mixed with others no manifest vouches for
+            raise ShardError(f"{stray[0]}: in no prep manifest of {directory}, unlike its other {split} shards (copied "
+                             f"in from elsewhere?); move it out, or give data_dir as a glob of the shards to train on")
     return found
 
 
@@ -249,7 +255,11 @@ def find_shards(data_dir, split):
     else:
         raise NoShardsError(f"{data_dir}: no such data directory")
     word = re.compile(rf"(^|[_.-]){split}($|[_.-])")
-    paths = [p for p in candidates if p.suffix in SHARD_SUFFIXES and p.is_file() and word.search(p.stem)]
+    named = [p for p in candidates if p.suffix in SHARD_SUFFIXES and word.search(p.stem)]
+    dangling = [p for p in named if p.is_symlink() and not p.exists()]
+    if dangling:  # not skipped: the run would train on less data than the directory shows
+        raise ShardError(f"{dangling[0]}: a symlink to {os.readlink(dangling[0])}, which does not exist")
+    paths = [p for p in named if p.is_file()]
     if not paths:
         raise NoShardsError(f"{data_dir}: no {split} shards (*.bin or *.npy files with '{split}' in the name)")
     return paths
