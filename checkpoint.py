@@ -789,6 +789,9 @@ def consolidate(src, dst):
     """Write the sharded checkpoint directory `src` as the single-file checkpoint `dst` (resumable too)."""
     if not is_sharded(src):
         raise CheckpointError(f"{src}: not a sharded checkpoint directory (expected ckpt_XXXXXX/ with {META})")
+    if Path(src).resolve() in (Path(dst).resolve(), *Path(dst).resolve().parents):  # e.g. SRC/meta.pt: damages SRC
+        raise CheckpointError(f"{dst}: inside the checkpoint {src} it is made from; write it outside, e.g. "
+                              f"{Path(src).resolve().with_suffix('.pt')}")
     ckpt = load_checkpoint(src)  # verified: a damaged directory is refused
     if not all(torch.isfinite(t).all() for t in ckpt["model"].values()):
         raise CheckpointError(f"{src}: its weights hold NaN/inf; not writing them to {dst}")

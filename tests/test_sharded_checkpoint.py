@@ -182,3 +182,15 @@ def test_sha256sums_lists_only_regular_files_inside_the_directory(tmp_path, dead
         (tmp_path / "sums").write_text(good)
         with pytest.raises(CheckpointError, match=r"unreadable checksum file SHA256SUMS \(is a symlink"):
             load_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize("dst", ["meta.pt", "one.pt", "."])
+def test_consolidate_refuses_to_write_inside_its_source(tmp_path, capsys, dst):
+    """SRC/meta.pt as DST would overwrite the source's own meta.pt and leave that checkpoint damaged."""
+    ckpt = tmp_path / "ckpt_000005"
+    tiny_sharded_checkpoint(ckpt)
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    assert checkpoint.main(["consolidate", str(ckpt), str(ckpt / dst)]) == 2
+    assert f"inside the checkpoint {ckpt} it is made from" in one_line_error(capsys)
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    assert load_checkpoint(ckpt)["step"] == 5
