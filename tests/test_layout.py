@@ -1,6 +1,7 @@
 """The codebase's shape: who imports whom. train.py is imported by nobody but
 tests, and library modules form no import cycle, so each can be read and tested on its own."""
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -11,16 +12,19 @@ def imports_by_module():
     """{module: set of top-level repo modules it imports} for every .py under the repo (tests excluded)."""
     files = [p for p in ROOT.rglob("*.py") if ".venv" not in p.parts and "tests" not in p.parts]
     local = {p.stem for p in ROOT.glob("*.py")}
-    graph = {}
-    for path in files:
-        names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names |= {alias.name.split(".")[0] for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names.add(node.module.split(".")[0])
-        graph[str(path.relative_to(ROOT).with_suffix("")).replace("/", ".")] = names & local
-    return graph
+    return {str(path.relative_to(ROOT).with_suffix("")).replace("/", "."): top_level_imports(path) & local
+            for path in files}
+
+
+def top_level_imports(path):
+    """The top-level package names the file at `path` imports, anywhere in it (inside functions too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
 
 
 def test_no_module_imports_an_entry_point():
@@ -43,6 +47,26 @@ def test_no_import_cycles():
 
     for module in graph:
         visit(module, [])
+
+
+# packages the scripts import that requirements.txt does not list, and why that is right
+PULLED_IN = {"huggingface_hub": "datasets", "pyarrow": "datasets", "tiktoken_ext": "tiktoken"}  # -> who installs it
+OPTIONAL = {"wandb": "wandb_log=True", "tensorboard": "tensorboard_dir", "matplotlib": "plot_metrics.py",
+            "tokenizers": "a model directory's own tokenizer.json"}
+
+
+def test_requirements_txt_installs_what_the_scripts_import():
+    """The README's set-up (requirements.txt) runs every command it lists, `checkpoint.py export` included: each
+    third-party package a top-level module imports is listed, pulled in by one that is, or an optional extra."""
+    import sys
+    listed = {re.split(r"[<>=!~ ;\[]", line.split("#")[0].strip())[0].lower().replace("-", "_")
+              for line in (ROOT / "requirements.txt").read_text().splitlines() if line.split("#")[0].strip()}
+    local = {p.stem for p in ROOT.glob("*.py")}
+    imported = {name: path.name for path in sorted(ROOT.glob("*.py")) for name in top_level_imports(path)
+                if name not in local and name not in sys.stdlib_module_names}
+    unlisted = {name: where for name, where in imported.items()
+                if name.lower() not in listed and PULLED_IN.get(name) not in listed and name not in OPTIONAL}
+    assert not unlisted, f"imported but not in requirements.txt: {unlisted}"
 
 
 def test_docs_document_every_config_key():
