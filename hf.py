@@ -201,12 +201,22 @@ def _qkv_to_neox(t: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def _download_from_hub(name: str) -> Path:
+    """The hub's files of GPT-2 `name` (config.json + model.safetensors), from the local Hugging Face cache if they
+    are there, else downloaded into it. OSError saying what it fetched and the offline alternative otherwise."""
+    repo, files = f"openai-community/{name}", ["config.json", "model.safetensors"]
+    offline = (f"without network access, give a local Hugging Face directory instead: fetch it where the network is "
+               f"reachable (`hf download {repo} {' '.join(files)} --local-dir {name}-hf`), copy it here and use "
+               f"init_from='{name}-hf' (or --init_from {name}-hf)")
     try:
         from huggingface_hub import snapshot_download
     except ImportError as e:
-        raise ImportError(f"from_pretrained({name!r}) needs huggingface_hub (pip install huggingface_hub) "
-                          "or a local directory with config.json + model.safetensors") from e
-    return Path(snapshot_download(f"openai-community/{name}", allow_patterns=["config.json", "model.safetensors"]))
+        raise ImportError(f"from_pretrained({name!r}) needs huggingface_hub (pip install huggingface_hub) to "
+                          f"download {repo}; {offline}") from e
+    try:
+        return Path(snapshot_download(repo, allow_patterns=files))
+    except Exception as e:  # noqa: BLE001 -- the hub's and its HTTP client's errors: no route, DNS, proxy, 404...
+        raise OSError(f"cannot fetch {name!r} ({repo}: {' and '.join(files)}) from the Hugging Face hub and it is not "
+                      f"in the local cache ({first_line(e)}); {offline}") from None
 
 
 def _read_hf_config(path: Path) -> dict:

@@ -127,6 +127,30 @@ def test_from_pretrained_errors_are_clear(tmp_path):
         from_pretrained(str(tmp_path))
 
 
+def test_a_hub_name_that_cannot_be_fetched_says_what_it_fetched_and_the_offline_way(monkeypatch, capsys):
+    """No network (here: huggingface_hub's own offline error) is one line naming the repository and files, and
+    what to do instead: a local Hugging Face directory."""
+    import huggingface_hub
+    import sample
+
+    def no_network(repo_id, allow_patterns):
+        raise huggingface_hub.errors.LocalEntryNotFoundError(
+            "Got: ConnectError: [Errno -2] Name or service not known\nAn error happened while trying to locate the "
+            "files on the Hub, and we cannot find the appropriate snapshot folder")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
+    with pytest.raises(OSError) as err:
+        from_pretrained("gpt2-medium")
+    message = str(err.value)
+    assert "cannot fetch 'gpt2-medium' (openai-community/gpt2-medium: config.json and model.safetensors)" in message
+    assert "ConnectError" in message and "local Hugging Face directory" in message and "\n" not in message
+    assert "hf download openai-community/gpt2-medium config.json model.safetensors --local-dir" in message
+    with pytest.raises(SystemExit) as exit_:
+        sample.main(["--init_from", "gpt2", "--device", "cpu", "--prompt", "x"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and ": error: cannot fetch" in err and "\n" not in err
+    assert "cannot fetch 'gpt2' (openai-community/gpt2" in err
+
+
 def test_adamw_step_matches_hf_plus_torch_adamw(tmp_path):
     hf = hf_gpt()
     hf.save_pretrained(tmp_path)
