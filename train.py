@@ -306,7 +306,7 @@ def run(user):
     progress = restore(ckpt, raw_model, optimizer, scaler, train_loader) if ckpt else Progress()
 
     out_dir, tracker = Path(cfg.out_dir), start_tracking(cfg, ckpt, progress, total_batch_size, env)
-    log(f"config ('*' = set on this command line):\n{config_table(cfg, user)}")
+    log(config_table(cfg, user))
     log(run_summary(raw_model, is_compiled(model), cfg, env, total_batch_size, grad_accum, ckpt and ckpt["step"]))
     if ckpt is not None:
         restore_rngs(ckpt, env)

@@ -80,6 +80,16 @@ def test_config_file_then_command_line(tmp_path):
     assert parse_args(["--out_dir=123"]) == {"out_dir": "123"}  # a str key keeps the text as written
 
 
+def test_the_config_table_marks_keys_from_the_config_file_and_the_command_line(tmp_path):
+    cfg_file = tmp_path / "my.py"
+    cfg_file.write_text("n_layer = 4\n")
+    user = parse_args([str(cfg_file), "--max_steps=7"])
+    table = config.config_table(make_config(user), user).splitlines()
+    assert table[0] == "config ('*' = set in a config file or by --key=value):"
+    marked = {line.split()[1] for line in table[1:] if line.lstrip().startswith("*")}
+    assert marked == {"n_layer", "max_steps"}
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--lerning_rate=1e-3"], "unknown config key 'lerning_rate' (did you mean 'learning_rate'?)"),
     (["--max_steps=1.5"], "config key 'max_steps' expects int, got float 1.5"),
