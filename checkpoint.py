@@ -786,7 +786,8 @@ def _consolidated(ckpt):
 
 
 def consolidate(src, dst):
-    """Write the sharded checkpoint directory `src` as the single-file checkpoint `dst` (resumable too)."""
+    """Write the sharded checkpoint directory `src` as the single-file checkpoint `dst` (resumable too); returns
+    its step."""
     if not is_sharded(src):
         raise CheckpointError(f"{src}: not a sharded checkpoint directory (expected ckpt_XXXXXX/ with {META})")
     if Path(src).resolve() in (Path(dst).resolve(), *Path(dst).resolve().parents):  # e.g. SRC/meta.pt: damages SRC
@@ -796,6 +797,7 @@ def consolidate(src, dst):
     if not all(torch.isfinite(t).all() for t in ckpt["model"].values()):
         raise CheckpointError(f"{src}: its weights hold NaN/inf; not writing them to {dst}")
     save_checkpoint(dst, ckpt)
+    return ckpt["step"]
 
 
 def load_model(ckpt=None, init_from=None, device="cpu"):
@@ -878,16 +880,17 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         if args.command == "consolidate":
-            consolidate(args.src, args.dst)
+            step = consolidate(args.src, args.dst)
         else:
             model, info = load_model(ckpt=args.src)
             from chat import CHAT_TEMPLATE
             save_pretrained(model, args.dst, tokenizer_dir=info["hf_dir"],
                             chat_template=CHAT_TEMPLATE if args.chat else None)
+            step = info["step"]
     except (CheckpointError, OSError, ValueError, ImportError, RuntimeError) as err:
         report_error("checkpoint.py", err)
         return 2
-    print(f"wrote {args.dst}")
+    print(f"wrote {args.dst}: step {step} of {args.src}")  # an out_dir means its newest good checkpoint: which one
     return 0
 
 

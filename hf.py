@@ -10,6 +10,7 @@ residual and an untied output head: all options of GPTConfig.
 """
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -136,6 +137,9 @@ def save_pretrained(model: GPT, out_dir: str, tokenizer_dir: str | None = None, 
     stop = [eos, chat_tokens["<|end|>"]] if chat_tokens else eos  # a chat model's reply ends at <|end|>
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eos, "eos_token_id": stop}) + "\n")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    umask = os.umask(0o022)  # safetensors creates the file 0600: give it the mode its siblings have
+    os.umask(umask)
+    os.chmod(out / "model.safetensors", 0o666 & ~umask)
 
 
 def _hf_config(cfg, vocab: int, eos: int, neox: bool) -> dict:
