@@ -2,7 +2,11 @@
 tests, and library modules form no import cycle, so each can be read and tested on its own."""
 import ast
 import re
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY_POINTS = {"train"}  # the training script: its functions are not an API
@@ -75,3 +79,14 @@ def test_docs_document_every_config_key():
     table = (ROOT / "docs" / "config.md").read_text()
     missing = [key for key in config.config_docs() if f"| `{key}` |" not in table]
     assert not missing, f"docs/config.md's key table lacks {missing}: regenerate it (config.key_table())"
+
+
+def test_what_the_documented_commands_write_is_ignored_by_git():
+    """README's and docs/'s commands write these at the root of a clone: none shows up in `git status`."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    written = ["out/shakespeare/ckpt_000300.pt", "data/shakespeare/x_train_000000.bin", "hf_out/model.safetensors",
+               "hf_shakespeare/config.json", "runs/shakespeare/events", "wandb/run-1/files", "lm_eval_out/results.json"]
+    shown = subprocess.run(["git", "check-ignore", "--no-index", "--verbose", "--non-matching", *written], cwd=ROOT,
+                           capture_output=True, text=True).stdout.splitlines()
+    assert not [line for line in shown if line.startswith("::")], shown
