@@ -1,5 +1,6 @@
 """The codebase's shape: who imports whom. train.py is imported by nobody but
-tests, and library modules form no import cycle, so each can be read and tested on its own."""
+tests, and library modules form no import cycle, so each can be read and tested on its own. And what a clone
+needs around the code: requirements.txt installs what the scripts import, .gitignore hides what they write."""
 import ast
 import re
 import shutil
