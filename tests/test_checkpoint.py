@@ -309,7 +309,8 @@ def test_a_file_sidecar_verifies_the_file_beside_it_whatever_it_names(tmp_path, 
             checksum_path(path).symlink_to(sidecar)
             with pytest.raises(CheckpointError, match="unreadable checksum file .*not a regular file"):
                 load_checkpoint(path)
-        assert latest_checkpoint(tmp_path) is None
+        with pytest.raises(CheckpointError, match="none of its 1 checkpoints loads"):
+            load_latest_checkpoint(tmp_path, note=lambda message: None)
 
 
 def test_a_copied_pair_renamed_to_best_verifies_the_copy(tmp_path):
