@@ -166,6 +166,9 @@ def report(cfg, world_size: int, gpus_per_node: int = 8) -> tuple[MemoryPlan, Dr
 
 
 DRY_RUN_FLAGS = {"world_size": int, "gpus_per_node": int, "device_memory_gib": float}  # dryrun.py's own, not config keys
+# a plan over this many times the device memory cannot fit (the simulation has stayed within 15% of the plan on every
+# shipped config): refused from the plan, not simulated (an absurd config's simulation takes minutes)
+NOT_SIMULATED_ABOVE = 1.5
 
 
 def main(argv=None) -> int:
@@ -187,7 +190,18 @@ def main(argv=None) -> int:
                 raise ConfigError(f"{arg}: expected {DRY_RUN_FLAGS[key].__name__}") from None
         if flags.get("world_size", 0) < 1 or flags["gpus_per_node"] < 1:
             raise ConfigError("dryrun.py needs --world_size=N (N >= 1; and --gpus_per_node >= 1)")
-        _, sim, text = report(make_config(parse_args(rest)), flags["world_size"], flags["gpus_per_node"])
+        if not 0 < flags["device_memory_gib"] < float("inf"):  # nan fails this too
+            raise ConfigError(f"--device_memory_gib={flags['device_memory_gib']}: expected a number of GiB > 0")
+        cfg = make_config(parse_args(rest))
+        if cfg.batch_size == "auto":
+            raise ConfigError("the dry run needs batch_size set (it simulates a given micro-batch), not 'auto'")
+        plan = dry_run_plan(cfg, flags["world_size"], flags["gpus_per_node"])
+        if plan.total > NOT_SIMULATED_ABOVE * flags["device_memory_gib"] * GiB:
+            print(f"{plan.line()}\ndoes NOT fit: the plan alone is {gib(plan.total)} GiB per rank, over "
+                  f"{NOT_SIMULATED_ABOVE:g} x {flags['device_memory_gib']:g} GiB per device: not simulated (to "
+                  f"simulate it anyway, give a larger --device_memory_gib)")
+            return 1
+        _, sim, text = report(cfg, flags["world_size"], flags["gpus_per_node"])
     except (ConfigError, ValueError) as e:
         report_error("dryrun.py", e)
         return 2
