@@ -20,8 +20,8 @@ import re
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
+from console import progress_bar
 from files import atomic_write
 
 MAGIC = 20240520
@@ -229,8 +229,8 @@ def check_shards_vocab(paths, shards, vocab_size, progress=True, chunk=1 << 26, 
         else:
             todo.append((path, tokens))
     total = sum(len(tokens) for _, tokens in todo)
-    with tqdm(total=total, unit="tok", unit_scale=True, desc="checking token ids", dynamic_ncols=True,
-              disable=not progress or 2 * total < 2**30) as bar:
+    with progress_bar(total=total, unit="tok", unit_scale=True, desc="checking token ids",
+                      show=progress and 2 * total >= 2**30) as bar:
         for path, tokens in todo:
             top = 0
             for start in range(0, len(tokens), chunk):

@@ -23,14 +23,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from chat import CHAT_VOCAB
 from checkpoint import CheckpointError, is_checkpoint, load_checkpoint, load_sharded_checkpoint
 from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text, make_config, model_config, parse_args
 from data import DataLoader, NoShardsError, ShardError
 from devices import autocast, fused_adamw_supported, peak_flops, peak_memory
-from console import log
+from console import log, progress_bar
 from files import Halt, LockError, atomic_write, report_error
 from hf import from_pretrained, pad_vocab
 from memory import fitting_forward_backward, in_micro_batches, probe_batch_size, resolve_batch_size
@@ -320,7 +319,7 @@ def run(user):
     peak = peak_flops(torch.cuda.get_device_name(env.device) if env.kind == "cuda" else env.kind, env.dtype)
     hellaswag_examples, start_step, stopping, finished = [], progress.step, False, False
     saved_step = start_step
-    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not env.master, unit="step", dynamic_ncols=True)
+    bar = progress_bar(total=cfg.max_steps, initial=start_step, show=env.master, unit="step")
     try:
         while True:
             step, last = progress.step, progress.step >= cfg.max_steps

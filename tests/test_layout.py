@@ -91,3 +91,9 @@ def test_what_the_documented_commands_write_is_ignored_by_git():
     shown = subprocess.run(["git", "check-ignore", "--no-index", "--verbose", "--non-matching", *written], cwd=ROOT,
                            capture_output=True, text=True).stdout.splitlines()
     assert not [line for line in shown if line.startswith("::")], shown
+
+
+def test_every_progress_bar_is_consoles():
+    """console.progress_bar is the one bar (on a terminal only): no other module makes its own with tqdm."""
+    makers = sorted(p.name for p in ROOT.glob("*.py") if "tqdm" in top_level_imports(p))
+    assert makers == ["console.py"], makers
