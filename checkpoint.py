@@ -1,5 +1,6 @@
-"""Checkpoint files: atomic writes, finding the newest complete one, safe loading; and the model flags
-(--ckpt/--init_from/--device/--dtype/--cache_dir) that sample.py and hellaswag.py share.
+"""Checkpoint files: their format, atomic writes, finding the newest good one, safe loading, sharded (DCP) saves
+and loads, consolidate/export; load_model and the model flags (--ckpt/--init_from/--device/--dtype/--cache_dir)
+that sample.py and hellaswag.py share. How a training run resumes from them is resume.py's.
 
 A checkpoint is out_dir/ckpt_{step:06d}.pt, a torch.save'd dict of tensors and plain Python
 containers only, so it loads with torch.load(weights_only=True) (no pickled code runs):
@@ -22,8 +23,7 @@ Each checkpoint's sha256 is recorded in a sidecar, ckpt_{step:06d}.pt.sha256 (`s
 written before the checkpoint is renamed into place, so a checkpoint written here never lacks one. The sidecar
 verifies the file it sits beside, whatever name is written in it (verify_checkpoint). Every
 load verifies it: a damaged file is an error naming it, and a directory (out_dir) means its newest
-checkpoint that verifies and loads, with a note for each newer one skipped. A checkpoint without a
-sidecar (written before sidecars existed) loads with a note.
+checkpoint that verifies and loads, with a note for each newer one skipped.
 
 A sharded run (parallel='fsdp'/'hsdp') writes a directory out_dir/ckpt_{step:06d}/ instead: model and
 optimizer as torch.distributed.checkpoint (DCP) shards, every rank writing its own part in parallel
@@ -217,9 +217,9 @@ def read_checksums(sidecar, follow_symlinks=True, limit=1 << 24):
 
 
 def verify_checkpoint(path):
-    """True if the checkpoint at `path` has the sha256 recorded when it was written; False if none was
-    recorded (a checkpoint from before sidecars); CheckpointError naming the file if it differs, or if the
-    sidecar is not one (unreadable, not a regular file, or naming what it cannot verify).
+    """Check that the checkpoint at `path` has the sha256 recorded when it was written: CheckpointError naming the
+    file if it differs, if none was recorded (every checkpoint is written with its sidecar), or if the sidecar is
+    not one (unreadable, not a regular file, or naming what it cannot verify).
 
     A file's sidecar (ckpt_000100.pt.sha256) is one line, and it verifies the file it sits beside: the name in
     it is for `sha256sum -c`, not trusted to pick what is hashed (a copied pair renamed to best.pt and
@@ -227,7 +227,7 @@ def verify_checkpoint(path):
     a regular file in the directory (no '/', '..' or symlink), so nothing outside it is ever opened."""
     path, sidecar = Path(path), checksum_path(path)
     if not os.path.lexists(sidecar):
-        return False
+        raise CheckpointError(f"{path}: no {sidecar.name}: cannot verify the checkpoint")
     directory = path.is_dir()
     try:
         recorded = read_checksums(sidecar, follow_symlinks=not directory)
@@ -253,7 +253,6 @@ def verify_checkpoint(path):
         if actual != digest:
             raise CheckpointError(f"{path}: damaged: its sha256 is {actual[:16]}..., {sidecar.name} recorded "
                                   f"{digest[:16]}... when it was written")
-    return True
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -374,21 +373,21 @@ def load_checkpoint(path, map_location="cpu", consolidate=True, note=functools.p
     path = Path(path)
     if path.is_dir() and not is_sharded(path):
         return load_latest_checkpoint(path, map_location, consolidate, note, verify)[0]
-    if path.is_dir():  # every shard verified (or, without a SHA256SUMS, present) before any tensor is read
+    if path.is_dir():  # every shard present and verified before any tensor is read
         check_shards(path)
-        verified = verify and verify_checkpoint(path)
-        if verify and not verified:
-            note(f"{path} has no {SUMS} (written before sharded checkpoints recorded their sha256): loaded unverified")
-        ckpt = _load_file(path / META, map_location, note, verify)
+        if verify:
+            verify_checkpoint(path)
+        ckpt = _load_file(path / META, map_location, verify)
         ckpt["shards"] = str(path)
         return _consolidated(ckpt) if consolidate else ckpt
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
-    return _load_file(path, map_location, note, verify)
+    return _load_file(path, map_location, verify)
 
 
-def _load_file(path, map_location, note, verify=True):
-    verified = verify_checkpoint(path) if verify else None
+def _load_file(path, map_location, verify=True):
+    if verify:
+        verify_checkpoint(path)
     try:
         # mmap: tensors are read from the file as they are touched, and ranks on one node share the page
         # cache instead of each reading the whole checkpoint into its own memory (8 x 18 GB at 1.5B)
@@ -402,9 +401,6 @@ def _load_file(path, map_location, note, verify=True):
                if not isinstance(ckpt.get(key), kind)]
     if missing:
         raise CheckpointError(f"{path}: incomplete gpt2-train checkpoint: no {missing[0]!r}")
-    if verified is False:
-        note(f"{path} has no {checksum_path(path).name} (written before checkpoints recorded their sha256): "
-             f"loaded unverified")
     return ckpt
 
 
