@@ -25,7 +25,6 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 
 import assets
 from checkpoint import add_model_args, load_model_from_args
