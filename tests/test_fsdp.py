@@ -288,7 +288,7 @@ def test_under_torchrun_a_rank_other_than_0_hashes_nothing(data_dir, tmp_path, m
     assert train.main([*COMMON, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_steps=2",
                        "--save_interval=1"]) == 0
     hashed, real = [], checkpoint.file_sha256
-    monkeypatch.setattr(checkpoint, "file_sha256", lambda path: hashed.append(path) or real(path))
+    monkeypatch.setattr(checkpoint, "file_sha256", lambda path, **kw: hashed.append(path) or real(path, **kw))
     user = train.parse_args(["--init_from=resume", f"--out_dir={tmp_path}"])
     for rank, expected in (("1", []), ("0", [tmp_path / "ckpt_000002.pt"])):
         monkeypatch.setenv("RANK", rank)
