@@ -246,10 +246,10 @@ import checkpoint, files, train
 out, argv = sys.argv[1], sys.argv[2:]
 hashed, real = [], files.file_sha256
 
-def file_sha256(path):  # what each rank hashes before its first step
+def file_sha256(path, **kw):  # what each rank hashes before its first step
     if not hashed or hashed[-1] != "started":
         hashed.append(os.path.basename(str(path)))
-    return real(path)
+    return real(path, **kw)
 
 checkpoint.file_sha256 = file_sha256
 real_restore = train.restore
