@@ -1,9 +1,10 @@
 """The one way the library speaks, and the one answer to "which rank am I?".
 
 log() is every progress line and note of a run or a script: rank 0 only (the other ranks see the same things),
-through tqdm so a progress bar stays whole; progress_bar() is every bar, on a terminal only. is_rank0() and launched_by_torchrun() read torchrun's environment, so
-they work before the process group exists; distributed() says whether it does. A script's result (a sample's text,
-a --json line, a printed report) is the program's output, not a note: it is printed in the script's main().
+through tqdm so a progress bar stays whole; progress_bar() is every bar, on a terminal only. is_rank0() and
+launched_by_torchrun() read torchrun's environment, so they work before the process group exists; distributed()
+says whether it does. A script's result (a sample's text, a --json line, a printed report) is the program's output,
+not a note: it is printed in the script's main().
 
 No torch import here: prepare_data's tokenizer workers import this through files.py.
 """

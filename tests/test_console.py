@@ -1,4 +1,5 @@
 """console.py: the one progress bar, shown on a terminal and out of the way when the output goes to a file."""
+
 import io
 import sys
 
@@ -23,7 +24,19 @@ def test_a_progress_bar_shows_on_a_terminal_and_steps_aside_in_a_file(monkeypatc
 def test_a_prep_logged_to_a_file_has_no_bar_redraws_between_its_lines(tmp_path, capsys):
     """`python prepare_data.py ... > log 2>&1`: stderr is a file, so the lines are all there is (no '\\r' redraws)."""
     src = write_jsonl(tmp_path / "docs.jsonl", make_docs(60, seed=7))
-    prepare_data.main(["--input", str(src), "--out_dir", str(tmp_path / "out"), "--shard_tokens", "300",
-                       "--val_tokens", "200", "--num_proc", "1"])
+    prepare_data.main(
+        [
+            "--input",
+            str(src),
+            "--out_dir",
+            str(tmp_path / "out"),
+            "--shard_tokens",
+            "300",
+            "--val_tokens",
+            "200",
+            "--num_proc",
+            "1",
+        ]
+    )
     out, err = capsys.readouterr()
     assert out and "\r" not in out + err and "tokenizing" not in err

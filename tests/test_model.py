@@ -79,6 +79,7 @@ def test_a_hub_name_that_cannot_be_fetched_says_what_it_fetched_and_the_offline_
     """No network (here: huggingface_hub's own offline error) is one line naming the repository and files, and
     what to do instead: a local Hugging Face directory."""
     import huggingface_hub
+
     import sample
 
     def no_network(repo_id, allow_patterns):
