@@ -20,7 +20,8 @@ set of checkpoints or the new one, never a truncated ckpt_*.pt. Before writing, 
 checked against the checkpoint's size.
 
 Each checkpoint's sha256 is recorded in a sidecar, ckpt_{step:06d}.pt.sha256 (`sha256sum -c` reads it),
-written before the checkpoint is renamed into place, so a checkpoint written here never lacks one. Every
+written before the checkpoint is renamed into place, so a checkpoint written here never lacks one. The sidecar
+verifies the file it sits beside, whatever name is written in it (verify_checkpoint). Every
 load verifies it: a damaged file is an error naming it, and a directory (out_dir) means its newest
 checkpoint that verifies and loads, with a note for each newer one skipped.
 
@@ -59,7 +60,7 @@ import optim
 import assets
 from console import distributed, log
 from devices import DTYPES, resolve_device, resolve_dtype
-from files import atomic_write, file_sha256, first_line, fsync_dir, report_error
+from files import atomic_write, file_sha256, first_line, fsync_dir, open_regular, report_error
 from hf import from_pretrained, save_pretrained
 from model import GPT, GPTConfig
 
@@ -195,13 +196,20 @@ def save_checkpoint(path, obj):
                               f"nothing was written, the previous checkpoints are kept") from None
 
 
-def read_checksums(sidecar):
-    """{file name: sha256} from a sidecar in sha256sum's format ('<hex>  <name>' per line)."""
+def read_checksums(sidecar, follow_symlinks=True, limit=1 << 24):
+    """{file name: sha256} from a sidecar in sha256sum's format ('<hex>  <name>' per line): a regular file of at
+    most `limit` bytes (files.open_regular: a FIFO or a device is refused, never read), each name once."""
+    with open_regular(sidecar, follow_symlinks) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"over {limit:,} bytes")
     recorded = {}
-    for line in Path(sidecar).read_text().splitlines():
+    for line in data.decode().splitlines():
         digest, sep, name = line.partition("  ")
         if not sep or not re.fullmatch(r"[0-9a-f]{64}", digest) or not name.strip():
             raise ValueError(f"not a sha256sum line: {line[:80]!r}")
+        if name.strip() in recorded:
+            raise ValueError(f"{name.strip()!r} is listed twice")
         recorded[name.strip()] = digest
     if not recorded:
         raise ValueError("empty")
@@ -210,23 +218,38 @@ def read_checksums(sidecar):
 
 def verify_checkpoint(path):
     """Check that the checkpoint at `path` has the sha256 recorded when it was written: CheckpointError naming the
-    file if it differs or none was recorded (every checkpoint is written with its sidecar).
+    file if it differs, if none was recorded (every checkpoint is written with its sidecar), or if the sidecar is
+    not one (unreadable, not a regular file, or naming what it cannot verify).
 
-    The sidecar may list several files (`<hex>  <name>` lines, names relative to its directory): every one
-    must match, which is how a checkpoint made of several files (a directory) would be verified too."""
+    A file's sidecar (ckpt_000100.pt.sha256) is one line, and it verifies the file it sits beside: the name in
+    it is for `sha256sum -c`, not trusted to pick what is hashed (a copied pair renamed to best.pt and
+    best.pt.sha256 verifies best.pt). A sharded directory's SHA256SUMS lists its files by plain names: each must be
+    a regular file in the directory (no '/', '..' or symlink), so nothing outside it is ever opened."""
     path, sidecar = Path(path), checksum_path(path)
-    if not sidecar.is_file():
+    if not os.path.lexists(sidecar):
         raise CheckpointError(f"{path}: no {sidecar.name}: cannot verify the checkpoint")
+    directory = path.is_dir()
     try:
-        recorded = read_checksums(sidecar)
+        recorded = read_checksums(sidecar, follow_symlinks=not directory)
+        if not directory and len(recorded) != 1:
+            raise ValueError(f"{len(recorded)} lines; a checkpoint file's sidecar has one")
     except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable checksum file {sidecar.name} ({e}); cannot verify the "
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+        raise CheckpointError(f"{path}: unreadable checksum file {sidecar.name} ({reason}); cannot verify the "
                               f"checkpoint") from None
-    for name, digest in recorded.items():
+    if directory:
+        outside = [name for name in recorded if "/" in name or "\0" in name or name in (".", "..")]
+        if outside:
+            raise CheckpointError(f"{path}: {SUMS} names {outside[0]!r}, not a file of this directory; cannot verify "
+                                  f"the checkpoint")
+        files = {path / name: digest for name, digest in recorded.items()}
+    else:
+        files = {path: next(iter(recorded.values()))}
+    for file, digest in files.items():
         try:
-            actual = file_sha256(sidecar.parent / name)
+            actual = file_sha256(file, follow_symlinks=not directory)
         except OSError as e:
-            raise CheckpointError(f"{path}: cannot read {name} to verify it ({e.strerror})") from None
+            raise CheckpointError(f"{path}: cannot read {file.name} to verify it ({e.strerror})") from None
         if actual != digest:
             raise CheckpointError(f"{path}: damaged: its sha256 is {actual[:16]}..., {sidecar.name} recorded "
                                   f"{digest[:16]}... when it was written")
@@ -552,13 +575,18 @@ def _consolidated(ckpt):
 
 
 def consolidate(src, dst):
-    """Write the sharded checkpoint directory `src` as the single-file checkpoint `dst` (resumable too)."""
+    """Write the sharded checkpoint directory `src` as the single-file checkpoint `dst` (resumable too); returns
+    its step."""
     if not is_sharded(src):
         raise CheckpointError(f"{src}: not a sharded checkpoint directory (expected ckpt_XXXXXX/ with {META})")
+    if Path(src).resolve() in (Path(dst).resolve(), *Path(dst).resolve().parents):  # e.g. SRC/meta.pt: damages SRC
+        raise CheckpointError(f"{dst}: inside the checkpoint {src} it is made from; write it outside, e.g. "
+                              f"{Path(src).resolve().with_suffix('.pt')}")
     ckpt = load_checkpoint(src)  # verified: a damaged directory is refused
     if not all(torch.isfinite(t).all() for t in ckpt["model"].values()):
         raise CheckpointError(f"{src}: its weights hold NaN/inf; not writing them to {dst}")
     save_checkpoint(dst, ckpt)
+    return ckpt["step"]
 
 
 def load_model(ckpt=None, init_from=None, device="cpu"):
@@ -639,16 +667,17 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         if args.command == "consolidate":
-            consolidate(args.src, args.dst)
+            step = consolidate(args.src, args.dst)
         else:
             model, info = load_model(ckpt=args.src)
             from chat import CHAT_TEMPLATE
             save_pretrained(model, args.dst, tokenizer_dir=info["hf_dir"],
                             chat_template=CHAT_TEMPLATE if args.chat else None)
+            step = info["step"]
     except (CheckpointError, OSError, ValueError, ImportError, RuntimeError) as err:
         report_error("checkpoint.py", err)
         return 2
-    print(f"wrote {args.dst}")
+    print(f"wrote {args.dst}: step {step} of {args.src}")  # an out_dir means its newest good checkpoint: which one
     return 0
 
 

@@ -242,9 +242,11 @@ def batch_layout(cfg, world_size):
 
 
 def config_table(cfg, user):
-    """The resolved config, one 'key  value' row per key; '*' marks keys set on this command line."""
+    """The resolved config under a legend line, one 'key  value' row per key; '*' marks the keys the user set
+    (parse_args: in a config file or by --key=value)."""
     width = max(map(len, FIELD_TYPES))
-    return "\n".join(f"  {'*' if k in user else ' '} {k:<{width}}  {v!r}" for k, v in asdict(cfg).items())
+    rows = [f"  {'*' if k in user else ' '} {k:<{width}}  {v!r}" for k, v in asdict(cfg).items()]
+    return "\n".join(["config ('*' = set in a config file or by --key=value):", *rows])
 
 
 def key_table():

@@ -1,9 +1,10 @@
 """The one way the library speaks, and the one answer to "which rank am I?".
 
 log() is every progress line and note of a run or a script: rank 0 only (the other ranks see the same things),
-through tqdm so a progress bar stays whole. is_rank0() and launched_by_torchrun() read torchrun's environment, so
-they work before the process group exists; distributed() says whether it does. A script's result (a sample's text,
-a --json line, a printed report) is the program's output, not a note: it is printed in the script's main().
+through tqdm so a progress bar stays whole; progress_bar() is every bar, on a terminal only. is_rank0() and
+launched_by_torchrun() read torchrun's environment, so they work before the process group exists; distributed()
+says whether it does. A script's result (a sample's text, a --json line, a printed report) is the program's output,
+not a note: it is printed in the script's main().
 
 No torch import here: prepare_data's tokenizer workers import this through files.py.
 """
@@ -40,3 +41,10 @@ def log(message, note=False, error=False):
             sys.stderr.flush()
     elif is_rank0():
         tqdm.write(f"note: {message}" if note else message, file=sys.stderr if note else sys.stdout)
+
+
+def progress_bar(iterable=None, show=True, **kwargs):
+    """A tqdm progress bar on stderr, shown only where it can redraw itself in place: `show` (rank 0, work long
+    enough) and stderr a terminal. Written into a file (a job's log, `> log 2>&1`) its redraws would interleave
+    with the step lines: there it steps aside (tqdm's disable=None), and the lines log() prints remain."""
+    return tqdm(iterable, disable=None if show else True, dynamic_ncols=True, **kwargs)

@@ -24,9 +24,9 @@ import re
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from assets import EOT
+from console import progress_bar
 from files import atomic_write
 
 MAGIC = 20240520
@@ -212,7 +212,8 @@ def manifest_records(paths, split):
     describe, after checking that each manifest covers its `split` shards: the prep finished (the manifest says
     complete, and no prepare_data.py holds the directory's lock), every shard it lists is there at its recorded
     size, and no shard under its <name>_ prefix is unlisted. ShardError naming the file otherwise. Shards
-    without a manifest (nanoGPT's, build-nanogpt's) are left out."""
+    without a manifest (nanoGPT's, build-nanogpt's) are left out; mixed in one directory with shards a manifest
+    lists, they are a ShardError too."""
     from files import lock_holder
     found, paths = {}, [Path(p) for p in paths]
     for directory in sorted({p.parent for p in paths}):
@@ -245,6 +246,11 @@ def manifest_records(paths, split):
             doc_token = {"doc_token": int(tokenizer["eot"])} if tokenizer.get("eot") is not None else {}
             found.update({path: {**r, "manifest": manifest.name, "manifest_mtime_ns": written, **doc_token}
                           for path, r in records.items()})
+        mine = [p for p in paths if p.parent == directory]
+        stray = [p for p in mine if p not in found]
+        if stray and len(stray) < len(mine):  # a prep's shards mixed with others no manifest vouches for
+            raise ShardError(f"{stray[0]}: in no prep manifest of {directory}, unlike its other {split} shards (copied "
+                             f"in from elsewhere?); move it out, or give data_dir as a glob of the shards to train on")
     return found
 
 
@@ -261,8 +267,8 @@ def check_shards_vocab(paths, shards, vocab_size, progress=True, chunk=1 << 26, 
         else:
             todo.append((path, tokens))
     total = sum(len(tokens) for _, tokens in todo)
-    with tqdm(total=total, unit="tok", unit_scale=True, desc="checking token ids", dynamic_ncols=True,
-              disable=not progress or 2 * total < 2**30) as bar:
+    with progress_bar(total=total, unit="tok", unit_scale=True, desc="checking token ids",
+                      show=progress and 2 * total >= 2**30) as bar:
         for path, tokens in todo:
             top = 0
             for start in range(0, len(tokens), chunk):
@@ -287,7 +293,11 @@ def find_shards(data_dir, split):
     else:
         raise NoShardsError(f"{data_dir}: no such data directory")
     word = re.compile(rf"(^|[_.-]){split}($|[_.-])")
-    paths = [p for p in candidates if p.suffix in SHARD_SUFFIXES and p.is_file() and word.search(p.stem)]
+    named = [p for p in candidates if p.suffix in SHARD_SUFFIXES and word.search(p.stem)]
+    dangling = [p for p in named if p.is_symlink() and not p.exists()]
+    if dangling:  # not skipped: the run would train on less data than the directory shows
+        raise ShardError(f"{dangling[0]}: a symlink to {os.readlink(dangling[0])}, which does not exist")
+    paths = [p for p in named if p.is_file()]
     if not paths:
         raise NoShardsError(f"{data_dir}: no {split} shards (*.bin or *.npy files with '{split}' in the name)")
     return paths

@@ -9,6 +9,7 @@ import errno
 import hashlib
 import os
 import socket
+import stat
 from pathlib import Path
 
 from console import log
@@ -101,10 +102,24 @@ def atomic_write(path, data):
     fsync_dir(path.parent)
 
 
-def file_sha256(path):
-    """Hex sha256 of a file, read in 16 MiB blocks."""
+def open_regular(path, follow_symlinks=True):
+    """`path` opened for binary reading if it is a regular file; else an OSError naming it. Opened without
+    blocking and checked before a byte is read: a FIFO (whose open would wait for a writer) or a device such as
+    /dev/zero (endless) is refused, never read. follow_symlinks=False refuses a symlink too."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | (0 if follow_symlinks else getattr(os, "O_NOFOLLOW", 0))
+    if not follow_symlinks and os.path.islink(path):  # O_NOFOLLOW's own error (ELOOP) would not say so
+        raise OSError(errno.ELOOP, "is a symlink, not a regular file", str(path))
+    fd = os.open(path, flags)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file (a FIFO, device or directory)", str(path))
+    return os.fdopen(fd, "rb")
+
+
+def file_sha256(path, follow_symlinks=True):
+    """Hex sha256 of a regular file (open_regular), read in 16 MiB blocks."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path, follow_symlinks) as f:
         for block in iter(lambda: f.read(1 << 24), b""):
             h.update(block)
     return h.hexdigest()

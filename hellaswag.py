@@ -25,11 +25,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import assets
 from checkpoint import add_model_args, load_model_from_args
-from console import distributed
+from console import distributed, progress_bar
 from devices import autocast, tune_cpu_allocator
 from files import report_error
 
@@ -165,7 +164,7 @@ def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None,
     try:
         rows_per_forward = 4 * batch_size
         batches = [order[i:i + rows_per_forward] for i in range(0, len(order), rows_per_forward)]
-        for batch in tqdm(batches, desc="hellaswag", unit="batch", dynamic_ncols=True, disable=not progress):
+        for batch in progress_bar(batches, show=progress, desc="hellaswag", unit="batch"):
             if stop is not None and stop():
                 abandoned = 1
                 break

@@ -10,6 +10,7 @@ residual and an untied output head: all options of GPTConfig.
 """
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -134,6 +135,9 @@ def save_pretrained(model: GPT, out_dir: str, tokenizer_dir: str | None = None, 
     stop = [eos, chat_tokens["<|end|>"]] if chat_tokens else eos  # a chat model's reply ends at <|end|>
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eos, "eos_token_id": stop}) + "\n")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    umask = os.umask(0o022)  # safetensors creates the file 0600: give it the mode its siblings have
+    os.umask(umask)
+    os.chmod(out / "model.safetensors", 0o666 & ~umask)
 
 
 def _hf_config(cfg, vocab: int, eos: int, neox: bool) -> dict:
@@ -199,12 +203,22 @@ def _qkv_to_neox(t: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def _download_from_hub(name: str) -> Path:
+    """The hub's files of GPT-2 `name` (config.json + model.safetensors), from the local Hugging Face cache if they
+    are there, else downloaded into it. OSError saying what it fetched and the offline alternative otherwise."""
+    repo, files = f"openai-community/{name}", ["config.json", "model.safetensors"]
+    offline = (f"without network access, give a local Hugging Face directory instead: fetch it where the network is "
+               f"reachable (`hf download {repo} {' '.join(files)} --local-dir {name}-hf`), copy it here and use "
+               f"init_from='{name}-hf' (or --init_from {name}-hf)")
     try:
         from huggingface_hub import snapshot_download
     except ImportError as e:
-        raise ImportError(f"from_pretrained({name!r}) needs huggingface_hub (pip install huggingface_hub) "
-                          "or a local directory with config.json + model.safetensors") from e
-    return Path(snapshot_download(f"openai-community/{name}", allow_patterns=["config.json", "model.safetensors"]))
+        raise ImportError(f"from_pretrained({name!r}) needs huggingface_hub (pip install huggingface_hub) to "
+                          f"download {repo}; {offline}") from e
+    try:
+        return Path(snapshot_download(repo, allow_patterns=files))
+    except Exception as e:  # noqa: BLE001 -- the hub's and its HTTP client's errors: no route, DNS, proxy, 404...
+        raise OSError(f"cannot fetch {name!r} ({repo}: {' and '.join(files)}) from the Hugging Face hub and it is not "
+                      f"in the local cache ({first_line(e)}); {offline}") from None
 
 
 def _read_hf_config(path: Path) -> dict:

@@ -35,10 +35,9 @@ from collections import deque
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from assets import EOT, fetch_shakespeare, get_tokenizer
-from console import log
+from console import log, progress_bar
 from data import HEADER_BYTES, MASK_SUFFIX, SHARD_SUFFIXES, write_mask, write_shard
 from files import LockError, atomic_write, directory_lock, error_message, file_sha256, first_line
 
@@ -490,8 +489,8 @@ def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=Non
             pool = multiprocessing.get_context(start_method).Pool(num_proc) if num_proc > 1 else None
             with pool or contextlib.nullcontext():
                 batches = document_batches(non_empty(texts()), batch_chars, start_doc=writer.start[0])
-                bar = tqdm(total=count(), initial=num_docs, unit="doc", disable=not progress, dynamic_ncols=True,
-                           desc=f"tokenizing ({num_proc} proc)")
+                bar = progress_bar(total=count(), initial=num_docs, unit="doc", show=progress,
+                                   desc=f"tokenizing ({num_proc} proc)")
                 for first, tokens, lengths in tokenized(batches, pool, max_pending=4 * num_proc):
                     writer.add(first, tokens, lengths)
                     num_docs = first + len(lengths)

@@ -23,14 +23,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from chat import CHAT_VOCAB
 from checkpoint import CheckpointError, is_checkpoint, load_checkpoint, load_sharded_checkpoint
 from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text, make_config, model_config, parse_args
 from data import DataLoader, NoShardsError, ShardError
 from devices import autocast, fused_adamw_supported, peak_flops, peak_memory
-from console import distributed, log
+from console import distributed, log, progress_bar
 from files import Halt, LockError, atomic_write, report_error
 from hf import from_pretrained, pad_vocab
 from memory import fitting_forward_backward, in_micro_batches, probe_batch_size
@@ -62,10 +61,12 @@ def make_loaders(cfg, env):
     """Train and val loaders: every rank reads its own slice of one global, world-size-invariant stream.
     Every shard is validated here, token ids included, before step 1."""
     def loader(split):  # batch_size='auto': 1 until probe_batch_size sets it
-        return DataLoader(cfg.data_dir, split, 1 if cfg.batch_size == "auto" else cfg.batch_size, cfg.block_size, rank=env.rank,
-                          world_size=env.world_size, seed=cfg.seed, vocab_size=cfg.vocab_size, packing=cfg.packing)
+        return DataLoader(cfg.data_dir, split, 1 if cfg.batch_size == "auto" else cfg.batch_size, cfg.block_size,
+                          rank=env.rank, world_size=env.world_size, seed=cfg.seed, vocab_size=cfg.vocab_size,
+                          packing=cfg.packing)
     try:
-        train_loader, val_loader = loader("train"), loader("val") if cfg.eval_interval > 0 else None
+        train_loader = loader("train")
+        val_loader = loader("val") if cfg.eval_interval > 0 else None
     except NoShardsError as e:
         from prepare_data import prepare_command
         raise NoShardsError(f"{e}; prepare it with `{prepare_command(cfg.data_dir)}`") from None
@@ -305,7 +306,7 @@ def run(user):
 
     out_dir = Path(cfg.out_dir)
     tracker = start_tracking(cfg, ckpt, progress, total_batch_size, env)
-    log(f"config ('*' = set on this command line):\n{config_table(cfg, user)}")
+    log(config_table(cfg, user))
     log(run_summary(raw_model, is_compiled(model), cfg, env, total_batch_size, grad_accum, ckpt and ckpt["step"]))
     if ckpt is not None:
         restore_rngs(ckpt, env)
@@ -321,7 +322,7 @@ def run(user):
     saved_step = start_step
     stopping = False
     finished = False
-    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not env.master, unit="step", dynamic_ncols=True)
+    bar = progress_bar(total=cfg.max_steps, initial=start_step, show=env.master, unit="step")
     try:
         while True:
             step = progress.step

@@ -81,3 +81,28 @@ def fake_gpus(monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: capability >= (8, 0))
         return state
     return make
+
+
+@pytest.fixture
+def deadline():
+    """deadline(seconds): a with block that fails instead of hanging past `seconds` (SIGALRM: a blocked open() of
+    a FIFO or an endless read of /dev/zero is interrupted). It raises a BaseException, so that no `except OSError`
+    or `except Exception` in the code under test turns the hang into an expected error."""
+    import contextlib
+    import signal
+
+    class Hung(BaseException):
+        pass
+
+    @contextlib.contextmanager
+    def limit(seconds):
+        def expire(signum, frame):
+            raise Hung(f"still running after {seconds} s")
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    return limit

@@ -282,3 +282,47 @@ def test_disk_filling_up_midway_is_one_line_and_leaves_no_temporary_file(tmp_pat
                               "free some disk space; nothing was written, the previous checkpoints are kept")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_000001.pt", "ckpt_000001.pt.sha256"]
     assert load_checkpoint(tmp_path)["step"] == 1
+
+
+def test_a_file_sidecar_verifies_the_file_beside_it_whatever_it_names(tmp_path, deadline):
+    """The name inside ckpt_000001.pt.sha256 is for `sha256sum -c`: a loader never opens it, so a sidecar naming
+    /dev/zero or a FIFO cannot hang it, and any other file it names cannot vouch for this one."""
+    path = checkpoint_path(tmp_path, 1)
+    save_checkpoint(path, fake_ckpt(1))
+    digest = file_sha256(path)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with deadline(30):
+        for named in ["/dev/zero", str(fifo), "../../etc/passwd", "ckpt_000001.pt"]:
+            checksum_path(path).write_text(f"{digest}  {named}\n")
+            assert load_checkpoint(path)["step"] == 1, named
+        checksum_path(path).write_text(f"{'0' * 64}  /dev/zero\n")
+        with pytest.raises(CheckpointError, match="damaged"):
+            load_checkpoint(path)
+        checksum_path(path).write_text(f"{digest}  ckpt_000001.pt\n{digest}  other.pt\n")
+        with pytest.raises(CheckpointError, match=r"unreadable checksum file ckpt_000001.pt.sha256 \(2 lines"):
+            load_checkpoint(path)
+        for sidecar in ["/dev/zero", str(fifo)]:  # the sidecar itself a device or a FIFO: refused, not read
+            checksum_path(path).unlink()
+            checksum_path(path).symlink_to(sidecar)
+            with pytest.raises(CheckpointError, match="unreadable checksum file .*not a regular file"):
+                load_checkpoint(path)
+        with pytest.raises(CheckpointError, match="none of its 1 checkpoints loads"):
+            load_latest_checkpoint(tmp_path, note=lambda message: None)
+
+
+def test_a_copied_pair_renamed_to_best_verifies_the_copy(tmp_path):
+    """ckpt_000030.pt + its sidecar copied to best.pt + best.pt.sha256: the sidecar still names ckpt_000030.pt
+    inside, and it verifies best.pt: a damaged best.pt is refused, an intact one loads on its own."""
+    original, best = checkpoint_path(tmp_path, 30), tmp_path / "best.pt"
+    save_checkpoint(original, fake_ckpt(30, big=torch.randn(4096)))
+    shutil.copy(original, best)
+    shutil.copy(checksum_path(original), checksum_path(best))
+    assert "ckpt_000030.pt" in checksum_path(best).read_text()
+    overwrite(best, tensor_offset(best, load_checkpoint(best)["big"]) + 1000, os.urandom(16))
+    with pytest.raises(CheckpointError, match=r"best.pt: damaged: its sha256 is"):
+        load_checkpoint(best)
+    shutil.copy(original, best)
+    original.unlink()  # the original gone: the copy verifies alone
+    checksum_path(original).unlink()
+    assert load_checkpoint(best, note=pytest.fail)["step"] == 30

@@ -592,6 +592,8 @@ def test_an_id_that_appears_after_the_start_check_is_a_shard_error_naming_the_po
     ("foreign", r"docs_train_000099.bin: not in docs_manifest.json \(another prep's shard\?\)"),
     ("unfinished", r"docs_manifest.json: the prep that writes docs_\* did not finish"),
     ("locked", r"is being written by prepare_data.py \(pid"),
+    ("unmanifested", r"other_train_000000.bin: in no prep manifest of .*, unlike its other train shards"),
+    ("dangling symlink", r"docs_train_000002.bin: a symlink to .*gone.bin, which does not exist"),
 ])
 def test_the_loader_trains_only_on_what_the_manifest_lists(prepped, case, expected):
     from files import directory_lock
@@ -608,10 +610,18 @@ def test_the_loader_trains_only_on_what_the_manifest_lists(prepped, case, expect
     elif case == "unfinished":
         manifest["complete"] = False
         (prepped / "docs_manifest.json").write_text(json.dumps(manifest))
+    elif case == "unmanifested":  # another dataset's shard copied in: not silently mixed into this prep's
+        write_shard(prepped / "other_train_000000.bin", np.arange(300))
+    elif case == "dangling symlink":  # not silently skipped: the run would train on less than the directory shows
+        shard.unlink()
+        shard.symlink_to(prepped / "gone.bin")
     with lock if case == "locked" else contextlib.nullcontext():
         with pytest.raises(ShardError, match=expected):
             DataLoader(prepped, "train", batch_size=2, block_size=8, vocab_size=50304)
     DataLoader(prepped, "val", batch_size=2, block_size=8) if case in ("missing", "replaced", "foreign") else None
+    if case == "unmanifested":  # a glob picks the prep's shards; the other dataset alone is shards without a manifest
+        DataLoader(str(prepped / "docs_*"), "train", batch_size=2, block_size=8, vocab_size=50304)
+        DataLoader(str(prepped / "other_*"), "train", batch_size=2, block_size=8, vocab_size=50304)
 
 
 # ---------------------------------------------------------------------------- document rows (packing='document')

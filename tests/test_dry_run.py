@@ -126,10 +126,26 @@ def test_probe_reserves_nccl_buffers_and_resets_the_peak_memory_stats(monkeypatc
 def test_cli_exits_1_above_device_memory_and_2_on_a_bad_flag(monkeypatch, capsys):
     seen = []
     monkeypatch.setattr(dryrun, "report", lambda cfg, world_size, gpus_per_node: seen.append(
-        (cfg.n_layer, world_size, gpus_per_node)) or (None, dryrun.DryRun({"params": 2 * GiB}, []), "the table"))
+        (cfg.n_layer, world_size, gpus_per_node)) or (None, dryrun.DryRun({"params": 6 * GiB}, []), "the table"))
     config = str(ROOT / "configs" / "gpt3_125m.py")
-    assert dryrun.main([config, "--world_size=16", "--n_layer=3", "--device_memory_gib=1.5"]) == 1
-    assert "does NOT fit: simulated peak 2.0 GiB > 1.5 GiB" in capsys.readouterr().out
+    assert dryrun.main([config, "--world_size=16", "--n_layer=3", "--device_memory_gib=4"]) == 1  # plan 4.8 GiB
+    assert "does NOT fit: simulated peak 6.0 GiB > 4 GiB" in capsys.readouterr().out
     assert dryrun.main([config, "--world_size=16", "--gpus_per_node=4"]) == 0 and seen == [(3, 16, 8), (12, 16, 4)]
     assert dryrun.main([config]) == 2 and "--world_size=N" in capsys.readouterr().err
     assert dryrun.main([config, "--world_size=eight"]) == 2 and "expected int" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_device_memory_that_is_not_a_size_and_a_config_its_plan_rules_out(monkeypatch, capsys):
+    """--device_memory_gib nan, -1, 0 or inf is a usage error; a config whose plan is far over the device memory
+    is refused from the plan in a moment, not simulated for minutes."""
+    monkeypatch.setattr(dryrun, "dry_run", lambda *a, **k: pytest.fail("simulated"))
+    config = str(ROOT / "configs" / "gpt3_125m.py")
+    for bad in ["nan", "-1", "0", "inf"]:
+        assert dryrun.main([config, "--world_size=8", f"--device_memory_gib={bad}"]) == 2
+        assert "expected a number of GiB > 0" in capsys.readouterr().err
+    assert dryrun.main([config, "--world_size=8", "--n_layer=2000"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("estimated peak memory per rank: ") and "does NOT fit: the plan alone is" in out
+    assert "not simulated" in out
+    assert dryrun.main([config, "--world_size=8", "--batch_size='auto'"]) == 2
+    assert "needs batch_size set" in capsys.readouterr().err

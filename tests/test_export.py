@@ -42,6 +42,18 @@ def run(tmp_path_factory):
     return out
 
 
+def test_export_says_which_step_it_wrote_and_its_files_are_readable_by_all(tmp_path, capsys):
+    """An out_dir means its newest good checkpoint: the line says which step that was. model.safetensors gets the
+    mode its siblings get (safetensors itself creates it 0600)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=50304, n_layer=1, n_head=2, n_embd=16))
+    write_checkpoint(tmp_path / "run" / "ckpt_000003.pt", model)
+    assert checkpoint.main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'hf'}: step 3 of {tmp_path / 'run'}\n"
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert "model.safetensors" in modes and len(set(modes.values())) == 1, modes
+
+
 def test_exported_tokenizer_encodes_and_decodes_as_tiktoken(run):
     tok = transformers.AutoTokenizer.from_pretrained(run / "hf")
     enc = get_tokenizer()

@@ -91,6 +91,19 @@ def test_file_sha256(tmp_path):
     assert file_sha256(tmp_path / "x") == hashlib.sha256(data).hexdigest()
 
 
+def test_file_sha256_refuses_a_fifo_or_a_device_without_reading_it(tmp_path, deadline):
+    os.mkfifo(tmp_path / "fifo")  # open() for reading would wait for a writer; read() of /dev/zero never ends
+    (tmp_path / "link").symlink_to(tmp_path / "x")
+    (tmp_path / "x").write_bytes(b"x")
+    with deadline(30):
+        for path in [tmp_path / "fifo", "/dev/zero", tmp_path]:
+            with pytest.raises(OSError, match="not a regular file"):
+                file_sha256(path)
+    assert file_sha256(tmp_path / "link") == hashlib.sha256(b"x").hexdigest()
+    with pytest.raises(OSError, match="is a symlink"):
+        file_sha256(tmp_path / "link", follow_symlinks=False)
+
+
 HOLD_LOCK = """
 import sys, time
 import files

@@ -245,10 +245,10 @@ import checkpoint, files, train
 out, argv = sys.argv[1], sys.argv[2:]
 hashed, real = [], files.file_sha256
 
-def file_sha256(path):  # what each rank hashes before its first step
+def file_sha256(path, **kw):  # what each rank hashes before its first step
     if not hashed or hashed[-1] != "started":
         hashed.append(os.path.basename(str(path)))
-    return real(path)
+    return real(path, **kw)
 
 checkpoint.file_sha256 = file_sha256
 real_restore = train.restore
@@ -287,7 +287,7 @@ def test_under_torchrun_a_rank_other_than_0_hashes_nothing(data_dir, tmp_path, m
     assert train.main([*COMMON, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_steps=2",
                        "--save_interval=1"]) == 0
     hashed, real = [], checkpoint.file_sha256
-    monkeypatch.setattr(checkpoint, "file_sha256", lambda path: hashed.append(path) or real(path))
+    monkeypatch.setattr(checkpoint, "file_sha256", lambda path, **kw: hashed.append(path) or real(path, **kw))
     user = train.parse_args(["--init_from=resume", f"--out_dir={tmp_path}"])
     for rank, expected in (("1", []), ("0", [tmp_path / "ckpt_000002.pt"])):
         monkeypatch.setenv("RANK", rank)

@@ -1,9 +1,15 @@
 """The codebase's shape: who imports whom, and who speaks. train.py is imported by nobody but tests, library
 modules form no import cycle, so each can be read and tested on its own; each file keeps its one job (the
 checkpoint files apart from the run's resume policy, the memory plan apart from the dry run, the model apart from
-the optimizers); and every note goes through console.log."""
+the optimizers); every note goes through console.log and every progress bar through console.progress_bar. And what a
+clone needs around the code: requirements.txt installs what the scripts import, .gitignore hides what they write."""
 import ast
+import re
+import shutil
+import subprocess
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY_POINTS = {"train"}  # the training script: its functions are not an API
@@ -17,18 +23,22 @@ def library():
 def imports_by_module():
     """{module: set of top-level repo modules it imports} for the library, bench/, scripts/ and configs/ (not tests,
     nor what runs leave in data/ or out*/)."""
-    files = [*ROOT.glob("*.py"), *(p for folder in ("bench", "scripts", "configs") for p in (ROOT / folder).rglob("*.py"))]
+    folders = [ROOT / "bench", ROOT / "scripts", ROOT / "configs"]
+    files = [*ROOT.glob("*.py"), *(p for folder in folders for p in folder.rglob("*.py"))]
     local = {p.stem for p in ROOT.glob("*.py")}
-    graph = {}
-    for path in files:
-        names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names |= {alias.name.split(".")[0] for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names.add(node.module.split(".")[0])
-        graph[str(path.relative_to(ROOT).with_suffix("")).replace("/", ".")] = names & local
-    return graph
+    return {str(path.relative_to(ROOT).with_suffix("")).replace("/", "."): top_level_imports(path) & local
+            for path in files}
+
+
+def top_level_imports(path):
+    """The top-level package names the file at `path` imports, anywhere in it (inside functions too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
 
 
 def test_no_module_imports_an_entry_point():
@@ -53,12 +63,49 @@ def test_no_import_cycles():
         visit(module, [])
 
 
+# packages the scripts import that requirements.txt does not list, and why that is right
+PULLED_IN = {"huggingface_hub": "datasets", "pyarrow": "datasets", "tiktoken_ext": "tiktoken"}  # -> who installs it
+OPTIONAL = {"wandb": "wandb_log=True", "tensorboard": "tensorboard_dir", "matplotlib": "plot_metrics.py",
+            "tokenizers": "a model directory's own tokenizer.json"}
+
+
+def test_requirements_txt_installs_what_the_scripts_import():
+    """The README's set-up (requirements.txt) runs every command it lists, `checkpoint.py export` included: each
+    third-party package a top-level module imports is listed, pulled in by one that is, or an optional extra."""
+    import sys
+    listed = {re.split(r"[<>=!~ ;\[]", line.split("#")[0].strip())[0].lower().replace("-", "_")
+              for line in (ROOT / "requirements.txt").read_text().splitlines() if line.split("#")[0].strip()}
+    local = {p.stem for p in ROOT.glob("*.py")}
+    imported = {name: path.name for path in sorted(ROOT.glob("*.py")) for name in top_level_imports(path)
+                if name not in local and name not in sys.stdlib_module_names}
+    unlisted = {name: where for name, where in imported.items()
+                if name.lower() not in listed and PULLED_IN.get(name) not in listed and name not in OPTIONAL}
+    assert not unlisted, f"imported but not in requirements.txt: {unlisted}"
+
+
 def test_docs_document_every_config_key():
     """docs/config.md's key table is generated from config.config_docs(): a new key without a row fails here."""
     import config
     table = (ROOT / "docs" / "config.md").read_text()
     missing = [key for key in config.config_docs() if f"| `{key}` |" not in table]
     assert not missing, f"docs/config.md's key table lacks {missing}: regenerate it (config.key_table())"
+
+
+def test_what_the_documented_commands_write_is_ignored_by_git():
+    """README's and docs/'s commands write these at the root of a clone: none shows up in `git status`."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    written = ["out/shakespeare/ckpt_000300.pt", "data/shakespeare/x_train_000000.bin", "hf_out/model.safetensors",
+               "hf_shakespeare/config.json", "runs/shakespeare/events", "wandb/run-1/files", "lm_eval_out/results.json"]
+    shown = subprocess.run(["git", "check-ignore", "--no-index", "--verbose", "--non-matching", *written], cwd=ROOT,
+                           check=False, capture_output=True, text=True).stdout.splitlines()  # exit 1: one not ignored
+    assert not [line for line in shown if line.startswith("::")], shown
+
+
+def test_every_progress_bar_is_consoles():
+    """console.progress_bar is the one bar (on a terminal only): no other module makes its own with tqdm."""
+    makers = sorted(p.name for p in ROOT.glob("*.py") if "tqdm" in top_level_imports(p))
+    assert makers == ["console.py"], makers
 
 
 def test_each_file_keeps_its_one_job():
@@ -84,7 +131,7 @@ def test_every_note_goes_through_console_log():
             if not isinstance(node, ast.Call):
                 continue
             call = ast.unparse(node.func)
-            if (call == "print" and id(node) not in mains or call in ("tqdm.write", "sys.stdout.write", "sys.stderr.write")
-                    or call.endswith("dist.is_initialized")):
+            writes = call in ("tqdm.write", "sys.stdout.write", "sys.stderr.write")
+            if call == "print" and id(node) not in mains or writes or call.endswith("dist.is_initialized"):
                 offenders.append(f"{name}.py:{node.lineno}: {call}")
     assert not offenders, f"speak through console.log (ask console.distributed()): {offenders}"

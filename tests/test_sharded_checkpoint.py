@@ -2,6 +2,7 @@
 shards, every file's sha256 is checked before any tensor is read, an incomplete directory is skipped with a note,
 and every failure is one line."""
 import json
+import os
 import pickle
 
 import pytest
@@ -147,3 +148,48 @@ def test_consolidate_refuses_non_finite_weights(tmp_path, capsys):
     checkpoint.save_sharded_checkpoint(tmp_path / "ckpt_000005", meta, model, optimizer)
     assert checkpoint.main(["consolidate", str(tmp_path / "ckpt_000005"), str(tmp_path / "one.pt")]) == 2
     assert "NaN/inf" in one_line_error(capsys) and not (tmp_path / "one.pt").exists()
+
+
+def test_sha256sums_lists_only_regular_files_inside_the_directory(tmp_path, deadline):
+    """A SHA256SUMS line naming a file outside the directory ('../x', '/dev/zero'), a FIFO or a symlink inside it
+    is refused, one CheckpointError, before anything is opened: nothing hangs, nothing outside is read."""
+    run = tmp_path / "run"
+    tiny_sharded_checkpoint(run / "ckpt_000004")
+    tiny_sharded_checkpoint(run / "ckpt_000005")
+    ckpt, sums = run / "ckpt_000005", run / "ckpt_000005" / checkpoint.SUMS
+    good = sums.read_text()
+    outside = run / "x"  # ckpt_000005/../x
+    outside.write_text("anything readable")
+    os.mkfifo(ckpt / "fifo")
+    (ckpt / "link").symlink_to(outside)
+    cases = {"../x": "names '../x', not a file of this directory",
+             str(outside): f"names '{outside}', not a file of this directory",
+             "/dev/zero": "names '/dev/zero', not a file of this directory",
+             "fifo": r"cannot read fifo to verify it \(not a regular file",
+             "link": r"cannot read link to verify it \(is a symlink"}
+    with deadline(60):
+        for name, message in cases.items():
+            digest = file_sha256(outside) if name != "fifo" else "0" * 64
+            sums.write_text(good + f"{digest}  {name}\n")  # '../x' and the link: the right sha256 of a real file
+            with pytest.raises(CheckpointError, match=message):
+                load_checkpoint(ckpt)
+            notes = []
+            assert load_latest_checkpoint(run, consolidate=False, note=notes.append)[1] == run / "ckpt_000004", name
+            assert len(notes) == 1 and notes[0].startswith(f"skipping {ckpt}: ")
+        sums.unlink()
+        sums.symlink_to(tmp_path / "sums")  # SHA256SUMS itself a symlink out of the directory
+        (tmp_path / "sums").write_text(good)
+        with pytest.raises(CheckpointError, match=r"unreadable checksum file SHA256SUMS \(is a symlink"):
+            load_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize("dst", ["meta.pt", "one.pt", "."])
+def test_consolidate_refuses_to_write_inside_its_source(tmp_path, capsys, dst):
+    """SRC/meta.pt as DST would overwrite the source's own meta.pt and leave that checkpoint damaged."""
+    ckpt = tmp_path / "ckpt_000005"
+    tiny_sharded_checkpoint(ckpt)
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    assert checkpoint.main(["consolidate", str(ckpt), str(ckpt / dst)]) == 2
+    assert f"inside the checkpoint {ckpt} it is made from" in one_line_error(capsys)
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    assert load_checkpoint(ckpt)["step"] == 5
