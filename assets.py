@@ -454,16 +454,16 @@ def gpt2_tokenizer_json(cache_dir=None):
 
 
 def save_tokenizer(out_dir, model_dir=None, chat_template=None, model_max_length=None, cache_dir=None,
-                   special_tokens=None):
+                   special_tokens=None, tokenizer_json=None):
     """Write the tokenizer files transformers' AutoTokenizer reads into out_dir and return the id of
     <|endoftext|> (None if the tokenizer has none): `model_dir`/tokenizer.json copied when that file exists
     (a model imported with its own tokenizer, e.g. Pythia), else GPT-2's built offline (gpt2_tokenizer_json);
     tokenizer_config.json and special_tokens_map.json with <|endoftext|> as bos, eos and unk token, and
     `chat_template` (a Jinja string) when given; `special_tokens` ({text: id}, e.g. chat.SPECIAL) are added to
-    tokenizer.json as special tokens."""
+    tokenizer.json as special tokens. `tokenizer_json` (a checkpoint's own tokenizer.json text) wins over model_dir's."""
     own = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
-    if own is not None and own.is_file():
-        tokenizer_json = own.read_text(encoding="utf-8")
+    if tokenizer_json is not None or (own is not None and own.is_file()):
+        tokenizer_json = own.read_text(encoding="utf-8") if tokenizer_json is None else tokenizer_json
         try:
             tok = json.loads(tokenizer_json)
             eot = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}.get("<|endoftext|>")

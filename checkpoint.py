@@ -12,6 +12,8 @@ containers only, so it loads with torch.load(weights_only=True) (no pickled code
     val_loss    val loss measured at this step, or None
     best_step, best_val_loss   the best checkpoint so far (never pruned)
     format      'gpt2-train-ckpt-v1'
+    tokenizer   the run's tokenizer (assets.tokenizer_record: id, n_vocab, eot, source and the tokenizer.json text,
+                a str; None or json None: GPT-2's), so that sampling and export need nothing but the checkpoint
 
 Writes go through files.atomic_write (a hidden temporary file in the same directory, fsync'ed, renamed
 over the final name, the directory fsync'ed): a crash (even kill -9) at any moment leaves either the old
@@ -595,6 +597,8 @@ def resolve_config(user, verify=True):
         if list_checkpoints(cfg.out_dir):
             raise ConfigError(f"{cfg.out_dir} already holds checkpoints; continue with --init_from=resume, "
                               f"or pick another out_dir (or delete them) to start over")
+        if cfg.init_from != "scratch" and not is_checkpoint(cfg.init_from):  # pretrained weights, their tokenizer
+            check_tokenizer(pretrained_tokenizer(cfg.init_from), cfg.data_dir, f"init_from={cfg.init_from!r}")
         return fine_tune_config(user, cfg) if is_checkpoint(cfg.init_from) else cfg, None
     if not list_checkpoints(cfg.out_dir):
         raise ConfigError(f"init_from='resume' but {cfg.out_dir} holds no checkpoint (ckpt_XXXXXX.pt or ckpt_XXXXXX/)")
@@ -602,6 +606,31 @@ def resolve_config(user, verify=True):
     ckpt, path = load_latest_checkpoint(cfg.out_dir, consolidate=False, note=lambda message: log(message, note=True),
                                         verify=verify)
     return resumed_config(user, cfg.out_dir, {**ckpt, "path": str(path)})
+
+
+def pretrained_tokenizer(init_from):
+    """The tokenizer record (assets.tokenizer_record) of a Hugging Face model directory or hub name: its
+    tokenizer.json where it has one, else GPT-2's."""
+    own = Path(init_from) / "tokenizer.json"
+    return assets.tokenizer_record(assets.HFTokenizer(own) if own.is_file() else assets.get_tokenizer(),
+                                   source=own if own.is_file() else None)
+
+
+def check_tokenizer(saved, data_dir, what):
+    """ConfigError (one line naming both) unless data_dir's shards were tokenized with `saved`, the tokenizer record
+    of the weights a run starts from (`what`: where they are); None (a checkpoint from before tokenizers were
+    recorded) is GPT-2's. Data without a manifest (other tools' shards), or no data yet, is not checked here."""
+    from data import NoShardsError, data_tokenizer
+    try:
+        data = data_tokenizer(data_dir)
+    except NoShardsError:
+        return  # make_loaders says how to prepare it
+    saved = saved or {"id": "gpt2", "source": None}
+    if data is not None and data["id"] != saved["id"]:
+        name = lambda r: r["id"] + (f" ({r['source']})" if r.get("source") else "")  # noqa: E731
+        raise ConfigError(f"data_dir={data_dir!r} was tokenized with {name(data)}, but {what} with {name(saved)}; "
+                          f"prepare the data with the model's tokenizer (prepare_data.py --tokenizer) or start "
+                          f"from weights trained with the data's")
 
 
 def resumed_config(user, out_dir, ckpt):
@@ -618,6 +647,7 @@ def resumed_config(user, out_dir, ckpt):
         if getattr(cfg, key) != getattr(saved, key):
             raise ConfigError(f"cannot change {key} when resuming: the checkpoint {path} has "
                               f"{getattr(saved, key)!r}, the config {getattr(cfg, key)!r}")
+    check_tokenizer(ckpt.get("tokenizer"), cfg.data_dir, f"the checkpoint {path}")
     return cfg, ckpt
 
 
@@ -633,6 +663,7 @@ def fine_tune_config(user, cfg):
             raise ConfigError(f"init_from={cfg.init_from!r}: the checkpoint has {key}={getattr(saved, key)!r}, the "
                               f"config {key}={chosen[key]!r}; a fine-tuned model keeps its architecture: drop {key} "
                               f"from the config")
+    check_tokenizer(ckpt.get("tokenizer"), cfg.data_dir, f"init_from={cfg.init_from!r}")
     return make_config({**user, **{key: getattr(saved, key) for key in ARCH_KEYS}})
 
 
@@ -722,9 +753,11 @@ def kept_checkpoint(out_dir):
     return f"the last checkpoint, {found[-1][1]}, is kept (continue with --init_from=resume)"
 
 
-def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, tracker, cfg, env):
+def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, tracker, cfg, env, tokenizer=None):
     """Write a checkpoint holding everything an exact resume needs, then prune old ones: ckpt_{step}.pt from
-    rank 0, or in a sharded run the directory ckpt_{step}/ to which every rank writes its own shards."""
+    rank 0, or in a sharded run the directory ckpt_{step}/ to which every rank writes its own shards.
+    `tokenizer`: the run's assets.tokenizer_record (its tokenizer.json text, a str, goes along: a checkpoint moved
+    to another machine still samples); None is GPT-2's."""
     rngs = [rng_state()]
     if env.distributed:  # every rank's dropout RNG, so a resumed DDP run draws the same masks
         rngs = [None] * env.world_size
@@ -739,7 +772,7 @@ def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, tracker, 
     meta = {"model_args": asdict(raw_model.config), "config": asdict(cfg), "step": step,
             "scaler": scaler.state_dict() if scaler.is_enabled() else None, "loader": loader.state_dict(),
             "rng": rngs, "val_loss": val, "best_step": progress.best_step, "best_val_loss": progress.best_val,
-            "tracker": tracker.state_dict(), "format": FORMAT}
+            "tracker": tracker.state_dict(), "format": FORMAT, "tokenizer": tokenizer}
     path = checkpoint_path(out_dir, step, sharded=env.sharded)
     if env.sharded:
         save_sharded_checkpoint(path, meta, raw_model, optimizer)
@@ -775,15 +808,17 @@ def consolidate(src, dst):
 def load_model(ckpt=None, init_from=None, device="cpu"):
     """(GPT in eval mode on `device`, info dict) from a training checkpoint (file, sharded directory or
     out_dir) or from pretrained weights (init_from: 'gpt2', 'gpt2-medium', ... or a Hugging Face directory).
-    info: source, step, val_loss, config (the training config, or None) and hf_dir: the Hugging Face
-    directory the weights come from (init_from, or the run's own init_from), or None."""
+    info: source, step, val_loss, config (the training config, or None), hf_dir: the Hugging Face
+    directory the weights come from (init_from, or the run's own init_from), or None, and tokenizer: the
+    checkpoint's tokenizer record (assets.tokenizer_record; None: GPT-2's, or hf_dir's)."""
     from model import GPT, GPTConfig
 
     if (ckpt is None) == (init_from is None):
         raise ValueError("give exactly one of ckpt (a checkpoint file or out_dir) or init_from (a pretrained name)")
     if init_from is not None:
         model = from_pretrained(init_from)
-        info = {"source": str(init_from), "step": None, "val_loss": None, "config": None, "hf_dir": init_from}
+        info = {"source": str(init_from), "step": None, "val_loss": None, "config": None, "hf_dir": init_from,
+                "tokenizer": None}
     else:
         state = load_checkpoint(ckpt, consolidate=False)
         model = GPT(GPTConfig(**state["model_args"]))
@@ -792,7 +827,8 @@ def load_model(ckpt=None, init_from=None, device="cpu"):
         else:
             model.load_state_dict(state["model"])
         info = {"source": str(ckpt), "step": state["step"], "val_loss": state.get("val_loss"),
-                "config": state["config"], "hf_dir": (state["config"] or {}).get("init_from")}
+                "config": state["config"], "hf_dir": (state["config"] or {}).get("init_from"),
+                "tokenizer": state.get("tokenizer")}
     if info["hf_dir"] is not None and not Path(info["hf_dir"]).is_dir():
         info["hf_dir"] = None  # 'scratch', 'resume' or a hub name: GPT-2's tokenizer
     return model.to(device).eval(), info
@@ -817,9 +853,18 @@ def add_model_args(parser):
                                             "(default $GPT2_CACHE_DIR, else ~/.cache/gpt2-train)")
 
 
+def model_tokenizer(info, cache_dir=None):
+    """The tokenizer of a model load_model loaded: the checkpoint's own (its tokenizer.json text), else the model
+    directory's tokenizer.json when there is one (assets.load_tokenizer), else GPT-2's."""
+    record = info.get("tokenizer")
+    if record is not None and record.get("json") is not None:
+        return assets.tokenizer_from_record(record, cache_dir=cache_dir)
+    return assets.load_tokenizer(info["hf_dir"], cache_dir=cache_dir)
+
+
 def load_model_from_args(parser, args):
-    """(model, tokenizer, device, dtype) for the flags of add_model_args. The tokenizer is the model
-    directory's tokenizer.json when there is one (assets.load_tokenizer), else GPT-2's. A bad checkpoint,
+    """(model, tokenizer, device, dtype) for the flags of add_model_args; the tokenizer is model_tokenizer's
+    (the checkpoint's, the model directory's, else GPT-2's). A bad checkpoint,
     model directory or tokenizer is one line `<prog>: error: ...` on stderr and exit status 2, never a
     traceback (as argparse does for bad flags)."""
     source = args.ckpt or args.init_from
@@ -830,7 +875,7 @@ def load_model_from_args(parser, args):
         parser.exit(2, f"{parser.prog}: error: --device: {e}\n")
     try:
         model, info = load_model(ckpt=args.ckpt, init_from=args.init_from, device=device)
-        enc = assets.load_tokenizer(info["hf_dir"], cache_dir=args.cache_dir)
+        enc = model_tokenizer(info, cache_dir=args.cache_dir)
     except (CheckpointError, OSError, ValueError, ImportError, RuntimeError) as e:
         report_error(parser.prog, e, about=source)  # e.g. a hub download error that doesn't say what was loaded
         parser.exit(2)
@@ -856,7 +901,8 @@ def main(argv=None):
         else:
             model, info = load_model(ckpt=args.src)
             from chat import CHAT_TEMPLATE
-            save_pretrained(model, args.dst, tokenizer_dir=info["hf_dir"],
+            record = info["tokenizer"] or {}
+            save_pretrained(model, args.dst, tokenizer_dir=info["hf_dir"], tokenizer_json=record.get("json"),
                             chat_template=CHAT_TEMPLATE if args.chat else None)
     except (CheckpointError, OSError, ValueError, ImportError, RuntimeError) as err:
         report_error("checkpoint.py", err)

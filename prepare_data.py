@@ -3,6 +3,7 @@
     python prepare_data.py --dataset shakespeare
     python prepare_data.py --dataset fineweb-edu --num_proc 16
     python prepare_data.py --input books/ notes/*.jsonl --out_dir data/mine --val_tokens 100000
+    python prepare_data.py --input books/ --tokenizer tok/mine --out_dir data/mine   # your tokenizer (tokenizer.py)
 
 Writes out_dir/<name>_val_000000.bin (whole documents, at least --val_tokens tokens, taken from
 the start of the input), then <name>_train_000000.bin, <name>_train_000001.bin, ... of
@@ -15,6 +16,11 @@ shards from another input or settings is refused.
 Documents: a .txt file is one document; a .jsonl file has one per line (field --text_key);
 a .parquet file one per row (column --text_key); directories are searched recursively for those.
 The shakespeare preset splits Tiny Shakespeare at blank lines, so each speech is one document.
+
+--tokenizer: gpt2 (default, tiktoken) or a Hugging Face tokenizer.json / a directory holding one (tokenizer.py's
+output, a Pythia model directory). Each document is preceded by that tokenizer's <|endoftext|>. The manifest records
+the tokenizer (tokenizer_record: its content hash and size) and a copy of its file is kept beside the shards as
+<name>_tokenizer.json, so that train.py takes the vocabulary from the data and puts the tokenizer in its checkpoints.
 
 --format sft: supervised fine-tuning data (jsonl of prompt/completion or chat messages) -> token shards
 plus loss-mask shards packed in rows of --block_size tokens; see prepare_sft() and docs/sft.md.
@@ -35,7 +41,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from assets import EOT, fetch_shakespeare, get_tokenizer
+from assets import EOT, fetch_shakespeare, get_tokenizer, open_tokenizer, tokenizer_record
 from data import HEADER_BYTES, MASK_SUFFIX, SHARD_SUFFIXES, write_mask, write_shard
 from files import LockError, atomic_write, directory_lock, error_message, file_sha256, first_line
 
@@ -179,20 +185,22 @@ def non_empty(texts):
 
 # ---------------------------------------------------------------------------- tokenizing
 
-def tokenize_batch(texts):
+def tokenize_batch(texts, tokenizer="gpt2"):
     """Pool worker: documents -> (uint16 tokens with EOT before each document, tokens per document).
 
     A module-level function so that it pickles under the spawn start method; each process builds
-    the tokenizer once (get_tokenizer is cached). encode_to_numpy with no special tokens encodes
+    the tokenizer once (open_tokenizer is cached). encode_to_numpy with no special tokens encodes
     exactly like encode_ordinary (which encode_ordinary_batch runs in a thread pool), but hands back
-    a buffer instead of a list of Python ints.
+    a buffer instead of a list of Python ints. `tokenizer`: 'gpt2' or a tokenizer.json path
+    (assets.HFTokenizer.encode_to_numpy: a tiktoken translation of the file where one encodes alike).
     """
-    enc = get_tokenizer()
-    eot = np.array([EOT], dtype=np.uint32)
+    enc = open_tokenizer(tokenizer)
+    eot = np.array([enc.eot_token], dtype=np.uint32)
+    gpt2 = tokenizer == "gpt2"
     parts, lengths = [], np.empty(len(texts), dtype=np.int64)
     for i, text in enumerate(texts):
         try:
-            ids = enc.encode_to_numpy(text, disallowed_special=())
+            ids = enc.encode_to_numpy(text, disallowed_special=()) if gpt2 else enc.encode_to_numpy(text)
         except (UnicodeEncodeError, AttributeError):  # lone surrogates (encode_ordinary repairs them); tiktoken < 0.8
             ids = np.array(enc.encode_ordinary(text), dtype=np.uint32)
         parts += (eot, ids)
@@ -216,7 +224,7 @@ def document_batches(texts, batch_chars, start_doc):
         yield first, batch
 
 
-def tokenized(batches, pool, max_pending):
+def tokenized(batches, pool, max_pending, tokenizer="gpt2"):
     """(first document, tokens, lengths) per batch, in input order; pool None tokenizes in-process.
 
     apply_async with a bounded queue instead of Pool.imap: imap's feeder thread reads the whole
@@ -224,11 +232,11 @@ def tokenized(batches, pool, max_pending):
     """
     if pool is None:
         for first, texts in batches:
-            yield (first, *tokenize_batch(texts))
+            yield (first, *tokenize_batch(texts, tokenizer))
         return
     pending = deque()
     for first, texts in batches:
-        pending.append((first, pool.apply_async(tokenize_batch, (texts,))))
+        pending.append((first, pool.apply_async(tokenize_batch, (texts, tokenizer))))
         if len(pending) >= max_pending:
             first, result = pending.popleft()
             yield (first, *result.get())
@@ -422,8 +430,9 @@ def resumable_manifest(out_dir, name, manifest_path, fingerprint, settings):
 
 def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=None, val_tokens=None,
             num_proc=None, text_key="text", dataset_config=None, split=None, revision=None, streaming=None,
-            start_method=None, batch_chars=1 << 18, progress=True):
+            start_method=None, batch_chars=1 << 18, progress=True, tokenizer="gpt2"):
     """Tokenize the input into shards (see the module docstring); returns a summary dict."""
+    tokenizer, record = resolve_tokenizer(tokenizer)  # a bad --tokenizer fails before anything is read
     describe, texts, count, preset, default_name = resolve_source(
         inputs, dataset, text_key, dataset_config, split, revision, streaming)
     t0 = time.time()  # after fetching the shakespeare file, if that was needed
@@ -435,7 +444,7 @@ def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=Non
     if min(shard_tokens, val_tokens, num_proc, batch_chars) < 1 or shard_tokens >= 2**31:
         raise PrepError(f"--shard_tokens (below 2^31), --val_tokens, --num_proc and --batch_chars must be >= 1, got "
                         f"{shard_tokens}, {val_tokens}, {num_proc}, {batch_chars}")
-    settings = {"format": "llm.c uint16 shards v1", "tokenizer": "gpt2", "input": describe,
+    settings = {"format": "llm.c uint16 shards v1", "tokenizer": record["id"], "input": describe,
                 "shard_tokens": shard_tokens, "val_tokens": val_tokens}
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -443,19 +452,20 @@ def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=Non
         remove_stale_temp_files(out_dir, name)
         manifest_path = out_dir / f"{name}_manifest.json"
         manifest, existing = resumable_manifest(out_dir, name, manifest_path, fingerprint, settings)
+        manifest["tokenizer"] = keep_tokenizer(out_dir, name, record)
         writer = ShardWriter(out_dir, name, shard_tokens, val_tokens, manifest)
         num_docs = writer.start[0]
         if not manifest["complete"]:
             if manifest["shards"]:
                 print(f"prepare_data: {len(manifest['shards'])} finished shards verified; resuming at document {num_docs}")
-            get_tokenizer()  # fails early if it cannot be had; forked workers inherit it ready-made
+            open_tokenizer(tokenizer).encode_to_numpy("")  # fails early; forked workers inherit it ready-made
             # The pool starts before anything else starts threads (tqdm's monitor, datasets' downloads): fork + threads can deadlock.
             pool = multiprocessing.get_context(start_method).Pool(num_proc) if num_proc > 1 else None
             with pool or contextlib.nullcontext():
                 batches = document_batches(non_empty(texts()), batch_chars, start_doc=writer.start[0])
                 bar = tqdm(total=count(), initial=num_docs, unit="doc", disable=not progress, dynamic_ncols=True,
                            desc=f"tokenizing ({num_proc} proc)")
-                for first, tokens, lengths in tokenized(batches, pool, max_pending=4 * num_proc):
+                for first, tokens, lengths in tokenized(batches, pool, max_pending=4 * num_proc, tokenizer=tokenizer):
                     writer.add(first, tokens, lengths)
                     num_docs = first + len(lengths)
                     bar.update(len(lengths))
@@ -475,7 +485,34 @@ def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=Non
         return {"out_dir": str(out_dir), "name": name, "documents": manifest["documents"],
                 "tokens": manifest["tokens"], "val_tokens": records[0]["tokens"],
                 "train_tokens": sum(r["tokens"] for r in records[1:]), "shards": len(records),
-                "tokenized": writer.tokens_added, "seconds": seconds, "tokens_per_s": writer.tokens_added / seconds}
+                "tokenized": writer.tokens_added, "seconds": seconds, "tokens_per_s": writer.tokens_added / seconds,
+                "tokenizer": record["id"]}
+
+
+def resolve_tokenizer(spec):
+    """(what tokenize_batch takes: 'gpt2' or a tokenizer.json path, assets.tokenizer_record of it) for --tokenizer;
+    PrepError for a tokenizer the shards cannot hold (no <|endoftext|>, over 65,536 ids) or that cannot be read."""
+    try:
+        enc = open_tokenizer(str(spec))
+    except (ValueError, ImportError) as e:
+        raise PrepError(str(e)) from None
+    path = "gpt2" if getattr(enc, "id", "gpt2") == "gpt2" else str(Path(enc.name).resolve())
+    record = tokenizer_record(enc, source=None if path == "gpt2" else path)
+    if enc.eot_token is None:
+        raise PrepError(f"tokenizer {spec} has no <|endoftext|> token, which separates the documents of the shards")
+    if enc.n_vocab > 2**16:
+        raise PrepError(f"tokenizer {spec} has {enc.n_vocab:,} ids: the shards store ids as uint16 (at most 65,536)")
+    return path, record
+
+
+def keep_tokenizer(out_dir, name, record):
+    """The manifest's "tokenizer" entry: the record without the file's text, which goes beside the shards as
+    <name>_tokenizer.json (data.data_tokenizer reads it back; GPT-2's needs no file)."""
+    entry = {k: v for k, v in record.items() if k != "json"}
+    if record["json"] is not None:
+        entry["file"] = f"{name}_tokenizer.json"
+        atomic_write(Path(out_dir) / entry["file"], record["json"])
+    return entry
 
 
 # ---------------------------------------------------------------------------- supervised fine-tuning data
@@ -602,6 +639,8 @@ def main(argv=None):
                    help="multiprocessing start method (default: the platform's)")
     p.add_argument("--batch_chars", type=int, default=1 << 18, help="characters of text per worker task")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.add_argument("--tokenizer", default="gpt2", metavar="gpt2|PATH",
+                   help="gpt2 (default), or a tokenizer.json or a directory holding one (tokenizer.py's --out, Pythia's)")
     p.add_argument("--format", choices=["text", "sft"], default="text",
                    help="text: documents for pretraining; sft: prompt/completion or chat jsonl -> tokens + loss masks")
     p.add_argument("--block_size", type=int, default=1024, help="--format sft: tokens per packed row (the training block_size)")
@@ -626,7 +665,7 @@ def main(argv=None):
                     shard_tokens=args.shard_tokens, val_tokens=args.val_tokens, num_proc=args.num_proc,
                     text_key=args.text_key, dataset_config=args.dataset_config, split=args.split,
                     revision=args.revision, streaming=args.streaming, start_method=args.start_method,
-                    batch_chars=args.batch_chars, progress=not args.no_progress)
+                    batch_chars=args.batch_chars, progress=not args.no_progress, tokenizer=args.tokenizer)
     except (PrepError, OSError) as e:  # bad input or environment: one line (GPT2_TRACEBACK=1: the traceback)
         sys.exit(error_message("prepare_data.py", e))
     print(f"{s['documents']:,} documents, {s['tokens']:,} tokens ({s['val_tokens']:,} val + {s['train_tokens']:,} train) "

@@ -28,13 +28,14 @@ from tqdm import tqdm
 from chat import CHAT_VOCAB
 from checkpoint import (CheckpointError, Halt, Progress, agree_on_checkpoint, is_checkpoint, kept_checkpoint,
                         load_checkpoint, load_sharded_checkpoint, resolve_config_or_defer, restore, restore_rngs, save)
+from assets import tokenizer_from_record
 from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text, make_config, model_config, parse_args
-from data import DataLoader, NoShardsError, ShardError
+from data import DataLoader, NoShardsError, ShardError, data_tokenizer
 from devices import autocast, fused_adamw_supported, peak_flops, peak_memory
 from files import LockError, atomic_write, report_error
 from hf import from_pretrained, pad_vocab
 from memory import fitting_forward_backward, in_micro_batches, probe_batch_size, resolve_batch_size
-from model import GPT
+from model import GPT, PRESETS
 from optim import build_optimizer, set_lr
 from parallel import (any_rank, build_device, build_on_meta, check_shared_out_dir, clip_gradients, forward_backward,
                       gathered, is_compiled, keeps_grads, lock_out_dir, log, parallelize, setup, to_device)
@@ -72,6 +73,26 @@ def make_loaders(cfg, env):
     log(f"data: {train_loader.summary().replace(' shards', ' train shards')}; "
         f"val: {val_loader.summary() if val_loader else 'none (eval_interval=0)'}")
     return train_loader, val_loader
+
+
+def run_tokenizer(cfg, user, ckpt):
+    """(cfg, the run's tokenizer record, assets.tokenizer_record): the data's (prepare_data.py's manifest), else that
+    of the weights it starts from (checkpoint.check_tokenizer has refused a mismatch). A run from scratch takes
+    vocab_size from the data, the tokenizer's size padded to a multiple of 64, unless the config sets it."""
+    try:
+        record = data_tokenizer(cfg.data_dir)
+    except NoShardsError:
+        record = None  # make_loaders says how to prepare it
+    if record is None and ckpt is not None:
+        record = ckpt.get("tokenizer")
+    elif record is None and cfg.init_from != "scratch":
+        from checkpoint import pretrained_tokenizer
+        record = (load_checkpoint(cfg.init_from, consolidate=False, verify=False, note=lambda m: None).get("tokenizer")
+                  if is_checkpoint(cfg.init_from) else pretrained_tokenizer(cfg.init_from))
+    chosen = {**PRESETS.get(user.get("preset"), {}), **user}
+    if cfg.init_from == "scratch" and record and record.get("n_vocab") and "vocab_size" not in chosen:
+        cfg = make_config({**asdict(cfg), "vocab_size": -(-record["n_vocab"] // 64) * 64})
+    return cfg, record
 
 
 def build_model(cfg, ckpt, device, min_vocab=0):
@@ -183,28 +204,26 @@ def val_loss(model, loader, eval_steps, micro, env, stop=lambda: False, step=0):
     return total.item() / len(x) / env.world_size
 
 
-def hellaswag_eval(raw_model, examples, cfg, env, stop=None):
+def hellaswag_eval(raw_model, examples, cfg, env, stop=None, enc=None):
     """HellaSwag accuracy, examples sharded over ranks (every rank calls it); `examples` is filled on first use
-    and reused. Abandoned when stop() turns True on a rank (asked between batches)."""
+    and reused. Abandoned when stop() turns True on a rank (asked between batches). enc: the run's tokenizer."""
     import hellaswag
     from assets import fetch_hellaswag
     if not examples:
         examples.extend(hellaswag.load_examples(fetch_hellaswag(), limit=cfg.hellaswag_limit))
     with gathered(raw_model) as model:
-        result = hellaswag.evaluate(model, examples, env.device, dtype=env.dtype, stop=stop)
+        result = hellaswag.evaluate(model, examples, env.device, dtype=env.dtype, stop=stop, enc=enc)
     if result is None:
         raise Abandoned
     return result
 
 
-def sample_preview(raw_model, cfg, env):
+def sample_preview(raw_model, cfg, env, enc):
     """A sample's text from rank 0, None on the others. Every rank calls it: a sharded model must be gathered."""
-    from assets import EOT, get_tokenizer
     with gathered(raw_model) as model:
         if not env.master:
             return None
-        enc = get_tokenizer()
-        prompt = enc.encode(cfg.sample_prompt) or [EOT]
+        prompt = enc.encode(cfg.sample_prompt) or [enc.eot_token]
         generator = torch.Generator(device=env.device).manual_seed(cfg.seed)  # leaves the training RNG alone
         model.eval()
         with autocast(env.device, env.dtype):
@@ -214,8 +233,9 @@ def sample_preview(raw_model, cfg, env):
     return enc.decode([t for t in out[0].tolist() if t < enc.n_vocab])
 
 
-def evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cfg, env, last, stop):
+def evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cfg, env, last, stop, tokenizer=None):
     """The evaluations due at `step` (val loss, HellaSwag, a sample), logged; returns the val loss or None.
+    tokenizer: the run's record (assets.tokenizer_record; None: GPT-2's), for HellaSwag and the sample.
     Every rank calls it: the val loss is averaged over ranks, a sharded model is gathered for the others.
     A signal (stop: the StopRequest) abandons them between batches: Abandoned."""
     due = lambda interval: interval > 0 and (step % interval == 0 or last)  # noqa: E731
@@ -225,12 +245,13 @@ def evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cf
         tracker.log({"step": step, "val_loss": val})
         log(f"step {step}: val loss {val:.4f}")
     if due(cfg.hellaswag_interval):
-        hs = hellaswag_eval(raw_model, hellaswag_examples, cfg, env, stop=lambda: stop.signal is not None)
+        hs = hellaswag_eval(raw_model, hellaswag_examples, cfg, env, stop=lambda: stop.signal is not None,
+                            enc=tokenizer_from_record(tokenizer))
         tracker.log({"step": step, "hellaswag_acc": hs["acc"], "hellaswag_acc_norm": hs["acc_norm"],
                      "hellaswag_n": hs["n"]})
         log(f"step {step}: hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
     if step > 0 and due(cfg.sample_interval):
-        log(f"step {step}: sample: {sample_preview(raw_model, cfg, env)!r}")
+        log(f"step {step}: sample: {sample_preview(raw_model, cfg, env, tokenizer_from_record(tokenizer))!r}")
     return val
 
 
@@ -291,6 +312,7 @@ def run(user):
     env = setup(cfg)
     cfg, ckpt, problem = agree_on_checkpoint(user, cfg, ckpt, problem, env)
     check_shared_out_dir(cfg.out_dir, ckpt and ckpt["step"], problem, env)
+    cfg, tokenizer = run_tokenizer(cfg, user, ckpt)  # vocab_size from the data's tokenizer
     cfg = resolve_batch_size(cfg, ckpt, env)  # the plan line; a refusal; batch_size='auto' from the plan
     train_loader, val_loader = make_loaders(cfg, env)
 
@@ -325,11 +347,12 @@ def run(user):
             val, step_start = None, train_loader.state_dict()  # a resumed run's first step was evaluated before it stopped
             if (step > start_step or start_step == 0) and not stopping:
                 try:
-                    val = evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cfg, env, last, stop)
+                    val = evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cfg, env, last, stop,
+                                   tokenizer)
                 except Abandoned:  # a signal: save now rather than after a whole evaluation
                     stopping = True
             if step > start_step and (last or stopping or cfg.save_interval and step % cfg.save_interval == 0):
-                save(out_dir, val, progress, raw_model, optimizer, scaler, train_loader, tracker, cfg, env)
+                save(out_dir, val, progress, raw_model, optimizer, scaler, train_loader, tracker, cfg, env, tokenizer)
                 saved_step = step
             if last or stopping:
                 break
@@ -367,7 +390,7 @@ def run(user):
         if not env.distributed and progress.step > saved_step:  # (other ranks would wait in a collective)
             optimizer.zero_grad(set_to_none=True)
             train_loader.load_state_dict(step_start)
-            save(out_dir, None, progress, raw_model, optimizer, scaler, train_loader, tracker, cfg, env)
+            save(out_dir, None, progress, raw_model, optimizer, scaler, train_loader, tracker, cfg, env, tokenizer)
         raise ShardError(f"{e}; {kept_checkpoint(out_dir)}") from None
     finally:
         bar.close()
