@@ -648,6 +648,8 @@ def main(argv=None):
     if args.format == "sft":
         if args.dataset or not args.input:
             p.error("--format sft reads --input FILE.jsonl [...] (prompt/completion or messages lines)")
+        if args.tokenizer != "gpt2":
+            p.error("--format sft uses GPT-2's tokenizer and its chat tokens; --tokenizer is for --format text")
         try:
             s = prepare_sft(args.input, out_dir=args.out_dir, name=args.name, block_size=args.block_size,
                             shard_tokens=args.shard_tokens, val_tokens=args.val_tokens)

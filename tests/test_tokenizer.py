@@ -123,3 +123,135 @@ def test_a_normalizing_tokenizer_takes_the_tokenizers_path(neox_tokenizer_json):
     text = "Cafe\u0301 caf\u00e9 <|endoftext|> 😀"
     assert list(enc.encode_to_numpy(text)) == enc.encode_ordinary(text)
     assert enc._fast is False  # NFC: no tiktoken translation
+
+
+# ----------------------------------------------------------------------------- through the whole pipeline
+
+TINY = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=2", "--warmup_steps=1",
+        "--eval_interval=2", "--eval_steps=1", "--log_interval=0", "--save_interval=2", "--device=cpu",
+        "--dtype=float32", "--compile=False", "--sample_interval=2", "--sample_tokens=4"]
+
+
+def prepare(tmp_path, tok, name):
+    """prepare_data.py --tokenizer tok over CORPUS in two worker processes -> the data directory."""
+    import prepare_data
+    src = tmp_path / f"{name}.jsonl"
+    src.write_text("".join(json.dumps({"text": f"{i}: {t}"}) + "\n" for i, t in enumerate(CORPUS)))
+    out = tmp_path / f"data_{name}"
+    prepare_data.main(["--input", str(src), "--tokenizer", str(tok), "--out_dir", str(out), "--val_tokens", "100",
+                       "--num_proc", "2", "--batch_chars", "500", "--no_progress"])
+    return out
+
+
+@pytest.fixture(params=["trained", "neox"])
+def tokenizer_file(request, trained, neox_tokenizer_json):
+    return trained[0] / "tokenizer.json" if request.param == "trained" else neox_tokenizer_json
+
+
+@pytest.mark.slow
+def test_prep_train_sample_export_autotokenizer_with_its_own_tokenizer(tokenizer_file, tmp_path, capsys):
+    import shutil
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import checkpoint
+    import data
+    import sample
+    import train
+    enc = assets.open_tokenizer(tokenizer_file)
+    data_dir = prepare(tmp_path, tokenizer_file, "corpus")
+    manifest = json.loads((data_dir / "corpus_manifest.json").read_text())
+    assert manifest["tokenizer"]["id"] == enc.id == manifest["settings"]["tokenizer"]
+    val = data.load_shard(data_dir / "corpus_val_000000.bin")  # <|endoftext|> (the tokenizer's) before each document
+    first = [enc.eot_token, *enc.encode_ordinary(f"0: {CORPUS[0]}"), enc.eot_token]
+    assert list(val[:len(first)]) == first
+
+    assert train.main([*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_steps=2"]) == 0
+    ckpt = torch.load(tmp_path / "out" / "ckpt_000002.pt", weights_only=True)
+    assert ckpt["model_args"]["vocab_size"] == 448  # 400 ids padded to a multiple of 64, from the data
+    assert ckpt["tokenizer"]["json"] == tokenizer_file.read_text() and ckpt["tokenizer"]["id"] == enc.id
+
+    moved = tmp_path / "elsewhere" / "ckpt_000002.pt"  # another machine: no data, no tokenizer file
+    moved.parent.mkdir()
+    for name in ("ckpt_000002.pt", "ckpt_000002.pt.sha256"):
+        shutil.copy(tmp_path / "out" / name, moved.parent / name)
+    shutil.rmtree(data_dir)
+    capsys.readouterr()
+    assert sample.main(["--ckpt", str(moved), "--prompt", "Once upon", "--max_new_tokens", "6", "--device", "cpu",
+                        "--dtype", "float32"]) == 0
+    assert capsys.readouterr().out.startswith("Once upon")
+
+    assert checkpoint.main(["export", str(moved), str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").read_text() == tokenizer_file.read_text()
+    auto = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "The quick brown fox, 日本語 😀"
+    assert auto.encode(text, add_special_tokens=False) == enc.encode_ordinary(text)
+    assert auto.eos_token_id == enc.eot_token
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ours, _ = checkpoint.load_model(ckpt=moved)
+    ids = torch.tensor([enc.encode_ordinary(text)[:16]])  # block_size 16
+    with torch.no_grad():
+        logits, _ = ours(ids)
+        np.testing.assert_allclose(hf(ids).logits[0, -1].numpy(), logits[0, -1].numpy(), atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def two_runs(trained, neox_tokenizer_json, tmp_path_factory):
+    """Data prepared with the trained tokenizer (run 'a', 2 steps) and with the NeoX-style one."""
+    import train
+    tmp = tmp_path_factory.mktemp("mismatch")
+    a, b = prepare(tmp, trained[0], "a"), prepare(tmp, neox_tokenizer_json, "b")
+    assert train.main([*TINY, f"--data_dir={a}", f"--out_dir={tmp / 'run_a'}", "--max_steps=2"]) == 0
+    return tmp, a, b
+
+
+def one_line_refusal(capsys, argv):
+    import train
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code in (1, 2) and "\n" not in err and err.startswith("train.py: error:")
+    return err
+
+
+def test_resuming_on_data_of_another_tokenizer_is_refused(two_runs, capsys):
+    tmp, a, b = two_runs
+    err = one_line_refusal(capsys, ["--init_from=resume", f"--out_dir={tmp / 'run_a'}", f"--data_dir={b}",
+                                    "--max_steps=4"])
+    a_id, b_id = assets.open_tokenizer(a / "a_tokenizer.json").id, assets.open_tokenizer(b / "b_tokenizer.json").id
+    assert a_id in err and b_id in err and "ckpt_000002.pt" in err
+
+
+def test_fine_tuning_on_data_of_another_tokenizer_is_refused(two_runs, capsys):
+    tmp, a, b = two_runs
+    err = one_line_refusal(capsys, [*TINY, f"--init_from={tmp / 'run_a'}", f"--data_dir={b}",
+                                    f"--out_dir={tmp / 'ft'}", "--max_steps=2"])
+    assert "init_from=" in err and assets.open_tokenizer(b / "b_tokenizer.json").id in err
+
+
+def test_data_of_two_tokenizers_is_refused(two_runs, capsys):
+    tmp, a, b = two_runs
+    err = one_line_refusal(capsys, [*TINY, f"--data_dir={tmp}/data_*/*", f"--out_dir={tmp / 'both'}", "--max_steps=2"])
+    assert "two tokenizers" in err and "a_manifest.json" in err and "b_manifest.json" in err
+
+
+def test_the_same_tokenizer_fine_tunes_and_a_changed_tokenizer_file_is_refused(two_runs, capsys):
+    import train
+    tmp, a, b = two_runs
+    assert train.main([*TINY, f"--init_from={tmp / 'run_a'}", f"--data_dir={a}", f"--out_dir={tmp / 'ft_a'}",
+                       "--max_steps=2", "--sample_interval=0", "--eval_interval=0"]) == 0
+    (b / "b_tokenizer.json").write_text((a / "a_tokenizer.json").read_text())
+    err = one_line_refusal(capsys, [*TINY, f"--data_dir={b}", f"--out_dir={tmp / 'changed'}", "--max_steps=2"])
+    assert "b_tokenizer.json: changed since" in err
+
+
+def test_a_bad_tokenizer_flag_is_a_one_line_prep_error(tmp_path, capsys):
+    import prepare_data
+    src = tmp_path / "a.txt"
+    src.write_text("hello")
+    with pytest.raises(SystemExit) as e:
+        prepare_data.main(["--input", str(src), "--tokenizer", str(tmp_path / "nope"), "--out_dir", str(tmp_path / "d")])
+    assert "no such tokenizer.json" in str(e.value.code) and "\n" not in str(e.value.code)
