@@ -26,19 +26,21 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from chat import CHAT_VOCAB
-from checkpoint import (CheckpointError, Halt, Progress, agree_on_checkpoint, is_checkpoint, kept_checkpoint,
-                        load_checkpoint, load_sharded_checkpoint, resolve_config_or_defer, restore, restore_rngs, save)
 from assets import tokenizer_from_record
+from checkpoint import CheckpointError, is_checkpoint, load_checkpoint, load_sharded_checkpoint
 from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text, make_config, model_config, parse_args
-from data import DataLoader, NoShardsError, ShardError, data_tokenizer
+from data import DataLoader, NoShardsError, ShardError
 from devices import autocast, fused_adamw_supported, peak_flops, peak_memory
-from files import LockError, atomic_write, report_error
+from console import log
+from files import Halt, LockError, atomic_write, report_error
 from hf import from_pretrained, pad_vocab
 from memory import fitting_forward_backward, in_micro_batches, probe_batch_size, resolve_batch_size
-from model import GPT, PRESETS
+from model import GPT
 from optim import build_optimizer, set_lr
 from parallel import (any_rank, build_device, build_on_meta, check_shared_out_dir, clip_gradients, forward_backward,
-                      gathered, is_compiled, keeps_grads, lock_out_dir, log, parallelize, setup, to_device)
+                      gathered, is_compiled, keeps_grads, lock_out_dir, parallelize, setup, to_device)
+from resume import (Progress, agree_on_checkpoint, kept_checkpoint, resolve_config_or_defer, restore, restore_rngs,
+                    run_tokenizer, save)
 from tracking import TRACKING_KEYS, NoTracker, Tracker, TrackingError, check_tracking_available
 
 
@@ -73,26 +75,6 @@ def make_loaders(cfg, env):
     log(f"data: {train_loader.summary().replace(' shards', ' train shards')}; "
         f"val: {val_loader.summary() if val_loader else 'none (eval_interval=0)'}")
     return train_loader, val_loader
-
-
-def run_tokenizer(cfg, user, ckpt):
-    """(cfg, the run's tokenizer record, assets.tokenizer_record): the data's (prepare_data.py's manifest), else that
-    of the weights it starts from (checkpoint.check_tokenizer has refused a mismatch). A run from scratch takes
-    vocab_size from the data, the tokenizer's size padded to a multiple of 64, unless the config sets it."""
-    try:
-        record = data_tokenizer(cfg.data_dir)
-    except NoShardsError:
-        record = None  # make_loaders says how to prepare it
-    if record is None and ckpt is not None:
-        record = ckpt.get("tokenizer")
-    elif record is None and cfg.init_from != "scratch":
-        from checkpoint import pretrained_tokenizer
-        record = (load_checkpoint(cfg.init_from, consolidate=False, verify=False, note=lambda m: None).get("tokenizer")
-                  if is_checkpoint(cfg.init_from) else pretrained_tokenizer(cfg.init_from))
-    chosen = {**PRESETS.get(user.get("preset"), {}), **user}
-    if cfg.init_from == "scratch" and record and record.get("n_vocab") and "vocab_size" not in chosen:
-        cfg = make_config({**asdict(cfg), "vocab_size": -(-record["n_vocab"] // 64) * 64})
-    return cfg, record
 
 
 def build_model(cfg, ckpt, device, min_vocab=0):
