@@ -91,9 +91,12 @@ def train(texts, vocab_size, progress=False):
 
 def compression(enc, text):
     """(bytes per token, encoding MB/s) of one tokenizer on text, encoded in this process as prepare_data.py's
-    workers encode it (encode_to_numpy)."""
+    workers encode it (encode_to_numpy), after a warm-up (HFTokenizer builds its tiktoken translation on first use)."""
+    def encode(text):
+        return enc.encode_to_numpy(text) if hasattr(enc, "json") else enc.encode_to_numpy(text, disallowed_special=())
+    encode(text[:1000])
     start = time.perf_counter()
-    n = len(enc.encode_to_numpy(text, **({} if hasattr(enc, "json") else {"disallowed_special": ()})))
+    n = len(encode(text))
     seconds = time.perf_counter() - start
     size = len(text.encode("utf-8", errors="surrogatepass"))
     return size / max(n, 1), size / max(seconds, 1e-9) / 1e6
@@ -153,9 +156,11 @@ def train_cli(args):
     assets.save_tokenizer(out, model_dir=out)  # tokenizer_config.json: <|endoftext|> as bos/eos/unk, for AutoTokenizer
     ours = assets.open_tokenizer(out)
     speed = learned["bytes"] / 1e6 / max(seconds, 1e-9)
+    fewer = (f" (asked for {args.vocab_size:,}: no pair of tokens left that occurs twice in the text)"
+             if tok.get_vocab_size() < args.vocab_size else "")
     lines = [(f"tokenizer.py: {tok.get_vocab_size():,} ids learned from {learned['bytes'] / 1e6:,.1f} MB "
               f"({learned['docs']:,} documents) in {seconds:.1f} s ({speed:.1f} MB/s) -> {out / 'tokenizer.json'} "
-              f"({ours.id})")]
+              f"({ours.id}){fewer}")]
     if held_out:
         mine, mine_speed = compression(ours, held_out)
         gpt2, gpt2_speed = compression(assets.get_tokenizer(), held_out)
