@@ -255,3 +255,23 @@ def test_a_bad_tokenizer_flag_is_a_one_line_prep_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         prepare_data.main(["--input", str(src), "--tokenizer", str(tmp_path / "nope"), "--out_dir", str(tmp_path / "d")])
     assert "no such tokenizer.json" in str(e.value.code) and "\n" not in str(e.value.code)
+
+
+def test_a_vocab_size_the_config_sets_wins_over_the_datas(two_runs):
+    import torch
+
+    import train
+    tmp, a, b = two_runs
+    assert train.main([*TINY, f"--data_dir={a}", f"--out_dir={tmp / 'v512'}", "--vocab_size=512", "--max_steps=1",
+                       "--eval_interval=0", "--sample_interval=0"]) == 0
+    assert torch.load(tmp / "v512" / "ckpt_000001.pt", weights_only=True)["model_args"]["vocab_size"] == 512
+
+
+def test_the_chat_format_uses_the_tokenizers_own_chat_tokens(trained, neox_tokenizer_json):
+    enc = chat.tokenizer(assets.open_tokenizer(trained[0]))
+    tokens, mask = chat.encode(enc, [{"role": "user", "content": "Hi <|end|>"}, {"role": "assistant", "content": "Yo"}])
+    hi, yo = enc.encode_ordinary("Hi <|end|>"), enc.encode_ordinary("Yo")
+    assert tokens == [0, 2, *hi, 4, 3, *yo, 4]
+    assert mask == [0, 0, *[0] * len(hi), 0, 0, *[1] * len(yo), 1]
+    with pytest.raises(ValueError, match=r"<\|system\|>, <\|user\|>, <\|assistant\|>, <\|end\|>"):
+        chat.tokenizer(assets.open_tokenizer(neox_tokenizer_json))
