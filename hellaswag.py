@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 import assets
 from checkpoint import add_model_args, load_model_from_args
+from console import distributed
 from devices import autocast, tune_cpu_allocator
 from files import report_error
 
@@ -156,11 +157,10 @@ def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None,
     stop: a function asked between batches; once it returns True on any rank, the rank stops scoring and
     evaluate returns None on every rank (train.py's SIGTERM: the 30 s before SIGKILL are for the checkpoint).
     """
-    distributed = dist.is_available() and dist.is_initialized()
     if rank is None:
-        rank = dist.get_rank() if distributed else 0
+        rank = dist.get_rank() if distributed() else 0
     if world_size is None:
-        world_size = dist.get_world_size() if distributed else 1
+        world_size = dist.get_world_size() if distributed() else 1
     if enc is None:
         enc = assets.get_tokenizer()
     model = unwrap_model(model)

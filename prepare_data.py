@@ -41,7 +41,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from assets import EOT, fetch_shakespeare, get_tokenizer, open_tokenizer, tokenizer_record
+from assets import EOT, fetch_shakespeare, open_tokenizer, tokenizer_record
+from console import log
 from data import HEADER_BYTES, MASK_SUFFIX, SHARD_SUFFIXES, write_mask, write_shard
 from files import LockError, atomic_write, directory_lock, error_message, file_sha256, first_line
 
@@ -261,7 +262,7 @@ def remove_stale_temp_files(out_dir, name):
         size = sum(p.stat().st_size for p in stale)
         for p in stale:
             p.unlink(missing_ok=True)
-        print(f"prepare_data: removed {len(stale)} temporary file(s) ({size / 2**20:,.1f} MiB) of an interrupted run")
+        log(f"prepare_data: removed {len(stale)} temporary file(s) ({size / 2**20:,.1f} MiB) of an interrupted run")
 
 
 def write_manifest(path, manifest):
@@ -457,7 +458,7 @@ def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=Non
         num_docs = writer.start[0]
         if not manifest["complete"]:
             if manifest["shards"]:
-                print(f"prepare_data: {len(manifest['shards'])} finished shards verified; resuming at document {num_docs}")
+                log(f"prepare_data: {len(manifest['shards'])} finished shards verified; resuming at document {num_docs}")
             open_tokenizer(tokenizer).encode_to_numpy("")  # fails early; forked workers inherit it ready-made
             # The pool starts before anything else starts threads (tqdm's monitor, datasets' downloads): fork + threads can deadlock.
             pool = multiprocessing.get_context(start_method).Pool(num_proc) if num_proc > 1 else None
@@ -584,7 +585,7 @@ def prepare_sft(inputs, out_dir=None, name=None, block_size=1024, shard_tokens=N
                             f"from another run or tool; use another --out_dir or --name, or delete them")
         for stale in (p for p in out_dir.iterdir() if ours.fullmatch(p.name)):
             stale.unlink()  # ours from other settings or an interrupted run: rewritten below
-        t0, enc, skipped, count = time.time(), chat.tokenizer(get_tokenizer()), [], 0
+        t0, enc, skipped, count = time.time(), chat.tokenizer(open_tokenizer("gpt2")), [], 0
 
         def conversations():
             nonlocal count

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import chat
+import parallel
 import prepare_data
 import train
 from data import DataLoader, ShardError
@@ -164,7 +165,7 @@ def test_step_loss_is_the_mean_over_the_trained_tokens_of_all_micro_batches(sft_
     assert counts[0] != counts[1]  # so per-micro-batch means would weigh tokens unequally
     loader.reset()
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    loss_sum, trained = train.forward_backward(model, loader, 2, scaler, Env())
+    loss_sum, trained = parallel.forward_backward(model, loader, 2, scaler, Env())
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     # independently: logits of every position, CE over the positions whose target token is in the mask
