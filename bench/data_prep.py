@@ -190,6 +190,8 @@ def main():
             bench_prep(pages, "pages", args.num_proc, args.repeats, tmp)
         if args.only in (None, "tokenizers"):
             path = args.tokenizer
+            if path is not None and Path(path).is_dir():
+                path = Path(path) / "tokenizer.json"
             if path is None:
                 import tokenizer
                 path = Path(tmp) / "tokenizer.json"
