@@ -277,7 +277,8 @@ def _byte_level_chars():
 
 # Text on which a tiktoken translation of a tokenizer.json must give the tokenizers library's ids before it is used.
 _PROBE = ("Hello world! It's 2024: naïve café, 日本語テキスト 😀 don't WON'T they'll I'VE\n\n\n    def f(x):\r\n\t"
-          "return x**2  # 1234567 3.14159\u00a0\u2003 tabs\t\tand   spaces   \n <|endoftext|> <|user|> ... ---- ''' \"\"\" "
+          "return x**2  # 1234567 3.14159\u00a0\u2003 tabs\t\tand   spaces   \n <|endoftext|> <|user|> ... "
+          "---- ''' \"\"\" "
           "Ünïcödé ÀÉÎÕÜ ß ﬁ İı Ω≈ç√ 𝔘𝔫𝔦 \x00\x01 end  \n\n")
 
 
@@ -374,7 +375,8 @@ class HFTokenizer:
         """encode_ordinary's ids as a uint32 array (prepare_data.py's workers), from a tiktoken translation of the
         file where one exists (_as_tiktoken, checked once on a probe text against this tokenizer), ~4x faster."""
         if self._fast is None:
-            check = lambda enc: enc.encode_ordinary(_PROBE) == self.encode_ordinary(_PROBE)
+            def check(enc):
+                return enc.encode_ordinary(_PROBE) == self.encode_ordinary(_PROBE)
             self._fast = _as_tiktoken(json.loads(self.json), self.name, check) or False
         try:
             if self._fast:
@@ -461,7 +463,8 @@ def save_tokenizer(out_dir, model_dir=None, chat_template=None, model_max_length
     (a model imported with its own tokenizer, e.g. Pythia), else GPT-2's built offline (gpt2_tokenizer_json);
     tokenizer_config.json and special_tokens_map.json with <|endoftext|> as bos, eos and unk token, and
     `chat_template` (a Jinja string) when given; `special_tokens` ({text: id}, e.g. chat.SPECIAL) are added to
-    tokenizer.json as special tokens. `tokenizer_json` (a checkpoint's own tokenizer.json text) wins over model_dir's."""
+    tokenizer.json as special tokens. `tokenizer_json` (a checkpoint's own tokenizer.json text) wins over
+    model_dir's."""
     own = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
     if tokenizer_json is not None or (own is not None and own.is_file()):
         tokenizer_json = own.read_text(encoding="utf-8") if tokenizer_json is None else tokenizer_json

@@ -641,7 +641,7 @@ def main(argv=None):
     p.add_argument("--batch_chars", type=int, default=1 << 18, help="characters of text per worker task")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.add_argument("--tokenizer", default="gpt2", metavar="gpt2|PATH",
-                   help="gpt2 (default), or a tokenizer.json or a directory holding one (tokenizer.py's --out, Pythia's)")
+                   help="gpt2 (default), a tokenizer.json, or a directory with one (tokenizer.py's --out, Pythia's)")
     p.add_argument("--format", choices=["text", "sft"], default="text",
                    help="text: documents for pretraining; sft: prompt/completion or chat jsonl -> tokens + loss masks")
     p.add_argument("--block_size", type=int, default=1024, help="--format sft: tokens per packed row (the training block_size)")

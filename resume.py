@@ -1,11 +1,11 @@
 """How a run starts (fresh, resumed or fine-tuned) and saves to resume: train.py's side of checkpoints.
 
-start() is the start-up protocol every rank runs alike: config, process group, agreement on the checkpoint,
-the memory plan. resolve_config() turns the user's keys into the run's config: on init_from='resume' over the newest checkpoint
-that verifies (resumed_config: the architecture and optimizer cannot change), on a fine-tuning init_from with the
-checkpoint's architecture (fine_tune_config). Under torchrun only rank 0 hashes the checkpoint; the others agree on
-its choice (agree_on_checkpoint). restore() and restore_rngs() put a run back where its checkpoint left it; save()
-writes one with everything an exact resume needs. The files themselves are checkpoint.py's.
+start() is the start-up protocol every rank runs alike: config, process group, agreement on the checkpoint, the
+memory plan. resolve_config() turns the user's keys into the run's config: on init_from='resume' over the newest
+checkpoint that verifies (resumed_config: the architecture and optimizer cannot change), on a fine-tuning init_from
+with the checkpoint's architecture (fine_tune_config). Under torchrun only rank 0 hashes the checkpoint; the others
+agree on its choice (agree_on_checkpoint). restore() and restore_rngs() put a run back where its checkpoint left it;
+save() writes one with everything an exact resume needs. The files themselves are checkpoint.py's.
 
 Tokenizers: the data's tokenizer (prepare_data.py's manifest) must be the one of the weights a run starts from
 (check_tokenizer, in resolve_config: resume, a fine-tuning checkpoint, a Hugging Face directory); run_tokenizer()
@@ -24,8 +24,8 @@ from config import ARCH_KEYS, ConfigError, make_config, model_config
 from console import is_rank0, launched_by_torchrun, log
 from devices import rng_state, set_rng_state
 from files import Halt
-from model import PRESETS
 from memory import resolve_batch_size
+from model import PRESETS
 from parallel import check_shared_out_dir, setup, weights_finite
 from tracking import check_tracking_available
 
@@ -119,9 +119,9 @@ def resumed_config(user, out_dir, ckpt):
     path = ckpt["path"]
     # the run stays in the out_dir it found the checkpoint in (the checkpoint's own may be another, if moved)
     cfg = make_config({**user, "out_dir": out_dir}, base=ckpt["config"])
-    if cfg.optimizer != ckpt["config"].get("optimizer", "adamw"):  # the saved state is the other optimizer's
+    if cfg.optimizer != ckpt["config"]["optimizer"]:  # the saved state is the other optimizer's
         raise ConfigError(f"cannot change optimizer when resuming: the checkpoint {path} has "
-                          f"{ckpt['config'].get('optimizer', 'adamw')!r}, the config {cfg.optimizer!r}")
+                          f"{ckpt['config']['optimizer']!r}, the config {cfg.optimizer!r}")
     saved = model_config(cfg, **ckpt["model_args"])  # fields added since the checkpoint get their defaults
     for key in ARCH_KEYS:
         if getattr(cfg, key) != getattr(saved, key):

@@ -17,14 +17,17 @@ contractions case-insensitively. The special tokens come first: <|endoftext|> is
 chat.py's chat tokens 1..4, so a model trained on the data can be fine-tuned to chat without resizing. vocab_size
 counts everything (specials, the 256 bytes, the merges) and is at most 65,536: the shards hold uint16 ids.
 """
+
 import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
-GPT4_SPLIT_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
-                      r"""|\s*[\r\n]|\s+(?!\S)|\s+""")
+GPT4_SPLIT_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
+    r"""|\s*[\r\n]|\s+(?!\S)|\s+"""
+)
 MAX_VOCAB = 2**16  # uint16 shards
 DEFAULT_HELD_OUT_BYTES = 200_000
 
@@ -36,6 +39,7 @@ class TokenizerError(Exception):
 def special_tokens():
     """<|endoftext|> then chat.py's chat tokens, in id order."""
     import chat
+
     return ["<|endoftext|>", *chat.SPECIAL]
 
 
@@ -52,7 +56,7 @@ def split_held_out(texts, held_out_bytes):
             continue
         cut = data[:need].decode("utf-8", errors="ignore")  # drop a character cut in half
         held.append(cut)
-        rest = text[len(cut):]
+        rest = text[len(cut) :]
         return "\n".join(held), _chain(rest, texts)
     return "\n".join(held), iter(())
 
@@ -66,10 +70,14 @@ def _chain(first, rest):
 def build_tokenizer():
     """An untrained byte-level BPE with GPT-4's split pattern (module docstring)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(GPT4_SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(GPT4_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     return tok
 
@@ -77,14 +85,22 @@ def build_tokenizer():
 def train(texts, vocab_size, progress=False):
     """A trained tokenizers.Tokenizer of vocab_size ids (specials, 256 bytes, merges) from an iterable of texts."""
     from tokenizers import pre_tokenizers, trainers
+
     specials = special_tokens()
     if not len(specials) + 256 < vocab_size <= MAX_VOCAB:
-        raise TokenizerError(f"--vocab_size must be in ({len(specials) + 256}, {MAX_VOCAB:,}]: the shards store token "
-                             f"ids as uint16 (at most 65,536 ids) and the vocabulary holds {len(specials)} special "
-                             f"tokens and 256 bytes before any merge; got {vocab_size:,}")
+        raise TokenizerError(
+            f"--vocab_size must be in ({len(specials) + 256}, {MAX_VOCAB:,}]: the shards store token "
+            f"ids as uint16 (at most 65,536 ids) and the vocabulary holds {len(specials)} special "
+            f"tokens and 256 bytes before any merge; got {vocab_size:,}"
+        )
     tok = build_tokenizer()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=progress,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), min_frequency=2)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        show_progress=progress,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+    )
     tok.train_from_iterator(texts, trainer)
     return tok
 
@@ -92,8 +108,10 @@ def train(texts, vocab_size, progress=False):
 def compression(enc, text):
     """(bytes per token, encoding MB/s) of one tokenizer on text, encoded in this process as prepare_data.py's
     workers encode it (encode_to_numpy), after a warm-up (HFTokenizer builds its tiktoken translation on first use)."""
+
     def encode(text):
         return enc.encode_to_numpy(text) if hasattr(enc, "json") else enc.encode_to_numpy(text, disallowed_special=())
+
     encode(text[:1000])
     start = time.perf_counter()
     n = len(encode(text))
@@ -103,14 +121,20 @@ def compression(enc, text):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--input", nargs="+", metavar="PATH", help=".txt/.jsonl/.parquet files, directories or globs")
     p.add_argument("--dataset", metavar="NAME", help="a prepare_data.py preset or Hugging Face dataset, as there")
     p.add_argument("--text_key", default="text", help="jsonl field / parquet or dataset column holding the text")
     p.add_argument("--vocab_size", type=int, required=True, help=f"ids in all, at most {MAX_VOCAB:,} (uint16 shards)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory for tokenizer.json and tokenizer_config.json")
-    p.add_argument("--held_out_bytes", type=int, default=DEFAULT_HELD_OUT_BYTES,
-                   help="bytes at the start of the input kept out of training and used for the report")
+    p.add_argument(
+        "--held_out_bytes",
+        type=int,
+        default=DEFAULT_HELD_OUT_BYTES,
+        help="bytes at the start of the input kept out of training and used for the report",
+    )
     p.add_argument("--max_bytes", type=int, default=None, help="learn from at most this many bytes (default: all)")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -118,6 +142,7 @@ def main(argv=None):
         report = train_cli(args)
     except (TokenizerError, OSError) as e:
         from files import error_message
+
         sys.exit(error_message("tokenizer.py", e))
     print(report)
     return 0
@@ -127,6 +152,7 @@ def train_cli(args):
     """tokenizer.py's work for parsed flags; returns the report's text."""
     import assets
     from prepare_data import PrepError, non_empty, resolve_source
+
     if not len(special_tokens()) + 256 < args.vocab_size <= MAX_VOCAB:
         train([], args.vocab_size)  # the one-line error, before reading anything
     try:
@@ -142,34 +168,52 @@ def train_cli(args):
                 learned["bytes"] += size
                 learned["docs"] += 1
                 yield text
+
         start = time.perf_counter()
         tok = train(limited(), args.vocab_size, progress=not args.no_progress)
     except PrepError as e:
         raise TokenizerError(str(e)) from None
     seconds = time.perf_counter() - start
     if learned["bytes"] == 0:
-        raise TokenizerError(f"no text left to learn from after the first --held_out_bytes {args.held_out_bytes:,} "
-                             f"bytes; lower --held_out_bytes or give more text")
+        raise TokenizerError(
+            f"no text left to learn from after the first --held_out_bytes {args.held_out_bytes:,} "
+            f"bytes; lower --held_out_bytes or give more text"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     assets.save_tokenizer(out, model_dir=out)  # tokenizer_config.json: <|endoftext|> as bos/eos/unk, for AutoTokenizer
     ours = assets.open_tokenizer(out)
     speed = learned["bytes"] / 1e6 / max(seconds, 1e-9)
-    fewer = (f" (asked for {args.vocab_size:,}: no pair of tokens left that occurs twice in the text)"
-             if tok.get_vocab_size() < args.vocab_size else "")
-    lines = [(f"tokenizer.py: {tok.get_vocab_size():,} ids learned from {learned['bytes'] / 1e6:,.1f} MB "
-              f"({learned['docs']:,} documents) in {seconds:.1f} s ({speed:.1f} MB/s) -> {out / 'tokenizer.json'} "
-              f"({ours.id}){fewer}")]
+    fewer = (
+        f" (asked for {args.vocab_size:,}: no pair of tokens left that occurs twice in the text)"
+        if tok.get_vocab_size() < args.vocab_size
+        else ""
+    )
+    lines = [
+        (
+            f"tokenizer.py: {tok.get_vocab_size():,} ids learned from {learned['bytes'] / 1e6:,.1f} MB "
+            f"({learned['docs']:,} documents) in {seconds:.1f} s ({speed:.1f} MB/s) -> {out / 'tokenizer.json'} "
+            f"({ours.id}){fewer}"
+        )
+    ]
     if held_out:
         mine, mine_speed = compression(ours, held_out)
         gpt2, gpt2_speed = compression(assets.get_tokenizer(), held_out)
         size = len(held_out.encode("utf-8", errors="surrogatepass"))
-        lines.append(f"held-out {size:,} bytes: {mine:.3f} bytes/token ({ours.n_vocab:,} ids) vs GPT-2 {gpt2:.3f} "
-                     f"(50,257 ids), {gpt2 / mine - 1:+.1%} tokens for the same text; encoding {mine_speed:.1f} MB/s vs "
-                     f"GPT-2's {gpt2_speed:.1f} MB/s (one process)")
-        report = {"vocab_size": ours.n_vocab, "held_out_bytes": size, "bytes_per_token": mine,
-                  "gpt2_bytes_per_token": gpt2, "train_seconds": seconds, "train_bytes": learned["bytes"]}
+        lines.append(
+            f"held-out {size:,} bytes: {mine:.3f} bytes/token ({ours.n_vocab:,} ids) vs GPT-2 {gpt2:.3f} "
+            f"(50,257 ids), {gpt2 / mine - 1:+.1%} tokens for the same text; encoding {mine_speed:.1f} MB/s vs "
+            f"GPT-2's {gpt2_speed:.1f} MB/s (one process)"
+        )
+        report = {
+            "vocab_size": ours.n_vocab,
+            "held_out_bytes": size,
+            "bytes_per_token": mine,
+            "gpt2_bytes_per_token": gpt2,
+            "train_seconds": seconds,
+            "train_bytes": learned["bytes"],
+        }
         (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     return "\n".join(lines)
 

@@ -10,6 +10,7 @@ token after the first is predicted (a document longer than block_size continues 
 so both models predict exactly the same text and one end-of-text per document. bits/byte = total NLL (nats) / ln 2 /
 UTF-8 bytes of the documents.
 """
+
 import argparse
 import json
 import math
@@ -40,11 +41,11 @@ def score(model, enc, docs, batch_size=32):
     rows = []
     for doc in docs:
         ids = [enc.eot_token, *enc.encode_ordinary(doc), enc.eot_token]
-        rows += [ids[i:i + T + 1] for i in range(0, len(ids) - 1, T)]  # windows of T targets, context restarts
+        rows += [ids[i : i + T + 1] for i in range(0, len(ids) - 1, T)]  # windows of T targets, context restarts
     total, count = 0.0, 0
     rows.sort(key=len)
     for i in range(0, len(rows), batch_size):
-        batch = rows[i:i + batch_size]
+        batch = rows[i : i + batch_size]
         width = max(map(len, batch))
         x = torch.tensor([r[:-1] + [0] * (width - len(r)) for r in batch])
         y = torch.tensor([r[1:] + [-1] * (width - len(r)) for r in batch])
@@ -60,7 +61,7 @@ def main():
     p.add_argument("--docs", type=int, default=500, help="score the first N speeches")
     p.add_argument("--json", action="store_true", help="one JSON line per checkpoint")
     args = p.parse_args()
-    docs = split_speeches(Path(fetch_shakespeare()).read_text(encoding="utf-8"))[:args.docs]
+    docs = split_speeches(Path(fetch_shakespeare()).read_text(encoding="utf-8"))[: args.docs]
     size = sum(len(d.encode()) for d in docs)
     if not args.json:
         print(f"machine: {machine_line('cpu')}; {len(docs)} documents, {size:,} bytes")
@@ -69,16 +70,26 @@ def main():
         enc = model_tokenizer(info)
         held = documents_held_out(info["config"])
         nll, tokens = score(model, enc, docs)
-        result = {"ckpt": ckpt, "step": info["step"], "tokenizer": getattr(enc, "id", "gpt2"), "n_vocab": enc.n_vocab,
-                  "tokens": tokens, "bytes": size, "loss_per_token": nll / tokens,
-                  "bits_per_byte": nll / math.log(2) / size, "held_out": held is None or held >= len(docs)}
+        result = {
+            "ckpt": ckpt,
+            "step": info["step"],
+            "tokenizer": getattr(enc, "id", "gpt2"),
+            "n_vocab": enc.n_vocab,
+            "tokens": tokens,
+            "bytes": size,
+            "loss_per_token": nll / tokens,
+            "bits_per_byte": nll / math.log(2) / size,
+            "held_out": held is None or held >= len(docs),
+        }
         if args.json:
             print(json.dumps(result))
         else:
-            print(f"{ckpt}: step {result['step']}, tokenizer {result['tokenizer']} ({enc.n_vocab:,} ids): {tokens:,} "
-                  f"tokens ({size / tokens:.3f} bytes/token), loss {result['loss_per_token']:.4f} nats/token = "
-                  f"{result['bits_per_byte']:.4f} bits/byte"
-                  + ("" if result["held_out"] else f" (WARNING: its val split holds only the first {held} documents)"))
+            print(
+                f"{ckpt}: step {result['step']}, tokenizer {result['tokenizer']} ({enc.n_vocab:,} ids): {tokens:,} "
+                f"tokens ({size / tokens:.3f} bytes/token), loss {result['loss_per_token']:.4f} nats/token = "
+                f"{result['bits_per_byte']:.4f} bits/byte"
+                + ("" if result["held_out"] else f" (WARNING: its val split holds only the first {held} documents)")
+            )
 
 
 if __name__ == "__main__":

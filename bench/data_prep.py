@@ -124,7 +124,8 @@ def bench_tokenizers(docs, label, num_proc, repeats, tmp, tokenizer_path):
     spec["normalizer"] = {"type": "Sequence", "normalizers": []}  # a no-op that _as_tiktoken does not translate
     library = Path(tmp) / f"library_{label}.json"
     library.write_text(json.dumps(spec))
-    rows = {"gpt2 (tiktoken)": "gpt2", f"{open_tokenizer(str(tokenizer_path)).n_vocab:,}-id tokenizer.json": tokenizer_path,
+    ids = open_tokenizer(str(tokenizer_path)).n_vocab
+    rows = {"gpt2 (tiktoken)": "gpt2", f"{ids:,}-id tokenizer.json": tokenizer_path,
             "same file, tokenizers library": library}
     wall, cpu, tokens = {k: [] for k in rows}, {k: [] for k in rows}, {}
     for r in range(repeats):  # interleaved, so that a busy machine's quiet moments are shared fairly

@@ -1,6 +1,7 @@
 """tokenizer.py: a byte-level BPE trained with the `tokenizers` library, written as a standard tokenizer.json that
 round-trips any text and encodes exactly as transformers and the tokenizers library do (and as the tiktoken
 translation prepare_data.py's workers use)."""
+
 import json
 import random
 
@@ -12,13 +13,26 @@ import tokenizer
 
 pytest.importorskip("tokenizers")
 
-CORPUS = ["Once upon a time there was a naïve café owner 😀 who said hello to the world.",
-          "The quick brown fox jumps over the lazy dog; 日本語 and ünïcödé too. Numbers: 12345 and 3.14159.",
-          "def add(a, b):\n    return a + b  # code, with indentation\n\n\n",
-          "She said: \"I'll go, they'd stay, WE'VE been here\".\tTabs\t\tand   spaces   end."] * 30
-TEXTS = ["", " ", "   leading and trailing   ", "\n\n\n", "\t \t\r\n", "naïve café 😀 日本語 ﬁ İı 𝔘𝔫𝔦",
-         "<|endoftext|>", "a <|endoftext|> b <|user|>hi<|end|><|assistant|>", "x" * 500, "1234567890 3.14",
-         "unknown bytes: \x00\x01\x7f \u200b\u00a0", "Ünïcödé ÀÉÎÕÜ ß Ω≈ç√ ¡¿ emoji 👩‍👩‍👧 flags 🇫🇷"]
+CORPUS = [
+    "Once upon a time there was a naïve café owner 😀 who said hello to the world.",
+    "The quick brown fox jumps over the lazy dog; 日本語 and ünïcödé too. Numbers: 12345 and 3.14159.",
+    "def add(a, b):\n    return a + b  # code, with indentation\n\n\n",
+    "She said: \"I'll go, they'd stay, WE'VE been here\".\tTabs\t\tand   spaces   end.",
+] * 30
+TEXTS = [
+    "",
+    " ",
+    "   leading and trailing   ",
+    "\n\n\n",
+    "\t \t\r\n",
+    "naïve café 😀 日本語 ﬁ İı 𝔘𝔫𝔦",
+    "<|endoftext|>",
+    "a <|endoftext|> b <|user|>hi<|end|><|assistant|>",
+    "x" * 500,
+    "1234567890 3.14",
+    "unknown bytes: \x00\x01\x7f \u200b\u00a0",
+    "Ünïcödé ÀÉÎÕÜ ß Ω≈ç√ ¡¿ emoji 👩‍👩‍👧 flags 🇫🇷",
+]
 
 
 def random_text(rng, n=300):
@@ -32,8 +46,9 @@ def trained(tmp_path_factory):
     src = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS))
     out = tmp_path_factory.mktemp("tok") / "mine"
-    tokenizer.main(["--input", str(src), "--vocab_size", "400", "--out", str(out), "--held_out_bytes", "500",
-                    "--no_progress"])
+    tokenizer.main(
+        ["--input", str(src), "--vocab_size", "400", "--out", str(out), "--held_out_bytes", "500", "--no_progress"]
+    )
     return out, json.loads((out / "report.json").read_text())
 
 
@@ -68,6 +83,7 @@ def test_random_text_round_trips_and_the_fast_path_agrees(trained):
 def test_transformers_and_tokenizers_load_the_file_and_give_the_same_ids(trained):
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
     out = trained[0]
     enc = assets.open_tokenizer(out)
     library = Tokenizer.from_file(str(out / "tokenizer.json"))
@@ -93,8 +109,19 @@ def test_a_vocabulary_beyond_uint16_is_a_one_line_error(tmp_path, capsys):
     message = str(e.value.code)
     assert message.startswith("tokenizer.py: error:") and "\n" not in message and "uint16" in message
     assert not (tmp_path / "t").exists()
-    tokenizer.main(["--input", str(src), "--vocab_size", "300", "--out", str(tmp_path / "ok"), "--held_out_bytes", "10",
-                    "--no_progress"])  # 65,536 and below are fine: 300 here
+    tokenizer.main(
+        [
+            "--input",
+            str(src),
+            "--vocab_size",
+            "300",
+            "--out",
+            str(tmp_path / "ok"),
+            "--held_out_bytes",
+            "10",
+            "--no_progress",
+        ]
+    )  # 65,536 and below are fine: 300 here
     assert assets.open_tokenizer(tmp_path / "ok").n_vocab <= 300
 
 
@@ -127,19 +154,49 @@ def test_a_normalizing_tokenizer_takes_the_tokenizers_path(neox_tokenizer_json):
 
 # ----------------------------------------------------------------------------- through the whole pipeline
 
-TINY = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=2", "--warmup_steps=1",
-        "--eval_interval=2", "--eval_steps=1", "--log_interval=0", "--save_interval=2", "--device=cpu",
-        "--dtype=float32", "--compile=False", "--sample_interval=2", "--sample_tokens=4"]
+TINY = [
+    "--n_layer=1",
+    "--n_head=2",
+    "--n_embd=16",
+    "--block_size=16",
+    "--batch_size=2",
+    "--warmup_steps=1",
+    "--eval_interval=2",
+    "--eval_steps=1",
+    "--log_interval=0",
+    "--save_interval=2",
+    "--device=cpu",
+    "--dtype=float32",
+    "--compile=False",
+    "--sample_interval=2",
+    "--sample_tokens=4",
+]
 
 
 def prepare(tmp_path, tok, name):
     """prepare_data.py --tokenizer tok over CORPUS in two worker processes -> the data directory."""
     import prepare_data
+
     src = tmp_path / f"{name}.jsonl"
     src.write_text("".join(json.dumps({"text": f"{i}: {t}"}) + "\n" for i, t in enumerate(CORPUS)))
     out = tmp_path / f"data_{name}"
-    prepare_data.main(["--input", str(src), "--tokenizer", str(tok), "--out_dir", str(out), "--val_tokens", "100",
-                       "--num_proc", "2", "--batch_chars", "500", "--no_progress"])
+    prepare_data.main(
+        [
+            "--input",
+            str(src),
+            "--tokenizer",
+            str(tok),
+            "--out_dir",
+            str(out),
+            "--val_tokens",
+            "100",
+            "--num_proc",
+            "2",
+            "--batch_chars",
+            "500",
+            "--no_progress",
+        ]
+    )
     return out
 
 
@@ -160,13 +217,14 @@ def test_prep_train_sample_export_autotokenizer_with_its_own_tokenizer(tokenizer
     import data
     import sample
     import train
+
     enc = assets.open_tokenizer(tokenizer_file)
     data_dir = prepare(tmp_path, tokenizer_file, "corpus")
     manifest = json.loads((data_dir / "corpus_manifest.json").read_text())
     assert manifest["tokenizer"]["id"] == enc.id == manifest["settings"]["tokenizer"]
     val = data.load_shard(data_dir / "corpus_val_000000.bin")  # <|endoftext|> (the tokenizer's) before each document
     first = [enc.eot_token, *enc.encode_ordinary(f"0: {CORPUS[0]}"), enc.eot_token]
-    assert list(val[:len(first)]) == first
+    assert list(val[: len(first)]) == first
 
     assert train.main([*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_steps=2"]) == 0
     ckpt = torch.load(tmp_path / "out" / "ckpt_000002.pt", weights_only=True)
@@ -179,8 +237,23 @@ def test_prep_train_sample_export_autotokenizer_with_its_own_tokenizer(tokenizer
         shutil.copy(tmp_path / "out" / name, moved.parent / name)
     shutil.rmtree(data_dir)
     capsys.readouterr()
-    assert sample.main(["--ckpt", str(moved), "--prompt", "Once upon", "--max_new_tokens", "6", "--device", "cpu",
-                        "--dtype", "float32"]) == 0
+    assert (
+        sample.main(
+            [
+                "--ckpt",
+                str(moved),
+                "--prompt",
+                "Once upon",
+                "--max_new_tokens",
+                "6",
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith("Once upon")
 
     assert checkpoint.main(["export", str(moved), str(tmp_path / "hf")]) == 0
@@ -201,6 +274,7 @@ def test_prep_train_sample_export_autotokenizer_with_its_own_tokenizer(tokenizer
 def two_runs(trained, neox_tokenizer_json, tmp_path_factory):
     """Data prepared with the trained tokenizer (run 'a', 2 steps) and with the NeoX-style one."""
     import train
+
     tmp = tmp_path_factory.mktemp("mismatch")
     a, b = prepare(tmp, trained[0], "a"), prepare(tmp, neox_tokenizer_json, "b")
     assert train.main([*TINY, f"--data_dir={a}", f"--out_dir={tmp / 'run_a'}", "--max_steps=2"]) == 0
@@ -209,6 +283,7 @@ def two_runs(trained, neox_tokenizer_json, tmp_path_factory):
 
 def one_line_refusal(capsys, argv):
     import train
+
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         train.main(argv)
@@ -219,16 +294,18 @@ def one_line_refusal(capsys, argv):
 
 def test_resuming_on_data_of_another_tokenizer_is_refused(two_runs, capsys):
     tmp, a, b = two_runs
-    err = one_line_refusal(capsys, ["--init_from=resume", f"--out_dir={tmp / 'run_a'}", f"--data_dir={b}",
-                                    "--max_steps=4"])
+    err = one_line_refusal(
+        capsys, ["--init_from=resume", f"--out_dir={tmp / 'run_a'}", f"--data_dir={b}", "--max_steps=4"]
+    )
     a_id, b_id = assets.open_tokenizer(a / "a_tokenizer.json").id, assets.open_tokenizer(b / "b_tokenizer.json").id
     assert a_id in err and b_id in err and "ckpt_000002.pt" in err
 
 
 def test_fine_tuning_on_data_of_another_tokenizer_is_refused(two_runs, capsys):
     tmp, a, b = two_runs
-    err = one_line_refusal(capsys, [*TINY, f"--init_from={tmp / 'run_a'}", f"--data_dir={b}",
-                                    f"--out_dir={tmp / 'ft'}", "--max_steps=2"])
+    err = one_line_refusal(
+        capsys, [*TINY, f"--init_from={tmp / 'run_a'}", f"--data_dir={b}", f"--out_dir={tmp / 'ft'}", "--max_steps=2"]
+    )
     assert "init_from=" in err and assets.open_tokenizer(b / "b_tokenizer.json").id in err
 
 
@@ -240,9 +317,22 @@ def test_data_of_two_tokenizers_is_refused(two_runs, capsys):
 
 def test_the_same_tokenizer_fine_tunes_and_a_changed_tokenizer_file_is_refused(two_runs, capsys):
     import train
+
     tmp, a, b = two_runs
-    assert train.main([*TINY, f"--init_from={tmp / 'run_a'}", f"--data_dir={a}", f"--out_dir={tmp / 'ft_a'}",
-                       "--max_steps=2", "--sample_interval=0", "--eval_interval=0"]) == 0
+    assert (
+        train.main(
+            [
+                *TINY,
+                f"--init_from={tmp / 'run_a'}",
+                f"--data_dir={a}",
+                f"--out_dir={tmp / 'ft_a'}",
+                "--max_steps=2",
+                "--sample_interval=0",
+                "--eval_interval=0",
+            ]
+        )
+        == 0
+    )
     (b / "b_tokenizer.json").write_text((a / "a_tokenizer.json").read_text())
     err = one_line_refusal(capsys, [*TINY, f"--data_dir={b}", f"--out_dir={tmp / 'changed'}", "--max_steps=2"])
     assert "b_tokenizer.json: changed since" in err
@@ -250,10 +340,13 @@ def test_the_same_tokenizer_fine_tunes_and_a_changed_tokenizer_file_is_refused(t
 
 def test_a_bad_tokenizer_flag_is_a_one_line_prep_error(tmp_path, capsys):
     import prepare_data
+
     src = tmp_path / "a.txt"
     src.write_text("hello")
     with pytest.raises(SystemExit) as e:
-        prepare_data.main(["--input", str(src), "--tokenizer", str(tmp_path / "nope"), "--out_dir", str(tmp_path / "d")])
+        prepare_data.main(
+            ["--input", str(src), "--tokenizer", str(tmp_path / "nope"), "--out_dir", str(tmp_path / "d")]
+        )
     assert "no such tokenizer.json" in str(e.value.code) and "\n" not in str(e.value.code)
 
 
@@ -261,9 +354,22 @@ def test_a_vocab_size_the_config_sets_wins_over_the_datas(two_runs):
     import torch
 
     import train
+
     tmp, a, b = two_runs
-    assert train.main([*TINY, f"--data_dir={a}", f"--out_dir={tmp / 'v512'}", "--vocab_size=512", "--max_steps=1",
-                       "--eval_interval=0", "--sample_interval=0"]) == 0
+    assert (
+        train.main(
+            [
+                *TINY,
+                f"--data_dir={a}",
+                f"--out_dir={tmp / 'v512'}",
+                "--vocab_size=512",
+                "--max_steps=1",
+                "--eval_interval=0",
+                "--sample_interval=0",
+            ]
+        )
+        == 0
+    )
     assert torch.load(tmp / "v512" / "ckpt_000001.pt", weights_only=True)["model_args"]["vocab_size"] == 512
 
 
