@@ -84,8 +84,6 @@ def build_tokenizer():
 
 def train(texts, vocab_size, progress=False):
     """A trained tokenizers.Tokenizer of vocab_size ids (specials, 256 bytes, merges) from an iterable of texts."""
-    from tokenizers import pre_tokenizers, trainers
-
     specials = special_tokens()
     if not len(specials) + 256 < vocab_size <= MAX_VOCAB:
         raise TokenizerError(
@@ -93,6 +91,10 @@ def train(texts, vocab_size, progress=False):
             f"ids as uint16 (at most 65,536 ids) and the vocabulary holds {len(specials)} special "
             f"tokens and 256 bytes before any merge; got {vocab_size:,}"
         )
+    try:
+        from tokenizers import pre_tokenizers, trainers
+    except ImportError:
+        raise TokenizerError("training needs the Hugging Face `tokenizers` package: pip install tokenizers") from None
     tok = build_tokenizer()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
