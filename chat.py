@@ -27,26 +27,43 @@ CHAT_TEMPLATE = ("{{ '<|endoftext|>' }}{% for message in messages %}"
 
 
 def tokenizer(enc=None):
-    """GPT-2's tiktoken encoding plus the chat tokens (encode them with allowed_special='all'; decode shows them)."""
+    """GPT-2's tiktoken encoding plus the chat tokens (encode them with allowed_special='all'; decode shows them),
+    or a tokenizer.json tokenizer (assets.HFTokenizer) that has the chat tokens as special tokens itself (as
+    tokenizer.py's do): ValueError naming the ones it lacks."""
     enc = enc or get_tokenizer()
+    if hasattr(enc, "special_id"):
+        missing = [t for t in ("<|endoftext|>", *SPECIAL) if enc.special_id(t) is None]
+        if missing:
+            raise ValueError(f"the chat format needs the special tokens {', '.join(missing)}, which the tokenizer "
+                             f"{enc.name} lacks (tokenizer.py's tokenizers have them)")
+        return enc
     if not isinstance(enc, tiktoken.Encoding) or enc.n_vocab != EOT + 1:
         raise ValueError(f"the chat format needs GPT-2's tokenizer (50257 ids), not {getattr(enc, 'name', enc)}")
     return tiktoken.Encoding(name="gpt2-chat", pat_str=enc._pat_str, mergeable_ranks=enc._mergeable_ranks,
                              special_tokens={**enc._special_tokens, **SPECIAL})
 
 
+def special_ids(enc):
+    """{text: id} of <|endoftext|> and the chat tokens in a chat tokenizer (tokenizer()): GPT-2's fixed ids, or
+    the tokenizer.json's own."""
+    if hasattr(enc, "special_id"):
+        return {t: enc.special_id(t) for t in ("<|endoftext|>", *SPECIAL)}
+    return {"<|endoftext|>": EOT, **SPECIAL}
+
+
 def encode(enc, messages, add_generation_prompt=False):
     """(token ids, mask) of the conversation as CHAT_TEMPLATE renders it: mask[i] is 1 where token i is trained on
     (assistant content and its <|end|>). Message contents are ordinary text: a '<|user|>' typed inside one is not
     the special token."""
-    tokens, mask = [EOT], [0]
+    ids = special_ids(enc)
+    tokens, mask = [ids["<|endoftext|>"]], [0]
     for m in messages:
         content = enc.encode_ordinary(m["content"])
         trained = int(m["role"] == "assistant")
-        tokens += [SPECIAL[f"<|{m['role']}|>"], *content, END]
+        tokens += [ids[f"<|{m['role']}|>"], *content, ids["<|end|>"]]
         mask += [0] + [trained] * (len(content) + 1)
     if add_generation_prompt:
-        tokens.append(SPECIAL["<|assistant|>"])
+        tokens.append(ids["<|assistant|>"])
         mask.append(0)
     return tokens, mask
 

@@ -13,6 +13,8 @@ containers only, so it loads with torch.load(weights_only=True) (no pickled code
     val_loss    val loss measured at this step, or None
     best_step, best_val_loss   the best checkpoint so far (never pruned)
     format      'gpt2-train-ckpt-v1'
+    tokenizer   the run's tokenizer (assets.tokenizer_record: id, n_vocab, eot, source and the tokenizer.json text,
+                a str; None or json None: GPT-2's), so that sampling and export need nothing but the checkpoint
 
 Writes go through files.atomic_write (a hidden temporary file in the same directory, fsync'ed, renamed
 over the final name, the directory fsync'ed): a crash (even kill -9) at any moment leaves either the old
@@ -598,7 +600,8 @@ def load_model(ckpt=None, init_from=None, device="cpu"):
         raise ValueError("give exactly one of ckpt (a checkpoint file or out_dir) or init_from (a pretrained name)")
     if init_from is not None:
         model = from_pretrained(init_from)
-        info = {"source": str(init_from), "step": None, "val_loss": None, "config": None, "hf_dir": init_from}
+        info = {"source": str(init_from), "step": None, "val_loss": None, "config": None, "hf_dir": init_from,
+                "tokenizer": None}
     else:
         state = load_checkpoint(ckpt, consolidate=False)
         model = GPT(GPTConfig(**state["model_args"]))
@@ -607,7 +610,8 @@ def load_model(ckpt=None, init_from=None, device="cpu"):
         else:
             model.load_state_dict(state["model"])
         info = {"source": str(ckpt), "step": state["step"], "val_loss": state.get("val_loss"),
-                "config": state["config"], "hf_dir": (state["config"] or {}).get("init_from")}
+                "config": state["config"], "hf_dir": (state["config"] or {}).get("init_from"),
+                "tokenizer": state.get("tokenizer")}
     if info["hf_dir"] is not None and not Path(info["hf_dir"]).is_dir():
         info["hf_dir"] = None  # 'scratch', 'resume' or a hub name: GPT-2's tokenizer
     return model.to(device).eval(), info
@@ -632,9 +636,18 @@ def add_model_args(parser):
                                             "(default $GPT2_CACHE_DIR, else ~/.cache/gpt2-train)")
 
 
+def model_tokenizer(info, cache_dir=None):
+    """The tokenizer of a model load_model loaded: the checkpoint's own (its tokenizer.json text), else the model
+    directory's tokenizer.json when there is one (assets.load_tokenizer), else GPT-2's."""
+    record = info.get("tokenizer")
+    if record is not None and record.get("json") is not None:
+        return assets.tokenizer_from_record(record, cache_dir=cache_dir)
+    return assets.load_tokenizer(info["hf_dir"], cache_dir=cache_dir)
+
+
 def load_model_from_args(parser, args):
-    """(model, tokenizer, device, dtype) for the flags of add_model_args. The tokenizer is the model
-    directory's tokenizer.json when there is one (assets.load_tokenizer), else GPT-2's. A bad checkpoint,
+    """(model, tokenizer, device, dtype) for the flags of add_model_args; the tokenizer is model_tokenizer's
+    (the checkpoint's, the model directory's, else GPT-2's). A bad checkpoint,
     model directory or tokenizer is one line `<prog>: error: ...` on stderr and exit status 2, never a
     traceback (as argparse does for bad flags)."""
     source = args.ckpt or args.init_from
@@ -645,7 +658,7 @@ def load_model_from_args(parser, args):
         parser.exit(2, f"{parser.prog}: error: --device: {e}\n")
     try:
         model, info = load_model(ckpt=args.ckpt, init_from=args.init_from, device=device)
-        enc = assets.load_tokenizer(info["hf_dir"], cache_dir=args.cache_dir)
+        enc = model_tokenizer(info, cache_dir=args.cache_dir)
     except (CheckpointError, OSError, ValueError, ImportError, RuntimeError) as e:
         report_error(parser.prog, e, about=source)  # e.g. a hub download error that doesn't say what was loaded
         parser.exit(2)
@@ -671,7 +684,8 @@ def main(argv=None):
         else:
             model, info = load_model(ckpt=args.src)
             from chat import CHAT_TEMPLATE
-            save_pretrained(model, args.dst, tokenizer_dir=info["hf_dir"],
+            record = info["tokenizer"] or {}
+            save_pretrained(model, args.dst, tokenizer_dir=info["hf_dir"], tokenizer_json=record.get("json"),
                             chat_template=CHAT_TEMPLATE if args.chat else None)
             step = info["step"]
     except (CheckpointError, OSError, ValueError, ImportError, RuntimeError) as err:

@@ -254,6 +254,38 @@ def manifest_records(paths, split):
     return found
 
 
+def data_tokenizer(data_dir):
+    """The tokenizer of the train shards in data_dir (a directory or a glob), as prepare_data.py's manifests record it
+    (assets.tokenizer_record; "json" read back from the <name>_tokenizer.json beside them and checked against its
+    hash), or None where no manifest says (shards of other tools: assumed GPT-2's). A manifest from before tokenizers
+    were recorded means GPT-2's ("n_vocab" None). ShardError when the manifests name different tokenizers (e.g. a
+    glob over two data directories) or a tokenizer file is missing or changed."""
+    import hashlib
+    found = {}
+    for directory in sorted({p.parent for p in find_shards(data_dir, "train")}):
+        for manifest in sorted(directory.glob("*_manifest.json")):
+            try:
+                m = json.loads(manifest.read_text())
+                record = m.get("tokenizer") or {"id": "gpt2", "n_vocab": None, "eot": 50256, "source": None}
+                record = {**record, "json": None}
+                if "file" in record:
+                    record["json"] = (directory / record["file"]).read_text(encoding="utf-8")
+            except (OSError, ValueError, TypeError, AttributeError) as e:
+                raise ShardError(f"{manifest}: cannot read its tokenizer ({type(e).__name__}: {e}); run "
+                                 f"prepare_data.py again") from None
+            if record["json"] is not None and record["id"] != "sha256:" + hashlib.sha256(
+                    record["json"].encode()).hexdigest()[:16]:
+                raise ShardError(f"{directory / record['file']}: changed since {manifest.name} recorded it as "
+                                 f"{record['id']}; run prepare_data.py again")
+            found[manifest] = record
+    ids = {r["id"] for r in found.values()}
+    if len(ids) > 1:
+        (a, ra), (b, rb) = [next((m, r) for m, r in found.items() if r["id"] == i) for i in sorted(ids)[:2]]
+        raise ShardError(f"{data_dir}: its shards come from two tokenizers: {a} has {ra['id']}, {b} has {rb['id']}; "
+                         f"train on one tokenizer's data")
+    return next(iter(found.values()), None)
+
+
 def check_shards_vocab(paths, shards, vocab_size, progress=True, chunk=1 << 26, records=None):
     """Every token id of every shard < vocab_size, before training starts (ShardError naming the shard and
     the id otherwise). A shard's max id comes from its manifest record (manifest_records) if the shard was not

@@ -78,13 +78,15 @@ def from_pretrained(name_or_dir: str, **overrides) -> GPT:
             ours[k].copy_(v)
     return model
 
-def save_pretrained(model: GPT, out_dir: str, tokenizer_dir: str | None = None, chat_template: str | None = None) -> None:
+def save_pretrained(model: GPT, out_dir: str, tokenizer_dir: str | None = None, chat_template: str | None = None,
+                    tokenizer_json: str | None = None) -> None:
     """Write config.json + model.safetensors that transformers loads: a GPT2LMHeadModel for learned positions
     (rotary_pct=None), a GPTNeoXForCausalLM (Pythia layout) for rotary ones. bias=False is written as zero
     biases; zero_init_proj and dropout need nothing. qk_norm, and a parallel residual with learned positions,
     exist in neither (ValueError). With them the tokenizer (assets.save_tokenizer: tokenizer_dir's own
-    tokenizer.json if it has one, else GPT-2's; skipped, with a note, for a vocabulary too small for GPT-2's)
-    and generation_config.json with its <|endoftext|> id as eos."""
+    tokenizer.json if it has one, else GPT-2's; skipped, with a note, for a vocabulary too small for GPT-2's;
+    `tokenizer_json`, a checkpoint's own tokenizer.json text, wins over both) and generation_config.json with its
+    <|endoftext|> id as eos."""
     cfg = model.config
     if cfg.qk_norm:
         raise ValueError("save_pretrained: qk_norm=True has no Hugging Face GPT-2 or GPT-NeoX equivalent "
@@ -98,9 +100,10 @@ def save_pretrained(model: GPT, out_dir: str, tokenizer_dir: str | None = None, 
         raise ImportError("save_pretrained needs the safetensors package: pip install safetensors") from e
     neox = cfg.rotary_pct is not None
     # GPT-2 files hold the real vocabulary only; GPT-NeoX checkpoints keep their padded one (as Pythia's do)
-    vocab = GPT2_VOCAB if not neox and cfg.vocab_size > GPT2_VOCAB else cfg.vocab_size
+    own = tokenizer_json is not None  # a tokenizer of the run's own: every row goes, as GPT-NeoX does
+    vocab = GPT2_VOCAB if not neox and not own and cfg.vocab_size > GPT2_VOCAB else cfg.vocab_size
     chat_tokens = {}
-    if chat_template is not None:  # the chat tokens (chat.py) are rows of the padded vocabulary: they go too
+    if chat_template is not None and not own:  # GPT-2's chat tokens (chat.py) are rows of the padded vocabulary
         import chat
         chat_tokens = chat.SPECIAL
         vocab = max(vocab, max(chat_tokens.values()) + 1)
@@ -122,9 +125,9 @@ def save_pretrained(model: GPT, out_dir: str, tokenizer_dir: str | None = None, 
         # safetensors needs contiguous tensors that share no memory
         tensors[_hf_name(k, neox)] = v.clone(memory_format=torch.contiguous_format)
     out = Path(out_dir)
-    if vocab > EOT or (tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file()):
+    if own or vocab > EOT or (tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file()):
         eos = assets.save_tokenizer(out, tokenizer_dir, chat_template, model_max_length=cfg.block_size,
-                                    special_tokens=chat_tokens)
+                                    special_tokens=chat_tokens, tokenizer_json=tokenizer_json)
     else:
         eos = None
         log(f"{out}: no tokenizer written: vocab_size {vocab} is smaller than GPT-2's {GPT2_VOCAB}", note=True)

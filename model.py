@@ -53,7 +53,7 @@ TRAINING_ONLY_MODEL_KEYS = ("dropout", "activation_checkpointing")  # GPTConfig 
 @dataclass
 class GPTConfig:
     block_size: int = 1024  # context length in tokens
-    vocab_size: int = 50304  # GPT-2's 50257 tokens padded up to a multiple of 64 for faster matmuls
+    vocab_size: int = 50304  # from scratch: the data's tokenizer, padded to a multiple of 64 (GPT-2's 50257 -> 50304)
     n_layer: int = 12  # transformer blocks
     n_head: int = 12  # attention heads per block
     n_embd: int = 768  # residual stream width

@@ -3,6 +3,7 @@
     python prepare_data.py --dataset shakespeare
     python prepare_data.py --dataset fineweb-edu --num_proc 16
     python prepare_data.py --input books/ notes/*.jsonl --out_dir data/mine --val_tokens 100000
+    python prepare_data.py --input books/ --tokenizer tok/mine --out_dir data/mine   # your tokenizer (tokenizer.py)
 
 Writes out_dir/<name>_val_000000.bin (the start of the input: the fewest whole documents holding
 --val_tokens tokens, by default 10% of the input and at most 1M; a document that would more than
@@ -16,6 +17,11 @@ missing; a directory holding <name> shards from another input or settings is ref
 Documents: a .txt file is one document; a .jsonl file has one per line (field --text_key);
 a .parquet file one per row (column --text_key); directories are searched recursively for those.
 The shakespeare preset splits Tiny Shakespeare at blank lines, so each speech is one document.
+
+--tokenizer: gpt2 (default, tiktoken) or a Hugging Face tokenizer.json / a directory holding one (tokenizer.py's
+output, a Pythia model directory). Each document is preceded by that tokenizer's <|endoftext|>. The manifest records
+the tokenizer (tokenizer_record: its content hash and size) and a copy of its file is kept beside the shards as
+<name>_tokenizer.json, so that train.py takes the vocabulary from the data and puts the tokenizer in its checkpoints.
 
 --format sft: supervised fine-tuning data (jsonl of prompt/completion or chat messages) -> token shards
 plus loss-mask shards of whole conversations (rows built at load time, for any block_size); see prepare_sft()
@@ -36,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from assets import EOT, fetch_shakespeare, get_tokenizer
+from assets import EOT, fetch_shakespeare, open_tokenizer, tokenizer_record
 from console import log, progress_bar
 from data import HEADER_BYTES, MASK_SUFFIX, SHARD_SUFFIXES, write_mask, write_shard
 from files import LockError, atomic_write, directory_lock, error_message, file_sha256, first_line
@@ -191,20 +197,22 @@ def non_empty(texts):
 
 # ---------------------------------------------------------------------------- tokenizing
 
-def tokenize_batch(texts):
+def tokenize_batch(texts, tokenizer="gpt2"):
     """Pool worker: documents -> (uint16 tokens with EOT before each document, tokens per document).
 
     A module-level function so that it pickles under the spawn start method; each process builds
-    the tokenizer once (get_tokenizer is cached). encode_to_numpy with no special tokens encodes
+    the tokenizer once (open_tokenizer is cached). encode_to_numpy with no special tokens encodes
     exactly like encode_ordinary (which encode_ordinary_batch runs in a thread pool), but hands back
-    a buffer instead of a list of Python ints.
+    a buffer instead of a list of Python ints. `tokenizer`: 'gpt2' or a tokenizer.json path
+    (assets.HFTokenizer.encode_to_numpy: a tiktoken translation of the file where one encodes alike).
     """
-    enc = get_tokenizer()
-    eot = np.array([EOT], dtype=np.uint32)
+    enc = open_tokenizer(tokenizer)
+    eot = np.array([enc.eot_token], dtype=np.uint32)
+    gpt2 = tokenizer == "gpt2"
     parts, lengths = [], np.empty(len(texts), dtype=np.int64)
     for i, text in enumerate(texts):
         try:
-            ids = enc.encode_to_numpy(text, disallowed_special=())
+            ids = enc.encode_to_numpy(text, disallowed_special=()) if gpt2 else enc.encode_to_numpy(text)
         except (UnicodeEncodeError, AttributeError):  # lone surrogates (encode_ordinary repairs them); tiktoken < 0.8
             ids = np.array(enc.encode_ordinary(text), dtype=np.uint32)
         parts += (eot, ids)
@@ -228,7 +236,7 @@ def document_batches(texts, batch_chars, start_doc):
         yield first, batch
 
 
-def tokenized(batches, pool, max_pending):
+def tokenized(batches, pool, max_pending, tokenizer="gpt2"):
     """(first document, tokens, lengths) per batch, in input order; pool None tokenizes in-process.
 
     apply_async with a bounded queue instead of Pool.imap: imap's feeder thread reads the whole
@@ -236,11 +244,11 @@ def tokenized(batches, pool, max_pending):
     """
     if pool is None:
         for first, texts in batches:
-            yield (first, *tokenize_batch(texts))
+            yield (first, *tokenize_batch(texts, tokenizer))
         return
     pending = deque()
     for first, texts in batches:
-        pending.append((first, pool.apply_async(tokenize_batch, (texts,))))
+        pending.append((first, pool.apply_async(tokenize_batch, (texts, tokenizer))))
         if len(pending) >= max_pending:
             first, result = pending.popleft()
             yield (first, *result.get())
@@ -458,8 +466,9 @@ def resumable_manifest(out_dir, name, manifest_path, fingerprint, settings):
 
 def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=None, val_tokens=None,
             num_proc=None, text_key="text", dataset_config=None, split=None, revision=None, streaming=None,
-            start_method=None, batch_chars=1 << 18, progress=True):
+            start_method=None, batch_chars=1 << 18, progress=True, tokenizer="gpt2"):
     """Tokenize the input into shards (see the module docstring); returns a summary dict."""
+    tokenizer, record = resolve_tokenizer(tokenizer)  # a bad --tokenizer fails before anything is read
     describe, texts, count, preset, default_name = resolve_source(
         inputs, dataset, text_key, dataset_config, split, revision, streaming)
     t0 = time.time()  # after fetching the shakespeare file, if that was needed
@@ -471,27 +480,28 @@ def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=Non
     if min(shard_tokens, 1 if val_tokens is None else val_tokens, num_proc, batch_chars) < 1 or shard_tokens >= 2**31:
         raise PrepError(f"--shard_tokens (below 2^31), --val_tokens, --num_proc and --batch_chars must be >= 1, got "
                         f"{shard_tokens}, {val_tokens}, {num_proc}, {batch_chars}")
-    settings = {"format": "llm.c uint16 shards v1", "tokenizer": "gpt2", "input": describe, "shard_tokens": shard_tokens,
-                "val_tokens": val_tokens or {"share": VAL_SHARE, "max": DEFAULT_VAL_TOKENS}}
+    settings = {"format": "llm.c uint16 shards v1", "tokenizer": record["id"], "input": describe,
+                "shard_tokens": shard_tokens, "val_tokens": val_tokens or {"share": VAL_SHARE, "max": DEFAULT_VAL_TOKENS}}
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
     with locked(out_dir):
         remove_stale_temp_files(out_dir, name)
         manifest_path = out_dir / f"{name}_manifest.json"
         manifest, existing = resumable_manifest(out_dir, name, manifest_path, fingerprint, settings)
+        manifest["tokenizer"] = keep_tokenizer(out_dir, name, record)
         writer = ShardWriter(out_dir, name, shard_tokens, val_tokens, manifest)
         num_docs = writer.start[0]
         if not manifest["complete"]:
             if manifest["shards"]:
                 log(f"prepare_data: {len(manifest['shards'])} finished shards verified; resuming at document {num_docs}")
-            get_tokenizer()  # fails early if it cannot be had; forked workers inherit it ready-made
+            open_tokenizer(tokenizer).encode_to_numpy("")  # fails early; forked workers inherit it ready-made
             # The pool starts before anything else starts threads (tqdm's monitor, datasets' downloads): fork + threads can deadlock.
             pool = multiprocessing.get_context(start_method).Pool(num_proc) if num_proc > 1 else None
             with pool or contextlib.nullcontext():
                 batches = document_batches(non_empty(texts()), batch_chars, start_doc=writer.start[0])
                 bar = progress_bar(total=count(), initial=num_docs, unit="doc", show=progress,
                                    desc=f"tokenizing ({num_proc} proc)")
-                for first, tokens, lengths in tokenized(batches, pool, max_pending=4 * num_proc):
+                for first, tokens, lengths in tokenized(batches, pool, max_pending=4 * num_proc, tokenizer=tokenizer):
                     writer.add(first, tokens, lengths)
                     num_docs = first + len(lengths)
                     bar.update(len(lengths))
@@ -511,7 +521,34 @@ def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=Non
         return {"out_dir": str(out_dir), "name": name, "documents": manifest["documents"],
                 "tokens": manifest["tokens"], "val_tokens": records[0]["tokens"],
                 "train_tokens": sum(r["tokens"] for r in records[1:]), "shards": len(records),
-                "tokenized": writer.tokens_added, "seconds": seconds, "tokens_per_s": writer.tokens_added / seconds}
+                "tokenized": writer.tokens_added, "seconds": seconds, "tokens_per_s": writer.tokens_added / seconds,
+                "tokenizer": record["id"]}
+
+
+def resolve_tokenizer(spec):
+    """(what tokenize_batch takes: 'gpt2' or a tokenizer.json path, assets.tokenizer_record of it) for --tokenizer;
+    PrepError for a tokenizer the shards cannot hold (no <|endoftext|>, over 65,536 ids) or that cannot be read."""
+    try:
+        enc = open_tokenizer(str(spec))
+    except (ValueError, ImportError) as e:
+        raise PrepError(str(e)) from None
+    path = "gpt2" if getattr(enc, "id", "gpt2") == "gpt2" else str(Path(enc.name).resolve())
+    record = tokenizer_record(enc, source=None if path == "gpt2" else path)
+    if enc.eot_token is None:
+        raise PrepError(f"tokenizer {spec} has no <|endoftext|> token, which separates the documents of the shards")
+    if enc.n_vocab > 2**16:
+        raise PrepError(f"tokenizer {spec} has {enc.n_vocab:,} ids: the shards store ids as uint16 (at most 65,536)")
+    return path, record
+
+
+def keep_tokenizer(out_dir, name, record):
+    """The manifest's "tokenizer" entry: the record without the file's text, which goes beside the shards as
+    <name>_tokenizer.json (data.data_tokenizer reads it back; GPT-2's needs no file)."""
+    entry = {k: v for k, v in record.items() if k != "json"}
+    if record["json"] is not None:
+        entry["file"] = f"{name}_tokenizer.json"
+        atomic_write(Path(out_dir) / entry["file"], record["json"])
+    return entry
 
 
 # ---------------------------------------------------------------------------- supervised fine-tuning data
@@ -583,7 +620,7 @@ def write_sft_shards(files, out_dir, name, old, shard_tokens, val_tokens, finger
                         f"from another run or tool; use another --out_dir or --name, or delete them")
     for stale in (p for p in out_dir.iterdir() if ours.fullmatch(p.name)):
         stale.unlink()  # ours from other settings or an interrupted run: rewritten below
-    enc, conversations, lengths = chat.tokenizer(get_tokenizer()), [], []
+    enc, conversations, lengths = chat.tokenizer(open_tokenizer("gpt2")), [], []
     for path in files:
         try:
             for lineno, messages in chat.read_conversations(path):
@@ -634,6 +671,8 @@ def main(argv=None):
                    help="multiprocessing start method (default: the platform's)")
     p.add_argument("--batch_chars", type=int, default=1 << 18, help="characters of text per worker task")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.add_argument("--tokenizer", default="gpt2", metavar="gpt2|PATH",
+                   help="gpt2 (default), a tokenizer.json, or a directory with one (tokenizer.py's --out, Pythia's)")
     p.add_argument("--format", choices=["text", "sft"], default="text",
                    help="text: documents for pretraining; sft: prompt/completion or chat jsonl -> tokens + loss masks")
     p.add_argument("--block_size", type=int, help="--format sft: report the conversations a run at this block_size "
@@ -642,6 +681,8 @@ def main(argv=None):
     if args.format == "sft":
         if args.dataset or not args.input:
             p.error("--format sft reads --input FILE.jsonl [...] (prompt/completion or messages lines)")
+        if args.tokenizer != "gpt2":
+            p.error("--format sft uses GPT-2's tokenizer and its chat tokens; --tokenizer is for --format text")
         try:
             s = prepare_sft(args.input, out_dir=args.out_dir, name=args.name, block_size=args.block_size,
                             shard_tokens=args.shard_tokens, val_tokens=args.val_tokens)
@@ -663,7 +704,7 @@ def main(argv=None):
                     shard_tokens=args.shard_tokens, val_tokens=args.val_tokens, num_proc=args.num_proc,
                     text_key=args.text_key, dataset_config=args.dataset_config, split=args.split,
                     revision=args.revision, streaming=args.streaming, start_method=args.start_method,
-                    batch_chars=args.batch_chars, progress=not args.no_progress)
+                    batch_chars=args.batch_chars, progress=not args.no_progress, tokenizer=args.tokenizer)
     except (PrepError, OSError) as e:  # bad input or environment: one line (GPT2_TRACEBACK=1: the traceback)
         sys.exit(error_message("prepare_data.py", e))
     print(f"{s['documents']:,} documents, {s['tokens']:,} tokens ({s['val_tokens']:,} val + {s['train_tokens']:,} train) "

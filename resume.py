@@ -6,11 +6,17 @@ checkpoint that verifies (resumed_config: the architecture and optimizer cannot 
 with the checkpoint's architecture (fine_tune_config). Under torchrun only rank 0 hashes the checkpoint; the others
 agree on its choice (agree_on_checkpoint). restore() and restore_rngs() put a run back where its checkpoint left it;
 save() writes one with everything an exact resume needs. The files themselves are checkpoint.py's.
+
+Tokenizers: the data's tokenizer (prepare_data.py's manifest) must be the one of the weights a run starts from
+(check_tokenizer, in resolve_config: resume, a fine-tuning checkpoint, a Hugging Face directory); run_tokenizer()
+gives the run's tokenizer, which save() puts in every checkpoint, and vocab_size from the data.
 """
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch.distributed as dist
 
+import assets
 from checkpoint import (FORMAT, CheckpointError, checkpoint_path, is_checkpoint, list_checkpoints, load_checkpoint,
                         load_latest_checkpoint, load_optimizer_state, load_sharded_checkpoint, prune_checkpoints,
                         save_checkpoint, save_sharded_checkpoint)
@@ -25,7 +31,8 @@ from tracking import check_tracking_available
 
 
 def start(user):
-    """(cfg, the checkpoint the run resumes from or None, Env), alike on every rank. The config is resolved before
+    """(cfg, the checkpoint the run resumes from or None, Env, the run's tokenizer record: run_tokenizer), alike on
+    every rank. The config is resolved before
     the process group exists; under torchrun a rank's error waits until every rank has joined (a rank that failed
     before would leave the others in the rendezvous until it times out) and is then raised on all of them by
     check_shared_out_dir, as is an out_dir some node cannot see. Only rank 0 hashes the checkpoint; every rank
@@ -36,7 +43,8 @@ def start(user):
     env = setup(cfg)
     cfg, ckpt, problem = agree_on_checkpoint(user, cfg, ckpt, problem, env)
     check_shared_out_dir(cfg.out_dir, ckpt and ckpt["step"], problem, env)
-    return resolve_batch_size(cfg, env), ckpt, env
+    cfg, tokenizer = run_tokenizer(cfg, user, ckpt)  # vocab_size from the data's tokenizer, before the memory plan
+    return resolve_batch_size(cfg, env), ckpt, env, tokenizer
 
 
 def resolve_config(user, verify=True):
@@ -48,12 +56,61 @@ def resolve_config(user, verify=True):
         if list_checkpoints(cfg.out_dir):
             raise ConfigError(f"{cfg.out_dir} already holds checkpoints; continue with --init_from=resume, "
                               f"or pick another out_dir (or delete them) to start over")
+        if cfg.init_from != "scratch" and not is_checkpoint(cfg.init_from):  # pretrained weights, their tokenizer
+            check_tokenizer(pretrained_tokenizer(cfg.init_from), cfg.data_dir, f"init_from={cfg.init_from!r}")
         return fine_tune_config(user, cfg) if is_checkpoint(cfg.init_from) else cfg, None
     if not list_checkpoints(cfg.out_dir):
         raise ConfigError(f"init_from='resume' but {cfg.out_dir} holds no checkpoint (ckpt_XXXXXX.pt or ckpt_XXXXXX/)")
     # a sharded checkpoint: its meta only; each rank reads its own shards later
     ckpt, path = load_latest_checkpoint(cfg.out_dir, consolidate=False, verify=verify)
     return resumed_config(user, cfg.out_dir, {**ckpt, "path": str(path)})
+
+
+def pretrained_tokenizer(init_from):
+    """The tokenizer record (assets.tokenizer_record) of a Hugging Face model directory or hub name: its
+    tokenizer.json where it has one, else GPT-2's."""
+    own = Path(init_from) / "tokenizer.json"
+    return assets.tokenizer_record(assets.HFTokenizer(own) if own.is_file() else assets.get_tokenizer(),
+                                   source=own if own.is_file() else None)
+
+
+def check_tokenizer(saved, data_dir, what):
+    """ConfigError (one line naming both) unless data_dir's shards were tokenized with `saved`, the tokenizer record
+    of the weights a run starts from (`what`: where they are); None (a checkpoint from before tokenizers were
+    recorded) is GPT-2's. Data without a manifest (other tools' shards), or no data yet, is not checked here."""
+    from data import NoShardsError, data_tokenizer
+    try:
+        data = data_tokenizer(data_dir)
+    except NoShardsError:
+        return  # make_loaders says how to prepare it
+    saved = saved or {"id": "gpt2", "source": None}
+    if data is not None and data["id"] != saved["id"]:
+        def name(r):
+            return r["id"] + (f" ({r['source']})" if r.get("source") else "")
+        raise ConfigError(f"data_dir={data_dir!r} was tokenized with {name(data)}, but {what} with {name(saved)}; "
+                          f"prepare the data with the model's tokenizer (prepare_data.py --tokenizer) or start "
+                          f"from weights trained with the data's")
+
+
+def run_tokenizer(cfg, user, ckpt):
+    """(cfg, the run's tokenizer record, assets.tokenizer_record): the data's (prepare_data.py's manifest), else that
+    of the weights it starts from (check_tokenizer has refused a mismatch). A run from scratch takes vocab_size from
+    the data, the tokenizer's size padded to a multiple of 64, unless the config sets it (directly or by preset)."""
+    from data import NoShardsError, data_tokenizer
+    try:
+        record = data_tokenizer(cfg.data_dir)
+    except NoShardsError:
+        record = None  # make_loaders says how to prepare it
+    if record is None and ckpt is not None:
+        record = ckpt.get("tokenizer")
+    elif record is None and is_checkpoint(cfg.init_from):
+        record = load_checkpoint(cfg.init_from, consolidate=False, verify=False).get("tokenizer")
+    elif record is None and cfg.init_from not in ("scratch", "resume"):
+        record = pretrained_tokenizer(cfg.init_from)
+    chosen = {**PRESETS.get(user.get("preset"), {}), **user}
+    if cfg.init_from == "scratch" and record and record.get("n_vocab") and "vocab_size" not in chosen:
+        cfg = make_config({**asdict(cfg), "vocab_size": -(-record["n_vocab"] // 64) * 64})
+    return cfg, record
 
 
 def resumed_config(user, out_dir, ckpt):
@@ -70,6 +127,7 @@ def resumed_config(user, out_dir, ckpt):
         if getattr(cfg, key) != getattr(saved, key):
             raise ConfigError(f"cannot change {key} when resuming: the checkpoint {path} has "
                               f"{getattr(saved, key)!r}, the config {getattr(cfg, key)!r}")
+    check_tokenizer(ckpt.get("tokenizer"), cfg.data_dir, f"the checkpoint {path}")
     return cfg, ckpt
 
 
@@ -85,6 +143,7 @@ def fine_tune_config(user, cfg):
             raise ConfigError(f"init_from={cfg.init_from!r}: the checkpoint has {key}={getattr(saved, key)!r}, the "
                               f"config {key}={chosen[key]!r}; a fine-tuned model keeps its architecture: drop {key} "
                               f"from the config")
+    check_tokenizer(ckpt.get("tokenizer"), cfg.data_dir, f"init_from={cfg.init_from!r}")
     return make_config({**user, **{key: getattr(saved, key) for key in ARCH_KEYS}})
 
 
@@ -170,9 +229,11 @@ def kept_checkpoint(out_dir):
     return f"the last checkpoint, {found[-1][1]}, is kept (continue with --init_from=resume)"
 
 
-def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, tracker, cfg, env):
+def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, tracker, cfg, env, tokenizer=None):
     """Write a checkpoint holding everything an exact resume needs, then prune old ones: ckpt_{step}.pt from
-    rank 0, or in a sharded run the directory ckpt_{step}/ to which every rank writes its own shards."""
+    rank 0, or in a sharded run the directory ckpt_{step}/ to which every rank writes its own shards.
+    `tokenizer`: the run's assets.tokenizer_record (its tokenizer.json text, a str, goes along: a checkpoint moved
+    to another machine still samples); None is GPT-2's."""
     rngs = [rng_state()]
     if env.distributed:  # every rank's dropout RNG, so a resumed DDP run draws the same masks
         rngs = [None] * env.world_size
@@ -188,7 +249,7 @@ def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, tracker, 
     meta = {"model_args": asdict(raw_model.config), "config": config, "step": step,
             "scaler": scaler.state_dict() if scaler.is_enabled() else None, "loader": loader.state_dict(),
             "rng": rngs, "val_loss": val, "best_step": progress.best_step, "best_val_loss": progress.best_val,
-            "tracker": tracker.state_dict(), "format": FORMAT}
+            "tracker": tracker.state_dict(), "format": FORMAT, "tokenizer": tokenizer}
     path = checkpoint_path(out_dir, step, sharded=env.sharded)
     if env.sharded:
         save_sharded_checkpoint(path, meta, raw_model, optimizer)

@@ -66,7 +66,8 @@ def stream_samples(model, enc, prompt, num_samples=1, max_new_tokens=200, temper
     out = sys.stdout if out is None else out
     stop = ()
     if messages is not None:
-        tokens, stop, prompt = chat.encode(enc, messages, add_generation_prompt=True)[0], (chat.END, enc.eot_token), ""
+        tokens, prompt = chat.encode(enc, messages, add_generation_prompt=True)[0], ""
+        stop = (chat.special_ids(enc)["<|end|>"], enc.eot_token)
     else:
         tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [enc.eot_token]
     generator = torch.Generator(device=device).manual_seed(seed)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from assets import tokenizer_from_record
 from chat import CHAT_VOCAB
 from checkpoint import CheckpointError, is_checkpoint, load_checkpoint, load_sharded_checkpoint
 from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text, make_config, model_config, parse_args
@@ -184,28 +185,26 @@ def val_loss(model, loader, eval_steps, micro, env, stop=lambda: False, step=0):
     return total.item() / len(x) / env.world_size
 
 
-def hellaswag_eval(raw_model, examples, cfg, env, stop=None):
+def hellaswag_eval(raw_model, examples, cfg, env, stop=None, enc=None):
     """HellaSwag accuracy, examples sharded over ranks (every rank calls it); `examples` is filled on first use
-    and reused. Abandoned when stop() turns True on a rank (asked between batches)."""
+    and reused. Abandoned when stop() turns True on a rank (asked between batches). enc: the run's tokenizer."""
     import hellaswag
     from assets import fetch_hellaswag
     if not examples:
         examples.extend(hellaswag.load_examples(fetch_hellaswag(), limit=cfg.hellaswag_limit))
     with gathered(raw_model) as model:
-        result = hellaswag.evaluate(model, examples, env.device, dtype=env.dtype, stop=stop)
+        result = hellaswag.evaluate(model, examples, env.device, dtype=env.dtype, stop=stop, enc=enc)
     if result is None:
         raise Abandoned
     return result
 
 
-def sample_preview(raw_model, cfg, env):
+def sample_preview(raw_model, cfg, env, enc):
     """A sample's text from rank 0, None on the others. Every rank calls it: a sharded model must be gathered."""
-    from assets import EOT, get_tokenizer
     with gathered(raw_model) as model:
         if not env.master:
             return None
-        enc = get_tokenizer()
-        prompt = enc.encode(cfg.sample_prompt) or [EOT]
+        prompt = enc.encode(cfg.sample_prompt) or [enc.eot_token]
         generator = torch.Generator(device=env.device).manual_seed(cfg.seed)  # leaves the training RNG alone
         model.eval()
         with autocast(env.device, env.dtype):
@@ -215,9 +214,11 @@ def sample_preview(raw_model, cfg, env):
     return enc.decode([t for t in out[0].tolist() if t < enc.n_vocab])
 
 
-def evaluate(step, model, raw_model, val_loader, micro, hellaswag_examples, tracker, cfg, env, last, stop):
+def evaluate(step, model, raw_model, val_loader, micro, hellaswag_examples, tracker, cfg, env, last, stop,
+             tokenizer=None):
     """The evaluations due at `step` (val loss at micro-batch `micro`, HellaSwag, a sample), logged; returns the
-    val loss or None.
+    val loss or None. tokenizer: the run's record (assets.tokenizer_record; None: GPT-2's), for HellaSwag and the
+    sample.
     Every rank calls it: the val loss is averaged over ranks, a sharded model is gathered for the others.
     A signal (stop: the StopRequest) abandons them between batches: Abandoned."""
     due = lambda interval: interval > 0 and (step % interval == 0 or last)  # noqa: E731
@@ -227,12 +228,13 @@ def evaluate(step, model, raw_model, val_loader, micro, hellaswag_examples, trac
         tracker.log({"step": step, "val_loss": val})
         log(f"step {step}: val loss {val:.4f}")
     if due(cfg.hellaswag_interval):
-        hs = hellaswag_eval(raw_model, hellaswag_examples, cfg, env, stop=lambda: stop.signal is not None)
+        hs = hellaswag_eval(raw_model, hellaswag_examples, cfg, env, stop=lambda: stop.signal is not None,
+                            enc=tokenizer_from_record(tokenizer))
         tracker.log({"step": step, "hellaswag_acc": hs["acc"], "hellaswag_acc_norm": hs["acc_norm"],
                      "hellaswag_n": hs["n"]})
         log(f"step {step}: hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
     if step > 0 and due(cfg.sample_interval):
-        log(f"step {step}: sample: {sample_preview(raw_model, cfg, env)!r}")
+        log(f"step {step}: sample: {sample_preview(raw_model, cfg, env, tokenizer_from_record(tokenizer))!r}")
     return val
 
 
@@ -288,7 +290,7 @@ def run_summary(raw_model, compiled, cfg, env, total_batch_size, grad_accum, res
 def run(user):
     """The recipe, for the keys the user set (parse_args). Config: defaults < checkpoint (on resume) < preset <
     config files < --key=value."""
-    cfg, ckpt, env = start(user)  # config, process group and checkpoint, alike on every rank; the memory plan
+    cfg, ckpt, env, tokenizer = start(user)  # config, process group, checkpoint and tokenizer, alike on every rank
     train_loader, val_loader = make_loaders(cfg, env)
 
     # the bare GPT (checkpoints, samples, HellaSwag); SFT data's chat tokens need GPT-2's vocabulary padded
@@ -333,11 +335,11 @@ def run(user):
             if (step > start_step or start_step == 0) and not stopping:
                 try:
                     val = evaluate(step, model, raw_model, val_loader, train_loader.B, hellaswag_examples, tracker,
-                                   cfg, env, last, stop)
+                                   cfg, env, last, stop, tokenizer)
                 except Abandoned:  # a signal: save now rather than after a whole evaluation
                     stopping = True
             if step > start_step and (last or stopping or cfg.save_interval and step % cfg.save_interval == 0):
-                save(out_dir, val, progress, raw_model, optimizer, scaler, train_loader, tracker, cfg, env)
+                save(out_dir, val, progress, raw_model, optimizer, scaler, train_loader, tracker, cfg, env, tokenizer)
                 saved_step = step
             if last or stopping:
                 break
@@ -376,7 +378,7 @@ def run(user):
         if not env.distributed and progress.step > saved_step:
             optimizer.zero_grad(set_to_none=True)
             train_loader.load_state_dict(step_start)
-            save(out_dir, None, progress, raw_model, optimizer, scaler, train_loader, tracker, cfg, env)
+            save(out_dir, None, progress, raw_model, optimizer, scaler, train_loader, tracker, cfg, env, tokenizer)
         raise ShardError(f"{e}; {kept_checkpoint(out_dir)}") from None
     finally:
         bar.close()

@@ -1,9 +1,10 @@
 """Data benchmarks (not a test): prepare_data.py's throughput against tiktoken's raw
-encode_ordinary_batch on the same text and number of processes, and the loader's time per batch.
-Run from the repository root:
+encode_ordinary_batch on the same text and number of processes, prepare_data.py with a tokenizer.json (--tokenizer)
+against GPT-2's tiktoken path on the same text, and the loader's time per batch. Run from the repository root:
 
     python -m bench.data_prep                      # all CPUs, Tiny Shakespeare x4, B=16 T=1024
     python -m bench.data_prep --num_proc 8 --copies 16 --batch_size 64
+    python -m bench.data_prep --only tokenizers --tokenizer tok/mine   # just the tokenizer comparison
 
 Text: Tiny Shakespeare (the assets fetcher), repeated --copies times, cut two ways: one document
 per speech (~45 tokens, the worst case for per-document overhead) and ~4 KB pages (~1,000 tokens,
@@ -109,6 +110,42 @@ def bench_prep(docs, label, num_proc, repeats, tmp):
           f"its main process {main_cpu / tokens * 1e9:4.0f} ns/token caps it at {tokens / main_cpu / 1e6:.0f}M tok/s")
 
 
+def bench_tokenizers(docs, label, num_proc, repeats, tmp, tokenizer_path):
+    """prepare_data.py on the same text with GPT-2 (tiktoken), with the tokenizer.json (its tiktoken translation,
+    assets.HFTokenizer.encode_to_numpy) and with the same file read by the tokenizers library alone (an empty
+    normalizer added: same ids, no translation). Rates in MB of text per second, wall clock and CPU seconds."""
+    from assets import open_tokenizer
+    src = Path(tmp) / f"tok_{label}.d"
+    src.mkdir()
+    (src / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    size = sum(len(d.encode()) for d in docs)
+    spec = json.loads(Path(tokenizer_path).read_text())
+    spec["normalizer"] = {"type": "Sequence", "normalizers": []}  # a no-op that _as_tiktoken does not translate
+    library = Path(tmp) / f"library_{label}.json"
+    library.write_text(json.dumps(spec))
+    ids = open_tokenizer(str(tokenizer_path)).n_vocab
+    rows = {"gpt2 (tiktoken)": "gpt2", f"{ids:,}-id tokenizer.json": tokenizer_path,
+            "same file, tokenizers library": library}
+    wall, cpu, tokens = {k: [] for k in rows}, {k: [] for k in rows}, {}
+    for r in range(repeats):  # interleaved, so that a busy machine's quiet moments are shared fairly
+        for k, tok in rows.items():
+            out = Path(tmp) / f"tok_{label}_{len(wall[k])}_{abs(hash(k))}"
+            summary = {}
+
+            def run(out=out, tok=tok, summary=summary):
+                summary.update(prepare(inputs=[str(src)], out_dir=out, name=label, num_proc=num_proc,
+                                       val_tokens=10_000, progress=False, tokenizer=str(tok)))
+            seconds = cpu_seconds(run)[0]
+            wall[k].append(size / summary["seconds"] / 1e6)
+            cpu[k].append(seconds / size * 1e9)
+            tokens[k] = summary["tokens"]
+    base_wall, base_cpu = max(wall["gpt2 (tiktoken)"]), min(cpu["gpt2 (tiktoken)"])
+    for k in rows:
+        print(f"tokenizer {label:9s} {k:32s} {size / 1e6:5.1f} MB -> {tokens[k]:10,} tokens | prepare_data "
+              f"{max(wall[k]):5.2f} MB/s wall = {100 * max(wall[k]) / base_wall:3.0f}% of gpt2's | "
+              f"{min(cpu[k]):5.0f} CPU ns/byte = {min(cpu[k]) / base_cpu:4.2f}x gpt2's ({num_proc} processes)")
+
+
 def bench_loader(batch_size, block_size, world_size, steps, tmp):
     rng = np.random.default_rng(0)
     d = Path(tmp) / "loader"
@@ -139,6 +176,9 @@ def main():
     p.add_argument("--block_size", type=int, default=1024)
     p.add_argument("--world_size", type=int, default=1)
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--tokenizer", help="tokenizer.json (or its directory) to compare with GPT-2's (default: one "
+                   "trained here by tokenizer.py on the text, 8,192 ids)")
+    p.add_argument("--only", choices=["prep", "tokenizers", "loader"], help="run one of the three benchmarks")
     args = p.parse_args()
     # after parsing (--help needs no torch), before timing: the loader's first batch is not charged for it
     import torch  # noqa: F401
@@ -147,9 +187,21 @@ def main():
     speeches = split_speeches(text) * args.copies
     pages = re.findall(r".{1,4000}(?:\n|$)", text, flags=re.S) * args.copies
     with tempfile.TemporaryDirectory() as tmp:
-        bench_prep(speeches, "speeches", args.num_proc, args.repeats, tmp)
-        bench_prep(pages, "pages", args.num_proc, args.repeats, tmp)
-        bench_loader(args.batch_size, args.block_size, args.world_size, args.steps, tmp)
+        if args.only in (None, "prep"):
+            bench_prep(speeches, "speeches", args.num_proc, args.repeats, tmp)
+            bench_prep(pages, "pages", args.num_proc, args.repeats, tmp)
+        if args.only in (None, "tokenizers"):
+            path = args.tokenizer
+            if path is not None and Path(path).is_dir():
+                path = Path(path) / "tokenizer.json"
+            if path is None:
+                import tokenizer
+                path = Path(tmp) / "tokenizer.json"
+                tokenizer.train(split_speeches(text), 8192).save(str(path))
+            bench_tokenizers(speeches, "speeches", args.num_proc, args.repeats, tmp, path)
+            bench_tokenizers(pages, "pages", args.num_proc, args.repeats, tmp, path)
+        if args.only in (None, "loader"):
+            bench_loader(args.batch_size, args.block_size, args.world_size, args.steps, tmp)
 
 
 if __name__ == "__main__":

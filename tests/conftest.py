@@ -25,6 +25,26 @@ def byte_level_tokenizer_json(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def neox_tokenizer_json(tmp_path_factory):
+    """A tokenizer.json built as GPT-NeoX's / Pythia's is (no network): NFC normalizer, GPT-2's byte-level
+    pre-tokenizer, <|endoftext|> id 0 and <|padding|> id 1 as special tokens, a non-special added token for a run of
+    spaces, then the BPE vocabulary; trained here on a tiny corpus, 400 ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=399, special_tokens=["<|endoftext|>", "<|padding|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TOKENIZER_CORPUS * 20, trainer)
+    tok.add_tokens([AddedToken("    ", normalized=False)])
+    path = tmp_path_factory.mktemp("neox") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
 @pytest.fixture
 def read_only(monkeypatch):
     """read_only(directory): from now on, writes under `directory` fail with EACCES as on a read-only mount

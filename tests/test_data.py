@@ -335,7 +335,7 @@ def test_a_killed_preps_temporary_files_are_removed_by_the_next_run(tmp_path, ca
 
 def test_unwritable_output_dir_fails_before_any_work(tmp_path, monkeypatch, read_only):
     src = write_jsonl(tmp_path / "docs.jsonl", make_docs(20))
-    monkeypatch.setattr(prepare_data, "get_tokenizer", lambda: pytest.fail("tokenizing began"))
+    monkeypatch.setattr(prepare_data, "tokenize_batch", lambda *args: pytest.fail("tokenizing began"))
     read_only(tmp_path / "ro")
     with pytest.raises(SystemExit) as e:
         run_prep("--input", src, "--out_dir", tmp_path / "ro" / "out", "--num_proc", 1)
@@ -346,7 +346,7 @@ def test_unwritable_output_dir_fails_before_any_work(tmp_path, monkeypatch, read
 def test_a_second_prep_on_the_same_output_dir_is_refused(tmp_path, monkeypatch):
     from files import directory_lock
     src = write_jsonl(tmp_path / "docs.jsonl", make_docs(20))
-    monkeypatch.setattr(prepare_data, "get_tokenizer", lambda: pytest.fail("tokenizing began"))
+    monkeypatch.setattr(prepare_data, "tokenize_batch", lambda *args: pytest.fail("tokenizing began"))
     with directory_lock(tmp_path / "out", "prepare_data.py"):
         with pytest.raises(SystemExit) as e:
             run_prep("--input", src, "--out_dir", tmp_path / "out", "--num_proc", 1)

@@ -1,0 +1,383 @@
+"""tokenizer.py: a byte-level BPE trained with the `tokenizers` library, written as a standard tokenizer.json that
+round-trips any text and encodes exactly as transformers and the tokenizers library do (and as the tiktoken
+translation prepare_data.py's workers use)."""
+
+import json
+import random
+
+import pytest
+
+import assets
+import chat
+import tokenizer
+
+pytest.importorskip("tokenizers")
+
+CORPUS = [
+    "Once upon a time there was a naïve café owner 😀 who said hello to the world.",
+    "The quick brown fox jumps over the lazy dog; 日本語 and ünïcödé too. Numbers: 12345 and 3.14159.",
+    "def add(a, b):\n    return a + b  # code, with indentation\n\n\n",
+    "She said: \"I'll go, they'd stay, WE'VE been here\".\tTabs\t\tand   spaces   end.",
+] * 30
+TEXTS = [
+    "",
+    " ",
+    "   leading and trailing   ",
+    "\n\n\n",
+    "\t \t\r\n",
+    "naïve café 😀 日本語 ﬁ İı 𝔘𝔫𝔦",
+    "<|endoftext|>",
+    "a <|endoftext|> b <|user|>hi<|end|><|assistant|>",
+    "x" * 500,
+    "1234567890 3.14",
+    "unknown bytes: \x00\x01\x7f \u200b\u00a0",
+    "Ünïcödé ÀÉÎÕÜ ß Ω≈ç√ ¡¿ emoji 👩‍👩‍👧 flags 🇫🇷",
+]
+
+
+def random_text(rng, n=300):
+    alphabet = "abcXYZ019 \n\t\r.,;'\"<|>_-" + "éüñ日本語😀𝔘" + "\u00a0\u2003\u200b"
+    return "".join(rng.choice(alphabet) for _ in range(n))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """tokenizer.py's CLI on a small corpus: (the output directory, its report)."""
+    src = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS))
+    out = tmp_path_factory.mktemp("tok") / "mine"
+    tokenizer.main(
+        ["--input", str(src), "--vocab_size", "400", "--out", str(out), "--held_out_bytes", "500", "--no_progress"]
+    )
+    return out, json.loads((out / "report.json").read_text())
+
+
+def test_the_special_tokens_come_first_and_the_vocabulary_has_the_asked_size(trained):
+    out, report = trained
+    enc = assets.open_tokenizer(out)
+    assert enc.n_vocab == 400 == report["vocab_size"]
+    assert enc.eot_token == 0
+    assert [enc.special_id(t) for t in chat.SPECIAL] == [1, 2, 3, 4]
+    assert report["bytes_per_token"] > 1 and report["gpt2_bytes_per_token"] > 1
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_text_round_trips_and_special_token_strings_are_plain_text(trained, text):
+    enc = assets.open_tokenizer(trained[0])
+    ids = enc.encode_ordinary(text)
+    assert enc.decode(ids) == text
+    assert not set(ids) & {0, 1, 2, 3, 4}  # '<|endoftext|>' typed in a document is text, not the separator
+    assert list(enc.encode_to_numpy(text)) == ids  # prepare_data.py's path
+
+
+def test_random_text_round_trips_and_the_fast_path_agrees(trained):
+    enc, rng = assets.open_tokenizer(trained[0]), random.Random(0)
+    for _ in range(50):
+        text = random_text(rng)
+        ids = enc.encode_ordinary(text)
+        assert enc.decode(ids) == text
+        assert list(enc.encode_to_numpy(text)) == ids
+    assert enc._fast, "a tokenizer.py tokenizer has an exact tiktoken translation"
+
+
+def test_transformers_and_tokenizers_load_the_file_and_give_the_same_ids(trained):
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    out = trained[0]
+    enc = assets.open_tokenizer(out)
+    library = Tokenizer.from_file(str(out / "tokenizer.json"))
+    fast = PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
+    auto = AutoTokenizer.from_pretrained(out)
+    rng = random.Random(1)
+    for text in [t for t in TEXTS if "<|" not in t] + [random_text(rng).replace("<|", "<") for _ in range(20)]:
+        ids = enc.encode_ordinary(text)
+        assert library.encode(text, add_special_tokens=False).ids == ids
+        assert fast.encode(text, add_special_tokens=False) == ids
+        assert auto.encode(text, add_special_tokens=False) == ids
+        assert auto.decode(ids) == text
+    text = "a <|endoftext|> b <|user|>hi<|end|>"  # transformers reads special-token strings as the tokens
+    assert auto.encode(text, add_special_tokens=False) == enc.encode(text, allowed_special="all")
+    assert auto.eos_token == "<|endoftext|>" and auto.eos_token_id == 0
+
+
+def test_a_vocabulary_beyond_uint16_is_a_one_line_error(tmp_path, capsys):
+    src = tmp_path / "a.txt"
+    src.write_text("hello world " * 100)
+    with pytest.raises(SystemExit) as e:
+        tokenizer.main(["--input", str(src), "--vocab_size", "65537", "--out", str(tmp_path / "t")])
+    message = str(e.value.code)
+    assert message.startswith("tokenizer.py: error:") and "\n" not in message and "uint16" in message
+    assert not (tmp_path / "t").exists()
+    tokenizer.main(
+        [
+            "--input",
+            str(src),
+            "--vocab_size",
+            "300",
+            "--out",
+            str(tmp_path / "ok"),
+            "--held_out_bytes",
+            "10",
+            "--no_progress",
+        ]
+    )  # 65,536 and below are fine: 300 here
+    assert assets.open_tokenizer(tmp_path / "ok").n_vocab <= 300
+
+
+def test_training_is_deterministic(tmp_path):
+    first = tokenizer.train(CORPUS, 350).to_str()
+    assert tokenizer.train(CORPUS, 350).to_str() == first
+
+
+def test_held_out_text_is_the_start_of_the_input_cut_at_a_character():
+    held, rest = tokenizer.split_held_out(["ab", "cdé", "fg"], 4)
+    assert held == "ab\ncd" and list(rest) == ["é", "fg"]
+    held, rest = tokenizer.split_held_out(["ab"], 100)
+    assert held == "ab" and list(rest) == []
+
+
+def test_gpt2s_tokenizer_json_is_gpt2_and_translates_to_tiktoken_exactly():
+    enc = assets.HFTokenizer(json_text=assets.gpt2_tokenizer_json(), name="gpt2.json")
+    assert enc.id == "gpt2"
+    text = " ".join(TEXTS) + random_text(random.Random(2), 2000)
+    assert list(enc.encode_to_numpy(text)) == assets.get_tokenizer().encode_ordinary(text) == enc.encode_ordinary(text)
+    assert enc._fast
+
+
+def test_a_normalizing_tokenizer_takes_the_tokenizers_path(neox_tokenizer_json):
+    enc = assets.open_tokenizer(neox_tokenizer_json)
+    text = "Cafe\u0301 caf\u00e9 <|endoftext|> 😀"
+    assert list(enc.encode_to_numpy(text)) == enc.encode_ordinary(text)
+    assert enc._fast is False  # NFC: no tiktoken translation
+
+
+# ----------------------------------------------------------------------------- through the whole pipeline
+
+TINY = [
+    "--n_layer=1",
+    "--n_head=2",
+    "--n_embd=16",
+    "--block_size=16",
+    "--batch_size=2",
+    "--warmup_steps=1",
+    "--eval_interval=2",
+    "--eval_steps=1",
+    "--log_interval=0",
+    "--save_interval=2",
+    "--device=cpu",
+    "--dtype=float32",
+    "--compile=False",
+    "--sample_interval=2",
+    "--sample_tokens=4",
+]
+
+
+def prepare(tmp_path, tok, name):
+    """prepare_data.py --tokenizer tok over CORPUS in two worker processes -> the data directory."""
+    import prepare_data
+
+    src = tmp_path / f"{name}.jsonl"
+    src.write_text("".join(json.dumps({"text": f"{i}: {t}"}) + "\n" for i, t in enumerate(CORPUS)))
+    out = tmp_path / f"data_{name}"
+    prepare_data.main(
+        [
+            "--input",
+            str(src),
+            "--tokenizer",
+            str(tok),
+            "--out_dir",
+            str(out),
+            "--val_tokens",
+            "100",
+            "--num_proc",
+            "2",
+            "--batch_chars",
+            "500",
+            "--no_progress",
+        ]
+    )
+    return out
+
+
+@pytest.fixture(params=["trained", "neox"])
+def tokenizer_file(request, trained, neox_tokenizer_json):
+    return trained[0] / "tokenizer.json" if request.param == "trained" else neox_tokenizer_json
+
+
+@pytest.mark.slow
+def test_prep_train_sample_export_autotokenizer_with_its_own_tokenizer(tokenizer_file, tmp_path, capsys):
+    import shutil
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import checkpoint
+    import data
+    import sample
+    import train
+
+    enc = assets.open_tokenizer(tokenizer_file)
+    data_dir = prepare(tmp_path, tokenizer_file, "corpus")
+    manifest = json.loads((data_dir / "corpus_manifest.json").read_text())
+    assert manifest["tokenizer"]["id"] == enc.id == manifest["settings"]["tokenizer"]
+    val = data.load_shard(data_dir / "corpus_val_000000.bin")  # <|endoftext|> (the tokenizer's) before each document
+    first = [enc.eot_token, *enc.encode_ordinary(f"0: {CORPUS[0]}"), enc.eot_token]
+    assert list(val[: len(first)]) == first
+
+    assert train.main([*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_steps=2"]) == 0
+    ckpt = torch.load(tmp_path / "out" / "ckpt_000002.pt", weights_only=True)
+    assert ckpt["model_args"]["vocab_size"] == 448  # 400 ids padded to a multiple of 64, from the data
+    assert ckpt["tokenizer"]["json"] == tokenizer_file.read_text() and ckpt["tokenizer"]["id"] == enc.id
+
+    moved = tmp_path / "elsewhere" / "ckpt_000002.pt"  # another machine: no data, no tokenizer file
+    moved.parent.mkdir()
+    for name in ("ckpt_000002.pt", "ckpt_000002.pt.sha256"):
+        shutil.copy(tmp_path / "out" / name, moved.parent / name)
+    shutil.rmtree(data_dir)
+    capsys.readouterr()
+    assert (
+        sample.main(
+            [
+                "--ckpt",
+                str(moved),
+                "--prompt",
+                "Once upon",
+                "--max_new_tokens",
+                "6",
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
+    assert capsys.readouterr().out.startswith("Once upon")
+
+    assert checkpoint.main(["export", str(moved), str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").read_text() == tokenizer_file.read_text()
+    auto = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "The quick brown fox, 日本語 😀"
+    assert auto.encode(text, add_special_tokens=False) == enc.encode_ordinary(text)
+    assert auto.eos_token_id == enc.eot_token
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ours, _ = checkpoint.load_model(ckpt=moved)
+    ids = torch.tensor([enc.encode_ordinary(text)[:16]])  # block_size 16
+    with torch.no_grad():
+        logits, _ = ours(ids)
+        np.testing.assert_allclose(hf(ids).logits[0, -1].numpy(), logits[0, -1].numpy(), atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def two_runs(trained, neox_tokenizer_json, tmp_path_factory):
+    """Data prepared with the trained tokenizer (run 'a', 2 steps) and with the NeoX-style one."""
+    import train
+
+    tmp = tmp_path_factory.mktemp("mismatch")
+    a, b = prepare(tmp, trained[0], "a"), prepare(tmp, neox_tokenizer_json, "b")
+    assert train.main([*TINY, f"--data_dir={a}", f"--out_dir={tmp / 'run_a'}", "--max_steps=2"]) == 0
+    return tmp, a, b
+
+
+def one_line_refusal(capsys, argv):
+    import train
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code in (1, 2) and "\n" not in err and err.startswith("train.py: error:")
+    return err
+
+
+def test_resuming_on_data_of_another_tokenizer_is_refused(two_runs, capsys):
+    tmp, a, b = two_runs
+    err = one_line_refusal(
+        capsys, ["--init_from=resume", f"--out_dir={tmp / 'run_a'}", f"--data_dir={b}", "--max_steps=4"]
+    )
+    a_id, b_id = assets.open_tokenizer(a / "a_tokenizer.json").id, assets.open_tokenizer(b / "b_tokenizer.json").id
+    assert a_id in err and b_id in err and "ckpt_000002.pt" in err
+
+
+def test_fine_tuning_on_data_of_another_tokenizer_is_refused(two_runs, capsys):
+    tmp, a, b = two_runs
+    err = one_line_refusal(
+        capsys, [*TINY, f"--init_from={tmp / 'run_a'}", f"--data_dir={b}", f"--out_dir={tmp / 'ft'}", "--max_steps=2"]
+    )
+    assert "init_from=" in err and assets.open_tokenizer(b / "b_tokenizer.json").id in err
+
+
+def test_data_of_two_tokenizers_is_refused(two_runs, capsys):
+    tmp, a, b = two_runs
+    err = one_line_refusal(capsys, [*TINY, f"--data_dir={tmp}/data_*/*", f"--out_dir={tmp / 'both'}", "--max_steps=2"])
+    assert "two tokenizers" in err and "a_manifest.json" in err and "b_manifest.json" in err
+
+
+def test_the_same_tokenizer_fine_tunes_and_a_changed_tokenizer_file_is_refused(two_runs, capsys):
+    import train
+
+    tmp, a, b = two_runs
+    assert (
+        train.main(
+            [
+                *TINY,
+                f"--init_from={tmp / 'run_a'}",
+                f"--data_dir={a}",
+                f"--out_dir={tmp / 'ft_a'}",
+                "--max_steps=2",
+                "--sample_interval=0",
+                "--eval_interval=0",
+            ]
+        )
+        == 0
+    )
+    (b / "b_tokenizer.json").write_text((a / "a_tokenizer.json").read_text())
+    err = one_line_refusal(capsys, [*TINY, f"--data_dir={b}", f"--out_dir={tmp / 'changed'}", "--max_steps=2"])
+    assert "b_tokenizer.json: changed since" in err
+
+
+def test_a_bad_tokenizer_flag_is_a_one_line_prep_error(tmp_path, capsys):
+    import prepare_data
+
+    src = tmp_path / "a.txt"
+    src.write_text("hello")
+    with pytest.raises(SystemExit) as e:
+        prepare_data.main(
+            ["--input", str(src), "--tokenizer", str(tmp_path / "nope"), "--out_dir", str(tmp_path / "d")]
+        )
+    assert "no such tokenizer.json" in str(e.value.code) and "\n" not in str(e.value.code)
+
+
+def test_a_vocab_size_the_config_sets_wins_over_the_datas(two_runs):
+    import torch
+
+    import train
+
+    tmp, a, b = two_runs
+    assert (
+        train.main(
+            [
+                *TINY,
+                f"--data_dir={a}",
+                f"--out_dir={tmp / 'v512'}",
+                "--vocab_size=512",
+                "--max_steps=1",
+                "--eval_interval=0",
+                "--sample_interval=0",
+            ]
+        )
+        == 0
+    )
+    assert torch.load(tmp / "v512" / "ckpt_000001.pt", weights_only=True)["model_args"]["vocab_size"] == 512
+
+
+def test_the_chat_format_uses_the_tokenizers_own_chat_tokens(trained, neox_tokenizer_json):
+    enc = chat.tokenizer(assets.open_tokenizer(trained[0]))
+    tokens, mask = chat.encode(enc, [{"role": "user", "content": "Hi <|end|>"}, {"role": "assistant", "content": "Yo"}])
+    hi, yo = enc.encode_ordinary("Hi <|end|>"), enc.encode_ordinary("Yo")
+    assert tokens == [0, 2, *hi, 4, 3, *yo, 4]
+    assert mask == [0, 0, *[0] * len(hi), 0, 0, *[1] * len(yo), 1]
+    with pytest.raises(ValueError, match=r"<\|system\|>, <\|user\|>, <\|assistant\|>, <\|end\|>"):
+        chat.tokenizer(assets.open_tokenizer(neox_tokenizer_json))
