@@ -171,7 +171,9 @@ def _parser(export):
         parser.add_argument("--cache_dir", help="cache of downloaded data (default $GPT2_CACHE_DIR, else "
                                                 "~/.cache/gpt2-train)")
     else:
-        from checkpoint import add_model_args  # imports torch's model stack: only when a model is scored
+        from checkpoint import (
+            add_model_args,  # imports torch's model stack: only when a model is scored
+        )
         add_model_args(parser)
         parser.add_argument("--batch_size", type=int, default=64, help="rows (choices) per forward pass")
         parser.add_argument("--json", action="store_true", help="last stdout line: one JSON object of the results")
@@ -195,7 +197,7 @@ def main(argv=None):
 
     try:  # bad input is one line on stderr and exit status 2, all checked before a model is loaded
         names = tasks.parse_tasks(args.tasks)
-        per_example = open(args.per_example, "w") if not export and args.per_example else None
+        per_example = open(args.per_example, "w") if not export and args.per_example else None  # noqa: SIM115
         docs = {name: tasks.load_docs(name, None if export else args.limit, args.cache_dir) for name in names}
         if export:
             run = export_harness(args.export_harness, names, docs)

@@ -116,7 +116,7 @@ def score_requests(model, requests, device, rows_per_forward=64, dtype=None, n_v
         for batch in tqdm(batches, desc=desc, unit="batch", dynamic_ncols=True, disable=not progress):
             if stop is not None and stop():
                 return None
-            s, m = score_rows(model, [rows[r] for r in batch], [masks[r] for r in batch], device, block_size,
+            s, _ = score_rows(model, [rows[r] for r in batch], [masks[r] for r in batch], device, block_size,
                               dtype, n_vocab)
             sum_loss[batch] = s
     finally:

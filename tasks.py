@@ -24,17 +24,19 @@ import assets
 
 # The 57 MMLU subjects (the harness's mmlu group: stem, humanities, social sciences, other), in its file order.
 MMLU_SUBJECTS = (
-    "abstract_algebra anatomy astronomy business_ethics clinical_knowledge college_biology college_chemistry "
-    "college_computer_science college_mathematics college_medicine college_physics computer_security "
-    "conceptual_physics econometrics electrical_engineering elementary_mathematics formal_logic global_facts "
-    "high_school_biology high_school_chemistry high_school_computer_science high_school_european_history "
-    "high_school_geography high_school_government_and_politics high_school_macroeconomics "
-    "high_school_mathematics high_school_microeconomics high_school_physics high_school_psychology "
-    "high_school_statistics high_school_us_history high_school_world_history human_aging human_sexuality "
-    "international_law jurisprudence logical_fallacies machine_learning management marketing medical_genetics "
-    "miscellaneous moral_disputes moral_scenarios nutrition philosophy prehistory professional_accounting "
-    "professional_law professional_medicine professional_psychology public_relations security_studies "
-    "sociology us_foreign_policy virology world_religions").split()
+    "abstract_algebra", "anatomy", "astronomy", "business_ethics", "clinical_knowledge", "college_biology",
+    "college_chemistry", "college_computer_science", "college_mathematics", "college_medicine", "college_physics",
+    "computer_security", "conceptual_physics", "econometrics", "electrical_engineering", "elementary_mathematics",
+    "formal_logic", "global_facts", "high_school_biology", "high_school_chemistry", "high_school_computer_science",
+    "high_school_european_history", "high_school_geography", "high_school_government_and_politics",
+    "high_school_macroeconomics", "high_school_mathematics", "high_school_microeconomics", "high_school_physics",
+    "high_school_psychology", "high_school_statistics", "high_school_us_history", "high_school_world_history",
+    "human_aging", "human_sexuality", "international_law", "jurisprudence", "logical_fallacies", "machine_learning",
+    "management", "marketing", "medical_genetics", "miscellaneous", "moral_disputes", "moral_scenarios", "nutrition",
+    "philosophy", "prehistory", "professional_accounting", "professional_law", "professional_medicine",
+    "professional_psychology", "public_relations", "security_studies", "sociology", "us_foreign_policy", "virology",
+    "world_religions",
+)
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,8 @@ def render_copa(doc):
     """The premise without its final period, " because" / " therefore", then the choice with a lower-case first
     letter; the harness's choices start with a space and the target delimiter adds another."""
     connector = {"cause": "because", "effect": "therefore"}[doc["question"]]
-    lower = lambda choice: " " + choice[0].lower() + choice[1:]  # noqa: E731
+    def lower(choice):
+        return " " + choice[0].lower() + choice[1:]
     return _choices(doc["premise"].strip()[:-1] + f" {connector}", [lower(doc["choice1"]), lower(doc["choice2"])],
                     doc["label"])
 
