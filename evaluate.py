@@ -182,6 +182,8 @@ def _parser(export):
     parser.add_argument("--tasks", default="default", help=f"comma-separated: {', '.join(tasks.TASKS)}; "
                         f"default ({','.join(tasks.DEFAULT_TASKS)}), all")
     parser.add_argument("--limit", type=int, default=None, help="score only the first N examples of each task")
+    parser.add_argument("--data", metavar="FILE", help="one task's rows (jsonl, the dataset's columns) to score "
+                                                       "instead of its validation split; needs exactly one task")
     return parser
 
 
@@ -198,7 +200,10 @@ def main(argv=None):
     try:  # bad input is one line on stderr and exit status 2, all checked before a model is loaded
         names = tasks.parse_tasks(args.tasks)
         per_example = open(args.per_example, "w") if not export and args.per_example else None  # noqa: SIM115
-        docs = {name: tasks.load_docs(name, None if export else args.limit, args.cache_dir) for name in names}
+        if args.data is not None and len(names) != 1:
+            raise ValueError(f"--data is one task's rows, but --tasks names {len(names)}: {','.join(names)}")
+        limit = None if export else args.limit
+        docs = {name: tasks.load_docs(name, limit, args.cache_dir, path=args.data) for name in names}
         if export:
             run = export_harness(args.export_harness, names, docs)
             print(f"wrote {len(run)} task(s) to {args.export_harness}; run:\nlm_eval --model hf --model_args "
