@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import tasks
 from files import report_error
-from scoring import encode_pair, score_requests
+from scoring import encode_pair, score_requests, unwrap_model
 
 
 class Suite:
@@ -54,6 +54,9 @@ def evaluate(model, suite, device, batch_size=64, dtype=None, stop=None, progres
     Returns {"tasks": {task: {n, acc, acc_norm (where the harness has it), chance, centered}}, "mmlu_subjects":
     {subject: {n, acc}} (when mmlu was scored), "mc_centered", "preds": this rank's [{task, index, pred, label,
     acc}]}; None when stop() (asked between batches) turned True on any rank."""
+    vocab = unwrap_model(model).config.vocab_size
+    if vocab < suite.n_vocab:
+        raise ValueError(f"the model's vocabulary ({vocab} ids) cannot read its tokenizer's {suite.n_vocab} ids")
     flat = [(name, ex) for name in suite.names for ex in suite.examples[name]]
     requests = [pair for _, ex in flat for pair in ex[1]]
     scored = score_requests(model, requests, device, batch_size, dtype, n_vocab=suite.n_vocab, stop=stop,
@@ -106,12 +109,13 @@ def summary_line(result):
 
 
 def tracker_record(step, result):
-    """The metrics.jsonl record of one evaluation: eval/<task>_acc (and _acc_norm), eval/mc_centered."""
+    """The metrics.jsonl record of one evaluation: mc_centered, and mc/<task>_acc (and _acc_norm) per task (the
+    prefix keeps them apart from hellaswag.py's own hellaswag_acc, and groups them in W&B and TensorBoard)."""
     record = {"step": step, "mc_centered": result["mc_centered"]}
     for name, r in result["tasks"].items():
-        record[f"{name}_acc"] = r["acc"]
+        record[f"mc/{name}_acc"] = r["acc"]
         if "acc_norm" in r:
-            record[f"{name}_acc_norm"] = r["acc_norm"]
+            record[f"mc/{name}_acc_norm"] = r["acc_norm"]
     return record
 
 

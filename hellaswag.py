@@ -81,9 +81,20 @@ def render_example(example, enc):
     return tokens, mask, example["label"]
 
 
+class Rendered:
+    """A rank's share of the examples (examples[rank::world_size]) and their 4 (context ids, ending ids) requests
+    each, tokenized once: train.py keeps one and scores it at every evaluation."""
+
+    def __init__(self, examples, enc, rank=0, world_size=1):
+        self.examples, self.n_vocab = examples[rank::world_size], enc.n_vocab
+        # example-major: request r is example r // 4, ending r % 4
+        self.requests = [(row[:row_mask.index(1)], row[row_mask.index(1):]) for ex in self.examples
+                         for row, row_mask in zip(*render_example(ex, enc)[:2])]
+
+
 def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None, dtype=None,
              enc=None, progress=False, stop=None):
-    """HellaSwag accuracy of `model` on `examples` (dicts from load_examples).
+    """HellaSwag accuracy of `model` on `examples` (dicts from load_examples, or this rank's Rendered ones).
 
     batch_size: examples per forward, i.e. 4 * batch_size rows of similar length.
     dtype: None or 'float32' (plain fp32), or an autocast dtype name / torch.dtype; the losses
@@ -104,12 +115,9 @@ def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None,
         world_size = dist.get_world_size() if distributed else 1
     if enc is None:
         enc = assets.get_tokenizer()
-    mine = examples[rank::world_size]
-    rendered = [render_example(ex, enc) for ex in mine]
-    # 4 requests per example, example-major: (context ids, ending ids); row r is example r // 4, ending r % 4
-    requests = [(row[:row_mask.index(1)], row[row_mask.index(1):]) for rows, masks, _ in rendered
-                for row, row_mask in zip(rows, masks)]
-    scored = score_requests(model, requests, device, 4 * batch_size, dtype, n_vocab=enc.n_vocab, stop=stop,
+    rendered = examples if isinstance(examples, Rendered) else Rendered(examples, enc, rank, world_size)
+    mine, requests = rendered.examples, rendered.requests
+    scored = score_requests(model, requests, device, 4 * batch_size, dtype, n_vocab=rendered.n_vocab, stop=stop,
                             progress=progress, desc="hellaswag")
     abandoned = int(scored is None)
     if scored is None:

@@ -185,15 +185,39 @@ def val_loss(model, loader, eval_steps, micro, env, stop=lambda: False, step=0):
     return total.item() / len(x) / env.world_size
 
 
-def hellaswag_eval(raw_model, examples, cfg, env, stop=None):
-    """HellaSwag accuracy, examples sharded over ranks (every rank calls it); `examples` is filled on first use
-    and reused. Abandoned when stop() turns True on a rank (asked between batches)."""
+def hellaswag_eval(raw_model, kept, cfg, env, stop=None):
+    """HellaSwag accuracy, examples sharded over ranks (every rank calls it). This rank's examples are read and
+    tokenized on first use and kept in `kept` (a dict). Abandoned when stop() turns True on a rank."""
     import hellaswag
-    from assets import fetch_hellaswag
-    if not examples:
-        examples.extend(hellaswag.load_examples(fetch_hellaswag(), limit=cfg.hellaswag_limit))
+    from assets import fetch_hellaswag, get_tokenizer
+    if "hellaswag" not in kept:
+        examples = hellaswag.load_examples(fetch_hellaswag(), limit=cfg.hellaswag_limit)
+        kept["hellaswag"] = hellaswag.Rendered(examples, get_tokenizer(), env.rank, env.world_size)
     with gathered(raw_model) as model:
-        result = hellaswag.evaluate(model, examples, env.device, dtype=env.dtype, stop=stop)
+        result = hellaswag.evaluate(model, kept["hellaswag"], env.device, dtype=env.dtype, stop=stop)
+    if result is None:
+        raise Abandoned
+    return result
+
+
+def tasks_eval(raw_model, kept, cfg, env, stop=None):
+    """evaluate.py's suite (eval_tasks), examples sharded over ranks and tokenized once (kept in `kept`), as
+    hellaswag_eval; a task's data that cannot be had is a ConfigError (one line, exit 2) at the first evaluation."""
+    import evaluate
+    import tasks
+    from assets import get_tokenizer
+    if "tasks" not in kept:
+        enc = get_tokenizer()
+        try:
+            if raw_model.config.vocab_size < enc.n_vocab:
+                raise ValueError(f"a model of vocab_size={raw_model.config.vocab_size} cannot read the tokenizer's "
+                                 f"{enc.n_vocab} ids")
+            docs = {name: tasks.load_docs(name, cfg.eval_tasks_limit) for name in tasks.parse_tasks(cfg.eval_tasks)}
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ConfigError(f"eval_tasks: {e}") from None
+        kept["tasks"] = evaluate.Suite(docs, enc, env.rank, env.world_size)
+    with gathered(raw_model) as model:
+        result = evaluate.evaluate(model, kept["tasks"], env.device, dtype=env.dtype, stop=stop)
     if result is None:
         raise Abandoned
     return result
@@ -216,8 +240,9 @@ def sample_preview(raw_model, cfg, env):
     return enc.decode([t for t in out[0].tolist() if t < enc.n_vocab])
 
 
-def evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cfg, env, last, stop):
-    """The evaluations due at `step` (val loss, HellaSwag, a sample), logged; returns the val loss or None.
+def evaluate(step, model, raw_model, val_loader, kept, tracker, cfg, env, last, stop):
+    """The evaluations due at `step` (val loss, HellaSwag, the task suite, a sample), logged; returns the val loss
+    or None. kept: the tokenized evaluation data, made at the first evaluation and kept for the others.
     Every rank calls it: the val loss is averaged over ranks, a sharded model is gathered for the others.
     A signal (stop: the StopRequest) abandons them between batches: Abandoned."""
     due = lambda interval: interval > 0 and (step % interval == 0 or last)  # noqa: E731
@@ -227,10 +252,15 @@ def evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cf
         tracker.log({"step": step, "val_loss": val})
         log(f"step {step}: val loss {val:.4f}")
     if due(cfg.hellaswag_interval):
-        hs = hellaswag_eval(raw_model, hellaswag_examples, cfg, env, stop=lambda: stop.signal is not None)
+        hs = hellaswag_eval(raw_model, kept, cfg, env, stop=lambda: stop.signal is not None)
         tracker.log({"step": step, "hellaswag_acc": hs["acc"], "hellaswag_acc_norm": hs["acc_norm"],
                      "hellaswag_n": hs["n"]})
         log(f"step {step}: hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
+    if due(cfg.eval_tasks_interval):
+        from evaluate import summary_line, tracker_record
+        result = tasks_eval(raw_model, kept, cfg, env, stop=lambda: stop.signal is not None)
+        tracker.log(tracker_record(step, result))
+        log(f"step {step}: {summary_line(result)}")
     if step > 0 and due(cfg.sample_interval):
         log(f"step {step}: sample: {sample_preview(raw_model, cfg, env)!r}")
     return val
@@ -318,7 +348,7 @@ def run(user):
     main_thread = threading.current_thread() is threading.main_thread()
     old_handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     peak = peak_flops(torch.cuda.get_device_name(env.device) if env.kind == "cuda" else env.kind, env.dtype)
-    hellaswag_examples, start_step, stopping, finished = [], progress.step, False, False
+    kept, start_step, stopping, finished = {}, progress.step, False, False  # kept: tokenized evaluation data
     saved_step = start_step
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not env.master, unit="step", dynamic_ncols=True)
     try:
@@ -327,7 +357,7 @@ def run(user):
             val, step_start = None, train_loader.state_dict()  # a resumed run's first step was evaluated before it stopped
             if (step > start_step or start_step == 0) and not stopping:
                 try:
-                    val = evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cfg, env, last, stop)
+                    val = evaluate(step, model, raw_model, val_loader, kept, tracker, cfg, env, last, stop)
                 except Abandoned:  # a signal: save now rather than after a whole evaluation
                     stopping = True
             if step > start_step and (last or stopping or cfg.save_interval and step % cfg.save_interval == 0):

@@ -401,3 +401,46 @@ def test_two_ranks_give_the_single_process_results(hf_dir, model, suite_docs, tm
     key = lambda p: (p["task"], p["index"])  # noqa: E731
     assert sorted(ranks[0]["preds"] + ranks[1]["preds"], key=key) == sorted(single["preds"], key=key)
     assert len(ranks[1]["preds"]) > 0
+
+
+# ----------------------------------------------------------------------------- during training
+
+def test_training_logs_the_suite_and_resumes_bit_exactly(tmp_path, monkeypatch):
+    """eval_tasks every 4 steps: metrics.jsonl gets mc_centered and mc/<task>_acc at steps 0, 4, 8, the summary the
+    last; 4 steps + resume + 4 == 8 uninterrupted, losses and evaluations alike."""
+    import numpy as np
+
+    import train
+    from data import write_shard
+    monkeypatch.setattr(tasks, "load_docs", lambda name, limit=None, cache_dir=None, path=None: docs_of(name)[:limit])
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    write_shard(data / "t_train_000000.bin", rng.integers(0, 64, 20_000).astype(np.uint16))
+    write_shard(data / "t_val_000000.bin", rng.integers(0, 64, 2_000).astype(np.uint16))
+    common = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=32", "--vocab_size=50304", "--batch_size=2",
+              "--warmup_steps=1", "--eval_interval=0", "--log_interval=0", "--save_interval=4", "--device=cpu",
+              "--dtype=float32", "--compile=False", "--dropout=0.1", "--eval_tasks=arc_easy,winogrande,mmlu",
+              "--eval_tasks_interval=4", "--lr_decay_steps=8", f"--data_dir={data}"]
+    assert train.main([*common, f"--out_dir={tmp_path / 'full'}", "--max_steps=8"]) == 0
+    assert train.main([*common, f"--out_dir={tmp_path / 'split'}", "--max_steps=4"]) == 0
+    assert train.main(["--init_from=resume", f"--out_dir={tmp_path / 'split'}", "--max_steps=8"]) == 0
+
+    def records(run):
+        return [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+    full, split = records("full"), records("split")
+    evals = [r for r in full if "mc_centered" in r]
+    assert [r["step"] for r in evals] == [0, 4, 8]
+    assert set(evals[0]) == {"step", "mc_centered", "mc/arc_easy_acc", "mc/arc_easy_acc_norm", "mc/winogrande_acc",
+                             "mc/mmlu_acc"}
+    assert evals == [r for r in split if "mc_centered" in r]
+    assert [r for r in full if "train_loss" in r] and [r["train_loss"] for r in full if "train_loss" in r] == \
+           [r["train_loss"] for r in split if "train_loss" in r]
+    summary = json.loads((tmp_path / "full" / "summary.json").read_text())
+    assert summary["mc_centered"] == evals[-1]["mc_centered"] and summary["mc_centered_step"] == 8
+
+
+def test_a_model_too_small_for_the_tokenizer_is_refused(model, suite_docs):
+    small = GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+    with pytest.raises(ValueError, match="vocabulary"):
+        evaluate.evaluate(small, evaluate.Suite({"copa": docs_of("copa")}, get_tokenizer()), "cpu")
