@@ -118,12 +118,12 @@ def compare_text(path_a, path_b, result):
     line = f"final val_loss  a {fmt(va, sa)}, b {fmt(vb, sb)}"
     if va is not None and vb is not None:
         line += f", |a-b| {abs(va - vb):.3e}"
-    lines.append(line)
-    for key, r in result.items():
+    for key, r in result.items():  # the evaluations (HellaSwag, the task suite), then the val loss last
         if key in EVAL_KEYS or key.startswith("mc/"):
             gap = "n/a" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.4f}"
             lines.append(f"{key:<22}  a {r['last'][0]:.4f} (step {r['steps'][0]}), b {r['last'][1]:.4f} "
                          f"(step {r['steps'][1]}), max |a-b| at common steps {gap}")
+    lines.append(line)
     return "\n".join(lines)
 
 
