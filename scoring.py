@@ -58,11 +58,14 @@ def score_rows(model, rows, masks, device, block_size, dtype=None, n_vocab=None)
     where, targets, owner = [], [], []  # per scored token: (forward row, position), the token, the request
     for r, (row, m) in enumerate(zip(rows, masks)):
         u = unique[tuple(row[:-1])]
-        for t in range(len(row) - 1):  # position t predicts token t + 1
-            if m[t + 1]:
-                where.append(u * T + t)
-                targets.append(row[t + 1])
-                owner.append(r)
+        first = m.index(1, 1) if 1 in m[1:] else len(m)  # the usual mask: 0s, then 1s to the end
+        if sum(m[first:]) == len(m) - first:
+            scored = range(first, len(m))
+        else:
+            scored = [t for t in range(1, len(m)) if m[t]]
+        where.extend(u * T + t - 1 for t in scored)  # position t - 1 predicts token t
+        targets.extend(row[t] for t in scored)
+        owner.extend([r] * len(scored))
     where, targets, owner = (torch.tensor(x, dtype=torch.long) for x in (where, targets, owner))
     with autocast(device, dtype):
         h = model.hidden_states(idx.to(device))  # (U, T, C)

@@ -82,6 +82,7 @@ def main(argv=None):
     enc = get_tokenizer()
     examples = hellaswag.load_examples(fetch_hellaswag())
     rendered, hs_tok = _timed(lambda: hellaswag.Rendered(examples, enc, 0, args.world_size), "cpu")
+    hs, hs_cold = _timed(lambda: hellaswag.evaluate(model, rendered, device, dtype=dtype, rank=0, world_size=1), device)
     hs, hs_s = _timed(lambda: hellaswag.evaluate(model, rendered, device, dtype=dtype, rank=0, world_size=1), device)
     names = tasks.parse_tasks(args.tasks)
     docs = {name: tasks.load_docs(name) for name in names}
@@ -94,7 +95,7 @@ def main(argv=None):
     tasks_interval = args.tasks_interval or cfg.eval_interval
     print(f"val loss ({cfg.eval_steps} micro-batches): {val_s:.2f} s = {val_s / (cfg.eval_interval * step_s):.2%} of "
           f"the training time at eval_interval={cfg.eval_interval}")
-    print(f"hellaswag, {hs['n']} examples of this rank: tokenized once in {hs_tok:.1f} s, scored in {hs_s:.2f} s = "
+    print(f"hellaswag, {hs['n']} examples of this rank: tokenized once in {hs_tok:.1f} s, scored in {hs_s:.2f} s (the first time: {hs_cold:.2f} s) = "
           f"{hs_s / (cfg.hellaswag_interval * step_s):.2%} at hellaswag_interval={cfg.hellaswag_interval}"
           if cfg.hellaswag_interval else f"hellaswag: {hs_s:.2f} s ({hs['n']} examples)")
     print(f"tasks {','.join(names)}, {n_suite} examples of this rank: tokenized once in {suite_tok:.1f} s, scored in "
