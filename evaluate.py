@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 import tasks
+from console import distributed
 from files import report_error
-from scoring import encode_pair, score_requests, unwrap_model
+from scoring import encode_pair, score_requests
 
 
 class Suite:
@@ -54,7 +55,7 @@ def evaluate(model, suite, device, batch_size=64, dtype=None, stop=None, progres
     Returns {"tasks": {task: {n, acc, acc_norm (where the harness has it), chance, centered}}, "mmlu_subjects":
     {subject: {n, acc}} (when mmlu was scored), "mc_centered", "preds": this rank's [{task, index, pred, label,
     acc}]}; None when stop() (asked between batches) turned True on any rank."""
-    vocab = unwrap_model(model).config.vocab_size
+    vocab = model.config.vocab_size
     if vocab < suite.n_vocab:
         raise ValueError(f"the model's vocabulary ({vocab} ids) cannot read its tokenizer's {suite.n_vocab} ids")
     flat = [(name, ex) for name in suite.names for ex in suite.examples[name]]
@@ -77,7 +78,7 @@ def evaluate(model, suite, device, batch_size=64, dtype=None, stop=None, progres
             counts[s:s + 2] += torch.tensor([1, pred == label], dtype=torch.float64)
         preds.append({"task": name, "index": index, "pred": pred, "label": label, "acc": int(pred == label)})
     counts[-1] = float(scored is None)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:  # one collective, every rank
+    if distributed() and dist.get_world_size() > 1:  # the one collective, on every rank
         on = device if dist.get_backend() == "nccl" else "cpu"
         counts = counts.to(on)
         dist.all_reduce(counts)

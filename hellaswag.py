@@ -8,8 +8,9 @@ mean) -- so numbers compare with their published ones (GPT-2 124M: acc 0.2859, a
 Batched: the rows of many examples share one forward pass, right-padded to the longest row of
 the batch; causal attention means the padding never reaches a real position, so predictions are
 the ones of one example at a time. Rows are sorted by length so batches waste little padding.
-Only the ending positions go through lm_head. A DDP-wrapped or torch.compile'd model is accepted
-and evaluated through its bare module (eager), so eval shapes never trigger recompiles.
+Only the ending positions go through lm_head. The model is the bare GPT, run eagerly (train.py passes
+its gathered one), so ranks may run different numbers of batches and eval shapes trigger no recompiles.
+The scorer is scoring.py's, which evaluate.py uses too.
 
     python hellaswag.py --init_from gpt2              # default data: assets.fetch_hellaswag()
     python hellaswag.py --ckpt out/ --limit 1000 --json --per_example preds.jsonl
@@ -27,9 +28,10 @@ import torch.distributed as dist
 
 import assets
 from checkpoint import add_model_args, load_model_from_args
+from console import distributed
 from devices import tune_cpu_allocator
 from files import report_error
-from scoring import score_requests, score_rows, unwrap_model  # noqa: F401  (score_rows: the scorer's core)
+from scoring import score_requests, score_rows  # noqa: F401  (score_rows: the scorer's core, for tests and bench)
 
 
 def load_examples(path, limit=None):
@@ -108,11 +110,10 @@ def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None,
     stop: a function asked between batches; once it returns True on any rank, the rank stops scoring and
     evaluate returns None on every rank (train.py's SIGTERM: the 30 s before SIGKILL are for the checkpoint).
     """
-    distributed = dist.is_available() and dist.is_initialized()
     if rank is None:
-        rank = dist.get_rank() if distributed else 0
+        rank = dist.get_rank() if distributed() else 0
     if world_size is None:
-        world_size = dist.get_world_size() if distributed else 1
+        world_size = dist.get_world_size() if distributed() else 1
     if enc is None:
         enc = assets.get_tokenizer()
     rendered = examples if isinstance(examples, Rendered) else Rendered(examples, enc, rank, world_size)
@@ -133,7 +134,7 @@ def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None,
                       "pred_norm": int(m.argmin()), "sum_loss": s.tolist(), "mean_loss": m.tolist()})
     counts = torch.tensor([len(preds), sum(p["pred"] == p["label"] for p in preds),
                            sum(p["pred_norm"] == p["label"] for p in preds), abandoned], dtype=torch.long)
-    if distributed and world_size > 1:  # the one collective, also on a rank that stopped early
+    if distributed() and world_size > 1:  # the one collective, also on a rank that stopped early
         on = device if dist.get_backend() == "nccl" else "cpu"
         counts = counts.to(on)
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)

@@ -12,6 +12,9 @@ import json
 import sys
 from pathlib import Path
 
+from console import log
+from files import report_error
+
 
 def read_metrics(path):
     """(step records, val records, evaluation records: HellaSwag's and the task suite's) of a metrics.jsonl file
@@ -69,7 +72,7 @@ def plot(runs, out_path):
         for key in EVAL_KEYS:
             if any(key in r for r in hellaswag):
                 ax_eval.plot(*series(hellaswag, key), "o-", ms=3, label=f"{label} {key}")
-                print(f"{label}: best {key} {max(series(hellaswag, key)[1]):.4f}")
+                log(f"{label}: best {key} {max(series(hellaswag, key)[1]):.4f}")
     titled = [(ax_loss, "loss"), (ax_norm, "gradient norm"), (ax_lr, "learning rate"), (ax_tps, "tokens / s")]
     for ax, title in titled + ([(ax_eval, "evaluations")] if ax_eval is not None else []):
         ax.set_title(title)
@@ -78,7 +81,7 @@ def plot(runs, out_path):
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_path, dpi=120)
-    print(f"wrote {out_path}")
+    log(f"wrote {out_path}")
 
 
 def compare(path_a, path_b):
@@ -141,7 +144,7 @@ def main(argv=None):
         for p in paths:
             read_metrics(p)  # fail early, with the file's name, before importing matplotlib
     except FileNotFoundError as e:
-        print(f"plot_metrics.py: error: {e}", file=sys.stderr)
+        report_error("plot_metrics.py", e)
         return 2
     if args.compare:
         print(compare_text(*paths, compare(*paths)))

@@ -8,29 +8,16 @@ Batched: the rows of many requests share one forward pass, right-padded to the b
 attention: padding never reaches a real position, so each score is the one of the row alone). Requests whose
 model input is the same (MMLU's four one-letter answers after one prompt) share one row. Only the scored
 positions go through lm_head, and the softmax runs over the tokenizer's n_vocab ids (a padded vocabulary's
-unused rows, which an export drops, take no probability). A DDP-wrapped or torch.compile'd model is scored
-through its bare module (eager): the eval shapes change every batch and would recompile.
+unused rows, which an export drops, take no probability). The model is the bare GPT, run eagerly (train.py
+passes its gathered one): the eval shapes change every batch and would recompile a compiled one.
 """
 import torch
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from devices import autocast
 
 PAD_MULTIPLE = 8  # rows are padded to a multiple of this length (aligned shapes for matmul kernels)
-
-
-def unwrap_model(model):
-    """The bare GPT inside DDP and torch.compile wrappers. DDP's forward may run collectives, and ranks here run
-    different numbers of batches; a compiled forward would recompile for the ever changing eval shapes."""
-    while True:
-        if isinstance(model, DistributedDataParallel):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
-            model = model._orig_mod
-        else:
-            return model
 
 
 def _crop(row, row_mask, block_size):
@@ -102,7 +89,6 @@ def score_requests(model, requests, device, rows_per_forward=64, dtype=None, n_v
     longest first: little padding, and an out-of-memory shows at once. The model is put in eval mode and its
     train/eval mode restored afterwards.
     """
-    model = unwrap_model(model)
     block_size = model.config.block_size
     rows = [ctx + cont for ctx, cont in requests]
     masks = [[0] * len(ctx) + [1] * len(cont) for ctx, cont in requests]

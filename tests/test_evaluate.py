@@ -362,13 +362,12 @@ def reference_log_likelihoods_model(model, enc, pairs):
 DDP_SCRIPT = """
 import json, sys
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 import evaluate
 from assets import get_tokenizer
 from hf import from_pretrained
 dist.init_process_group("gloo")
 docs = json.load(open(sys.argv[2]))
-model = DistributedDataParallel(from_pretrained(sys.argv[1]))  # as train.py holds it
+model = from_pretrained(sys.argv[1])  # the bare GPT, as train.py passes it
 suite = evaluate.Suite(docs, get_tokenizer(), dist.get_rank(), dist.get_world_size())
 with open(sys.argv[3] + str(dist.get_rank()), "w") as f:
     json.dump(evaluate.evaluate(model, suite, "cpu", batch_size=3), f)
