@@ -1,11 +1,11 @@
 """How a run starts (fresh, resumed or fine-tuned) and saves to resume: train.py's side of checkpoints.
 
-start() is the start-up protocol every rank runs alike: config, process group, agreement on the checkpoint,
-the memory plan. resolve_config() turns the user's keys into the run's config: on init_from='resume' over the newest checkpoint
-that verifies (resumed_config: the architecture and optimizer cannot change), on a fine-tuning init_from with the
-checkpoint's architecture (fine_tune_config). Under torchrun only rank 0 hashes the checkpoint; the others agree on
-its choice (agree_on_checkpoint). restore() and restore_rngs() put a run back where its checkpoint left it; save()
-writes one with everything an exact resume needs. The files themselves are checkpoint.py's.
+start() is the start-up protocol every rank runs alike: config, process group, agreement on the checkpoint, the
+memory plan. resolve_config() turns the user's keys into the run's config: on init_from='resume' over the newest
+checkpoint that verifies (resumed_config: the architecture and optimizer cannot change), on a fine-tuning init_from
+with the checkpoint's architecture (fine_tune_config). Under torchrun only rank 0 hashes the checkpoint; the others
+agree on its choice (agree_on_checkpoint). restore() and restore_rngs() put a run back where its checkpoint left it;
+save() writes one with everything an exact resume needs. The files themselves are checkpoint.py's.
 """
 from dataclasses import asdict, dataclass
 
@@ -18,8 +18,8 @@ from config import ARCH_KEYS, ConfigError, make_config, model_config
 from console import is_rank0, launched_by_torchrun, log
 from devices import rng_state, set_rng_state
 from files import Halt
-from model import PRESETS
 from memory import resolve_batch_size
+from model import PRESETS
 from parallel import check_shared_out_dir, setup, weights_finite
 from tracking import check_tracking_available
 
