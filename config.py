@@ -141,8 +141,8 @@ CHOICES = {"lr_schedule": ("cosine", "wsd"), "optimizer": ("adamw", "muon"), "no
 AT_LEAST_ONE = ("eval_steps", "sample_tokens", "total_batch_size", "lr_decay_steps", "hellaswag_limit",
                 "eval_tasks_limit", "shard_size")
 NON_NEGATIVE = ("max_steps", "warmup_steps", "eval_interval", "hellaswag_interval", "eval_tasks_interval",
-                "sample_interval", "log_interval", "save_interval", "keep_last", "seed", "max_skipped_steps", "min_lr", "weight_decay", "grad_clip",
-                "muon_weight_decay", "cost_per_hour")
+                "sample_interval", "log_interval", "save_interval", "keep_last", "seed", "max_skipped_steps", "min_lr",
+                "weight_decay", "grad_clip", "muon_weight_decay", "cost_per_hour")
 RANGES = {  # key: (check, what the message says); None passes where the key allows it
     **{k: (lambda v: v >= 1, ">= 1") for k in AT_LEAST_ONE},
     "batch_size": (lambda v: v == "auto" or v >= 1, ">= 1 or 'auto'"),

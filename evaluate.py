@@ -12,6 +12,7 @@ hellaswag.py uses (scoring.py). The summary `mc_centered` is the mean over tasks
 (acc - chance) / (1 - chance), chance being the mean of 1/choices over the examples scored: 0 for guessing,
 1 for perfect. Scored on the validation splits (the harness's default is `test` for ARC, OpenBookQA, SciQ, MMLU).
 """
+
 import argparse
 import importlib.util
 import json
@@ -60,22 +61,23 @@ def evaluate(model, suite, device, batch_size=64, dtype=None, stop=None, progres
         raise ValueError(f"the model's vocabulary ({vocab} ids) cannot read its tokenizer's {suite.n_vocab} ids")
     flat = [(name, ex) for name in suite.names for ex in suite.examples[name]]
     requests = [pair for _, ex in flat for pair in ex[1]]
-    scored = score_requests(model, requests, device, batch_size, dtype, n_vocab=suite.n_vocab, stop=stop,
-                            progress=progress, desc="tasks")
+    scored = score_requests(
+        model, requests, device, batch_size, dtype, n_vocab=suite.n_vocab, stop=stop, progress=progress, desc="tasks"
+    )
     log_likelihood = scored[0].tolist() if scored is not None else [0.0] * len(requests)
     subjects = tasks.MMLU_SUBJECTS if "mmlu" in suite.names else []
     # per task: n, correct, correct_norm, sum of 1/choices; per MMLU subject: n, correct; then the stop flag
     counts = torch.zeros(4 * len(suite.names) + 2 * len(subjects) + 1, dtype=torch.float64)
     preds, first = [], 0
     for name, (index, pairs, label, lengths, subject) in flat:
-        ll = log_likelihood[first:first + len(pairs)]
+        ll = log_likelihood[first : first + len(pairs)]
         first += len(pairs)
         pred, pred_norm = _argmax(ll), _argmax([v / n for v, n in zip(ll, lengths)])
         t = 4 * suite.names.index(name)
-        counts[t:t + 4] += torch.tensor([1, pred == label, pred_norm == label, 1 / len(pairs)], dtype=torch.float64)
+        counts[t : t + 4] += torch.tensor([1, pred == label, pred_norm == label, 1 / len(pairs)], dtype=torch.float64)
         if name == "mmlu":
             s = 4 * len(suite.names) + 2 * subjects.index(subject)
-            counts[s:s + 2] += torch.tensor([1, pred == label], dtype=torch.float64)
+            counts[s : s + 2] += torch.tensor([1, pred == label], dtype=torch.float64)
         preds.append({"task": name, "index": index, "pred": pred, "label": label, "acc": int(pred == label)})
     counts[-1] = float(scored is None)
     if distributed() and dist.get_world_size() > 1:  # the one collective, on every rank
@@ -87,19 +89,27 @@ def evaluate(model, suite, device, batch_size=64, dtype=None, stop=None, progres
         return None
     results = {}
     for i, name in enumerate(suite.names):
-        n, correct, correct_norm, inverse_choices = counts[4 * i:4 * i + 4].tolist()
+        n, correct, correct_norm, inverse_choices = counts[4 * i : 4 * i + 4].tolist()
         if n == 0:
             raise ValueError(f"{name}: no examples to evaluate")
         chance = inverse_choices / n
-        results[name] = {"n": int(n), "acc": correct / n, "chance": chance,
-                         "centered": (correct / n - chance) / (1 - chance)}
+        results[name] = {
+            "n": int(n),
+            "acc": correct / n,
+            "chance": chance,
+            "centered": (correct / n - chance) / (1 - chance),
+        }
         if tasks.TASKS[name].acc_norm:
             results[name]["acc_norm"] = correct_norm / n
     out = {"tasks": results, "mc_centered": sum(r["centered"] for r in results.values()) / len(results), "preds": preds}
     if subjects:  # the harness's mmlu group: each subject, and all of them weighted by size (= all questions)
         base = 4 * len(suite.names)
-        out["mmlu_subjects"] = {s: {"n": int(n), "acc": c / n} for j, s in enumerate(subjects)
-                                for n, c in [counts[base + 2 * j:base + 2 * j + 2].tolist()] if n > 0}
+        out["mmlu_subjects"] = {
+            s: {"n": int(n), "acc": c / n}
+            for j, s in enumerate(subjects)
+            for n, c in [counts[base + 2 * j : base + 2 * j + 2].tolist()]
+            if n > 0
+        }
     return out
 
 
@@ -123,10 +133,17 @@ def tracker_record(step, result):
 # ----------------------------------------------------------------------------- the harness's own task files
 
 HARNESS_YAML = {  # the harness's default config of each task, under lm_eval/tasks/
-    "hellaswag": "hellaswag/hellaswag.yaml", "arc_easy": "arc/arc_easy.yaml", "arc_challenge": "arc/arc_challenge.yaml",
-    "piqa": "piqa/piqa.yaml", "winogrande": "winogrande/default.yaml", "copa": "super_glue/copa/default.yaml",
-    "openbookqa": "openbookqa/openbookqa.yaml", "commonsense_qa": "commonsense_qa/default.yaml",
-    "sciq": "sciq/sciq.yaml", "social_iqa": "siqa/siqa.yaml", "boolq": "super_glue/boolq/default.yaml",
+    "hellaswag": "hellaswag/hellaswag.yaml",
+    "arc_easy": "arc/arc_easy.yaml",
+    "arc_challenge": "arc/arc_challenge.yaml",
+    "piqa": "piqa/piqa.yaml",
+    "winogrande": "winogrande/default.yaml",
+    "copa": "super_glue/copa/default.yaml",
+    "openbookqa": "openbookqa/openbookqa.yaml",
+    "commonsense_qa": "commonsense_qa/default.yaml",
+    "sciq": "sciq/sciq.yaml",
+    "social_iqa": "siqa/siqa.yaml",
+    "boolq": "super_glue/boolq/default.yaml",
 }
 
 
@@ -144,10 +161,18 @@ def export_harness(out_dir, names, docs):
     def write(task, include, rows):
         data = out / "data" / f"{task}.jsonl"
         data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-        config = {"include": str(harness / include), "task": task, "tag": [], "dataset_path": "json",
-                  "dataset_name": None, "dataset_kwargs": {"data_files": {"validation": str(data)}},
-                  "training_split": None, "validation_split": "validation", "test_split": None,
-                  "fewshot_split": "validation"}
+        config = {
+            "include": str(harness / include),
+            "task": task,
+            "tag": [],
+            "dataset_path": "json",
+            "dataset_name": None,
+            "dataset_kwargs": {"data_files": {"validation": str(data)}},
+            "training_split": None,
+            "validation_split": "validation",
+            "test_split": None,
+            "fewshot_split": "validation",
+        }
         (out / f"{task}.yaml").write_text(json.dumps(config, indent=2) + "\n")  # JSON is YAML
 
     run = []
@@ -159,8 +184,12 @@ def export_harness(out_dir, names, docs):
         subjects = [s for s in tasks.MMLU_SUBJECTS if any(d["subject"] == s for d in docs[name])]
         for s in subjects:
             write(f"gpt2train_mmlu_{s}", f"mmlu/default/mmlu_{s}.yaml", [d for d in docs[name] if d["subject"] == s])
-        group = {"group": "gpt2train_mmlu", "task": [f"gpt2train_mmlu_{s}" for s in subjects],
-                 "aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}], "metadata": {"version": 2}}
+        group = {
+            "group": "gpt2train_mmlu",
+            "task": [f"gpt2train_mmlu_{s}" for s in subjects],
+            "aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}],
+            "metadata": {"version": 2},
+        }
         (out / "gpt2train_mmlu.yaml").write_text(json.dumps(group, indent=2) + "\n")
         run.append("gpt2train_mmlu")
     return run
@@ -168,27 +197,41 @@ def export_harness(out_dir, names, docs):
 
 # ----------------------------------------------------------------------------- command line
 
+
 def _parser(export):
     parser = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n\n")[0])
     if export:
-        parser.add_argument("--export_harness", required=True, metavar="DIR",
-                            help="write these tasks' data and harness configs into DIR, for lm_eval --include_path")
-        parser.add_argument("--cache_dir", help="cache of downloaded data (default $GPT2_CACHE_DIR, else "
-                                                "~/.cache/gpt2-train)")
+        parser.add_argument(
+            "--export_harness",
+            required=True,
+            metavar="DIR",
+            help="write these tasks' data and harness configs into DIR, for lm_eval --include_path",
+        )
+        parser.add_argument(
+            "--cache_dir", help="cache of downloaded data (default $GPT2_CACHE_DIR, else ~/.cache/gpt2-train)"
+        )
     else:
         from checkpoint import (
             add_model_args,  # imports torch's model stack: only when a model is scored
         )
+
         add_model_args(parser)
         parser.add_argument("--batch_size", type=int, default=64, help="rows (choices) per forward pass")
         parser.add_argument("--json", action="store_true", help="last stdout line: one JSON object of the results")
         parser.add_argument("--per_example", help="write one JSON line per example: task, index, pred, label, acc")
         parser.add_argument("--export_harness", metavar="DIR", help="write the lm_eval task folder instead (no model)")
-    parser.add_argument("--tasks", default="default", help=f"comma-separated: {', '.join(tasks.TASKS)}; "
-                        f"default ({','.join(tasks.DEFAULT_TASKS)}), all")
+    parser.add_argument(
+        "--tasks",
+        default="default",
+        help=f"comma-separated: {', '.join(tasks.TASKS)}; default ({','.join(tasks.DEFAULT_TASKS)}), all",
+    )
     parser.add_argument("--limit", type=int, default=None, help="score only the first N examples of each task")
-    parser.add_argument("--data", metavar="FILE", help="one task's rows (jsonl, the dataset's columns) to score "
-                                                       "instead of its validation split; needs exactly one task")
+    parser.add_argument(
+        "--data",
+        metavar="FILE",
+        help="one task's rows (jsonl, the dataset's columns) to score "
+        "instead of its validation split; needs exactly one task",
+    )
     return parser
 
 
@@ -211,8 +254,10 @@ def main(argv=None):
         docs = {name: tasks.load_docs(name, limit, args.cache_dir, path=args.data) for name in names}
         if export:
             run = export_harness(args.export_harness, names, docs)
-            print(f"wrote {len(run)} task(s) to {args.export_harness}; run:\nlm_eval --model hf --model_args "
-                  f"pretrained=HF_DIR --include_path {args.export_harness} --tasks {','.join(run)} --batch_size 16")
+            print(
+                f"wrote {len(run)} task(s) to {args.export_harness}; run:\nlm_eval --model hf --model_args "
+                f"pretrained=HF_DIR --include_path {args.export_harness} --tasks {','.join(run)} --batch_size 16"
+            )
             return 0
     except (OSError, ValueError, RuntimeError, ImportError) as e:
         report_error(parser.prog, e)
@@ -220,6 +265,7 @@ def main(argv=None):
 
     from checkpoint import load_model_from_args
     from devices import tune_cpu_allocator
+
     model, enc, device, dtype = load_model_from_args(parser, args)
     tune_cpu_allocator(device)
     t0 = time.time()
@@ -234,10 +280,14 @@ def main(argv=None):
     n = sum(r["n"] for r in result["tasks"].values())
     for name, r in result["tasks"].items():
         norm = f" acc_norm={r['acc_norm']:.4f}" if "acc_norm" in r else ""
-        print(f"{name:>15}: n={r['n']:<6} acc={r['acc']:.4f}{norm} (chance {r['chance']:.3f}; harness default: "
-              f"{tasks.TASKS[name].harness})")
-    print(f"mc_centered={result['mc_centered']:.4f} over {len(result['tasks'])} task(s), validation splits "
-          f"({n / elapsed:.1f} examples/s, {device}, {dtype})")
+        print(
+            f"{name:>15}: n={r['n']:<6} acc={r['acc']:.4f}{norm} (chance {r['chance']:.3f}; harness default: "
+            f"{tasks.TASKS[name].harness})"
+        )
+    print(
+        f"mc_centered={result['mc_centered']:.4f} over {len(result['tasks'])} task(s), validation splits "
+        f"({n / elapsed:.1f} examples/s, {device}, {dtype})"
+    )
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k != "preds"}))
     return 0

@@ -11,6 +11,7 @@ positions go through lm_head, and the softmax runs over the tokenizer's n_vocab 
 unused rows, which an export drops, take no probability). The model is the bare GPT, run eagerly (train.py
 passes its gathered one): the eval shapes change every batch and would recompile a compiled one.
 """
+
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
@@ -22,7 +23,7 @@ PAD_MULTIPLE = 8  # rows are padded to a multiple of this length (aligned shapes
 
 def _crop(row, row_mask, block_size):
     """The harness's window: the last block_size + 1 tokens, the model reading all but the last."""
-    return row[-(block_size + 1):], row_mask[-(block_size + 1):]
+    return row[-(block_size + 1) :], row_mask[-(block_size + 1) :]
 
 
 @torch.no_grad()
@@ -41,7 +42,7 @@ def score_rows(model, rows, masks, device, block_size, dtype=None, n_vocab=None)
     T = min(-(-T // PAD_MULTIPLE) * PAD_MULTIPLE, block_size)
     idx = torch.zeros((U, T), dtype=torch.long)  # right padding with token 0; causal attention ignores it
     for inp, u in unique.items():
-        idx[u, :len(inp)] = torch.tensor(inp, dtype=torch.long)
+        idx[u, : len(inp)] = torch.tensor(inp, dtype=torch.long)
     where, targets, owner = [], [], []  # per scored token: (forward row, position), the token, the request
     for r, (row, m) in enumerate(zip(rows, masks)):
         u = unique[tuple(row[:-1])]
@@ -74,14 +75,15 @@ def encode_pair(enc, context, continuation):
         cont = enc.encode(continuation, allowed_special="all")
         return [enc.eot_token], cont
     stripped = context.rstrip()
-    continuation, context = context[len(stripped):] + continuation, stripped
+    continuation, context = context[len(stripped) :] + continuation, stripped
     whole = enc.encode(context + continuation, allowed_special="all")
     ctx = enc.encode(context, allowed_special="all")
-    return ctx, whole[len(ctx):]
+    return ctx, whole[len(ctx) :]
 
 
-def score_requests(model, requests, device, rows_per_forward=64, dtype=None, n_vocab=None, stop=None,
-                   progress=False, desc="scoring"):
+def score_requests(
+    model, requests, device, rows_per_forward=64, dtype=None, n_vocab=None, stop=None, progress=False, desc="scoring"
+):
     """(summed log-likelihood, number of scored tokens) of each (context ids, continuation ids) request, as two
     float32 CPU tensors (R,); None once stop() (asked between batches) returns True.
 
@@ -94,9 +96,9 @@ def score_requests(model, requests, device, rows_per_forward=64, dtype=None, n_v
     masks = [[0] * len(ctx) + [1] * len(cont) for ctx, cont in requests]
     groups = {}
     for r, row in enumerate(rows):
-        groups.setdefault(tuple(row[-(block_size + 1):-1]), []).append(r)
+        groups.setdefault(tuple(row[-(block_size + 1) : -1]), []).append(r)
     order = sorted(groups.values(), key=lambda g: -len(rows[g[0]]))
-    batches = [[r for g in order[i:i + rows_per_forward] for r in g] for i in range(0, len(order), rows_per_forward)]
+    batches = [[r for g in order[i : i + rows_per_forward] for r in g] for i in range(0, len(order), rows_per_forward)]
     sum_loss = torch.zeros(len(rows))
     count = torch.tensor([float(sum(m[-block_size:])) for m in masks])  # scored tokens inside the window
     was_training = model.training
@@ -105,8 +107,9 @@ def score_requests(model, requests, device, rows_per_forward=64, dtype=None, n_v
         for batch in tqdm(batches, desc=desc, unit="batch", dynamic_ncols=True, disable=not progress):
             if stop is not None and stop():
                 return None
-            s, _ = score_rows(model, [rows[r] for r in batch], [masks[r] for r in batch], device, block_size,
-                              dtype, n_vocab)
+            s, _ = score_rows(
+                model, [rows[r] for r in batch], [masks[r] for r in batch], device, block_size, dtype, n_vocab
+            )
             sum_loss[batch] = s
     finally:
         model.train(was_training)

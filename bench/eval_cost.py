@@ -9,6 +9,7 @@ micro-batches), its share of HellaSwag (hellaswag.py, all 10,042 examples / worl
 default suite), each after its data was tokenized once (that time is printed apart: train.py pays it once). Prints
 each evaluation's share of the training time at the config's intervals (and --tasks_interval for the suite).
 """
+
 import argparse
 import time
 
@@ -66,8 +67,10 @@ def main(argv=None):
     _, t = _timed(lambda: [step() for _ in range(args.steps)], device)
     step_s = t / args.steps
     print(f"machine: {machine_line(device)}")
-    print(f"one optimizer step of one rank: {step_s * 1000:.0f} ms ({accum} x {cfg.batch_size} x {cfg.block_size} "
-          f"tokens, {accum * cfg.batch_size * cfg.block_size / step_s:,.0f} tokens/s)")
+    print(
+        f"one optimizer step of one rank: {step_s * 1000:.0f} ms ({accum} x {cfg.batch_size} x {cfg.block_size} "
+        f"tokens, {accum * cfg.batch_size * cfg.block_size / step_s:,.0f} tokens/s)"
+    )
 
     @torch.no_grad()
     def val():
@@ -76,6 +79,7 @@ def main(argv=None):
             with autocast(device, dtype):
                 compiled(x[:, :-1], x[:, 1:], return_logits=False)
         model.train()
+
     val()
     _, val_s = _timed(val, device)
 
@@ -93,14 +97,23 @@ def main(argv=None):
     suite_s = min(rows.values())
     n_suite = sum(len(v) for v in suite.examples.values())
     tasks_interval = args.tasks_interval or cfg.eval_interval
-    print(f"val loss ({cfg.eval_steps} micro-batches): {val_s:.2f} s = {val_s / (cfg.eval_interval * step_s):.2%} of "
-          f"the training time at eval_interval={cfg.eval_interval}")
-    print(f"hellaswag, {hs['n']} examples of this rank: tokenized once in {hs_tok:.1f} s, scored in {hs_s:.2f} s (the first time: {hs_cold:.2f} s) = "
-          f"{hs_s / (cfg.hellaswag_interval * step_s):.2%} at hellaswag_interval={cfg.hellaswag_interval}"
-          if cfg.hellaswag_interval else f"hellaswag: {hs_s:.2f} s ({hs['n']} examples)")
-    print(f"tasks {','.join(names)}, {n_suite} examples of this rank: tokenized once in {suite_tok:.1f} s, scored in "
-          f"{suite_s:.2f} s (rows per forward: " + ", ".join(f"{b}: {s:.2f} s" for b, s in rows.items()) +
-          f") = {suite_s / (tasks_interval * step_s):.2%} at eval_tasks_interval={tasks_interval}")
+    print(
+        f"val loss ({cfg.eval_steps} micro-batches): {val_s:.2f} s = {val_s / (cfg.eval_interval * step_s):.2%} of "
+        f"the training time at eval_interval={cfg.eval_interval}"
+    )
+    print(
+        f"hellaswag, {hs['n']} examples of this rank: tokenized once in {hs_tok:.1f} s, scored in {hs_s:.2f} s "
+        f"(the first time: {hs_cold:.2f} s) = "
+        f"{hs_s / (cfg.hellaswag_interval * step_s):.2%} at hellaswag_interval={cfg.hellaswag_interval}"
+        if cfg.hellaswag_interval
+        else f"hellaswag: {hs_s:.2f} s ({hs['n']} examples)"
+    )
+    print(
+        f"tasks {','.join(names)}, {n_suite} examples of this rank: tokenized once in {suite_tok:.1f} s, scored in "
+        f"{suite_s:.2f} s (rows per forward: "
+        + ", ".join(f"{b}: {s:.2f} s" for b, s in rows.items())
+        + f") = {suite_s / (tasks_interval * step_s):.2%} at eval_tasks_interval={tasks_interval}"
+    )
     return 0
 
 

@@ -9,6 +9,7 @@ the other in this process and on the same threads: evaluate.py's suite on the ch
 `lm_eval.simple_evaluate` on the export (the model loaded before the clock starts). Prints each one's examples/s,
 their ratio, every task's acc side by side, and how many predictions differ (the goal: none). fp32 on the CPU.
 """
+
 import argparse
 import json
 import tempfile
@@ -35,6 +36,7 @@ def run_harness(hf_dir, task_dir, names, batch_size):
     import lm_eval
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
+
     lm = HFLM(pretrained=str(hf_dir), device="cpu", batch_size=batch_size, dtype="float32")
     manager = TaskManager(include_path=str(task_dir), include_defaults=False)
     t0 = time.perf_counter()
@@ -79,19 +81,34 @@ def main(argv=None):
         other = harness_preds(theirs, name)
         differ += sum(a != b for a, b in zip(mine, other)) + abs(len(mine) - len(other))
         key = f"gpt2train_{name}"
-        rows[name] = {"ours": ours["tasks"][name]["acc"], "harness": theirs["results"][key]["acc,none"],
-                      "n": ours["tasks"][name]["n"]}
+        rows[name] = {
+            "ours": ours["tasks"][name]["acc"],
+            "harness": theirs["results"][key]["acc,none"],
+            "n": ours["tasks"][name]["n"],
+        }
         if "acc_norm" in ours["tasks"][name]:
-            rows[name].update(ours_norm=ours["tasks"][name]["acc_norm"],
-                              harness_norm=theirs["results"][key]["acc_norm,none"])
+            rows[name].update(
+                ours_norm=ours["tasks"][name]["acc_norm"], harness_norm=theirs["results"][key]["acc_norm,none"]
+            )
     for name, r in rows.items():
         norm = f"  acc_norm {r['ours_norm']:.4f} vs {r['harness_norm']:.4f}" if "ours_norm" in r else ""
         print(f"{name:>15} n={r['n']:<5} acc {r['ours']:.4f} vs {r['harness']:.4f}{norm}")
-    result = {"examples": n, "ours_s": t_ours, "harness_s": t_theirs, "ours_ex_per_s": n / t_ours,
-              "harness_ex_per_s": n / t_theirs, "speedup": t_theirs / t_ours, "predictions_differing": differ,
-              "mc_centered": ours["mc_centered"], "tasks": rows, "threads": torch.get_num_threads()}
-    print(f"evaluate.py {n / t_ours:.1f} examples/s ({t_ours:.1f} s), lm_eval hf {n / t_theirs:.1f} examples/s "
-          f"({t_theirs:.1f} s): {t_theirs / t_ours:.2f}x; predictions differing: {differ} of {n}")
+    result = {
+        "examples": n,
+        "ours_s": t_ours,
+        "harness_s": t_theirs,
+        "ours_ex_per_s": n / t_ours,
+        "harness_ex_per_s": n / t_theirs,
+        "speedup": t_theirs / t_ours,
+        "predictions_differing": differ,
+        "mc_centered": ours["mc_centered"],
+        "tasks": rows,
+        "threads": torch.get_num_threads(),
+    }
+    print(
+        f"evaluate.py {n / t_ours:.1f} examples/s ({t_ours:.1f} s), lm_eval hf {n / t_theirs:.1f} examples/s "
+        f"({t_theirs:.1f} s): {t_theirs / t_ours:.2f}x; predictions differing: {differ} of {n}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
