@@ -66,7 +66,8 @@ def evaluate(model, suite, device, batch_size=64, dtype=None, stop=None, progres
     )
     log_likelihood = scored[0].tolist() if scored is not None else [0.0] * len(requests)
     subjects = tasks.MMLU_SUBJECTS if "mmlu" in suite.names else []
-    # per task: n, correct, correct_norm, sum of 1/choices; per MMLU subject: n, correct; then the stop flag
+    # per task: n, correct, correct_norm, sum of 60/choices (an integer for 2-5 choices, so sums are exact in any
+    # order, on any number of ranks); per MMLU subject: n, correct; then the stop flag
     counts = torch.zeros(4 * len(suite.names) + 2 * len(subjects) + 1, dtype=torch.float64)
     preds, first = [], 0
     for name, (index, pairs, label, lengths, subject) in flat:
@@ -74,7 +75,7 @@ def evaluate(model, suite, device, batch_size=64, dtype=None, stop=None, progres
         first += len(pairs)
         pred, pred_norm = _argmax(ll), _argmax([v / n for v, n in zip(ll, lengths)])
         t = 4 * suite.names.index(name)
-        counts[t : t + 4] += torch.tensor([1, pred == label, pred_norm == label, 1 / len(pairs)], dtype=torch.float64)
+        counts[t : t + 4] += torch.tensor([1, pred == label, pred_norm == label, 60 / len(pairs)], dtype=torch.float64)
         if name == "mmlu":
             s = 4 * len(suite.names) + 2 * subjects.index(subject)
             counts[s : s + 2] += torch.tensor([1, pred == label], dtype=torch.float64)
@@ -89,10 +90,10 @@ def evaluate(model, suite, device, batch_size=64, dtype=None, stop=None, progres
         return None
     results = {}
     for i, name in enumerate(suite.names):
-        n, correct, correct_norm, inverse_choices = counts[4 * i : 4 * i + 4].tolist()
+        n, correct, correct_norm, sixtieths = counts[4 * i : 4 * i + 4].tolist()
         if n == 0:
             raise ValueError(f"{name}: no examples to evaluate")
-        chance = inverse_choices / n
+        chance = sixtieths / 60 / n
         results[name] = {
             "n": int(n),
             "acc": correct / n,
