@@ -1,11 +1,12 @@
 """hf.py: Hugging Face GPT-2 weights in and out (from_pretrained, save_pretrained) against transformers itself;
 GPT-NeoX / Pythia in test_neox.py, a checkpoint's export with its tokenizer in test_export.py."""
+
 import pytest
 import torch
-from test_model import hf_gpt, max_param_diff, perturb_, shifted_targets, single_thread, small_gpt  # noqa: F401
 from transformers import GPT2LMHeadModel
 
 from hf import from_pretrained, save_pretrained
+from test_model import hf_gpt, max_param_diff, perturb_, shifted_targets, single_thread, small_gpt  # noqa: F401
 
 
 @pytest.mark.parametrize("layout", ["prefixed-safetensors", "unprefixed-bin"])
