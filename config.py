@@ -65,6 +65,9 @@ class TrainConfig(GPTConfig):
     eval_steps: int = 20  # val micro-batches per process per evaluation (the same fixed batches every time)
     hellaswag_interval: int = 0  # steps between HellaSwag evaluations
     hellaswag_limit: int | None = None  # evaluate only the first N HellaSwag examples; None: all 10,042
+    eval_tasks: str = "default"  # evaluate.py's tasks at eval_tasks_interval: comma-separated names, 'default', 'all'
+    eval_tasks_interval: int = 0  # steps between evaluations of eval_tasks (logged as mc/<task>_acc, mc_centered)
+    eval_tasks_limit: int | None = None  # score only the first N examples of each of eval_tasks; None: all
     sample_interval: int = 0  # steps between printed sample previews
     sample_prompt: str = ""  # prompt of the sample preview ('' starts from <|endoftext|>)
     sample_tokens: int = 64  # tokens generated per sample preview
@@ -119,6 +122,12 @@ class TrainConfig(GPTConfig):
         if self.optimizer == "muon" and not hasattr(torch.optim, "Muon"):  # torch.optim.Muon arrived in torch 2.9
             raise ConfigError(f"optimizer='muon' needs torch.optim.Muon (torch >= 2.9), which torch "
                               f"{torch.__version__} lacks: upgrade torch, or use optimizer='adamw'")
+        if self.eval_tasks_interval:
+            from tasks import parse_tasks  # no torch: the task catalogue
+            try:
+                parse_tasks(self.eval_tasks)
+            except ValueError as e:
+                raise ConfigError(f"config key 'eval_tasks': {e}") from None
         if self.min_lr > self.learning_rate:
             raise ConfigError(f"config key 'min_lr' must be <= learning_rate={self.learning_rate}; got {self.min_lr}")
         try:
@@ -131,10 +140,10 @@ CHOICES = {"lr_schedule": ("cosine", "wsd"), "optimizer": ("adamw", "muon"), "no
            "compile": (True, False, "auto"), "dtype": ("auto", "float32", "bfloat16", "float16"),
            "parallel": ("ddp", "fsdp", "hsdp"), "packing": ("window", "document")}
 AT_LEAST_ONE = ("eval_steps", "sample_tokens", "total_batch_size", "lr_decay_steps", "hellaswag_limit",
-                "shard_size")
-NON_NEGATIVE = ("max_steps", "warmup_steps", "eval_interval", "hellaswag_interval", "sample_interval", "log_interval",
-                "save_interval", "keep_last", "seed", "max_skipped_steps", "min_lr", "weight_decay", "grad_clip",
-                "muon_weight_decay", "cost_per_hour")
+                "eval_tasks_limit", "shard_size")
+NON_NEGATIVE = ("max_steps", "warmup_steps", "eval_interval", "hellaswag_interval", "eval_tasks_interval",
+                "sample_interval", "log_interval", "save_interval", "keep_last", "seed", "max_skipped_steps", "min_lr",
+                "weight_decay", "grad_clip", "muon_weight_decay", "cost_per_hour")
 RANGES = {  # key: (check, what the message says); None passes where the key allows it
     **{k: (lambda v: v >= 1, ">= 1") for k in AT_LEAST_ONE},
     "batch_size": (lambda v: v == "auto" or v >= 1, ">= 1 or 'auto'"),

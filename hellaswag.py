@@ -10,6 +10,7 @@ the batch; causal attention means the padding never reaches a real position, so 
 the ones of one example at a time. Rows are sorted by length so batches waste little padding.
 Only the ending positions go through lm_head. The model is the bare GPT, run eagerly (train.py passes
 its gathered one), so ranks may run different numbers of batches and eval shapes trigger no recompiles.
+The scorer is scoring.py's, which evaluate.py uses too.
 
     python hellaswag.py --init_from gpt2              # default data: assets.fetch_hellaswag()
     python hellaswag.py --ckpt out/ --limit 1000 --json --per_example preds.jsonl
@@ -24,15 +25,13 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import assets
 from checkpoint import add_model_args, load_model_from_args
-from console import distributed, progress_bar
-from devices import autocast, tune_cpu_allocator
+from console import distributed
+from devices import tune_cpu_allocator
 from files import report_error
-
-PAD_MULTIPLE = 8  # rows are padded to a multiple of this length (aligned shapes for matmul kernels)
+from scoring import score_requests, score_rows  # noqa: F401  (score_rows: the scorer's core, for tests and bench)
 
 
 def load_examples(path, limit=None):
@@ -84,50 +83,20 @@ def render_example(example, enc):
     return tokens, mask, example["label"]
 
 
-def _crop(row, row_mask, block_size):
-    """Rows longer than the model's context lose tokens from the left (the start of the context);
-    the ending and the tokens right before it are what the score depends on most."""
-    if len(row) > block_size:
-        return row[-block_size:], row_mask[-block_size:]
-    return row, row_mask
+class Rendered:
+    """A rank's share of the examples (examples[rank::world_size]) and their 4 (context ids, ending ids) requests
+    each, tokenized once: train.py keeps one and scores it at every evaluation."""
 
-
-@torch.no_grad()
-def score_rows(model, rows, masks, device, block_size, dtype=None):
-    """Summed and mean cross-entropy over the masked (ending) tokens of each row, in one forward.
-
-    model: a bare GPT (not wrapped in DDP or torch.compile). rows, masks: lists of R token lists / 0-1 lists.
-    Returns two float32 CPU tensors of shape (R,).
-    """
-    rows, masks = zip(*(_crop(r, m, block_size) for r, m in zip(rows, masks)))
-    R = len(rows)
-    T = max(len(r) for r in rows)
-    T = min(-(-T // PAD_MULTIPLE) * PAD_MULTIPLE, block_size)
-    idx = torch.zeros((R, T), dtype=torch.long)  # right padding with token 0; causal attention ignores it
-    targets = torch.full((R, T), -1, dtype=torch.long)  # -1 = not scored
-    for i, (row, m) in enumerate(zip(rows, masks)):
-        row_t = torch.tensor(row)
-        idx[i, :len(row)] = row_t
-        # position t predicts token t+1; score it only where token t+1 is an ending token
-        scored = torch.tensor(m[1:], dtype=torch.bool)
-        targets[i, :len(row) - 1] = torch.where(scored, row_t[1:], -1)
-    idx, targets = idx.to(device), targets.to(device)
-    scored = targets != -1  # (R, T)
-    with autocast(device, dtype):
-        h = model.hidden_states(idx)  # (R, T, C)
-        # lm_head only where a loss is needed (about a third of the positions): most of the FLOPs of a
-        # small model and all of the memory of (R, T, V) logits are never spent
-        logits = model.lm_head(h[scored])  # (N, V)
-    token_loss = F.cross_entropy(logits.float(), targets[scored], reduction="none")  # (N,) in fp32
-    row_of_token = scored.nonzero(as_tuple=True)[0]  # (N,)
-    sum_loss = torch.zeros(R, device=token_loss.device).index_add_(0, row_of_token, token_loss)
-    mean_loss = sum_loss / scored.sum(1).clamp(min=1)
-    return sum_loss.cpu(), mean_loss.cpu()
+    def __init__(self, examples, enc, rank=0, world_size=1):
+        self.examples, self.n_vocab = examples[rank::world_size], enc.n_vocab
+        # example-major: request r is example r // 4, ending r % 4
+        self.requests = [(row[:row_mask.index(1)], row[row_mask.index(1):]) for ex in self.examples
+                         for row, row_mask in zip(*render_example(ex, enc)[:2])]
 
 
 def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None, dtype=None,
              enc=None, progress=False, stop=None):
-    """HellaSwag accuracy of `model` on `examples` (dicts from load_examples).
+    """HellaSwag accuracy of `model` on `examples` (dicts from load_examples, or this rank's Rendered ones).
 
     batch_size: examples per forward, i.e. 4 * batch_size rows of similar length.
     dtype: None or 'float32' (plain fp32), or an autocast dtype name / torch.dtype; the losses
@@ -147,32 +116,16 @@ def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None,
         world_size = dist.get_world_size() if distributed() else 1
     if enc is None:
         enc = assets.get_tokenizer()
-    block_size = model.config.block_size
-
-    mine = examples[rank::world_size]
-    rendered = [render_example(ex, enc) for ex in mine]
-    tokens = [row for rows, _, _ in rendered for row in rows]  # 4 rows per example, example-major
-    masks = [m for _, row_masks, _ in rendered for m in row_masks]
-    # Rows are scored independently, so batch them by length, longest first: little padding, and
-    # an out-of-memory shows at once. Row r belongs to example r // 4, ending r % 4.
-    order = sorted(range(len(tokens)), key=lambda r: -len(tokens[r]))
-    sum_loss = torch.zeros(len(tokens))
-    mean_loss = torch.zeros(len(tokens))
-
-    was_training, abandoned = model.training, 0
-    model.eval()
-    try:
-        rows_per_forward = 4 * batch_size
-        batches = [order[i:i + rows_per_forward] for i in range(0, len(order), rows_per_forward)]
-        for batch in progress_bar(batches, show=progress, desc="hellaswag", unit="batch"):
-            if stop is not None and stop():
-                abandoned = 1
-                break
-            s, m = score_rows(model, [tokens[r] for r in batch], [masks[r] for r in batch], device, block_size, dtype)
-            sum_loss[batch] = s
-            mean_loss[batch] = m
-    finally:
-        model.train(was_training)
+    rendered = examples if isinstance(examples, Rendered) else Rendered(examples, enc, rank, world_size)
+    mine, requests = rendered.examples, rendered.requests
+    scored = score_requests(model, requests, device, 4 * batch_size, dtype, n_vocab=rendered.n_vocab, stop=stop,
+                            progress=progress, desc="hellaswag")
+    abandoned = int(scored is None)
+    if scored is None:
+        sum_loss = mean_loss = torch.zeros(len(requests))
+    else:
+        log_likelihood, count = scored
+        sum_loss, mean_loss = -log_likelihood, -log_likelihood / count.clamp(min=1)
     sum_loss, mean_loss = sum_loss.view(-1, 4), mean_loss.view(-1, 4)  # (examples, 4 endings)
 
     preds = []
@@ -181,7 +134,7 @@ def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None,
                       "pred_norm": int(m.argmin()), "sum_loss": s.tolist(), "mean_loss": m.tolist()})
     counts = torch.tensor([len(preds), sum(p["pred"] == p["label"] for p in preds),
                            sum(p["pred_norm"] == p["label"] for p in preds), abandoned], dtype=torch.long)
-    if distributed and world_size > 1:  # the one collective, also on a rank that stopped early
+    if distributed() and world_size > 1:  # the one collective, also on a rank that stopped early
         on = device if dist.get_backend() == "nccl" else "cpu"
         counts = counts.to(on)
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)

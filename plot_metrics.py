@@ -17,7 +17,8 @@ from files import report_error
 
 
 def read_metrics(path):
-    """(step records, val records, hellaswag records) of a metrics.jsonl file or a run directory."""
+    """(step records, val records, evaluation records: HellaSwag's and the task suite's) of a metrics.jsonl file
+    or a run directory."""
     path = Path(path)
     if path.is_dir():
         path = path / "metrics.jsonl"
@@ -33,7 +34,7 @@ def read_metrics(path):
             steps.append(record)
         elif "val_loss" in record:
             val.append(record)
-        elif "hellaswag_acc_norm" in record:
+        elif "hellaswag_acc_norm" in record or "mc_centered" in record:
             hellaswag.append(record)
     return steps, val, hellaswag
 
@@ -42,6 +43,9 @@ def series(records, key):
     """(steps, values) of the records where key has a value (skipped steps log null losses)."""
     pairs = [(r["step"], r[key]) for r in records if r.get(key) is not None]
     return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+EVAL_KEYS = ("hellaswag_acc_norm", "mc_centered")  # hellaswag.py's, and evaluate.py's summary
 
 
 def plot(runs, out_path):
@@ -53,7 +57,10 @@ def plot(runs, out_path):
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_norm, ax_lr, ax_tps) = plt.subplots(1, 4, figsize=(20, 4.5))
+    evals = [read_metrics(path)[2] for _, path in runs]
+    panels = 5 if any(evals) else 4  # a fifth for the evaluations (HellaSwag, the task suite) when a run has them
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4.5))
+    (ax_loss, ax_norm, ax_lr, ax_tps), ax_eval = axes[:4], axes[4] if panels == 5 else None
     for label, path in runs:
         steps, val, hellaswag = read_metrics(path)
         line, = ax_loss.plot(*series(steps, "train_loss"), lw=1, alpha=0.8, label=f"{label} train")
@@ -62,10 +69,12 @@ def plot(runs, out_path):
         ax_norm.plot(*series(steps, "grad_norm"), lw=1, label=label)
         ax_lr.plot(*series(steps, "lr"), label=label)
         ax_tps.plot(*series(steps, "tokens_per_s"), lw=1, label=label)
-        if hellaswag:
-            best = max(r["hellaswag_acc_norm"] for r in hellaswag)
-            log(f"{label}: best HellaSwag acc_norm {best:.4f}")
-    for ax, title in ((ax_loss, "loss"), (ax_norm, "gradient norm"), (ax_lr, "learning rate"), (ax_tps, "tokens / s")):
+        for key in EVAL_KEYS:
+            if any(key in r for r in hellaswag):
+                ax_eval.plot(*series(hellaswag, key), "o-", ms=3, label=f"{label} {key}")
+                log(f"{label}: best {key} {max(series(hellaswag, key)[1]):.4f}")
+    titled = [(ax_loss, "loss"), (ax_norm, "gradient norm"), (ax_lr, "learning rate"), (ax_tps, "tokens / s")]
+    for ax, title in titled + ([(ax_eval, "evaluations")] if ax_eval is not None else []):
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -78,7 +87,7 @@ def plot(runs, out_path):
 def compare(path_a, path_b):
     """Over the steps both runs logged: max and mean |a - b| of train_loss and grad_norm, and each
     run's final val loss. Returns a dict (what --compare prints)."""
-    (steps_a, val_a, _), (steps_b, val_b, _) = read_metrics(path_a), read_metrics(path_b)
+    (steps_a, val_a, eval_a), (steps_b, val_b, eval_b) = read_metrics(path_a), read_metrics(path_b)
     out = {}
     for key in ("train_loss", "grad_norm"):
         a, b = dict(zip(*series(steps_a, key))), dict(zip(*series(steps_b, key)))
@@ -87,6 +96,12 @@ def compare(path_a, path_b):
         out[key] = {"steps": len(common), "first": common[0] if common else None,
                     "last": common[-1] if common else None, "max_abs_diff": max(diffs, default=None),
                     "mean_abs_diff": sum(diffs) / len(diffs) if diffs else None}
+    for key in sorted({k for r in eval_a + eval_b for k in r if k in EVAL_KEYS or k.startswith("mc/")}):
+        a, b = dict(zip(*series(eval_a, key))), dict(zip(*series(eval_b, key)))
+        if a and b:  # an evaluation both runs logged: each run's last value, and the largest gap at common steps
+            common = sorted(a.keys() & b.keys())
+            out[key] = {"last": [a[max(a)], b[max(b)]], "steps": [max(a), max(b)],
+                        "max_abs_diff": max((abs(a[s] - b[s]) for s in common), default=None)}
     out["final_val_loss"] = [val[-1]["val_loss"] if val else None for val in (val_a, val_b)]
     out["final_val_step"] = [val[-1]["step"] if val else None for val in (val_a, val_b)]
     return out
@@ -106,6 +121,11 @@ def compare_text(path_a, path_b, result):
     line = f"final val_loss  a {fmt(va, sa)}, b {fmt(vb, sb)}"
     if va is not None and vb is not None:
         line += f", |a-b| {abs(va - vb):.3e}"
+    for key, r in result.items():  # the evaluations (HellaSwag, the task suite), then the val loss last
+        if key in EVAL_KEYS or key.startswith("mc/"):
+            gap = "n/a" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.4f}"
+            lines.append(f"{key:<22}  a {r['last'][0]:.4f} (step {r['steps'][0]}), b {r['last'][1]:.4f} "
+                         f"(step {r['steps'][1]}), max |a-b| at common steps {gap}")
     lines.append(line)
     return "\n".join(lines)
 

@@ -239,6 +239,9 @@ class Tracker:
             h = hellaswag[-1]
             out.update(hellaswag_step=h["step"], hellaswag_acc=h["hellaswag_acc"],
                        hellaswag_acc_norm=h["hellaswag_acc_norm"], hellaswag_n=h["hellaswag_n"])
+        suite = [r for r in records if "mc_centered" in r]
+        if suite:  # evaluate.py's task suite: the last evaluation's summary
+            out.update(mc_centered_step=suite[-1]["step"], mc_centered=suite[-1]["mc_centered"])
         if self.cost_per_hour is not None:
             cost = out["wall_s"] / 3600 * self.cost_per_hour
             out.update(cost_per_hour=self.cost_per_hour, cost_usd=cost,
@@ -280,6 +283,8 @@ def summary_text(s, path):
         loss += f" | val loss {s['final_val_loss']:.4f} (best {s['best_val_loss']:.4f} at step {s['best_val_step']})"
     if "hellaswag_acc_norm" in s:
         loss += f" | hellaswag acc_norm {s['hellaswag_acc_norm']:.4f} ({s['hellaswag_n']} examples)"
+    if "mc_centered" in s:
+        loss += f" | mc_centered {s['mc_centered']:.4f}"
     if s["skipped_steps"]:
         loss += f" | {s['skipped_steps']} skipped steps"
     lines.append(loss)

