@@ -260,7 +260,9 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
                     grad_w.addmm_(g.t(), hc)  # accumulate in place, no (V, C) temporary
                 else:
                     grad_w += g.t() @ hc  # low-precision chunk product, fp32 accumulation
-            n_valid = (targets != -1).sum()  # 0 gives nan, as F.cross_entropy does
+            # at least 1: a micro-batch with no trained target (SFT's loss masks) has loss 0 and zero gradients,
+            # not F.cross_entropy's 0/0 = nan, which no weight of 0 in the step's mean could cancel
+            n_valid = (targets != -1).sum().clamp(min=1)
             if need_grad:
                 ctx.save_for_backward(grad_h.div_(n_valid), grad_w.div_(n_valid))
         return loss_sum / n_valid

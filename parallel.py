@@ -398,15 +398,21 @@ def to_device(tensors, device):
 
 def forward_backward(model, loader, grad_accum, scaler, env, micro_steps=None):
     """Gradients of the mean loss over the step's trained tokens (targets != -1, of all ranks); returns
-    (the summed loss, a device scalar; the number of trained tokens of the step, all ranks).
+    (the summed loss, a device scalar; a float64 device tensor [trained tokens, micro-batches with no trained
+    target], both of all ranks: train.py reads them in its one copy to the host per step).
+    A micro-batch with no trained target (SFT data) still runs its forward and backward (the other ranks wait
+    for its gradients in a collective): its loss is 0 and so are its gradients.
     micro_steps: which of the grad_accum micro-steps to run (default all; the dry run skips repeats)."""
     batches = {micro: loader.next_batch() for micro in (range(grad_accum) if micro_steps is None else micro_steps)}
     masked = getattr(loader, "masks", None) is not None  # without masks every token is trained
     counts = {micro: int((y != -1).sum()) if masked else y.numel() for micro, (_, y) in batches.items()}
-    trained = torch.tensor(sum(counts.values()), device=env.device)
+    empty = sum(count == 0 for count in counts.values())
+    stats = torch.tensor([sum(counts.values()), empty], dtype=torch.float64, device=env.device)
     if masked and env.distributed:
-        dist.all_reduce(trained)
-    trained = int(trained) if masked else sum(counts.values()) * env.world_size  # without masks all are trained
+        dist.all_reduce(stats)
+    trained = int(stats[0]) if masked else sum(counts.values()) * env.world_size  # without masks all are trained
+    if not masked:
+        stats[0] = trained
     loss_sum = torch.zeros((), device=env.device)
     for micro, batch in batches.items():
         x, y = to_device(batch, env.device)  # (B, T) each
@@ -415,11 +421,12 @@ def forward_backward(model, loader, grad_accum, scaler, env, micro_steps=None):
             _, loss = model(x, y, return_logits=False)
         # each micro-batch loss is a mean over its trained tokens; weighting it by its share of the step's
         # (x world_size: DDP averages over ranks) makes the summed gradients those of the mean over all the
-        # step's trained tokens. Without masks every share is 1/grad_accum
-        loss = loss * (counts[micro] * env.world_size / trained) if masked else loss / grad_accum
+        # step's trained tokens. Without masks every share is 1/grad_accum. A step with no trained target at
+        # all divides by 1 (its loss and gradients are 0; train.py skips its update)
+        loss = loss * (counts[micro] * env.world_size / max(trained, 1)) if masked else loss / grad_accum
         loss_sum += loss.detach().float()
         scaler.scale(loss).backward()
-    return loss_sum, trained
+    return loss_sum, stats
 
 
 def clip_gradients(model, max_norm):

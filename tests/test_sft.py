@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import chat
 import prepare_data
 import train
+from config import TrainConfig
 from data import DataLoader, ShardError
 from model import GPT, GPTConfig, ChunkedLMHeadLoss
 from sample import stream_samples
@@ -164,7 +165,7 @@ def test_step_loss_is_the_mean_over_the_trained_tokens_of_all_micro_batches(sft_
     assert counts[0] != counts[1]  # so per-micro-batch means would weigh tokens unequally
     loader.reset()
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    loss_sum, trained = train.forward_backward(model, loader, 2, scaler, Env())
+    loss_sum, stats = train.forward_backward(model, loader, 2, scaler, Env())
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     # independently: logits of every position, CE over the positions whose target token is in the mask
@@ -174,10 +175,54 @@ def test_step_loss_is_the_mean_over_the_trained_tokens_of_all_micro_batches(sft_
     logits = model.hidden_states(x) @ model.lm_head.weight.t()
     ref = F.cross_entropy(logits[keep], tgt[keep])
     ref.backward()
-    assert trained == sum(counts) == int(keep.sum())
+    assert stats.tolist() == [sum(counts), 0] and sum(counts) == int(keep.sum())
     assert abs(loss_sum.item() - ref.item()) < 1e-5
     for n, p in model.named_parameters():
         assert torch.allclose(grads[n], p.grad, atol=1e-6), n
+
+
+def test_a_micro_batch_with_no_trained_target_has_zero_loss_and_gradients():
+    """ChunkedLMHeadLoss over targets that are all -1: loss 0 and zero gradients, not 0/0 = nan."""
+    h, w = torch.randn(6, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True)
+    loss = ChunkedLMHeadLoss.apply(h, w, torch.full((6,), -1), True)
+    loss.backward()
+    assert loss.item() == 0 and torch.all(h.grad == 0) and torch.all(w.grad == 0)
+
+
+class Batches:
+    """A loader with loss masks that yields fixed (x, y) micro-batches."""
+
+    def __init__(self, batches):
+        self.batches, self.masks = list(batches), ["mask"]
+
+    def next_batch(self):
+        return self.batches.pop(0)
+
+
+def test_an_empty_micro_batch_leaves_the_step_finite_and_is_counted():
+    """A micro-batch whose every target is masked still runs its backward (never skipped on one rank: the others
+    would wait in a collective), adds nothing, and is counted; the step's loss and gradients are those of the
+    other micro-batch alone. A step with no trained target at all has loss 0 and zero gradients."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=BLOCK, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+    x = torch.randint(0, 64, (2, BLOCK))
+    y = torch.where(torch.rand(2, BLOCK) < 0.5, x, -1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    loss_sum, stats = train.forward_backward(model, Batches([(x, y), (x, torch.full_like(y, -1))]), 2, scaler, Env())
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    ref = model(x, y, return_logits=False)[1]
+    ref.backward()
+    assert stats.tolist() == [int((y != -1).sum()), 1] and abs(loss_sum.item() - ref.item()) < 1e-6
+    for n, p in model.named_parameters():
+        assert torch.allclose(grads[n], p.grad, atol=1e-6), n
+    model.zero_grad()
+    empty = torch.full_like(y, -1)
+    loss_sum, stats = train.forward_backward(model, Batches([(x, empty), (x, empty)]), 2, scaler, Env())
+    assert stats.tolist() == [0, 2] and loss_sum.item() == 0
+    assert all(torch.all(p.grad == 0) for p in model.parameters())
+    reason = train.skip_reason(0.0, 0.0, scaler, TrainConfig(), train.Progress(), 1, trained_tokens=0)
+    assert "no trained target" in reason
 
 
 def run(data_dir, out_dir, *args):
