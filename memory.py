@@ -350,11 +350,12 @@ def smaller_micro_batch(rows: int, batch_size: int) -> int | None:
     return next((d for d in divisors(rows) if d <= batch_size // 2), None)
 
 
-def probe_micro_batch(try_step, candidates, reserve_bytes: int = 0, device=None) -> tuple[int, str]:
+def probe_micro_batch(try_step, candidates, reserve_bytes=0, device=None) -> tuple[int, str]:
     """CUDA batch_size='auto': try_step(b) runs one real forward+backward at micro-batch b and raises
     torch.OutOfMemoryError if it does not fit. Starts at the largest candidate (divisors of the per-rank
-    batch) and on out-of-memory moves to the largest candidate at most half the size. reserve_bytes are held
-    on `device` during each try (optimizer state not yet allocated). try_step should run the
+    batch) and on out-of-memory moves to the largest candidate at most half the size. reserve_bytes (bytes, or
+    a function of b giving them) are held on `device` during each try (what the real step has and the bare
+    model's try does not: optimizer state, resident gradients, NCCL's buffers). try_step should run the
     bare model (no DDP collectives: ranks may fail at different sizes). All ranks then agree on the smallest
     choice (one all-reduce MIN). Returns (micro_batch, why)."""
     candidates = sorted(set(candidates), reverse=True)
@@ -362,8 +363,9 @@ def probe_micro_batch(try_step, candidates, reserve_bytes: int = 0, device=None)
     while b is not None:
         oom = reserve = None
         try:
-            if reserve_bytes:  # held while try_step runs
-                reserve = torch.empty(reserve_bytes, dtype=torch.uint8, device=device)
+            held = reserve_bytes(b) if callable(reserve_bytes) else reserve_bytes
+            if held:  # held while try_step runs
+                reserve = torch.empty(held, dtype=torch.uint8, device=device)
             try_step(b)
         except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled; the rest is re-raised
             if not is_oom(e):
@@ -492,9 +494,14 @@ def probe_batch_size(raw_model, cfg, env, loaders):
         finally:
             raw_model.zero_grad(set_to_none=True)
 
+    def reserve(b):  # what the probe's bare forward+backward lacks: optimizer state; under torchrun NCCL's
+        # buffers; and the fp32 gradients where they are resident from the step's first forward on: DDP's bucket
+        # views (kept across steps) or accumulation's (micro-batch b below the rows), 4 bytes/param
+        resident = plan.grads if env.distributed or b < rows else 0
+        return plan.optimizer + resident + (NCCL_RESERVE if env.distributed else 0)
+
     try:
-        b, why = probe_micro_batch(try_step, divisors(rows), device=env.device,
-                                   reserve_bytes=plan.optimizer + (NCCL_RESERVE if env.distributed else 0))
+        b, why = probe_micro_batch(try_step, divisors(rows), device=env.device, reserve_bytes=reserve)
     except MemoryPlanError as e:
         raise ConfigError(str(e)) from None
     set_rng_state(rngs)

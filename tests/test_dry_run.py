@@ -105,20 +105,36 @@ def test_shipped_config_dry_runs_at_its_world_size_within_15_percent_of_the_plan
     assert plan.total == pytest.approx(sim.total, rel=0.15)
 
 
-def test_probe_reserves_nccl_buffers_and_resets_the_peak_memory_stats(monkeypatch):
+@pytest.mark.parametrize("torchrun", [True, False])
+def test_probe_reserves_optimizer_state_resident_gradients_and_nccl_buffers(monkeypatch, torchrun):
+    """batch_size='auto' probes the bare model's forward+backward holding aside what a real step has beside it:
+    AdamW's state always; the fp32 gradients (4 bytes/param) under DDP (bucket views, resident across steps) and
+    at any micro-batch that needs accumulation; NCCL's buffers under torchrun. Then the peak stats are reset."""
     seen = {}
 
     def probe(try_step, candidates, device=None, reserve_bytes=0):
-        seen["reserve"] = reserve_bytes
+        seen["reserve"] = {b: reserve_bytes(b) for b in candidates}
         return 2, "probed"
 
     monkeypatch.setattr(memory, "probe_micro_batch", probe)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: seen.update(reset=device))
-    cfg = make_config({**DEEP, "batch_size": "auto", "total_batch_size": 2 * 32 * 2 * 2})
-    env = parallel.Env(0, 0, 2, True, "cuda:0", "bfloat16")
+    world = 2 if torchrun else 1
+    cfg = make_config({**DEEP, "batch_size": "auto", "total_batch_size": 4 * 32 * world})  # 4 rows per rank
+    env = parallel.Env(0, 0, world, torchrun, "cuda:0", "bfloat16")
     out = memory.probe_batch_size(GPT(model_config(cfg)), cfg, env, [])
     plan = estimate_memory(model_config(cfg), 1, **memory.plan_kwargs(cfg, env))
-    assert out.batch_size == 2 and seen == {"reserve": plan.optimizer + memory.NCCL_RESERVE, "reset": "cuda:0"}
+    assert plan.grads == 4 * GPT(model_config(cfg)).num_params()
+    nccl = memory.NCCL_RESERVE if torchrun else 0
+    alone = plan.optimizer + (plan.grads if torchrun else 0) + nccl  # micro-batch 4: no accumulation
+    assert out.batch_size == 2 and seen["reset"] == "cuda:0"
+    assert seen["reserve"] == {4: alone, 2: plan.optimizer + plan.grads + nccl, 1: plan.optimizer + plan.grads + nccl}
+
+
+def test_probe_holds_each_candidates_reservation_while_it_runs():
+    held = []
+    b, _ = memory.probe_micro_batch(lambda b: None if b <= 2 else (_ for _ in ()).throw(torch.OutOfMemoryError()),
+                                    [8, 4, 2, 1], reserve_bytes=lambda b: held.append(b) or 1024)
+    assert b == 2 and held == [8, 4, 2]
 
 
 def test_cli_exits_1_above_device_memory_and_2_on_a_bad_flag(monkeypatch, capsys):
