@@ -17,6 +17,7 @@ GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this in a padded vocab are n
 LOSS_CHUNK_ROWS = 2048  # rows of (B*T) per lm_head+CE chunk when the full logits are not needed
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 ACTIVATIONS = ("gelu_tanh", "gelu", "relu2")
+CHECKPOINTING = ("selective", "auto")  # activation_checkpointing besides True/False
 
 # GPT-2 sizes (Radford et al. 2019) and the GPT-3 family sizes of the MosaicML GPT-3 recipes (context 2048;
 # 760m/1.3b/2.7b use head_dim 128 as MosaicML does, rather than the GPT-3 paper's head counts).
@@ -65,7 +66,7 @@ class GPTConfig:
     qk_norm: bool = False  # RMS-normalise each head's queries and keys before attention (no learned scale)
     zero_init_proj: bool = False  # the attention and MLP output projections start at zero
     layer_norm_eps: float = 1e-5  # LayerNorm epsilon
-    activation_checkpointing: bool = False  # recompute activations in backward: much less memory, ~1/3 slower
+    activation_checkpointing: bool | str = False  # recompute activations in backward: True (every block: much less memory, ~1/3 slower), 'selective' (every other block), False, or 'auto' (train.py: the least the memory plan says fits)
 
     def __post_init__(self):
         def need(ok: bool, name: str, expected: str):
@@ -78,9 +79,10 @@ class GPTConfig:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "a positive integer")
-        for name in ("bias", "parallel_residual", "tie_embeddings", "qk_norm", "zero_init_proj",
-                     "activation_checkpointing"):
+        for name in ("bias", "parallel_residual", "tie_embeddings", "qk_norm", "zero_init_proj"):
             need(isinstance(getattr(self, name), bool), name, "True or False")
+        need(isinstance(self.activation_checkpointing, bool) or self.activation_checkpointing in CHECKPOINTING,
+             "activation_checkpointing", f"True, False, {' or '.join(map(repr, CHECKPOINTING))}")
         need(number(self.dropout) and 0 <= self.dropout < 1, "dropout", "a number in [0, 1)")
         need(number(self.rotary_base) and self.rotary_base > 0, "rotary_base", "a number > 0")
         need(number(self.layer_norm_eps) and self.layer_norm_eps > 0, "layer_norm_eps", "a number > 0")
@@ -92,6 +94,12 @@ class GPTConfig:
             if self.rot_dim == 0 or self.rot_dim % 2:
                 raise ValueError(f"GPTConfig: rotary_pct={self.rotary_pct} gives {self.rot_dim} rotary dims of "
                                  f"head_dim {self.n_embd // self.n_head}; expected an even number > 0")
+
+    def recomputes(self, block: int) -> bool:
+        """Whether activation checkpointing recomputes block `block` in backward ('auto' not yet resolved by the
+        memory plan: every block, the safe side)."""
+        mode = self.activation_checkpointing
+        return mode is True or mode == "auto" or mode == "selective" and block % 2 == 1
 
     @property
     def rot_dim(self) -> int:
@@ -331,7 +339,7 @@ class GPT(nn.Module):
             rope = (self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T])  # (T, rot_dim) each
         x = self.transformer.drop(x)
         for i, block in enumerate(self.transformer.h):
-            if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
+            if self.config.recomputes(i) and self.training and torch.is_grad_enabled():
                 x = checkpoint(block, x, rope, use_reentrant=False)
             else:
                 x = block(x, rope, caches[i] if caches is not None else None, pos)
