@@ -383,22 +383,25 @@ def forward_backward(model, loader, grad_accum, scaler, env, micro_steps=None):
     """Gradients of the mean loss over the step's trained tokens (targets != -1, of all ranks); returns
     (the summed loss, a device scalar; a float64 device tensor [trained tokens, micro-batches with no trained
     target], both of all ranks: train.py reads them in its one copy to the host per step).
+    No host sync: the counts are taken on the host from the CPU batches; with loss masks under torchrun their
+    all-reduce runs while the first micro-batch's forward does, and is waited on (on the device) before its
+    loss is scaled; each next micro-batch is copied from pinned memory while the current one runs.
     A micro-batch with no trained target (SFT data) still runs its forward and backward (the other ranks wait
     for its gradients in a collective): its loss is 0 and so are its gradients.
     micro_steps: which of the grad_accum micro-steps to run (default all; the dry run skips repeats)."""
-    batches = {micro: loader.next_batch() for micro in (range(grad_accum) if micro_steps is None else micro_steps)}
+    micros = list(range(grad_accum) if micro_steps is None else micro_steps)
+    batches = [loader.next_batch() for _ in micros]  # (x, y) on the host, (B, T) each
     masked = getattr(loader, "masks", None) is not None  # without masks every token is trained
-    counts = {micro: int((y != -1).sum()) if masked else y.numel() for micro, (_, y) in batches.items()}
-    empty = sum(count == 0 for count in counts.values())
-    stats = torch.tensor([sum(counts.values()), empty], dtype=torch.float64, device=env.device)
-    if masked and env.distributed:
-        dist.all_reduce(stats)
-    trained = int(stats[0]) if masked else sum(counts.values()) * env.world_size  # without masks all are trained
-    if not masked:
-        stats[0] = trained
+    counts = [int((y != -1).sum()) if masked else y.numel() for _, y in batches]  # host tensors: no sync
+    trained = sum(counts) * (1 if masked else env.world_size)  # of all ranks; masked and torchrun: this rank's
+    stats = to_device((torch.tensor([trained, counts.count(0)], dtype=torch.float64),), env.device)[0]
+    pending = dist.all_reduce(stats, async_op=True) if masked and env.distributed else None
     loss_sum = torch.zeros((), device=env.device)
-    for micro, batch in batches.items():
-        x, y = to_device(batch, env.device)  # (B, T) each
+    upcoming = to_device(batches[0], env.device)
+    for i, micro in enumerate(micros):
+        x, y = upcoming
+        if i + 1 < len(micros):  # queued now, copied while this micro-batch runs
+            upcoming = to_device(batches[i + 1], env.device)
         set_grad_sync(model, micro == grad_accum - 1)
         with autocast(env.device, env.dtype):
             _, loss = model(x, y, return_logits=False)
@@ -406,9 +409,19 @@ def forward_backward(model, loader, grad_accum, scaler, env, micro_steps=None):
         # (x world_size: DDP averages over ranks) makes the summed gradients those of the mean over all the
         # step's trained tokens. Without masks every share is 1/grad_accum. A step with no trained target at
         # all divides by 1 (its loss and gradients are 0; train.py skips its update)
-        loss = loss * (counts[micro] * env.world_size / max(trained, 1)) if masked else loss / grad_accum
+        if not masked:
+            loss = loss / grad_accum
+        elif not env.distributed:
+            loss = loss * (counts[i] / max(trained, 1))
+        else:
+            if pending is not None:  # on NCCL the compute stream waits for it, the host does not
+                pending.wait()
+                pending = None
+            loss = loss * (counts[i] * env.world_size / stats[0].clamp(min=1)).float()
         loss_sum += loss.detach().float()
         scaler.scale(loss).backward()
+    if pending is not None:  # no micro-step ran (cannot happen in training)
+        pending.wait()
     return loss_sum, stats
 
 

@@ -225,6 +225,50 @@ def test_an_empty_micro_batch_leaves_the_step_finite_and_is_counted():
     assert "no trained target" in reason
 
 
+def test_masked_counts_are_all_reduced_during_the_first_forward_and_batches_copied_ahead(monkeypatch):
+    """Under torchrun with loss masks the step's trained-token count is all-reduced asynchronously: started
+    before the first forward, waited on after it (on NCCL a wait of the compute stream, not of the host) and
+    before its loss is scaled; each next micro-batch is copied to the device before the current one runs. The
+    gradients are a single process's on the same batches (here two ranks with identical batches)."""
+    import parallel
+    events = []
+
+    class Work:
+        def wait(self):
+            events.append("wait")
+
+    def all_reduce(t, async_op=False):
+        events.append("all_reduce" + (" async" if async_op else ""))
+        t.mul_(2)  # a second rank with the same batches
+        return Work() if async_op else None
+
+    class Scaler:
+        def scale(self, loss):
+            events.append("backward")
+            return loss
+
+    copy = parallel.to_device
+    monkeypatch.setattr(parallel.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(parallel, "to_device", lambda tensors, device: events.append("copy") or copy(tensors, device))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=BLOCK, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+    model.register_forward_pre_hook(lambda *args: events.append("forward"))
+    x = torch.randint(0, 64, (2, 2, BLOCK))
+    y = torch.where(torch.rand(2, 2, BLOCK) < 0.5, x, -1)
+
+    class TwoRanks(Env):
+        distributed, world_size = True, 2
+
+    _, stats = train.forward_backward(model, Batches([(x[0], y[0]), (x[1], y[1])]), 2, Scaler(), TwoRanks())
+    assert events == ["copy", "all_reduce async", "copy", "copy", "forward", "wait", "backward", "forward", "backward"]
+    assert stats.tolist() == [2 * int((y != -1).sum()), 0]
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    train.forward_backward(model, Batches([(x[0], y[0]), (x[1], y[1])]), 2, scaler, Env())
+    assert all(torch.allclose(a, p.grad, atol=1e-6) for a, p in zip(grads, model.parameters()))
+
+
 def run(data_dir, out_dir, *args):
     return train.main([*TINY, f"--data_dir={data_dir}", f"--out_dir={out_dir}", *args])
 
