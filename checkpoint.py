@@ -66,6 +66,7 @@ from model import GPT, GPTConfig
 FORMAT = "gpt2-train-ckpt-v1"
 CKPT_NAME = re.compile(r"^ckpt_(\d{6,})(\.pt)?$")  # a file ckpt_000100.pt or a sharded directory ckpt_000100
 META = "meta.pt"  # a sharded checkpoint's everything-but-the-tensors file
+META_FILES = frozenset({META, ".metadata"})  # what rank 0 verifies of a sharded checkpoint before the group starts
 SUMS = "SHA256SUMS"  # a sharded checkpoint's sidecar: the sha256 of each of its files (`sha256sum -c SHA256SUMS`)
 TIED = "lm_head.weight"  # the same tensor as transformer.wte.weight: stored once in sharded checkpoints
 
@@ -208,9 +209,10 @@ def read_checksums(sidecar):
     return recorded
 
 
-def verify_checkpoint(path):
+def verify_checkpoint(path, only=None):
     """True if the checkpoint at `path` has the sha256 recorded when it was written; False if none was
-    recorded (a checkpoint from before sidecars); CheckpointError naming the file if it differs.
+    recorded (a checkpoint from before sidecars); CheckpointError naming the file if it differs. only: the
+    names (of a directory's files) to hash, the others left to other ranks (resume.verify_shards).
 
     The sidecar may list several files (`<hex>  <name>` lines, names relative to its directory): every one
     must match, which is how a checkpoint made of several files (a directory) would be verified too."""
@@ -223,6 +225,8 @@ def verify_checkpoint(path):
         raise CheckpointError(f"{path}: unreadable checksum file {sidecar.name} ({e}); cannot verify the "
                               f"checkpoint") from None
     for name, digest in recorded.items():
+        if only is not None and name not in only:
+            continue
         try:
             actual = file_sha256(sidecar.parent / name)
         except OSError as e:
@@ -347,13 +351,15 @@ def load_checkpoint(path, map_location="cpu", consolidate=True, note=functools.p
     newer ones were skipped and why). A sharded checkpoint is gathered into this process, in the single-file
     layout; with consolidate=False its model and optimizer stay on disk instead, named by ckpt['shards'] (what
     a sharded resume loads from, each rank only its part). verify=False skips the sha256 (another process
-    verified the same files) but still checks that the checkpoint is complete."""
+    verified the same files) but still checks that the checkpoint is complete; verify='meta' hashes only a
+    sharded checkpoint's metadata (META_FILES: under torchrun each rank then hashes its share of the shards,
+    resume.verify_shards), a file checkpoint wholly."""
     path = Path(path)
     if path.is_dir() and not is_sharded(path):
         return load_latest_checkpoint(path, map_location, consolidate, note, verify)[0]
     if path.is_dir():  # every shard verified (or, without a SHA256SUMS, present) before any tensor is read
         check_shards(path)
-        verified = verify and verify_checkpoint(path)
+        verified = verify and verify_checkpoint(path, only=META_FILES if verify == "meta" else None)
         if verify and not verified:
             note(f"{path} has no {SUMS} (written before sharded checkpoints recorded their sha256): loaded unverified")
         ckpt = _load_file(path / META, map_location, note, verify)

@@ -183,7 +183,7 @@ def report(cfg, world_size: int, gpus_per_node: int = 8, device_memory_gib: floa
             + ": one optimizer step simulated on fake tensors", f"  {'GiB per rank':<28}{'plan':>8}{'simulated':>11}"]
     rows += [f"  {name:<28}{planned[k] / GiB:>8.2f}{sim.parts[k] / GiB:>11.2f}" for k, name in PARTS.items()]
     rows += [f"  {'peak':<28}{plan.total / GiB:>8.2f}{sim.total / GiB:>11.2f}  (plan/simulated {plan.total / sim.total:.2f})"]
-    rows += [f"  {'with the margin (' + MARGIN + ')':<28}{with_margin(plan.total) / GiB:>8.2f}"
+    rows += [f"  {'+ margin (x 1.05 + 1.5 GiB)':<28}{with_margin(plan.total) / GiB:>8.2f}"
              f"{with_margin(sim.total) / GiB:>11.2f}"]
     return plan, sim, "\n".join([*([why] if why else []), plan.line(), *rows, *[f"note: {n}" for n in sim.notes],
                                  f"note: {NOT_SIMULATED}"])

@@ -275,9 +275,15 @@ def build_device(cfg, ckpt, env):
     return "meta" if on_meta else "cpu"
 
 
-def build_on_meta(config):
+def build_on_meta(config, replay=True):
     """GPT(config) with its parameters on the meta device (no memory), carrying what materialise() needs to give
-    it exactly the weights GPT(config) would have drawn here: the RNG state and every init call, in order."""
+    it exactly the weights GPT(config) would have drawn here: the RNG state and every init call, in order.
+    replay=False (a sharded checkpoint will overwrite every weight): materialise() only allocates."""
+    if not replay:
+        with torch.device("meta"):
+            model = GPT(config)
+        model.deferred_init = None
+        return model
     rng = torch.get_rng_state()
     with torch.device("meta"), RecordInit() as record:
         model = GPT(config)
@@ -290,11 +296,13 @@ def materialise(model, env):
     """Allocate a model built by build_on_meta() on `device` (a sharded one: only this rank's shards) and initialise
     it as GPT() would have from the same RNG state: each init call is replayed on a whole CPU tensor, one parameter
     at a time, and each rank keeps its slice. Host memory: the shards plus the largest parameter. Afterwards the
-    RNG is where GPT() would have left it; the rotary tables are recomputed."""
-    rng, calls = model.__dict__.pop("deferred_init")
+    RNG is where GPT() would have left it; the rotary tables are recomputed. Built with replay=False: the shards
+    are only allocated (a checkpoint's weights and RNG states come next), the RNG untouched."""
+    rng, calls = model.__dict__.pop("deferred_init") or (None, [])
     model.to_empty(device=env.device)
     shards = env.mesh_shape[-1]  # the mesh is (replicate, shard) or (shard,), ranks laid out row-major
-    torch.set_rng_state(rng)
+    if rng is not None:
+        torch.set_rng_state(rng)
     with torch.no_grad():
         for name, shape, func, args, kwargs in calls:
             whole = torch.empty(shape)

@@ -10,9 +10,10 @@ from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
-from checkpoint import (FORMAT, CheckpointError, checkpoint_path, is_checkpoint, list_checkpoints, load_checkpoint,
-                        load_latest_checkpoint, load_optimizer_state, load_sharded_checkpoint, prune_checkpoints,
-                        save_checkpoint, save_sharded_checkpoint)
+from checkpoint import (FORMAT, META_FILES, CheckpointError, checkpoint_path, checksum_path, is_checkpoint,
+                        list_checkpoints, load_checkpoint, load_latest_checkpoint, load_optimizer_state,
+                        load_sharded_checkpoint, prune_checkpoints, read_checksums, save_checkpoint,
+                        save_sharded_checkpoint, verify_checkpoint)
 from config import ARCH_KEYS, ConfigError, make_config, model_config
 from console import is_rank0, launched_by_torchrun, log
 from devices import rng_state, set_rng_state
@@ -75,8 +76,9 @@ def resolve_config_or_defer(user):
     returned rather than raised. A rank that failed before joining the process group (a node that cannot see
     out_dir's checkpoints) would leave the others waiting in the rendezvous until it times out; instead every
     rank joins and check_shared_out_dir raises the error on all of them."""
-    try:  # only rank 0 hashes the checkpoint; the others check that theirs is complete (agree_on_checkpoint)
-        return (*resolve_config(user, verify=is_rank0()), None)
+    try:  # only rank 0 hashes the checkpoint (of a sharded one only the metadata: verify_shards hashes the rest,
+        # every rank its share, once the process group is up); the others check that it is complete
+        return (*resolve_config(user, verify=is_rank0() and ("meta" if launched_by_torchrun() else True)), None)
     except (ConfigError, CheckpointError) as e:
         if not launched_by_torchrun():
             raise
@@ -106,6 +108,27 @@ def agree_on_checkpoint(user, cfg, ckpt, problem, env):
         return cfg, None, (f"rank 0 resumes from {chosen[0]}, whose {changed[0]} differs from that of the checkpoint "
                            f"this rank found; resume again")
     return agreed, ckpt, None
+
+
+def verify_shards(ckpt, env):
+    """A sharded checkpoint resumed under torchrun: rank 0 hashed its metadata before the process group started;
+    now every rank hashes its share of the shard files (every world_size-th of SHA256SUMS' names), all in
+    parallel, rather than rank 0 alone hashing the whole checkpoint (80 GB at 6.7B) against the rendezvous
+    timeout. All ranks agree: a damaged shard is the same CheckpointError on every rank."""
+    if not env.distributed or ckpt is None or "shards" not in ckpt or not checksum_path(ckpt["shards"]).is_file():
+        return  # a checkpoint without SHA256SUMS was noted as loaded unverified
+    try:
+        names = sorted(set(read_checksums(checksum_path(ckpt["shards"]))) - META_FILES)
+        verify_checkpoint(ckpt["shards"], only=set(names[env.rank::env.world_size]))
+        problem = None
+    except (CheckpointError, OSError, ValueError) as e:
+        problem = str(e)
+    problems = [None] * env.world_size
+    dist.all_gather_object(problems, problem)
+    found = [p for p in problems if p]
+    if found:
+        raise CheckpointError(f"{found[0]}; move {ckpt['shards']} aside and resume again (the newest intact "
+                              f"checkpoint is then used)")
 
 
 @dataclass

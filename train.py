@@ -39,7 +39,7 @@ from optim import build_optimizer, set_lr
 from parallel import (any_rank, build_device, build_on_meta, check_shared_out_dir, clip_gradients, forward_backward,
                       gathered, is_compiled, keeps_grads, lock_out_dir, parallelize, setup, to_device)
 from resume import (Progress, agree_on_checkpoint, kept_checkpoint, resolve_config_or_defer, restore, restore_rngs,
-                    save)
+                    save, verify_shards)
 from tracking import TRACKING_KEYS, NoTracker, Tracker, TrackingError, check_tracking_available
 
 
@@ -84,7 +84,9 @@ def build_model(cfg, ckpt, device, min_vocab=0):
     training_only = {"dropout": cfg.dropout, "activation_checkpointing": cfg.activation_checkpointing}
     new = build_on_meta if device == "meta" else GPT
     if ckpt is not None:
-        model = new(model_config(cfg, **{**ckpt["model_args"], **training_only}))
+        shape = model_config(cfg, **{**ckpt["model_args"], **training_only})
+        # a sharded checkpoint overwrites every weight: no replay of the random initialisation
+        model = build_on_meta(shape, replay=False) if device == "meta" and "shards" in ckpt else new(shape)
         if "shards" not in ckpt:
             model.load_state_dict(ckpt["model"])
     elif cfg.init_from == "scratch":
@@ -299,6 +301,7 @@ def run(user):
     env = setup(cfg)
     cfg, ckpt, problem = agree_on_checkpoint(user, cfg, ckpt, problem, env)
     check_shared_out_dir(cfg.out_dir, ckpt and ckpt["step"], problem, env)
+    verify_shards(ckpt, env)  # a sharded checkpoint under torchrun: every rank hashes its share, in parallel
     cfg = resolve_batch_size(cfg, ckpt, env)  # the plan line; a refusal; batch_size='auto' from the plan
     train_loader, val_loader = make_loaders(cfg, env)
 

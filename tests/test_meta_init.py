@@ -57,3 +57,23 @@ def test_every_rank_holds_its_slice_of_the_one_process_init(arch, mode, mesh):
         assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         for name, buffer in reference.named_buffers():  # the rotary tables, recomputed
             assert torch.equal(model.get_buffer(name), buffer), name
+
+
+def test_a_model_that_a_sharded_checkpoint_will_fill_is_allocated_without_replaying_the_init(monkeypatch):
+    """Resuming a sharded checkpoint: the shards are allocated and the rotary tables computed, but the random
+    initialisation the load overwrites is not replayed (it draws every whole parameter once: minutes at 6.7B)."""
+    import train
+    from model import rotary_cos_sin
+    cfg = make_config({**ARCHS["neox (untied, rotary)"], "compile": False})
+    model, _ = train.build_model(cfg, {"model_args": model_config(cfg).__dict__, "shards": "unused"}, "meta")
+    assert model.deferred_init is None  # nothing recorded to replay
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        torch.manual_seed(cfg.seed)
+        before = torch.get_rng_state()
+        parallel.shard(model, cfg, parallel.Env(0, 0, 2, True, "cpu", "float32", "fsdp", (2,)))
+        assert torch.equal(torch.get_rng_state(), before)  # no draw happened
+        cos, sin = rotary_cos_sin(model.config.rot_dim, model.config.block_size, model.config.rotary_base)
+        assert torch.equal(model.rope_cos, cos) and torch.equal(model.rope_sin, sin)
+    finally:
+        dist.destroy_process_group()
