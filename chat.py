@@ -35,15 +35,10 @@ def tokenizer(enc=None):
                              special_tokens={**enc._special_tokens, **SPECIAL})
 
 
-def render(messages, add_generation_prompt=False):
-    """The text of a conversation, exactly as CHAT_TEMPLATE renders it."""
-    text = "<|endoftext|>" + "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in messages)
-    return text + ("<|assistant|>" if add_generation_prompt else "")
-
-
 def encode(enc, messages, add_generation_prompt=False):
-    """(token ids, mask) of render(messages): mask[i] is 1 where token i is trained on (assistant content and
-    its <|end|>). Message contents are ordinary text: a '<|user|>' typed inside one is not the special token."""
+    """(token ids, mask) of the conversation as CHAT_TEMPLATE renders it: mask[i] is 1 where token i is trained on
+    (assistant content and its <|end|>). Message contents are ordinary text: a '<|user|>' typed inside one is not
+    the special token."""
     tokens, mask = [EOT], [0]
     for m in messages:
         content = enc.encode_ordinary(m["content"])

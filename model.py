@@ -49,6 +49,9 @@ PRESETS = {
 }
 
 
+TRAINING_ONLY_MODEL_KEYS = ("dropout", "activation_checkpointing")  # GPTConfig keys not in the weights
+
+
 @dataclass
 class GPTConfig:
     block_size: int = 1024  # context length in tokens

@@ -265,16 +265,6 @@ class RecordInit(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def build_device(cfg, ckpt, env):
-    """Where train.py builds the bare GPT: a sharded run from scratch or from a sharded checkpoint on meta
-    (parallelize() then gives each rank its shards only), one from whole weights on the CPU for fully_shard to
-    move; an unsharded run on its device."""
-    if not env.sharded:
-        return env.device
-    on_meta = ckpt is None and cfg.init_from == "scratch" or ckpt is not None and "shards" in ckpt
-    return "meta" if on_meta else "cpu"
-
-
 def build_on_meta(config, replay=True):
     """GPT(config) with its parameters on the meta device (no memory), carrying what materialise() needs to give
     it exactly the weights GPT(config) would have drawn here: the RNG state and every init call, in order.

@@ -20,10 +20,11 @@ import torch.distributed as dist
 from test_hellaswag import EXAMPLES
 from test_train import TINY, markov_tokens, metrics, subprocess_env, train_losses
 
-import optim
 import checkpoint
 import hellaswag
+import optim
 import parallel
+import resume
 import sample
 import train
 from checkpoint import load_checkpoint, load_latest_checkpoint, save_sharded_checkpoint
@@ -293,7 +294,7 @@ def test_under_torchrun_a_rank_other_than_0_hashes_nothing(data_dir, tmp_path, m
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("WORLD_SIZE", "2")
         hashed.clear()
-        cfg, ckpt, problem = train.resolve_config_or_defer(user)
+        cfg, ckpt, problem = resume.resolve_config_or_defer(user)
         assert hashed == expected, rank
         assert ckpt["path"] == str(tmp_path / "ckpt_000002.pt") and problem is None
 
@@ -302,13 +303,13 @@ def test_a_sharded_resume_hashes_the_metadata_first_and_then_each_rank_its_share
     """Under torchrun rank 0 hashes only a sharded checkpoint's metadata before the process group starts (not
     80 GB of shards alone against the rendezvous timeout); once the group is up every rank hashes every
     world_size-th shard file, and a damaged one is the same one-line error on every rank."""
-    import resume
     tiny_sharded_checkpoint(tmp_path / "ckpt_000005")
     hashed, real = [], checkpoint.file_sha256
     monkeypatch.setattr(checkpoint, "file_sha256", lambda path: hashed.append(Path(path).name) or real(path))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    cfg, ckpt, problem = train.resolve_config_or_defer(train.parse_args(["--init_from=resume", f"--out_dir={tmp_path}"]))
+    cfg, ckpt, problem = resume.resolve_config_or_defer(train.parse_args(["--init_from=resume",
+                                                                          f"--out_dir={tmp_path}"]))
     assert sorted(set(hashed)) == [".metadata", "meta.pt"] and problem is None and ckpt["step"] == 5
     sums = tmp_path / "ckpt_000005" / checkpoint.SUMS
     shards = sorted(set(checkpoint.read_checksums(sums)) - {".metadata", "meta.pt"})
@@ -333,15 +334,15 @@ def test_a_sharded_resume_hashes_the_metadata_first_and_then_each_rank_its_share
 SHARDED_EVAL = """
 import json, sys
 import torch
-import hellaswag, train
+import hellaswag, parallel, train
 from config import make_config, model_config
 from model import GPT
 
 examples, out = hellaswag.load_examples(sys.argv[1]), sys.argv[2]
 cfg = make_config(dict(n_layer=2, n_head=2, n_embd=32, block_size=64, device="cpu", dtype="float32", compile=False,
                        parallel="fsdp", sample_tokens=12, sample_prompt="The", seed=7))
-env = train.setup(cfg)
-raw, cfg = train.build_model(cfg, None, "meta")  # as train.py builds a sharded run: on meta
+env = parallel.setup(cfg)
+raw, cfg = train.build_model(cfg, None, env)  # as train.py builds a sharded run: on meta
 model = train.parallelize(raw, cfg, env)
 torch.manual_seed(cfg.seed)
 alone = GPT(model_config(cfg))  # what one process starts from with the same seed
@@ -465,5 +466,5 @@ def test_sharded_float16_is_a_config_error(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="parallel='fsdp' trains in bfloat16 or float32, not float16"):
-        train.setup(make_config(dict(parallel="fsdp", dtype="float16", device="cpu")))
+        parallel.setup(make_config(dict(parallel="fsdp", dtype="float16", device="cpu")))
     assert not dist.is_initialized()

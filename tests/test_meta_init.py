@@ -65,13 +65,14 @@ def test_a_model_that_a_sharded_checkpoint_will_fill_is_allocated_without_replay
     import train
     from model import rotary_cos_sin
     cfg = make_config({**ARCHS["neox (untied, rotary)"], "compile": False})
-    model, _ = train.build_model(cfg, {"model_args": model_config(cfg).__dict__, "shards": "unused"}, "meta")
+    env = parallel.Env(0, 0, 2, True, "cpu", "float32", "fsdp", (2,))
+    model, _ = train.build_model(cfg, {"model_args": model_config(cfg).__dict__, "shards": "unused"}, env)
     assert model.deferred_init is None  # nothing recorded to replay
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         torch.manual_seed(cfg.seed)
         before = torch.get_rng_state()
-        parallel.shard(model, cfg, parallel.Env(0, 0, 2, True, "cpu", "float32", "fsdp", (2,)))
+        parallel.shard(model, cfg, env)
         assert torch.equal(torch.get_rng_state(), before)  # no draw happened
         cos, sin = rotary_cos_sin(model.config.rot_dim, model.config.block_size, model.config.rotary_base)
         assert torch.equal(model.rope_cos, cos) and torch.equal(model.rope_sin, sin)

@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-import optim
 import hf as hf_io
 import model as M
+import optim
 from hf import from_pretrained, save_pretrained
 from model import GPT, PRESETS, GPTConfig
 

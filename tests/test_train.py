@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-import optim
 import checkpoint
 import config
 import model as model_module
+import optim
 import parallel
 import train
 from checkpoint import load_checkpoint, load_latest_checkpoint
