@@ -421,11 +421,11 @@ def check_host_syncs(report, opts, tmp, data_dir):
 SYNC_DEBUG = """
 import json, sys, warnings
 import torch
-import tracking, train
+import memory, tracking, train
 # torch's own sync check: every CUDA call that makes the host wait for the device warns while it is on
 masked = sys.argv[2] == "masked"
 if masked:  # SFT-style loss masks: about half the targets not trained, and under torchrun the masked count all-reduced
-    real = train.forward_backward
+    real = memory.forward_backward  # what memory.fitting_forward_backward calls for train.py's step
 
     class Masked:
         masks = ["bench"]
@@ -437,7 +437,7 @@ if masked:  # SFT-style loss masks: about half the targets not trained, and unde
             x, y = self.loader.next_batch()
             return x, torch.where(torch.rand(y.shape) < 0.5, y, -1)
 
-    train.forward_backward = lambda model, loader, *a, **k: real(model, Masked(loader), *a, **k)
+    memory.forward_backward = lambda model, loader, *a, **k: real(model, Masked(loader), *a, **k)
 steps, syncs = [0], []
 real_log = tracking.Tracker.log
 def log(self, record):
@@ -450,7 +450,7 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     code = train.main(sys.argv[3:])
 torch.cuda.set_sync_debug_mode(0)
-found = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
+found = [str(w.message).splitlines()[0] for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
 json.dump({"code": code, "per_step": len(found) / 5, "first": found[:3]}, open(sys.argv[1], "w"))
 """
 
@@ -474,7 +474,8 @@ def check_sync_debug(report, opts, tmp, data_dir):
         run = subprocess.run(cmd, cwd=ROOT, env=train_env(tmp, "sync"), capture_output=True, text=True, timeout=1800)
         check = f"sync debug {name}" + (" (torchrun)" if nproc else "")
         if run.returncode or not result.exists():
-            report.add(check, f"failed: {run.stderr.strip().splitlines()[-1:]}", "exit 0", "FAIL")
+            errors = [line for line in run.stderr.splitlines() if "Error" in line or "error:" in line]
+            report.add(check, f"failed: {(errors or run.stderr.strip().splitlines())[-1:]}", "exit 0", "FAIL")
             continue
         found = json.loads(result.read_text())
         report.add(check, f"{found['per_step']:g} per step over 5 steps {found['first']}", "<= 1",
