@@ -329,8 +329,9 @@ class GPT(nn.Module):
             n -= self.transformer.wte.weight.numel()
         return n
 
-    def hidden_states(self, idx, caches: list[KVCache] | None = None, pos: int = 0):
-        """Final (ln_f) hidden states (B, T, C) for tokens idx (B, T) at positions pos..pos+T-1."""
+    def hidden_states(self, idx, caches: list[KVCache] | None = None, pos: int = 0, final_norm: bool = True):
+        """Final (ln_f) hidden states (B, T, C) for tokens idx (B, T) at positions pos..pos+T-1 (final_norm=False:
+        the last block's output, before ln_f)."""
         B, T = idx.shape
         if pos + T > self.config.block_size:
             raise ValueError(f"GPT: positions up to {pos + T} exceed block_size {self.config.block_size}")
@@ -346,24 +347,30 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, rope, use_reentrant=False)
             else:
                 x = block(x, rope, caches[i] if caches is not None else None, pos)
-        return self.transformer.ln_f(x)
+        return self.transformer.ln_f(x) if final_norm else x
 
     def forward(self, idx, targets=None, return_logits: bool = True):
         """idx, targets (B, T). Returns (logits, loss):
         targets given: logits (B, T, V) and mean CE (ignore_index=-1); with return_logits=False the loss is
         computed in chunks without the full logits and (None, loss) is returned.
         targets None: logits of the last position only (B, 1, V), loss None."""
+        if targets is not None and not return_logits:
+            return None, self.head_loss(self.hidden_states(idx, final_norm=False), targets)
         x = self.hidden_states(idx)  # (B, T, C)
         if targets is None:
             return self.lm_head(x[:, -1:, :]), None  # (B, 1, V)
-        if not return_logits:
-            need_grad = torch.is_grad_enabled() and (x.requires_grad or self.lm_head.weight.requires_grad)
-            h = x.reshape(-1, x.size(-1))  # (B*T, C)
-            loss = ChunkedLMHeadLoss.apply(h, self.lm_head.weight, targets.reshape(-1), need_grad)
-            return None, loss
         logits = self.lm_head(x)  # (B, T, V)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
+
+    def head_loss(self, x, targets):
+        """Mean cross entropy over targets != -1 (B, T) of the last block's output x (B, T, C): ln_f, the output
+        head and the loss a chunk of rows at a time (ChunkedLMHeadLoss). One method so that parallel.shard can
+        compile it under FSDP, as the whole model is compiled under DDP."""
+        x = self.transformer.ln_f(x)
+        need_grad = torch.is_grad_enabled() and (x.requires_grad or self.lm_head.weight.requires_grad)
+        h = x.reshape(-1, x.size(-1))  # (B*T, C)
+        return ChunkedLMHeadLoss.apply(h, self.lm_head.weight, targets.reshape(-1), need_grad)
 
     # ------------------------------------------------------------------------- training helpers
 

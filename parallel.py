@@ -208,7 +208,8 @@ def parallelize(model, cfg, env):
 
 def shard(model, cfg, env):
     """FSDP2 on the bare model, in place, torchtitan's order: activation checkpointing is already inside the
-    model (cfg.activation_checkpointing), then each block's forward is compiled (before sharding; one graph
+    model (cfg.activation_checkpointing), then each block's forward and the root's head_loss (ln_f, output head,
+    chunked loss: compiled under DDP too, as part of the whole model) are compiled (before sharding; one graph
     serves every block), then each block becomes one FSDP unit and the root the last (the tied wte/lm_head,
     wpe and ln_f). The model may still be on the CPU: fully_shard moves each unit to the device as it shards
     it, so no GPU ever holds the whole model. Returns the model; its forward all-gathers the parameters of one
@@ -227,6 +228,7 @@ def shard(model, cfg, env):
     if compile_blocks:
         for block in model.transformer.h:
             block.forward = torch.compile(block.forward)  # FSDP's hooks stay outside the graph
+        model.head_loss = torch.compile(model.head_loss)  # ln_f, the head and the chunked loss, in the root unit
     low = None if env.dtype == "float32" else DTYPES[env.dtype]
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
     for block in model.transformer.h:
@@ -241,6 +243,7 @@ def shard(model, cfg, env):
         model.reset_iter_state()  # the failed forward left FSDP mid-iteration
         for block in model.transformer.h:
             del block.forward  # back to Block.forward, eager
+        del model.head_loss
     for unit in model.modules():  # the trial's eval forward left the root unit gathered (FSDP keeps the root
         if isinstance(unit, FSDPModule):  # for a backward): the optimizer must be built over the shards
             unit.reshard()
