@@ -1,4 +1,5 @@
-# Two commands: `make demo` (train a small GPT on Tiny Shakespeare on the CPU) and `make test`.
+# Two commands: `make demo` (train a small GPT on Tiny Shakespeare on the CPU) and `make test`; `make lint` checks
+# the formatting and the lint rules of pyproject.toml (ruff).
 # Both create the virtual environment $(VENV) on first use.
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +12,7 @@ PIP := $(PY) -m pip install --quiet
 # With nvidia-smi present the plain requirements give the normal (CUDA) torch.
 TORCH_CPU_SPEC ?= torch==2.13.0
 
-.PHONY: venv demo test clean-venv
+.PHONY: venv demo test lint clean-venv
 
 venv: $(VENV)/.dev-installed
 
@@ -34,6 +35,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.dev-installed
 	$(PY) -m pytest
+
+lint: $(VENV)/.dev-installed
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
 
 clean-venv:
 	rm -rf $(VENV)

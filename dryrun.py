@@ -3,6 +3,7 @@
 size N: the project's own model, sharding, optimizer and step on fake tensors and a fake process group, measured by
 torch's memory trackers (docs/dry-run.md). No parameter memory is allocated: any size runs on a laptop.
 """
+
 import sys
 from dataclasses import dataclass, replace
 
@@ -20,8 +21,10 @@ from model import GPT
 from optim import build_optimizer
 from parallel import Env, clip_gradients, forward_backward, keeps_grads, mesh_shape, parallelize
 
-NOT_SIMULATED = ("not simulated: torch.compile, CUDA kernels' workspaces, NCCL's buffers and the caching allocator's "
-                 "fragmentation (leave headroom for them)")
+NOT_SIMULATED = (
+    "not simulated: torch.compile, CUDA kernels' workspaces, NCCL's buffers and the caching allocator's "
+    "fragmentation (leave headroom for them)"
+)
 GPU_DTYPE = "bfloat16"  # dtype='auto' on a GPU with native bf16 (devices.resolve_dtype): what the dry run assumes
 
 
@@ -45,6 +48,7 @@ class DDPBuckets(torch.nn.Module):
 @dataclass
 class DryRun:
     """The simulated peak of one rank, in bytes, by the plan's parts; notes say what was modelled or skipped."""
+
     parts: dict
     notes: list
 
@@ -57,10 +61,13 @@ def _categories(snapshot) -> dict:
     """A MemTracker peak snapshot (category name -> bytes) as the plan's parts."""
     by_name = {str(getattr(k, "value", k)): v for k, v in snapshot.items()}
     get = lambda *names: sum(by_name.get(n, 0) for n in names)  # noqa: E731
-    return {"params": get("Parameter", "Sharded Param", "Buffer"), "grads": get("Gradient", "Sharded Grad", "Other"),
-            "optimizer": get("Optstate", "OptState"),
-            "gathered": get("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter"),
-            "activations": get("Activation", "Temp", "Inputs")}
+    return {
+        "params": get("Parameter", "Sharded Param", "Buffer"),
+        "grads": get("Gradient", "Sharded Grad", "Other"),
+        "optimizer": get("Optstate", "OptState"),
+        "gathered": get("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter"),
+        "activations": get("Activation", "Temp", "Inputs"),
+    }
 
 
 def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
@@ -91,8 +98,10 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
                 raw.transformer.wte.weight = raw.lm_head.weight
             if not env.sharded and world_size > 1:
                 model = DDPBuckets(raw)
-                notes.append("DDP modelled, not run (its C++ reducer cannot run on fake tensors): gradients are views "
-                             "of one fp32 bucket buffer, all-reduced in place")
+                notes.append(
+                    "DDP modelled, not run (its C++ reducer cannot run on fake tensors): gradients are views "
+                    "of one fp32 bucket buffer, all-reduced in place"
+                )
             optimizer = build_optimizer(raw, cfg, fused=True)  # as on a GPU
             # a first update, untracked, on zero gradients: it makes the optimizer state, and fills DTensor's
             # sharding cache (its propagation runs global-shape ops in this fake mode, which a tracker would count)
@@ -126,18 +135,27 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=not keeps_grads(model))
             if parallel == "hsdp" and grad_accum > 1:
-                notes.append("HSDP: until the last micro-step's all-reduce across replicas, the gradient shards add "
-                             "up in FSDP's partial-reduce buffer, counted under temporaries")
+                notes.append(
+                    "HSDP: until the last micro-step's all-reduce across replicas, the gradient shards add "
+                    "up in FSDP's partial-reduce buffer, counted under temporaries"
+                )
             if skipped:
-                notes.append(f"micro-steps {skipped[0] + 1}-{skipped[-1] + 1} of {grad_accum} start from the memory "
-                             "state micro-step 2 started from: the same peak, not re-run")
+                notes.append(
+                    f"micro-steps {skipped[0] + 1}-{skipped[-1] + 1} of {grad_accum} start from the memory "
+                    "state micro-step 2 started from: the same peak, not re-run"
+                )
         return DryRun(_categories(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]), notes)
     finally:
         dist.destroy_process_group()
 
 
-PARTS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
-         "gathered": "all-gathered units (FSDP)", "activations": "activations + temporaries"}
+PARTS = {
+    "params": "parameters",
+    "grads": "gradients",
+    "optimizer": "optimizer state",
+    "gathered": "all-gathered units (FSDP)",
+    "activations": "activations + temporaries",
+}
 
 
 def plan_args(cfg, world_size: int, gpus_per_node: int = 8) -> dict:
@@ -189,7 +207,11 @@ def report(cfg, world_size: int, gpus_per_node: int = 8, device_memory_gib: floa
                                  f"note: {NOT_SIMULATED}"])
 
 
-DRY_RUN_FLAGS = {"world_size": int, "gpus_per_node": int, "device_memory_gib": float}  # dryrun.py's own, not config keys
+DRY_RUN_FLAGS = {
+    "world_size": int,
+    "gpus_per_node": int,
+    "device_memory_gib": float,
+}  # dryrun.py's own, not config keys
 
 
 def main(argv=None) -> int:

@@ -1,11 +1,18 @@
 """chat.py: the chat format, declared once: the template as transformers renders it, and a conversation's tokens."""
+
 import chat
 
 ROWS = [
     {"prompt": "What is 2+2?", "completion": " 4"},
-    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi, naïve café 😀"},
-                  {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": ""},
-                  {"role": "assistant", "content": "Bye <|user|> now."}]},
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi, naïve café 😀"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": ""},
+            {"role": "assistant", "content": "Bye <|user|> now."},
+        ]
+    },
     {"prompt": "", "completion": "empty prompt, fine"},
     {"prompt": "Count", "completion": " one two three"},
 ] + [{"prompt": f"Reverse {i} {i + 1}", "completion": f" {i + 1} {i}"} for i in range(40)]
@@ -19,6 +26,7 @@ def render(messages, add_generation_prompt=False):
 
 def test_template_renders_as_transformers_apply_chat_template():
     from transformers.utils.chat_template_utils import render_jinja_template
+
     enc = chat.tokenizer()
     for row in ROWS[:3]:
         messages = chat.parse(row)

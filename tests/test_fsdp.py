@@ -23,12 +23,11 @@ from test_train import TINY, markov_tokens, metrics, subprocess_env, train_losse
 import checkpoint
 import hellaswag
 import optim
-import parallel
 import resume
 import sample
 import train
 from checkpoint import load_checkpoint, load_latest_checkpoint, save_sharded_checkpoint
-from config import ConfigError, make_config
+from config import make_config
 from data import write_shard
 from hf import from_pretrained
 from model import GPT, GPTConfig
@@ -454,17 +453,3 @@ def test_parallel_is_ignored_without_torchrun(data_dir, tmp_path, capsys):
     assert (tmp_path / "ckpt_000002.pt").is_file()
 
 
-def test_mesh_shapes_and_bad_shard_size():
-    assert parallel.mesh_shape("fsdp", None, 16, 8) == (16,)
-    assert parallel.mesh_shape("hsdp", None, 16, 8) == (2, 8)  # default: shard within a node, replicate across
-    assert parallel.mesh_shape("hsdp", 4, 16, 8) == (4, 4)
-    with pytest.raises(ConfigError, match=r"shard_size=3 does not divide the world size 16"):
-        parallel.mesh_shape("hsdp", 3, 16, 8)
-
-
-def test_sharded_float16_is_a_config_error(monkeypatch):
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="parallel='fsdp' trains in bfloat16 or float32, not float16"):
-        parallel.setup(make_config(dict(parallel="fsdp", dtype="float16", device="cpu")))
-    assert not dist.is_initialized()

@@ -158,17 +158,6 @@ def test_adamw_step_matches_hf_plus_torch_adamw(tmp_path):
     assert diff <= 1e-5
 
 
-def test_optimizer_decays_only_matrices_and_uses_fused_when_asked():
-    model = small_gpt()
-    for fused in (True, False):
-        opt = optim.adamw(model.parameters(), 0.1, 1e-3, (0.9, 0.95), fused=fused)
-        decay, no_decay = opt.param_groups
-        assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
-        assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
-        assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == model.num_params()
-        assert bool(opt.defaults["fused"]) is fused and (fused or opt.defaults["foreach"] is True)
-
-
 # ----------------------------------------------------------------------------- forward and loss
 
 def test_initial_loss_is_close_to_log_vocab():
