@@ -160,10 +160,18 @@ PARTS = {
 
 def plan_args(cfg, world_size: int, gpus_per_node: int = 8) -> dict:
     """estimate_memory's arguments besides the model and micro-batch, on a GPU (dtype 'auto' as bf16)."""
-    shard = mesh_shape(cfg.parallel, cfg.shard_size, world_size, min(gpus_per_node, world_size))[-1] \
-        if cfg.parallel != "ddp" else None
-    return {"dtype": GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype, "parallel": cfg.parallel,
-            "world_size": world_size, "optimizer": cfg.optimizer, "shard_size": shard}
+    shard = (
+        mesh_shape(cfg.parallel, cfg.shard_size, world_size, min(gpus_per_node, world_size))[-1]
+        if cfg.parallel != "ddp"
+        else None
+    )
+    return {
+        "dtype": GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype,
+        "parallel": cfg.parallel,
+        "world_size": world_size,
+        "optimizer": cfg.optimizer,
+        "shard_size": shard,
+    }
 
 
 def resolve_checkpointing(cfg, world_size: int, gpus_per_node: int = 8, device_memory_gib: float = 80.0):
@@ -171,8 +179,12 @@ def resolve_checkpointing(cfg, world_size: int, gpus_per_node: int = 8, device_m
     the line saying why, or None when cfg set it)."""
     if cfg.activation_checkpointing != "auto":
         return cfg, None
-    mode, why = choose_checkpointing(model_config(cfg), cfg.batch_size, within_margin(int(device_memory_gib * GiB)),
-                                     **plan_args(cfg, world_size, gpus_per_node))
+    mode, why = choose_checkpointing(
+        model_config(cfg),
+        cfg.batch_size,
+        within_margin(int(device_memory_gib * GiB)),
+        **plan_args(cfg, world_size, gpus_per_node),
+    )
     return replace(cfg, activation_checkpointing=mode), why
 
 
@@ -182,8 +194,11 @@ def dry_run_plan(cfg, world_size: int, gpus_per_node: int = 8, device_memory_gib
     return estimate_memory(model_config(cfg), cfg.batch_size, **plan_args(cfg, world_size, gpus_per_node))
 
 
-CHECKPOINTING = {True: ", activation checkpointing", "selective": ", activation checkpointing of every other block",
-                 False: ""}
+CHECKPOINTING = {
+    True: ", activation checkpointing",
+    "selective": ", activation checkpointing of every other block",
+    False: "",
+}
 
 
 def report(cfg, world_size: int, gpus_per_node: int = 8, device_memory_gib: float = 80.0):
@@ -194,17 +209,31 @@ def report(cfg, world_size: int, gpus_per_node: int = 8, device_memory_gib: floa
     plan = dry_run_plan(cfg, world_size, gpus_per_node)
     sim = dry_run(cfg, world_size, gpus_per_node)
     planned = {**{k: getattr(plan, k) for k in PARTS}, "activations": plan.activations + plan.logits}
-    mode = cfg.parallel + (f" (shard_size {cfg.shard_size or min(gpus_per_node, world_size)})"
-                           if cfg.parallel == "hsdp" else "")
-    rows = [f"dry run: rank 0 of {world_size}, {mode}, {dtype}, micro-batch {cfg.batch_size} x "
-            f"{batch_layout(cfg, world_size)[1]} accumulation steps" + CHECKPOINTING[cfg.activation_checkpointing]
-            + ": one optimizer step simulated on fake tensors", f"  {'GiB per rank':<28}{'plan':>8}{'simulated':>11}"]
+    mode = cfg.parallel + (
+        f" (shard_size {cfg.shard_size or min(gpus_per_node, world_size)})" if cfg.parallel == "hsdp" else ""
+    )
+    rows = [
+        f"dry run: rank 0 of {world_size}, {mode}, {dtype}, micro-batch {cfg.batch_size} x "
+        f"{batch_layout(cfg, world_size)[1]} accumulation steps"
+        + CHECKPOINTING[cfg.activation_checkpointing]
+        + ": one optimizer step simulated on fake tensors",
+        f"  {'GiB per rank':<28}{'plan':>8}{'simulated':>11}",
+    ]
     rows += [f"  {name:<28}{planned[k] / GiB:>8.2f}{sim.parts[k] / GiB:>11.2f}" for k, name in PARTS.items()]
-    rows += [f"  {'peak':<28}{plan.total / GiB:>8.2f}{sim.total / GiB:>11.2f}  (plan/simulated {plan.total / sim.total:.2f})"]
-    rows += [f"  {'+ margin (x 1.05 + 1.5 GiB)':<28}{with_margin(plan.total) / GiB:>8.2f}"
-             f"{with_margin(sim.total) / GiB:>11.2f}"]
-    return plan, sim, "\n".join([*([why] if why else []), plan.line(), *rows, *[f"note: {n}" for n in sim.notes],
-                                 f"note: {NOT_SIMULATED}"])
+    rows += [
+        f"  {'peak':<28}{plan.total / GiB:>8.2f}{sim.total / GiB:>11.2f}  (plan/simulated {plan.total / sim.total:.2f})"
+    ]
+    rows += [
+        f"  {'+ margin (x 1.05 + 1.5 GiB)':<28}{with_margin(plan.total) / GiB:>8.2f}"
+        f"{with_margin(sim.total) / GiB:>11.2f}"
+    ]
+    return (
+        plan,
+        sim,
+        "\n".join(
+            [*([why] if why else []), plan.line(), *rows, *[f"note: {n}" for n in sim.notes], f"note: {NOT_SIMULATED}"]
+        ),
+    )
 
 
 DRY_RUN_FLAGS = {
@@ -216,8 +245,8 @@ DRY_RUN_FLAGS = {
 
 def main(argv=None) -> int:
     """python dryrun.py CONFIG [--key=value ...] --world_size=N [--gpus_per_node=8] [--device_memory_gib=80]:
-    the memory plan and the dry run side by side; exit 1 if the simulated peak with the margin exceeds device_memory_gib, 2 on
-    a bad config or flag."""
+    the memory plan and the dry run side by side; exit 1 if the simulated peak with the margin exceeds
+    device_memory_gib, 2 on a bad config or flag."""
     argv = sys.argv[1:] if argv is None else list(argv)
     flags = {"gpus_per_node": 8, "device_memory_gib": 80.0}
     try:
@@ -233,15 +262,18 @@ def main(argv=None) -> int:
                 raise ConfigError(f"{arg}: expected {DRY_RUN_FLAGS[key].__name__}") from None
         if flags.get("world_size", 0) < 1 or flags["gpus_per_node"] < 1:
             raise ConfigError("dryrun.py needs --world_size=N (N >= 1; and --gpus_per_node >= 1)")
-        _, sim, text = report(make_config(parse_args(rest)), flags["world_size"], flags["gpus_per_node"],
-                              flags["device_memory_gib"])
+        _, sim, text = report(
+            make_config(parse_args(rest)), flags["world_size"], flags["gpus_per_node"], flags["device_memory_gib"]
+        )
     except (ConfigError, ValueError) as e:
         report_error("dryrun.py", e)
         return 2
     print(text)
     fits = with_margin(sim.total) <= flags["device_memory_gib"] * GiB
-    print(f"{'fits' if fits else 'does NOT fit'}: simulated peak {gib(sim.total)} GiB, with the margin ({MARGIN}) "
-          f"{gib(with_margin(sim.total))} GiB {'<=' if fits else '>'} {flags['device_memory_gib']:g} GiB per device")
+    print(
+        f"{'fits' if fits else 'does NOT fit'}: simulated peak {gib(sim.total)} GiB, with the margin ({MARGIN}) "
+        f"{gib(with_margin(sim.total))} GiB {'<=' if fits else '>'} {flags['device_memory_gib']:g} GiB per device"
+    )
     return 0 if fits else 1
 
 

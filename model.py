@@ -69,7 +69,7 @@ class GPTConfig:
     qk_norm: bool = False  # RMS-normalise each head's queries and keys before attention (no learned scale)
     zero_init_proj: bool = False  # the attention and MLP output projections start at zero
     layer_norm_eps: float = 1e-5  # LayerNorm epsilon
-    activation_checkpointing: bool | str = False  # recompute activations in backward: True (every block: much less memory, ~1/3 slower), 'selective' (every other block), False, or 'auto' (train.py: the least the memory plan says fits)
+    activation_checkpointing: bool | str = False  # recompute in backward: True, 'selective', False or 'auto'
 
     def __post_init__(self):
         def need(ok: bool, name: str, expected: str):

@@ -169,7 +169,7 @@ def verify_shards(ckpt, env):
         return
     try:
         names = sorted(set(read_checksums(checksum_path(ckpt["shards"]))) - META_FILES)
-        verify_checkpoint(ckpt["shards"], only=set(names[env.rank::env.world_size]))
+        verify_checkpoint(ckpt["shards"], only=set(names[env.rank :: env.world_size]))
         problem = None
     except (CheckpointError, OSError, ValueError) as e:
         problem = str(e)
@@ -177,8 +177,9 @@ def verify_shards(ckpt, env):
     dist.all_gather_object(problems, problem)
     found = [p for p in problems if p]
     if found:
-        raise CheckpointError(f"{found[0]}; move {ckpt['shards']} aside and resume again (the newest intact "
-                              f"checkpoint is then used)")
+        raise CheckpointError(
+            f"{found[0]}; move {ckpt['shards']} aside and resume again (the newest intact checkpoint is then used)"
+        )
 
 
 @dataclass

@@ -6,8 +6,8 @@
 # 8). Activation checkpointing is 'auto': the memory plan chooses the least recomputation that fits with its
 # margin; on 8 x 80 GiB that is none (plan 47.5 GiB at micro-batch 4; 51.4 GiB with the margin), on 40 GiB
 # GPUs every other block, on 24 GiB every block (python dryrun.py configs/gpt3_6p7b.py --world_size=8
-# [--device_memory_gib=40] prints the choice beside the simulated step). Initialisation builds the whole fp32 model on each
-# rank's host first: 26.6 GB of host memory per rank, 213 GB per 8-GPU node.
+# [--device_memory_gib=40] prints the choice beside the simulated step). Initialisation builds the whole fp32 model
+# on each rank's host first: 26.6 GB of host memory per rank, 213 GB per 8-GPU node.
 #   torchrun --standalone --nproc_per_node=8 train.py configs/gpt3_6p7b.py --parallel=fsdp
 #   sbatch --nodes=8 scripts/slurm_train.sh configs/gpt3_6p7b.py --parallel=hsdp   # 8 nodes x 8 GPUs
 data_dir = "data/fineweb-edu"

@@ -23,6 +23,7 @@ from test_train import TINY, markov_tokens, metrics, subprocess_env, train_losse
 import checkpoint
 import hellaswag
 import optim
+import parallel
 import resume
 import sample
 import train
