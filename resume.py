@@ -7,29 +7,14 @@ with the checkpoint's architecture (fine_tune_config). Under torchrun only rank 
 agree on its choice (agree_on_checkpoint). restore() and restore_rngs() put a run back where its checkpoint left it;
 save() writes one with everything an exact resume needs. The files themselves are checkpoint.py's.
 """
-
 from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
-from checkpoint import (
-    FORMAT,
-    META_FILES,
-    CheckpointError,
-    checkpoint_path,
-    checksum_path,
-    is_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    load_latest_checkpoint,
-    load_optimizer_state,
-    load_sharded_checkpoint,
-    prune_checkpoints,
-    read_checksums,
-    save_checkpoint,
-    save_sharded_checkpoint,
-    verify_checkpoint,
-)
+from checkpoint import (FORMAT, META_FILES, CheckpointError, checkpoint_path, checksum_path, is_checkpoint,
+                        list_checkpoints, load_checkpoint, load_latest_checkpoint, load_optimizer_state,
+                        load_sharded_checkpoint, prune_checkpoints, read_checksums, save_checkpoint,
+                        save_sharded_checkpoint, verify_checkpoint)
 from config import ARCH_KEYS, ConfigError, make_config, model_config
 from console import is_rank0, launched_by_torchrun, log
 from devices import rng_state, set_rng_state
@@ -44,9 +29,9 @@ def start(user):
     """(cfg, the checkpoint the run resumes from or None, Env), alike on every rank. The config is resolved before
     the process group exists; under torchrun a rank's error waits until every rank has joined (a rank that failed
     before would leave the others in the rendezvous until it times out) and is then raised on all of them by
-    check_shared_out_dir, as is an out_dir some node cannot see. Only rank 0 hashes the checkpoint (a sharded one:
-    its metadata, then every rank its share of the shards, verify_shards); every rank resumes from rank 0's choice
-    (agree_on_checkpoint). Last, the memory plan (memory.resolve_batch_size): logged,
+    check_shared_out_dir, as is an out_dir some node cannot see. Only rank 0 hashes the checkpoint (a sharded
+    one: its metadata, then every rank its share of the shards, verify_shards); every rank resumes from rank 0's
+    choice (agree_on_checkpoint). Last, the memory plan (memory.resolve_batch_size): logged,
     a batch_size that cannot fit refused, batch_size='auto' resolved from it where the device is not probed."""
     cfg, ckpt, problem = resolve_config_or_defer(user)
     check_tracking_available(cfg.wandb_log, cfg.tensorboard_dir)  # every rank: all stop alike
@@ -64,10 +49,8 @@ def resolve_config(user, verify=True):
     cfg = make_config(user)
     if cfg.init_from != "resume":
         if list_checkpoints(cfg.out_dir):
-            raise ConfigError(
-                f"{cfg.out_dir} already holds checkpoints; continue with --init_from=resume, "
-                f"or pick another out_dir (or delete them) to start over"
-            )
+            raise ConfigError(f"{cfg.out_dir} already holds checkpoints; continue with --init_from=resume, "
+                              f"or pick another out_dir (or delete them) to start over")
         return fine_tune_config(user, cfg) if is_checkpoint(cfg.init_from) else cfg, None
     if not list_checkpoints(cfg.out_dir):
         raise ConfigError(f"init_from='resume' but {cfg.out_dir} holds no checkpoint (ckpt_XXXXXX.pt or ckpt_XXXXXX/)")
@@ -83,17 +66,13 @@ def resumed_config(user, out_dir, ckpt):
     # the run stays in the out_dir it found the checkpoint in (the checkpoint's own may be another, if moved)
     cfg = make_config({**user, "out_dir": out_dir}, base=ckpt["config"])
     if cfg.optimizer != ckpt["config"]["optimizer"]:  # the saved state is the other optimizer's
-        raise ConfigError(
-            f"cannot change optimizer when resuming: the checkpoint {path} has "
-            f"{ckpt['config']['optimizer']!r}, the config {cfg.optimizer!r}"
-        )
+        raise ConfigError(f"cannot change optimizer when resuming: the checkpoint {path} has "
+                          f"{ckpt['config']['optimizer']!r}, the config {cfg.optimizer!r}")
     saved = model_config(cfg, **ckpt["model_args"])  # fields added since the checkpoint get their defaults
     for key in ARCH_KEYS:
         if getattr(cfg, key) != getattr(saved, key):
-            raise ConfigError(
-                f"cannot change {key} when resuming: the checkpoint {path} has "
-                f"{getattr(saved, key)!r}, the config {getattr(cfg, key)!r}"
-            )
+            raise ConfigError(f"cannot change {key} when resuming: the checkpoint {path} has "
+                              f"{getattr(saved, key)!r}, the config {getattr(cfg, key)!r}")
     return cfg, ckpt
 
 
@@ -106,11 +85,9 @@ def fine_tune_config(user, cfg):
     chosen = {**PRESETS.get(user.get("preset"), {}), **user}
     for key in ARCH_KEYS:
         if key in chosen and chosen[key] != getattr(saved, key):
-            raise ConfigError(
-                f"init_from={cfg.init_from!r}: the checkpoint has {key}={getattr(saved, key)!r}, the "
-                f"config {key}={chosen[key]!r}; a fine-tuned model keeps its architecture: drop {key} "
-                f"from the config"
-            )
+            raise ConfigError(f"init_from={cfg.init_from!r}: the checkpoint has {key}={getattr(saved, key)!r}, the "
+                              f"config {key}={chosen[key]!r}; a fine-tuned model keeps its architecture: drop {key} "
+                              f"from the config")
     return make_config({**user, **{key: getattr(saved, key) for key in ARCH_KEYS}})
 
 
@@ -142,21 +119,14 @@ def agree_on_checkpoint(user, cfg, ckpt, problem, env):
     if problem or chosen[0] is None or chosen[0] == (ckpt and ckpt["path"]):
         return cfg, ckpt, problem
     try:
-        agreed, ckpt = resumed_config(
-            user, cfg.out_dir, {**load_checkpoint(chosen[0], consolidate=False, verify=False), "path": chosen[0]}
-        )
+        agreed, ckpt = resumed_config(user, cfg.out_dir, {**load_checkpoint(chosen[0], consolidate=False, verify=False),
+                                                          "path": chosen[0]})
     except (ConfigError, CheckpointError) as e:
         return cfg, None, str(e)
     changed = [k for k in SETUP_KEYS if getattr(agreed, k) != getattr(cfg, k)]
     if changed:
-        return (
-            cfg,
-            None,
-            (
-                f"rank 0 resumes from {chosen[0]}, whose {changed[0]} differs from that of the checkpoint "
-                f"this rank found; resume again"
-            ),
-        )
+        return cfg, None, (f"rank 0 resumes from {chosen[0]}, whose {changed[0]} differs from that of the checkpoint "
+                           f"this rank found; resume again")
     return agreed, ckpt, None
 
 
@@ -169,7 +139,7 @@ def verify_shards(ckpt, env):
         return
     try:
         names = sorted(set(read_checksums(checksum_path(ckpt["shards"]))) - META_FILES)
-        verify_checkpoint(ckpt["shards"], only=set(names[env.rank :: env.world_size]))
+        verify_checkpoint(ckpt["shards"], only=set(names[env.rank::env.world_size]))
         problem = None
     except (CheckpointError, OSError, ValueError) as e:
         problem = str(e)
@@ -177,15 +147,13 @@ def verify_shards(ckpt, env):
     dist.all_gather_object(problems, problem)
     found = [p for p in problems if p]
     if found:
-        raise CheckpointError(
-            f"{found[0]}; move {ckpt['shards']} aside and resume again (the newest intact checkpoint is then used)"
-        )
+        raise CheckpointError(f"{found[0]}; move {ckpt['shards']} aside and resume again (the newest intact "
+                              f"checkpoint is then used)")
 
 
 @dataclass
 class Progress:
     """What the loop carries from step to step and a checkpoint carries across a restart."""
-
     step: int = 0
     best_step: int | None = None
     best_val: float | None = None
@@ -205,10 +173,8 @@ def restore(ckpt, raw_model, optimizer, scaler, loader):
         loader.load_state_dict(ckpt["loader"])
     except ValueError as e:
         saved = ckpt["config"]
-        raise ConfigError(
-            f"cannot resume: {e}; the checkpoint's run used data_dir={saved.get('data_dir')!r} and "
-            f"seed={saved.get('seed')}"
-        ) from None
+        raise ConfigError(f"cannot resume: {e}; the checkpoint's run used data_dir={saved.get('data_dir')!r} and "
+                          f"seed={saved.get('seed')}") from None
     return Progress(ckpt["step"], ckpt.get("best_step"), ckpt.get("best_val_loss"))
 
 
@@ -217,11 +183,8 @@ def restore_rngs(ckpt, env):
     if len(ckpt["rng"]) == env.world_size:
         set_rng_state(ckpt["rng"][env.rank])
     else:
-        log(
-            f"checkpoint has RNG states of {len(ckpt['rng'])} ranks, this run has {env.world_size}; "
-            "dropout masks will differ from an uninterrupted run",
-            note=True,
-        )
+        log(f"checkpoint has RNG states of {len(ckpt['rng'])} ranks, this run has {env.world_size}; "
+            "dropout masks will differ from an uninterrupted run", note=True)
 
 
 def kept_checkpoint(out_dir):
@@ -247,19 +210,10 @@ def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, tracker, 
     if val is not None and (progress.best_val is None or val < progress.best_val):
         progress.best_step, progress.best_val = step, val
     config = {**asdict(cfg), "batch_size": loader.B}  # the live micro-batch: an out-of-memory may have halved it
-    meta = {
-        "model_args": asdict(raw_model.config),
-        "config": config,
-        "step": step,
-        "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-        "loader": loader.state_dict(),
-        "rng": rngs,
-        "val_loss": val,
-        "best_step": progress.best_step,
-        "best_val_loss": progress.best_val,
-        "tracker": tracker.state_dict(),
-        "format": FORMAT,
-    }
+    meta = {"model_args": asdict(raw_model.config), "config": config, "step": step,
+            "scaler": scaler.state_dict() if scaler.is_enabled() else None, "loader": loader.state_dict(),
+            "rng": rngs, "val_loss": val, "best_step": progress.best_step, "best_val_loss": progress.best_val,
+            "tracker": tracker.state_dict(), "format": FORMAT}
     path = checkpoint_path(out_dir, step, sharded=env.sharded)
     if env.sharded:
         save_sharded_checkpoint(path, meta, raw_model, optimizer)

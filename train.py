@@ -62,10 +62,11 @@ def make_loaders(cfg, env):
     """Train and val loaders: every rank reads its own slice of one global, world-size-invariant stream.
     Every shard is validated here, token ids included, before step 1."""
     def loader(split):  # batch_size='auto': 1 until probe_batch_size sets it
-        return DataLoader(cfg.data_dir, split, 1 if cfg.batch_size == "auto" else cfg.batch_size, cfg.block_size, rank=env.rank,
-                          world_size=env.world_size, seed=cfg.seed, vocab_size=cfg.vocab_size)
+        return DataLoader(cfg.data_dir, split, 1 if cfg.batch_size == "auto" else cfg.batch_size, cfg.block_size,
+                          rank=env.rank, world_size=env.world_size, seed=cfg.seed, vocab_size=cfg.vocab_size)
     try:
-        train_loader, val_loader = loader("train"), loader("val") if cfg.eval_interval > 0 else None
+        train_loader = loader("train")
+        val_loader = loader("val") if cfg.eval_interval > 0 else None
     except NoShardsError as e:
         from prepare_data import prepare_command
         raise NoShardsError(f"{e}; prepare it with `{prepare_command(cfg.data_dir)}`") from None

@@ -17,7 +17,8 @@ def library():
 def imports_by_module():
     """{module: set of top-level repo modules it imports} for the library, bench/, scripts/ and configs/ (not tests,
     nor what runs leave in data/ or out*/)."""
-    files = [*ROOT.glob("*.py"), *(p for folder in ("bench", "scripts", "configs") for p in (ROOT / folder).rglob("*.py"))]
+    folders = [ROOT / "bench", ROOT / "scripts", ROOT / "configs"]
+    files = [*ROOT.glob("*.py"), *(p for folder in folders for p in folder.rglob("*.py"))]
     local = {p.stem for p in ROOT.glob("*.py")}
     graph = {}
     for path in files:
@@ -84,7 +85,7 @@ def test_every_note_goes_through_console_log():
             if not isinstance(node, ast.Call):
                 continue
             call = ast.unparse(node.func)
-            if (call == "print" and id(node) not in mains or call in ("tqdm.write", "sys.stdout.write", "sys.stderr.write")
-                    or call.endswith("dist.is_initialized")):
+            writes = call in ("tqdm.write", "sys.stdout.write", "sys.stderr.write")
+            if call == "print" and id(node) not in mains or writes or call.endswith("dist.is_initialized"):
                 offenders.append(f"{name}.py:{node.lineno}: {call}")
     assert not offenders, f"speak through console.log (ask console.distributed()): {offenders}"

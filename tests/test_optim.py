@@ -1,13 +1,14 @@
 """optim.py: AdamW decaying only the matrices (fused where asked), Muon for the blocks' hidden matrices with AdamW for
 the rest as one optimizer, and the per-group learning rate. Parity with torch + transformers is in test_model.py;
 Muon runs end to end in test_modern.py."""
+
 import pytest
 import torch
-from test_model import small_gpt
 
 import optim
 from config import make_config, model_config
 from model import GPT
+from test_model import small_gpt
 
 
 def test_optimizer_decays_only_matrices_and_uses_fused_when_asked():
@@ -22,8 +23,20 @@ def test_optimizer_decays_only_matrices_and_uses_fused_when_asked():
 
 
 def tiny_setup(**keys):
-    cfg = make_config({"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 64,
-                       "learning_rate": 3e-3, "min_lr": 3e-4, "optimizer": "muon", "muon_lr": 0.03, **keys})
+    cfg = make_config(
+        {
+            "n_layer": 2,
+            "n_head": 2,
+            "n_embd": 32,
+            "block_size": 16,
+            "vocab_size": 64,
+            "learning_rate": 3e-3,
+            "min_lr": 3e-4,
+            "optimizer": "muon",
+            "muon_lr": 0.03,
+            **keys,
+        }
+    )
     model = GPT(model_config(cfg))
     return model, optim.build_optimizer(model, cfg), cfg
 
@@ -32,11 +45,19 @@ def test_muon_trains_the_hidden_matrices_and_adamw_the_rest():
     model, opt, cfg = tiny_setup()
     names = {id(p): n for n, p in model.named_parameters()}
     muon = sorted(names[id(p)] for g in opt.muon.param_groups for p in g["params"])
-    assert muon == sorted(f"transformer.h.{i}.{m}.weight" for i in range(2)
-                          for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+    assert muon == sorted(
+        f"transformer.h.{i}.{m}.weight"
+        for i in range(2)
+        for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    )
     adamw = [names[id(p)] for g in opt.adamw.param_groups for p in g["params"]]
-    assert {"transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight",
-            "transformer.h.0.attn.c_attn.bias", "transformer.h.1.ln_2.bias"} <= set(adamw)
+    assert {
+        "transformer.wte.weight",
+        "transformer.wpe.weight",
+        "transformer.ln_f.weight",
+        "transformer.h.0.attn.c_attn.bias",
+        "transformer.h.1.ln_2.bias",
+    } <= set(adamw)
     # every trainable parameter in exactly one group of one optimizer (the tied head is wte, counted once)
     ids = [id(p) for g in opt.param_groups for p in g["params"]]
     assert sorted(ids) == sorted(id(p) for p in model.parameters()) and len(ids) == len(set(ids))
@@ -52,8 +73,15 @@ def test_muon_trains_the_hidden_matrices_and_adamw_the_rest():
 def test_muon_grouping_with_the_modern_model_options():
     """An untied head is AdamW's (a 2-D matrix, but not a hidden one); without biases, norms are AdamW's only
     non-matrix tensors; qk_norm and rotary add no parameters."""
-    model, opt, _ = tiny_setup(tie_embeddings=False, bias=False, qk_norm=True, rotary_pct=1.0, zero_init_proj=True,
-                               activation="relu2", parallel_residual=True)
+    model, opt, _ = tiny_setup(
+        tie_embeddings=False,
+        bias=False,
+        qk_norm=True,
+        rotary_pct=1.0,
+        zero_init_proj=True,
+        activation="relu2",
+        parallel_residual=True,
+    )
     names = {id(p): n for n, p in model.named_parameters()}
     assert len([p for g in opt.muon.param_groups for p in g["params"]]) == 8
     decayed, plain = ([names[id(p)] for p in g["params"]] for g in opt.adamw.param_groups)

@@ -1,5 +1,6 @@
 """parallel.py: how the processes are arranged (setup, the mesh, the rank spans in messages) and the batches copied
 to the device. Sharded and DDP training end to end are in test_fsdp.py and test_train.py."""
+
 from datetime import timedelta
 
 import pytest

@@ -1,11 +1,12 @@
-"""plot_metrics.py: reading runs' metrics.jsonl, the overlay plot of several runs, --compare, and its one-line errors."""
+"""plot_metrics.py: reading runs' metrics.jsonl, the overlay plot of several runs, --compare, its one-line errors."""
+
 import json
 import sys
 
 import pytest
-from test_tracking import json_form, loop_records
 
 import plot_metrics
+from test_tracking import json_form, loop_records
 
 
 def write_metrics(run_dir, records):
@@ -51,6 +52,7 @@ def test_overlay_plot_of_several_runs(tmp_path, capsys):
     b = write_metrics(tmp_path / "bf16", loop_records(0, 8, offset=0.1))
     saved = {}
     import matplotlib.figure
+
     real_savefig = matplotlib.figure.Figure.savefig
 
     def savefig(fig, path, **kwargs):
@@ -81,7 +83,8 @@ def test_plot_metrics_reads_runs_and_explains_missing_matplotlib(tmp_path, monke
     (tmp_path / "metrics.jsonl").write_text(
         '{"step": 0, "val_loss": 4.2}\n{"step": 1, "train_loss": 4.1, "lr": 0.1, "tokens_per_s": 9.0}\n'
         '{"step": 2, "train_loss": null, "lr": 0.2, "skipped": "non-finite loss"}\n'
-        '{"step": 2, "hellaswag_acc": 0.25, "hellaswag_acc_norm": 0.26, "hellaswag_n": 10}\n{"step": 3, "trai')
+        '{"step": 2, "hellaswag_acc": 0.25, "hellaswag_acc_norm": 0.26, "hellaswag_n": 10}\n{"step": 3, "trai'
+    )
     steps, val, hellaswag = plot_metrics.read_metrics(tmp_path)
     assert [r["step"] for r in steps] == [1, 2] and val == [{"step": 0, "val_loss": 4.2}] and len(hellaswag) == 1
     assert plot_metrics.series(steps, "train_loss") == ([1], [4.1])  # the skipped step has no loss to plot
