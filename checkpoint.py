@@ -69,6 +69,7 @@ from model import GPT, GPTConfig
 FORMAT = "gpt2-train-ckpt-v1"
 CKPT_NAME = re.compile(r"^ckpt_(\d{6,})(\.pt)?$")  # a file ckpt_000100.pt or a sharded directory ckpt_000100
 META = "meta.pt"  # a sharded checkpoint's everything-but-the-tensors file
+META_FILES = frozenset({META, ".metadata"})  # what rank 0 verifies of a sharded checkpoint before the group starts
 SUMS = "SHA256SUMS"  # a sharded checkpoint's sidecar: the sha256 of each of its files (`sha256sum -c SHA256SUMS`)
 TIED = "lm_head.weight"  # the same tensor as transformer.wte.weight: stored once in sharded checkpoints
 
@@ -218,10 +219,11 @@ def read_checksums(sidecar, follow_symlinks=True, limit=1 << 24):
     return recorded
 
 
-def verify_checkpoint(path):
+def verify_checkpoint(path, only=None):
     """Check that the checkpoint at `path` has the sha256 recorded when it was written: CheckpointError naming the
     file if it differs, if none was recorded (every checkpoint is written with its sidecar), or if the sidecar is
-    not one (unreadable, not a regular file, or naming what it cannot verify).
+    not one (unreadable, not a regular file, or naming what it cannot verify). only: the names (of a
+    directory's files) to hash, the others left to other ranks (resume.verify_shards).
 
     A file's sidecar (ckpt_000100.pt.sha256) is one line, and it verifies the file it sits beside: the name in
     it is for `sha256sum -c`, not trusted to pick what is hashed (a copied pair renamed to best.pt and
@@ -244,7 +246,7 @@ def verify_checkpoint(path):
         if outside:
             raise CheckpointError(f"{path}: {SUMS} names {outside[0]!r}, not a file of this directory; cannot verify "
                                   f"the checkpoint")
-        files = {path / name: digest for name, digest in recorded.items()}
+        files = {path / name: digest for name, digest in recorded.items() if only is None or name in only}
     else:
         files = {path: next(iter(recorded.values()))}
     for file, digest in files.items():
@@ -371,14 +373,16 @@ def load_checkpoint(path, map_location="cpu", consolidate=True, note=functools.p
     newer ones were skipped and why). A sharded checkpoint is gathered into this process, in the single-file
     layout; with consolidate=False its model and optimizer stay on disk instead, named by ckpt['shards'] (what
     a sharded resume loads from, each rank only its part). verify=False skips the sha256 (another process
-    verified the same files) but still checks that the checkpoint is complete."""
+    verified the same files) but still checks that the checkpoint is complete; verify='meta' hashes only a
+    sharded checkpoint's metadata (META_FILES: under torchrun each rank then hashes its share of the shards,
+    resume.verify_shards), a file checkpoint wholly."""
     path = Path(path)
     if path.is_dir() and not is_sharded(path):
         return load_latest_checkpoint(path, map_location, consolidate, note, verify)[0]
     if path.is_dir():  # every shard present and verified before any tensor is read
         check_shards(path)
         if verify:
-            verify_checkpoint(path)
+            verify_checkpoint(path, only=META_FILES if verify == "meta" else None)
         ckpt = _load_file(path / META, map_location, verify)
         ckpt["shards"] = str(path)
         return _consolidated(ckpt) if consolidate else ckpt

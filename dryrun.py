@@ -15,7 +15,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from config import ConfigError, batch_layout, make_config, model_config, parse_args
 from files import report_error
-from memory import GiB, MemoryPlan, estimate_memory, gib
+from memory import MARGIN, GiB, MemoryPlan, choose_checkpointing, estimate_memory, gib, with_margin, within_margin
 from model import GPT
 from optim import build_optimizer
 from parallel import Env, clip_gradients, forward_backward, keeps_grads, mesh_shape, parallelize
@@ -140,16 +140,38 @@ PARTS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer s
          "gathered": "all-gathered units (FSDP)", "activations": "activations + temporaries"}
 
 
-def dry_run_plan(cfg, world_size: int, gpus_per_node: int = 8) -> MemoryPlan:
-    """The memory plan of TrainConfig cfg at world_size, on a GPU (dtype 'auto' as bf16), as the dry run sees it."""
+def plan_args(cfg, world_size: int, gpus_per_node: int = 8) -> dict:
+    """estimate_memory's arguments besides the model and micro-batch, on a GPU (dtype 'auto' as bf16)."""
     shard = mesh_shape(cfg.parallel, cfg.shard_size, world_size, min(gpus_per_node, world_size))[-1] \
         if cfg.parallel != "ddp" else None
-    return estimate_memory(model_config(cfg), cfg.batch_size, GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype,
-                           cfg.parallel, world_size, cfg.optimizer, shard_size=shard)
+    return {"dtype": GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype, "parallel": cfg.parallel,
+            "world_size": world_size, "optimizer": cfg.optimizer, "shard_size": shard}
 
 
-def report(cfg, world_size: int, gpus_per_node: int = 8) -> tuple[MemoryPlan, DryRun, str]:
-    """(plan, dry run, the printed comparison) of TrainConfig cfg at world_size."""
+def resolve_checkpointing(cfg, world_size: int, gpus_per_node: int = 8, device_memory_gib: float = 80.0):
+    """(cfg with activation_checkpointing='auto' chosen as train.py chooses it on a GPU with device_memory_gib free,
+    the line saying why, or None when cfg set it)."""
+    if cfg.activation_checkpointing != "auto":
+        return cfg, None
+    mode, why = choose_checkpointing(model_config(cfg), cfg.batch_size, within_margin(int(device_memory_gib * GiB)),
+                                     **plan_args(cfg, world_size, gpus_per_node))
+    return replace(cfg, activation_checkpointing=mode), why
+
+
+def dry_run_plan(cfg, world_size: int, gpus_per_node: int = 8, device_memory_gib: float = 80.0) -> MemoryPlan:
+    """The memory plan of TrainConfig cfg at world_size, on a GPU (dtype 'auto' as bf16), as the dry run sees it."""
+    cfg, _ = resolve_checkpointing(cfg, world_size, gpus_per_node, device_memory_gib)
+    return estimate_memory(model_config(cfg), cfg.batch_size, **plan_args(cfg, world_size, gpus_per_node))
+
+
+CHECKPOINTING = {True: ", activation checkpointing", "selective": ", activation checkpointing of every other block",
+                 False: ""}
+
+
+def report(cfg, world_size: int, gpus_per_node: int = 8, device_memory_gib: float = 80.0):
+    """(plan, dry run, the printed comparison) of TrainConfig cfg at world_size; activation_checkpointing='auto' is
+    chosen first, as on a GPU with device_memory_gib free."""
+    cfg, why = resolve_checkpointing(cfg, world_size, gpus_per_node, device_memory_gib)
     dtype = GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype
     plan = dry_run_plan(cfg, world_size, gpus_per_node)
     sim = dry_run(cfg, world_size, gpus_per_node)
@@ -157,14 +179,16 @@ def report(cfg, world_size: int, gpus_per_node: int = 8) -> tuple[MemoryPlan, Dr
     mode = cfg.parallel + (f" (shard_size {cfg.shard_size or min(gpus_per_node, world_size)})"
                            if cfg.parallel == "hsdp" else "")
     rows = [f"dry run: rank 0 of {world_size}, {mode}, {dtype}, micro-batch {cfg.batch_size} x "
-            f"{batch_layout(cfg, world_size)[1]} accumulation steps"
-            + (", activation checkpointing" if cfg.activation_checkpointing else "")
+            f"{batch_layout(cfg, world_size)[1]} accumulation steps" + CHECKPOINTING[cfg.activation_checkpointing]
             + ": one optimizer step simulated on fake tensors",
             f"  {'GiB per rank':<28}{'plan':>8}{'simulated':>11}"]
     rows += [f"  {name:<28}{planned[k] / GiB:>8.2f}{sim.parts[k] / GiB:>11.2f}" for k, name in PARTS.items()]
     ratio = plan.total / sim.total
     rows += [f"  {'peak':<28}{plan.total / GiB:>8.2f}{sim.total / GiB:>11.2f}  (plan/simulated {ratio:.2f})"]
-    return plan, sim, "\n".join([plan.line(), *rows, *[f"note: {n}" for n in sim.notes], f"note: {NOT_SIMULATED}"])
+    rows += [f"  {'+ margin (x 1.05 + 1.5 GiB)':<28}{with_margin(plan.total) / GiB:>8.2f}"
+             f"{with_margin(sim.total) / GiB:>11.2f}"]
+    notes = [*([why] if why else []), plan.line(), *rows, *[f"note: {n}" for n in sim.notes], f"note: {NOT_SIMULATED}"]
+    return plan, sim, "\n".join(notes)
 
 
 DRY_RUN_FLAGS = {"world_size": int, "gpus_per_node": int, "device_memory_gib": float}  # not config keys
@@ -175,8 +199,8 @@ NOT_SIMULATED_ABOVE = 1.5
 
 def main(argv=None) -> int:
     """python dryrun.py CONFIG [--key=value ...] --world_size=N [--gpus_per_node=8] [--device_memory_gib=80]:
-    the memory plan and the dry run side by side; exit 1 if the simulated peak exceeds device_memory_gib, 2 on
-    a bad config or flag."""
+    the memory plan and the dry run side by side; exit 1 if the simulated peak with the margin exceeds
+    device_memory_gib, 2 on a bad config or flag."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if "-h" in argv or "--help" in argv:
         print("usage: dryrun.py CONFIG [--key=value ...] --world_size=N [--gpus_per_node=8] [--device_memory_gib=80]\n\n"
@@ -207,14 +231,14 @@ def main(argv=None) -> int:
                   f"{NOT_SIMULATED_ABOVE:g} x {flags['device_memory_gib']:g} GiB per device: not simulated (to "
                   f"simulate it anyway, give a larger --device_memory_gib)")
             return 1
-        _, sim, text = report(cfg, flags["world_size"], flags["gpus_per_node"])
+        _, sim, text = report(cfg, flags["world_size"], flags["gpus_per_node"], flags["device_memory_gib"])
     except (ConfigError, ValueError) as e:
         report_error("dryrun.py", e)
         return 2
     print(text)
-    fits = sim.total <= flags["device_memory_gib"] * GiB
-    print(f"{'fits' if fits else 'does NOT fit'}: simulated peak {gib(sim.total)} GiB {'<=' if fits else '>'} "
-          f"{flags['device_memory_gib']:g} GiB per device")
+    fits = with_margin(sim.total) <= flags["device_memory_gib"] * GiB
+    print(f"{'fits' if fits else 'does NOT fit'}: simulated peak {gib(sim.total)} GiB, with the margin ({MARGIN}) "
+          f"{gib(with_margin(sim.total))} GiB {'<=' if fits else '>'} {flags['device_memory_gib']:g} GiB per device")
     return 0 if fits else 1
 
 

@@ -145,9 +145,21 @@ def _activation_parts(cfg, batch_size, dtype, activation_checkpointing, seq_len,
     backward = r * cfg.n_embd + a * stats["hidden"]  # the residual's gradient and the MLP hidden's
     weights = stats["block_matmul"] * 2 if a < 4 and not low_params else 0  # autocast's copies, saved by the matmuls
     tokens, L = batch_size * T, cfg.n_layer
-    if activation_checkpointing:
+    recomputed = recomputed_blocks(L, activation_checkpointing)
+    if recomputed == L:
         return tokens * (L + 1) * r * cfg.n_embd, tokens * (8 + block + backward) + weights
-    return tokens * (L * block + outside) + L * weights, tokens * backward
+    if recomputed == 0:
+        return tokens * (L * block + outside) + L * weights, tokens * backward
+    kept = L - recomputed  # 'selective': the recomputed blocks save their input, the others everything
+    return (tokens * (recomputed * r * cfg.n_embd + kept * block + outside) + kept * weights,
+            tokens * (8 + block + backward) + weights)
+
+
+def recomputed_blocks(n_layer: int, activation_checkpointing) -> int:
+    """How many of n_layer blocks activation checkpointing recomputes (model.GPTConfig.recomputes)."""
+    if activation_checkpointing == "selective":
+        return n_layer // 2  # every other block: 1, 3, 5, ...
+    return n_layer if activation_checkpointing else 0  # True, or 'auto' not yet resolved
 
 
 def loss_bytes(cfg, batch_size: int, dtype="float32", seq_len: int | None = None, low_params: bool = False) -> int:
@@ -285,13 +297,13 @@ def suggest_fits(model_cfg, batch_size: int, available: int, rows: int | None = 
         return None, None
 
     by_changes = {}  # number of settings changed -> descriptions
-    for ckpt_on in sorted({ckpt, True}):
+    for ckpt_on in dict.fromkeys([ckpt, True]):
         for fsdp in fsdp_options:
             b, plan = first_fit(ckpt_on, fsdp)
             if b is None:
                 continue
             what = [f"batch_size={b} with {rows // b} accumulation steps"] if b < batch_size else []
-            what += ["activation_checkpointing=True"] if ckpt_on and not ckpt else []
+            what += ["activation_checkpointing=True"] if ckpt_on is True and ckpt is not True else []
             what += [f"parallel='fsdp' over {world} ranks"] if fsdp else []
             if what:
                 by_changes.setdefault(len(what), []).append(f"{' + '.join(what)} ({gib(plan.total)} GiB)")
@@ -314,6 +326,48 @@ def check_fits(model_cfg, batch_size: int, available: int, description: str = ""
     smallest = estimate_memory(model_cfg, 1, activation_checkpointing=True, **ckpt)
     return (f"{head}; nothing fits on one rank: even micro-batch 1 with activation_checkpointing=True needs "
             f"{gib(smallest.total)} GiB; use more ranks with parallel='fsdp' or a smaller model")
+
+
+# ----------------------------------------------------------------------------- the margin on a GPU
+
+# What neither the plan nor the dry run sees on a real GPU: the CUDA context and kernels' workspaces, NCCL's
+# buffers (more with NVLS), the caching allocator's fragmentation, compile's fallback to eager: a real H100 adds
+# 3-9 GiB. On CUDA a plan fits when plan x MARGIN_FACTOR + MARGIN_BYTES <= free memory (memory_check, batch_size
+# and activation_checkpointing 'auto'), and the probe holds the margin aside too.
+MARGIN_FACTOR = 1.05
+MARGIN_BYTES = 3 * GiB // 2
+MARGIN = "plan x 1.05 + 1.5 GiB"
+
+
+def with_margin(plan_bytes: int) -> int:
+    """What a plan of plan_bytes needs free on a GPU, the margin included."""
+    return int(plan_bytes * MARGIN_FACTOR) + MARGIN_BYTES
+
+
+def within_margin(available: int) -> int:
+    """The largest plan that fits `available` bytes of a GPU with the margin (with_margin's inverse)."""
+    plan = max(0, int((available - MARGIN_BYTES) / MARGIN_FACTOR))
+    return plan + 1 if with_margin(plan + 1) <= available else plan  # float rounding
+
+
+CHECKPOINTING_ORDER = (False, "selective", True)  # least recomputation first
+
+
+def choose_checkpointing(model_cfg, batch_size: int, available: int, **plan_kwargs) -> tuple[object, str]:
+    """activation_checkpointing='auto': the least recomputation (none, every other block, every block) whose plan
+    at batch_size fits in `available` bytes (what a plan may use: within_margin on a GPU); every block when none
+    does (the memory check then names what would fit). Returns (the choice, a line saying why)."""
+    tried = []
+    for mode in CHECKPOINTING_ORDER:
+        plan = estimate_memory(model_cfg, batch_size, activation_checkpointing=mode, **plan_kwargs)
+        tried.append(f"{CHECKPOINTING_NAMES[mode]} {gib(plan.total)} GiB")
+        if plan.total <= available:
+            break
+    return mode, (f"activation_checkpointing='auto': {CHECKPOINTING_NAMES[mode]} (plans at micro-batch {batch_size}: "
+                  f"{', '.join(tried)}; {gib(available)} GiB usable)")
+
+
+CHECKPOINTING_NAMES = {False: "none", "selective": "every other block", True: "every block"}
 
 
 # ----------------------------------------------------------------------------- batch_size='auto'
@@ -341,11 +395,12 @@ def smaller_micro_batch(rows: int, batch_size: int) -> int | None:
     return next((d for d in divisors(rows) if d <= batch_size // 2), None)
 
 
-def probe_micro_batch(try_step, candidates, reserve_bytes: int = 0, device=None) -> tuple[int, str]:
+def probe_micro_batch(try_step, candidates, reserve_bytes=0, device=None) -> tuple[int, str]:
     """CUDA batch_size='auto': try_step(b) runs one real forward+backward at micro-batch b and raises
     torch.OutOfMemoryError if it does not fit. Starts at the largest candidate (divisors of the per-rank
-    batch) and on out-of-memory moves to the largest candidate at most half the size. reserve_bytes are held
-    on `device` during each try (optimizer state not yet allocated). try_step should run the
+    batch) and on out-of-memory moves to the largest candidate at most half the size. reserve_bytes (bytes, or
+    a function of b giving them) are held on `device` during each try (what the real step has and the bare
+    model's try does not: optimizer state, resident gradients, NCCL's buffers). try_step should run the
     bare model (no DDP collectives: ranks may fail at different sizes). All ranks then agree on the smallest
     choice (one all-reduce MIN). Returns (micro_batch, why)."""
     candidates = sorted(set(candidates), reverse=True)
@@ -353,8 +408,9 @@ def probe_micro_batch(try_step, candidates, reserve_bytes: int = 0, device=None)
     while b is not None:
         oom = reserve = None
         try:
-            if reserve_bytes:  # held while try_step runs
-                reserve = torch.empty(reserve_bytes, dtype=torch.uint8, device=device)
+            held = reserve_bytes(b) if callable(reserve_bytes) else reserve_bytes
+            if held:  # held while try_step runs
+                reserve = torch.empty(held, dtype=torch.uint8, device=device)
             try_step(b)
         except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled; the rest is re-raised
             if not is_oom(e):
@@ -423,17 +479,20 @@ def plan_kwargs(cfg, env):
 
 
 def device_memory(env):
-    """(bytes one rank may use, description): the device's available memory; on a CPU/MPS shared by this node's
-    ranks, their share of it."""
+    """(bytes one rank's plan may use, description): the device's available memory; on a CPU/MPS shared by this
+    node's ranks, their share of it; on CUDA, less the margin (within_margin: what the plan cannot see)."""
     available, what = available_memory(env.device)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if env.kind != "cuda" else 1
+    if env.kind == "cuda":
+        return within_margin(available), f"{what}; a plan may use {gib(within_margin(available))} GiB: {MARGIN} <= free"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return (available // local, f"{what} / {local} ranks") if local > 1 else (available, what)
 
 
 def resolve_batch_size(cfg, env):
     """Before anything big is allocated: log the memory plan and the device's memory; refuse (ConfigError, one line
-    naming settings that fit) a batch_size whose plan exceeds it; resolve batch_size='auto' from the plan on devices
-    that are not probed (probes()). Returns cfg with batch_size resolved, or still 'auto' (probe_batch_size)."""
+    naming settings that fit) a batch_size whose plan exceeds it; resolve activation_checkpointing='auto' and
+    batch_size='auto' from the plan (the latter on devices that are not probed: probes()). Returns cfg with them
+    resolved, or batch_size still 'auto' (probe_batch_size)."""
     shape = planned_shape(cfg)
     auto = cfg.batch_size == "auto"
     if auto:  # sequences per rank per optimizer step; total_batch_size is checked before anything is built
@@ -446,11 +505,20 @@ def resolve_batch_size(cfg, env):
     if shape is None:
         if auto and not probes(env):
             raise ConfigError(f"batch_size='auto' cannot plan init_from={cfg.init_from!r} before loading it; set batch_size")
+        if cfg.activation_checkpointing == "auto":
+            log(f"activation_checkpointing='auto': every block (init_from={cfg.init_from!r} has no plan before it is "
+                "loaded)", note=True)
+            cfg = replace(cfg, activation_checkpointing=True)
         return cfg
     available, what = device_memory(env)
+    if cfg.activation_checkpointing == "auto":  # with batch_size='auto': the least that fits at micro-batch 1
+        mode, why = choose_checkpointing(shape, 1 if auto else cfg.batch_size, available, **plan_kwargs(cfg, env))
+        log(why)
+        cfg, shape = replace(cfg, activation_checkpointing=mode), replace(shape, activation_checkpointing=mode)
     if auto and not probes(env):
+        fraction = 1.0 if env.kind == "cuda" else AUTO_FIT_FRACTION  # a GPU's margin is already taken off
         try:
-            b, why = plan_micro_batch(shape, rows, available, description=what, **plan_kwargs(cfg, env))
+            b, why = plan_micro_batch(shape, rows, available, fraction, description=what, **plan_kwargs(cfg, env))
         except MemoryPlanError as e:
             raise ConfigError(str(e)) from None
         log(f"batch_size='auto': {why}")
@@ -480,9 +548,16 @@ def probe_batch_size(raw_model, cfg, env, loaders):
         finally:
             raw_model.zero_grad(set_to_none=True)
 
+    def reserve(b):  # what the probe's bare forward+backward lacks: optimizer state; under torchrun NCCL's
+        # buffers; and the fp32 gradients where they are resident from the step's first forward on: DDP's bucket
+        # views (kept across steps) or accumulation's (micro-batch b below the rows), 4 bytes/param
+        resident = plan.grads if env.distributed or b < rows else 0
+        planned = estimate_memory(raw_model.config, b, **plan_kwargs(cfg, env)).total
+        margin = with_margin(planned) - planned  # what neither the plan nor this probe sees (MARGIN)
+        return plan.optimizer + resident + (NCCL_RESERVE if env.distributed else 0) + margin
+
     try:
-        b, why = probe_micro_batch(try_step, divisors(rows), device=env.device,
-                                   reserve_bytes=plan.optimizer + (NCCL_RESERVE if env.distributed else 0))
+        b, why = probe_micro_batch(try_step, divisors(rows), device=env.device, reserve_bytes=reserve)
     except MemoryPlanError as e:
         raise ConfigError(str(e)) from None
     set_rng_state(rngs)

@@ -16,6 +16,7 @@ GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this in a padded vocab are n
 LOSS_CHUNK_ROWS = 2048  # rows of (B*T) per lm_head+CE chunk when the full logits are not needed
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 ACTIVATIONS = ("gelu_tanh", "gelu", "relu2")
+CHECKPOINTING = ("selective", "auto")  # activation_checkpointing besides True/False
 
 # GPT-2 sizes (Radford et al. 2019) and the GPT-3 family sizes of the MosaicML GPT-3 recipes (context 2048;
 # 760m/1.3b/2.7b use head_dim 128 as MosaicML does, rather than the GPT-3 paper's head counts).
@@ -67,7 +68,7 @@ class GPTConfig:
     qk_norm: bool = False  # RMS-normalise each head's queries and keys before attention (no learned scale)
     zero_init_proj: bool = False  # the attention and MLP output projections start at zero
     layer_norm_eps: float = 1e-5  # LayerNorm epsilon
-    activation_checkpointing: bool = False  # recompute activations in backward: much less memory, ~1/3 slower
+    activation_checkpointing: bool | str = False  # recompute in backward: True, 'selective', False or 'auto'
 
     def __post_init__(self):
         def need(ok: bool, name: str, expected: str):
@@ -80,9 +81,10 @@ class GPTConfig:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "a positive integer")
-        for name in ("bias", "parallel_residual", "tie_embeddings", "qk_norm", "zero_init_proj",
-                     "activation_checkpointing"):
+        for name in ("bias", "parallel_residual", "tie_embeddings", "qk_norm", "zero_init_proj"):
             need(isinstance(getattr(self, name), bool), name, "True or False")
+        need(isinstance(self.activation_checkpointing, bool) or self.activation_checkpointing in CHECKPOINTING,
+             "activation_checkpointing", f"True, False, {' or '.join(map(repr, CHECKPOINTING))}")
         need(number(self.dropout) and 0 <= self.dropout < 1, "dropout", "a number in [0, 1)")
         need(number(self.rotary_base) and self.rotary_base > 0, "rotary_base", "a number > 0")
         need(number(self.layer_norm_eps) and self.layer_norm_eps > 0, "layer_norm_eps", "a number > 0")
@@ -94,6 +96,12 @@ class GPTConfig:
             if self.rot_dim == 0 or self.rot_dim % 2:
                 raise ValueError(f"GPTConfig: rotary_pct={self.rotary_pct} gives {self.rot_dim} rotary dims of "
                                  f"head_dim {self.n_embd // self.n_head}; expected an even number > 0")
+
+    def recomputes(self, block: int) -> bool:
+        """Whether activation checkpointing recomputes block `block` in backward ('auto' not yet resolved by the
+        memory plan: every block, the safe side)."""
+        mode = self.activation_checkpointing
+        return mode is True or mode == "auto" or mode == "selective" and block % 2 == 1
 
     @property
     def rot_dim(self) -> int:
@@ -261,7 +269,9 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
                     grad_w.addmm_(g.t(), hc)  # accumulate in place, no (V, C) temporary
                 else:
                     grad_w += g.t() @ hc  # low-precision chunk product, fp32 accumulation
-            n_valid = (targets != -1).sum()  # 0 gives nan, as F.cross_entropy does
+            # at least 1: a micro-batch with no trained target (SFT's loss masks) has loss 0 and zero gradients,
+            # not F.cross_entropy's 0/0 = nan, which no weight of 0 in the step's mean could cancel
+            n_valid = (targets != -1).sum().clamp(min=1)
             if need_grad:
                 ctx.save_for_backward(grad_h.div_(n_valid), grad_w.div_(n_valid))
         return loss_sum / n_valid
@@ -318,8 +328,9 @@ class GPT(nn.Module):
             n -= self.transformer.wte.weight.numel()
         return n
 
-    def hidden_states(self, idx, caches: list[KVCache] | None = None, pos: int = 0):
-        """Final (ln_f) hidden states (B, T, C) for tokens idx (B, T) at positions pos..pos+T-1."""
+    def hidden_states(self, idx, caches: list[KVCache] | None = None, pos: int = 0, final_norm: bool = True):
+        """Final (ln_f) hidden states (B, T, C) for tokens idx (B, T) at positions pos..pos+T-1 (final_norm=False:
+        the last block's output, before ln_f)."""
         B, T = idx.shape
         if pos + T > self.config.block_size:
             raise ValueError(f"GPT: positions up to {pos + T} exceed block_size {self.config.block_size}")
@@ -331,28 +342,34 @@ class GPT(nn.Module):
             rope = (self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T])  # (T, rot_dim) each
         x = self.transformer.drop(x)
         for i, block in enumerate(self.transformer.h):
-            if self.config.activation_checkpointing and self.training and torch.is_grad_enabled():
+            if self.config.recomputes(i) and self.training and torch.is_grad_enabled():
                 x = checkpoint(block, x, rope, use_reentrant=False)
             else:
                 x = block(x, rope, caches[i] if caches is not None else None, pos)
-        return self.transformer.ln_f(x)
+        return self.transformer.ln_f(x) if final_norm else x
 
     def forward(self, idx, targets=None, return_logits: bool = True):
         """idx, targets (B, T). Returns (logits, loss):
         targets given: logits (B, T, V) and mean CE (ignore_index=-1); with return_logits=False the loss is
         computed in chunks without the full logits and (None, loss) is returned.
         targets None: logits of the last position only (B, 1, V), loss None."""
+        if targets is not None and not return_logits:
+            return None, self.head_loss(self.hidden_states(idx, final_norm=False), targets)
         x = self.hidden_states(idx)  # (B, T, C)
         if targets is None:
             return self.lm_head(x[:, -1:, :]), None  # (B, 1, V)
-        if not return_logits:
-            need_grad = torch.is_grad_enabled() and (x.requires_grad or self.lm_head.weight.requires_grad)
-            h = x.reshape(-1, x.size(-1))  # (B*T, C)
-            loss = ChunkedLMHeadLoss.apply(h, self.lm_head.weight, targets.reshape(-1), need_grad)
-            return None, loss
         logits = self.lm_head(x)  # (B, T, V)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
+
+    def head_loss(self, x, targets):
+        """Mean cross entropy over targets != -1 (B, T) of the last block's output x (B, T, C): ln_f, the output
+        head and the loss a chunk of rows at a time (ChunkedLMHeadLoss). One method so that parallel.shard can
+        compile it under FSDP, as the whole model is compiled under DDP."""
+        x = self.transformer.ln_f(x)
+        need_grad = torch.is_grad_enabled() and (x.requires_grad or self.lm_head.weight.requires_grad)
+        h = x.reshape(-1, x.size(-1))  # (B*T, C)
+        return ChunkedLMHeadLoss.apply(h, self.lm_head.weight, targets.reshape(-1), need_grad)
 
     # ------------------------------------------------------------------------- training helpers
 

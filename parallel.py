@@ -210,7 +210,8 @@ def parallelize(model, cfg, env):
 
 def shard(model, cfg, env):
     """FSDP2 on the bare model, in place, torchtitan's order: activation checkpointing is already inside the
-    model (cfg.activation_checkpointing), then each block's forward is compiled (before sharding; one graph
+    model (cfg.activation_checkpointing), then each block's forward and the root's head_loss (ln_f, output head,
+    chunked loss: compiled under DDP too, as part of the whole model) are compiled (before sharding; one graph
     serves every block), then each block becomes one FSDP unit and the root the last (the tied wte/lm_head,
     wpe and ln_f). The model may still be on the CPU: fully_shard moves each unit to the device as it shards
     it, so no GPU ever holds the whole model. Returns the model; its forward all-gathers the parameters of one
@@ -229,6 +230,7 @@ def shard(model, cfg, env):
     if compile_blocks:
         for block in model.transformer.h:
             block.forward = torch.compile(block.forward)  # FSDP's hooks stay outside the graph
+        model.head_loss = torch.compile(model.head_loss)  # ln_f, the head and the chunked loss, in the root unit
     low = None if env.dtype == "float32" else DTYPES[env.dtype]
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
     for block in model.transformer.h:
@@ -243,6 +245,7 @@ def shard(model, cfg, env):
         model.reset_iter_state()  # the failed forward left FSDP mid-iteration
         for block in model.transformer.h:
             del block.forward  # back to Block.forward, eager
+        del model.head_loss
     # the trial's eval forward left the root unit gathered (FSDP keeps the root for a backward): the optimizer
     # must be built over the shards
     for unit in model.modules():
@@ -269,9 +272,15 @@ class RecordInit(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def build_on_meta(config):
+def build_on_meta(config, replay=True):
     """GPT(config) with its parameters on the meta device (no memory), carrying what materialise() needs to give
-    it exactly the weights GPT(config) would have drawn here: the RNG state and every init call, in order."""
+    it exactly the weights GPT(config) would have drawn here: the RNG state and every init call, in order.
+    replay=False (a sharded checkpoint will overwrite every weight): materialise() only allocates."""
+    if not replay:
+        with torch.device("meta"):
+            model = GPT(config)
+        model.deferred_init = None
+        return model
     rng = torch.get_rng_state()
     with torch.device("meta"), RecordInit() as record:
         model = GPT(config)
@@ -286,11 +295,13 @@ def materialise(model, env):
     """Allocate a model built by build_on_meta() on `device` (a sharded one: only this rank's shards) and initialise
     it as GPT() would have from the same RNG state: each init call is replayed on a whole CPU tensor, one parameter
     at a time, and each rank keeps its slice. Host memory: the shards plus the largest parameter. Afterwards the
-    RNG is where GPT() would have left it; the rotary tables are recomputed."""
-    rng, calls = model.__dict__.pop("deferred_init")
+    RNG is where GPT() would have left it; the rotary tables are recomputed. Built with replay=False: the shards
+    are only allocated (a checkpoint's weights and RNG states come next), the RNG untouched."""
+    rng, calls = model.__dict__.pop("deferred_init") or (None, [])
     model.to_empty(device=env.device)
     shards = env.mesh_shape[-1]  # the mesh is (replicate, shard) or (shard,), ranks laid out row-major
-    torch.set_rng_state(rng)
+    if rng is not None:
+        torch.set_rng_state(rng)
     with torch.no_grad():
         for name, shape, func, args, kwargs in calls:
             whole = torch.empty(shape)
@@ -380,28 +391,48 @@ def to_device(tensors, device):
 
 def forward_backward(model, loader, grad_accum, scaler, env, micro_steps=None):
     """Gradients of the mean loss over the step's trained tokens (targets != -1, of all ranks); returns
-    (the summed loss, a device scalar; the number of trained tokens of the step, all ranks).
+    (the summed loss, a device scalar; a float64 device tensor [trained tokens, micro-batches with no trained
+    target], both of all ranks: train.py reads them in its one copy to the host per step).
+    No host sync: the counts are taken on the host from the CPU batches; with loss masks under torchrun their
+    all-reduce runs while the first micro-batch's forward does, and is waited on (on the device) before its
+    loss is scaled; each next micro-batch is copied from pinned memory while the current one runs.
+    A micro-batch with no trained target (SFT data) still runs its forward and backward (the other ranks wait
+    for its gradients in a collective): its loss is 0 and so are its gradients.
     micro_steps: which of the grad_accum micro-steps to run (default all; the dry run skips repeats)."""
-    batches = {micro: loader.next_batch() for micro in (range(grad_accum) if micro_steps is None else micro_steps)}
-    masked = getattr(loader, "masked", False)  # some targets are -1 (SFT masks, document padding); else all are trained
-    counts = {micro: int((y != -1).sum()) if masked else y.numel() for micro, (_, y) in batches.items()}
-    trained = torch.tensor(sum(counts.values()), device=env.device)
-    if masked and env.distributed:
-        dist.all_reduce(trained)
-    trained = int(trained) if masked else sum(counts.values()) * env.world_size  # without masks all are trained
+    micros = list(range(grad_accum) if micro_steps is None else micro_steps)
+    batches = [loader.next_batch() for _ in micros]  # (x, y) on the host, (B, T) each
+    masked = getattr(loader, "masked", False)  # some targets are -1 (SFT masks, document padding); else all trained
+    counts = [int((y != -1).sum()) if masked else y.numel() for _, y in batches]  # host tensors: no sync
+    trained = sum(counts) * (1 if masked else env.world_size)  # of all ranks; masked and torchrun: this rank's
+    stats = to_device((torch.tensor([trained, counts.count(0)], dtype=torch.float64),), env.device)[0]
+    pending = dist.all_reduce(stats, async_op=True) if masked and env.distributed else None
     loss_sum = torch.zeros((), device=env.device)
-    for micro, batch in batches.items():
-        x, y = to_device(batch, env.device)  # (B, T) each
+    upcoming = to_device(batches[0], env.device)
+    for i, micro in enumerate(micros):
+        x, y = upcoming
+        if i + 1 < len(micros):  # queued now, copied while this micro-batch runs
+            upcoming = to_device(batches[i + 1], env.device)
         set_grad_sync(model, micro == grad_accum - 1)
         with autocast(env.device, env.dtype):
             _, loss = model(x, y, return_logits=False)
         # each micro-batch loss is a mean over its trained tokens; weighting it by its share of the step's
         # (x world_size: DDP averages over ranks) makes the summed gradients those of the mean over all the
-        # step's trained tokens. Without masks every share is 1/grad_accum
-        loss = loss * (counts[micro] * env.world_size / trained) if masked else loss / grad_accum
+        # step's trained tokens. Without masks every share is 1/grad_accum. A step with no trained target at
+        # all divides by 1 (its loss and gradients are 0; train.py skips its update)
+        if not masked:
+            loss = loss / grad_accum
+        elif not env.distributed:
+            loss = loss * (counts[i] / max(trained, 1))
+        else:
+            if pending is not None:  # on NCCL the compute stream waits for it, the host does not
+                pending.wait()
+                pending = None
+            loss = loss * (counts[i] * env.world_size / stats[0].clamp(min=1)).float()
         loss_sum += loss.detach().float()
         scaler.scale(loss).backward()
-    return loss_sum, trained
+    if pending is not None:  # no micro-step ran (cannot happen in training)
+        pending.wait()
+    return loss_sum, stats
 
 
 def clip_gradients(model, max_norm):

@@ -17,9 +17,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 import assets
-from checkpoint import (FORMAT, CheckpointError, checkpoint_path, is_checkpoint, list_checkpoints, load_checkpoint,
-                        load_latest_checkpoint, load_optimizer_state, load_sharded_checkpoint, prune_checkpoints,
-                        save_checkpoint, save_sharded_checkpoint)
+from checkpoint import (FORMAT, META_FILES, CheckpointError, checkpoint_path, checksum_path, is_checkpoint,
+                        list_checkpoints, load_checkpoint, load_latest_checkpoint, load_optimizer_state,
+                        load_sharded_checkpoint, prune_checkpoints, read_checksums, save_checkpoint,
+                        save_sharded_checkpoint, verify_checkpoint)
 from config import ARCH_KEYS, ConfigError, make_config, model_config
 from console import is_rank0, launched_by_torchrun, log
 from devices import rng_state, set_rng_state
@@ -35,14 +36,16 @@ def start(user):
     every rank. The config is resolved before
     the process group exists; under torchrun a rank's error waits until every rank has joined (a rank that failed
     before would leave the others in the rendezvous until it times out) and is then raised on all of them by
-    check_shared_out_dir, as is an out_dir some node cannot see. Only rank 0 hashes the checkpoint; every rank
-    resumes from rank 0's choice (agree_on_checkpoint). Last, the memory plan (memory.resolve_batch_size): logged,
+    check_shared_out_dir, as is an out_dir some node cannot see. Only rank 0 hashes the checkpoint (a sharded
+    one: its metadata, then every rank its share of the shards, verify_shards); every rank resumes from rank 0's
+    choice (agree_on_checkpoint). Last, the memory plan (memory.resolve_batch_size): logged,
     a batch_size that cannot fit refused, batch_size='auto' resolved from it where the device is not probed."""
     cfg, ckpt, problem = resolve_config_or_defer(user)
     check_tracking_available(cfg.wandb_log, cfg.tensorboard_dir)  # every rank: all stop alike
     env = setup(cfg)
     cfg, ckpt, problem = agree_on_checkpoint(user, cfg, ckpt, problem, env)
     check_shared_out_dir(cfg.out_dir, ckpt and ckpt["step"], problem, env)
+    verify_shards(ckpt, env)  # a sharded checkpoint under torchrun: every rank hashes its share, in parallel
     cfg, tokenizer = run_tokenizer(cfg, user, ckpt)  # vocab_size from the data's tokenizer, before the memory plan
     return resolve_batch_size(cfg, env), ckpt, env, tokenizer
 
@@ -152,8 +155,9 @@ def resolve_config_or_defer(user):
     returned rather than raised. A rank that failed before joining the process group (a node that cannot see
     out_dir's checkpoints) would leave the others waiting in the rendezvous until it times out; instead every
     rank joins and check_shared_out_dir raises the error on all of them."""
-    try:  # only rank 0 hashes the checkpoint; the others check that theirs is complete (agree_on_checkpoint)
-        return (*resolve_config(user, verify=is_rank0()), None)
+    try:  # only rank 0 hashes the checkpoint (of a sharded one only the metadata: verify_shards hashes the rest,
+        # every rank its share, once the process group is up); the others check that it is complete
+        return (*resolve_config(user, verify=is_rank0() and ("meta" if launched_by_torchrun() else True)), None)
     except (ConfigError, CheckpointError) as e:
         if not launched_by_torchrun():
             raise
@@ -183,6 +187,27 @@ def agree_on_checkpoint(user, cfg, ckpt, problem, env):
         return cfg, None, (f"rank 0 resumes from {chosen[0]}, whose {changed[0]} differs from that of the checkpoint "
                            f"this rank found; resume again")
     return agreed, ckpt, None
+
+
+def verify_shards(ckpt, env):
+    """A sharded checkpoint resumed under torchrun: rank 0 hashed its metadata before the process group started;
+    now every rank hashes its share of the shard files (every world_size-th of SHA256SUMS' names), all in
+    parallel, rather than rank 0 alone hashing the whole checkpoint (80 GB at 6.7B) against the rendezvous
+    timeout. All ranks agree: a damaged shard is the same CheckpointError on every rank."""
+    if not env.distributed or ckpt is None or "shards" not in ckpt:
+        return
+    try:
+        names = sorted(set(read_checksums(checksum_path(ckpt["shards"]))) - META_FILES)
+        verify_checkpoint(ckpt["shards"], only=set(names[env.rank::env.world_size]))
+        problem = None
+    except (CheckpointError, OSError, ValueError) as e:
+        problem = str(e)
+    problems = [None] * env.world_size
+    dist.all_gather_object(problems, problem)
+    found = [p for p in problems if p]
+    if found:
+        raise CheckpointError(f"{found[0]}; move {ckpt['shards']} aside and resume again (the newest intact "
+                              f"checkpoint is then used)")
 
 
 @dataclass

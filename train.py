@@ -85,7 +85,8 @@ def build_model(cfg, ckpt, env, min_vocab=0):
     checkpoint's weights into them); from whole weights on the CPU, for fully_shard to move."""
     if ckpt is not None or cfg.init_from == "scratch":  # resuming: cfg has the checkpoint's architecture
         if env.sharded and (ckpt is None or "shards" in ckpt):
-            return build_on_meta(model_config(cfg)), cfg
+            # a sharded checkpoint overwrites every weight: no replay of the random initialisation
+            return build_on_meta(model_config(cfg), replay=ckpt is None), cfg
         model = GPT(model_config(cfg))
         if ckpt is not None and "shards" not in ckpt:
             model.load_state_dict(ckpt["model"])
@@ -126,18 +127,22 @@ def get_lr(step, cfg):
     return cfg.learning_rate + progress * (cfg.min_lr - cfg.learning_rate)
 
 
-def reduce_step_stats(loss_sum, stop_flag, grad_norm, env):
-    """(mean loss over ranks, grad norm, whether any rank got a signal) with one device->host copy."""
+def reduce_step_stats(loss_sum, stop_flag, grad_norm, counts, env):
+    """(mean loss over ranks, grad norm, whether any rank got a signal, trained tokens, micro-batches with no
+    trained target) with one device->host copy; counts is forward_backward's, already of all ranks."""
     flags = torch.stack([loss_sum, stop_flag])
     if env.distributed:
         dist.all_reduce(flags)  # SUM: gloo has no AVG
-    loss, stop, norm = torch.stack([flags[0] / env.world_size, flags[1], grad_norm.float()]).tolist()
-    return loss, norm, stop > 0
+    mine = torch.stack([flags[0] / env.world_size, flags[1], grad_norm.float()]).double()
+    loss, stop, norm, trained, empty = torch.cat([mine, counts.to(mine.device)]).tolist()
+    return loss, norm, stop > 0, int(trained), int(empty)
 
 
-def skip_reason(train_loss, grad_norm, scaler, cfg, progress, step):
+def skip_reason(train_loss, grad_norm, scaler, cfg, progress, step, trained_tokens=1):
     """Why this update must be skipped (None: apply it); raises Halt where the run must stop. Gradients are
     identical on every rank after the all-reduce, so all ranks decide alike."""
+    if trained_tokens == 0:  # SFT data whose every target in the step is masked: nothing to learn from
+        return "no trained target in any micro-batch of the step (loss masks)"
     if math.isfinite(train_loss) and math.isfinite(grad_norm):
         progress.skipped_in_a_row = 0
         return None
@@ -266,7 +271,7 @@ def evaluate(step, model, raw_model, val_loader, micro, kept, tracker, cfg, env,
 
 
 def step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model, micro_batch, env,
-                trained_tokens):
+                trained_tokens, empty_micro_batches=0):
     """The metrics.jsonl record of one optimizer step."""
     tokens_per_s = total_batch_size / dt
     mem, reserved = peak_memory(env.kind)
@@ -277,6 +282,8 @@ def step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, 
         record["peak_reserved_mb"] = reserved
     if skipped:
         record["skipped"] = skipped
+    if empty_micro_batches:
+        record["skipped_micro_batches"] = empty_micro_batches
     return record
 
 
@@ -376,13 +383,17 @@ def run(user):
             t0 = time.perf_counter()
             lr = get_lr(step, cfg)
             set_lr(optimizer, lr, cfg)
-            loss_sum, trained_tokens = fitting_forward_backward(model, train_loader, rows, optimizer, scaler, env, step)
+            loss_sum, counts = fitting_forward_backward(model, train_loader, rows, optimizer, scaler, env, step)
             if stop.signal is not None:
                 stop_flag.fill_(1.0)
             scaler.unscale_(optimizer)  # true gradients before clipping (no-op without fp16)
             grad_norm = clip_gradients(raw_model, cfg.grad_clip)
-            train_loss, grad_norm, stopping = reduce_step_stats(loss_sum, stop_flag, grad_norm, env)
-            skipped = skip_reason(train_loss, grad_norm, scaler, cfg, progress, step + 1)
+            train_loss, grad_norm, stopping, trained_tokens, empty = reduce_step_stats(loss_sum, stop_flag, grad_norm,
+                                                                                       counts, env)
+            skipped = skip_reason(train_loss, grad_norm, scaler, cfg, progress, step + 1, trained_tokens)
+            if empty and trained_tokens:  # they ran (every rank runs every backward) and added nothing
+                log(f"step {step + 1}: {empty} micro-batch(es) with no trained target (loss masks) skipped: loss and "
+                    "gradients 0, the step's mean is over the others' tokens", note=True)
             if skipped:
                 log(f"step {step + 1}: {skipped}: update skipped")
             else:
@@ -394,7 +405,7 @@ def run(user):
             progress.step = step
 
             record = step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model,
-                                 train_loader.B, env, trained_tokens)
+                                 train_loader.B, env, trained_tokens, empty)
             report_step(record, tracker, bar, cfg)
         finished = True
     except Halt as e:

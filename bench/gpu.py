@@ -22,6 +22,8 @@ It prints one table, check | result | reference or limit | status, and exits 1 i
   sigterm    train.py stopped by SIGTERM mid-run (as a preemption does), then resumed: the same losses as an
              uninterrupted run (--tiny: exactly; GPU: within 1e-3).
   host syncs (CUDA) the host-device synchronisations per training step, counted with torch.profiler: expect 1.
+  sync debug (CUDA) the same with torch.cuda.set_sync_debug_mode('warn'), 2 accumulation steps: one process, and
+             a torchrun rank with loss masks (their count all-reduced during the first forward): expect <= 1.
   oom        (CUDA) batch_size='auto' must finish; so must a micro-batch twice what the plan says fits (a real
              out-of-memory, halved until it fits).
   fsdp bf16  (>= 2 GPUs) FSDP in bf16 with compile, activation checkpointing and 2 accumulation steps, saved,
@@ -416,6 +418,70 @@ def check_host_syncs(report, opts, tmp, data_dir):
                "PASS" if found["per_step"] <= 1 else "FAIL")
 
 
+SYNC_DEBUG = """
+import json, sys, warnings
+import torch
+import memory, tracking, train
+# torch's own sync check: every CUDA call that makes the host wait for the device warns while it is on
+masked = sys.argv[2] == "masked"
+if masked:  # SFT-style loss masks: about half the targets not trained, and under torchrun the masked count all-reduced
+    real = memory.forward_backward  # what memory.fitting_forward_backward calls for train.py's step
+
+    class Masked:
+        masks = ["bench"]
+
+        def __init__(self, loader):
+            self.loader = loader
+
+        def next_batch(self):
+            x, y = self.loader.next_batch()
+            return x, torch.where(torch.rand(y.shape) < 0.5, y, -1)
+
+    memory.forward_backward = lambda model, loader, *a, **k: real(model, Masked(loader), *a, **k)
+steps, syncs = [0], []
+real_log = tracking.Tracker.log
+def log(self, record):
+    real_log(self, record)
+    if "train_loss" in record:  # count over steps 4-8, after warm-up
+        steps[0] += 1
+        torch.cuda.set_sync_debug_mode("warn" if 3 <= steps[0] < 8 else 0)
+tracking.Tracker.log = log
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    code = train.main(sys.argv[3:])
+torch.cuda.set_sync_debug_mode(0)
+found = [str(w.message).splitlines()[0] for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
+json.dump({"code": code, "per_step": len(found) / 5, "first": found[:3]}, open(sys.argv[1], "w"))
+"""
+
+
+def check_sync_debug(report, opts, tmp, data_dir):
+    """torch.cuda.set_sync_debug_mode('warn') over 5 steady steps with 2 accumulation steps: one process, and one
+    torchrun rank with loss masks (the masked token count is all-reduced, overlapped with the first forward).
+    Expect at most 1 sync per step: train.py's one copy of the step's numbers to the host."""
+    if device_type(opts.device) != "cuda":
+        report.add("sync debug", "CUDA only (torch.cuda.set_sync_debug_mode)", "-", "SKIP")
+        return
+    script = Path(tmp) / "sync_debug.py"
+    script.write_text(SYNC_DEBUG)
+    block = (TINY if opts.tiny else SMALL)["block_size"]
+    for name, nproc in (("plain", 0), ("masked", 1)):
+        result = Path(tmp) / f"sync_debug_{name}.json"
+        launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+                                       if nproc else [])
+        cmd = [*launcher, str(script), str(result), name, *train_args(opts, data_dir, steps=10, dtype="bfloat16"),
+               f"--total_batch_size={2 * 4 * block}", f"--out_dir={Path(tmp) / f'sync_debug_{name}'}"]
+        run = subprocess.run(cmd, cwd=ROOT, env=train_env(tmp, "sync"), capture_output=True, text=True, timeout=1800)
+        check = f"sync debug {name}" + (" (torchrun)" if nproc else "")
+        if run.returncode or not result.exists():
+            errors = [line for line in run.stderr.splitlines() if "Error" in line or "error:" in line]
+            report.add(check, f"failed: {(errors or run.stderr.strip().splitlines())[-1:]}", "exit 0", "FAIL")
+            continue
+        found = json.loads(result.read_text())
+        report.add(check, f"{found['per_step']:g} per step over 5 steps {found['first']}", "<= 1",
+                   "PASS" if found["per_step"] <= 1 else "FAIL")
+
+
 def check_oom(report, opts, tmp, data_dir):
     if device_type(opts.device) != "cuda":
         report.add("oom", "CUDA only (batch_size='auto' probes the GPU; a real out-of-memory)", "-", "SKIP")
@@ -573,6 +639,7 @@ def main(argv=None):
             report.add("ddp", "needs >= 2 GPUs (--nproc N runs it; on a CPU with gloo)", "-", "SKIP")
         check_sigterm_resume(report, opts, tmp, data_dir)
         check_host_syncs(report, opts, tmp, data_dir)
+        check_sync_debug(report, opts, tmp, data_dir)
         check_oom(report, opts, tmp, data_dir)
         check_fsdp_bf16_resume(report, opts, tmp, data_dir, opts.nproc)
         check_ddp_scaling(report, opts, tmp, data_dir, trained)

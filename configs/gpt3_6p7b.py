@@ -3,10 +3,11 @@
 # GPT-3 family shape with context 2048, cosine decay with 1% warmup, bf16. Learning rate and batch size
 # are the GPT-3 paper's (Table 2.1) for this size; 32 heads of 128 dims. Its parameters, gradients and
 # AdamW state take 16 bytes/param, 107 GB, more than one GPU holds: FSDP shards them (13.3 GB per GPU on
-# 8). Activation checkpointing is on: the activations of 4 x 2048 tokens through 32 blocks of width 4096
-# (~35 GB in bf16, by arithmetic) would not fit beside that comfortably; with it the dry run
-# (python dryrun.py configs/gpt3_6p7b.py --world_size=8) simulates an 18 GiB peak per rank. Initialisation
-# builds the whole fp32 model on each rank's host first: 26.6 GB of host memory per rank, 213 GB per 8-GPU node.
+# 8). Activation checkpointing is 'auto': the memory plan chooses the least recomputation that fits with its
+# margin; on 8 x 80 GiB that is none (plan 47.5 GiB at micro-batch 4; 51.4 GiB with the margin), on 40 GiB
+# GPUs every other block, on 24 GiB every block (python dryrun.py configs/gpt3_6p7b.py --world_size=8
+# [--device_memory_gib=40] prints the choice beside the simulated step). Initialisation builds the whole fp32 model
+# on each rank's host first: 26.6 GB of host memory per rank, 213 GB per 8-GPU node.
 #   torchrun --standalone --nproc_per_node=8 train.py configs/gpt3_6p7b.py --parallel=fsdp
 #   sbatch --nodes=8 scripts/slurm_train.sh configs/gpt3_6p7b.py --parallel=hsdp   # 8 nodes x 8 GPUs
 data_dir = "data/fineweb-edu"
@@ -14,7 +15,7 @@ out_dir = "out/gpt3_6p7b"
 
 preset = 'gpt3-6.7b'  # the model shape from model.PRESETS; vocab_size stays 50304 (50257 padded)
 parallel = "fsdp"  # under torchrun; hsdp to shard within each node and replicate across nodes
-activation_checkpointing = True
+activation_checkpointing = "auto"  # the plan chooses (docs/memory.md): none at micro-batch 4 on 8 x 80 GiB
 
 batch_size = 4  # sequences of 2048 per GPU per micro-step
 total_batch_size = 2097152  # 1024 sequences x 2048 (2M tokens)

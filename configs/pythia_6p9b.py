@@ -9,7 +9,8 @@
 # (github.com/EleutherAI/pythia, models/6.9B/pythia-6.9b.yml): Adam betas (0.9, 0.95), lr 1.2e-4 cosine to
 # 1.2e-5, warmup 1% of training, weight decay 0.1, gradient clipping 1.0.
 # 6.9B parameters + gradients + AdamW state are ~110 GB in fp32: sharded with FSDP (about 14 GB per GPU on
-# 8 GPUs), with activation checkpointing for the 2048-token micro-batches.
+# 8 GPUs); activation checkpointing 'auto': the memory plan chooses it (none on 8 x 80 GiB: plan 52.3 GiB at
+# micro-batch 4, 56.4 GiB with the margin; python dryrun.py configs/pythia_6p9b.py --world_size=8).
 #   one node:   torchrun --standalone --nproc_per_node=8 train.py configs/pythia_6p9b.py
 #   four nodes (the write-up's size), on each node:
 #     torchrun --nnodes=4 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 \
@@ -19,7 +20,7 @@ out_dir = "out/pythia_6p9b"
 
 preset = "pythia-6.9b"
 parallel = "fsdp"
-activation_checkpointing = True
+activation_checkpointing = "auto"  # the plan chooses (docs/memory.md): none at micro-batch 4 on 8 x 80 GiB
 
 batch_size = 4  # sequences of 2048 per GPU per micro-step
 total_batch_size = 524288  # 256 sequences x 2048, the write-up's global batch (8 GPUs: 8 accumulation steps)

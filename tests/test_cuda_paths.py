@@ -49,7 +49,8 @@ def test_bench_gpu_starts_on_the_gpu_it_names(fake_gpus, monkeypatch, capsys, de
     gpus = fake_gpus(2)
     monkeypatch.setattr(gpu, "write_random_shards", lambda *a, **k: None)
     monkeypatch.setattr(gpu, "check_train", lambda report, opts, *a: report.add("train", opts.device, "-", "SKIP"))
-    for check in ("sigterm_resume", "host_syncs", "oom", "fsdp_bf16_resume", "ddp_scaling", "1558m_memory"):
+    checks = ("sigterm_resume", "host_syncs", "sync_debug", "oom", "fsdp_bf16_resume", "ddp_scaling", "1558m_memory")
+    for check in checks:
         monkeypatch.setattr(gpu, f"check_{check}", lambda *a: None)  # each runs train.py: not on fake GPUs
     assert gpu.main([f"--device={device}", "--nproc=0"]) == 0
     assert gpus.set_to == [expected]

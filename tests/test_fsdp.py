@@ -23,6 +23,7 @@ from test_train import TINY, markov_tokens, metrics, subprocess_env, train_losse
 import checkpoint
 import hellaswag
 import optim
+import parallel
 import resume
 import sample
 import train
@@ -296,6 +297,36 @@ def test_under_torchrun_a_rank_other_than_0_hashes_nothing(data_dir, tmp_path, m
         cfg, ckpt, problem = resume.resolve_config_or_defer(user)
         assert hashed == expected, rank
         assert ckpt["path"] == str(tmp_path / "ckpt_000002.pt") and problem is None
+
+
+def test_a_sharded_resume_hashes_the_metadata_first_and_then_each_rank_its_share_of_the_shards(tmp_path, monkeypatch):
+    """Under torchrun rank 0 hashes only a sharded checkpoint's metadata before the process group starts (not
+    80 GB of shards alone against the rendezvous timeout); once the group is up every rank hashes every
+    world_size-th shard file, and a damaged one is the same one-line error on every rank."""
+    tiny_sharded_checkpoint(tmp_path / "ckpt_000005")
+    hashed, real = [], checkpoint.file_sha256
+    monkeypatch.setattr(checkpoint, "file_sha256", lambda path: hashed.append(Path(path).name) or real(path))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg, ckpt, problem = resume.resolve_config_or_defer(train.parse_args(["--init_from=resume",
+                                                                          f"--out_dir={tmp_path}"]))
+    assert sorted(set(hashed)) == [".metadata", "meta.pt"] and problem is None and ckpt["step"] == 5
+    sums = tmp_path / "ckpt_000005" / checkpoint.SUMS
+    shards = sorted(set(checkpoint.read_checksums(sums)) - {".metadata", "meta.pt"})
+    assert shards  # DCP's __0_0.distcp
+    gathered = []  # the ranks' results, as all_gather_object hands them to each rank (here: this rank's, twice)
+    monkeypatch.setattr(resume.dist, "all_gather_object", lambda out, mine: (gathered.append(mine),
+                                                                              out.__setitem__(slice(None), [mine] * 2)))
+    for rank in (0, 1):
+        hashed.clear()
+        resume.verify_shards(ckpt, parallel.Env(rank, rank, 2, True, "cpu", "float32", "fsdp", (2,)))
+        assert hashed == shards[rank::2]
+    damaged = tmp_path / "ckpt_000005" / shards[0]
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 1
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError, match="damaged.*move .*ckpt_000005 aside and resume again"):
+        resume.verify_shards(ckpt, parallel.Env(0, 0, 2, True, "cpu", "float32", "fsdp", (2,)))
 
 
 # ----------------------------------------------------------------------------- evaluation of a sharded model

@@ -103,6 +103,41 @@ def test_activation_checkpointing_keeps_one_input_per_block():
     assert estimate_memory(GPTConfig(**{**PRESETS["gpt2"], **dict(activation_checkpointing=True)}), 16) == ckpt
 
 
+def test_selective_checkpointing_recomputes_every_other_block_and_changes_no_gradient():
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+    idx = torch.randint(0, 64, (2, 16))
+    grads, runs = {}, {}
+    for mode in (False, "selective", True):
+        torch.manual_seed(1)
+        model = GPT(GPTConfig(**{**vars(cfg), "activation_checkpointing": mode}))
+        calls = [0] * 4
+        for i, block in enumerate(model.transformer.h):
+            block.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
+        model(idx, idx, return_logits=False)[1].backward()
+        grads[mode], runs[mode] = [p.grad for p in model.parameters()], calls
+    assert runs == {False: [1, 1, 1, 1], "selective": [1, 2, 1, 2], True: [2, 2, 2, 2]}
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[False], grads["selective"]))
+    with pytest.raises(ValueError, match="activation_checkpointing"):
+        GPTConfig(activation_checkpointing="every")
+
+
+def test_the_plan_of_selective_checkpointing_lies_between_none_and_every_block():
+    cfg = GPTConfig(**PRESETS["gpt2"])
+    plain, half, every = (estimate_memory(cfg, 16, activation_checkpointing=m) for m in (False, "selective", True))
+    assert every.activations < half.activations < plain.activations
+    assert half.activations == pytest.approx((plain.activations + every.activations) / 2, rel=0.1)
+
+
+def test_auto_checkpointing_is_the_least_recomputation_whose_plan_fits():
+    cfg = GPTConfig(**PRESETS["gpt2"])
+    plans = {m: estimate_memory(cfg, 16, activation_checkpointing=m).total for m in (False, "selective", True)}
+    for budget, expected in ((plans[False], False), (plans[False] - 1, "selective"), (plans["selective"] - 1, True),
+                             (1, True)):  # nothing fits: every block, and the memory check says what would
+        assert memory.choose_checkpointing(cfg, 16, budget)[0] == expected
+    assert "every other block" in memory.choose_checkpointing(cfg, 16, plans["selective"])[1]
+
+
 def test_a_config_that_cannot_fit_is_refused_in_one_line_with_settings_that_fit_before_allocating():
     cfg = GPTConfig(**PRESETS["gpt2-xl"])  # 1.56B parameters: 6 GB just to build in fp32
     rss = lambda: int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) * 1024

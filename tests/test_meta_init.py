@@ -57,3 +57,53 @@ def test_every_rank_holds_its_slice_of_the_one_process_init(arch, mode, mesh):
         assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         for name, buffer in reference.named_buffers():  # the rotary tables, recomputed
             assert torch.equal(model.get_buffer(name), buffer), name
+
+
+def test_a_model_that_a_sharded_checkpoint_will_fill_is_allocated_without_replaying_the_init(monkeypatch):
+    """Resuming a sharded checkpoint: the shards are allocated and the rotary tables computed, but the random
+    initialisation the load overwrites is not replayed (it draws every whole parameter once: minutes at 6.7B)."""
+    import train
+    from model import rotary_cos_sin
+    cfg = make_config({**ARCHS["neox (untied, rotary)"], "compile": False})
+    env = parallel.Env(0, 0, 2, True, "cpu", "float32", "fsdp", (2,))
+    model, _ = train.build_model(cfg, {"model_args": model_config(cfg).__dict__, "shards": "unused"}, env)
+    assert model.deferred_init is None  # nothing recorded to replay
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        torch.manual_seed(cfg.seed)
+        before = torch.get_rng_state()
+        parallel.shard(model, cfg, env)
+        assert torch.equal(torch.get_rng_state(), before)  # no draw happened
+        cos, sin = rotary_cos_sin(model.config.rot_dim, model.config.block_size, model.config.rotary_base)
+        assert torch.equal(model.rope_cos, cos) and torch.equal(model.rope_sin, sin)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("compile_fails", [False, True])
+def test_under_fsdp_the_blocks_and_the_head_with_its_loss_are_compiled(monkeypatch, compile_fails):
+    """torch.compile, faked (records what it compiles; or fails as a broken compiler does when called): each
+    block's forward and GPT.head_loss (ln_f, output head, chunked loss; under DDP the whole model is compiled),
+    not only the blocks; a failed trial puts every one of them back to eager."""
+    from torch._dynamo.exc import BackendCompilerFailed
+    compiled = []
+
+    def fake_compile(fn):
+        compiled.append(fn.__qualname__)
+
+        def run(*args, **kwargs):
+            if compile_fails:
+                raise BackendCompilerFailed("inductor", RuntimeError("no working C++ compiler"), None)
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    cfg = make_config({**ARCHS["gpt2 (tied, learned positions)"], "compile": True, "batch_size": 2})
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = parallel.build_on_meta(model_config(cfg))
+        parallel.shard(model, cfg, parallel.Env(0, 0, 2, True, "cpu", "float32", "fsdp", (2,)))
+    finally:
+        dist.destroy_process_group()
+    assert compiled == ["Block.forward", "Block.forward", "GPT.head_loss"]
+    assert ("head_loss" in vars(model)) == (not compile_fails) == parallel.is_compiled(model)

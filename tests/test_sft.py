@@ -14,6 +14,7 @@ import chat
 import parallel
 import prepare_data
 import train
+from config import TrainConfig
 from data import DataLoader, ShardError
 from model import GPT, GPTConfig, ChunkedLMHeadLoss
 from sample import stream_samples
@@ -209,7 +210,7 @@ def test_step_loss_is_the_mean_over_the_trained_tokens_of_all_micro_batches(sft_
     assert counts[0] != counts[1]  # so per-micro-batch means would weigh tokens unequally
     loader.reset()
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    loss_sum, trained = parallel.forward_backward(model, loader, 2, scaler, Env())
+    loss_sum, stats = parallel.forward_backward(model, loader, 2, scaler, Env())
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     # independently: logits of every position, CE over the positions with a trained target
@@ -218,10 +219,97 @@ def test_step_loss_is_the_mean_over_the_trained_tokens_of_all_micro_batches(sft_
     logits = model.hidden_states(x) @ model.lm_head.weight.t()
     ref = F.cross_entropy(logits[keep], tgt[keep])
     ref.backward()
-    assert trained == sum(counts) == int(keep.sum())
+    assert stats.tolist() == [sum(counts), 0] and sum(counts) == int(keep.sum())
     assert abs(loss_sum.item() - ref.item()) < 1e-5
     for n, p in model.named_parameters():
         assert torch.allclose(grads[n], p.grad, atol=1e-6), n
+
+
+def test_a_micro_batch_with_no_trained_target_has_zero_loss_and_gradients():
+    """ChunkedLMHeadLoss over targets that are all -1: loss 0 and zero gradients, not 0/0 = nan."""
+    h, w = torch.randn(6, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True)
+    loss = ChunkedLMHeadLoss.apply(h, w, torch.full((6,), -1), True)
+    loss.backward()
+    assert loss.item() == 0 and torch.all(h.grad == 0) and torch.all(w.grad == 0)
+
+
+class Batches:
+    """A loader with loss masks that yields fixed (x, y) micro-batches."""
+
+    def __init__(self, batches):
+        self.batches, self.masks = list(batches), ["mask"]
+
+    def next_batch(self):
+        return self.batches.pop(0)
+
+
+def test_an_empty_micro_batch_leaves_the_step_finite_and_is_counted():
+    """A micro-batch whose every target is masked still runs its backward (never skipped on one rank: the others
+    would wait in a collective), adds nothing, and is counted; the step's loss and gradients are those of the
+    other micro-batch alone. A step with no trained target at all has loss 0 and zero gradients."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=BLOCK, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+    x = torch.randint(0, 64, (2, BLOCK))
+    y = torch.where(torch.rand(2, BLOCK) < 0.5, x, -1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    loss_sum, stats = parallel.forward_backward(model, Batches([(x, y), (x, torch.full_like(y, -1))]), 2, scaler, Env())
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    ref = model(x, y, return_logits=False)[1]
+    ref.backward()
+    assert stats.tolist() == [int((y != -1).sum()), 1] and abs(loss_sum.item() - ref.item()) < 1e-6
+    for n, p in model.named_parameters():
+        assert torch.allclose(grads[n], p.grad, atol=1e-6), n
+    model.zero_grad()
+    empty = torch.full_like(y, -1)
+    loss_sum, stats = parallel.forward_backward(model, Batches([(x, empty), (x, empty)]), 2, scaler, Env())
+    assert stats.tolist() == [0, 2] and loss_sum.item() == 0
+    assert all(torch.all(p.grad == 0) for p in model.parameters())
+    reason = train.skip_reason(0.0, 0.0, scaler, TrainConfig(), train.Progress(), 1, trained_tokens=0)
+    assert "no trained target" in reason
+
+
+def test_masked_counts_are_all_reduced_during_the_first_forward_and_batches_copied_ahead(monkeypatch):
+    """Under torchrun with loss masks the step's trained-token count is all-reduced asynchronously: started
+    before the first forward, waited on after it (on NCCL a wait of the compute stream, not of the host) and
+    before its loss is scaled; each next micro-batch is copied to the device before the current one runs. The
+    gradients are a single process's on the same batches (here two ranks with identical batches)."""
+    events = []
+
+    class Work:
+        def wait(self):
+            events.append("wait")
+
+    def all_reduce(t, async_op=False):
+        events.append("all_reduce" + (" async" if async_op else ""))
+        t.mul_(2)  # a second rank with the same batches
+        return Work() if async_op else None
+
+    class Scaler:
+        def scale(self, loss):
+            events.append("backward")
+            return loss
+
+    copy = parallel.to_device
+    monkeypatch.setattr(parallel.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(parallel, "to_device", lambda tensors, device: events.append("copy") or copy(tensors, device))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=BLOCK, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
+    model.register_forward_pre_hook(lambda *args: events.append("forward"))
+    x = torch.randint(0, 64, (2, 2, BLOCK))
+    y = torch.where(torch.rand(2, 2, BLOCK) < 0.5, x, -1)
+
+    class TwoRanks(Env):
+        distributed, world_size = True, 2
+
+    _, stats = parallel.forward_backward(model, Batches([(x[0], y[0]), (x[1], y[1])]), 2, Scaler(), TwoRanks())
+    assert events == ["copy", "all_reduce async", "copy", "copy", "forward", "wait", "backward", "forward", "backward"]
+    assert stats.tolist() == [2 * int((y != -1).sum()), 0]
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    parallel.forward_backward(model, Batches([(x[0], y[0]), (x[1], y[1])]), 2, scaler, Env())
+    assert all(torch.allclose(a, p.grad, atol=1e-6) for a, p in zip(grads, model.parameters()))
 
 
 def run(data_dir, out_dir, *args):
