@@ -237,7 +237,7 @@ class Batches:
     """A loader with loss masks that yields fixed (x, y) micro-batches."""
 
     def __init__(self, batches):
-        self.batches, self.masks = list(batches), ["mask"]
+        self.batches, self.masked = list(batches), True
 
     def next_batch(self):
         return self.batches.pop(0)
