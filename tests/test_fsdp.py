@@ -305,7 +305,7 @@ def test_a_sharded_resume_hashes_the_metadata_first_and_then_each_rank_its_share
     world_size-th shard file, and a damaged one is the same one-line error on every rank."""
     tiny_sharded_checkpoint(tmp_path / "ckpt_000005")
     hashed, real = [], checkpoint.file_sha256
-    monkeypatch.setattr(checkpoint, "file_sha256", lambda path: hashed.append(Path(path).name) or real(path))
+    monkeypatch.setattr(checkpoint, "file_sha256", lambda path, **kw: hashed.append(Path(path).name) or real(path, **kw))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg, ckpt, problem = resume.resolve_config_or_defer(train.parse_args(["--init_from=resume",
