@@ -50,20 +50,18 @@ import re
 import shutil
 import sys
 import warnings
-import zipfile
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+import optim
 import assets
-from config import ARCH_KEYS, ConfigError, make_config, model_config
-from devices import DTYPES, resolve_device, resolve_dtype, rng_state, set_rng_state
+from console import distributed, log
+from devices import DTYPES, resolve_device, resolve_dtype
 from files import atomic_write, file_sha256, first_line, fsync_dir, report_error
 from hf import from_pretrained, save_pretrained
-from model import PRESETS
-from parallel import is_rank0, launched_by_torchrun, log, weights_finite
+from model import GPT, GPTConfig
 
 FORMAT = "gpt2-train-ckpt-v1"
 CKPT_NAME = re.compile(r"^ckpt_(\d{6,})(\.pt)?$")  # a file ckpt_000100.pt or a sharded directory ckpt_000100
@@ -235,23 +233,6 @@ def verify_checkpoint(path):
     return True
 
 
-def _is_complete(path):
-    """Cheap integrity check: torch.save writes a zip whose central directory comes last, so a
-    truncated file has no readable directory (reading the whole file is too slow for 18 GB).
-    A sharded directory: check_shards (every file its index names, at least at the size it needs)."""
-    if Path(path).is_dir():
-        try:
-            check_shards(path)
-        except CheckpointError:
-            return False
-        return True
-    try:
-        with zipfile.ZipFile(path) as z:
-            return any(name.endswith("data.pkl") for name in z.namelist())
-    except (OSError, zipfile.BadZipFile):
-        return False
-
-
 class _MetadataUnpickler(pickle.Unpickler):
     """DCP's .metadata index is a pickle (torch reads it with plain pickle.load: a crafted file runs code).
     This unpickler builds only DCP's metadata classes, torch.Size, dtypes and layouts; anything else is refused
@@ -342,24 +323,8 @@ def list_checkpoints(out_dir):
     return sorted(found)
 
 
-def latest_checkpoint(out_dir):
-    """Path of the newest checkpoint in out_dir that verifies (or, without a sidecar, looks complete), or None."""
-    for _, path in reversed(list_checkpoints(out_dir)):
-        try:
-            verify_checkpoint(path)
-            if _is_complete(path):
-                return path
-        except CheckpointError:
-            pass
-    return None
-
-
-def print_note(message):
-    """A one-line note on stderr (checkpoint skipped, loaded unverified)."""
-    print(f"note: {message}", file=sys.stderr, flush=True)
-
-
-def load_latest_checkpoint(out_dir, map_location="cpu", consolidate=True, note=print_note, verify=True):
+def load_latest_checkpoint(out_dir, map_location="cpu", consolidate=True, note=functools.partial(log, note=True),
+                           verify=True):
     """(checkpoint dict, path) of the newest checkpoint in out_dir that verifies and loads; note() is called
     with the reason for each newer one skipped. CheckpointError if out_dir holds none that loads."""
     found = list_checkpoints(out_dir)
@@ -375,7 +340,8 @@ def load_latest_checkpoint(out_dir, map_location="cpu", consolidate=True, note=p
     raise CheckpointError(f"{out_dir}: none of its {len(found)} checkpoints loads (newest: {reasons[0]})")
 
 
-def load_checkpoint(path, map_location="cpu", consolidate=True, note=print_note, verify=True):
+def load_checkpoint(path, map_location="cpu", consolidate=True, note=functools.partial(log, note=True),
+                    verify=True):
     """The checkpoint dict at `path`: a file (verified against its sidecar), a sharded checkpoint directory, or
     an out_dir meaning its newest checkpoint that verifies and loads (load_latest_checkpoint; note() says which
     newer ones were skipped and why). A sharded checkpoint is gathered into this process, in the single-file
@@ -445,29 +411,23 @@ def prune_checkpoints(out_dir, keep_last, keep_steps=()):
             checksum_path(path).unlink(missing_ok=True)
 
 
-def _distributed():
-    import torch.distributed as dist
-    return dist.is_available() and dist.is_initialized()
-
-
 def save_sharded_checkpoint(path, meta, model, optimizer):
     """Write the sharded checkpoint directory `path`. Under torch.distributed a collective: every rank calls
     it with its (FSDP-sharded) model and optimizer and writes its own shards; rank 0 writes `meta` (all
     the rest of the checkpoint) and renames the temporary directory into place once every rank's shards
     and DCP's index are on disk. A rank killed midway leaves only the temporary directory behind."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    distributed = _distributed()
-    first = not distributed or dist.get_rank() == 0
+    collective = distributed()
+    first = not collective or dist.get_rank() == 0
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")  # the same name on every rank
     if first:
         _remove(tmp)  # what an interrupted save of this step left
         tmp.mkdir(parents=True)
-    if distributed:
+    if collective:
         dist.barrier()
     model_state, optimizer_state = get_state_dict(model, optimizer)
     model_state.pop(TIED, None)
@@ -477,10 +437,10 @@ def save_sharded_checkpoint(path, meta, model, optimizer):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         writer = FileSystemWriter(str(tmp))
         writer.fs = _hashing_filesystem()()  # each rank hashes the shards it writes, as it writes them
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, storage_writer=writer, no_dist=not distributed)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, storage_writer=writer, no_dist=not collective)
     mine = writer.fs.sums
     sums = [mine]
-    if distributed:
+    if collective:
         sums = [None] * dist.get_world_size()
         dist.all_gather_object(sums, mine)
     if first:
@@ -495,7 +455,7 @@ def save_sharded_checkpoint(path, meta, model, optimizer):
         os.replace(tmp, path)
         fsync_dir(path.parent)
         _remove(old)
-    if distributed:
+    if collective:
         dist.barrier()
 
 
@@ -523,7 +483,7 @@ def load_sharded_checkpoint(path, model, optimizer=None, collective=None):
     try:
         with warnings.catch_warnings():  # DCP warns whenever it runs without a process group, as asked here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            no_dist = not (_distributed() if collective is None else collective)
+            no_dist = not (distributed() if collective is None else collective)
             reader, planner = _safe_dcp()
             dcp.load(state, storage_reader=reader(str(path)), planner=planner(), no_dist=no_dist)  # strict: every key must be there
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
@@ -584,179 +544,12 @@ def load_optimizer_state(model, optimizer, state):
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 
-# ----------------------------------------------------------------------------- train.py's checkpoints
-
-def resolve_config(user, verify=True):
-    """(TrainConfig, checkpoint dict or None). On init_from='resume' the newest checkpoint that verifies is
-    loaded (a note names each newer one skipped, and why; verify=False: the newest complete one, unhashed);
-    its config is the base the user's keys override (resumed_config); ckpt['path'] says where it was."""
-    cfg = make_config(user)
-    if cfg.init_from != "resume":
-        if list_checkpoints(cfg.out_dir):
-            raise ConfigError(f"{cfg.out_dir} already holds checkpoints; continue with --init_from=resume, "
-                              f"or pick another out_dir (or delete them) to start over")
-        return fine_tune_config(user, cfg) if is_checkpoint(cfg.init_from) else cfg, None
-    if not list_checkpoints(cfg.out_dir):
-        raise ConfigError(f"init_from='resume' but {cfg.out_dir} holds no checkpoint (ckpt_XXXXXX.pt or ckpt_XXXXXX/)")
-    # a sharded checkpoint: its meta only; each rank reads its own shards later
-    ckpt, path = load_latest_checkpoint(cfg.out_dir, consolidate=False, note=lambda message: log(message, note=True),
-                                        verify=verify)
-    return resumed_config(user, cfg.out_dir, {**ckpt, "path": str(path)})
-
-
-def resumed_config(user, out_dir, ckpt):
-    """(cfg, ckpt) of a run resuming from ckpt: the user's keys over the checkpoint's config; the architecture and
-    the optimizer cannot change."""
-    path = ckpt["path"]
-    # the run stays in the out_dir it found the checkpoint in (the checkpoint's own may be another, if moved)
-    cfg = make_config({**user, "out_dir": out_dir}, base=ckpt["config"])
-    if cfg.optimizer != ckpt["config"].get("optimizer", "adamw"):  # the saved state is the other optimizer's
-        raise ConfigError(f"cannot change optimizer when resuming: the checkpoint {path} has "
-                          f"{ckpt['config'].get('optimizer', 'adamw')!r}, the config {cfg.optimizer!r}")
-    saved = model_config(cfg, **ckpt["model_args"])  # fields added since the checkpoint get their defaults
-    for key in ARCH_KEYS:
-        if getattr(cfg, key) != getattr(saved, key):
-            raise ConfigError(f"cannot change {key} when resuming: the checkpoint {path} has "
-                              f"{getattr(saved, key)!r}, the config {getattr(cfg, key)!r}")
-    return cfg, ckpt
-
-
-def fine_tune_config(user, cfg):
-    """cfg with the architecture of the checkpoint cfg.init_from names (train.build_model loads its weights); the
-    step count, optimizer, schedule and data order stay this run's. An architecture key the user set (directly or
-    through `preset`) that differs from the checkpoint's is a ConfigError."""
-    ckpt = load_checkpoint(cfg.init_from, consolidate=False, note=lambda message: log(message, note=True))
-    saved = model_config(cfg, **ckpt["model_args"])  # fields added since the checkpoint get their defaults
-    chosen = {**PRESETS.get(user.get("preset"), {}), **user}
-    for key in ARCH_KEYS:
-        if key in chosen and chosen[key] != getattr(saved, key):
-            raise ConfigError(f"init_from={cfg.init_from!r}: the checkpoint has {key}={getattr(saved, key)!r}, the "
-                              f"config {key}={chosen[key]!r}; a fine-tuned model keeps its architecture: drop {key} "
-                              f"from the config")
-    return make_config({**user, **{key: getattr(saved, key) for key in ARCH_KEYS}})
-
-
-def resolve_config_or_defer(user):
-    """(cfg, checkpoint or None, error message or None): resolve_config, except that under torchrun its error is
-    returned rather than raised. A rank that failed before joining the process group (a node that cannot see
-    out_dir's checkpoints) would leave the others waiting in the rendezvous until it times out; instead every
-    rank joins and check_shared_out_dir raises the error on all of them."""
-    try:  # only rank 0 hashes the checkpoint; the others check that theirs is complete (agree_on_checkpoint)
-        return (*resolve_config(user, verify=is_rank0()), None)
-    except (ConfigError, CheckpointError) as e:
-        if not launched_by_torchrun():
-            raise
-        return make_config(user), None, str(e)  # a bad key fails here alike on every rank: nobody waits
-
-
-SETUP_KEYS = ("device", "dtype", "parallel", "shard_size", "seed", "dist_timeout_minutes")  # what setup() used
-
-
-def agree_on_checkpoint(user, cfg, ckpt, problem, env):
-    """Under torchrun only rank 0 sha256-hashed the checkpoint it resumes from (one read of an 18 GB file,
-    not one per rank); a rank that chose another (rank 0 skipped a damaged one) loads rank 0's, unhashed.
-    Returns (cfg, ckpt, problem); a problem is raised on every rank by check_shared_out_dir."""
-    if not env.distributed or cfg.init_from != "resume":
-        return cfg, ckpt, problem
-    chosen = [ckpt and ckpt["path"]]
-    dist.broadcast_object_list(chosen, src=0)
-    if problem or chosen[0] is None or chosen[0] == (ckpt and ckpt["path"]):
-        return cfg, ckpt, problem
-    try:
-        agreed, ckpt = resumed_config(user, cfg.out_dir, {**load_checkpoint(chosen[0], consolidate=False, verify=False),
-                                                          "path": chosen[0]})
-    except (ConfigError, CheckpointError) as e:
-        return cfg, None, str(e)
-    changed = [k for k in SETUP_KEYS if getattr(agreed, k) != getattr(cfg, k)]
-    if changed:
-        return cfg, None, (f"rank 0 resumes from {chosen[0]}, whose {changed[0]} differs from that of the checkpoint "
-                           f"this rank found; resume again")
-    return agreed, ckpt, None
-
-
-class Halt(Exception):
-    """Stop the run with exit code 1 (nonfinite='halt', too many skipped steps, non-finite weights)."""
-
-
-@dataclass
-class Progress:
-    """What the loop carries from step to step and a checkpoint carries across a restart."""
-    step: int = 0
-    best_step: int | None = None
-    best_val: float | None = None
-    skipped_in_a_row: int = 0
-
-
-def restore(ckpt, raw_model, optimizer, scaler, loader):
-    """Optimizer (and from a sharded checkpoint the weights, resharded to this run's layout), loss scaler and
-    loader position from a checkpoint; returns the Progress it recorded. Every rank calls it."""
-    if "shards" in ckpt:
-        load_sharded_checkpoint(ckpt["shards"], raw_model, optimizer)
-    else:
-        load_optimizer_state(raw_model, optimizer, ckpt["optimizer"])
-    if ckpt["scaler"] is not None:
-        scaler.load_state_dict(ckpt["scaler"])
-    try:
-        loader.load_state_dict(ckpt["loader"])
-    except ValueError as e:
-        saved = ckpt["config"]
-        raise ConfigError(f"cannot resume: {e}; the checkpoint's run used data_dir={saved.get('data_dir')!r} and "
-                          f"seed={saved.get('seed')}") from None
-    return Progress(ckpt["step"], ckpt.get("best_step"), ckpt.get("best_val_loss"))
-
-
-def restore_rngs(ckpt, env):
-    """Last, after everything that draws random numbers during setup: each rank's RNGs as they were."""
-    if len(ckpt["rng"]) == env.world_size:
-        set_rng_state(ckpt["rng"][env.rank])
-    else:
-        log(f"checkpoint has RNG states of {len(ckpt['rng'])} ranks, this run has {env.world_size}; "
-            "dropout masks will differ from an uninterrupted run", note=True)
-
-
-def kept_checkpoint(out_dir):
-    """What a halted run leaves to resume from, for its error message."""
-    found = list_checkpoints(out_dir)
-    if not found:
-        return "no checkpoint was written yet"
-    return f"the last checkpoint, {found[-1][1]}, is kept (continue with --init_from=resume)"
-
-
-def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, tracker, cfg, env):
-    """Write a checkpoint holding everything an exact resume needs, then prune old ones: ckpt_{step}.pt from
-    rank 0, or in a sharded run the directory ckpt_{step}/ to which every rank writes its own shards."""
-    rngs = [rng_state()]
-    if env.distributed:  # every rank's dropout RNG, so a resumed DDP run draws the same masks
-        rngs = [None] * env.world_size
-        dist.all_gather_object(rngs, rng_state())
-    if not (env.master or env.sharded):
-        return
-    step = progress.step
-    if not weights_finite(raw_model, env):
-        raise Halt(f"step {step}: the weights hold NaN/inf; not writing them")
-    if val is not None and (progress.best_val is None or val < progress.best_val):
-        progress.best_step, progress.best_val = step, val
-    meta = {"model_args": asdict(raw_model.config), "config": asdict(cfg), "step": step,
-            "scaler": scaler.state_dict() if scaler.is_enabled() else None, "loader": loader.state_dict(),
-            "rng": rngs, "val_loss": val, "best_step": progress.best_step, "best_val_loss": progress.best_val,
-            "tracker": tracker.state_dict(), "format": FORMAT}
-    path = checkpoint_path(out_dir, step, sharded=env.sharded)
-    if env.sharded:
-        save_sharded_checkpoint(path, meta, raw_model, optimizer)
-    else:
-        save_checkpoint(path, {**meta, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict()})
-    if env.master:
-        prune_checkpoints(out_dir, cfg.keep_last, keep_steps={progress.best_step})
-        log(f"step {step}: saved {path}")
-
-
 def _consolidated(ckpt):
     """A sharded checkpoint's model and optimizer gathered into this process, in the single-file layout
     (model, optimizer.state_dict()). Needs host memory for the model and its AdamW state: 16 bytes/param."""
-    from model import GPT, GPTConfig
     cfg = ckpt["config"]
     model = GPT(GPTConfig(**ckpt["model_args"]))
-    optimizer = model.configure_optimizer(cfg["weight_decay"], cfg["learning_rate"], (cfg["beta1"], cfg["beta2"]))
+    optimizer = optim.adamw(model.parameters(), cfg["weight_decay"], cfg["learning_rate"], (cfg["beta1"], cfg["beta2"]))
     load_sharded_checkpoint(ckpt["shards"], model, optimizer, collective=False)
     out = {k: v for k, v in ckpt.items() if k != "shards"}
     return {**out, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -777,8 +570,6 @@ def load_model(ckpt=None, init_from=None, device="cpu"):
     out_dir) or from pretrained weights (init_from: 'gpt2', 'gpt2-medium', ... or a Hugging Face directory).
     info: source, step, val_loss, config (the training config, or None) and hf_dir: the Hugging Face
     directory the weights come from (init_from, or the run's own init_from), or None."""
-    from model import GPT, GPTConfig
-
     if (ckpt is None) == (init_from is None):
         raise ValueError("give exactly one of ckpt (a checkpoint file or out_dir) or init_from (a pretrained name)")
     if init_from is not None:

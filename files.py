@@ -1,5 +1,6 @@
 """Crash-safe file writes, file hashes and directory locks, shared by checkpoints, shards, manifests, assets
-and run outputs; and the scripts' one-line error messages (first_line, error_line, error_message, report_error).
+and run outputs; and the expected errors: their one-line messages (first_line, error_line, error_message,
+report_error), a locked directory (LockError) and a run that must stop (Halt).
 
 No torch here: prepare_data's tokenizer workers import it.
 """
@@ -8,8 +9,9 @@ import errno
 import hashlib
 import os
 import socket
-import sys
 from pathlib import Path
+
+from console import log
 
 try:
     import fcntl
@@ -50,9 +52,7 @@ def error_message(prog, e, about=None):
 
 def report_error(prog, e, about=None):
     """error_message() on stderr, once per node (every node's log says why it stopped)."""
-    message = error_message(prog, e, about)
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(message, file=sys.stderr, flush=True)
+    log(error_message(prog, e, about), error=True)
 
 
 def fsync_dir(directory):
@@ -114,6 +114,11 @@ class LockError(Exception):
     """Another live process holds a directory's lock; the message (one line) names it."""
 
 
+class Halt(Exception):
+    """Stop the run with exit code 1 (nonfinite='halt', too many skipped steps, non-finite weights, an
+    out-of-memory that cannot be recovered from)."""
+
+
 @contextlib.contextmanager
 def directory_lock(directory, program):
     """Hold an exclusive lock on `directory` for the with block: flock(2) on directory/.lock, which also
@@ -140,8 +145,8 @@ def directory_lock(directory, program):
             except OSError as e:
                 if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                     raise
-                print(f"note: {path}: this filesystem has no file locks ({e.strerror}); nothing stops a second "
-                      f"process from using {directory} at the same time", file=sys.stderr)
+                log(f"{path}: this filesystem has no file locks ({e.strerror}); nothing stops a second process "
+                    f"from using {directory} at the same time", note=True)
         held = True
         os.ftruncate(fd, 0)
         os.write(fd, f"{program} (pid {os.getpid()} on {socket.gethostname()})\n".encode())

@@ -15,10 +15,7 @@ sees them, q/k/v in one (B, T, 3C) buffer, the attention output, the MLP's pre- 
 and, under autocast, the low-precision copies of the block's matmul weights. torch.compile saves less, so the
 plan is an upper bound there.
 
-The dry run, `python memory.py CONFIG [--key=value ...] --world_size=N [--gpus_per_node=8]
-[--device_memory_gib=80]` (main(), report(), dry_run()), prints the plan beside a simulation of one optimizer
-step of the config at world size N: the project's own model, sharding, optimizer and step on fake tensors and a
-fake process group, measured by torch's memory trackers (docs/dry-run.md).
+dryrun.py proves a plan at the real size and world size on fake tensors.
 """
 import gc
 import os
@@ -26,12 +23,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from checkpoint import Halt, is_checkpoint
-from config import ConfigError, batch_layout, make_config, model_config
+from checkpoint import is_checkpoint
+from config import ConfigError, batch_layout, model_config
+from console import log
 from devices import autocast, is_oom, rng_state, set_rng_state
-from model import GPT, PRESETS
-from optim import build_optimizer
-from parallel import Env, clip_gradients, forward_backward, keeps_grads, log, mesh_shape, parallelize
+from files import Halt
+from model import GPT, LOSS_CHUNK_ROWS, PRESETS
 
 GiB = 2**30
 # batch_size='auto' from the plan (CPU/MPS): use at most this share of the available memory. On a CPU the peak
@@ -92,7 +89,6 @@ def param_stats(cfg) -> dict:
 
 
 def _count_params(cfg) -> dict:
-    from model import GPT
     with torch.device("meta"):
         m = GPT(cfg)
     blocks = m.transformer.h
@@ -164,7 +160,6 @@ def loss_bytes(cfg, batch_size: int, dtype="float32", seq_len: int | None = None
     low-precision product, the weight's low-precision copy, and a (V, C) chunk product with its fp32 conversion
     while it is added to the fp32 gradient). low_params (FSDP's bf16 weight and input): no copy of the weight, and
     the input and its gradient in bf16; the weight gradient is still accumulated in fp32."""
-    from model import LOSS_CHUNK_ROWS
     N = batch_size * (seq_len or cfg.block_size)
     n, V, C = min(N, LOSS_CHUNK_ROWS), cfg.vocab_size, cfg.n_embd
     if _bytes_per_element(dtype) == 4:
@@ -560,197 +555,3 @@ def in_micro_batches(run, rows, micro, env, what):
         log(f"{what}: out of memory in validation at micro-batch {micro}: evaluating at {smaller}")
         micro = smaller
         _free(env.device)
-
-
-# ----------------------------------------------------------------------------- the dry run
-
-NOT_SIMULATED = ("not simulated: torch.compile, CUDA kernels' workspaces, NCCL's buffers and the caching allocator's "
-                 "fragmentation (leave headroom for them)")
-GPU_DTYPE = "bfloat16"  # dtype='auto' on a GPU with native bf16 (devices.resolve_dtype): what the dry run assumes
-
-
-class DDPBuckets(torch.nn.Module):
-    """DDP as the dry run models it (its C++ reducer cannot run on fake tensors): one flat fp32 buffer whose views
-    are the gradients (gradient_as_bucket_view=True, kept across steps: parallel.keeps_grads); the all-reduce is
-    in place, so it costs no more memory. set_grad_sync/keeps_grads see it as DDP."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module, self.require_backward_grad_sync = module, True
-        params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets = torch.zeros(sum(p.numel() for p in params))
-        for p, view in zip(params, self.buckets.split([p.numel() for p in params])):
-            p.grad = view.view_as(p)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-
-@dataclass
-class DryRun:
-    """The simulated peak of one rank, in bytes, by the plan's parts; notes say what was modelled or skipped."""
-    parts: dict
-    notes: list
-
-    @property
-    def total(self) -> int:
-        return sum(self.parts.values())
-
-
-def _categories(snapshot) -> dict:
-    """A MemTracker peak snapshot (category name -> bytes) as the plan's parts."""
-    by_name = {str(getattr(k, "value", k)): v for k, v in snapshot.items()}
-    get = lambda *names: sum(by_name.get(n, 0) for n in names)  # noqa: E731
-    return {"params": get("Parameter", "Sharded Param", "Buffer"), "grads": get("Gradient", "Sharded Grad", "Other"),
-            "optimizer": get("Optstate", "OptState"),
-            "gathered": get("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter"),
-            "activations": get("Activation", "Temp", "Inputs")}
-
-
-def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
-    """Simulate one optimizer step of rank 0 of `world_size` for TrainConfig cfg (an int batch_size) on fake
-    tensors and the fake process group: the project's own model (built on meta, materialised fake), parallelize
-    (FSDP/HSDP sharding on a CPU mesh), optimizer, forward_backward (with cfg's autocast dtype, 'auto' as a bf16
-    GPU, activation checkpointing and the chunked loss), clip and update, tracked by torch's MemTracker /
-    FSDPMemTracker. The simulated step is a steady one: the optimizer state exists (made by a first update on
-    zero gradients). Micro-steps that start from the memory state micro-step 2 started from (checked) have its
-    peak and are not re-run, but the last. No parameter memory is allocated: any size runs on a laptop."""
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if cfg.batch_size == "auto":
-        raise ValueError("the dry run needs batch_size set (it simulates a given micro-batch), not 'auto'")
-    cfg = replace(cfg, compile=False, dtype=GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype)
-    parallel = cfg.parallel
-    mesh = () if parallel == "ddp" else mesh_shape(parallel, cfg.shard_size, world_size, min(gpus_per_node, world_size))
-    env = Env(0, 0, world_size, True, "cpu", cfg.dtype, parallel, mesh)
-    grad_accum = batch_layout(cfg, world_size)[1]
-    notes = []
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        with torch.device("meta"):
-            raw = GPT(model_config(cfg))
-        model = parallelize(raw, cfg, env) if env.sharded else raw  # the mesh is made outside FakeTensorMode
-        x = torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long)  # a real batch, as the loader's
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            raw.to_empty(device="cpu")
-            if cfg.tie_embeddings and not env.sharded:  # to_empty gives each module its own tensor (FSDP keeps ties)
-                raw.transformer.wte.weight = raw.lm_head.weight
-            if not env.sharded and world_size > 1:
-                model = DDPBuckets(raw)
-                notes.append("DDP modelled, not run (its C++ reducer cannot run on fake tensors): gradients are views "
-                             "of one fp32 bucket buffer, all-reduced in place")
-            optimizer = build_optimizer(raw, cfg, fused=True)  # as on a GPU
-            # a first update, untracked, on zero gradients: it makes the optimizer state, and fills DTensor's
-            # sharding cache (its propagation runs global-shape ops in this fake mode, which a tracker would count)
-            for p in raw.parameters():
-                p.grad = torch.zeros_like(p) if p.grad is None else p.grad
-            clip_gradients(raw, cfg.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=not keeps_grads(model))
-            inner = [optimizer.muon, optimizer.adamw] if hasattr(optimizer, "muon") else [optimizer]
-            if env.sharded:
-                tracker = FSDPMemTracker(model, optimizer)
-            else:
-                tracker = MemTracker()
-                tracker.track_external(model, *inner, *([model.buckets] if keeps_grads(model) else []))
-
-            class Batches:  # what forward_backward reads; each micro-step is a new iteration for the tracker
-                def next_batch(self):
-                    tracker.reset_mod_stats()
-                    return x, x
-
-            scaler = torch.amp.GradScaler("cpu", enabled=False)
-            with tracker:
-                starts, skipped = [], []  # the memory state each micro-step started from
-                for micro in range(grad_accum):
-                    starts.append(_categories(tracker.get_tracker_snapshot()[torch.device("cpu")]))
-                    if 1 < micro < grad_accum - 1 and starts[-1] == starts[1]:  # as micro-step 2 began: its peak
-                        skipped.append(micro)
-                        continue
-                    forward_backward(model, Batches(), grad_accum, scaler, env, micro_steps=[micro])
-                clip_gradients(raw, cfg.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=not keeps_grads(model))
-            if parallel == "hsdp" and grad_accum > 1:
-                notes.append("HSDP: until the last micro-step's all-reduce across replicas, the gradient shards add "
-                             "up in FSDP's partial-reduce buffer, counted under temporaries")
-            if skipped:
-                notes.append(f"micro-steps {skipped[0] + 1}-{skipped[-1] + 1} of {grad_accum} start from the memory "
-                             "state micro-step 2 started from: the same peak, not re-run")
-        return DryRun(_categories(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]), notes)
-    finally:
-        dist.destroy_process_group()
-
-
-PARTS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
-         "gathered": "all-gathered units (FSDP)", "activations": "activations + temporaries"}
-
-
-def dry_run_plan(cfg, world_size: int, gpus_per_node: int = 8) -> MemoryPlan:
-    """The memory plan of TrainConfig cfg at world_size, on a GPU (dtype 'auto' as bf16), as the dry run sees it."""
-    from parallel import mesh_shape
-    shard = mesh_shape(cfg.parallel, cfg.shard_size, world_size, min(gpus_per_node, world_size))[-1] \
-        if cfg.parallel != "ddp" else None
-    return estimate_memory(model_config(cfg), cfg.batch_size, GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype,
-                           cfg.parallel, world_size, cfg.optimizer, shard_size=shard)
-
-
-def report(cfg, world_size: int, gpus_per_node: int = 8) -> tuple[MemoryPlan, DryRun, str]:
-    """(plan, dry run, the printed comparison) of TrainConfig cfg at world_size."""
-    dtype = GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype
-    plan = dry_run_plan(cfg, world_size, gpus_per_node)
-    sim = dry_run(cfg, world_size, gpus_per_node)
-    planned = {**{k: getattr(plan, k) for k in PARTS}, "activations": plan.activations + plan.logits}
-    mode = cfg.parallel + (f" (shard_size {cfg.shard_size or min(gpus_per_node, world_size)})"
-                           if cfg.parallel == "hsdp" else "")
-    rows = [f"dry run: rank 0 of {world_size}, {mode}, {dtype}, micro-batch {cfg.batch_size} x "
-            f"{batch_layout(cfg, world_size)[1]} accumulation steps"
-            + (", activation checkpointing" if cfg.activation_checkpointing else "")
-            + ": one optimizer step simulated on fake tensors", f"  {'GiB per rank':<28}{'plan':>8}{'simulated':>11}"]
-    rows += [f"  {name:<28}{planned[k] / GiB:>8.2f}{sim.parts[k] / GiB:>11.2f}" for k, name in PARTS.items()]
-    rows += [f"  {'peak':<28}{plan.total / GiB:>8.2f}{sim.total / GiB:>11.2f}  (plan/simulated {plan.total / sim.total:.2f})"]
-    return plan, sim, "\n".join([plan.line(), *rows, *[f"note: {n}" for n in sim.notes], f"note: {NOT_SIMULATED}"])
-
-
-DRY_RUN_FLAGS = {"world_size": int, "gpus_per_node": int, "device_memory_gib": float}  # memory.py's own, not config keys
-
-
-def main(argv=None) -> int:
-    """python memory.py CONFIG [--key=value ...] --world_size=N [--gpus_per_node=8] [--device_memory_gib=80]:
-    the memory plan and the dry run side by side; exit 1 if the simulated peak exceeds device_memory_gib, 2 on
-    a bad config or flag."""
-    import sys
-    from config import parse_args
-    from files import report_error
-    argv = sys.argv[1:] if argv is None else list(argv)
-    flags = {"gpus_per_node": 8, "device_memory_gib": 80.0}
-    try:
-        rest = []
-        for arg in argv:
-            key, eq, value = arg[2:].partition("=")
-            if not (arg.startswith("--") and eq and key in DRY_RUN_FLAGS):
-                rest.append(arg)
-                continue
-            try:
-                flags[key] = DRY_RUN_FLAGS[key](value)
-            except ValueError:
-                raise ConfigError(f"{arg}: expected {DRY_RUN_FLAGS[key].__name__}") from None
-        if flags.get("world_size", 0) < 1 or flags["gpus_per_node"] < 1:
-            raise ConfigError("memory.py needs --world_size=N (N >= 1; and --gpus_per_node >= 1)")
-        _, sim, text = report(make_config(parse_args(rest)), flags["world_size"], flags["gpus_per_node"])
-    except (ConfigError, ValueError) as e:
-        report_error("memory.py", e)
-        return 2
-    print(text)
-    fits = sim.total <= flags["device_memory_gib"] * GiB
-    print(f"{'fits' if fits else 'does NOT fit'}: simulated peak {gib(sim.total)} GiB {'<=' if fits else '>'} "
-          f"{flags['device_memory_gib']:g} GiB per device")
-    return 0 if fits else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -12,7 +12,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import optim
 
 GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this in a padded vocab are never generated
 LOSS_CHUNK_ROWS = 2048  # rows of (B*T) per lm_head+CE chunk when the full logits are not needed
@@ -354,10 +353,6 @@ class GPT(nn.Module):
         return logits, loss
 
     # ------------------------------------------------------------------------- training helpers
-
-    def configure_optimizer(self, weight_decay: float, lr: float, betas, fused: bool = False) -> torch.optim.AdamW:
-        """AdamW with weight decay on 2-D parameters only (optim.adamw, the one place it is defined)."""
-        return optim.adamw(self.parameters(), weight_decay, lr, betas, fused)
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token: 6N for the matmuls (fwd + bwd) + 12*L*H*Q*T for attention (PaLM appendix B)."""

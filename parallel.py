@@ -1,11 +1,11 @@
 """How the processes are arranged and how the model is spread over them: the one seam between the bare GPT and
 the training loop (torchtitan's ParallelDims and parallelize.py). setup() joins torchrun's process group and
 returns the Env (rank, device, precision, parallel mode) every later step takes; check_shared_out_dir() makes
-sure all nodes see one out_dir; log() is the run's rank-0 output. parallelize() wraps the model once: DDP
+sure all nodes see one out_dir. parallelize() wraps the model once: DDP
 (every rank a whole replica), or FSDP2 / HSDP (parameters, gradients and optimizer state sharded over ranks),
 then torch.compile, tried once on dummy tokens so a compile error means eager from the start, never a swap
 mid-run. The helpers the loop needs from whatever parallelize() returned live here too: forward_backward() (a
-step's micro-batches, with gradient sync for accumulation; memory.py's dry run runs it too), the global gradient
+step's micro-batches, with gradient sync for accumulation; dryrun.py runs it too), the global gradient
 norm, a gathered copy of a sharded model for generation and HellaSwag.
 """
 import contextlib
@@ -13,7 +13,6 @@ import math
 import os
 import random
 import socket
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,9 +23,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from tqdm import tqdm
 
 from config import ConfigError
+from console import is_rank0, launched_by_torchrun, log
 from devices import (DTYPES, autocast, device_type, is_compile_error, resolve_compile, resolve_device, resolve_dtype,
                      rng_state, set_rng_state, tune_cpu_allocator, use_cuda_device)
 from files import directory_lock, first_line
@@ -61,28 +60,12 @@ class Env:
 
 # ----------------------------------------------------------------------------- how the processes are arranged
 
-def is_rank0():
-    """Rank 0 of torchrun's processes, or a plain `python train.py`; usable before the process group exists."""
-    return os.environ.get("RANK", "0") == "0"
-
-
-def log(message, note=False):
-    """The run's one way to say something: from rank 0 only (the other ranks see the same things), through tqdm
-    so a progress bar stays whole; a note goes to stderr as 'note: ...'."""
-    if is_rank0():
-        tqdm.write(f"note: {message}" if note else message, file=sys.stderr if note else sys.stdout)
-
-
 def lock_out_dir(out_dir):
     """One run per out_dir: rank 0 holds an exclusive lock on it (files.directory_lock) for the whole run;
     a second run there is a one-line error naming the holder. The other ranks of a torchrun job don't lock."""
     if not is_rank0():
         return contextlib.nullcontext()
     return directory_lock(out_dir, "train.py")
-
-
-def launched_by_torchrun():
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def check_shared_out_dir(out_dir, resumed_step, problem, env):

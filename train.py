@@ -26,18 +26,20 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from chat import CHAT_VOCAB
-from checkpoint import (CheckpointError, Halt, Progress, agree_on_checkpoint, is_checkpoint, kept_checkpoint,
-                        load_checkpoint, load_sharded_checkpoint, resolve_config_or_defer, restore, restore_rngs, save)
+from checkpoint import CheckpointError, is_checkpoint, load_checkpoint, load_sharded_checkpoint
 from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text, make_config, model_config, parse_args
 from data import DataLoader, NoShardsError, ShardError
 from devices import autocast, fused_adamw_supported, peak_flops, peak_memory
-from files import LockError, atomic_write, report_error
+from console import log
+from files import Halt, LockError, atomic_write, report_error
 from hf import from_pretrained, pad_vocab
 from memory import fitting_forward_backward, in_micro_batches, probe_batch_size, resolve_batch_size
 from model import GPT
 from optim import build_optimizer, set_lr
 from parallel import (any_rank, build_device, build_on_meta, check_shared_out_dir, clip_gradients, forward_backward,
-                      gathered, is_compiled, keeps_grads, lock_out_dir, log, parallelize, setup, to_device)
+                      gathered, is_compiled, keeps_grads, lock_out_dir, parallelize, setup, to_device)
+from resume import (Progress, agree_on_checkpoint, kept_checkpoint, resolve_config_or_defer, restore, restore_rngs,
+                    save)
 from tracking import TRACKING_KEYS, NoTracker, Tracker, TrackingError, check_tracking_available
 
 

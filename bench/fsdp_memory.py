@@ -42,6 +42,7 @@ def worker(model_keys, out):
     import torch.distributed as dist
     from config import make_config, model_config
     from model import GPT
+    from optim import adamw
     from parallel import Env, clip_gradients, mesh_shape, parallelize
     parallel = os.environ["BENCH_PARALLEL"]
     cfg = make_config({**model_keys, "device": "cpu", "dtype": "float32", "compile": False, "parallel": parallel,
@@ -53,7 +54,7 @@ def worker(model_keys, out):
     torch.manual_seed(cfg.seed)
     raw = GPT(model_config(cfg))
     model = parallelize(raw, cfg, env)
-    optimizer = raw.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2))  # after sharding
+    optimizer = adamw(raw.parameters(), cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2))  # after sharding
     x = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.block_size))
     model(x, x, return_logits=False)[1].backward()
     clip_gradients(raw, cfg.grad_clip)

@@ -29,7 +29,7 @@ It prints one table, check | result | reference or limit | status, and exits 1 i
   ddp x8     (8 GPUs) gpt2_124m DDP on 8 ranks with evaluation, HellaSwag (when it has the data) and samples
              on: tokens/s against 8x the one-GPU train row; FAIL below 85% scaling.
   1558m      (CUDA) configs/gpt2_1558m.py with 2 accumulation steps: measured peak against the plan and the
-             dry run (memory.dry_run, where this checkout has it).
+             dry run (dryrun.dry_run).
 The header names torch, CUDA and NCCL versions and the GPU topology (nvidia-smi topo -m).
 
 Each train.py run gets its own empty torch.compile cache, so compile times are first-run times.
@@ -498,6 +498,7 @@ def check_1558m_memory(report, opts, tmp, data_dir):
     if opts.tiny:
         report.add("1558m memory", "CUDA only", "-", "SKIP")
         return
+    import dryrun
     import memory
     config = ROOT / "configs" / "gpt2_1558m.py"
     cfg = make_config(parse_args([str(config)]))
@@ -511,8 +512,7 @@ def check_1558m_memory(report, opts, tmp, data_dir):
         return
     dtype = resolve_dtype(cfg.dtype, opts.device)
     plan = memory.estimate_memory(model_config(cfg), cfg.batch_size, dtype=dtype, optimizer=cfg.optimizer)
-    dry = getattr(memory, "dry_run", None)
-    simulated = f"{dry(cfg, world_size=1).total / 2**30:.1f} GiB" if dry else "n/a (no memory.dry_run here)"
+    simulated = f"{dryrun.dry_run(cfg, world_size=1).total / 2**30:.1f} GiB"
     measured = max(r["peak_mem_mb"] for r in records) * 2**20
     status, ratio = memory_verdict(plan.total, measured)
     report.add("1558m memory", f"2 accumulation steps: measured {measured / 2**30:.1f} GiB, planned "

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.nn.functional as F
 
+import optim
 import devices
 from bench import machine_line, require
 from devices import autocast, device_type, glibc, malloc_tuned, resolve_device, set_malloc_tuned
@@ -221,7 +222,7 @@ def scoreboard_setups(device, batch_size, large_batch_size, bf16_note):
 
 def train_defaults_setup(device, batch_size):
     """The settings train.py uses on this device: TrainConfig's dtype and compile through the devices policy,
-    the allocator tuning it always does on a CPU, its optimizer (GPT.configure_optimizer), chunked loss,
+    the allocator tuning it always does on a CPU, its optimizer (optim.adamw), chunked loss,
     gradient clipping, TF32 on CUDA."""
     dtype = devices.resolve_dtype(TrainConfig.dtype, device)
     use_compile = bool(devices.resolve_compile(TrainConfig.compile, device, dtype))
@@ -283,7 +284,7 @@ def make_hf_model(cfg: GPTConfig, device):
 def make_optimizer(model, setup: Setup, device):
     if setup.optimizer == "train":
         c = TrainConfig
-        return model.configure_optimizer(c.weight_decay, c.learning_rate, (c.beta1, c.beta2),
+        return optim.adamw(model.parameters(), c.weight_decay, c.learning_rate, (c.beta1, c.beta2),
                                          fused=devices.fused_adamw_supported(device_type(device)))
     kw = {"loop": dict(foreach=False, fused=False), "default": {}, "fused": dict(fused=True)}[setup.optimizer]
     return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, **kw)

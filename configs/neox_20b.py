@@ -8,7 +8,7 @@
 # The paper sharded optimizer state (ZeRO-1) with tensor and pipeline parallelism over 96 A100-40GB; here HSDP:
 # parameters, gradients and AdamW state (16 bytes/param, 330 GB) sharded within each 8-GPU node (41 GB per
 # GPU) and replicated across nodes, with activation checkpointing. Dry run:
-#   python memory.py configs/neox_20b.py --world_size=64
+#   python dryrun.py configs/neox_20b.py --world_size=64
 #   sbatch --nodes=8 scripts/slurm_train.sh configs/neox_20b.py     # 8 nodes x 8 GPUs
 data_dir = "data/fineweb-edu"
 out_dir = "out/neox_20b"

@@ -1,4 +1,4 @@
-"""memory.py's dry run (fake tensors + the fake process group) and the memory fixes it proves: FSDP reduce-scatters
+"""dryrun.py: the dry run (fake tensors + the fake process group) and the memory fixes it proves: FSDP reduce-scatters
 every micro-step, DDP's gradients stay bucket views, the plan follows the configured optimizer; every shipped
 config is dry-run at its intended world size."""
 from pathlib import Path
@@ -7,11 +7,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import dryrun
 import memory
 import optim
 import parallel
 from config import make_config, model_config, parse_args
-from memory import GiB, dry_run, estimate_memory
+from dryrun import dry_run
+from memory import GiB, estimate_memory
 from model import GPT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,8 +46,8 @@ def test_sharded_accumulation_never_holds_whole_model_fp32_gradients(parallel_mo
 @pytest.mark.slow
 def test_dry_run_of_ddp_says_its_buckets_are_modelled_and_matches_the_plan():
     cfg = make_config({**DEEP, "total_batch_size": 2 * 32 * 2 * 2, "dtype": "float32"})
-    plan, sim, text = memory.report(cfg, world_size=2)
-    assert "DDP modelled" in text and memory.NOT_SIMULATED in text
+    plan, sim, text = dryrun.report(cfg, world_size=2)
+    assert "DDP modelled" in text and dryrun.NOT_SIMULATED in text
     whole = sum(p.numel() for p in GPT(model_config(cfg)).parameters()) * 4
     assert sim.parts["params"] == sim.parts["grads"] == plan.params == plan.grads == whole  # one gradient copy
     assert sim.parts["optimizer"] == pytest.approx(plan.optimizer, rel=1e-3)  # + AdamW's step counters
@@ -99,9 +101,9 @@ def test_shipped_config_dry_runs_at_its_world_size_within_15_percent_of_the_plan
     docs/dry-run.md has the whole models): the plan agrees with the simulation, and the whole model's plan fits
     80 GiB."""
     cfg = make_config(parse_args([str(ROOT / "configs" / f"{name}.py")]))
-    assert memory.dry_run_plan(cfg, WORLD[name]).total < 80 * GiB
+    assert dryrun.dry_run_plan(cfg, WORLD[name]).total < 80 * GiB
     short = make_config({**vars(cfg), "n_layer": 2})
-    plan, sim, _ = memory.report(short, WORLD[name])
+    plan, sim, _ = dryrun.report(short, WORLD[name])
     assert plan.total == pytest.approx(sim.total, rel=0.15)
 
 
@@ -123,11 +125,11 @@ def test_probe_reserves_nccl_buffers_and_resets_the_peak_memory_stats(monkeypatc
 
 def test_cli_exits_1_above_device_memory_and_2_on_a_bad_flag(monkeypatch, capsys):
     seen = []
-    monkeypatch.setattr(memory, "report", lambda cfg, world_size, gpus_per_node: seen.append(
-        (cfg.n_layer, world_size, gpus_per_node)) or (None, memory.DryRun({"params": 2 * GiB}, []), "the table"))
+    monkeypatch.setattr(dryrun, "report", lambda cfg, world_size, gpus_per_node: seen.append(
+        (cfg.n_layer, world_size, gpus_per_node)) or (None, dryrun.DryRun({"params": 2 * GiB}, []), "the table"))
     config = str(ROOT / "configs" / "gpt3_125m.py")
-    assert memory.main([config, "--world_size=16", "--n_layer=3", "--device_memory_gib=1.5"]) == 1
+    assert dryrun.main([config, "--world_size=16", "--n_layer=3", "--device_memory_gib=1.5"]) == 1
     assert "does NOT fit: simulated peak 2.0 GiB > 1.5 GiB" in capsys.readouterr().out
-    assert memory.main([config, "--world_size=16", "--gpus_per_node=4"]) == 0 and seen == [(3, 16, 8), (12, 16, 4)]
-    assert memory.main([config]) == 2 and "--world_size=N" in capsys.readouterr().err
-    assert memory.main([config, "--world_size=eight"]) == 2 and "expected int" in capsys.readouterr().err
+    assert dryrun.main([config, "--world_size=16", "--gpus_per_node=4"]) == 0 and seen == [(3, 16, 8), (12, 16, 4)]
+    assert dryrun.main([config]) == 2 and "--world_size=N" in capsys.readouterr().err
+    assert dryrun.main([config, "--world_size=eight"]) == 2 and "expected int" in capsys.readouterr().err

@@ -20,12 +20,13 @@ import torch.distributed as dist
 from test_hellaswag import EXAMPLES
 from test_train import TINY, markov_tokens, metrics, subprocess_env, train_losses
 
+import optim
 import checkpoint
 import hellaswag
 import parallel
 import sample
 import train
-from checkpoint import latest_checkpoint, load_checkpoint, save_sharded_checkpoint
+from checkpoint import load_checkpoint, load_latest_checkpoint, save_sharded_checkpoint
 from config import ConfigError, make_config
 from data import write_shard
 from hf import from_pretrained
@@ -231,7 +232,7 @@ def test_kill_9_of_one_rank_during_a_sharded_save_keeps_the_previous_checkpoint(
     assert proc.returncode != 0  # torchrun saw a worker die
 
     assert (out / ".ckpt_000003.tmp").is_dir() and not (out / "ckpt_000003").exists()
-    assert latest_checkpoint(out) == out / "ckpt_000002"
+    assert load_latest_checkpoint(out, consolidate=False)[1] == out / "ckpt_000002"
     assert train.main(["--init_from=resume", f"--out_dir={out}", "--max_steps=4"]) == 0  # in one process
     assert close(train_losses(out), steps(train_losses(fsdp_run), 1, 4))
     assert not (out / ".ckpt_000003.tmp").exists()  # the next save cleared what the killed one left
@@ -353,7 +354,7 @@ def tiny_sharded_checkpoint(path, vocab_size=32):
     torch.manual_seed(0)
     cfg = make_config(dict(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=vocab_size))
     model = GPT(GPTConfig(**{k: getattr(cfg, k) for k in asdict(GPTConfig())}))
-    optimizer = model.configure_optimizer(cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2))
+    optimizer = optim.adamw(model.parameters(), cfg.weight_decay, cfg.learning_rate, (cfg.beta1, cfg.beta2))
     x = torch.randint(0, vocab_size, (2, 32))
     model(x, x, return_logits=False)[1].backward()
     optimizer.step()
@@ -403,7 +404,7 @@ def test_sharded_directories_are_listed_pruned_and_skipped_while_incomplete(tmp_
     (tmp_path / "ckpt_000003" / ".metadata").unlink()  # as if copied half-way
     shutil.copytree(tmp_path / "ckpt_000001", tmp_path / ".ckpt_000004.tmp")  # an interrupted save
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [1, 2, 3]
-    assert latest_checkpoint(tmp_path) == tmp_path / "ckpt_000002"
+    assert load_latest_checkpoint(tmp_path, consolidate=False)[1] == tmp_path / "ckpt_000002"
     meta = load_checkpoint(tmp_path, consolidate=False)
     assert meta["shards"] == str(tmp_path / "ckpt_000002") and "model" not in meta
     with pytest.raises(checkpoint.CheckpointError, match="incomplete sharded checkpoint"):

@@ -195,6 +195,7 @@ def test_available_memory_on_cpu_is_at_most_the_machine_ram():
 def test_loss_bytes_is_the_chunked_loss_peak_of_live_tensors(monkeypatch, dtype, low_params, chunk_rows):
     from torch.profiler import ProfilerActivity, profile
     monkeypatch.setattr(M, "LOSS_CHUNK_ROWS", chunk_rows)
+    monkeypatch.setattr(memory, "LOSS_CHUNK_ROWS", chunk_rows)
     cfg, B = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32, vocab_size=4000), 2
     N = B * cfg.block_size
     h, w = torch.randn(N, cfg.n_embd), torch.randn(cfg.vocab_size, cfg.n_embd)

@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+import optim
 import hf as hf_io
 import model as M
 from hf import from_pretrained, save_pretrained
@@ -137,7 +138,7 @@ def test_adamw_step_matches_hf_plus_torch_adamw(tmp_path):
     hf_opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": wd},
                                 {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                                lr=lr, betas=betas)
-    opt = ours.configure_optimizer(wd, lr, betas)
+    opt = optim.adamw(ours.parameters(), wd, lr, betas)
     gen, grad_diff = torch.Generator().manual_seed(0), 0.0
     for _ in range(2):  # two steps so the moment estimates matter too
         idx = torch.randint(0, 50257, (2, 16), generator=gen)
@@ -160,7 +161,7 @@ def test_adamw_step_matches_hf_plus_torch_adamw(tmp_path):
 def test_optimizer_decays_only_matrices_and_uses_fused_when_asked():
     model = small_gpt()
     for fused in (True, False):
-        opt = model.configure_optimizer(0.1, 1e-3, (0.9, 0.95), fused=fused)
+        opt = optim.adamw(model.parameters(), 0.1, 1e-3, (0.9, 0.95), fused=fused)
         decay, no_decay = opt.param_groups
         assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
         assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])

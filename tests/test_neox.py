@@ -10,6 +10,7 @@ import torch
 from test_model import perturb_, shifted_targets, single_thread, small_gpt  # noqa: F401  (autouse fixture)
 from transformers import GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 
+import optim
 import hf as hf_io
 import model as M
 from hf import from_pretrained, save_pretrained
@@ -146,7 +147,7 @@ def test_neox_adamw_step_matches_hf_plus_torch_adamw(tmp_path):
     hf_opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": wd},
                                 {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                                lr=lr, betas=betas)
-    opt = ours.configure_optimizer(wd, lr, betas)
+    opt = optim.adamw(ours.parameters(), wd, lr, betas)
     gen, grad_diff = torch.Generator().manual_seed(0), 0.0
     for _ in range(2):
         idx = torch.randint(0, 96, (2, 32), generator=gen)
@@ -253,7 +254,7 @@ def test_untied_head_is_its_own_parameter_and_counts():
     # the untied wte is a lookup (no FLOPs), the head a matmul: flops_per_token counts the head once
     assert untied.num_params(non_embedding=True) == tied.num_params(non_embedding=True)
     assert untied.flops_per_token() == tied.flops_per_token()
-    opt = untied.configure_optimizer(0.1, 1e-3, (0.9, 0.95))
+    opt = optim.adamw(untied.parameters(), 0.1, 1e-3, (0.9, 0.95))
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == untied.num_params()
 
 
@@ -280,7 +281,7 @@ def test_untied_model_state_dict_round_trips_and_resumes_exactly():
         opt.step(), opt.zero_grad()
 
     model = small_gpt(**PYTHIA_LIKE).train()
-    opt = model.configure_optimizer(0.1, 1e-2, (0.9, 0.95))
+    opt = optim.adamw(model.parameters(), 0.1, 1e-2, (0.9, 0.95))
     for s in range(3):
         step(model, opt, s)
     saved = {k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict()
@@ -293,7 +294,7 @@ def test_untied_model_state_dict_round_trips_and_resumes_exactly():
     resumed.load_state_dict(saved[0])
     assert resumed.lm_head.weight is not resumed.transformer.wte.weight
     assert not torch.equal(resumed.lm_head.weight, resumed.transformer.wte.weight)
-    opt2 = resumed.configure_optimizer(0.1, 1e-2, (0.9, 0.95))
+    opt2 = optim.adamw(resumed.parameters(), 0.1, 1e-2, (0.9, 0.95))
     opt2.load_state_dict(saved[1])
     for s in range(3, 6):
         step(resumed, opt2, s)

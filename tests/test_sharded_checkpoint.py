@@ -118,7 +118,6 @@ def test_a_missing_or_truncated_shard_is_skipped_with_a_note_and_named(tmp_path)
     shard = tmp_path / "ckpt_000004" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-100])
     (tmp_path / "ckpt_000004" / checkpoint.SUMS).unlink()  # written before sums: only sizes can tell
-    assert checkpoint.latest_checkpoint(tmp_path) == tmp_path / "ckpt_000003"
     notes = []
     assert load_latest_checkpoint(tmp_path, consolidate=False, note=notes.append)[1] == tmp_path / "ckpt_000003"
     assert "shard __0_0.distcp is missing" in notes[0]

@@ -20,12 +20,13 @@ import numpy as np
 import pytest
 import torch
 
+import optim
 import checkpoint
 import config
 import model as model_module
 import parallel
 import train
-from checkpoint import latest_checkpoint, load_checkpoint
+from checkpoint import load_checkpoint, load_latest_checkpoint
 from config import ConfigError, TrainConfig, make_config, parse_args
 from data import DataLoader, ShardError, write_shard
 from train import get_lr
@@ -316,7 +317,7 @@ def pretrained(data_dir, tmp_path_factory):
     model = model_module.GPT(model_module.GPTConfig(**state["model_args"]))
     model.load_state_dict(state["model"])
     meta = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
-    optimizer = model.configure_optimizer(0.1, 1e-3, (0.9, 0.95))
+    optimizer = optim.adamw(model.parameters(), 0.1, 1e-3, (0.9, 0.95))
     checkpoint.save_sharded_checkpoint(out / "sharded" / "ckpt_000004", meta, model, optimizer)
     return out
 
@@ -401,7 +402,7 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(data_dir, tmp_p
     monkeypatch.setattr(checkpoint.torch, "save", save_then_crash)
     expect_exit(130, run, data_dir, tmp_path, "--max_steps=8")  # as a Ctrl-C
     assert saves == [4, 8]
-    assert latest_checkpoint(tmp_path) == tmp_path / "ckpt_000004.pt"
+    assert load_latest_checkpoint(tmp_path, consolidate=False)[1] == tmp_path / "ckpt_000004.pt"
     assert load_checkpoint(tmp_path)["step"] == 4
     monkeypatch.setattr(checkpoint.torch, "save", real_save)
     assert train.main(["--init_from=resume", f"--out_dir={tmp_path}"]) == 0  # and training can go on
