@@ -368,3 +368,26 @@ def test_chat_refuses_a_tokenizer_that_is_not_gpt2s(byte_level_tokenizer_json):
     from assets import HFTokenizer
     with pytest.raises(ValueError, match="the chat format needs GPT-2's tokenizer .* not .*tokenizer.json"):
         chat.tokenizer(HFTokenizer(byte_level_tokenizer_json))
+
+
+@pytest.mark.slow
+def test_the_chat_demo_fine_tunes_a_run_directory_and_scores_held_out_prompts(tmp_path, monkeypatch, capsys):
+    """`python -m bench.chat_demo` (make chat-demo) end to end at toy size: the sort task's files, SFT shards of the
+    checkpoint's block_size 128, train.py with --init_from=<a run's out_dir> (no export), the held-out score."""
+    from dataclasses import asdict
+
+    import checkpoint
+    from bench import chat_demo
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=128, vocab_size=50304, n_layer=1, n_head=2, n_embd=16))
+    checkpoint.save_checkpoint(tmp_path / "pre" / "ckpt_000001.pt", {
+        "model": model.state_dict(), "model_args": asdict(model.config), "config": {}, "step": 1, "optimizer": None,
+        "scaler": None, "loader": {}, "rng": {}, "val_loss": None, "format": checkpoint.FORMAT})
+    monkeypatch.chdir(ROOT)
+    assert chat_demo.main(["--data_dir", str(tmp_path / "data"), "--train", "64", "--eval", "4",
+                           f"--init_from={tmp_path / 'pre'}", f"--out_dir={tmp_path / 'out'}", "--max_steps=2",
+                           "--eval_interval=0", "--device=cpu", "--dtype=float32"]) == 0
+    held = [json.loads(line) for line in (tmp_path / "data" / "heldout.jsonl").read_text().splitlines()]
+    assert len(held) == 4 and all(h["prompt"].startswith("sort: ") for h in held)
+    assert list((tmp_path / "out").glob("ckpt_000002.pt"))
+    assert "held-out exact match: " in capsys.readouterr().out
