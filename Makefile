@@ -1,5 +1,6 @@
 # Two commands: `make demo` (train a small GPT on Tiny Shakespeare on the CPU) and `make test`; then
-# `make chat-demo` (fine-tune the demo model on a small instruction task, score it, ask it once).
+# `make chat-demo` (fine-tune the demo model on a small instruction task, score it, ask it once); `make lint`
+# checks the formatting and the lint rules of pyproject.toml (ruff).
 # Each creates the virtual environment $(VENV) on first use.
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,7 +13,7 @@ PIP := $(PY) -m pip install --quiet
 # With nvidia-smi present the plain requirements give the normal (CUDA) torch.
 TORCH_CPU_SPEC ?= torch==2.13.0
 
-.PHONY: venv demo chat-demo test clean-venv
+.PHONY: venv demo chat-demo test lint clean-venv
 
 venv: $(VENV)/.dev-installed
 
@@ -41,6 +42,10 @@ chat-demo: $(VENV)/.installed
 
 test: $(VENV)/.dev-installed
 	$(PY) -m pytest
+
+lint: $(VENV)/.dev-installed
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
 
 clean-venv:
 	rm -rf $(VENV)

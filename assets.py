@@ -24,6 +24,7 @@ from pathlib import Path
 
 import tiktoken
 
+from console import log
 from files import atomic_write, file_sha256
 
 EOT = 50256  # <|endoftext|>, the GPT-2 document separator
@@ -113,7 +114,7 @@ def _fetch(dest, sha256, sources):
             errors.append(f"{description}: sha256 mismatch ({len(data)} bytes)")
             continue
         atomic_write(dest, data)  # readers see the old file or the whole new one
-        print(f"assets: {dest.name} from {description} -> {dest}", file=sys.stderr)
+        log(f"assets: {dest.name} from {description} -> {dest}", note=True)
         return dest
     raise RuntimeError(f"could not fetch {dest} (sha256 {sha256}): " + "; ".join(errors)
                        + "; check access to the internet or to PyPI, or place the verified file there")

@@ -48,15 +48,10 @@ def _is_gpt2_with_chat_tokens(enc):
             and all(enc.decode_single_token_bytes(i) == gpt2.decode_single_token_bytes(i) for i in range(EOT)))
 
 
-def render(messages, add_generation_prompt=False):
-    """The text of a conversation, exactly as CHAT_TEMPLATE renders it."""
-    text = "<|endoftext|>" + "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in messages)
-    return text + ("<|assistant|>" if add_generation_prompt else "")
-
-
 def encode(enc, messages, add_generation_prompt=False):
-    """(token ids, mask) of render(messages): mask[i] is 1 where token i is trained on (assistant content and
-    its <|end|>). Message contents are ordinary text: a '<|user|>' typed inside one is not the special token."""
+    """(token ids, mask) of the conversation as CHAT_TEMPLATE renders it: mask[i] is 1 where token i is trained on
+    (assistant content and its <|end|>). Message contents are ordinary text: a '<|user|>' typed inside one is not
+    the special token."""
     tokens, mask = [EOT], [0]
     for m in messages:
         content = enc.encode_ordinary(m["content"])

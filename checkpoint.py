@@ -1,5 +1,6 @@
-"""Checkpoint files: atomic writes, finding the newest complete one, safe loading; and the model flags
-(--ckpt/--init_from/--device/--dtype/--cache_dir) that sample.py and hellaswag.py share.
+"""Checkpoint files: their format, atomic writes, finding the newest good one, safe loading, sharded (DCP) saves
+and loads, consolidate/export; load_model and the model flags (--ckpt/--init_from/--device/--dtype/--cache_dir)
+that sample.py and hellaswag.py share. How a training run resumes from them is resume.py's.
 
 A checkpoint is out_dir/ckpt_{step:06d}.pt, a torch.save'd dict of tensors and plain Python
 containers only, so it loads with torch.load(weights_only=True) (no pickled code runs):
@@ -21,8 +22,7 @@ checked against the checkpoint's size.
 Each checkpoint's sha256 is recorded in a sidecar, ckpt_{step:06d}.pt.sha256 (`sha256sum -c` reads it),
 written before the checkpoint is renamed into place, so a checkpoint written here never lacks one. Every
 load verifies it: a damaged file is an error naming it, and a directory (out_dir) means its newest
-checkpoint that verifies and loads, with a note for each newer one skipped. A checkpoint without a
-sidecar (written before sidecars existed) loads with a note.
+checkpoint that verifies and loads, with a note for each newer one skipped.
 
 A sharded run (parallel='fsdp'/'hsdp') writes a directory out_dir/ckpt_{step:06d}/ instead: model and
 optimizer as torch.distributed.checkpoint (DCP) shards, every rank writing its own part in parallel
@@ -209,14 +209,14 @@ def read_checksums(sidecar):
 
 
 def verify_checkpoint(path):
-    """True if the checkpoint at `path` has the sha256 recorded when it was written; False if none was
-    recorded (a checkpoint from before sidecars); CheckpointError naming the file if it differs.
+    """Check that the checkpoint at `path` has the sha256 recorded when it was written: CheckpointError naming the
+    file if it differs or none was recorded (every checkpoint is written with its sidecar).
 
     The sidecar may list several files (`<hex>  <name>` lines, names relative to its directory): every one
     must match, which is how a checkpoint made of several files (a directory) would be verified too."""
     path, sidecar = Path(path), checksum_path(path)
     if not sidecar.is_file():
-        return False
+        raise CheckpointError(f"{path}: no {sidecar.name}: cannot verify the checkpoint")
     try:
         recorded = read_checksums(sidecar)
     except (OSError, ValueError, UnicodeDecodeError) as e:
@@ -230,7 +230,6 @@ def verify_checkpoint(path):
         if actual != digest:
             raise CheckpointError(f"{path}: damaged: its sha256 is {actual[:16]}..., {sidecar.name} recorded "
                                   f"{digest[:16]}... when it was written")
-    return True
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -351,21 +350,21 @@ def load_checkpoint(path, map_location="cpu", consolidate=True, note=functools.p
     path = Path(path)
     if path.is_dir() and not is_sharded(path):
         return load_latest_checkpoint(path, map_location, consolidate, note, verify)[0]
-    if path.is_dir():  # every shard verified (or, without a SHA256SUMS, present) before any tensor is read
+    if path.is_dir():  # every shard present and verified before any tensor is read
         check_shards(path)
-        verified = verify and verify_checkpoint(path)
-        if verify and not verified:
-            note(f"{path} has no {SUMS} (written before sharded checkpoints recorded their sha256): loaded unverified")
-        ckpt = _load_file(path / META, map_location, note, verify)
+        if verify:
+            verify_checkpoint(path)
+        ckpt = _load_file(path / META, map_location, verify)
         ckpt["shards"] = str(path)
         return _consolidated(ckpt) if consolidate else ckpt
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
-    return _load_file(path, map_location, note, verify)
+    return _load_file(path, map_location, verify)
 
 
-def _load_file(path, map_location, note, verify=True):
-    verified = verify_checkpoint(path) if verify else None
+def _load_file(path, map_location, verify=True):
+    if verify:
+        verify_checkpoint(path)
     try:
         # mmap: tensors are read from the file as they are touched, and ranks on one node share the page
         # cache instead of each reading the whole checkpoint into its own memory (8 x 18 GB at 1.5B)
@@ -379,9 +378,6 @@ def _load_file(path, map_location, note, verify=True):
                if not isinstance(ckpt.get(key), kind)]
     if missing:
         raise CheckpointError(f"{path}: incomplete gpt2-train checkpoint: no {missing[0]!r}")
-    if verified is False:
-        note(f"{path} has no {checksum_path(path).name} (written before checkpoints recorded their sha256): "
-             f"loaded unverified")
     return ckpt
 
 

@@ -21,10 +21,9 @@ from pathlib import Path
 
 import torch
 
-from model import HUB_NAMES, PRESETS, GPTConfig
+from model import HUB_NAMES, PRESETS, TRAINING_ONLY_MODEL_KEYS, GPTConfig
 
 MODEL_KEYS = tuple(f.name for f in fields(GPTConfig))
-TRAINING_ONLY_MODEL_KEYS = ("dropout", "activation_checkpointing")  # may change on resume; not in the weights
 ARCH_KEYS = tuple(k for k in MODEL_KEYS if k not in TRAINING_ONLY_MODEL_KEYS)  # fixed by the weights
 
 

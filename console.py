@@ -7,6 +7,7 @@ a --json line, a printed report) is the program's output, not a note: it is prin
 
 No torch import here: prepare_data's tokenizer workers import this through files.py.
 """
+
 import os
 import sys
 

@@ -159,13 +159,15 @@ def report(cfg, world_size: int, gpus_per_node: int = 8) -> tuple[MemoryPlan, Dr
     rows = [f"dry run: rank 0 of {world_size}, {mode}, {dtype}, micro-batch {cfg.batch_size} x "
             f"{batch_layout(cfg, world_size)[1]} accumulation steps"
             + (", activation checkpointing" if cfg.activation_checkpointing else "")
-            + ": one optimizer step simulated on fake tensors", f"  {'GiB per rank':<28}{'plan':>8}{'simulated':>11}"]
+            + ": one optimizer step simulated on fake tensors",
+            f"  {'GiB per rank':<28}{'plan':>8}{'simulated':>11}"]
     rows += [f"  {name:<28}{planned[k] / GiB:>8.2f}{sim.parts[k] / GiB:>11.2f}" for k, name in PARTS.items()]
-    rows += [f"  {'peak':<28}{plan.total / GiB:>8.2f}{sim.total / GiB:>11.2f}  (plan/simulated {plan.total / sim.total:.2f})"]
+    ratio = plan.total / sim.total
+    rows += [f"  {'peak':<28}{plan.total / GiB:>8.2f}{sim.total / GiB:>11.2f}  (plan/simulated {ratio:.2f})"]
     return plan, sim, "\n".join([plan.line(), *rows, *[f"note: {n}" for n in sim.notes], f"note: {NOT_SIMULATED}"])
 
 
-DRY_RUN_FLAGS = {"world_size": int, "gpus_per_node": int, "device_memory_gib": float}  # dryrun.py's own, not config keys
+DRY_RUN_FLAGS = {"world_size": int, "gpus_per_node": int, "device_memory_gib": float}  # not config keys
 
 
 def main(argv=None) -> int:

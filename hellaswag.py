@@ -8,8 +8,8 @@ mean) -- so numbers compare with their published ones (GPT-2 124M: acc 0.2859, a
 Batched: the rows of many examples share one forward pass, right-padded to the longest row of
 the batch; causal attention means the padding never reaches a real position, so predictions are
 the ones of one example at a time. Rows are sorted by length so batches waste little padding.
-Only the ending positions go through lm_head. A DDP-wrapped or torch.compile'd model is accepted
-and evaluated through its bare module (eager), so eval shapes never trigger recompiles.
+Only the ending positions go through lm_head. The model is the bare GPT, run eagerly (train.py passes
+its gathered one), so ranks may run different numbers of batches and eval shapes trigger no recompiles.
 
     python hellaswag.py --init_from gpt2              # default data: assets.fetch_hellaswag()
     python hellaswag.py --ckpt out/ --limit 1000 --json --per_example preds.jsonl
@@ -25,11 +25,11 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 import assets
 from checkpoint import add_model_args, load_model_from_args
+from console import distributed
 from devices import autocast, tune_cpu_allocator
 from files import report_error
 
@@ -97,7 +97,7 @@ def _crop(row, row_mask, block_size):
 def score_rows(model, rows, masks, device, block_size, dtype=None):
     """Summed and mean cross-entropy over the masked (ending) tokens of each row, in one forward.
 
-    model: a bare GPT (see unwrap_model). rows, masks: lists of R token lists / 0-1 lists.
+    model: a bare GPT (not wrapped in DDP or torch.compile). rows, masks: lists of R token lists / 0-1 lists.
     Returns two float32 CPU tensors of shape (R,).
     """
     rows, masks = zip(*(_crop(r, m, block_size) for r, m in zip(rows, masks)))
@@ -126,20 +126,6 @@ def score_rows(model, rows, masks, device, block_size, dtype=None):
     return sum_loss.cpu(), mean_loss.cpu()
 
 
-def unwrap_model(model):
-    """The bare GPT inside DDP and torch.compile wrappers. DDP's forward may run collectives, and
-    ranks here run different numbers of batches; a compiled forward would recompile for the ever
-    changing eval shapes and compute logits at every position. Eager, on the ending positions
-    only, is faster for an eval of this size and needs no compile at all."""
-    while True:
-        if isinstance(model, DistributedDataParallel):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
-            model = model._orig_mod
-        else:
-            return model
-
-
 def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None, dtype=None,
              enc=None, progress=False, stop=None):
     """HellaSwag accuracy of `model` on `examples` (dicts from load_examples).
@@ -156,14 +142,12 @@ def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None,
     stop: a function asked between batches; once it returns True on any rank, the rank stops scoring and
     evaluate returns None on every rank (train.py's SIGTERM: the 30 s before SIGKILL are for the checkpoint).
     """
-    distributed = dist.is_available() and dist.is_initialized()
     if rank is None:
-        rank = dist.get_rank() if distributed else 0
+        rank = dist.get_rank() if distributed() else 0
     if world_size is None:
-        world_size = dist.get_world_size() if distributed else 1
+        world_size = dist.get_world_size() if distributed() else 1
     if enc is None:
         enc = assets.get_tokenizer()
-    model = unwrap_model(model)
     block_size = model.config.block_size
 
     mine = examples[rank::world_size]

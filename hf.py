@@ -10,15 +10,15 @@ residual and an untied output head: all options of GPTConfig.
 """
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import torch
 
 import assets
 from assets import EOT
+from console import log
 from files import first_line
-from model import GPT, GPT2_VOCAB, HUB_NAMES, GPTConfig
+from model import GPT, GPT2_VOCAB, HUB_NAMES, TRAINING_ONLY_MODEL_KEYS, GPTConfig
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu2": "relu2"}
@@ -32,9 +32,8 @@ def from_pretrained(name_or_dir: str, **overrides) -> GPT:
     their sharded *.index.json) holding a GPT-2 (model_type 'gpt2') or GPT-NeoX / Pythia ('gpt_neox') model,
     or a GPT-2 hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl; needs internet). overrides: dropout,
     activation_checkpointing."""
-    if bad := set(overrides) - {"dropout", "activation_checkpointing"}:
-        raise ValueError(f"from_pretrained: cannot override {sorted(bad)}; "
-                         "only dropout and activation_checkpointing")
+    if bad := set(overrides) - set(TRAINING_ONLY_MODEL_KEYS):
+        raise ValueError(f"from_pretrained: cannot override {sorted(bad)}; only {' and '.join(TRAINING_ONLY_MODEL_KEYS)}")
     path = Path(name_or_dir)
     if not path.is_dir():
         if name_or_dir not in HUB_NAMES:
@@ -129,8 +128,7 @@ def save_pretrained(model: GPT, out_dir: str, tokenizer_dir: str | None = None, 
                                     special_tokens=chat_tokens, eos_token="<|end|>" if chat_tokens else None)
     else:
         eos = None
-        print(f"note: {out}: no tokenizer written: vocab_size {vocab} is smaller than GPT-2's {GPT2_VOCAB}",
-              file=sys.stderr)
+        log(f"{out}: no tokenizer written: vocab_size {vocab} is smaller than GPT-2's {GPT2_VOCAB}", note=True)
     eos = vocab - 1 if eos is None else eos
     hf_config = _hf_config(cfg, vocab, eos, neox)
     out.mkdir(parents=True, exist_ok=True)

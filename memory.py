@@ -15,27 +15,30 @@ sees them, q/k/v in one (B, T, 3C) buffer, the attention output, the MLP's pre- 
 and, under autocast, the low-precision copies of the block's matmul weights. torch.compile saves less, so the
 plan is an upper bound there.
 
-dryrun.py proves a plan at the real size and world size on fake tensors.
+A run calls resolve_batch_size() before anything is built (the plan line, a refusal, batch_size='auto' from the
+plan), probe_batch_size() once the bare model exists (batch_size='auto' on CUDA), and in the loop
+fitting_forward_backward() and in_micro_batches(), which halve the micro-batch on an out-of-memory in a
+single-process run. dryrun.py proves a plan at the real size and world size on fake tensors.
 """
 import gc
 import os
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from checkpoint import is_checkpoint
-from config import ConfigError, batch_layout, model_config
-from console import log
+from config import CHOICES, ConfigError, batch_layout, model_config
+from console import distributed, log
 from devices import autocast, is_oom, rng_state, set_rng_state
 from files import Halt
 from model import GPT, LOSS_CHUNK_ROWS, PRESETS
+from parallel import forward_backward
 
 GiB = 2**30
 # batch_size='auto' from the plan (CPU/MPS): use at most this share of the available memory. On a CPU the peak
 # RSS runs above the plan (docs/memory.md): glibc's heap keeps freed blocks as holes larger requests cannot reuse
 AUTO_FIT_FRACTION = 0.5
-OPTIMIZERS = {"adamw": "AdamW", "muon": "Muon+AdamW"}
-PARALLEL = ("ddp", "fsdp", "hsdp")
 
 
 class MemoryPlanError(ValueError):
@@ -95,9 +98,8 @@ def _count_params(cfg) -> dict:
     block_params = sum(p.numel() for p in blocks[0].parameters()) if len(blocks) else 0
     matmul = sum(mod.weight.numel() for mod in blocks[0].modules() if isinstance(mod, torch.nn.Linear)) \
         if len(blocks) else 0
-    fc = getattr(getattr(blocks[0], "mlp", None), "c_fc", None) if len(blocks) else None
     return {"total": sum(p.numel() for p in m.parameters()), "block": block_params, "block_matmul": matmul,
-            "hidden": fc.out_features if isinstance(fc, torch.nn.Linear) else 4 * cfg.n_embd}
+            "hidden": blocks[0].mlp.c_fc.out_features if len(blocks) else 4 * cfg.n_embd}
 
 
 def _bytes_per_element(dtype) -> int:
@@ -118,30 +120,23 @@ def saved_bytes_per_token(cfg, dtype="float32", low_params: bool = False) -> tup
     C, nh = cfg.n_embd, cfg.n_head
     H, a = param_stats(cfg)["hidden"], _bytes_per_element(dtype)
     r = a if low_params else 4  # FSDP's low-precision parameters make the residual stream low-precision too
-    residuals = 1 if getattr(cfg, "parallel_residual", False) else 2  # parallel: both branches read ln(x)
+    residuals = 1 if cfg.parallel_residual else 2  # parallel: both branches read ln(x)
     # rotary/QK-norm: new (B, nh, T, hs) q and k, so the attention output comes out in that layout and
     # (B, T, C) is one more copy
-    rotated = getattr(cfg, "rotary_pct", None) is not None or getattr(cfg, "qk_norm", False)
+    rotated = cfg.rotary_pct is not None or cfg.qk_norm
     block = residuals * r * C + a * (6 * C + 2 * H) + (3 * a * C if rotated else 0) + 2 * 8 + 4 * nh
-    if getattr(cfg, "qk_norm", False) and a < 4:  # autocast runs rms_norm in fp32: it saves fp32 copies of q and k
+    if cfg.qk_norm and a < 4:  # autocast runs rms_norm in fp32: it saves fp32 copies of q and k
         block += 2 * 4 * C
-    if getattr(cfg, "dropout", 0.0) > 0:  # rough: dropout masks, and attention's (T, T) math path
+    if cfg.dropout > 0:  # rough: dropout masks, and attention's (T, T) math path
         block += 2 * a * C + nh * cfg.block_size * (2 * a + 1)
     return block, 8 + r * C + 8
 
 
-def activation_bytes(cfg, batch_size: int, dtype="float32", activation_checkpointing: bool = False,
-                     seq_len: int | None = None, low_params: bool = False) -> int:
-    """Bytes autograd holds for one micro-batch of (batch_size, seq_len) at the backward's peak: the saved
-    tensors (saved_bytes_per_token; with checkpointing only each block's input, and one block recomputed at a
-    time), under autocast the matmul weights' low-precision copies, and the backward's working set.
-    low_params: FSDP/HSDP all-gathers low-precision parameters (the residual stream is in that dtype too)."""
-    return sum(_activation_parts(cfg, batch_size, dtype, activation_checkpointing, seq_len, low_params))
-
-
 def _activation_parts(cfg, batch_size, dtype, activation_checkpointing, seq_len, low_params) -> tuple[int, int]:
     """(saved through the whole backward, the backward's working set: the recomputed block, its weights'
-    low-precision copies and the gradients in flight); see activation_bytes."""
+    low-precision copies and the gradients in flight). With activation checkpointing only each block's input is
+    saved, and one block is recomputed at a time; low_params: FSDP/HSDP all-gathers low-precision parameters (the
+    residual stream is in that dtype too)."""
     T = seq_len or cfg.block_size
     stats, a = param_stats(cfg), _bytes_per_element(dtype)
     r = a if low_params else 4
@@ -180,14 +175,13 @@ def estimate_memory(model_cfg, batch_size: int, dtype="float32", parallel: str =
     world_size) or 'hsdp' (sharded over shard_size, default world_size). activation_checkpointing None:
     model_cfg's. The sum assumes gradients are resident during the forward (any accumulation step after
     the first), which makes it an upper bound for a step without accumulation."""
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"estimate_memory: optimizer {optimizer!r}, expected one of {sorted(OPTIMIZERS)}")
-    if parallel not in PARALLEL:
-        raise ValueError(f"estimate_memory: parallel {parallel!r}, expected one of {PARALLEL}")
+    for key, value in (("optimizer", optimizer), ("parallel", parallel)):
+        if value not in CHOICES[key]:
+            raise ValueError(f"estimate_memory: {key} {value!r}, expected one of {CHOICES[key]}")
     if batch_size < 1 or world_size < 1:
         raise ValueError(f"estimate_memory: batch_size={batch_size}, world_size={world_size}; expected >= 1")
     if activation_checkpointing is None:
-        activation_checkpointing = getattr(model_cfg, "activation_checkpointing", False)
+        activation_checkpointing = model_cfg.activation_checkpointing
     stats = param_stats(model_cfg)
     n = stats["total"]
     if optimizer == "adamw":
@@ -198,18 +192,21 @@ def estimate_memory(model_cfg, batch_size: int, dtype="float32", parallel: str =
     shard = 1 if parallel == "ddp" else (shard_size or world_size) if parallel == "hsdp" else world_size
     low = parallel != "ddp" and _bytes_per_element(dtype) < 4  # FSDP's MixedPrecisionPolicy: low-precision weights
     saved, working = _activation_parts(model_cfg, batch_size, dtype, activation_checkpointing, seq_len, low)
-    at_loss, gathered = loss_bytes(model_cfg, batch_size, dtype, seq_len, low), 0
-    if shard > 1:  # FSDP's mixed precision gathers in the compute dtype. During the loss the root unit
-        # (embeddings, ln_f, head) is gathered; at the backward's peak (dry run) also one block, the root's
-        # unsharded gradient (its reduce-scatter comes last) and one block's fp32 gradient going into its reduce-scatter
-        p_bytes, root = _bytes_per_element(dtype), n - model_cfg.n_layer * stats["block"]
+    at_loss = loss_bytes(model_cfg, batch_size, dtype, seq_len, low)
+    gathered = 0
+    if shard > 1:
+        # FSDP's mixed precision gathers in the compute dtype. During the loss the root unit (embeddings, ln_f, head)
+        # is gathered; at the backward's peak (dry run) also one block, the root's unsharded gradient (its
+        # reduce-scatter comes last) and one block's fp32 gradient going into its reduce-scatter
+        p_bytes = _bytes_per_element(dtype)
+        root = n - model_cfg.n_layer * stats["block"]
         at_loss += root * p_bytes
         gathered = (2 * root + stats["block"]) * p_bytes + stats["block"] * 4
-    return MemoryPlan(  # the loss runs before the backward: logits counts only what the loss phase needs beyond
-        # the backward's peak (its working set and gathered units), which is never live at the same time
-        params=-(-n * 4 // shard), grads=-(-n * 4 // shard), optimizer=-(-state // shard), activations=saved + working,
-        logits=max(0, at_loss - working - gathered), batch_size=batch_size,
-        optimizer_name=OPTIMIZERS[optimizer], gathered=gathered)
+    # the loss runs before the backward: logits counts only what the loss phase needs beyond the backward's peak
+    # (its working set and gathered units), which is never live at the same time
+    return MemoryPlan(params=-(-n * 4 // shard), grads=-(-n * 4 // shard), optimizer=-(-state // shard),
+                      activations=saved + working, logits=max(0, at_loss - working - gathered), batch_size=batch_size,
+                      optimizer_name="AdamW" if optimizer == "adamw" else "Muon+AdamW", gathered=gathered)
 
 
 # ----------------------------------------------------------------------------- what the device has
@@ -222,10 +219,8 @@ def available_memory(device) -> tuple[int, str]:
         free, total = torch.cuda.mem_get_info(torch.device(device))
         return free, f"{str(device)}: {gib(free)} GiB free of {gib(total)} GiB"
     if kind == "mps":
-        if hasattr(torch.mps, "recommended_max_memory"):
-            rec = torch.mps.recommended_max_memory()
-            return rec, f"mps: recommended max {gib(rec)} GiB"
-        kind = "cpu"  # older torch: the unified memory is the system's
+        rec = torch.mps.recommended_max_memory()
+        return rec, f"mps: recommended max {gib(rec)} GiB"
     avail, what = _cpu_available()
     return avail, f"{kind}: {gib(avail)} GiB {what}"
 
@@ -275,7 +270,7 @@ def suggest_fits(model_cfg, batch_size: int, available: int, rows: int | None = 
     combinations of them when no single change is enough."""
     rows = rows or batch_size
     ckpt = plan_kwargs.pop("activation_checkpointing", None)
-    ckpt = getattr(model_cfg, "activation_checkpointing", False) if ckpt is None else ckpt
+    ckpt = model_cfg.activation_checkpointing if ckpt is None else ckpt
     world = plan_kwargs.get("world_size", 1)
     fsdp_options = [False, True] if plan_kwargs.get("parallel", "ddp") == "ddp" and world > 1 else [False]
 
@@ -385,8 +380,7 @@ def probe_micro_batch(try_step, candidates, reserve_bytes: int = 0, device=None)
 
 def agree_micro_batch(batch_size: int, device=None) -> int:
     """The smallest batch_size over all ranks (an all-reduce MIN) when torch.distributed is initialized."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()):
+    if not distributed():
         return batch_size
     t = torch.tensor([batch_size], device=device if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -399,7 +393,7 @@ def _free(device) -> None:
         torch.cuda.empty_cache()
 
 
-# ----------------------------------------------------------------------------- train.py's two calls
+# ----------------------------------------------------------------------------- a run's micro-batch
 
 PROBED_KINDS = ("cuda",)  # batch_size='auto' probes the real model on these devices; the others use the plan
 # held free while probing under torchrun: NCCL allocates its communication buffers after the probe (a few hundred MB
@@ -413,12 +407,10 @@ def probes(env):
     return env.kind in PROBED_KINDS and not env.sharded
 
 
-def planned_shape(cfg, ckpt):
-    """The GPTConfig the model will have, known before it is built; None for a Hugging Face directory."""
-    if ckpt is not None:
-        return model_config(cfg, **{**ckpt["model_args"], "dropout": cfg.dropout,
-                                    "activation_checkpointing": cfg.activation_checkpointing})
-    if cfg.init_from == "scratch" or is_checkpoint(cfg.init_from):  # a checkpoint's shape is cfg's (fine_tune_config)
+def planned_shape(cfg):
+    """The GPTConfig the model will have, known before it is built; None for a Hugging Face directory. A resumed
+    or fine-tuned run's cfg has its checkpoint's architecture (resume.resolve_config)."""
+    if cfg.init_from in ("scratch", "resume") or is_checkpoint(cfg.init_from):
         return model_config(cfg)
     return model_config(cfg, **PRESETS[cfg.init_from]) if cfg.init_from in PRESETS else None
 
@@ -437,11 +429,11 @@ def device_memory(env):
     return (available // local, f"{what} / {local} ranks") if local > 1 else (available, what)
 
 
-def resolve_batch_size(cfg, ckpt, env):
+def resolve_batch_size(cfg, env):
     """Before anything big is allocated: log the memory plan and the device's memory; refuse (ConfigError, one line
     naming settings that fit) a batch_size whose plan exceeds it; resolve batch_size='auto' from the plan on devices
     that are not probed (probes()). Returns cfg with batch_size resolved, or still 'auto' (probe_batch_size)."""
-    shape = planned_shape(cfg, ckpt)
+    shape = planned_shape(cfg)
     auto = cfg.batch_size == "auto"
     if auto:  # sequences per rank per optimizer step; total_batch_size is checked before anything is built
         try:
@@ -496,43 +488,38 @@ def probe_batch_size(raw_model, cfg, env, loaders):
     if env.kind == "cuda":  # step 1's peak_mem_mb is then the step's, not the probe's
         torch.cuda.reset_peak_memory_stats(env.device)
     log(f"batch_size='auto': {why} ({rows // b} accumulation steps)")
-    return set_micro_batch(cfg, b, loaders)
-
-
-def set_micro_batch(cfg, b, loaders):
-    """cfg with batch_size=b (what checkpoints record), and the loaders reading b sequences per micro-batch."""
     for loader in loaders:
         if loader is not None:
             loader.set_batch_size(b)
     return replace(cfg, batch_size=b)
 
 
-def fitting_forward_backward(forward_backward, loader, grad_accum, optimizer, cfg, env, step):
-    """forward_backward(grad_accum), and on an out-of-memory: halve the micro-batch (the largest divisor of the per-rank rows at
+def fitting_forward_backward(model, loader, rows, optimizer, scaler, env, step):
+    """parallel.forward_backward of one optimizer step: `rows` sequences per rank, loader.B (the live micro-batch)
+    at a time. On an out-of-memory: halve the micro-batch for the rest of the run (the largest divisor of rows at
     most half), drop the partial step's gradients, rewind the loader to the step's start and re-run the same step
-    with the same data. Returns (what forward_backward returned, cfg, grad_accum), the latter two as changed. Under torchrun, or at
-    micro-batch 1, an out-of-memory is a Halt naming settings that would help (ranks cannot switch safely:
-    the others may be waiting in a gradient all-reduce)."""
+    with the same data. Under torchrun, or at micro-batch 1, an out-of-memory is a Halt naming settings that would
+    help (ranks cannot switch safely: the others may be waiting in a gradient all-reduce)."""
     start = loader.state_dict()
     while True:
+        b = loader.B
         try:
-            return forward_backward(grad_accum), cfg, grad_accum
+            return forward_backward(model, loader, rows // b, scaler, env)
         except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled
             if not is_oom(e):
                 raise
-        b, rows = cfg.batch_size, cfg.batch_size * grad_accum
         smaller = smaller_micro_batch(rows, b)
         if env.distributed or smaller is None:
             hint = f"batch_size={smaller} with {rows // smaller} accumulation steps, " if smaller else ""
-            raise Halt(f"step {step + 1}: out of memory at micro-batch {b}"
-                       + (" under torchrun (ranks cannot change micro-batch together mid-run)" if smaller else "")
-                       + f"; try {hint}activation_checkpointing=True, parallel='fsdp' or a smaller block_size")
+            torchrun = " under torchrun (ranks cannot change micro-batch together mid-run)" if smaller else ""
+            raise Halt(f"step {step + 1}: out of memory at micro-batch {b}{torchrun}; try {hint}"
+                       f"activation_checkpointing=True, parallel='fsdp' or a smaller block_size")
         optimizer.zero_grad(set_to_none=True)  # the partial step's gradients; the scaler has not stepped yet
         _free(env.device)
         loader.load_state_dict(start)
-        cfg, grad_accum = set_micro_batch(cfg, smaller, [loader]), rows // smaller
+        loader.set_batch_size(smaller)
         log(f"step {step + 1}: out of memory at micro-batch {b}: re-running the step at micro-batch {smaller} x "
-            f"{grad_accum} accumulation steps (batch_size={smaller} from now on)")
+            f"{rows // smaller} accumulation steps (batch_size={smaller} from now on)")
 
 
 def in_micro_batches(run, rows, micro, env, what):

@@ -1,12 +1,12 @@
 """How the processes are arranged and how the model is spread over them: the one seam between the bare GPT and
 the training loop (torchtitan's ParallelDims and parallelize.py). setup() joins torchrun's process group and
 returns the Env (rank, device, precision, parallel mode) every later step takes; check_shared_out_dir() makes
-sure all nodes see one out_dir. parallelize() wraps the model once: DDP
-(every rank a whole replica), or FSDP2 / HSDP (parameters, gradients and optimizer state sharded over ranks),
-then torch.compile, tried once on dummy tokens so a compile error means eager from the start, never a swap
-mid-run. The helpers the loop needs from whatever parallelize() returned live here too: forward_backward() (a
-step's micro-batches, with gradient sync for accumulation; dryrun.py runs it too), the global gradient
-norm, a gathered copy of a sharded model for generation and HellaSwag.
+sure all nodes see one out_dir. parallelize() wraps the model once: DDP (every rank a whole replica), or FSDP2 /
+HSDP (parameters, gradients and optimizer state sharded over ranks), then torch.compile, tried once on dummy
+tokens so a compile error means eager from the start, never a swap mid-run. The helpers the loop needs from
+whatever parallelize() returned live here too: forward_backward() (a step's micro-batches, with gradient sync for
+accumulation; dryrun.py runs it too), the global gradient norm, a gathered copy of a sharded model for generation
+and HellaSwag.
 """
 import contextlib
 import math
@@ -194,8 +194,10 @@ def parallelize(model, cfg, env):
         return shard(model, cfg, env)
     if env.distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
-        for p in model.parameters():  # DDP turns existing gradients into views of its buckets: from step 1 on
-            p.grad = torch.zeros_like(p)  # they stay there (keeps_grads), one copy, not two
+        # DDP turns existing gradients into views of its buckets: from step 1 on they stay there (keeps_grads),
+        # one copy, not two
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
         model = DDP(model, device_ids=[env.local_rank] if env.kind == "cuda" else None,
                     gradient_as_bucket_view=True)
     if not resolve_compile(cfg.compile, env.device, env.dtype):
@@ -241,8 +243,10 @@ def shard(model, cfg, env):
         model.reset_iter_state()  # the failed forward left FSDP mid-iteration
         for block in model.transformer.h:
             del block.forward  # back to Block.forward, eager
-    for unit in model.modules():  # the trial's eval forward left the root unit gathered (FSDP keeps the root
-        if isinstance(unit, FSDPModule):  # for a backward): the optimizer must be built over the shards
+    # the trial's eval forward left the root unit gathered (FSDP keeps the root for a backward): the optimizer
+    # must be built over the shards
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
             unit.reshard()
     model.zero_grad(set_to_none=True)  # the trial's gradients on the root's shards, unseen while it was gathered
     return model
@@ -265,25 +269,17 @@ class RecordInit(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def build_device(cfg, ckpt, env):
-    """Where train.py builds the bare GPT: a sharded run from scratch or from a sharded checkpoint on meta
-    (parallelize() then gives each rank its shards only), one from whole weights on the CPU for fully_shard to
-    move; an unsharded run on its device."""
-    if not env.sharded:
-        return env.device
-    on_meta = ckpt is None and cfg.init_from == "scratch" or ckpt is not None and "shards" in ckpt
-    return "meta" if on_meta else "cpu"
-
-
 def build_on_meta(config):
     """GPT(config) with its parameters on the meta device (no memory), carrying what materialise() needs to give
     it exactly the weights GPT(config) would have drawn here: the RNG state and every init call, in order."""
     rng = torch.get_rng_state()
     with torch.device("meta"), RecordInit() as record:
         model = GPT(config)
-    names = {id(p): n for n, p in model.named_parameters()}  # a tensor no longer in the model (wte's own weight,
-    model.deferred_init = (rng, [(names.get(id(t)), t.shape, f, a, k) for t, f, a, k in record.calls])  # before
-    return model  # tying) maps to None: its draws are replayed for the RNG stream and dropped
+    # a tensor no longer in the model (wte's own weight, before tying) maps to None: its draws are replayed for the
+    # RNG stream and dropped
+    names = {id(p): n for n, p in model.named_parameters()}
+    model.deferred_init = (rng, [(names.get(id(t)), t.shape, f, a, k) for t, f, a, k in record.calls])
+    return model
 
 
 def materialise(model, env):

@@ -12,6 +12,9 @@ import json
 import sys
 from pathlib import Path
 
+from console import log
+from files import report_error
+
 
 def read_metrics(path):
     """(step records, val records, hellaswag records) of a metrics.jsonl file or a run directory."""
@@ -61,7 +64,7 @@ def plot(runs, out_path):
         ax_tps.plot(*series(steps, "tokens_per_s"), lw=1, label=label)
         if hellaswag:
             best = max(r["hellaswag_acc_norm"] for r in hellaswag)
-            print(f"{label}: best HellaSwag acc_norm {best:.4f}")
+            log(f"{label}: best HellaSwag acc_norm {best:.4f}")
     for ax, title in ((ax_loss, "loss"), (ax_norm, "gradient norm"), (ax_lr, "learning rate"), (ax_tps, "tokens / s")):
         ax.set_title(title)
         ax.set_xlabel("step")
@@ -69,7 +72,7 @@ def plot(runs, out_path):
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_path, dpi=120)
-    print(f"wrote {out_path}")
+    log(f"wrote {out_path}")
 
 
 def compare(path_a, path_b):
@@ -121,7 +124,7 @@ def main(argv=None):
         for p in paths:
             read_metrics(p)  # fail early, with the file's name, before importing matplotlib
     except FileNotFoundError as e:
-        print(f"plot_metrics.py: error: {e}", file=sys.stderr)
+        report_error("plot_metrics.py", e)
         return 2
     if args.compare:
         print(compare_text(*paths, compare(*paths)))

@@ -36,6 +36,7 @@ import numpy as np
 from tqdm import tqdm
 
 from assets import EOT, fetch_shakespeare, get_tokenizer
+from console import log
 from data import HEADER_BYTES, MASK_SUFFIX, SHARD_SUFFIXES, write_mask, write_shard
 from files import LockError, atomic_write, directory_lock, error_message, file_sha256, first_line
 
@@ -253,7 +254,7 @@ def remove_stale_temp_files(out_dir, name):
         size = sum(p.stat().st_size for p in stale)
         for p in stale:
             p.unlink(missing_ok=True)
-        print(f"prepare_data: removed {len(stale)} temporary file(s) ({size / 2**20:,.1f} MiB) of an interrupted run")
+        log(f"prepare_data: removed {len(stale)} temporary file(s) ({size / 2**20:,.1f} MiB) of an interrupted run")
 
 
 def write_manifest(path, manifest):
@@ -447,7 +448,7 @@ def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=Non
         num_docs = writer.start[0]
         if not manifest["complete"]:
             if manifest["shards"]:
-                print(f"prepare_data: {len(manifest['shards'])} finished shards verified; resuming at document {num_docs}")
+                log(f"prepare_data: {len(manifest['shards'])} finished shards verified; resuming at document {num_docs}")
             get_tokenizer()  # fails early if it cannot be had; forked workers inherit it ready-made
             # The pool starts before anything else starts threads (tqdm's monitor, datasets' downloads): fork + threads can deadlock.
             pool = multiprocessing.get_context(start_method).Pool(num_proc) if num_proc > 1 else None

@@ -1,10 +1,11 @@
-"""train.py's side of checkpoints: how a run starts from one and writes them.
+"""How a run starts (fresh, resumed or fine-tuned) and saves to resume: train.py's side of checkpoints.
 
-resolve_config() turns the user's keys into the run's config: on init_from='resume' over the newest checkpoint
-that verifies (resumed_config: the architecture and optimizer cannot change), on a fine-tuning init_from with the
-checkpoint's architecture (fine_tune_config). Under torchrun only rank 0 hashes the checkpoint; the others agree on
-its choice (agree_on_checkpoint). restore() and restore_rngs() put a run back where its checkpoint left it; save()
-writes one with everything an exact resume needs. The files themselves are checkpoint.py's.
+start() is the start-up protocol every rank runs alike: config, process group, agreement on the checkpoint, the
+memory plan. resolve_config() turns the user's keys into the run's config: on init_from='resume' over the newest
+checkpoint that verifies (resumed_config: the architecture and optimizer cannot change), on a fine-tuning init_from
+with the checkpoint's architecture (fine_tune_config). Under torchrun only rank 0 hashes the checkpoint; the others
+agree on its choice (agree_on_checkpoint). restore() and restore_rngs() put a run back where its checkpoint left it;
+save() writes one with everything an exact resume needs. The files themselves are checkpoint.py's.
 """
 from dataclasses import asdict, dataclass
 
@@ -17,8 +18,25 @@ from config import ARCH_KEYS, ConfigError, make_config, model_config
 from console import is_rank0, launched_by_torchrun, log
 from devices import rng_state, set_rng_state
 from files import Halt
+from memory import resolve_batch_size
 from model import PRESETS
-from parallel import weights_finite
+from parallel import check_shared_out_dir, setup, weights_finite
+from tracking import check_tracking_available
+
+
+def start(user):
+    """(cfg, the checkpoint the run resumes from or None, Env), alike on every rank. The config is resolved before
+    the process group exists; under torchrun a rank's error waits until every rank has joined (a rank that failed
+    before would leave the others in the rendezvous until it times out) and is then raised on all of them by
+    check_shared_out_dir, as is an out_dir some node cannot see. Only rank 0 hashes the checkpoint; every rank
+    resumes from rank 0's choice (agree_on_checkpoint). Last, the memory plan (memory.resolve_batch_size): logged,
+    a batch_size that cannot fit refused, batch_size='auto' resolved from it where the device is not probed."""
+    cfg, ckpt, problem = resolve_config_or_defer(user)
+    check_tracking_available(cfg.wandb_log, cfg.tensorboard_dir)  # every rank: all stop alike
+    env = setup(cfg)
+    cfg, ckpt, problem = agree_on_checkpoint(user, cfg, ckpt, problem, env)
+    check_shared_out_dir(cfg.out_dir, ckpt and ckpt["step"], problem, env)
+    return resolve_batch_size(cfg, env), ckpt, env
 
 
 def resolve_config(user, verify=True):
@@ -44,9 +62,9 @@ def resumed_config(user, out_dir, ckpt):
     path = ckpt["path"]
     # the run stays in the out_dir it found the checkpoint in (the checkpoint's own may be another, if moved)
     cfg = make_config({**user, "out_dir": out_dir}, base=ckpt["config"])
-    if cfg.optimizer != ckpt["config"].get("optimizer", "adamw"):  # the saved state is the other optimizer's
+    if cfg.optimizer != ckpt["config"]["optimizer"]:  # the saved state is the other optimizer's
         raise ConfigError(f"cannot change optimizer when resuming: the checkpoint {path} has "
-                          f"{ckpt['config'].get('optimizer', 'adamw')!r}, the config {cfg.optimizer!r}")
+                          f"{ckpt['config']['optimizer']!r}, the config {cfg.optimizer!r}")
     saved = model_config(cfg, **ckpt["model_args"])  # fields added since the checkpoint get their defaults
     for key in ARCH_KEYS:
         if getattr(cfg, key) != getattr(saved, key):
@@ -166,7 +184,8 @@ def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, tracker, 
         raise Halt(f"step {step}: the weights hold NaN/inf; not writing them")
     if val is not None and (progress.best_val is None or val < progress.best_val):
         progress.best_step, progress.best_val = step, val
-    meta = {"model_args": asdict(raw_model.config), "config": asdict(cfg), "step": step,
+    config = {**asdict(cfg), "batch_size": loader.B}  # the live micro-batch: an out-of-memory may have halved it
+    meta = {"model_args": asdict(raw_model.config), "config": config, "step": step,
             "scaler": scaler.state_dict() if scaler.is_enabled() else None, "loader": loader.state_dict(),
             "rng": rngs, "val_loss": val, "best_step": progress.best_step, "best_val_loss": progress.best_val,
             "tracker": tracker.state_dict(), "format": FORMAT}

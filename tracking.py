@@ -12,10 +12,10 @@ import json
 import math
 import os
 import secrets
-import sys
 import time
 from pathlib import Path
 
+from console import log
 from files import atomic_write, first_line
 
 TRACKING_KEYS = ("wandb_log", "wandb_project", "wandb_run_name", "tensorboard_dir", "cost_per_hour")
@@ -202,8 +202,8 @@ class Tracker:
                 getattr(sink, method)(*args)
             except Exception as e:
                 self.sinks.remove(sink)
-                print(f"tracking: {sink.name} failed ({first_line(e)}); disabled for the rest of the run "
-                      f"(metrics.jsonl continues)", file=sys.stderr, flush=True)
+                log(f"tracking: {sink.name} failed ({first_line(e)}); disabled for the rest of the run "
+                    f"(metrics.jsonl continues)", note=True)
 
     def state_dict(self):
         """What a resume needs (plain types, for the checkpoint). Also flushes the sinks, so all that the

@@ -30,17 +30,16 @@ from checkpoint import CheckpointError, is_checkpoint, load_checkpoint, load_sha
 from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text, make_config, model_config, parse_args
 from data import DataLoader, NoShardsError, ShardError
 from devices import autocast, fused_adamw_supported, peak_flops, peak_memory
-from console import log
+from console import distributed, log
 from files import Halt, LockError, atomic_write, report_error
 from hf import from_pretrained, pad_vocab
-from memory import fitting_forward_backward, in_micro_batches, probe_batch_size, resolve_batch_size
-from model import GPT
+from memory import fitting_forward_backward, in_micro_batches, probe_batch_size
+from model import GPT, TRAINING_ONLY_MODEL_KEYS
 from optim import build_optimizer, set_lr
-from parallel import (any_rank, build_device, build_on_meta, check_shared_out_dir, clip_gradients, forward_backward,
-                      gathered, is_compiled, keeps_grads, lock_out_dir, parallelize, setup, to_device)
-from resume import (Progress, agree_on_checkpoint, kept_checkpoint, resolve_config_or_defer, restore, restore_rngs,
-                    save)
-from tracking import TRACKING_KEYS, NoTracker, Tracker, TrackingError, check_tracking_available
+from parallel import (any_rank, build_on_meta, clip_gradients, gathered, is_compiled, keeps_grads, lock_out_dir,
+                      parallelize, to_device)
+from resume import Progress, kept_checkpoint, restore, restore_rngs, save, start
+from tracking import TRACKING_KEYS, NoTracker, Tracker, TrackingError
 
 
 class StopRequest:
@@ -54,8 +53,7 @@ class StopRequest:
         if self.signal is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal = signum
-        print(f"\nreceived {signal.Signals(signum).name}: saving a checkpoint after this step, then exiting",
-              file=sys.stderr, flush=True)
+        log(f"received {signal.Signals(signum).name}: saving a checkpoint after this step, then exiting", note=True)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -64,10 +62,11 @@ def make_loaders(cfg, env):
     """Train and val loaders: every rank reads its own slice of one global, world-size-invariant stream.
     Every shard is validated here, token ids included, before step 1."""
     def loader(split):  # batch_size='auto': 1 until probe_batch_size sets it
-        return DataLoader(cfg.data_dir, split, 1 if cfg.batch_size == "auto" else cfg.batch_size, cfg.block_size, rank=env.rank,
-                          world_size=env.world_size, seed=cfg.seed, vocab_size=cfg.vocab_size)
+        return DataLoader(cfg.data_dir, split, 1 if cfg.batch_size == "auto" else cfg.batch_size, cfg.block_size,
+                          rank=env.rank, world_size=env.world_size, seed=cfg.seed, vocab_size=cfg.vocab_size)
     try:
-        train_loader, val_loader = loader("train"), loader("val") if cfg.eval_interval > 0 else None
+        train_loader = loader("train")
+        val_loader = loader("val") if cfg.eval_interval > 0 else None
     except NoShardsError as e:
         from prepare_data import prepare_command
         raise NoShardsError(f"{e}; prepare it with `{prepare_command(cfg.data_dir)}`") from None
@@ -76,20 +75,20 @@ def make_loaders(cfg, env):
     return train_loader, val_loader
 
 
-def build_model(cfg, ckpt, device, min_vocab=0):
-    """(the bare GPT on device, cfg with the model's real shape) from a checkpoint, scratch or pretrained; pretrained
-    weights with fewer than min_vocab rows (GPT-2's 50257, for SFT data's chat tokens) are padded to a multiple of 64.
-    A sharded checkpoint's weights are loaded later, by restore(), into the model as this run shards it.
-    device 'meta' (scratch or a sharded checkpoint): parallel.build_on_meta, initialised when sharded."""
-    training_only = {"dropout": cfg.dropout, "activation_checkpointing": cfg.activation_checkpointing}
-    new = build_on_meta if device == "meta" else GPT
-    if ckpt is not None:
-        model = new(model_config(cfg, **{**ckpt["model_args"], **training_only}))
-        if "shards" not in ckpt:
+def build_model(cfg, ckpt, env, min_vocab=0):
+    """(the bare GPT, cfg with the model's real shape) from the checkpoint the run resumes from, scratch, a checkpoint
+    to fine-tune (its weights only: resolve_config took its architecture) or pretrained weights; pretrained weights
+    with fewer than min_vocab rows (GPT-2's 50257, for SFT data's chat tokens) are padded to a multiple of 64.
+    Where: an unsharded run's on its device. A sharded run's from scratch or from a sharded checkpoint on the meta
+    device (parallel.build_on_meta: parallelize() gives each rank its shards only, and restore() loads a sharded
+    checkpoint's weights into them); from whole weights on the CPU, for fully_shard to move."""
+    if ckpt is not None or cfg.init_from == "scratch":  # resuming: cfg has the checkpoint's architecture
+        if env.sharded and (ckpt is None or "shards" in ckpt):
+            return build_on_meta(model_config(cfg)), cfg
+        model = GPT(model_config(cfg))
+        if ckpt is not None and "shards" not in ckpt:
             model.load_state_dict(ckpt["model"])
-    elif cfg.init_from == "scratch":
-        model = new(model_config(cfg))
-    elif is_checkpoint(cfg.init_from):  # fine-tuning: the weights only (resolve_config took its architecture)
+    elif is_checkpoint(cfg.init_from):  # fine-tuning
         state = load_checkpoint(cfg.init_from, consolidate=False, note=lambda message: None)  # noted already
         model = GPT(model_config(cfg))
         if "shards" in state:
@@ -98,13 +97,13 @@ def build_model(cfg, ckpt, device, min_vocab=0):
             model.load_state_dict(state["model"])
     else:
         try:
-            model = from_pretrained(cfg.init_from, **training_only)
+            model = from_pretrained(cfg.init_from, **{k: getattr(cfg, k) for k in TRAINING_ONLY_MODEL_KEYS})
         except (ValueError, ImportError) as e:  # a broken model directory; a hub download's errors are OSErrors
             raise ConfigError(f"init_from={cfg.init_from!r}: {e}") from None
         if model.config.vocab_size < min_vocab:
             model = pad_vocab(model, -(-min_vocab // 64) * 64)
         cfg = make_config({**asdict(cfg), **{k: getattr(model.config, k) for k in ARCH_KEYS}})
-    return model.to(device), cfg
+    return model.to("cpu" if env.sharded else env.device), cfg
 
 
 # ----------------------------------------------------------------------------- the step
@@ -216,14 +215,15 @@ def sample_preview(raw_model, cfg, env):
     return enc.decode([t for t in out[0].tolist() if t < enc.n_vocab])
 
 
-def evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cfg, env, last, stop):
-    """The evaluations due at `step` (val loss, HellaSwag, a sample), logged; returns the val loss or None.
+def evaluate(step, model, raw_model, val_loader, micro, hellaswag_examples, tracker, cfg, env, last, stop):
+    """The evaluations due at `step` (val loss at micro-batch `micro`, HellaSwag, a sample), logged; returns the
+    val loss or None.
     Every rank calls it: the val loss is averaged over ranks, a sharded model is gathered for the others.
     A signal (stop: the StopRequest) abandons them between batches: Abandoned."""
     due = lambda interval: interval > 0 and (step % interval == 0 or last)  # noqa: E731
     val = None
     if due(cfg.eval_interval):
-        val = val_loss(model, val_loader, cfg.eval_steps, cfg.batch_size, env, lambda: any_rank(stop.signal, env), step)
+        val = val_loss(model, val_loader, cfg.eval_steps, micro, env, lambda: any_rank(stop.signal, env), step)
         tracker.log({"step": step, "val_loss": val})
         log(f"step {step}: val loss {val:.4f}")
     if due(cfg.hellaswag_interval):
@@ -236,14 +236,14 @@ def evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cf
     return val
 
 
-def step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model, cfg, env,
+def step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model, micro_batch, env,
                 trained_tokens):
     """The metrics.jsonl record of one optimizer step."""
     tokens_per_s = total_batch_size / dt
     mem, reserved = peak_memory(env.kind)
     record = {"step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
               "mfu": raw_model.estimate_mfu(tokens_per_s / env.world_size, peak), "step_ms": dt * 1000,
-              "peak_mem_mb": mem, "micro_batch": cfg.batch_size, "trained_tokens": trained_tokens}
+              "peak_mem_mb": mem, "micro_batch": micro_batch, "trained_tokens": trained_tokens}
     if reserved is not None:
         record["peak_reserved_mb"] = reserved
     if skipped:
@@ -288,46 +288,52 @@ def run_summary(raw_model, compiled, cfg, env, total_batch_size, grad_accum, res
 def run(user):
     """The recipe, for the keys the user set (parse_args). Config: defaults < checkpoint (on resume) < preset <
     config files < --key=value."""
-    cfg, ckpt, problem = resolve_config_or_defer(user)
-    check_tracking_available(cfg.wandb_log, cfg.tensorboard_dir)  # every rank: all stop alike
-    env = setup(cfg)
-    cfg, ckpt, problem = agree_on_checkpoint(user, cfg, ckpt, problem, env)
-    check_shared_out_dir(cfg.out_dir, ckpt and ckpt["step"], problem, env)
-    cfg = resolve_batch_size(cfg, ckpt, env)  # the plan line; a refusal; batch_size='auto' from the plan
+    cfg, ckpt, env = start(user)  # config, process group and checkpoint, alike on every rank; the memory plan
     train_loader, val_loader = make_loaders(cfg, env)
 
     # the bare GPT (checkpoints, samples, HellaSwag); SFT data's chat tokens need GPT-2's vocabulary padded
-    raw_model, cfg = build_model(cfg, ckpt, build_device(cfg, ckpt, env),
-                                 min_vocab=CHAT_VOCAB if train_loader.masks is not None else 0)
+    min_vocab = CHAT_VOCAB if train_loader.masks is not None else 0
+    raw_model, cfg = build_model(cfg, ckpt, env, min_vocab)
     if cfg.batch_size == "auto":  # a probed device (CUDA)
         cfg = probe_batch_size(raw_model, cfg, env, [train_loader, val_loader])
+    # cfg is final from here on; the micro-batch may still halve on an out-of-memory: train_loader.B is the live one
     total_batch_size, grad_accum = batch_layout(cfg, env.world_size)
+    rows = cfg.batch_size * grad_accum  # sequences per rank per optimizer step
     model = parallelize(raw_model, cfg, env)  # what the loop calls
     optimizer = build_optimizer(raw_model, cfg, fused_adamw_supported(env.kind))  # after sharding
     scaler = torch.amp.GradScaler(env.kind, enabled=env.dtype == "float16")  # loss scaling for fp16 only
     progress = restore(ckpt, raw_model, optimizer, scaler, train_loader) if ckpt else Progress()
 
-    out_dir, tracker = Path(cfg.out_dir), start_tracking(cfg, ckpt, progress, total_batch_size, env)
+    out_dir = Path(cfg.out_dir)
+    tracker = start_tracking(cfg, ckpt, progress, total_batch_size, env)
     log(f"config ('*' = set on this command line):\n{config_table(cfg, user)}")
     log(run_summary(raw_model, is_compiled(model), cfg, env, total_batch_size, grad_accum, ckpt and ckpt["step"]))
     if ckpt is not None:
         restore_rngs(ckpt, env)
     del ckpt  # free the checkpoint's copy of the weights and optimizer state
 
-    stop, stop_flag = StopRequest(), torch.zeros((), device=env.device)
+    stop = StopRequest()
+    stop_flag = torch.zeros((), device=env.device)
     main_thread = threading.current_thread() is threading.main_thread()
     old_handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     peak = peak_flops(torch.cuda.get_device_name(env.device) if env.kind == "cuda" else env.kind, env.dtype)
-    hellaswag_examples, start_step, stopping, finished = [], progress.step, False, False
+    hellaswag_examples = []
+    start_step = progress.step
     saved_step = start_step
+    stopping = False
+    finished = False
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not env.master, unit="step", dynamic_ncols=True)
     try:
         while True:
-            step, last = progress.step, progress.step >= cfg.max_steps
-            val, step_start = None, train_loader.state_dict()  # a resumed run's first step was evaluated before it stopped
+            step = progress.step
+            last = step >= cfg.max_steps
+            step_start = train_loader.state_dict()
+            val = None
+            # a resumed run's first step was evaluated before it stopped
             if (step > start_step or start_step == 0) and not stopping:
                 try:
-                    val = evaluate(step, model, raw_model, val_loader, hellaswag_examples, tracker, cfg, env, last, stop)
+                    val = evaluate(step, model, raw_model, val_loader, train_loader.B, hellaswag_examples, tracker,
+                                   cfg, env, last, stop)
                 except Abandoned:  # a signal: save now rather than after a whole evaluation
                     stopping = True
             if step > start_step and (last or stopping or cfg.save_interval and step % cfg.save_interval == 0):
@@ -336,13 +342,11 @@ def run(user):
             if last or stopping:
                 break
 
-            # one optimizer step: grad_accum micro-batches, then clip, check and update
+            # one optimizer step: the step's micro-batches, then clip, check and update
             t0 = time.perf_counter()
             lr = get_lr(step, cfg)
             set_lr(optimizer, lr, cfg)
-            (loss_sum, trained_tokens), cfg, grad_accum = fitting_forward_backward(
-                lambda accum: forward_backward(model, train_loader, accum, scaler, env),
-                train_loader, grad_accum, optimizer, cfg, env, step)
+            loss_sum, trained_tokens = fitting_forward_backward(model, train_loader, rows, optimizer, scaler, env, step)
             if stop.signal is not None:
                 stop_flag.fill_(1.0)
             scaler.unscale_(optimizer)  # true gradients before clipping (no-op without fp16)
@@ -356,17 +360,20 @@ def run(user):
             scaler.update()
             optimizer.zero_grad(set_to_none=not keeps_grads(model))  # also drops the gradients of a skipped step
             dt = time.perf_counter() - t0
-            progress.step = step = step + 1
+            step += 1
+            progress.step = step
 
-            report_step(step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model,
-                                    cfg, env, trained_tokens), tracker, bar, cfg)
+            record = step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model,
+                                 train_loader.B, env, trained_tokens)
+            report_step(record, tracker, bar, cfg)
         finished = True
     except Halt as e:
         raise Halt(f"{e}; {kept_checkpoint(out_dir)}") from None
     except KeyboardInterrupt:  # a second Ctrl-C: at once, even in the middle of a save
         raise KeyboardInterrupt(kept_checkpoint(out_dir)) from None
     except ShardError as e:  # a shard changed under the run: first keep the steps done since the last save
-        if not env.distributed and progress.step > saved_step:  # (other ranks would wait in a collective)
+        # in a single process only: under torchrun the other ranks would wait in a collective
+        if not env.distributed and progress.step > saved_step:
             optimizer.zero_grad(set_to_none=True)
             train_loader.load_state_dict(step_start)
             save(out_dir, None, progress, raw_model, optimizer, scaler, train_loader, tracker, cfg, env)
@@ -405,7 +412,7 @@ def main(argv=None):
         report_error("train.py", KeyboardInterrupt(f"interrupted{'; ' if str(e) else ''}{e}"))
         raise SystemExit(130) from None
     finally:
-        if dist.is_available() and dist.is_initialized():  # the one place the process group is destroyed
+        if distributed():  # the one place the process group is destroyed
             dist.destroy_process_group()
 
 

@@ -11,7 +11,7 @@ import torch
 from assets import fetch_hellaswag, get_tokenizer
 from bench import machine_line
 from devices import resolve_device, resolve_dtype, tune_cpu_allocator
-from hellaswag import evaluate, load_examples, render_example, score_rows, unwrap_model
+from hellaswag import evaluate, load_examples, render_example, score_rows
 from model import GPT, GPTConfig
 
 
@@ -25,7 +25,7 @@ def one_example_per_forward(model, examples, device, dtype=None, enc=None):
     Returns [(pred, pred_norm)] per example."""
     if enc is None:
         enc = get_tokenizer()
-    model = unwrap_model(model).eval()
+    model = model.eval()
     preds = []
     for ex in examples:
         tokens, mask, _ = render_example(ex, enc)

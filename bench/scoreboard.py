@@ -40,8 +40,8 @@ from dataclasses import asdict, dataclass, replace
 import torch
 import torch.nn.functional as F
 
-import optim
 import devices
+import optim
 from bench import machine_line, require
 from devices import autocast, device_type, glibc, malloc_tuned, resolve_device, set_malloc_tuned
 from config import TrainConfig

@@ -5,8 +5,8 @@
 # AdamW state take 16 bytes/param, 107 GB, more than one GPU holds: FSDP shards them (13.3 GB per GPU on
 # 8). Activation checkpointing is on: the activations of 4 x 2048 tokens through 32 blocks of width 4096
 # (~35 GB in bf16, by arithmetic) would not fit beside that comfortably; with it the dry run
-# (python dryrun.py configs/gpt3_6p7b.py --world_size=8) simulates an 18 GiB peak per rank. Initialisation builds the whole fp32 model on each
-# rank's host first: 26.6 GB of host memory per rank, 213 GB per 8-GPU node.
+# (python dryrun.py configs/gpt3_6p7b.py --world_size=8) simulates an 18 GiB peak per rank. Initialisation
+# builds the whole fp32 model on each rank's host first: 26.6 GB of host memory per rank, 213 GB per 8-GPU node.
 #   torchrun --standalone --nproc_per_node=8 train.py configs/gpt3_6p7b.py --parallel=fsdp
 #   sbatch --nodes=8 scripts/slurm_train.sh configs/gpt3_6p7b.py --parallel=hsdp   # 8 nodes x 8 GPUs
 data_dir = "data/fineweb-edu"

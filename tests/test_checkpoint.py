@@ -202,19 +202,17 @@ def test_a_damaged_checkpoint_is_named_and_a_directory_falls_back(tmp_path, dama
     assert path == checkpoint_path(tmp_path, 1) and ckpt["step"] == 1
 
 
-def test_checkpoints_without_a_sidecar_load_with_a_note_or_fall_back(tmp_path):
-    """Checkpoints of older runs have no .sha256: they load unverified, and one that does not load is skipped."""
+def test_a_checkpoint_without_its_sidecar_is_refused_and_skipped(tmp_path):
+    """Every checkpoint is written with its .sha256: one without is unverifiable, an error when named and skipped
+    with a note in an out_dir."""
     newest = two_checkpoints(tmp_path)
-    for step in (1, 2):
-        checksum_path(checkpoint_path(tmp_path, step)).unlink()
+    checksum_path(newest).unlink()
+    with pytest.raises(CheckpointError, match=r"no ckpt_000002.pt.sha256: cannot verify the checkpoint"):
+        load_checkpoint(newest)
     notes = []
-    assert load_checkpoint(checkpoint_path(tmp_path, 1), note=notes.append)["step"] == 1
-    assert notes == [f"{checkpoint_path(tmp_path, 1)} has no ckpt_000001.pt.sha256 (written before checkpoints "
-                     f"recorded their sha256): loaded unverified"]
-    overwrite(newest, newest.stat().st_size - 22, b"\x00" * 22)  # the zip's end-of-central-directory record
-    notes.clear()
     assert load_checkpoint(tmp_path, note=notes.append)["step"] == 1
-    assert any(n.startswith(f"skipping {newest}: not a readable checkpoint") for n in notes)
+    assert notes == [f"skipping {newest}: no ckpt_000002.pt.sha256: cannot verify the checkpoint"]
+    assert load_checkpoint(newest, verify=False)["step"] == 2  # another rank verified it: complete is enough
 
 
 def test_nothing_loads_is_one_line(tmp_path):

@@ -143,7 +143,7 @@ def test_tuned_malloc_keeps_freed_big_blocks_mapped_and_glibc_mode_returns_them(
                          cwd=Path(__file__).parent.parent)
     if run.returncode:
         assert "not glibc None" in run.stderr, run.stderr  # only a non-glibc libc may lack the switch
-        return
+        pytest.skip("not glibc: no malloc tuning to check")
     lines = run.stdout.split("\n")
     n = 128 << 20
     faults, held = map(int, lines[0].split())

@@ -20,14 +20,14 @@ import torch.distributed as dist
 from test_hellaswag import EXAMPLES
 from test_train import TINY, markov_tokens, metrics, subprocess_env, train_losses
 
-import optim
 import checkpoint
 import hellaswag
-import parallel
+import optim
+import resume
 import sample
 import train
 from checkpoint import load_checkpoint, load_latest_checkpoint, save_sharded_checkpoint
-from config import ConfigError, make_config
+from config import make_config
 from data import write_shard
 from hf import from_pretrained
 from model import GPT, GPTConfig
@@ -293,7 +293,7 @@ def test_under_torchrun_a_rank_other_than_0_hashes_nothing(data_dir, tmp_path, m
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("WORLD_SIZE", "2")
         hashed.clear()
-        cfg, ckpt, problem = train.resolve_config_or_defer(user)
+        cfg, ckpt, problem = resume.resolve_config_or_defer(user)
         assert hashed == expected, rank
         assert ckpt["path"] == str(tmp_path / "ckpt_000002.pt") and problem is None
 
@@ -303,15 +303,15 @@ def test_under_torchrun_a_rank_other_than_0_hashes_nothing(data_dir, tmp_path, m
 SHARDED_EVAL = """
 import json, sys
 import torch
-import hellaswag, train
+import hellaswag, parallel, train
 from config import make_config, model_config
 from model import GPT
 
 examples, out = hellaswag.load_examples(sys.argv[1]), sys.argv[2]
 cfg = make_config(dict(n_layer=2, n_head=2, n_embd=32, block_size=64, device="cpu", dtype="float32", compile=False,
                        parallel="fsdp", sample_tokens=12, sample_prompt="The", seed=7))
-env = train.setup(cfg)
-raw, cfg = train.build_model(cfg, None, "meta")  # as train.py builds a sharded run: on meta
+env = parallel.setup(cfg)
+raw, cfg = train.build_model(cfg, None, env)  # as train.py builds a sharded run: on meta
 model = train.parallelize(raw, cfg, env)
 torch.manual_seed(cfg.seed)
 alone = GPT(model_config(cfg))  # what one process starts from with the same seed
@@ -423,17 +423,3 @@ def test_parallel_is_ignored_without_torchrun(data_dir, tmp_path, capsys):
     assert (tmp_path / "ckpt_000002.pt").is_file()
 
 
-def test_mesh_shapes_and_bad_shard_size():
-    assert parallel.mesh_shape("fsdp", None, 16, 8) == (16,)
-    assert parallel.mesh_shape("hsdp", None, 16, 8) == (2, 8)  # default: shard within a node, replicate across
-    assert parallel.mesh_shape("hsdp", 4, 16, 8) == (4, 4)
-    with pytest.raises(ConfigError, match=r"shard_size=3 does not divide the world size 16"):
-        parallel.mesh_shape("hsdp", 3, 16, 8)
-
-
-def test_sharded_float16_is_a_config_error(monkeypatch):
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="parallel='fsdp' trains in bfloat16 or float32, not float16"):
-        train.setup(make_config(dict(parallel="fsdp", dtype="float16", device="cpu")))
-    assert not dist.is_initialized()

@@ -154,23 +154,13 @@ def test_evaluate_restores_training_mode(model, enc):
     assert not model.training
 
 
-def test_compiled_model_gives_the_same_predictions(model, enc):
-    # aot_eager: if evaluate ever runs the compiled forward, this stays fast (no C++ build)
-    compiled = torch.compile(model, backend="aot_eager")
-    plain = evaluate(model, EXAMPLES, "cpu", batch_size=3, enc=enc)
-    result = evaluate(compiled, EXAMPLES, "cpu", batch_size=3, enc=enc)
-    assert [(p["pred"], p["pred_norm"]) for p in result["preds"]] == \
-           [(p["pred"], p["pred_norm"]) for p in plain["preds"]]
-
-
 DDP_SCRIPT = """
 import json, sys
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from hellaswag import evaluate, load_examples
 from hf import from_pretrained
 dist.init_process_group("gloo")
-model = DistributedDataParallel(from_pretrained(sys.argv[1]))  # as train.py holds it
+model = from_pretrained(sys.argv[1])  # every rank its bare GPT, as train.py's gathered model
 result = evaluate(model, load_examples(sys.argv[2], limit=7), "cpu", batch_size=3)
 with open(sys.argv[3] + str(dist.get_rank()), "w") as f:
     json.dump(result, f)

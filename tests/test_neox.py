@@ -10,9 +10,9 @@ import torch
 from test_model import perturb_, shifted_targets, single_thread, small_gpt  # noqa: F401  (autouse fixture)
 from transformers import GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 
-import optim
 import hf as hf_io
 import model as M
+import optim
 from hf import from_pretrained, save_pretrained
 from model import GPT, PRESETS, GPTConfig
 

@@ -202,8 +202,8 @@ def test_model_dir_with_tokenizer_json_samples_with_that_tokenizer(hf_dir_with_t
     assert run_main(capsys, "--init_from", str(hf_dir_with_tokenizer), *args) == expected + "\n" + SEPARATOR + "\n"
     # a checkpoint fine-tuned from that directory samples with the same tokenizer
     ckpt = tmp_path / "ckpt_000001.pt"
-    torch.save({"model": model.state_dict(), "model_args": asdict(model.config), "step": 1, "val_loss": None,
-                "config": {"init_from": str(hf_dir_with_tokenizer)}, "format": "gpt2-train-ckpt-v1"}, ckpt)
+    save_checkpoint(ckpt, {"model": model.state_dict(), "model_args": asdict(model.config), "step": 1, "val_loss": None,
+                           "config": {"init_from": str(hf_dir_with_tokenizer)}, "format": "gpt2-train-ckpt-v1"})
     assert run_main(capsys, "--ckpt", str(ckpt), *args) == expected + "\n" + SEPARATOR + "\n"
 
 

@@ -1,4 +1,4 @@
-"""Supervised fine-tuning: chat template, prepare_data.py --format sft, masked targets in the loader and the
+"""Supervised fine-tuning: prepare_data.py --format sft, masked targets in the loader and the
 step's loss, exact resume, and sample.py --chat."""
 import io
 import json
@@ -11,21 +11,15 @@ import torch
 import torch.nn.functional as F
 
 import chat
+import parallel
 import prepare_data
 import train
 from data import DataLoader, ShardError
 from model import GPT, GPTConfig, ChunkedLMHeadLoss
 from sample import stream_samples
+from test_chat import ROWS, render
 
 ROOT = Path(__file__).resolve().parent.parent
-ROWS = [
-    {"prompt": "What is 2+2?", "completion": " 4"},
-    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi, naïve café 😀"},
-                  {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": ""},
-                  {"role": "assistant", "content": "Bye <|user|> now."}]},
-    {"prompt": "", "completion": "empty prompt, fine"},
-    {"prompt": "Count", "completion": " one two three"},
-] + [{"prompt": f"Reverse {i} {i + 1}", "completion": f" {i + 1} {i}"} for i in range(40)]
 BLOCK = 32
 TINY = ["--n_layer=1", "--n_head=2", "--n_embd=16", f"--block_size={BLOCK}", "--batch_size=2", "--warmup_steps=2",
         "--learning_rate=3e-3", "--eval_interval=4", "--eval_steps=1", "--log_interval=0", "--save_interval=4",
@@ -49,19 +43,6 @@ def messages_of(row):
     return chat.parse(row)
 
 
-def test_template_renders_as_transformers_apply_chat_template():
-    from transformers.utils.chat_template_utils import render_jinja_template
-    enc = chat.tokenizer()
-    for row in ROWS[:3]:
-        messages = messages_of(row)
-        for gen in (False, True):
-            text = render_jinja_template([messages], chat_template=chat.CHAT_TEMPLATE, add_generation_prompt=gen)[0][0]
-            assert text == chat.render(messages, add_generation_prompt=gen)
-            assert enc.decode(chat.encode(enc, messages, gen)[0]) == text
-    plain = messages_of(ROWS[0])  # contents without special-token text tokenize alike either way
-    assert enc.encode(chat.render(plain), allowed_special="all") == chat.encode(enc, plain)[0]
-
-
 def test_prep_round_trips_both_formats(sft_dir):
     """Rows hold whole conversations from their start, in order; decode(tokens) is the rendered text; the mask
     covers exactly the assistant contents and their <|end|>; padding is <|endoftext|>, masked."""
@@ -79,7 +60,7 @@ def test_prep_round_trips_both_formats(sft_dir):
                         row, m = row[:-1], m[:-1]
                     texts.append(enc.decode(row))
                     trained.append(enc.decode([t for t, k in zip(row, m) if k]))
-    rendered = [chat.render(messages_of(r)) for r in ROWS]
+    rendered = [render(messages_of(r)) for r in ROWS]
     assert "".join(texts) == "".join(rendered)
     assert "".join(trained) == "".join(m["content"] + "<|end|>" for r in ROWS for m in messages_of(r)
                                        if m["role"] == "assistant")
@@ -164,7 +145,7 @@ def test_step_loss_is_the_mean_over_the_trained_tokens_of_all_micro_batches(sft_
     assert counts[0] != counts[1]  # so per-micro-batch means would weigh tokens unequally
     loader.reset()
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    loss_sum, trained = train.forward_backward(model, loader, 2, scaler, Env())
+    loss_sum, trained = parallel.forward_backward(model, loader, 2, scaler, Env())
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     # independently: logits of every position, CE over the positions whose target token is in the mask
@@ -278,7 +259,7 @@ def test_chat_export_carries_the_template_and_tokens(chat_export, offline):
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     enc, messages = chat.tokenizer(), messages_of(ROWS[1])[:-1]
     for gen in (False, True):
-        assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen) == chat.render(messages, gen)
+        assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen) == render(messages, gen)
     ids = tok.apply_chat_template(messages[:3], tokenize=True, add_generation_prompt=True, return_dict=False)
     assert list(ids) == chat.encode(enc, messages[:3], add_generation_prompt=True)[0]
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()

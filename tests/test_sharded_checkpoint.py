@@ -117,7 +117,6 @@ def test_a_missing_or_truncated_shard_is_skipped_with_a_note_and_named(tmp_path)
     (tmp_path / "ckpt_000005" / "__0_0.distcp").unlink()  # a copy that stopped half-way
     shard = tmp_path / "ckpt_000004" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-100])
-    (tmp_path / "ckpt_000004" / checkpoint.SUMS).unlink()  # written before sums: only sizes can tell
     notes = []
     assert load_latest_checkpoint(tmp_path, consolidate=False, note=notes.append)[1] == tmp_path / "ckpt_000003"
     assert "shard __0_0.distcp is missing" in notes[0]
@@ -130,9 +129,10 @@ def test_a_failure_inside_dcp_is_a_checkpoint_error(tmp_path, capsys):
     """DCP wraps every failure in CheckpointException, a BaseException that `except Exception` misses."""
     ckpt = tmp_path / "ckpt_000005"
     tiny_sharded_checkpoint(ckpt)
-    (ckpt / checkpoint.SUMS).unlink()  # unverifiable: its bytes are read as they are
     shard = ckpt / "__0_0.distcp"
-    shard.write_bytes(bytes(shard.stat().st_size))  # the right size, all zeros
+    shard.write_bytes(bytes(shard.stat().st_size))  # the right size, all zeros, and recorded so: only DCP can tell
+    sums = ckpt / checkpoint.SUMS
+    sums.write_text("".join(f"{file_sha256(ckpt / name)}  {name}\n" for name in checkpoint.read_checksums(sums)))
     with pytest.raises(CheckpointError, match=r"ckpt_000005: cannot read the sharded checkpoint \(rank 0: "):
         load_checkpoint(ckpt)
     assert checkpoint.main(["export", str(ckpt), str(tmp_path / "hf")]) == 2

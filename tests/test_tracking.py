@@ -1,5 +1,5 @@
 """tracking.py: metrics.jsonl, the W&B and TensorBoard sinks (read back from what they wrote), resume
-without duplicate steps, failing sinks, cost and the summary; plot_metrics.py's overlay and --compare.
+without duplicate steps, failing sinks, cost and the summary.
 
 The records are shaped like train.py's loop writes them: a val line at step 0 and every 4 steps, a
 HellaSwag line at step 4, a train line per step, one of them skipped (NaN loss) with its reason.
@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import plot_metrics
 import tracking
 from tracking import MetricsLog, Tracker, TrackingError, check_tracking_available
 
@@ -377,73 +376,3 @@ def test_metrics_log_resume_drops_the_steps_after_the_checkpoint(tmp_path):
                                 {"step": 2, "train_loss": None}]
     MetricsLog(path).file.close()  # a fresh run starts empty
     assert path.read_text() == ""
-
-
-# ----------------------------------------------------------------------------- plot_metrics.py
-
-def write_metrics(run_dir, records):
-    run_dir.mkdir(parents=True)
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in json_form(records)))
-    return run_dir
-
-
-def test_compare_identical_runs_is_zero(tmp_path, capsys):
-    a = write_metrics(tmp_path / "a", loop_records(0, 8))
-    b = write_metrics(tmp_path / "b", loop_records(0, 8))
-    result = plot_metrics.compare(a, b)
-    assert result["train_loss"] == {"steps": 7, "first": 1, "last": 8, "max_abs_diff": 0.0, "mean_abs_diff": 0.0}
-    assert result["grad_norm"]["max_abs_diff"] == 0.0 and result["final_val_loss"] == [4.0 - 8 / 10 + 1] * 2
-    assert plot_metrics.main(["--compare", str(a), str(b)]) == 0
-    printed = capsys.readouterr().out
-    assert "train_loss  over 7 common steps (1..8): max |a-b| 0.000e+00, mean |a-b| 0.000e+00" in printed
-    assert "|a-b| 0.000e+00" in printed.splitlines()[-1]
-
-
-def test_compare_different_runs_over_their_common_steps(tmp_path, capsys):
-    a = write_metrics(tmp_path / "a", loop_records(0, 8))
-    b_records = loop_records(0, 6, offset=0.5)  # shorter, and its losses 0.5 higher
-    b_records[3]["train_loss"] += 0.25  # step 3: 0.75 higher
-    b = write_metrics(tmp_path / "b", b_records)
-    result = plot_metrics.compare(a, b)
-    # steps 1-5 in both (6 is a skipped step with no loss; 7-8 only in a)
-    assert result["train_loss"]["steps"] == 5 and result["train_loss"]["last"] == 5
-    assert result["train_loss"]["max_abs_diff"] == pytest.approx(0.75)
-    assert result["train_loss"]["mean_abs_diff"] == pytest.approx((4 * 0.5 + 0.75) / 5)
-    assert result["grad_norm"]["max_abs_diff"] == 0.0  # gradient norms were not shifted
-    assert result["final_val_loss"] == pytest.approx([4.2, 4.0 - 0.6 + 0.5])
-    assert result["final_val_step"] == [8, 6]
-    plot_metrics.main(["--compare", str(a), str(b)])
-    assert "max |a-b| 7.500e-01" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as exit_:
-        plot_metrics.main(["--compare", str(a)])
-    assert exit_.value.code == 2 and "--compare takes exactly two runs, got 1" in capsys.readouterr().err
-
-
-def test_overlay_plot_of_several_runs(tmp_path, capsys):
-    a = write_metrics(tmp_path / "fp32", loop_records(0, 8))
-    b = write_metrics(tmp_path / "bf16", loop_records(0, 8, offset=0.1))
-    saved = {}
-    import matplotlib.figure
-    real_savefig = matplotlib.figure.Figure.savefig
-
-    def savefig(fig, path, **kwargs):
-        saved["titles"] = [ax.get_title() for ax in fig.axes]
-        saved["labels"] = [[t.get_text() for t in ax.get_legend().get_texts()] for ax in fig.axes]
-        real_savefig(fig, path, **kwargs)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(matplotlib.figure.Figure, "savefig", savefig)
-        assert plot_metrics.main([str(a), str(b), "-o", str(tmp_path / "cmp.png")]) == 0
-    assert (tmp_path / "cmp.png").stat().st_size > 0
-    assert saved["titles"] == ["loss", "gradient norm", "learning rate", "tokens / s"]
-    assert saved["labels"][0] == ["fp32 train", "fp32 val", "bf16 train", "bf16 val"]
-    assert saved["labels"][1] == ["fp32", "bf16"]
-
-
-def test_plot_without_matplotlib_is_one_line_naming_the_install(tmp_path, monkeypatch):
-    run = write_metrics(tmp_path / "run", loop_records(0, 4))
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: `import matplotlib` fails
-    with pytest.raises(SystemExit) as stop:
-        plot_metrics.main([str(run)])
-    assert str(stop.value) == "plot_metrics.py needs matplotlib, an optional extra: pip install matplotlib"
-    assert not (run / "metrics.png").exists()

@@ -1,0 +1,95 @@
+"""config.py: config files, --key=value overrides, validation as one-line errors, the documented keys and the
+shipped configs."""
+
+from pathlib import Path
+
+import pytest
+
+import config
+from config import ConfigError, TrainConfig, make_config, parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_config_file_then_command_line(tmp_path):
+    cfg_file = tmp_path / "my.py"
+    cfg_file.write_text(
+        "import math\n_private = 3\nn_layer = 4\nlearning_rate = 1e-3\nout_dir = 'out/a'\n"
+        "min_lr = 0  # an int is fine for a float key\n"
+    )
+    user = parse_args([str(cfg_file), "--n_layer=6", "--out_dir=out/b", "--compile=auto", "--lr_decay_steps=None"])
+    assert user == {
+        "n_layer": 6,
+        "learning_rate": 1e-3,
+        "out_dir": "out/b",
+        "min_lr": 0.0,
+        "compile": "auto",
+        "lr_decay_steps": None,
+    }
+    cfg = make_config(user)
+    assert cfg.n_layer == 6 and isinstance(cfg.min_lr, float) and cfg.batch_size == TrainConfig().batch_size
+    assert parse_args(["--out_dir=123"]) == {"out_dir": "123"}  # a str key keeps the text as written
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--lerning_rate=1e-3"], "unknown config key 'lerning_rate' (did you mean 'learning_rate'?)"),
+        (["--max_steps=1.5"], "config key 'max_steps' expects int, got float 1.5"),
+        (["--learning_rate=fast"], "config key 'learning_rate' expects float, got str 'fast'"),
+        (["--bias=1"], "config key 'bias' expects bool, got int 1"),
+        (["--lr_schedule=linear"], "config key 'lr_schedule' must be one of 'cosine', 'wsd'"),
+        (["--compile=yes"], "config key 'compile' must be one of True, False, 'auto'"),
+        (["--n_embd=100", "--n_head=3"], "n_embd=100 must be divisible by n_head=3"),
+        (["--max_steps"], "write overrides as --key=value"),
+        (["no/such/config.py"], "config file 'no/such/config.py' not found"),
+    ],
+)
+def test_bad_config_is_a_one_line_error(args, expected):
+    with pytest.raises(ConfigError) as err:
+        make_config(parse_args(args))
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_unknown_key_in_config_file_names_the_file(tmp_path):
+    cfg_file = tmp_path / "c.py"
+    cfg_file.write_text("batch_sise = 8\n")
+    with pytest.raises(ConfigError, match=r"c\.py: unknown config key 'batch_sise' \(did you mean 'batch_size'\?\)"):
+        parse_args([str(cfg_file)])
+
+
+def test_every_key_is_documented():
+    docs = config.config_docs()
+    assert set(docs) == {f for f in config.FIELD_TYPES}
+    assert all(comment for _, comment in docs.values())
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.py")), ids=lambda p: p.name)
+def test_shipped_configs_are_valid(path):
+    cfg = make_config(parse_args([str(path)]))
+    if cfg.total_batch_size:  # divisible on the intended 8 GPUs (the demo: on 1 CPU process)
+        ranks = 1 if path.name == "shakespeare_cpu.py" else 8
+        assert cfg.total_batch_size % (cfg.batch_size * cfg.block_size * ranks) == 0
+
+
+def test_gpt2_124m_config_is_the_recipe():
+    cfg = make_config(parse_args([str(ROOT / "configs" / "gpt2_124m.py")]))
+    recipe = dict(
+        n_layer=12,
+        n_head=12,
+        n_embd=768,
+        block_size=1024,
+        batch_size=64,
+        total_batch_size=524288,
+        learning_rate=6e-4,
+        min_lr=6e-5,
+        warmup_steps=715,
+        max_steps=19073,
+        weight_decay=0.1,
+        grad_clip=1.0,
+        dtype="bfloat16",
+        compile=True,
+        hellaswag_interval=250,
+        lr_schedule="cosine",
+    )
+    assert {k: getattr(cfg, k) for k in recipe} == recipe

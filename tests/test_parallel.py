@@ -1,0 +1,63 @@
+"""parallel.py: how the processes are arranged (setup, the mesh, the rank spans in messages) and the batches copied
+to the device. Sharded and DDP training end to end are in test_fsdp.py and test_train.py."""
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import parallel
+from config import ConfigError, TrainConfig, make_config
+
+
+def test_cuda_batches_are_copied_from_pinned_memory_without_waiting():
+    """From pageable memory a host->GPU copy waits for the GPU's queued work: one host sync per micro-batch."""
+    calls = []
+
+    class HostTensor:
+        def pin_memory(self):
+            calls.append("pin")
+            return self
+
+        def to(self, device, non_blocking=False):
+            calls.append((device, non_blocking))
+            return device
+
+    assert parallel.to_device((HostTensor(), HostTensor()), "cuda:3") == ("cuda:3", "cuda:3")
+    assert calls == ["pin", ("cuda:3", True)] * 2
+    x = torch.zeros(2, 3, dtype=torch.long)
+    assert parallel.to_device((x,), "cpu")[0] is x  # the CPU path is untouched
+
+
+def test_process_group_timeout_is_the_config_key(monkeypatch):
+    """A slow rank-0 save must not outlast the collective timeout the other ranks wait under."""
+    calls = []
+    monkeypatch.setattr(parallel.dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    env = parallel.setup(make_config({"device": "cpu", "dtype": "float32", "dist_timeout_minutes": 45}))
+    assert env.distributed and calls == [{"backend": "gloo", "timeout": timedelta(minutes=45)}]
+    assert TrainConfig().dist_timeout_minutes == 30
+    with pytest.raises(ConfigError, match="'dist_timeout_minutes' must be > 0; got 0"):
+        make_config({"dist_timeout_minutes": 0})
+
+
+def test_span_of_ranks():
+    assert parallel.span([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and parallel.span([3]) == "3"
+
+
+def test_mesh_shapes_and_bad_shard_size():
+    assert parallel.mesh_shape("fsdp", None, 16, 8) == (16,)
+    assert parallel.mesh_shape("hsdp", None, 16, 8) == (2, 8)  # default: shard within a node, replicate across
+    assert parallel.mesh_shape("hsdp", 4, 16, 8) == (4, 4)
+    with pytest.raises(ConfigError, match=r"shard_size=3 does not divide the world size 16"):
+        parallel.mesh_shape("hsdp", 3, 16, 8)
+
+
+def test_sharded_float16_is_a_config_error(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="parallel='fsdp' trains in bfloat16 or float32, not float16"):
+        parallel.setup(make_config(dict(parallel="fsdp", dtype="float16", device="cpu")))
+    assert not dist.is_initialized()
