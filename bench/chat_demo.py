@@ -11,6 +11,7 @@ block_size, 128), train.py configs/chat_demo.py (from out/shakespeare, the loss 
 out/chat_demo, is replaced), then the
 held-out exact match (the greedy reply up to <|end|>, as sample.py --chat produces it). docs/sft.md has the numbers.
 """
+
 import argparse
 import json
 import shutil
@@ -47,9 +48,11 @@ def main(argv=None):
     if subprocess.run(cmd).returncode != 0:
         return 1
     score = exact_match(out_dir, held)
-    print(f"\n{machine_line('cpu')}\nheld-out exact match: {score:.1%} ({round(score * len(held))}/{len(held)}); "
-          f"prep + fine-tuning + scoring {time.time() - t0:.0f} s\n"
-          f"chat with it: python sample.py --ckpt {out_dir} --chat --prompt \"sort: k c f a\" --temperature 0")
+    print(
+        f"\n{machine_line('cpu')}\nheld-out exact match: {score:.1%} ({round(score * len(held))}/{len(held)}); "
+        f"prep + fine-tuning + scoring {time.time() - t0:.0f} s\n"
+        f'chat with it: python sample.py --ckpt {out_dir} --chat --prompt "sort: k c f a" --temperature 0'
+    )
     return 0
 
 

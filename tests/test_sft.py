@@ -231,7 +231,7 @@ def test_ddp_two_processes_equal_one_process_with_accumulation_on_sft_data(sft_d
 
 @pytest.fixture(scope="module")
 def chat_export(tmp_path_factory):
-    """(model, run dir, its `checkpoint.py export --chat` directory) of a tiny random GPT-2 with the padded vocabulary."""
+    """(model, run dir, its `checkpoint.py export --chat` directory): a tiny random GPT-2, padded vocabulary."""
     from dataclasses import asdict
 
     import checkpoint
