@@ -1,6 +1,7 @@
-# Two commands: `make demo` (train a small GPT on Tiny Shakespeare on the CPU) and `make test`; `make lint` checks
-# the formatting and the lint rules of pyproject.toml (ruff).
-# Both create the virtual environment $(VENV) on first use.
+# Two commands: `make demo` (train a small GPT on Tiny Shakespeare on the CPU) and `make test`; then
+# `make chat-demo` (fine-tune the demo model on a small instruction task, score it, ask it once); `make lint`
+# checks the formatting and the lint rules of pyproject.toml (ruff).
+# Each creates the virtual environment $(VENV) on first use.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -12,7 +13,7 @@ PIP := $(PY) -m pip install --quiet
 # With nvidia-smi present the plain requirements give the normal (CUDA) torch.
 TORCH_CPU_SPEC ?= torch==2.13.0
 
-.PHONY: venv demo test lint clean-venv
+.PHONY: venv demo chat-demo test lint clean-venv
 
 venv: $(VENV)/.dev-installed
 
@@ -32,6 +33,12 @@ demo: $(VENV)/.installed
 	$(PY) prepare_data.py --dataset shakespeare --out_dir data/shakespeare
 	$(PY) train.py configs/shakespeare_cpu.py
 	$(PY) sample.py --ckpt out/shakespeare --prompt "ROMEO:" --max_new_tokens 200
+
+# docs/sft.md#the-chat-demo; chat interactively afterwards: .venv/bin/python sample.py --ckpt out/chat_demo --chat
+chat-demo: $(VENV)/.installed
+	@ls out/shakespeare/ckpt_*.pt >/dev/null 2>&1 || $(MAKE) demo
+	$(PY) -m bench.chat_demo
+	$(PY) sample.py --ckpt out/chat_demo --chat --prompt "sort: k c f a" --temperature 0
 
 test: $(VENV)/.dev-installed
 	$(PY) -m pytest

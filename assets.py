@@ -513,14 +513,15 @@ def gpt2_tokenizer_json(cache_dir=None):
 
 
 def save_tokenizer(out_dir, model_dir=None, chat_template=None, model_max_length=None, cache_dir=None,
-                   special_tokens=None, tokenizer_json=None):
+                   special_tokens=None, tokenizer_json=None, eos_token=None):
     """Write the tokenizer files transformers' AutoTokenizer reads into out_dir and return the id of
     <|endoftext|> (None if the tokenizer has none): `model_dir`/tokenizer.json copied when that file exists
     (a model imported with its own tokenizer, e.g. Pythia), else GPT-2's built offline (gpt2_tokenizer_json);
     tokenizer_config.json and special_tokens_map.json with <|endoftext|> as bos, eos and unk token, and
     `chat_template` (a Jinja string) when given; `special_tokens` ({text: id}, e.g. chat.SPECIAL) are added to
     tokenizer.json as special tokens. `tokenizer_json` (a checkpoint's own tokenizer.json text) wins over
-    model_dir's."""
+    model_dir's. `eos_token` (one of them, e.g. a chat model's <|end|>) replaces <|endoftext|> as the eos
+    token: the end of generation that llama.cpp's converter reads from here."""
     own = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
     if tokenizer_json is not None or (own is not None and own.is_file()):
         tokenizer_json = own.read_text(encoding="utf-8") if tokenizer_json is None else tokenizer_json
@@ -537,6 +538,8 @@ def save_tokenizer(out_dir, model_dir=None, chat_template=None, model_max_length
                                  "normalized": False, "special": True} for t, i in special_tokens.items()]
         tokenizer_json = json.dumps(tok, ensure_ascii=False)
     special = {} if eot is None else {key: "<|endoftext|>" for key in ("bos_token", "eos_token", "unk_token")}
+    if eos_token is not None:
+        special["eos_token"] = eos_token
     config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "add_prefix_space": False,
               "clean_up_tokenization_spaces": False}  # decode() gives the text back exactly
     if model_max_length is not None:

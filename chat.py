@@ -29,8 +29,11 @@ CHAT_TEMPLATE = ("{{ '<|endoftext|>' }}{% for message in messages %}"
 def tokenizer(enc=None):
     """GPT-2's tiktoken encoding plus the chat tokens (encode them with allowed_special='all'; decode shows them),
     or a tokenizer.json tokenizer (assets.HFTokenizer) that has the chat tokens as special tokens itself (as
-    tokenizer.py's do): ValueError naming the ones it lacks."""
+    tokenizer.py's do): ValueError naming the ones it lacks. A chat export's tokenizer.json (GPT-2's BPE plus
+    these tokens at these ids) is GPT-2's encoding, so `sample.py --chat --init_from <chat export>` works."""
     enc = enc or get_tokenizer()
+    if not isinstance(enc, tiktoken.Encoding) and _is_gpt2_with_chat_tokens(enc):
+        enc = get_tokenizer()
     if hasattr(enc, "special_id"):
         missing = [t for t in ("<|endoftext|>", *SPECIAL) if enc.special_id(t) is None]
         if missing:
@@ -38,7 +41,8 @@ def tokenizer(enc=None):
                              f"{enc.name} lacks (tokenizer.py's tokenizers have them)")
         return enc
     if not isinstance(enc, tiktoken.Encoding) or enc.n_vocab != EOT + 1:
-        raise ValueError(f"the chat format needs GPT-2's tokenizer (50257 ids), not {getattr(enc, 'name', enc)}")
+        raise ValueError(f"the chat format needs GPT-2's tokenizer (50257 ids, or a chat export's 50261), not "
+                         f"{getattr(enc, 'name', enc)} ({enc.n_vocab} ids)")
     return tiktoken.Encoding(name="gpt2-chat", pat_str=enc._pat_str, mergeable_ranks=enc._mergeable_ranks,
                              special_tokens={**enc._special_tokens, **SPECIAL})
 
@@ -49,6 +53,14 @@ def special_ids(enc):
     if hasattr(enc, "special_id"):
         return {t: enc.special_id(t) for t in ("<|endoftext|>", *SPECIAL)}
     return {"<|endoftext|>": EOT, **SPECIAL}
+
+
+def _is_gpt2_with_chat_tokens(enc):
+    """Is `enc` (an assets.HFTokenizer) GPT-2's tokens, byte for byte, plus SPECIAL at their ids?"""
+    gpt2 = get_tokenizer()
+    return (enc.n_vocab == CHAT_VOCAB and enc.eot_token == EOT
+            and all(enc.encode(t, allowed_special="all") == [i] for t, i in SPECIAL.items())
+            and all(enc.decode_single_token_bytes(i) == gpt2.decode_single_token_bytes(i) for i in range(EOT)))
 
 
 def encode(enc, messages, add_generation_prompt=False):

@@ -126,8 +126,11 @@ def save_pretrained(model: GPT, out_dir: str, tokenizer_dir: str | None = None, 
         tensors[_hf_name(k, neox)] = v.clone(memory_format=torch.contiguous_format)
     out = Path(out_dir)
     if own or vocab > EOT or (tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file()):
+        # a chat model's generation ends at <|end|>: the eos token of its tokenizer_config.json too, where
+        # llama.cpp's converter looks (generation_config.json below lists both stops for transformers)
         eos = assets.save_tokenizer(out, tokenizer_dir, chat_template, model_max_length=cfg.block_size,
-                                    special_tokens=chat_tokens, tokenizer_json=tokenizer_json)
+                                    special_tokens=chat_tokens, tokenizer_json=tokenizer_json,
+                                    eos_token="<|end|>" if chat_tokens else None)
     else:
         eos = None
         log(f"{out}: no tokenizer written: vocab_size {vocab} is smaller than GPT-2's {GPT2_VOCAB}", note=True)

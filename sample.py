@@ -9,6 +9,8 @@
 
 Without --prompt, the prompt is read from stdin when stdin is not a terminal; an empty prompt
 starts from <|endoftext|>, i.e. the beginning of a new document. The same --seed gives the same text.
+A sample runs on for --max_new_tokens, past an <|endoftext|> the model writes (as nanoGPT's does: the next
+document follows); --stop_at_eot ends it there, as transformers' generate() does at the eos token.
 --chat renders the prompt with the chat template (chat.py): a conversation ({"messages": [...]} or a list of
 messages, e.g. from a file) or plain text (one user message), and streams the assistant's reply up to its
 <|end|>; with no prompt on a terminal it is an interactive chat.
@@ -54,17 +56,18 @@ def token_bytes(enc, token):
 @torch.no_grad()
 def stream_samples(model, enc, prompt, num_samples=1, max_new_tokens=200, temperature=1.0, top_k=None,
                    top_p=None, seed=1337, device="cpu", dtype=None, out=None, messages=None,
-                   end="\n" + SEPARATOR + "\n"):
+                   end="\n" + SEPARATOR + "\n", stop_at_eot=False):
     """Generate num_samples continuations of `prompt`, writing each to `out` token by token.
 
     Each sample is written as prompt + continuation, then `end` (a newline and a separator line). One
     torch.Generator seeded with `seed` drives all samples, so a seed fixes the whole output.
     Returns the list of texts (prompt + continuation). With `messages` (--chat; enc: chat.tokenizer()) the
     prompt is their rendering with the assistant's turn opened, and only the reply is written and returned:
-    it ends before <|end|> (or <|endoftext|>).
+    it ends before <|end|> (or <|endoftext|>). Otherwise a sample runs on past <|endoftext|> unless stop_at_eot
+    (then it ends before it).
     """
     out = sys.stdout if out is None else out
-    stop = ()
+    stop = (enc.eot_token,) if stop_at_eot and enc.eot_token is not None else ()
     if messages is not None:
         tokens, prompt = chat.encode(enc, messages, add_generation_prompt=True)[0], ""
         stop = (chat.special_ids(enc)["<|end|>"], enc.eot_token)
@@ -110,6 +113,8 @@ def main(argv=None):
     parser.add_argument("--top_p", type=float, default=None, help="nucleus sampling: smallest set with this much mass")
     parser.add_argument("--seed", type=int, default=1337,
                         help="random seed: the same seed, prompt and model give the same text (default %(default)s)")
+    parser.add_argument("--stop_at_eot", action="store_true", help="end a sample at <|endoftext|> (as transformers' "
+                        "generate does at eos); by default it runs on into the next document for --max_new_tokens")
     parser.add_argument("--chat", action="store_true", help="reply as the assistant of a fine-tuned chat model: the "
                         "prompt is a conversation (JSON) or one user message; none on a terminal: chat interactively")
     args = parser.parse_args(argv)
@@ -139,7 +144,7 @@ def main(argv=None):
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")  # a terminal that can't show a character gets '?', not a crash
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, device=device, dtype=dtype)
+                   top_p=args.top_p, seed=args.seed, device=device, dtype=dtype, stop_at_eot=args.stop_at_eot)
     try:
         if args.chat and messages is None:  # interactive: each reply joins the conversation
             messages = []

@@ -294,3 +294,21 @@ def test_a_checkpoint_without_model_args_is_one_line(model, tmp_path, capsys):
                                                   "format": "gpt2-train-ckpt-v1"})
     assert "ckpt_000001.pt: incomplete gpt2-train checkpoint: no 'model_args'" in error_of(
         capsys, "--ckpt", str(tmp_path / "ckpt_000001.pt"))
+
+
+def test_a_sample_runs_on_past_endoftext_unless_stop_at_eot(enc, ckpt, capsys, monkeypatch):
+    """nanoGPT's default: the next document follows <|endoftext|>; --stop_at_eot ends the sample there, as
+    transformers' generate() stops at its eos token."""
+    tokens = enc.encode(" Hello.") + [enc.eot_token] + enc.encode(" The next document")
+    assert stream_samples(ScriptedModel(tokens), enc, "P:", max_new_tokens=20, out=io.StringIO()) == [
+        "P: Hello.<|endoftext|> The next document"]
+    out = io.StringIO()
+    assert stream_samples(ScriptedModel(tokens), enc, "P:", max_new_tokens=20, out=out, stop_at_eot=True) == [
+        "P: Hello."]
+    assert out.getvalue() == "P: Hello.\n" + SEPARATOR + "\n"
+    import sample
+    seen = []
+    monkeypatch.setattr(sample, "stream_samples", lambda *a, **kw: seen.append(kw["stop_at_eot"]))
+    for flags in ([], ["--stop_at_eot"]):
+        run_main(capsys, "--ckpt", str(ckpt), "--prompt", "Hi", "--device", "cpu", *flags)
+    assert seen == [False, True]
