@@ -23,7 +23,7 @@ from pathlib import Path
 import prepare_data
 from bench import machine_line
 from bench.sft import exact_match, make_data
-from config import parse_args
+from config import ConfigError, parse_args
 
 
 def main(argv=None):
@@ -34,13 +34,16 @@ def main(argv=None):
     p.add_argument("--eval", type=int, default=200, help="held-out prompts")
     p.add_argument("--seed", type=int, default=0)
     args, overrides = p.parse_known_args(argv)  # the rest: train.py --key=value overrides, e.g. --max_steps=50
+    try:
+        out_dir = parse_args([args.config, *overrides])["out_dir"]
+    except ConfigError as e:
+        p.error(str(e))
     data = Path(args.data_dir)
     data.mkdir(parents=True, exist_ok=True)
     path, held = make_data(data, args.train, args.eval, length=4, seed=args.seed)
     (data / "heldout.jsonl").write_text("".join(json.dumps({"prompt": q, "completion": a}) + "\n" for q, a in held))
     print(f"wrote {path} ({args.train} conversations) and {data / 'heldout.jsonl'} ({args.eval} held-out prompts)")
     t0 = time.time()
-    out_dir = parse_args([args.config, *overrides])["out_dir"]
     shutil.rmtree(out_dir, ignore_errors=True)  # the demo's own run: a re-run starts over
     prepare_data.main(["--input", str(path), "--format", "sft", "--out_dir", str(data), "--block_size", "128"])
     cmd = [sys.executable, "train.py", args.config, f"--data_dir={data}", *overrides]
