@@ -34,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 
@@ -443,9 +444,9 @@ def compare_generation(cfg, device, rounds, dtypes, slow_dtypes=()):
             hf.generation_config.eos_token_id = None  # never stop early: GEN_NEW tokens, as ours
             hf.generation_config.pad_token_id = 0
             runs = {
-                "ours, KV cache": lambda: ours.generate(prompt, GEN_NEW, temperature=0.0, use_kv_cache=True),
-                "ours, no cache": lambda: ours.generate(prompt, GEN_NEW, temperature=0.0, use_kv_cache=False),
-                "transformers generate": lambda: hf.generate(prompt, max_new_tokens=GEN_NEW, do_sample=False),
+                "ours, KV cache": partial(ours.generate, prompt, GEN_NEW, temperature=0.0, use_kv_cache=True),
+                "ours, no cache": partial(ours.generate, prompt, GEN_NEW, temperature=0.0, use_kv_cache=False),
+                "transformers generate": partial(hf.generate, prompt, max_new_tokens=GEN_NEW, do_sample=False),
             }
             if dtype in slow_dtypes:
                 del runs["ours, no cache"]

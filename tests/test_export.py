@@ -138,7 +138,7 @@ def test_lm_eval_harness_scores_an_export_as_hellaswag_py(tmp_path, monkeypatch)
                                   task_manager=tasks)
     theirs = sorted(out["samples"]["hellaswag_as_hellaswag_py"], key=lambda s: s["doc_id"])
     assert len(theirs) == len(ours) == 6
-    for mine, sample in zip(ours, theirs):
-        assert sample["acc"] == float(mine["pred"] == mine["label"])
-        log_likelihoods = [resp[0] for resp in sample["filtered_resps"]]
+    for mine, their in zip(ours, theirs):
+        assert their["acc"] == float(mine["pred"] == mine["label"])
+        log_likelihoods = [resp[0] for resp in their["filtered_resps"]]
         assert log_likelihoods == pytest.approx([-loss for loss in mine["sum_loss"]], rel=1e-4)
