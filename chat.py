@@ -9,6 +9,7 @@ message's content and its <|end|> (the model learns to answer and to stop), noth
 prepare_data.py --format sft, train.py (via the mask shards), sample.py --chat and the export's
 tokenizer_config.json (CHAT_TEMPLATE) all use this module.
 """
+
 import json
 
 import tiktoken
@@ -21,9 +22,11 @@ END = SPECIAL["<|end|>"]
 CHAT_VOCAB = END + 1  # rows a model needs for the chat tokens (a pretrained GPT-2 is padded to 50304 for SFT)
 
 # The same rendering for transformers' apply_chat_template (the export writes it as `chat_template`).
-CHAT_TEMPLATE = ("{{ '<|endoftext|>' }}{% for message in messages %}"
-                 "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endfor %}"
-                 "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+CHAT_TEMPLATE = (
+    "{{ '<|endoftext|>' }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
 
 
 def tokenizer(enc=None):
@@ -37,14 +40,22 @@ def tokenizer(enc=None):
     if hasattr(enc, "special_id"):
         missing = [t for t in ("<|endoftext|>", *SPECIAL) if enc.special_id(t) is None]
         if missing:
-            raise ValueError(f"the chat format needs the special tokens {', '.join(missing)}, which the tokenizer "
-                             f"{enc.name} lacks (tokenizer.py's tokenizers have them)")
+            raise ValueError(
+                f"the chat format needs the special tokens {', '.join(missing)}, which the tokenizer "
+                f"{enc.name} lacks (tokenizer.py's tokenizers have them)"
+            )
         return enc
     if not isinstance(enc, tiktoken.Encoding) or enc.n_vocab != EOT + 1:
-        raise ValueError(f"the chat format needs GPT-2's tokenizer (50257 ids, or a chat export's 50261), not "
-                         f"{getattr(enc, 'name', enc)} ({enc.n_vocab} ids)")
-    return tiktoken.Encoding(name="gpt2-chat", pat_str=enc._pat_str, mergeable_ranks=enc._mergeable_ranks,
-                             special_tokens={**enc._special_tokens, **SPECIAL})
+        raise ValueError(
+            f"the chat format needs GPT-2's tokenizer (50257 ids, or a chat export's 50261), not "
+            f"{getattr(enc, 'name', enc)} ({enc.n_vocab} ids)"
+        )
+    return tiktoken.Encoding(
+        name="gpt2-chat",
+        pat_str=enc._pat_str,
+        mergeable_ranks=enc._mergeable_ranks,
+        special_tokens={**enc._special_tokens, **SPECIAL},
+    )
 
 
 def special_ids(enc):
@@ -58,9 +69,12 @@ def special_ids(enc):
 def _is_gpt2_with_chat_tokens(enc):
     """Is `enc` (an assets.HFTokenizer) GPT-2's tokens, byte for byte, plus SPECIAL at their ids?"""
     gpt2 = get_tokenizer()
-    return (enc.n_vocab == CHAT_VOCAB and enc.eot_token == EOT
-            and all(enc.encode(t, allowed_special="all") == [i] for t, i in SPECIAL.items())
-            and all(enc.decode_single_token_bytes(i) == gpt2.decode_single_token_bytes(i) for i in range(EOT)))
+    return (
+        enc.n_vocab == CHAT_VOCAB
+        and enc.eot_token == EOT
+        and all(enc.encode(t, allowed_special="all") == [i] for t, i in SPECIAL.items())
+        and all(enc.decode_single_token_bytes(i) == gpt2.decode_single_token_bytes(i) for i in range(EOT))
+    )
 
 
 def encode(enc, messages, add_generation_prompt=False):
@@ -95,7 +109,7 @@ def parse(row):
             raise ValueError(f"no {missing[0]!r} field")
         messages = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}]
     else:
-        raise ValueError("expected {\"prompt\": ..., \"completion\": ...} or {\"messages\": [...]}")
+        raise ValueError('expected {"prompt": ..., "completion": ...} or {"messages": [...]}')
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"message {i} needs 'role' and 'content'")

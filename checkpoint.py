@@ -42,6 +42,7 @@ DCP itself unpickles .metadata and the shards' non-tensor values with plain pick
 would run code): they are read here through an unpickler that builds only DCP's metadata classes
 (_MetadataUnpickler) and with weights_only=True (_safe_dcp), wherever a sharded checkpoint is opened.
 """
+
 import argparse
 import contextlib
 import errno
@@ -58,8 +59,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import optim
 import assets
+import optim
 from console import distributed, log
 from devices import DTYPES, resolve_device, resolve_dtype
 from files import atomic_write, file_sha256, first_line, fsync_dir, open_regular, report_error
@@ -141,6 +142,7 @@ def _hashing_filesystem():
                 hashing = _HashingStream(stream)
                 yield hashing
                 self.sums[Path(path).name] = hashing.sha256.hexdigest()
+
     return HashingFileSystem
 
 
@@ -167,9 +169,11 @@ def check_free_space(path, obj):
     need = int(storage_bytes(obj) * 1.01) + 2**20
     free = shutil.disk_usage(Path(path).parent).free
     if free < need:
-        raise CheckpointError(f"{path}: not enough disk space to write this checkpoint: it needs about "
-                              f"{need / 2**20:,.0f} MiB, {Path(path).parent} has {free / 2**20:,.0f} MiB free; "
-                              f"nothing was written, the previous checkpoints are kept")
+        raise CheckpointError(
+            f"{path}: not enough disk space to write this checkpoint: it needs about "
+            f"{need / 2**20:,.0f} MiB, {Path(path).parent} has {free / 2**20:,.0f} MiB free; "
+            f"nothing was written, the previous checkpoints are kept"
+        )
 
 
 def save_checkpoint(path, obj):
@@ -191,12 +195,15 @@ def save_checkpoint(path, obj):
                 raise hashing.error from None
             raise
         atomic_write(checksum_path(path), f"{hashing.sha256.hexdigest()}  {path.name}\n")
+
     try:
         atomic_write(path, write)
     except OSError as e:
         hint = "; free some disk space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-        raise CheckpointError(f"{path}: cannot write the checkpoint ({e.strerror or e}){hint}; "
-                              f"nothing was written, the previous checkpoints are kept") from None
+        raise CheckpointError(
+            f"{path}: cannot write the checkpoint ({e.strerror or e}){hint}; "
+            f"nothing was written, the previous checkpoints are kept"
+        ) from None
 
 
 def read_checksums(sidecar, follow_symlinks=True, limit=1 << 24):
@@ -239,13 +246,15 @@ def verify_checkpoint(path, only=None):
             raise ValueError(f"{len(recorded)} lines; a checkpoint file's sidecar has one")
     except (OSError, ValueError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else e
-        raise CheckpointError(f"{path}: unreadable checksum file {sidecar.name} ({reason}); cannot verify the "
-                              f"checkpoint") from None
+        raise CheckpointError(
+            f"{path}: unreadable checksum file {sidecar.name} ({reason}); cannot verify the checkpoint"
+        ) from None
     if directory:
         outside = [name for name in recorded if "/" in name or "\0" in name or name in (".", "..")]
         if outside:
-            raise CheckpointError(f"{path}: {SUMS} names {outside[0]!r}, not a file of this directory; cannot verify "
-                                  f"the checkpoint")
+            raise CheckpointError(
+                f"{path}: {SUMS} names {outside[0]!r}, not a file of this directory; cannot verify the checkpoint"
+            )
         files = {path / name: digest for name, digest in recorded.items() if only is None or name in only}
     else:
         files = {path: next(iter(recorded.values()))}
@@ -255,8 +264,10 @@ def verify_checkpoint(path, only=None):
         except OSError as e:
             raise CheckpointError(f"{path}: cannot read {file.name} to verify it ({e.strerror})") from None
         if actual != digest:
-            raise CheckpointError(f"{path}: damaged: its sha256 is {actual[:16]}..., {sidecar.name} recorded "
-                                  f"{digest[:16]}... when it was written")
+            raise CheckpointError(
+                f"{path}: damaged: its sha256 is {actual[:16]}..., {sidecar.name} recorded "
+                f"{digest[:16]}... when it was written"
+            )
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -273,12 +284,27 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def _metadata_globals():
     import pathlib
+
     import torch.distributed.checkpoint.metadata as md
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    classes = [md.Metadata, md.TensorStorageMetadata, md.BytesStorageMetadata, md.ChunkStorageMetadata,
-               md.TensorProperties, md.MetadataIndex, md.StorageMeta, md._MEM_FORMAT_ENCODING, _StorageInfo,
-               torch.Size, torch.serialization._get_layout, pathlib.PurePosixPath, pathlib.PosixPath,
-               pathlib.PureWindowsPath, pathlib.WindowsPath]
+
+    classes = [
+        md.Metadata,
+        md.TensorStorageMetadata,
+        md.BytesStorageMetadata,
+        md.ChunkStorageMetadata,
+        md.TensorProperties,
+        md.MetadataIndex,
+        md.StorageMeta,
+        md._MEM_FORMAT_ENCODING,
+        _StorageInfo,
+        torch.Size,
+        torch.serialization._get_layout,
+        pathlib.PurePosixPath,
+        pathlib.PosixPath,
+        pathlib.PureWindowsPath,
+        pathlib.WindowsPath,
+    ]
     allowed = {(c.__module__, c.__qualname__): c for c in classes}
     allowed.update({("pathlib", c.__name__): c for c in classes[-4:]})  # pickled from Python >= 3.13 too
     allowed.update({("torch", n): getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)})
@@ -289,6 +315,7 @@ def read_metadata(path):
     """The DCP index (.metadata) of the sharded checkpoint directory `path`, read with _MetadataUnpickler.
     CheckpointError naming the file if it is missing, truncated or holds anything but metadata."""
     from torch.distributed.checkpoint.metadata import Metadata
+
     file = Path(path) / ".metadata"
     try:
         with open(file, "rb") as f:
@@ -344,13 +371,17 @@ def list_checkpoints(out_dir):
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in out_dir.iterdir()
-             if (m := CKPT_NAME.match(p.name)) and (p.is_file() if m.group(2) else p.is_dir())]
+    found = [
+        (int(m.group(1)), p)
+        for p in out_dir.iterdir()
+        if (m := CKPT_NAME.match(p.name)) and (p.is_file() if m.group(2) else p.is_dir())
+    ]
     return sorted(found)
 
 
-def load_latest_checkpoint(out_dir, map_location="cpu", consolidate=True, note=functools.partial(log, note=True),
-                           verify=True):
+def load_latest_checkpoint(
+    out_dir, map_location="cpu", consolidate=True, note=functools.partial(log, note=True), verify=True
+):
     """(checkpoint dict, path) of the newest checkpoint in out_dir that verifies and loads; note() is called
     with the reason for each newer one skipped. CheckpointError if out_dir holds none that loads."""
     found = list_checkpoints(out_dir)
@@ -366,8 +397,7 @@ def load_latest_checkpoint(out_dir, map_location="cpu", consolidate=True, note=f
     raise CheckpointError(f"{out_dir}: none of its {len(found)} checkpoints loads (newest: {reasons[0]})")
 
 
-def load_checkpoint(path, map_location="cpu", consolidate=True, note=functools.partial(log, note=True),
-                    verify=True):
+def load_checkpoint(path, map_location="cpu", consolidate=True, note=functools.partial(log, note=True), verify=True):
     """The checkpoint dict at `path`: a file (verified against its sidecar), a sharded checkpoint directory, or
     an out_dir meaning its newest checkpoint that verifies and loads (load_latest_checkpoint; note() says which
     newer ones were skipped and why). A sharded checkpoint is gathered into this process, in the single-file
@@ -403,8 +433,11 @@ def _load_file(path, map_location, verify=True):
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         found = ckpt.get("format") if isinstance(ckpt, dict) else type(ckpt).__name__
         raise CheckpointError(f"{path}: not a gpt2-train checkpoint (format {found!r}, expected {FORMAT!r})")
-    missing = [key for key, kind in (("model_args", dict), ("config", dict), ("step", int))
-               if not isinstance(ckpt.get(key), kind)]
+    missing = [
+        key
+        for key, kind in (("model_args", dict), ("config", dict), ("step", int))
+        if not isinstance(ckpt.get(key), kind)
+    ]
     if missing:
         raise CheckpointError(f"{path}: incomplete gpt2-train checkpoint: no {missing[0]!r}")
     return ckpt
@@ -491,9 +524,14 @@ def load_sharded_checkpoint(path, model, optimizer=None, collective=None):
     process group), else a plain read by this process alone."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
     state = {"model": get_model_state_dict(model)}
     state["model"].pop(TIED, None)
     # DCP creates the optimizer's state (a zero-lr step) only where no parameter has a gradient yet; DDP's are its
@@ -510,7 +548,9 @@ def load_sharded_checkpoint(path, model, optimizer=None, collective=None):
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             no_dist = not (distributed() if collective is None else collective)
             reader, planner = _safe_dcp()
-            dcp.load(state, storage_reader=reader(str(path)), planner=planner(), no_dist=no_dist)  # strict: every key must be there
+            dcp.load(
+                state, storage_reader=reader(str(path)), planner=planner(), no_dist=no_dist
+            )  # strict: every key must be there
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise CheckpointError(f"{path}: cannot read the sharded checkpoint ({_dcp_reason(e)})") from None
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))  # lm_head is wte
@@ -562,10 +602,13 @@ def load_optimizer_state(model, optimizer, state):
         optimizer.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
     name_of = {p: name for name, p in model.named_parameters()}
     names = [name_of[p] for group in optimizer.param_groups for p in group["params"]]  # index -> name
-    by_name = {"state": {names[i]: v for i, v in state["state"].items()},
-               "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+    by_name = {
+        "state": {names[i]: v for i, v in state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 
@@ -586,8 +629,10 @@ def consolidate(src, dst):
     if not is_sharded(src):
         raise CheckpointError(f"{src}: not a sharded checkpoint directory (expected ckpt_XXXXXX/ with {META})")
     if Path(src).resolve() in (Path(dst).resolve(), *Path(dst).resolve().parents):  # e.g. SRC/meta.pt: damages SRC
-        raise CheckpointError(f"{dst}: inside the checkpoint {src} it is made from; write it outside, e.g. "
-                              f"{Path(src).resolve().with_suffix('.pt')}")
+        raise CheckpointError(
+            f"{dst}: inside the checkpoint {src} it is made from; write it outside, e.g. "
+            f"{Path(src).resolve().with_suffix('.pt')}"
+        )
     ckpt = load_checkpoint(src)  # verified: a damaged directory is refused
     if not all(torch.isfinite(t).all() for t in ckpt["model"].values()):
         raise CheckpointError(f"{src}: its weights hold NaN/inf; not writing them to {dst}")
@@ -604,8 +649,14 @@ def load_model(ckpt=None, init_from=None, device="cpu"):
         raise ValueError("give exactly one of ckpt (a checkpoint file or out_dir) or init_from (a pretrained name)")
     if init_from is not None:
         model = from_pretrained(init_from)
-        info = {"source": str(init_from), "step": None, "val_loss": None, "config": None, "hf_dir": init_from,
-                "tokenizer": None}
+        info = {
+            "source": str(init_from),
+            "step": None,
+            "val_loss": None,
+            "config": None,
+            "hf_dir": init_from,
+            "tokenizer": None,
+        }
     else:
         state = load_checkpoint(ckpt, consolidate=False)
         model = GPT(GPTConfig(**state["model_args"]))
@@ -613,9 +664,14 @@ def load_model(ckpt=None, init_from=None, device="cpu"):
             load_sharded_checkpoint(state["shards"], model, collective=False)
         else:
             model.load_state_dict(state["model"])
-        info = {"source": str(ckpt), "step": state["step"], "val_loss": state.get("val_loss"),
-                "config": state["config"], "hf_dir": (state["config"] or {}).get("init_from"),
-                "tokenizer": state.get("tokenizer")}
+        info = {
+            "source": str(ckpt),
+            "step": state["step"],
+            "val_loss": state.get("val_loss"),
+            "config": state["config"],
+            "hf_dir": (state["config"] or {}).get("init_from"),
+            "tokenizer": state.get("tokenizer"),
+        }
     if info["hf_dir"] is not None and not Path(info["hf_dir"]).is_dir():
         info["hf_dir"] = None  # 'scratch', 'resume' or a hub name: GPT-2's tokenizer
     return model.to(device).eval(), info
@@ -623,8 +679,10 @@ def load_model(ckpt=None, init_from=None, device="cpu"):
 
 # ----------------------------------------------------------------------------- the scripts' model flags
 
-DTYPE_HELP = ("autocast dtype (default auto: bfloat16 on CUDA GPUs with native bf16 and on CPUs with "
-              "AVX512-BF16 or AMX, float16 on older CUDA GPUs, else float32)")
+DTYPE_HELP = (
+    "autocast dtype (default auto: bfloat16 on CUDA GPUs with native bf16 and on CPUs with "
+    "AVX512-BF16 or AMX, float16 on older CUDA GPUs, else float32)"
+)
 
 
 def add_model_args(parser):
@@ -632,12 +690,18 @@ def add_model_args(parser):
     --device, --dtype, --cache_dir. load_model_from_args() turns them into a model."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--ckpt", help="training checkpoint file, or an out_dir (its latest checkpoint)")
-    source.add_argument("--init_from", help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a Hugging Face model dir "
-                                            "(its tokenizer.json, if any, is the tokenizer)")
+    source.add_argument(
+        "--init_from",
+        help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a Hugging Face model dir "
+        "(its tokenizer.json, if any, is the tokenizer)",
+    )
     parser.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help=DTYPE_HELP)
-    parser.add_argument("--cache_dir", help="cache of downloaded assets: the GPT-2 tokenizer, the HellaSwag data "
-                                            "(default $GPT2_CACHE_DIR, else ~/.cache/gpt2-train)")
+    parser.add_argument(
+        "--cache_dir",
+        help="cache of downloaded assets: the GPT-2 tokenizer, the HellaSwag data "
+        "(default $GPT2_CACHE_DIR, else ~/.cache/gpt2-train)",
+    )
 
 
 def model_tokenizer(info, cache_dir=None):
@@ -679,8 +743,12 @@ def main(argv=None):
     e = commands.add_parser("export", help="checkpoint (file, sharded directory or out_dir) -> Hugging Face GPT-2")
     e.add_argument("src")
     e.add_argument("dst", help="directory for config.json, model.safetensors and the tokenizer files")
-    e.add_argument("--chat", action="store_true", help="a chat model (fine-tuned with prepare_data.py --format sft): "
-                   "export the chat tokens and the chat template (docs/sft.md)")
+    e.add_argument(
+        "--chat",
+        action="store_true",
+        help="a chat model (fine-tuned with prepare_data.py --format sft): "
+        "export the chat tokens and the chat template (docs/sft.md)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "consolidate":
@@ -688,9 +756,15 @@ def main(argv=None):
         else:
             model, info = load_model(ckpt=args.src)
             from chat import CHAT_TEMPLATE
+
             record = info["tokenizer"] or {}
-            save_pretrained(model, args.dst, tokenizer_dir=info["hf_dir"], tokenizer_json=record.get("json"),
-                            chat_template=CHAT_TEMPLATE if args.chat else None)
+            save_pretrained(
+                model,
+                args.dst,
+                tokenizer_dir=info["hf_dir"],
+                tokenizer_json=record.get("json"),
+                chat_template=CHAT_TEMPLATE if args.chat else None,
+            )
             step = info["step"]
     except (CheckpointError, OSError, ValueError, ImportError, RuntimeError) as err:
         report_error("checkpoint.py", err)

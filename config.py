@@ -9,6 +9,7 @@ and GPTConfig validates its own values.
 Precedence, lowest first: defaults < the checkpoint's config (on resume) < `preset` < config files <
 --key=value, in command-line order.
 """
+
 import ast
 import difflib
 import inspect
@@ -40,7 +41,9 @@ class TrainConfig(GPTConfig):
     preset: str | None = None  # fill the model keys from model.PRESETS, e.g. 'gpt2', 'gpt3-350m' (keys set win)
     packing: str = "window"  # rows: 'window' (fixed windows across documents) or 'document' (each row starts a document, best-fit packed; docs/data.md). SFT data: always 'document'
     # batch
-    batch_size: int | str = 16  # micro-batch: sequences per process per forward/backward; 'auto': the largest that fits (needs total_batch_size)
+    batch_size: int | str = (
+        16  # micro-batch: sequences per process per forward/backward; 'auto': the largest that fits (needs total_batch_size)
+    )
     total_batch_size: int | None = None  # tokens per step: a multiple of batch_size*block_size*world_size (None: that)
     # optimization
     max_steps: int = 19073  # optimizer steps to train for
@@ -86,7 +89,9 @@ class TrainConfig(GPTConfig):
     tensorboard_dir: str | None = None  # write TensorBoard event files here (None: no TensorBoard)
     cost_per_hour: float | None = None  # USD per hour for the whole job: metrics gain cost_usd, tokens_per_dollar
     memory_check: bool = True  # refuse at start a batch_size whose memory plan exceeds the device's available memory
-    dist_timeout_minutes: float = 30.0  # torchrun: how long ranks wait in a collective (e.g. while rank 0 saves) before failing
+    dist_timeout_minutes: float = (
+        30.0  # torchrun: how long ranks wait in a collective (e.g. while rank 0 saves) before failing
+    )
     # several processes (torchrun only; a plain `python train.py` ignores these)
     parallel: str = "ddp"  # 'ddp' (every rank holds the whole model), 'fsdp' (all of it sharded over ranks) or 'hsdp'
     shard_size: int | None = None  # 'hsdp': ranks per shard group; groups replicate each other (None: one node's ranks)
@@ -94,8 +99,9 @@ class TrainConfig(GPTConfig):
     def __post_init__(self):
         for key, options in CHOICES.items():
             if getattr(self, key) not in options:
-                raise ConfigError(f"config key '{key}' must be one of {', '.join(map(repr, options))}; "
-                                  f"got {getattr(self, key)!r}")
+                raise ConfigError(
+                    f"config key '{key}' must be one of {', '.join(map(repr, options))}; got {getattr(self, key)!r}"
+                )
         for f in fields(self):  # 1e999 and nan are typos, not settings
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
@@ -103,27 +109,36 @@ class TrainConfig(GPTConfig):
         if isinstance(self.batch_size, str) and self.batch_size != "auto":
             raise ConfigError(f"config key 'batch_size' must be an int >= 1 or 'auto'; got {self.batch_size!r}")
         if self.batch_size == "auto" and self.total_batch_size is None:
-            raise ConfigError("batch_size='auto' keeps total_batch_size fixed and picks the micro-batch: set "
-                              "total_batch_size (tokens per step, a multiple of block_size*world_size)")
+            raise ConfigError(
+                "batch_size='auto' keeps total_batch_size fixed and picks the micro-batch: set "
+                "total_batch_size (tokens per step, a multiple of block_size*world_size)"
+            )
         for key, (ok, what) in RANGES.items():
             value = getattr(self, key)
             if value is not None and not ok(value):
                 raise ConfigError(f"config key '{key}' must be {what}; got {value!r}")
         if self.init_from not in ("scratch", "resume", *HUB_NAMES) and not Path(self.init_from).exists():
-            raise ConfigError(f"config key 'init_from' must be 'scratch', 'resume', one of {', '.join(HUB_NAMES)}, a "
-                              f"Hugging Face model directory or a checkpoint of this library (a ckpt_XXXXXX.pt file, "
-                              f"a ckpt_XXXXXX/ directory or a run's out_dir); got {self.init_from!r} (no such file "
-                              f"or directory)")
+            raise ConfigError(
+                f"config key 'init_from' must be 'scratch', 'resume', one of {', '.join(HUB_NAMES)}, a "
+                f"Hugging Face model directory or a checkpoint of this library (a ckpt_XXXXXX.pt file, "
+                f"a ckpt_XXXXXX/ directory or a run's out_dir); got {self.init_from!r} (no such file "
+                f"or directory)"
+            )
         # torch.optim.Muon on FSDP's DTensor shards runs each Newton-Schulz matmul as collectives over whole
         # matrices, and the sharded checkpoint path knows torch optimizers only: not a combination we support
         if self.optimizer == "muon" and self.parallel != "ddp":
-            raise ConfigError(f"optimizer='muon' is not supported with parallel={self.parallel!r}; use "
-                              "parallel='ddp', or optimizer='adamw' to shard")
+            raise ConfigError(
+                f"optimizer='muon' is not supported with parallel={self.parallel!r}; use "
+                "parallel='ddp', or optimizer='adamw' to shard"
+            )
         if self.optimizer == "muon" and not hasattr(torch.optim, "Muon"):  # torch.optim.Muon arrived in torch 2.9
-            raise ConfigError(f"optimizer='muon' needs torch.optim.Muon (torch >= 2.9), which torch "
-                              f"{torch.__version__} lacks: upgrade torch, or use optimizer='adamw'")
+            raise ConfigError(
+                f"optimizer='muon' needs torch.optim.Muon (torch >= 2.9), which torch "
+                f"{torch.__version__} lacks: upgrade torch, or use optimizer='adamw'"
+            )
         if self.eval_tasks_interval:
             from tasks import parse_tasks  # no torch: the task catalogue
+
             try:
                 parse_tasks(self.eval_tasks)
             except ValueError as e:
@@ -136,14 +151,42 @@ class TrainConfig(GPTConfig):
             raise ConfigError(str(e)) from None
 
 
-CHOICES = {"lr_schedule": ("cosine", "wsd"), "optimizer": ("adamw", "muon"), "nonfinite": ("skip", "halt"),
-           "compile": (True, False, "auto"), "dtype": ("auto", "float32", "bfloat16", "float16"),
-           "parallel": ("ddp", "fsdp", "hsdp"), "packing": ("window", "document")}
-AT_LEAST_ONE = ("eval_steps", "sample_tokens", "total_batch_size", "lr_decay_steps", "hellaswag_limit",
-                "eval_tasks_limit", "shard_size")
-NON_NEGATIVE = ("max_steps", "warmup_steps", "eval_interval", "hellaswag_interval", "eval_tasks_interval",
-                "sample_interval", "log_interval", "save_interval", "keep_last", "seed", "max_skipped_steps", "min_lr",
-                "weight_decay", "grad_clip", "muon_weight_decay", "cost_per_hour")
+CHOICES = {
+    "lr_schedule": ("cosine", "wsd"),
+    "optimizer": ("adamw", "muon"),
+    "nonfinite": ("skip", "halt"),
+    "compile": (True, False, "auto"),
+    "dtype": ("auto", "float32", "bfloat16", "float16"),
+    "parallel": ("ddp", "fsdp", "hsdp"),
+    "packing": ("window", "document"),
+}
+AT_LEAST_ONE = (
+    "eval_steps",
+    "sample_tokens",
+    "total_batch_size",
+    "lr_decay_steps",
+    "hellaswag_limit",
+    "eval_tasks_limit",
+    "shard_size",
+)
+NON_NEGATIVE = (
+    "max_steps",
+    "warmup_steps",
+    "eval_interval",
+    "hellaswag_interval",
+    "eval_tasks_interval",
+    "sample_interval",
+    "log_interval",
+    "save_interval",
+    "keep_last",
+    "seed",
+    "max_skipped_steps",
+    "min_lr",
+    "weight_decay",
+    "grad_clip",
+    "muon_weight_decay",
+    "cost_per_hour",
+)
 RANGES = {  # key: (check, what the message says); None passes where the key allows it
     **{k: (lambda v: v >= 1, ">= 1") for k in AT_LEAST_ONE},
     "batch_size": (lambda v: v == "auto" or v >= 1, ">= 1 or 'auto'"),
@@ -195,8 +238,11 @@ def read_config_file(path):
         exec(compile(Path(path).read_text(), str(path), "exec"), namespace)
     except Exception as e:
         raise ConfigError(f"{path}: {type(e).__name__}: {e}") from None
-    return {key: check_value(key, value, path) for key, value in namespace.items()
-            if not key.startswith("_") and not isinstance(value, types.ModuleType) and not callable(value)}
+    return {
+        key: check_value(key, value, path)
+        for key, value in namespace.items()
+        if not key.startswith("_") and not isinstance(value, types.ModuleType) and not callable(value)
+    }
 
 
 def parse_args(argv):
@@ -245,8 +291,10 @@ def batch_layout(cfg, world_size):
     tokens_per_micro = cfg.batch_size * cfg.block_size * world_size
     total = cfg.total_batch_size or tokens_per_micro
     if total % tokens_per_micro:
-        raise ConfigError(f"total_batch_size={total} is not a multiple of batch_size*block_size*world_size"
-                          f" = {cfg.batch_size}*{cfg.block_size}*{world_size} = {tokens_per_micro}")
+        raise ConfigError(
+            f"total_batch_size={total} is not a multiple of batch_size*block_size*world_size"
+            f" = {cfg.batch_size}*{cfg.block_size}*{world_size} = {tokens_per_micro}"
+        )
     return total, total // tokens_per_micro
 
 
@@ -261,7 +309,10 @@ def config_table(cfg, user):
 def key_table():
     """docs/config.md's key table (markdown), generated from the same comments as --help."""
     escape = str.maketrans({"|": r"\|"})  # a literal | would end the cell
-    rows = [f"| `{key}` | `{default!r}` | {comment.translate(escape)} |" for key, (default, comment) in config_docs().items()]
+    rows = [
+        f"| `{key}` | `{default!r}` | {comment.translate(escape)} |"
+        for key, (default, comment) in config_docs().items()
+    ]
     return "\n".join(["| key | default | meaning |", "|---|---|---|", *rows])
 
 

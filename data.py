@@ -16,6 +16,7 @@ an older format, which packed rows at prep time), then one uint8 per token, 1 wh
 target. SFT data is always read as rows of whole conversations (packing='document'; a conversation longer
 than a row is left out, counted and reported), and the loader yields y = -1 where the mask is 0.
 """
+
 import bisect
 import glob
 import json
@@ -68,6 +69,7 @@ def write_shard(path, tokens):
     def write(f):
         f.write(shard_header(tokens.size))
         f.write(np.ascontiguousarray(tokens, dtype="<u2").data)  # no extra copy when already uint16
+
     atomic_write(path, write)
 
 
@@ -80,6 +82,7 @@ def write_mask(path, mask):
     def write(f):
         f.write(header.tobytes())
         f.write(mask.data)
+
     atomic_write(Path(path), write)
 
 
@@ -95,8 +98,10 @@ def load_mask(path, num_tokens, record=None):
         raise ShardError(f"{path}: not a loss-mask shard (expected magic {MASK_MAGIC}, version {VERSION})")
     count, row = int(head[2]), int(head[3])
     if row:
-        raise ShardError(f"{path}: rows packed for block_size {row} by an older prepare_data.py; prepare the data "
-                         f"again with `prepare_data.py --format sft` (rows are now built at load time, any block_size)")
+        raise ShardError(
+            f"{path}: rows packed for block_size {row} by an older prepare_data.py; prepare the data "
+            f"again with `prepare_data.py --format sft` (rows are now built at load time, any block_size)"
+        )
     if count != num_tokens or size != HEADER_BYTES + count:
         raise ShardError(f"{path}: loss mask of {count} tokens ({size} bytes) for a token shard of {num_tokens} tokens")
     mask = np.memmap(path, dtype=np.uint8, mode="r", offset=HEADER_BYTES, shape=(count,)).view(np.ndarray)
@@ -105,12 +110,16 @@ def load_mask(path, num_tokens, record=None):
         return mask, int(recorded)
     top = int(mask.max())
     if top > 1:
-        raise ShardError(f"{path}: loss-mask value {top} at token {int(np.argmax(mask > 1)):,} (a mask holds 0 and 1 "
-                         f"only); prepare the data again")
+        raise ShardError(
+            f"{path}: loss-mask value {top} at token {int(np.argmax(mask > 1)):,} (a mask holds 0 and 1 "
+            f"only); prepare the data again"
+        )
     trained = int(mask.sum(dtype=np.int64))
     if recorded is not None and trained != recorded:
-        raise ShardError(f"{path}: {trained:,} trained tokens, {record['manifest']} records {recorded:,}: the mask "
-                         f"changed after the prep; prepare the data again")
+        raise ShardError(
+            f"{path}: {trained:,} trained tokens, {record['manifest']} records {recorded:,}: the mask "
+            f"changed after the prep; prepare the data again"
+        )
     return mask, trained
 
 
@@ -162,23 +171,31 @@ def load_shard(path, vocab_size=None):
         except (ValueError, OSError, EOFError) as e:
             raise ShardError(f"{path}: not a readable .npy token shard ({e})") from None
         if tokens.ndim != 1 or tokens.dtype != np.uint16:
-            raise ShardError(f"{path}: .npy shard must be a 1-D uint16 array, got {tokens.dtype} of shape {tokens.shape}"
-                             " (convert with np.save(path, a.astype(np.uint16)) if all ids are < 65536)")
+            raise ShardError(
+                f"{path}: .npy shard must be a 1-D uint16 array, got {tokens.dtype} of shape {tokens.shape}"
+                " (convert with np.save(path, a.astype(np.uint16)) if all ids are < 65536)"
+            )
     else:
         with open(path, "rb") as f:
             head = f.read(HEADER_BYTES)
         if _looks_like_header(head):
             if len(head) < HEADER_BYTES:
-                raise ShardError(f"{path}: truncated llm.c shard: {size} bytes, shorter than the {HEADER_BYTES}-byte header")
+                raise ShardError(
+                    f"{path}: truncated llm.c shard: {size} bytes, shorter than the {HEADER_BYTES}-byte header"
+                )
             magic, version, count = (int(v) for v in np.frombuffer(head, dtype="<i4")[:3])
             if magic != MAGIC:
                 raise ShardError(f"{path}: bad magic {magic} in the llm.c shard header (expected {MAGIC})")
             if version != VERSION:
-                raise ShardError(f"{path}: unsupported llm.c shard version {version} (expected {VERSION}, uint16 tokens)")
+                raise ShardError(
+                    f"{path}: unsupported llm.c shard version {version} (expected {VERSION}, uint16 tokens)"
+                )
             if count < 0 or size != HEADER_BYTES + 2 * count:
                 kind = "truncated" if size < HEADER_BYTES + 2 * count else "corrupt"
-                raise ShardError(f"{path}: {kind} llm.c shard: header says {count} tokens "
-                                 f"({HEADER_BYTES + 2 * count} bytes), file has {size} bytes")
+                raise ShardError(
+                    f"{path}: {kind} llm.c shard: header says {count} tokens "
+                    f"({HEADER_BYTES + 2 * count} bytes), file has {size} bytes"
+                )
             if count == 0:
                 raise ShardError(f"{path}: empty shard (0 tokens)")
             tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(count,))
@@ -203,8 +220,10 @@ def check_vocab(tokens, vocab_size, path, top=None):
         where = int(np.argmax(bad))
         if not bad[where]:  # a stale manifest record: the file itself is fine
             return
-        raise ShardError(f"{path}: token id {int(tokens[where])} >= vocab_size {vocab_size} (first bad id at token "
-                         f"{where:,}); tokenized for another vocabulary?")
+        raise ShardError(
+            f"{path}: token id {int(tokens[where])} >= vocab_size {vocab_size} (first bad id at token "
+            f"{where:,}); tokenized for another vocabulary?"
+        )
 
 
 def manifest_records(paths, split):
@@ -215,6 +234,7 @@ def manifest_records(paths, split):
     without a manifest (nanoGPT's, build-nanogpt's) are left out; mixed in one directory with shards a manifest
     lists, they are a ShardError too."""
     from files import lock_holder
+
     found, paths = {}, [Path(p) for p in paths]
     for directory in sorted({p.parent for p in paths}):
         manifests = sorted(directory.glob("*_manifest.json"))
@@ -222,35 +242,49 @@ def manifest_records(paths, split):
         if holder and holder.startswith("prepare_data.py"):
             raise ShardError(f"{directory} is being written by {holder}: wait until it ends")
         for manifest in manifests:
-            name = manifest.name[:-len("_manifest.json")]
+            name = manifest.name[: -len("_manifest.json")]
             try:
                 m = json.loads(manifest.read_text())
                 records = {directory / r["file"]: r for r in m["shards"] if r["split"] == split}
                 sizes = {path: HEADER_BYTES + 2 * int(r["tokens"]) for path, r in records.items()}
             except (OSError, ValueError, KeyError, TypeError) as e:
-                raise ShardError(f"{manifest}: unreadable prep manifest ({type(e).__name__}: {e}); run "
-                                 f"prepare_data.py again, or delete it to train on the shards unchecked") from None
+                raise ShardError(
+                    f"{manifest}: unreadable prep manifest ({type(e).__name__}: {e}); run "
+                    f"prepare_data.py again, or delete it to train on the shards unchecked"
+                ) from None
             if not m.get("complete"):
-                raise ShardError(f"{manifest}: the prep that writes {name}_* did not finish; run it again to complete it")
+                raise ShardError(
+                    f"{manifest}: the prep that writes {name}_* did not finish; run it again to complete it"
+                )
             for path, size in sizes.items():
                 have = path.stat().st_size if path.is_file() else None
                 if have != size:
                     what = "is missing" if have is None else f"has {have:,} bytes, the manifest records {size:,}"
                     raise ShardError(f"{path}: listed in {manifest.name} but {what}; run prepare_data.py again")
-            unlisted = [p for p in paths if p.parent == directory and p.name.startswith(f"{name}_") and p not in records]
+            unlisted = [
+                p for p in paths if p.parent == directory and p.name.startswith(f"{name}_") and p not in records
+            ]
             if unlisted:
-                raise ShardError(f"{unlisted[0]}: not in {manifest.name} (another prep's shard?); move it out of "
-                                 f"{directory}, or run prepare_data.py again")
+                raise ShardError(
+                    f"{unlisted[0]}: not in {manifest.name} (another prep's shard?); move it out of "
+                    f"{directory}, or run prepare_data.py again"
+                )
             written = manifest.stat().st_mtime_ns  # after each of its shards
             tokenizer = m.get("tokenizer") if isinstance(m.get("tokenizer"), dict) else {}
             doc_token = {"doc_token": int(tokenizer["eot"])} if tokenizer.get("eot") is not None else {}
-            found.update({path: {**r, "manifest": manifest.name, "manifest_mtime_ns": written, **doc_token}
-                          for path, r in records.items()})
+            found.update(
+                {
+                    path: {**r, "manifest": manifest.name, "manifest_mtime_ns": written, **doc_token}
+                    for path, r in records.items()
+                }
+            )
         mine = [p for p in paths if p.parent == directory]
         stray = [p for p in mine if p not in found]
         if stray and len(stray) < len(mine):  # a prep's shards mixed with others no manifest vouches for
-            raise ShardError(f"{stray[0]}: in no prep manifest of {directory}, unlike its other {split} shards (copied "
-                             f"in from elsewhere?); move it out, or give data_dir as a glob of the shards to train on")
+            raise ShardError(
+                f"{stray[0]}: in no prep manifest of {directory}, unlike its other {split} shards (copied "
+                f"in from elsewhere?); move it out, or give data_dir as a glob of the shards to train on"
+            )
     return found
 
 
@@ -261,6 +295,7 @@ def data_tokenizer(data_dir):
     were recorded means GPT-2's ("n_vocab" None). ShardError when the manifests name different tokenizers (e.g. a
     glob over two data directories) or a tokenizer file is missing or changed."""
     import hashlib
+
     found = {}
     for directory in sorted({p.parent for p in find_shards(data_dir, "train")}):
         for manifest in sorted(directory.glob("*_manifest.json")):
@@ -271,18 +306,25 @@ def data_tokenizer(data_dir):
                 if "file" in record:
                     record["json"] = (directory / record["file"]).read_text(encoding="utf-8")
             except (OSError, ValueError, TypeError, AttributeError) as e:
-                raise ShardError(f"{manifest}: cannot read its tokenizer ({type(e).__name__}: {e}); run "
-                                 f"prepare_data.py again") from None
-            if record["json"] is not None and record["id"] != "sha256:" + hashlib.sha256(
-                    record["json"].encode()).hexdigest()[:16]:
-                raise ShardError(f"{directory / record['file']}: changed since {manifest.name} recorded it as "
-                                 f"{record['id']}; run prepare_data.py again")
+                raise ShardError(
+                    f"{manifest}: cannot read its tokenizer ({type(e).__name__}: {e}); run prepare_data.py again"
+                ) from None
+            if (
+                record["json"] is not None
+                and record["id"] != "sha256:" + hashlib.sha256(record["json"].encode()).hexdigest()[:16]
+            ):
+                raise ShardError(
+                    f"{directory / record['file']}: changed since {manifest.name} recorded it as "
+                    f"{record['id']}; run prepare_data.py again"
+                )
             found[manifest] = record
     ids = {r["id"] for r in found.values()}
     if len(ids) > 1:
         (a, ra), (b, rb) = [next((m, r) for m, r in found.items() if r["id"] == i) for i in sorted(ids)[:2]]
-        raise ShardError(f"{data_dir}: its shards come from two tokenizers: {a} has {ra['id']}, {b} has {rb['id']}; "
-                         f"train on one tokenizer's data")
+        raise ShardError(
+            f"{data_dir}: its shards come from two tokenizers: {a} has {ra['id']}, {b} has {rb['id']}; "
+            f"train on one tokenizer's data"
+        )
     return next(iter(found.values()), None)
 
 
@@ -299,12 +341,13 @@ def check_shards_vocab(paths, shards, vocab_size, progress=True, chunk=1 << 26, 
         else:
             todo.append((path, tokens))
     total = sum(len(tokens) for _, tokens in todo)
-    with progress_bar(total=total, unit="tok", unit_scale=True, desc="checking token ids",
-                      show=progress and 2 * total >= 2**30) as bar:
+    with progress_bar(
+        total=total, unit="tok", unit_scale=True, desc="checking token ids", show=progress and 2 * total >= 2**30
+    ) as bar:
         for path, tokens in todo:
             top = 0
             for start in range(0, len(tokens), chunk):
-                top = max(top, int(tokens[start:start + chunk].max()))
+                top = max(top, int(tokens[start : start + chunk].max()))
                 bar.update(min(chunk, len(tokens) - start))
             check_vocab(tokens, vocab_size, path, top=top)
 
@@ -336,6 +379,7 @@ def find_shards(data_dir, split):
 
 
 # ---------------------------------------------------------------------------- document rows (packing='document')
+
 
 def document_items(tokens, row_tokens, doc_token, split_long):
     """A shard's documents as packable items (start, length, ends_document), each at most row_tokens long, plus
@@ -445,12 +489,26 @@ class DataLoader:
     deterministic function of the shards and block_size, so the position is all the state there is.
     """
 
-    def __init__(self, data_dir, split, batch_size, block_size, rank=0, world_size=1, seed=0,
-                 vocab_size=None, shuffle=None, packing="window", doc_token=None):
+    def __init__(
+        self,
+        data_dir,
+        split,
+        batch_size,
+        block_size,
+        rank=0,
+        world_size=1,
+        seed=0,
+        vocab_size=None,
+        shuffle=None,
+        packing="window",
+        doc_token=None,
+    ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if batch_size < 1 or block_size < 1 or seed < 0:
-            raise ValueError(f"batch_size and block_size must be >= 1 and seed >= 0 (got {batch_size}, {block_size}, {seed})")
+            raise ValueError(
+                f"batch_size and block_size must be >= 1 and seed >= 0 (got {batch_size}, {block_size}, {seed})"
+            )
         if packing not in PACKINGS:
             raise ValueError(f"packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
         self.B, self.T = batch_size, block_size
@@ -461,8 +519,11 @@ class DataLoader:
         self.paths = find_shards(data_dir, split)
         records = manifest_records(self.paths, split)  # a prep's shards: all there, none foreign, prep finished
         # what starts a document: the <|endoftext|> of the tokenizer the manifest records, else GPT-2's
-        self.doc_token = doc_token if doc_token is not None else next(
-            (r["doc_token"] for r in records.values() if "doc_token" in r), EOT)
+        self.doc_token = (
+            doc_token
+            if doc_token is not None
+            else next((r["doc_token"] for r in records.values() if "doc_token" in r), EOT)
+        )
         # Memory-mapped once, headers validated; plain ndarray views skip np.memmap's per-slice overhead.
         self.shards = [load_shard(p).view(np.ndarray) for p in self.paths]
         if vocab_size is not None:  # now, not when a shard is first read many steps into the run
@@ -478,24 +539,32 @@ class DataLoader:
             self.rows = [DocumentRows(s, block_size + 1, self.doc_token, split_long=masks is None) for s in self.shards]
             self.samples_per_shard = np.array([r.num_rows for r in self.rows], dtype=np.int64)
             if masks is not None:  # the trained tokens of the conversations left out
-                self.trained_tokens -= sum(int(m[s:s + n].sum(dtype=np.int64)) for r, m in zip(self.rows, self.masks)
-                                           for s, n in zip(*r.left_out))
+                self.trained_tokens -= sum(
+                    int(m[s : s + n].sum(dtype=np.int64))
+                    for r, m in zip(self.rows, self.masks)
+                    for s, n in zip(*r.left_out)
+                )
         else:
             self._window_offsets = np.arange(block_size + 1)
             self.samples_per_shard = np.array([max(0, (len(s) - 1) // block_size) for s in self.shards], dtype=np.int64)
         self.num_samples = int(self.samples_per_shard.sum())
         if masks is not None and self.num_samples and not self.trained_tokens:
-            raise ShardError(f"{data_dir}: the loss masks of the {split} shards mark no token as trained; prepare the "
-                             f"data again")
+            raise ShardError(
+                f"{data_dir}: the loss masks of the {split} shards mark no token as trained; prepare the data again"
+            )
         if self.num_samples == 0:
             total = sum(len(s) for s in self.shards)
             if masks is not None:
                 shortest = min(int(n.min()) for r in self.rows for n in r.left_out[1:] if len(n))
-                raise ShardError(f"{data_dir}: every {split} conversation is longer than block_size+1 = "
-                                 f"{block_size + 1} tokens (the shortest has {shortest}); train with block_size >= "
-                                 f"{shortest - 1}")
-            raise ShardError(f"{data_dir}: the {split} shards hold {total} tokens; none has the "
-                             f"block_size+1 = {block_size + 1} tokens of one sample")
+                raise ShardError(
+                    f"{data_dir}: every {split} conversation is longer than block_size+1 = "
+                    f"{block_size + 1} tokens (the shortest has {shortest}); train with block_size >= "
+                    f"{shortest - 1}"
+                )
+            raise ShardError(
+                f"{data_dir}: the {split} shards hold {total} tokens; none has the "
+                f"block_size+1 = {block_size + 1} tokens of one sample"
+            )
         self._plans = {}  # epoch -> (shard order, cumulative sample counts in that order)
         self._perms = {}  # (epoch, shard) -> permutation of that shard's samples
         self.position = 0  # global stream position: samples consumed by all ranks together
@@ -514,8 +583,10 @@ class DataLoader:
         text += f", {self.trained_tokens:,} trained"
         left = np.concatenate([r.left_out[1] for r in self.rows])
         if len(left):
-            text += (f"; {len(left):,} conversation(s) longer than block_size+1 = {self.T + 1} tokens left out (the "
-                     f"longest has {int(left.max()):,}: block_size >= {int(left.max()) - 1} keeps them all)")
+            text += (
+                f"; {len(left):,} conversation(s) longer than block_size+1 = {self.T + 1} tokens left out (the "
+                f"longest has {int(left.max()):,}: block_size >= {int(left.max()) - 1} keeps them all)"
+            )
         return text
 
     @property
@@ -539,8 +610,11 @@ class DataLoader:
                 self._plans.pop(next(iter(self._plans)))
             n = len(self.shards)
             # SeedSequence pads short entropy with zeros, so the tags 0 / 1 keep the streams distinct.
-            order = (np.random.Generator(np.random.PCG64([self.seed, epoch, 0])).permutation(n)
-                     if self.shuffle else np.arange(n))
+            order = (
+                np.random.Generator(np.random.PCG64([self.seed, epoch, 0])).permutation(n)
+                if self.shuffle
+                else np.arange(n)
+            )
             self._plans[epoch] = (order, np.cumsum(self.samples_per_shard[order]))
         return self._plans[epoch]
 
@@ -565,7 +639,7 @@ class DataLoader:
             shard = int(order[slot])
             begin = offset - int(cum[slot] - self.samples_per_shard[shard])  # index into the shard's permutation
             take = min(count - done, int(cum[slot]) - offset)
-            yield done, shard, self._perm(epoch, shard)[begin:begin + take]
+            yield done, shard, self._perm(epoch, shard)[begin : begin + take]
             done += take
 
     def next_batch(self):
@@ -575,23 +649,30 @@ class DataLoader:
         window = np.empty((B, T + 1), dtype=np.uint16)
         keep = np.empty((B, T + 1), dtype=np.uint8) if self.masked else None
         for at, shard, samples in self._runs(self.position + self.rank * B, B):  # usually a single run
-            rows = window[at:at + len(samples)]
+            rows = window[at : at + len(samples)]
             mask = None if self.masks is None else self.masks[shard]
             if self.rows is not None:
-                self.rows[shard].gather(samples, rows, keep[at:at + len(samples)], self.shards[shard], mask,
-                                        self.doc_token)
+                self.rows[shard].gather(
+                    samples, rows, keep[at : at + len(samples)], self.shards[shard], mask, self.doc_token
+                )
             else:
                 where = (samples * T)[:, None] + self._window_offsets
                 rows[:] = self.shards[shard][where]  # (b, T+1) gather
             if self.vocab_size is not None and rows.size and int(rows.max()) >= self.vocab_size:  # changed since start
                 row, col = np.argwhere(rows >= self.vocab_size)[0]
-                at_token = (f"at token {int(samples[row]) * T + int(col):,}" if self.rows is None else
-                            f"in document row {int(samples[row]):,}")
-                raise ShardError(f"{self.paths[shard]}: token id {int(rows[row, col])} >= vocab_size {self.vocab_size} "
-                                 f"{at_token}: the shard changed after the run checked it at start; restore or "
-                                 f"re-prepare it")
+                at_token = (
+                    f"at token {int(samples[row]) * T + int(col):,}"
+                    if self.rows is None
+                    else f"in document row {int(samples[row]):,}"
+                )
+                raise ShardError(
+                    f"{self.paths[shard]}: token id {int(rows[row, col])} >= vocab_size {self.vocab_size} "
+                    f"{at_token}: the shard changed after the run checked it at start; restore or "
+                    f"re-prepare it"
+                )
         self.position += B * self.world_size
         import torch  # not at the top: prepare_data's tokenizer workers import this module and need no torch
+
         x = torch.from_numpy(window[:, :-1].astype(np.int64))  # (B, T)
         y = window[:, 1:].astype(np.int64)
         if keep is not None:
@@ -600,14 +681,22 @@ class DataLoader:
 
     def state_dict(self):
         """Plain ints/bools: the stream position and what identifies the stream."""
-        return {"position": int(self.position), "seed": int(self.seed), "block_size": int(self.T),
-                "num_samples": int(self.num_samples), "shuffle": bool(self.shuffle), "packing": self.packing}
+        return {
+            "position": int(self.position),
+            "seed": int(self.seed),
+            "block_size": int(self.T),
+            "num_samples": int(self.num_samples),
+            "shuffle": bool(self.shuffle),
+            "packing": self.packing,
+        }
 
     def load_state_dict(self, state):
         """Continue the exact stream of the loader that saved state (any B/world_size split)."""
         for key in ("packing", "seed", "block_size", "num_samples", "shuffle"):
             mine = getattr(self, {"block_size": "T"}.get(key, key))
             if state.get(key, "window" if key == "packing" else None) != mine:  # older states: windows
-                raise ValueError(f"loader state is for a different stream: {key} is {state.get(key)!r} "
-                                 f"in the saved state but {mine!r} here (data or settings changed?)")
+                raise ValueError(
+                    f"loader state is for a different stream: {key} is {state.get(key)!r} "
+                    f"in the saved state but {mine!r} here (data or settings changed?)"
+                )
         self.position = int(state["position"])

@@ -11,6 +11,7 @@ set_malloc_tuned() stops glibc from unmapping and re-faulting big CPU tensors ev
 Importing this module (every script that uses torch does) checks the torch version against MIN_TORCH and
 exits with a one-line error on an older one, instead of a confusing failure deep inside a run.
 """
+
 import ctypes
 import functools
 import random
@@ -33,12 +34,16 @@ def torch_version_problem(version, minimum=MIN_TORCH):
     else None. Pre-releases of the minimum itself (NGC containers ship '2.6.0a0+...') count as it."""
     match = re.match(r"(\d+)\.(\d+)", str(version))
     if match is None:
-        return f"cannot read the torch version {str(version)!r}; gpt2-train needs torch >= {'.'.join(map(str, minimum))}"
+        return (
+            f"cannot read the torch version {str(version)!r}; gpt2-train needs torch >= {'.'.join(map(str, minimum))}"
+        )
     if tuple(map(int, match.groups())) >= tuple(minimum):
         return None
     need = ".".join(map(str, minimum))
-    return (f"torch {version} is installed, but gpt2-train needs torch >= {need} (requirements.txt); "
-            f"upgrade it, e.g. pip install 'torch>={need}'")
+    return (
+        f"torch {version} is installed, but gpt2-train needs torch >= {need} (requirements.txt); "
+        f"upgrade it, e.g. pip install 'torch>={need}'"
+    )
 
 
 if (_problem := torch_version_problem(torch.__version__)) is not None:
@@ -170,6 +175,7 @@ def is_compile_error(exc) -> bool:
     error raised while compiling is not one: it would fail the same way without compile."""
     from torch._dynamo.exc import TorchDynamoException
     from torch._inductor.exc import CppCompileError
+
     return isinstance(exc, (TorchDynamoException, CppCompileError)) and not is_oom(exc)
 
 
@@ -196,8 +202,15 @@ PEAK_FLOPS = [
     (("RTX", "4090"), {"bf16": 165e12, "fp16": 165e12, "tf32": 83e12}),
     (("V100",), {"fp16": 125e12}),
 ]
-_DTYPE_ALIASES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "tf32": "tf32",
-                  "float32": "tf32", "fp32": "tf32"}
+_DTYPE_ALIASES = {
+    "bfloat16": "bf16",
+    "bf16": "bf16",
+    "float16": "fp16",
+    "fp16": "fp16",
+    "tf32": "tf32",
+    "float32": "tf32",
+    "fp32": "tf32",
+}
 
 
 def peak_flops(device_name: str, dtype: str) -> float | None:
@@ -260,19 +273,27 @@ def rng_state():
     """Every RNG this process draws from, as tensors and plain lists (weights_only-loadable)."""
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": [version, list(internal), gauss],
-            "numpy": {"name": name, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
-                      "cached_gaussian": float(cached)},
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None}
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": {
+            "name": name,
+            "keys": keys.tolist(),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
+    }
 
 
 def set_rng_state(state):
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]
-    np.random.set_state((n["name"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
+    np.random.set_state(
+        (n["name"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

@@ -3,6 +3,7 @@
 size N: the project's own model, sharding, optimizer and step on fake tensors and a fake process group, measured by
 torch's memory trackers (docs/dry-run.md). No parameter memory is allocated: any size runs on a laptop.
 """
+
 import sys
 from dataclasses import dataclass, replace
 
@@ -20,8 +21,10 @@ from model import GPT
 from optim import build_optimizer
 from parallel import Env, clip_gradients, forward_backward, keeps_grads, mesh_shape, parallelize
 
-NOT_SIMULATED = ("not simulated: torch.compile, CUDA kernels' workspaces, NCCL's buffers and the caching allocator's "
-                 "fragmentation (leave headroom for them)")
+NOT_SIMULATED = (
+    "not simulated: torch.compile, CUDA kernels' workspaces, NCCL's buffers and the caching allocator's "
+    "fragmentation (leave headroom for them)"
+)
 GPU_DTYPE = "bfloat16"  # dtype='auto' on a GPU with native bf16 (devices.resolve_dtype): what the dry run assumes
 
 
@@ -45,6 +48,7 @@ class DDPBuckets(torch.nn.Module):
 @dataclass
 class DryRun:
     """The simulated peak of one rank, in bytes, by the plan's parts; notes say what was modelled or skipped."""
+
     parts: dict
     notes: list
 
@@ -57,10 +61,13 @@ def _categories(snapshot) -> dict:
     """A MemTracker peak snapshot (category name -> bytes) as the plan's parts."""
     by_name = {str(getattr(k, "value", k)): v for k, v in snapshot.items()}
     get = lambda *names: sum(by_name.get(n, 0) for n in names)  # noqa: E731
-    return {"params": get("Parameter", "Sharded Param", "Buffer"), "grads": get("Gradient", "Sharded Grad", "Other"),
-            "optimizer": get("Optstate", "OptState"),
-            "gathered": get("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter"),
-            "activations": get("Activation", "Temp", "Inputs")}
+    return {
+        "params": get("Parameter", "Sharded Param", "Buffer"),
+        "grads": get("Gradient", "Sharded Grad", "Other"),
+        "optimizer": get("Optstate", "OptState"),
+        "gathered": get("Unsharded Param", "Unsharded Grad", "All Gather", "Reduce Scatter"),
+        "activations": get("Activation", "Temp", "Inputs"),
+    }
 
 
 def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
@@ -91,8 +98,10 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
                 raw.transformer.wte.weight = raw.lm_head.weight
             if not env.sharded and world_size > 1:
                 model = DDPBuckets(raw)
-                notes.append("DDP modelled, not run (its C++ reducer cannot run on fake tensors): gradients are views "
-                             "of one fp32 bucket buffer, all-reduced in place")
+                notes.append(
+                    "DDP modelled, not run (its C++ reducer cannot run on fake tensors): gradients are views "
+                    "of one fp32 bucket buffer, all-reduced in place"
+                )
             optimizer = build_optimizer(raw, cfg, fused=True)  # as on a GPU
             # a first update, untracked, on zero gradients: it makes the optimizer state, and fills DTensor's
             # sharding cache (its propagation runs global-shape ops in this fake mode, which a tracker would count)
@@ -126,26 +135,43 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=not keeps_grads(model))
             if parallel == "hsdp" and grad_accum > 1:
-                notes.append("HSDP: until the last micro-step's all-reduce across replicas, the gradient shards add "
-                             "up in FSDP's partial-reduce buffer, counted under temporaries")
+                notes.append(
+                    "HSDP: until the last micro-step's all-reduce across replicas, the gradient shards add "
+                    "up in FSDP's partial-reduce buffer, counted under temporaries"
+                )
             if skipped:
-                notes.append(f"micro-steps {skipped[0] + 1}-{skipped[-1] + 1} of {grad_accum} start from the memory "
-                             "state micro-step 2 started from: the same peak, not re-run")
+                notes.append(
+                    f"micro-steps {skipped[0] + 1}-{skipped[-1] + 1} of {grad_accum} start from the memory "
+                    "state micro-step 2 started from: the same peak, not re-run"
+                )
         return DryRun(_categories(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]), notes)
     finally:
         dist.destroy_process_group()
 
 
-PARTS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state",
-         "gathered": "all-gathered units (FSDP)", "activations": "activations + temporaries"}
+PARTS = {
+    "params": "parameters",
+    "grads": "gradients",
+    "optimizer": "optimizer state",
+    "gathered": "all-gathered units (FSDP)",
+    "activations": "activations + temporaries",
+}
 
 
 def plan_args(cfg, world_size: int, gpus_per_node: int = 8) -> dict:
     """estimate_memory's arguments besides the model and micro-batch, on a GPU (dtype 'auto' as bf16)."""
-    shard = mesh_shape(cfg.parallel, cfg.shard_size, world_size, min(gpus_per_node, world_size))[-1] \
-        if cfg.parallel != "ddp" else None
-    return {"dtype": GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype, "parallel": cfg.parallel,
-            "world_size": world_size, "optimizer": cfg.optimizer, "shard_size": shard}
+    shard = (
+        mesh_shape(cfg.parallel, cfg.shard_size, world_size, min(gpus_per_node, world_size))[-1]
+        if cfg.parallel != "ddp"
+        else None
+    )
+    return {
+        "dtype": GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype,
+        "parallel": cfg.parallel,
+        "world_size": world_size,
+        "optimizer": cfg.optimizer,
+        "shard_size": shard,
+    }
 
 
 def resolve_checkpointing(cfg, world_size: int, gpus_per_node: int = 8, device_memory_gib: float = 80.0):
@@ -153,8 +179,12 @@ def resolve_checkpointing(cfg, world_size: int, gpus_per_node: int = 8, device_m
     the line saying why, or None when cfg set it)."""
     if cfg.activation_checkpointing != "auto":
         return cfg, None
-    mode, why = choose_checkpointing(model_config(cfg), cfg.batch_size, within_margin(int(device_memory_gib * GiB)),
-                                     **plan_args(cfg, world_size, gpus_per_node))
+    mode, why = choose_checkpointing(
+        model_config(cfg),
+        cfg.batch_size,
+        within_margin(int(device_memory_gib * GiB)),
+        **plan_args(cfg, world_size, gpus_per_node),
+    )
     return replace(cfg, activation_checkpointing=mode), why
 
 
@@ -164,8 +194,11 @@ def dry_run_plan(cfg, world_size: int, gpus_per_node: int = 8, device_memory_gib
     return estimate_memory(model_config(cfg), cfg.batch_size, **plan_args(cfg, world_size, gpus_per_node))
 
 
-CHECKPOINTING = {True: ", activation checkpointing", "selective": ", activation checkpointing of every other block",
-                 False: ""}
+CHECKPOINTING = {
+    True: ", activation checkpointing",
+    "selective": ", activation checkpointing of every other block",
+    False: "",
+}
 
 
 def report(cfg, world_size: int, gpus_per_node: int = 8, device_memory_gib: float = 80.0):
@@ -176,17 +209,23 @@ def report(cfg, world_size: int, gpus_per_node: int = 8, device_memory_gib: floa
     plan = dry_run_plan(cfg, world_size, gpus_per_node)
     sim = dry_run(cfg, world_size, gpus_per_node)
     planned = {**{k: getattr(plan, k) for k in PARTS}, "activations": plan.activations + plan.logits}
-    mode = cfg.parallel + (f" (shard_size {cfg.shard_size or min(gpus_per_node, world_size)})"
-                           if cfg.parallel == "hsdp" else "")
-    rows = [f"dry run: rank 0 of {world_size}, {mode}, {dtype}, micro-batch {cfg.batch_size} x "
-            f"{batch_layout(cfg, world_size)[1]} accumulation steps" + CHECKPOINTING[cfg.activation_checkpointing]
-            + ": one optimizer step simulated on fake tensors",
-            f"  {'GiB per rank':<28}{'plan':>8}{'simulated':>11}"]
+    mode = cfg.parallel + (
+        f" (shard_size {cfg.shard_size or min(gpus_per_node, world_size)})" if cfg.parallel == "hsdp" else ""
+    )
+    rows = [
+        f"dry run: rank 0 of {world_size}, {mode}, {dtype}, micro-batch {cfg.batch_size} x "
+        f"{batch_layout(cfg, world_size)[1]} accumulation steps"
+        + CHECKPOINTING[cfg.activation_checkpointing]
+        + ": one optimizer step simulated on fake tensors",
+        f"  {'GiB per rank':<28}{'plan':>8}{'simulated':>11}",
+    ]
     rows += [f"  {name:<28}{planned[k] / GiB:>8.2f}{sim.parts[k] / GiB:>11.2f}" for k, name in PARTS.items()]
     ratio = plan.total / sim.total
     rows += [f"  {'peak':<28}{plan.total / GiB:>8.2f}{sim.total / GiB:>11.2f}  (plan/simulated {ratio:.2f})"]
-    rows += [f"  {'+ margin (x 1.05 + 1.5 GiB)':<28}{with_margin(plan.total) / GiB:>8.2f}"
-             f"{with_margin(sim.total) / GiB:>11.2f}"]
+    rows += [
+        f"  {'+ margin (x 1.05 + 1.5 GiB)':<28}{with_margin(plan.total) / GiB:>8.2f}"
+        f"{with_margin(sim.total) / GiB:>11.2f}"
+    ]
     notes = [*([why] if why else []), plan.line(), *rows, *[f"note: {n}" for n in sim.notes], f"note: {NOT_SIMULATED}"]
     return plan, sim, "\n".join(notes)
 
@@ -203,8 +242,10 @@ def main(argv=None) -> int:
     device_memory_gib, 2 on a bad config or flag."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if "-h" in argv or "--help" in argv:
-        print("usage: dryrun.py CONFIG [--key=value ...] --world_size=N [--gpus_per_node=8] [--device_memory_gib=80]\n\n"
-              f"{__doc__.strip()}\n\nCONFIG and --key=value are train.py's: `python train.py --help` lists every key.")
+        print(
+            "usage: dryrun.py CONFIG [--key=value ...] --world_size=N [--gpus_per_node=8] [--device_memory_gib=80]\n\n"
+            f"{__doc__.strip()}\n\nCONFIG and --key=value are train.py's: `python train.py --help` lists every key."
+        )
         return 0
     flags = {"gpus_per_node": 8, "device_memory_gib": 80.0}
     try:
@@ -227,9 +268,11 @@ def main(argv=None) -> int:
             raise ConfigError("the dry run needs batch_size set (it simulates a given micro-batch), not 'auto'")
         plan = dry_run_plan(cfg, flags["world_size"], flags["gpus_per_node"])
         if plan.total > NOT_SIMULATED_ABOVE * flags["device_memory_gib"] * GiB:
-            print(f"{plan.line()}\ndoes NOT fit: the plan alone is {gib(plan.total)} GiB per rank, over "
-                  f"{NOT_SIMULATED_ABOVE:g} x {flags['device_memory_gib']:g} GiB per device: not simulated (to "
-                  f"simulate it anyway, give a larger --device_memory_gib)")
+            print(
+                f"{plan.line()}\ndoes NOT fit: the plan alone is {gib(plan.total)} GiB per rank, over "
+                f"{NOT_SIMULATED_ABOVE:g} x {flags['device_memory_gib']:g} GiB per device: not simulated (to "
+                f"simulate it anyway, give a larger --device_memory_gib)"
+            )
             return 1
         _, sim, text = report(cfg, flags["world_size"], flags["gpus_per_node"], flags["device_memory_gib"])
     except (ConfigError, ValueError) as e:
@@ -237,8 +280,10 @@ def main(argv=None) -> int:
         return 2
     print(text)
     fits = with_margin(sim.total) <= flags["device_memory_gib"] * GiB
-    print(f"{'fits' if fits else 'does NOT fit'}: simulated peak {gib(sim.total)} GiB, with the margin ({MARGIN}) "
-          f"{gib(with_margin(sim.total))} GiB {'<=' if fits else '>'} {flags['device_memory_gib']:g} GiB per device")
+    print(
+        f"{'fits' if fits else 'does NOT fit'}: simulated peak {gib(sim.total)} GiB, with the margin ({MARGIN}) "
+        f"{gib(with_margin(sim.total))} GiB {'<=' if fits else '>'} {flags['device_memory_gib']:g} GiB per device"
+    )
     return 0 if fits else 1
 
 

@@ -4,6 +4,7 @@ report_error), a locked directory (LockError) and a run that must stop (Halt).
 
 No torch here: prepare_data's tokenizer workers import it.
 """
+
 import contextlib
 import errno
 import hashlib
@@ -28,9 +29,12 @@ def first_line(e):
     return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
-OS_REASONS = {errno.EEXIST: "is a file, where a directory is expected", errno.ENOTDIR: "a part of this path is a "
-              "file, not a directory", errno.ENOSPC: "no space left on the device; free some disk space",
-              errno.EDQUOT: "disk quota exceeded; free some disk space"}
+OS_REASONS = {
+    errno.EEXIST: "is a file, where a directory is expected",
+    errno.ENOTDIR: "a part of this path is a file, not a directory",
+    errno.ENOSPC: "no space left on the device; free some disk space",
+    errno.EDQUOT: "disk quota exceeded; free some disk space",
+}
 
 
 def error_line(e):
@@ -155,13 +159,18 @@ def directory_lock(directory, program):
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
-                raise LockError(f"{directory} is in use by {holder} (lock file {path}); wait until it ends, "
-                                f"or use another directory") from None
+                raise LockError(
+                    f"{directory} is in use by {holder} (lock file {path}); wait until it ends, "
+                    f"or use another directory"
+                ) from None
             except OSError as e:
                 if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                     raise
-                log(f"{path}: this filesystem has no file locks ({e.strerror}); nothing stops a second process "
-                    f"from using {directory} at the same time", note=True)
+                log(
+                    f"{path}: this filesystem has no file locks ({e.strerror}); nothing stops a second process "
+                    f"from using {directory} at the same time",
+                    note=True,
+                )
         held = True
         os.ftruncate(fd, 0)
         os.write(fd, f"{program} (pid {os.getpid()} on {socket.gethostname()})\n".encode())

@@ -18,6 +18,7 @@ The scorer is scoring.py's, which evaluate.py uses too.
 A Hugging Face model directory with a tokenizer.json (e.g. an imported Pythia) is scored with that
 tokenizer (needs the `tokenizers` package); everything else with GPT-2's.
 """
+
 import argparse
 import json
 import sys
@@ -67,8 +68,7 @@ def load_examples(path, limit=None):
                 label = int(label)
             if isinstance(label, bool) or label not in (0, 1, 2, 3):
                 raise ValueError(f"{where}: 'label' must be 0, 1, 2 or 3, got {json.dumps(ex['label'])}")
-            examples.append({"ind": ex.get("ind", len(examples)), "ctx": ex["ctx"],
-                             "endings": endings, "label": label})
+            examples.append({"ind": ex.get("ind", len(examples)), "ctx": ex["ctx"], "endings": endings, "label": label})
     return examples
 
 
@@ -90,12 +90,16 @@ class Rendered:
     def __init__(self, examples, enc, rank=0, world_size=1):
         self.examples, self.n_vocab = examples[rank::world_size], enc.n_vocab
         # example-major: request r is example r // 4, ending r % 4
-        self.requests = [(row[:row_mask.index(1)], row[row_mask.index(1):]) for ex in self.examples
-                         for row, row_mask in zip(*render_example(ex, enc)[:2])]
+        self.requests = [
+            (row[: row_mask.index(1)], row[row_mask.index(1) :])
+            for ex in self.examples
+            for row, row_mask in zip(*render_example(ex, enc)[:2])
+        ]
 
 
-def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None, dtype=None,
-             enc=None, progress=False, stop=None):
+def evaluate(
+    model, examples, device, batch_size=16, rank=None, world_size=None, dtype=None, enc=None, progress=False, stop=None
+):
     """HellaSwag accuracy of `model` on `examples` (dicts from load_examples, or this rank's Rendered ones).
 
     batch_size: examples per forward, i.e. 4 * batch_size rows of similar length.
@@ -118,8 +122,17 @@ def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None,
         enc = assets.get_tokenizer()
     rendered = examples if isinstance(examples, Rendered) else Rendered(examples, enc, rank, world_size)
     mine, requests = rendered.examples, rendered.requests
-    scored = score_requests(model, requests, device, 4 * batch_size, dtype, n_vocab=rendered.n_vocab, stop=stop,
-                            progress=progress, desc="hellaswag")
+    scored = score_requests(
+        model,
+        requests,
+        device,
+        4 * batch_size,
+        dtype,
+        n_vocab=rendered.n_vocab,
+        stop=stop,
+        progress=progress,
+        desc="hellaswag",
+    )
     abandoned = int(scored is None)
     if scored is None:
         sum_loss = mean_loss = torch.zeros(len(requests))
@@ -130,10 +143,25 @@ def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None,
 
     preds = []
     for ex, s, m in zip(mine, sum_loss, mean_loss):
-        preds.append({"ind": ex["ind"], "label": ex["label"], "pred": int(s.argmin()),
-                      "pred_norm": int(m.argmin()), "sum_loss": s.tolist(), "mean_loss": m.tolist()})
-    counts = torch.tensor([len(preds), sum(p["pred"] == p["label"] for p in preds),
-                           sum(p["pred_norm"] == p["label"] for p in preds), abandoned], dtype=torch.long)
+        preds.append(
+            {
+                "ind": ex["ind"],
+                "label": ex["label"],
+                "pred": int(s.argmin()),
+                "pred_norm": int(m.argmin()),
+                "sum_loss": s.tolist(),
+                "mean_loss": m.tolist(),
+            }
+        )
+    counts = torch.tensor(
+        [
+            len(preds),
+            sum(p["pred"] == p["label"] for p in preds),
+            sum(p["pred_norm"] == p["label"] for p in preds),
+            abandoned,
+        ],
+        dtype=torch.long,
+    )
     if distributed() and world_size > 1:  # the one collective, also on a rank that stopped early
         on = device if dist.get_backend() == "nccl" else "cpu"
         counts = counts.to(on)
@@ -143,8 +171,14 @@ def evaluate(model, examples, device, batch_size=16, rank=None, world_size=None,
         return None
     if n == 0:  # an accuracy of 0/0 is no result
         raise ValueError("hellaswag: no examples to evaluate")
-    return {"n": n, "correct": correct, "correct_norm": correct_norm, "acc": correct / n,
-            "acc_norm": correct_norm / n, "preds": preds}
+    return {
+        "n": n,
+        "correct": correct,
+        "correct_norm": correct_norm,
+        "acc": correct / n,
+        "acc_norm": correct_norm / n,
+        "preds": preds,
+    }
 
 
 def main(argv=None):
@@ -174,8 +208,9 @@ def main(argv=None):
     tune_cpu_allocator(device)  # big activations stay mapped, as in train.py
 
     t0 = time.time()
-    result = evaluate(model, examples, device, batch_size=args.batch_size, dtype=dtype, enc=enc,
-                      progress=sys.stderr.isatty())
+    result = evaluate(
+        model, examples, device, batch_size=args.batch_size, dtype=dtype, enc=enc, progress=sys.stderr.isatty()
+    )
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     elapsed = time.time() - t0
@@ -183,8 +218,10 @@ def main(argv=None):
         with per_example as f:
             for p in result["preds"]:
                 f.write(json.dumps({k: p[k] for k in ("ind", "label", "pred", "pred_norm")}) + "\n")
-    print(f"hellaswag: n={result['n']} acc={result['acc']:.4f} acc_norm={result['acc_norm']:.4f} "
-          f"({result['n'] / elapsed:.1f} examples/s, {device}, {dtype})")
+    print(
+        f"hellaswag: n={result['n']} acc={result['acc']:.4f} acc_norm={result['acc_norm']:.4f} "
+        f"({result['n'] / elapsed:.1f} examples/s, {device}, {dtype})"
+    )
     if args.json:
         print(json.dumps({"n": result["n"], "acc": result["acc"], "acc_norm": result["acc_norm"]}))
     return 0

@@ -8,6 +8,7 @@ copy plus a transpose of the four Conv1D weights (HF stores them (in, out); nn.L
 GPT-NeoX is the same network with other names, an interleaved per-head QKV layout, rotary positions, a parallel
 residual and an untied output head: all options of GPTConfig.
 """
+
 import dataclasses
 import json
 import os
@@ -23,9 +24,14 @@ from model import GPT, GPT2_VOCAB, HUB_NAMES, TRAINING_ONLY_MODEL_KEYS, GPTConfi
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu2": "relu2"}
-NEOX_LAYER_NAMES = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm",
-                    "attn.c_attn": "attention.query_key_value", "attn.c_proj": "attention.dense",
-                    "mlp.c_fc": "mlp.dense_h_to_4h", "mlp.c_proj": "mlp.dense_4h_to_h"}
+NEOX_LAYER_NAMES = {
+    "ln_1": "input_layernorm",
+    "ln_2": "post_attention_layernorm",
+    "attn.c_attn": "attention.query_key_value",
+    "attn.c_proj": "attention.dense",
+    "mlp.c_fc": "mlp.dense_h_to_4h",
+    "mlp.c_proj": "mlp.dense_4h_to_h",
+}
 
 
 def from_pretrained(name_or_dir: str, **overrides) -> GPT:
@@ -34,7 +40,9 @@ def from_pretrained(name_or_dir: str, **overrides) -> GPT:
     or a GPT-2 hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl; needs internet). overrides: dropout,
     activation_checkpointing."""
     if bad := set(overrides) - set(TRAINING_ONLY_MODEL_KEYS):
-        raise ValueError(f"from_pretrained: cannot override {sorted(bad)}; only {' and '.join(TRAINING_ONLY_MODEL_KEYS)}")
+        raise ValueError(
+            f"from_pretrained: cannot override {sorted(bad)}; only {' and '.join(TRAINING_ONLY_MODEL_KEYS)}"
+        )
     path = Path(name_or_dir)
     if not path.is_dir():
         if name_or_dir not in HUB_NAMES:
@@ -45,41 +53,59 @@ def from_pretrained(name_or_dir: str, **overrides) -> GPT:
     model = GPT(GPTConfig(**(_neox_config if neox else _gpt2_config)(hf, file), **overrides))
     theirs = _read_hf_weights(path)
     if neox:  # transformers >= 5 names the head lm_head; the Pythia checkpoints call it embed_out
-        theirs = {("embed_out.weight" if k == "lm_head.weight" else k): v for k, v in theirs.items()
-                  if not k.endswith(("attention.bias", "attention.masked_bias", "rotary_emb.inv_freq"))}
+        theirs = {
+            ("embed_out.weight" if k == "lm_head.weight" else k): v
+            for k, v in theirs.items()
+            if not k.endswith(("attention.bias", "attention.masked_bias", "rotary_emb.inv_freq"))
+        }
         head = "embed_out.weight"
     else:  # the OpenAI hub files have no "transformer." prefix, no lm_head and causal-mask buffers
-        theirs = {(k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v
-                  for k, v in theirs.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+        theirs = {
+            (k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v
+            for k, v in theirs.items()
+            if not k.endswith((".attn.bias", ".attn.masked_bias"))
+        }
         head = "lm_head.weight"
     ours = model.state_dict()
     if model.config.tie_embeddings:
         ours.pop("lm_head.weight")  # it is wte
         embed, lm_head = theirs.get(_hf_name("transformer.wte.weight", neox)), theirs.pop(head, None)
         if lm_head is not None and embed is not None and not torch.equal(lm_head, embed):
-            raise ValueError(f"from_pretrained: {path}: {head} differs from the input embedding, "
-                             f"but {file} says tie_word_embeddings=true")
+            raise ValueError(
+                f"from_pretrained: {path}: {head} differs from the input embedding, "
+                f"but {file} says tie_word_embeddings=true"
+            )
     names = {_hf_name(k, neox): k for k in ours}  # theirs -> ours
     missing, unexpected = sorted(set(names) - set(theirs)), sorted(set(theirs) - set(names))
     if missing or unexpected:
-        raise ValueError(f"from_pretrained: {path}: missing keys {missing[:5]}, "
-                         f"unexpected keys {unexpected[:5]}")
+        raise ValueError(f"from_pretrained: {path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
     with torch.no_grad():
         for name, v in theirs.items():
             k = names[name]
-            v = _qkv_from_neox(v, model.config.n_head) if neox and ".c_attn." in k else (
-                v.t() if not neox and k.endswith(CONV1D_WEIGHTS) else v)
+            v = (
+                _qkv_from_neox(v, model.config.n_head)
+                if neox and ".c_attn." in k
+                else (v.t() if not neox and k.endswith(CONV1D_WEIGHTS) else v)
+            )
             if v.shape != ours[k].shape:
-                raise ValueError(f"from_pretrained: {path}: {name} has shape {tuple(v.shape)}, "
-                                 f"expected {tuple(ours[k].shape)}")
+                raise ValueError(
+                    f"from_pretrained: {path}: {name} has shape {tuple(v.shape)}, expected {tuple(ours[k].shape)}"
+                )
             if not v.is_floating_point():  # copy_ would cast quantized or damaged integers silently
-                raise ValueError(f"from_pretrained: {path}: {name} holds {v.dtype} values, expected "
-                                 f"floating-point weights")
+                raise ValueError(
+                    f"from_pretrained: {path}: {name} holds {v.dtype} values, expected floating-point weights"
+                )
             ours[k].copy_(v)
     return model
 
-def save_pretrained(model: GPT, out_dir: str, tokenizer_dir: str | None = None, chat_template: str | None = None,
-                    tokenizer_json: str | None = None) -> None:
+
+def save_pretrained(
+    model: GPT,
+    out_dir: str,
+    tokenizer_dir: str | None = None,
+    chat_template: str | None = None,
+    tokenizer_json: str | None = None,
+) -> None:
     """Write config.json + model.safetensors that transformers loads: a GPT2LMHeadModel for learned positions
     (rotary_pct=None), a GPTNeoXForCausalLM (Pythia layout) for rotary ones. bias=False is written as zero
     biases; zero_init_proj and dropout need nothing. qk_norm, and a parallel residual with learned positions,
@@ -89,11 +115,15 @@ def save_pretrained(model: GPT, out_dir: str, tokenizer_dir: str | None = None, 
     <|endoftext|> id as eos."""
     cfg = model.config
     if cfg.qk_norm:
-        raise ValueError("save_pretrained: qk_norm=True has no Hugging Face GPT-2 or GPT-NeoX equivalent "
-                         "(neither normalises queries and keys); export needs qk_norm=False")
+        raise ValueError(
+            "save_pretrained: qk_norm=True has no Hugging Face GPT-2 or GPT-NeoX equivalent "
+            "(neither normalises queries and keys); export needs qk_norm=False"
+        )
     if cfg.rotary_pct is None and cfg.parallel_residual:
-        raise ValueError("save_pretrained: parallel_residual=True with learned positions (rotary_pct=None) "
-                         "fits neither GPT-2 (sequential residual) nor GPT-NeoX (rotary only)")
+        raise ValueError(
+            "save_pretrained: parallel_residual=True with learned positions (rotary_pct=None) "
+            "fits neither GPT-2 (sequential residual) nor GPT-NeoX (rotary only)"
+        )
     try:
         from safetensors.torch import save_file
     except ImportError as e:
@@ -105,6 +135,7 @@ def save_pretrained(model: GPT, out_dir: str, tokenizer_dir: str | None = None, 
     chat_tokens = {}
     if chat_template is not None and not own:  # GPT-2's chat tokens (chat.py) are rows of the padded vocabulary
         import chat
+
         chat_tokens = chat.SPECIAL
         vocab = max(vocab, max(chat_tokens.values()) + 1)
     sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -113,7 +144,7 @@ def save_pretrained(model: GPT, out_dir: str, tokenizer_dir: str | None = None, 
     if not cfg.bias:  # both have biases everywhere: bias=False is the same model with zero biases
         for k, v in list(sd.items()):
             if k.startswith("transformer.h.") or k.startswith("transformer.ln_f."):
-                sd[k[:-len("weight")] + "bias"] = torch.zeros(v.shape[0], dtype=v.dtype)
+                sd[k[: -len("weight")] + "bias"] = torch.zeros(v.shape[0], dtype=v.dtype)
     tensors = {}
     for k, v in sd.items():
         if neox and ".c_attn." in k:
@@ -128,9 +159,15 @@ def save_pretrained(model: GPT, out_dir: str, tokenizer_dir: str | None = None, 
     if own or vocab > EOT or (tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file()):
         # a chat model's generation ends at <|end|>: the eos token of its tokenizer_config.json too, where
         # llama.cpp's converter looks (generation_config.json below lists both stops for transformers)
-        eos = assets.save_tokenizer(out, tokenizer_dir, chat_template, model_max_length=cfg.block_size,
-                                    special_tokens=chat_tokens, tokenizer_json=tokenizer_json,
-                                    eos_token="<|end|>" if chat_tokens else None)
+        eos = assets.save_tokenizer(
+            out,
+            tokenizer_dir,
+            chat_template,
+            model_max_length=cfg.block_size,
+            special_tokens=chat_tokens,
+            tokenizer_json=tokenizer_json,
+            eos_token="<|end|>" if chat_tokens else None,
+        )
     else:
         eos = None
         log(f"{out}: no tokenizer written: vocab_size {vocab} is smaller than GPT-2's {GPT2_VOCAB}", note=True)
@@ -151,25 +188,51 @@ def _hf_config(cfg, vocab: int, eos: int, neox: bool) -> dict:
     act = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu2": "relu2"}[cfg.activation]
     if neox:
         return {
-            "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "vocab_size": vocab,
-            "max_position_embeddings": cfg.block_size, "hidden_size": cfg.n_embd,
-            "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head,
-            "intermediate_size": 4 * cfg.n_embd, "hidden_act": act, "rotary_pct": cfg.rotary_pct,
-            "rotary_emb_base": cfg.rotary_base, "use_parallel_residual": cfg.parallel_residual,
-            "layer_norm_eps": cfg.layer_norm_eps, "attention_dropout": cfg.dropout,
-            "hidden_dropout": cfg.dropout, "attention_bias": True, "initializer_range": 0.02,
-            "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True, "bos_token_id": eos,
+            "architectures": ["GPTNeoXForCausalLM"],
+            "model_type": "gpt_neox",
+            "vocab_size": vocab,
+            "max_position_embeddings": cfg.block_size,
+            "hidden_size": cfg.n_embd,
+            "num_hidden_layers": cfg.n_layer,
+            "num_attention_heads": cfg.n_head,
+            "intermediate_size": 4 * cfg.n_embd,
+            "hidden_act": act,
+            "rotary_pct": cfg.rotary_pct,
+            "rotary_emb_base": cfg.rotary_base,
+            "use_parallel_residual": cfg.parallel_residual,
+            "layer_norm_eps": cfg.layer_norm_eps,
+            "attention_dropout": cfg.dropout,
+            "hidden_dropout": cfg.dropout,
+            "attention_bias": True,
+            "initializer_range": 0.02,
+            "tie_word_embeddings": cfg.tie_embeddings,
+            "use_cache": True,
+            "bos_token_id": eos,
             "eos_token_id": eos,
         }
     else:
         return {
-            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab,
-            "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd,
-            "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None, "activation_function": act,
-            "layer_norm_epsilon": cfg.layer_norm_eps, "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
-            "attn_pdrop": cfg.dropout, "initializer_range": 0.02, "scale_attn_weights": True,
-            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-            "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True, "bos_token_id": eos,
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": vocab,
+            "n_positions": cfg.block_size,
+            "n_ctx": cfg.block_size,
+            "n_embd": cfg.n_embd,
+            "n_layer": cfg.n_layer,
+            "n_head": cfg.n_head,
+            "n_inner": None,
+            "activation_function": act,
+            "layer_norm_epsilon": cfg.layer_norm_eps,
+            "resid_pdrop": cfg.dropout,
+            "embd_pdrop": cfg.dropout,
+            "attn_pdrop": cfg.dropout,
+            "initializer_range": 0.02,
+            "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False,
+            "tie_word_embeddings": cfg.tie_embeddings,
+            "use_cache": True,
+            "bos_token_id": eos,
             "eos_token_id": eos,
         }
 
@@ -212,26 +275,33 @@ def _download_from_hub(name: str) -> Path:
     """The hub's files of GPT-2 `name` (config.json + model.safetensors), from the local Hugging Face cache if they
     are there, else downloaded into it. OSError saying what it fetched and the offline alternative otherwise."""
     repo, files = f"openai-community/{name}", ["config.json", "model.safetensors"]
-    offline = (f"without network access, give a local Hugging Face directory instead: fetch it where the network is "
-               f"reachable (`hf download {repo} {' '.join(files)} --local-dir {name}-hf`), copy it here and use "
-               f"init_from='{name}-hf' (or --init_from {name}-hf)")
+    offline = (
+        f"without network access, give a local Hugging Face directory instead: fetch it where the network is "
+        f"reachable (`hf download {repo} {' '.join(files)} --local-dir {name}-hf`), copy it here and use "
+        f"init_from='{name}-hf' (or --init_from {name}-hf)"
+    )
     try:
         from huggingface_hub import snapshot_download
     except ImportError as e:
-        raise ImportError(f"from_pretrained({name!r}) needs huggingface_hub (pip install huggingface_hub) to "
-                          f"download {repo}; {offline}") from e
+        raise ImportError(
+            f"from_pretrained({name!r}) needs huggingface_hub (pip install huggingface_hub) to "
+            f"download {repo}; {offline}"
+        ) from e
     try:
         return Path(snapshot_download(repo, allow_patterns=files))
     except Exception as e:  # noqa: BLE001 -- the hub's and its HTTP client's errors: no route, DNS, proxy, 404...
-        raise OSError(f"cannot fetch {name!r} ({repo}: {' and '.join(files)}) from the Hugging Face hub and it is not "
-                      f"in the local cache ({first_line(e)}); {offline}") from None
+        raise OSError(
+            f"cannot fetch {name!r} ({repo}: {' and '.join(files)}) from the Hugging Face hub and it is not "
+            f"in the local cache ({first_line(e)}); {offline}"
+        ) from None
 
 
 def _read_hf_config(path: Path) -> dict:
     file = path / "config.json"
     if not file.is_file():
-        raise FileNotFoundError(f"from_pretrained: {file} not found; expected a Hugging Face GPT-2 or "
-                                "GPT-NeoX directory")
+        raise FileNotFoundError(
+            f"from_pretrained: {file} not found; expected a Hugging Face GPT-2 or GPT-NeoX directory"
+        )
     hf = json.loads(file.read_text())
     if hf.setdefault("model_type", "gpt2") not in ("gpt2", "gpt_neox"):
         raise ValueError(f"from_pretrained: {file}: model_type={hf['model_type']!r}, expected 'gpt2' or 'gpt_neox'")
@@ -255,14 +325,23 @@ def _gpt2_config(hf: dict, file: Path) -> dict:
     """GPTConfig keywords of a GPT2LMHeadModel config.json."""
     n_embd = _hf_get(hf, file, "n_embd")
     _hf_get(hf, file, "n_inner", None, (None, 4 * n_embd))
-    for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                      ("reorder_and_upcast_attn", False)):
+    for key, want in (
+        ("scale_attn_weights", True),
+        ("scale_attn_by_inverse_layer_idx", False),
+        ("reorder_and_upcast_attn", False),
+    ):
         _hf_get(hf, file, key, want, (want,))
-    return dict(block_size=_hf_get(hf, file, "n_positions"), vocab_size=_hf_get(hf, file, "vocab_size"),
-                n_layer=_hf_get(hf, file, "n_layer"), n_head=_hf_get(hf, file, "n_head"), n_embd=n_embd, bias=True,
-                activation=HF_ACTIVATIONS[_hf_get(hf, file, "activation_function", "gelu_new", HF_ACTIVATIONS)],
-                layer_norm_eps=float(_hf_get(hf, file, "layer_norm_epsilon", 1e-5)),
-                tie_embeddings=_hf_get(hf, file, "tie_word_embeddings", True, (True, False)))
+    return dict(
+        block_size=_hf_get(hf, file, "n_positions"),
+        vocab_size=_hf_get(hf, file, "vocab_size"),
+        n_layer=_hf_get(hf, file, "n_layer"),
+        n_head=_hf_get(hf, file, "n_head"),
+        n_embd=n_embd,
+        bias=True,
+        activation=HF_ACTIVATIONS[_hf_get(hf, file, "activation_function", "gelu_new", HF_ACTIVATIONS)],
+        layer_norm_eps=float(_hf_get(hf, file, "layer_norm_epsilon", 1e-5)),
+        tie_embeddings=_hf_get(hf, file, "tie_word_embeddings", True, (True, False)),
+    )
 
 
 def _neox_config(hf: dict, file: Path) -> dict:
@@ -276,13 +355,20 @@ def _neox_config(hf: dict, file: Path) -> dict:
     _hf_get(rope, file, "rope_type", rope.get("type", "default"), ("default",))
     pct = rope.get("partial_rotary_factor", hf.get("rotary_pct", 0.25))
     base = rope.get("rope_theta", hf.get("rotary_emb_base", 10000.0))
-    return dict(block_size=_hf_get(hf, file, "max_position_embeddings"), vocab_size=_hf_get(hf, file, "vocab_size"),
-                n_layer=_hf_get(hf, file, "num_hidden_layers"), n_head=_hf_get(hf, file, "num_attention_heads"),
-                n_embd=n_embd, bias=True, rotary_pct=float(pct), rotary_base=float(base),
-                parallel_residual=_hf_get(hf, file, "use_parallel_residual", True, (True, False)),
-                tie_embeddings=_hf_get(hf, file, "tie_word_embeddings", False, (True, False)),
-                activation=HF_ACTIVATIONS[_hf_get(hf, file, "hidden_act", "gelu", HF_ACTIVATIONS)],
-                layer_norm_eps=float(_hf_get(hf, file, "layer_norm_eps", 1e-5)))
+    return dict(
+        block_size=_hf_get(hf, file, "max_position_embeddings"),
+        vocab_size=_hf_get(hf, file, "vocab_size"),
+        n_layer=_hf_get(hf, file, "num_hidden_layers"),
+        n_head=_hf_get(hf, file, "num_attention_heads"),
+        n_embd=n_embd,
+        bias=True,
+        rotary_pct=float(pct),
+        rotary_base=float(base),
+        parallel_residual=_hf_get(hf, file, "use_parallel_residual", True, (True, False)),
+        tie_embeddings=_hf_get(hf, file, "tie_word_embeddings", False, (True, False)),
+        activation=HF_ACTIVATIONS[_hf_get(hf, file, "hidden_act", "gelu", HF_ACTIVATIONS)],
+        layer_norm_eps=float(_hf_get(hf, file, "layer_norm_eps", 1e-5)),
+    )
 
 
 def _read_hf_weights(path: Path) -> dict:
@@ -296,22 +382,27 @@ def _read_hf_weights(path: Path) -> dict:
             files = [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
             break
     else:
-        raise FileNotFoundError(f"from_pretrained: {path} has neither model.safetensors nor pytorch_model.bin "
-                                "(nor a sharded *.index.json of either)")
+        raise FileNotFoundError(
+            f"from_pretrained: {path} has neither model.safetensors nor pytorch_model.bin "
+            "(nor a sharded *.index.json of either)"
+        )
     sd = {}
     for file in files:
         if file.name.endswith(".safetensors"):
             try:
                 from safetensors.torch import load_file
             except ImportError as e:
-                raise ImportError(f"from_pretrained: {file} needs the safetensors package "
-                                  "(pip install safetensors)") from e
+                raise ImportError(
+                    f"from_pretrained: {file} needs the safetensors package (pip install safetensors)"
+                ) from e
         try:
-            sd.update(load_file(str(file)) if file.name.endswith(".safetensors") else
-                      torch.load(file, map_location="cpu", weights_only=True))
+            sd.update(
+                load_file(str(file))
+                if file.name.endswith(".safetensors")
+                else torch.load(file, map_location="cpu", weights_only=True)
+            )
         except OSError:
             raise
         except Exception as e:  # noqa: BLE001 -- a pickle that is not plain tensors (nothing ran), a damaged file
             raise ValueError(f"from_pretrained: {file}: not a readable weights file ({first_line(e)})") from None
     return sd
-

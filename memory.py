@@ -20,6 +20,7 @@ plan), probe_batch_size() once the bare model exists (batch_size='auto' on CUDA)
 fitting_forward_backward() and in_micro_batches(), which halve the micro-batch on an out-of-memory in a
 single-process run. dryrun.py proves a plan at the real size and world size on fake tensors.
 """
+
 import gc
 import os
 from dataclasses import dataclass, replace
@@ -48,6 +49,7 @@ class MemoryPlanError(ValueError):
 @dataclass
 class MemoryPlan:
     """Predicted peak memory of one rank, in bytes, by part. total is their sum."""
+
     params: int
     grads: int
     optimizer: int
@@ -96,11 +98,16 @@ def _count_params(cfg) -> dict:
         m = GPT(replace(cfg, n_layer=1))
     blocks = m.transformer.h
     block_params = sum(p.numel() for p in blocks[0].parameters()) if len(blocks) else 0
-    matmul = sum(mod.weight.numel() for mod in blocks[0].modules() if isinstance(mod, torch.nn.Linear)) \
-        if len(blocks) else 0
+    matmul = (
+        sum(mod.weight.numel() for mod in blocks[0].modules() if isinstance(mod, torch.nn.Linear)) if len(blocks) else 0
+    )
     total = sum(p.numel() for p in m.parameters()) + (cfg.n_layer - len(blocks)) * block_params
-    return {"total": total, "block": block_params, "block_matmul": matmul,
-            "hidden": blocks[0].mlp.c_fc.out_features if len(blocks) else 4 * cfg.n_embd}
+    return {
+        "total": total,
+        "block": block_params,
+        "block_matmul": matmul,
+        "hidden": blocks[0].mlp.c_fc.out_features if len(blocks) else 4 * cfg.n_embd,
+    }
 
 
 def _bytes_per_element(dtype) -> int:
@@ -151,8 +158,10 @@ def _activation_parts(cfg, batch_size, dtype, activation_checkpointing, seq_len,
     if recomputed == 0:
         return tokens * (L * block + outside) + L * weights, tokens * backward
     kept = L - recomputed  # 'selective': the recomputed blocks save their input, the others everything
-    return (tokens * (recomputed * r * cfg.n_embd + kept * block + outside) + kept * weights,
-            tokens * (8 + block + backward) + weights)
+    return (
+        tokens * (recomputed * r * cfg.n_embd + kept * block + outside) + kept * weights,
+        tokens * (8 + block + backward) + weights,
+    )
 
 
 def recomputed_blocks(n_layer: int, activation_checkpointing) -> int:
@@ -177,9 +186,17 @@ def loss_bytes(cfg, batch_size: int, dtype="float32", seq_len: int | None = None
     return n * V * (4 + 2) + V * C * (4 + 2 + 2 + 4) + 2 * N * C * 4 + n * C * 2
 
 
-def estimate_memory(model_cfg, batch_size: int, dtype="float32", parallel: str = "ddp", world_size: int = 1,
-                    optimizer: str = "adamw", activation_checkpointing: bool | None = None,
-                    shard_size: int | None = None, seq_len: int | None = None) -> MemoryPlan:
+def estimate_memory(
+    model_cfg,
+    batch_size: int,
+    dtype="float32",
+    parallel: str = "ddp",
+    world_size: int = 1,
+    optimizer: str = "adamw",
+    activation_checkpointing: bool | None = None,
+    shard_size: int | None = None,
+    seq_len: int | None = None,
+) -> MemoryPlan:
     """Predicted peak memory per rank of one training step at micro-batch batch_size.
 
     dtype: the autocast dtype ('float32' = none); parameters, gradients and AdamW state stay fp32.
@@ -217,12 +234,20 @@ def estimate_memory(model_cfg, batch_size: int, dtype="float32", parallel: str =
         gathered = (2 * root + stats["block"]) * p_bytes + stats["block"] * 4
     # the loss runs before the backward: logits counts only what the loss phase needs beyond the backward's peak
     # (its working set and gathered units), which is never live at the same time
-    return MemoryPlan(params=-(-n * 4 // shard), grads=-(-n * 4 // shard), optimizer=-(-state // shard),
-                      activations=saved + working, logits=max(0, at_loss - working - gathered), batch_size=batch_size,
-                      optimizer_name="AdamW" if optimizer == "adamw" else "Muon+AdamW", gathered=gathered)
+    return MemoryPlan(
+        params=-(-n * 4 // shard),
+        grads=-(-n * 4 // shard),
+        optimizer=-(-state // shard),
+        activations=saved + working,
+        logits=max(0, at_loss - working - gathered),
+        batch_size=batch_size,
+        optimizer_name="AdamW" if optimizer == "adamw" else "Muon+AdamW",
+        gathered=gathered,
+    )
 
 
 # ----------------------------------------------------------------------------- what the device has
+
 
 def available_memory(device) -> tuple[int, str]:
     """(bytes this process can still use, a description). CUDA: free memory (of total); CPU: MemAvailable
@@ -262,6 +287,7 @@ def _cpu_available() -> tuple[int, str]:
 
 # ----------------------------------------------------------------------------- does it fit, and what would
 
+
 def divisors(n: int) -> list[int]:
     """Divisors of n, largest first."""
     return [d for d in range(n, 0, -1) if n % d == 0]
@@ -270,13 +296,14 @@ def divisors(n: int) -> list[int]:
 def rows_per_rank(total_batch_size: int, block_size: int, world_size: int = 1) -> int:
     """Sequences each rank processes per optimizer step."""
     if total_batch_size % (block_size * world_size):
-        raise ValueError(f"total_batch_size={total_batch_size} is not a multiple of block_size*world_size = "
-                         f"{block_size}*{world_size}")
+        raise ValueError(
+            f"total_batch_size={total_batch_size} is not a multiple of block_size*world_size = "
+            f"{block_size}*{world_size}"
+        )
     return total_batch_size // (block_size * world_size)
 
 
-def suggest_fits(model_cfg, batch_size: int, available: int, rows: int | None = None,
-                 **plan_kwargs) -> list[str]:
+def suggest_fits(model_cfg, batch_size: int, available: int, rows: int | None = None, **plan_kwargs) -> list[str]:
     """Settings that would fit in `available` bytes, each with its predicted total: the largest smaller
     micro-batch dividing `rows` (sequences per rank per step; default batch_size) with the accumulation
     that keeps total_batch_size, activation checkpointing, parallel='fsdp' at the same world size, and
@@ -310,8 +337,9 @@ def suggest_fits(model_cfg, batch_size: int, available: int, rows: int | None = 
     return by_changes[min(by_changes)] if by_changes else []
 
 
-def check_fits(model_cfg, batch_size: int, available: int, description: str = "", rows: int | None = None,
-               **plan_kwargs) -> str | None:
+def check_fits(
+    model_cfg, batch_size: int, available: int, description: str = "", rows: int | None = None, **plan_kwargs
+) -> str | None:
     """None if the plan at batch_size fits in `available` bytes, else a one-line refusal with the settings
     that would fit (see suggest_fits), computed from the plan before anything is allocated."""
     plan = estimate_memory(model_cfg, batch_size, **plan_kwargs)
@@ -324,8 +352,10 @@ def check_fits(model_cfg, batch_size: int, available: int, description: str = ""
         return f"{head}; settings that fit: {'; '.join(fits)}"
     ckpt = {k: v for k, v in plan_kwargs.items() if k != "activation_checkpointing"}
     smallest = estimate_memory(model_cfg, 1, activation_checkpointing=True, **ckpt)
-    return (f"{head}; nothing fits on one rank: even micro-batch 1 with activation_checkpointing=True needs "
-            f"{gib(smallest.total)} GiB; use more ranks with parallel='fsdp' or a smaller model")
+    return (
+        f"{head}; nothing fits on one rank: even micro-batch 1 with activation_checkpointing=True needs "
+        f"{gib(smallest.total)} GiB; use more ranks with parallel='fsdp' or a smaller model"
+    )
 
 
 # ----------------------------------------------------------------------------- the margin on a GPU
@@ -363,8 +393,10 @@ def choose_checkpointing(model_cfg, batch_size: int, available: int, **plan_kwar
         tried.append(f"{CHECKPOINTING_NAMES[mode]} {gib(plan.total)} GiB")
         if plan.total <= available:
             break
-    return mode, (f"activation_checkpointing='auto': {CHECKPOINTING_NAMES[mode]} (plans at micro-batch {batch_size}: "
-                  f"{', '.join(tried)}; {gib(available)} GiB usable)")
+    return mode, (
+        f"activation_checkpointing='auto': {CHECKPOINTING_NAMES[mode]} (plans at micro-batch {batch_size}: "
+        f"{', '.join(tried)}; {gib(available)} GiB usable)"
+    )
 
 
 CHECKPOINTING_NAMES = {False: "none", "selective": "every other block", True: "every block"}
@@ -372,8 +404,10 @@ CHECKPOINTING_NAMES = {False: "none", "selective": "every other block", True: "e
 
 # ----------------------------------------------------------------------------- batch_size='auto'
 
-def plan_micro_batch(model_cfg, rows: int, available: int, fraction: float = AUTO_FIT_FRACTION,
-                     description: str = "", **plan_kwargs) -> tuple[int, str]:
+
+def plan_micro_batch(
+    model_cfg, rows: int, available: int, fraction: float = AUTO_FIT_FRACTION, description: str = "", **plan_kwargs
+) -> tuple[int, str]:
     """CPU/MPS batch_size='auto': the largest divisor of rows (sequences per rank per step) whose plan fits
     in fraction * available. Returns (micro_batch, why); MemoryPlanError if not even 1 fits."""
     budget = int(available * fraction)
@@ -381,12 +415,18 @@ def plan_micro_batch(model_cfg, rows: int, available: int, fraction: float = AUT
         plan = estimate_memory(model_cfg, b, **plan_kwargs)
         if plan.total <= budget:
             up = None if b == rows else next(d for d in reversed(divisors(rows)) if d > b)
-            bigger = f"; micro-batch {up} would need {gib(estimate_memory(model_cfg, up, **plan_kwargs).total)} GiB" \
-                if up else ""
-            return b, (f"micro-batch {b} x {rows // b} accumulation steps: its plan ({gib(plan.total)} GiB) fits in "
-                       f"{fraction:.0%} of {gib(available)} GiB{f' ({description})' if description else ''}{bigger}")
-    msg = check_fits(model_cfg, 1, budget, f"{fraction:.0%} of {description or gib(available) + ' GiB'}",
-                     rows, **plan_kwargs)
+            bigger = (
+                f"; micro-batch {up} would need {gib(estimate_memory(model_cfg, up, **plan_kwargs).total)} GiB"
+                if up
+                else ""
+            )
+            return b, (
+                f"micro-batch {b} x {rows // b} accumulation steps: its plan ({gib(plan.total)} GiB) fits in "
+                f"{fraction:.0%} of {gib(available)} GiB{f' ({description})' if description else ''}{bigger}"
+            )
+    msg = check_fits(
+        model_cfg, 1, budget, f"{fraction:.0%} of {description or gib(available) + ' GiB'}", rows, **plan_kwargs
+    )
     raise MemoryPlanError(f"batch_size='auto': {msg}")
 
 
@@ -426,12 +466,17 @@ def probe_micro_batch(try_step, candidates, reserve_bytes=0, device=None) -> tup
     _free(device)
     chosen = agree_micro_batch(b or 0, device)  # every rank takes part, also one that found nothing
     if not chosen:
-        where = (f"out of memory even at micro-batch {failed[-1]} (tried {', '.join(map(str, failed))})"
-                 if b is None else "another rank ran out of memory even at micro-batch 1")
+        where = (
+            f"out of memory even at micro-batch {failed[-1]} (tried {', '.join(map(str, failed))})"
+            if b is None
+            else "another rank ran out of memory even at micro-batch 1"
+        )
         raise MemoryPlanError(f"batch_size='auto': {where}; try activation_checkpointing=True or parallel='fsdp'")
-    why = (f"micro-batch {chosen}: the largest that ran forward+backward"
-           + (f" (out of memory at {', '.join(map(str, failed))})" if failed else "")
-           + (f"; {b} here, {chosen} on the smallest rank" if chosen != b else ""))
+    why = (
+        f"micro-batch {chosen}: the largest that ran forward+backward"
+        + (f" (out of memory at {', '.join(map(str, failed))})" if failed else "")
+        + (f"; {b} here, {chosen} on the smallest rank" if chosen != b else "")
+    )
     return chosen, why
 
 
@@ -474,8 +519,13 @@ def planned_shape(cfg):
 
 def plan_kwargs(cfg, env):
     """estimate_memory's arguments besides the model and the micro-batch."""
-    return {"dtype": env.dtype, "parallel": env.parallel, "world_size": env.world_size, "shard_size": cfg.shard_size,
-            "optimizer": cfg.optimizer}
+    return {
+        "dtype": env.dtype,
+        "parallel": env.parallel,
+        "world_size": env.world_size,
+        "shard_size": cfg.shard_size,
+        "optimizer": cfg.optimizer,
+    }
 
 
 def device_memory(env):
@@ -504,10 +554,15 @@ def resolve_batch_size(cfg, env):
         rows = cfg.batch_size * batch_layout(cfg, env.world_size)[1]
     if shape is None:
         if auto and not probes(env):
-            raise ConfigError(f"batch_size='auto' cannot plan init_from={cfg.init_from!r} before loading it; set batch_size")
+            raise ConfigError(
+                f"batch_size='auto' cannot plan init_from={cfg.init_from!r} before loading it; set batch_size"
+            )
         if cfg.activation_checkpointing == "auto":
-            log(f"activation_checkpointing='auto': every block (init_from={cfg.init_from!r} has no plan before it is "
-                "loaded)", note=True)
+            log(
+                f"activation_checkpointing='auto': every block (init_from={cfg.init_from!r} has no plan before it is "
+                "loaded)",
+                note=True,
+            )
             cfg = replace(cfg, activation_checkpointing=True)
         return cfg
     available, what = device_memory(env)
@@ -588,14 +643,18 @@ def fitting_forward_backward(model, loader, rows, optimizer, scaler, env, step):
         if env.distributed or smaller is None:
             hint = f"batch_size={smaller} with {rows // smaller} accumulation steps, " if smaller else ""
             torchrun = " under torchrun (ranks cannot change micro-batch together mid-run)" if smaller else ""
-            raise Halt(f"step {step + 1}: out of memory at micro-batch {b}{torchrun}; try {hint}"
-                       f"activation_checkpointing=True, parallel='fsdp' or a smaller block_size")
+            raise Halt(
+                f"step {step + 1}: out of memory at micro-batch {b}{torchrun}; try {hint}"
+                f"activation_checkpointing=True, parallel='fsdp' or a smaller block_size"
+            )
         optimizer.zero_grad(set_to_none=True)  # the partial step's gradients; the scaler has not stepped yet
         _free(env.device)
         loader.load_state_dict(start)
         loader.set_batch_size(smaller)
-        log(f"step {step + 1}: out of memory at micro-batch {b}: re-running the step at micro-batch {smaller} x "
-            f"{rows // smaller} accumulation steps (batch_size={smaller} from now on)")
+        log(
+            f"step {step + 1}: out of memory at micro-batch {b}: re-running the step at micro-batch {smaller} x "
+            f"{rows // smaller} accumulation steps (batch_size={smaller} from now on)"
+        )
 
 
 def in_micro_batches(run, rows, micro, env, what):
@@ -613,8 +672,9 @@ def in_micro_batches(run, rows, micro, env, what):
                 raise
         smaller = smaller_micro_batch(rows, micro)
         if env.distributed or smaller is None:
-            raise Halt(f"{what}: out of memory in validation at micro-batch {micro}; try a smaller batch_size, "
-                       f"or eval_steps")
+            raise Halt(
+                f"{what}: out of memory in validation at micro-batch {micro}; try a smaller batch_size, or eval_steps"
+            )
         log(f"{what}: out of memory in validation at micro-batch {micro}: evaluating at {smaller}")
         micro = smaller
         _free(env.device)

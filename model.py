@@ -2,6 +2,7 @@
 chunked loss, MFU, KV-cache generation. Parameter names follow OpenAI / Hugging Face GPT-2 (transformer.wte,
 transformer.h.N.attn.c_attn, ...); hf.py moves weights to and from Hugging Face's GPT-2 and GPT-NeoX.
 """
+
 import math
 import warnings
 from dataclasses import dataclass
@@ -10,7 +11,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-
 
 GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this in a padded vocab are never generated
 LOSS_CHUNK_ROWS = 2048  # rows of (B*T) per lm_head+CE chunk when the full logits are not needed
@@ -83,8 +83,11 @@ class GPTConfig:
             need(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "a positive integer")
         for name in ("bias", "parallel_residual", "tie_embeddings", "qk_norm", "zero_init_proj"):
             need(isinstance(getattr(self, name), bool), name, "True or False")
-        need(isinstance(self.activation_checkpointing, bool) or self.activation_checkpointing in CHECKPOINTING,
-             "activation_checkpointing", f"True, False, {' or '.join(map(repr, CHECKPOINTING))}")
+        need(
+            isinstance(self.activation_checkpointing, bool) or self.activation_checkpointing in CHECKPOINTING,
+            "activation_checkpointing",
+            f"True, False, {' or '.join(map(repr, CHECKPOINTING))}",
+        )
         need(number(self.dropout) and 0 <= self.dropout < 1, "dropout", "a number in [0, 1)")
         need(number(self.rotary_base) and self.rotary_base > 0, "rotary_base", "a number > 0")
         need(number(self.layer_norm_eps) and self.layer_norm_eps > 0, "layer_norm_eps", "a number > 0")
@@ -94,8 +97,10 @@ class GPTConfig:
         if self.rotary_pct is not None:
             need(number(self.rotary_pct) and 0 < self.rotary_pct <= 1, "rotary_pct", "None or a value in (0, 1]")
             if self.rot_dim == 0 or self.rot_dim % 2:
-                raise ValueError(f"GPTConfig: rotary_pct={self.rotary_pct} gives {self.rot_dim} rotary dims of "
-                                 f"head_dim {self.n_embd // self.n_head}; expected an even number > 0")
+                raise ValueError(
+                    f"GPTConfig: rotary_pct={self.rotary_pct} gives {self.rot_dim} rotary dims of "
+                    f"head_dim {self.n_embd // self.n_head}; expected an even number > 0"
+                )
 
     def recomputes(self, block: int) -> bool:
         """Whether activation checkpointing recomputes block `block` in backward ('auto' not yet resolved by the
@@ -109,6 +114,7 @@ class GPTConfig:
 
 
 # ----------------------------------------------------------------------------- rotary (GPT-NeoX style)
+
 
 def rotary_cos_sin(rot_dim: int, n_pos: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin tables (n_pos, rot_dim). Dims i and i + rot_dim/2 form a pair turned by pos * base^(-2i/rot_dim)."""
@@ -130,6 +136,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 # ----------------------------------------------------------------------------- modules
 
+
 class KVCache:
     """Keys/values of one layer, preallocated (B, n_head, block_size, head_dim) on first use."""
 
@@ -142,9 +149,9 @@ class KVCache:
             self.k = k.new_empty(B, nh, self.block_size, hs)
             self.v = v.new_empty(B, nh, self.block_size, hs)
         T = k.size(2)
-        self.k[:, :, pos:pos + T] = k
-        self.v[:, :, pos:pos + T] = v
-        return self.k[:, :, :pos + T], self.v[:, :, :pos + T]  # the filled prefix only
+        self.k[:, :, pos : pos + T] = k
+        self.v[:, :, pos : pos + T] = v
+        return self.k[:, :, : pos + T], self.v[:, :, : pos + T]  # the filled prefix only
 
 
 class CausalSelfAttention(nn.Module):
@@ -175,8 +182,9 @@ class CausalSelfAttention(nn.Module):
             mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)  # (T, S)
         # a plain Python bool (not an expression torch.compile traces symbolically): no graph break
         causal = True if (mask is None and T > 1) else False
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0
+        )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -232,8 +240,9 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
             wc = w.to(dtype)
             # the weight gradient sums over every chunk: in fp32 even for low-precision weights (FSDP's bf16
             # all-gathered parameters), as the fp32 path does, then rounded once (autograd casts it to w's dtype)
-            grad_h, grad_w = (None, None) if not need_grad else (torch.empty_like(h),
-                                                                  torch.zeros_like(w, dtype=torch.float32))
+            grad_h, grad_w = (
+                (None, None) if not need_grad else (torch.empty_like(h), torch.zeros_like(w, dtype=torch.float32))
+            )
             loss_sum = torch.zeros((), device=h.device, dtype=torch.float32)
             # one chunk's fp32 logits, turned in place into their gradient, in one buffer reused by every chunk
             # (plus the low-precision product's buffer under autocast): freeing and reallocating per chunk
@@ -242,12 +251,12 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
             buf = torch.empty((rows, w.size(0)), device=h.device, dtype=torch.float32)
             low = None if dtype == torch.float32 else torch.empty_like(buf, dtype=dtype)
             for i in range(0, h.size(0), LOSS_CHUNK_ROWS):
-                hc, tc = h[i:i + LOSS_CHUNK_ROWS].to(dtype), targets[i:i + LOSS_CHUNK_ROWS]
-                logits = buf[:hc.size(0)]  # (n, V)
+                hc, tc = h[i : i + LOSS_CHUNK_ROWS].to(dtype), targets[i : i + LOSS_CHUNK_ROWS]
+                logits = buf[: hc.size(0)]  # (n, V)
                 if low is None:
                     torch.matmul(hc, wc.t(), out=logits)
                 else:
-                    logits.copy_(torch.matmul(hc, wc.t(), out=low[:hc.size(0)]))
+                    logits.copy_(torch.matmul(hc, wc.t(), out=low[: hc.size(0)]))
                 valid = tc != -1
                 tgt = tc.clamp(min=0).unsqueeze(1)  # (n, 1)
                 target_logit = logits.gather(1, tgt).squeeze(1)
@@ -263,8 +272,8 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
                 g.scatter_add_(1, tgt, -torch.ones_like(tgt, dtype=g.dtype))
                 g.mul_(valid.unsqueeze(1))
                 if low is not None:
-                    g = low[:hc.size(0)].copy_(g)
-                grad_h[i:i + LOSS_CHUNK_ROWS] = g @ wc
+                    g = low[: hc.size(0)].copy_(g)
+                grad_h[i : i + LOSS_CHUNK_ROWS] = g @ wc
                 if grad_w.dtype == dtype:
                     grad_w.addmm_(g.t(), hc)  # accumulate in place, no (V, C) temporary
                 else:
@@ -284,16 +293,19 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
 
 # ----------------------------------------------------------------------------- the model
 
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias),
+            )
+        )
         if config.rotary_pct is None:
             self.transformer.wpe = nn.Embedding(config.block_size, config.n_embd)
         else:  # not persistent: state_dict stays a plain GPT-2 layout; tables are rebuilt from the config
@@ -339,7 +351,7 @@ class GPT(nn.Module):
         if self.config.rotary_pct is None:
             x = x + self.transformer.wpe(torch.arange(pos, pos + T, device=idx.device))
         else:
-            rope = (self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T])  # (T, rot_dim) each
+            rope = (self.rope_cos[pos : pos + T], self.rope_sin[pos : pos + T])  # (T, rot_dim) each
         x = self.transformer.drop(x)
         for i, block in enumerate(self.transformer.h):
             if self.config.recomputes(i) and self.training and torch.is_grad_enabled():
@@ -385,9 +397,18 @@ class GPT(nn.Module):
     # ------------------------------------------------------------------------- generation
 
     @torch.no_grad()
-    def generate_stream(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                        top_p: float | None = None, eos_token: int | None = None, generator=None,
-                        use_kv_cache: bool = True, n_vocab: int = GPT2_VOCAB):
+    def generate_stream(
+        self,
+        idx,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token: int | None = None,
+        generator=None,
+        use_kv_cache: bool = True,
+        n_vocab: int = GPT2_VOCAB,
+    ):
         """Yield the next token of every row, (B,) LongTensor, for up to max_new_tokens steps.
         Ids >= n_vocab (the tokenizer's size; the rest of a padded vocabulary) are never produced.
 
@@ -395,12 +416,15 @@ class GPT(nn.Module):
         The KV cache is filled by one forward over the prompt, then each step feeds only the new token;
         once the context exceeds block_size every step recomputes on the last block_size tokens."""
         if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
-            raise ValueError(f"generate: need temperature >= 0, top_k >= 1, 0 < top_p <= 1; "
-                             f"got temperature={temperature}, top_k={top_k}, top_p={top_p}")
+            raise ValueError(
+                f"generate: need temperature >= 0, top_k >= 1, 0 < top_p <= 1; "
+                f"got temperature={temperature}, top_k={top_k}, top_p={top_p}"
+            )
         bs = self.config.block_size
         if idx.size(1) > bs:
-            warnings.warn(f"generate: prompt of {idx.size(1)} tokens is longer than block_size {bs}; "
-                          f"using its last {bs} tokens")
+            warnings.warn(
+                f"generate: prompt of {idx.size(1)} tokens is longer than block_size {bs}; using its last {bs} tokens"
+            )
         ctx = idx[:, -bs:]  # (B, <=bs) the model's view of the sequence
         caches = [KVCache(bs) for _ in self.transformer.h] if use_kv_cache else None
         done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
@@ -424,12 +448,24 @@ class GPT(nn.Module):
             ctx = torch.cat((ctx, feed), dim=1)[:, -bs:]
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, eos_token: int | None = None, generator=None,
-                 use_kv_cache: bool = True, n_vocab: int = GPT2_VOCAB) -> torch.Tensor:
+    def generate(
+        self,
+        idx,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token: int | None = None,
+        generator=None,
+        use_kv_cache: bool = True,
+        n_vocab: int = GPT2_VOCAB,
+    ) -> torch.Tensor:
         """Continue idx (B, T); returns (B, T + n_new) with the full original prompt in front."""
-        new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, eos_token, generator,
-                                        use_kv_cache, n_vocab))
+        new = list(
+            self.generate_stream(
+                idx, max_new_tokens, temperature, top_k, top_p, eos_token, generator, use_kv_cache, n_vocab
+            )
+        )
         return torch.cat([idx] + [t.unsqueeze(1) for t in new], dim=1)
 
 
@@ -451,4 +487,3 @@ def _sample(logits, temperature, top_k, top_p, generator, n_vocab=GPT2_VOCAB):
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
-

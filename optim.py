@@ -1,6 +1,7 @@
 """The optimizers, built in one place: AdamW for every parameter (optimizer='adamw', GPT-2's recipe), or Muon for
 the blocks' weight matrices with AdamW for the rest (optimizer='muon', the modern recipe). Both decay only the
 2-D tensors (matmul weights, embeddings), never biases or norms."""
+
 import torch
 
 
@@ -8,8 +9,10 @@ def adamw(params, weight_decay, lr, betas, fused=False):
     """AdamW with weight decay on 2-D+ parameters only. fused: the one-kernel implementation
     (devices.fused_adamw_supported says where it exists), else foreach."""
     params = [p for p in params if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), **({"fused": True} if fused else {"foreach": True}))
 
 
@@ -44,8 +47,9 @@ class MuonAdamW:
 def hidden_matrices(model):
     """Names of the parameters Muon trains: the 2-D weight matrices inside the blocks (attention c_attn/c_proj,
     MLP c_fc/c_proj). Embeddings, the output head, biases and norms are not hidden matrices."""
-    return [n for n, p in model.named_parameters()
-            if p.requires_grad and p.dim() == 2 and n.startswith("transformer.h.")]
+    return [
+        n for n, p in model.named_parameters() if p.requires_grad and p.dim() == 2 and n.startswith("transformer.h.")
+    ]
 
 
 def build_optimizer(model, cfg, fused=False):
@@ -56,8 +60,14 @@ def build_optimizer(model, cfg, fused=False):
     hidden = set(hidden_matrices(model))
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}  # a tied head is wte, listed once
     # adjust_lr_fn='original' (Keller Jordan's Muon): the update is scaled by sqrt(max(1, rows/cols))
-    muon = torch.optim.Muon([params[n] for n in hidden], lr=cfg.muon_lr, momentum=cfg.muon_momentum,
-                            nesterov=True, weight_decay=cfg.muon_weight_decay, adjust_lr_fn="original")
+    muon = torch.optim.Muon(
+        [params[n] for n in hidden],
+        lr=cfg.muon_lr,
+        momentum=cfg.muon_momentum,
+        nesterov=True,
+        weight_decay=cfg.muon_weight_decay,
+        adjust_lr_fn="original",
+    )
     rest = [p for n, p in params.items() if n not in hidden]
     return MuonAdamW(muon, adamw(rest, cfg.weight_decay, cfg.learning_rate, betas, fused))
 

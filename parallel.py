@@ -8,6 +8,7 @@ whatever parallelize() returned live here too: forward_backward() (a step's micr
 accumulation; dryrun.py runs it too), the global gradient norm, a gathered copy of a sharded model for generation
 and HellaSwag.
 """
+
 import contextlib
 import math
 import os
@@ -26,8 +27,19 @@ import torch.nn as nn
 
 from config import ConfigError
 from console import is_rank0, launched_by_torchrun, log
-from devices import (DTYPES, autocast, device_type, is_compile_error, resolve_compile, resolve_device, resolve_dtype,
-                     rng_state, set_rng_state, tune_cpu_allocator, use_cuda_device)
+from devices import (
+    DTYPES,
+    autocast,
+    device_type,
+    is_compile_error,
+    resolve_compile,
+    resolve_device,
+    resolve_dtype,
+    rng_state,
+    set_rng_state,
+    tune_cpu_allocator,
+    use_cuda_device,
+)
 from files import directory_lock, first_line
 from model import GPT, rotary_cos_sin
 
@@ -35,6 +47,7 @@ from model import GPT, rotary_cos_sin
 @dataclass
 class Env:
     """Where this process runs: its rank among torchrun's processes, its device and precision."""
+
     rank: int
     local_rank: int
     world_size: int
@@ -57,8 +70,8 @@ class Env:
         return device_type(self.device)
 
 
-
 # ----------------------------------------------------------------------------- how the processes are arranged
+
 
 def lock_out_dir(out_dir):
     """One run per out_dir: rank 0 holds an exclusive lock on it (files.directory_lock) for the whole run;
@@ -95,24 +108,29 @@ def check_shared_out_dir(out_dir, resumed_step, problem, env):
             break
         time.sleep(0.5)
     ranks = [None] * env.world_size
-    dist.all_gather_object(ranks, {"host": socket.gethostname(), "sees": sees, "problem": problem,
-                                   "resumed_step": resumed_step})
+    dist.all_gather_object(
+        ranks, {"host": socket.gethostname(), "sees": sees, "problem": problem, "resumed_step": resumed_step}
+    )
     if env.master:
         marker.unlink(missing_ok=True)
     blind = [r for r, info in enumerate(ranks) if not info["sees"]]
     if blind and not ranks[0]["problem"]:
         hosts = sorted({ranks[r]["host"] for r in blind})
-        raise ConfigError(f"out_dir {out_dir} must be storage shared by every node: rank(s) {span(blind)} on "
-                          f"{', '.join(hosts)} do not see the file rank 0 ({ranks[0]['host']}) wrote there "
-                          f"(node-local disk?); use a path on a shared filesystem")
+        raise ConfigError(
+            f"out_dir {out_dir} must be storage shared by every node: rank(s) {span(blind)} on "
+            f"{', '.join(hosts)} do not see the file rank 0 ({ranks[0]['host']}) wrote there "
+            f"(node-local disk?); use a path on a shared filesystem"
+        )
     failed = [(r, info) for r, info in enumerate(ranks) if info["problem"]]
     if failed:
         r, info = failed[0]
         raise ConfigError(f"rank {r} ({info['host']}): {info['problem']}")
     resumed = sorted({str(info["resumed_step"]) for info in ranks})
     if len(resumed) > 1:
-        raise ConfigError(f"ranks resumed from checkpoints of different steps ({', '.join(resumed)}) in out_dir "
-                          f"{out_dir}: every node must see the same shared directory")
+        raise ConfigError(
+            f"ranks resumed from checkpoints of different steps ({', '.join(resumed)}) in out_dir "
+            f"{out_dir}: every node must see the same shared directory"
+        )
 
 
 def any_rank(flag, env):
@@ -139,8 +157,9 @@ def setup(cfg):
     """Join torchrun's process group (RANK/LOCAL_RANK/WORLD_SIZE; a plain `python train.py` is rank 0 of 1),
     pick device, precision and parallelism, and seed every RNG alike on all ranks (identical initial weights)."""
     distributed = launched_by_torchrun()
-    rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
-                                    (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
+    rank, local_rank, world_size = (
+        int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1))
+    )
     try:
         device = resolve_device(cfg.device)
     except ValueError as e:
@@ -148,21 +167,27 @@ def setup(cfg):
     dtype = resolve_dtype(cfg.dtype, device)
     parallel, mesh = "ddp", ()
     if cfg.parallel != "ddp" and not distributed:
-        log(f"parallel={cfg.parallel!r} ignored: not launched by torchrun, this one process trains the whole model",
-            note=True)
+        log(
+            f"parallel={cfg.parallel!r} ignored: not launched by torchrun, this one process trains the whole model",
+            note=True,
+        )
     elif cfg.parallel != "ddp":
         parallel = cfg.parallel
         mesh = mesh_shape(parallel, cfg.shard_size, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
         if dtype == "float16":  # GradScaler's inf check would see only this rank's gradient shard
-            raise ConfigError(f"parallel={parallel!r} trains in bfloat16 or float32, not float16 (dtype={cfg.dtype!r} "
-                              f"resolved to float16 on {device}): set --dtype=float32 or a bf16 device")
+            raise ConfigError(
+                f"parallel={parallel!r} trains in bfloat16 or float32, not float16 (dtype={cfg.dtype!r} "
+                f"resolved to float16 on {device}): set --dtype=float32 or a bf16 device"
+            )
     if device_type(device) == "cuda":
         device = use_cuda_device(device, local_rank if distributed else None)
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls on Ampere+ (docs/speed.md)
         torch.backends.cudnn.allow_tf32 = True
     if distributed:  # the timeout covers rank 0 writing a checkpoint while the others wait in the next collective
-        dist.init_process_group(backend="nccl" if device_type(device) == "cuda" else "gloo",
-                                timeout=timedelta(minutes=cfg.dist_timeout_minutes))
+        dist.init_process_group(
+            backend="nccl" if device_type(device) == "cuda" else "gloo",
+            timeout=timedelta(minutes=cfg.dist_timeout_minutes),
+        )
     tune_cpu_allocator(device)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -178,12 +203,15 @@ def mesh_shape(parallel, shard_size, world_size, local_world_size):
         return (world_size,)
     size = shard_size or local_world_size
     if world_size % size:
-        raise ConfigError(f"shard_size={size} does not divide the world size {world_size} (parallel='hsdp' "
-                          f"shards within groups of shard_size ranks)")
+        raise ConfigError(
+            f"shard_size={size} does not divide the world size {world_size} (parallel='hsdp' "
+            f"shards within groups of shard_size ranks)"
+        )
     return (world_size // size, size)
 
 
 # ----------------------------------------------------------------------------- how the model is spread over them
+
 
 def parallelize(model, cfg, env):
     """The one place the bare model is wrapped for training: DDP across ranks, then torch.compile (which
@@ -194,12 +222,12 @@ def parallelize(model, cfg, env):
         return shard(model, cfg, env)
     if env.distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
+
         # DDP turns existing gradients into views of its buckets: from step 1 on they stay there (keeps_grads),
         # one copy, not two
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
-        model = DDP(model, device_ids=[env.local_rank] if env.kind == "cuda" else None,
-                    gradient_as_bucket_view=True)
+        model = DDP(model, device_ids=[env.local_rank] if env.kind == "cuda" else None, gradient_as_bucket_view=True)
     if not resolve_compile(cfg.compile, env.device, env.dtype):
         return model
     compiled = torch.compile(model)
@@ -225,7 +253,8 @@ def shard(model, cfg, env):
     casts nothing."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh(env.kind, env.mesh_shape, mesh_dim_names=("replicate", "shard")[-len(env.mesh_shape):])
+
+    mesh = init_device_mesh(env.kind, env.mesh_shape, mesh_dim_names=("replicate", "shard")[-len(env.mesh_shape) :])
     compile_blocks = resolve_compile(cfg.compile, env.device, env.dtype)
     if compile_blocks:
         for block in model.transformer.h:
@@ -240,8 +269,10 @@ def shard(model, cfg, env):
         materialise(model, env)
     if compile_blocks and not compile_works(model, cfg, env):
         if not hasattr(model, "reset_iter_state"):  # newer than the torch floor
-            raise ConfigError(f"torch {torch.__version__} cannot recover FSDP from the failed torch.compile trial "
-                              "(no FSDPModule.reset_iter_state): set compile=False, or upgrade torch")
+            raise ConfigError(
+                f"torch {torch.__version__} cannot recover FSDP from the failed torch.compile trial "
+                "(no FSDPModule.reset_iter_state): set compile=False, or upgrade torch"
+            )
         model.reset_iter_state()  # the failed forward left FSDP mid-iteration
         for block in model.transformer.h:
             del block.forward  # back to Block.forward, eager
@@ -314,8 +345,10 @@ def materialise(model, env):
                 local.copy_(local_slice(whole, shards, env.rank % shards))
             del whole  # before the next one is allocated: one whole parameter at a time
         if model.config.rotary_pct is not None:
-            for buffer, table in zip((model.rope_cos, model.rope_sin), rotary_cos_sin(
-                    model.config.rot_dim, model.config.block_size, model.config.rotary_base)):
+            for buffer, table in zip(
+                (model.rope_cos, model.rope_sin),
+                rotary_cos_sin(model.config.rot_dim, model.config.block_size, model.config.rotary_base),
+            ):
                 buffer.copy_(table)
 
 

@@ -7,6 +7,7 @@ or compare two runs' trajectories step by step.
 
 Plotting needs matplotlib (`pip install matplotlib`, an optional extra; training does not need it).
 """
+
 import argparse
 import json
 import sys
@@ -63,7 +64,7 @@ def plot(runs, out_path):
     (ax_loss, ax_norm, ax_lr, ax_tps), ax_eval = axes[:4], axes[4] if panels == 5 else None
     for label, path in runs:
         steps, val, hellaswag = read_metrics(path)
-        line, = ax_loss.plot(*series(steps, "train_loss"), lw=1, alpha=0.8, label=f"{label} train")
+        (line,) = ax_loss.plot(*series(steps, "train_loss"), lw=1, alpha=0.8, label=f"{label} train")
         if val:
             ax_loss.plot(*series(val, "val_loss"), "o-", color=line.get_color(), ms=3, label=f"{label} val")
         ax_norm.plot(*series(steps, "grad_norm"), lw=1, label=label)
@@ -93,15 +94,22 @@ def compare(path_a, path_b):
         a, b = dict(zip(*series(steps_a, key))), dict(zip(*series(steps_b, key)))
         common = sorted(a.keys() & b.keys())
         diffs = [abs(a[s] - b[s]) for s in common]
-        out[key] = {"steps": len(common), "first": common[0] if common else None,
-                    "last": common[-1] if common else None, "max_abs_diff": max(diffs, default=None),
-                    "mean_abs_diff": sum(diffs) / len(diffs) if diffs else None}
+        out[key] = {
+            "steps": len(common),
+            "first": common[0] if common else None,
+            "last": common[-1] if common else None,
+            "max_abs_diff": max(diffs, default=None),
+            "mean_abs_diff": sum(diffs) / len(diffs) if diffs else None,
+        }
     for key in sorted({k for r in eval_a + eval_b for k in r if k in EVAL_KEYS or k.startswith("mc/")}):
         a, b = dict(zip(*series(eval_a, key))), dict(zip(*series(eval_b, key)))
         if a and b:  # an evaluation both runs logged: each run's last value, and the largest gap at common steps
             common = sorted(a.keys() & b.keys())
-            out[key] = {"last": [a[max(a)], b[max(b)]], "steps": [max(a), max(b)],
-                        "max_abs_diff": max((abs(a[s] - b[s]) for s in common), default=None)}
+            out[key] = {
+                "last": [a[max(a)], b[max(b)]],
+                "steps": [max(a), max(b)],
+                "max_abs_diff": max((abs(a[s] - b[s]) for s in common), default=None),
+            }
     out["final_val_loss"] = [val[-1]["val_loss"] if val else None for val in (val_a, val_b)]
     out["final_val_step"] = [val[-1]["step"] if val else None for val in (val_a, val_b)]
     return out
@@ -114,8 +122,10 @@ def compare_text(path_a, path_b, result):
         if not r["steps"]:
             lines.append(f"{key:<10}  no common steps")
             continue
-        lines.append(f"{key:<10}  over {r['steps']} common steps ({r['first']}..{r['last']}): "
-                     f"max |a-b| {r['max_abs_diff']:.3e}, mean |a-b| {r['mean_abs_diff']:.3e}")
+        lines.append(
+            f"{key:<10}  over {r['steps']} common steps ({r['first']}..{r['last']}): "
+            f"max |a-b| {r['max_abs_diff']:.3e}, mean |a-b| {r['mean_abs_diff']:.3e}"
+        )
     (va, vb), (sa, sb) = result["final_val_loss"], result["final_val_step"]
     fmt = lambda v, s: "n/a" if v is None else f"{v:.6f} (step {s})"
     line = f"final val_loss  a {fmt(va, sa)}, b {fmt(vb, sb)}"
@@ -124,8 +134,10 @@ def compare_text(path_a, path_b, result):
     for key, r in result.items():  # the evaluations (HellaSwag, the task suite), then the val loss last
         if key in EVAL_KEYS or key.startswith("mc/"):
             gap = "n/a" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.4f}"
-            lines.append(f"{key:<22}  a {r['last'][0]:.4f} (step {r['steps'][0]}), b {r['last'][1]:.4f} "
-                         f"(step {r['steps'][1]}), max |a-b| at common steps {gap}")
+            lines.append(
+                f"{key:<22}  a {r['last'][0]:.4f} (step {r['steps'][0]}), b {r['last'][1]:.4f} "
+                f"(step {r['steps'][1]}), max |a-b| at common steps {gap}"
+            )
     lines.append(line)
     return "\n".join(lines)
 
@@ -134,8 +146,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run directories (out_dir) or metrics.jsonl files")
     parser.add_argument("-o", "--out", help="PNG to write (default: metrics.png next to the first run's metrics)")
-    parser.add_argument("--compare", action="store_true",
-                        help="print how far two runs' train loss and grad norm differ per step (no plot)")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="print how far two runs' train loss and grad norm differ per step (no plot)",
+    )
     args = parser.parse_args(argv)
     paths = [Path(p) for p in args.runs]
     if args.compare and len(paths) != 2:

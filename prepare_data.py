@@ -27,6 +27,7 @@ the tokenizer (tokenizer_record: its content hash and size) and a copy of its fi
 plus loss-mask shards of whole conversations (rows built at load time, for any block_size); see prepare_sft()
 and docs/sft.md.
 """
+
 import argparse
 import contextlib
 import glob
@@ -42,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from assets import EOT, fetch_shakespeare, open_tokenizer, tokenizer_record
+from assets import fetch_shakespeare, open_tokenizer, tokenizer_record
 from console import log, progress_bar
 from data import HEADER_BYTES, MASK_SUFFIX, SHARD_SUFFIXES, write_mask, write_shard
 from files import LockError, atomic_write, directory_lock, error_message, file_sha256, first_line
@@ -56,13 +57,24 @@ DEFAULT_VAL_TOKENS = 1_000_000  # ... and at most this many tokens (1M tokens es
 # shards, the first shard validation. Hugging Face presets stream unless they are small.
 PRESETS = {
     "shakespeare": dict(val_tokens=32_768),  # ~10% of its ~0.34M tokens, like nanoGPT's 90/10 split
-    "fineweb-edu": dict(hf_path="HuggingFaceFW/fineweb-edu", hf_config="sample-10BT", split="train",
-                        streaming=True, shard_tokens=100_000_000, val_tokens=100_000_000),
+    "fineweb-edu": dict(
+        hf_path="HuggingFaceFW/fineweb-edu",
+        hf_config="sample-10BT",
+        split="train",
+        streaming=True,
+        shard_tokens=100_000_000,
+        val_tokens=100_000_000,
+    ),
     "tinystories": dict(hf_path="roneneldan/TinyStories", split="train", streaming=False, val_tokens=4_000_000),
     # The original repository is a loading script, which `datasets` >= 4 refuses; the hub's
     # automatic parquet conversion of it loads directly.
-    "openwebtext": dict(hf_path="Skylion007/openwebtext", revision="refs/convert/parquet", split="train",
-                        streaming=True, val_tokens=4_000_000),
+    "openwebtext": dict(
+        hf_path="Skylion007/openwebtext",
+        revision="refs/convert/parquet",
+        split="train",
+        streaming=True,
+        val_tokens=4_000_000,
+    ),
 }
 
 
@@ -71,6 +83,7 @@ class PrepError(Exception):
 
 
 # ---------------------------------------------------------------------------- document sources
+
 
 def split_speeches(text):
     """Tiny Shakespeare -> documents: one per speech (blocks separated by blank lines), stripped."""
@@ -100,7 +113,9 @@ def expand_inputs(patterns):
             elif m.is_file():
                 skipped.append(m)
         if not found:
-            raise PrepError(f"no input files matched {pattern!r} (expected .txt, .jsonl or .parquet files, directories or globs)")
+            raise PrepError(
+                f"no input files matched {pattern!r} (expected .txt, .jsonl or .parquet files, directories or globs)"
+            )
         files += found
     if skipped:
         skipped = list(dict.fromkeys(skipped))
@@ -128,7 +143,9 @@ def _parquet_documents(path, text_key):
 
     parquet = pq.ParquetFile(path)
     if text_key not in parquet.schema_arrow.names:
-        raise PrepError(f"{path}: no {text_key!r} column (columns: {', '.join(parquet.schema_arrow.names)}; use --text_key)")
+        raise PrepError(
+            f"{path}: no {text_key!r} column (columns: {', '.join(parquet.schema_arrow.names)}; use --text_key)"
+        )
     for batch in parquet.iter_batches(columns=[text_key], batch_size=4096):
         yield from batch.column(0).to_pylist()
 
@@ -161,6 +178,7 @@ def count_documents(files):
                     total += sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 24), b""))
             else:
                 import pyarrow.parquet as pq
+
                 total += pq.ParquetFile(path).metadata.num_rows
         except Exception as e:
             raise PrepError(f"{path}: cannot read ({first_line(e)})") from None
@@ -180,8 +198,11 @@ def hf_documents(hf_path, config, split, revision, streaming, text_key):
     def texts():
         for row in ds:
             if text_key not in row:
-                raise PrepError(f"{hf_path}: rows have no {text_key!r} column (columns: {', '.join(row)}; use --text_key)")
+                raise PrepError(
+                    f"{hf_path}: rows have no {text_key!r} column (columns: {', '.join(row)}; use --text_key)"
+                )
             yield row[text_key]
+
     return texts(), total
 
 
@@ -196,6 +217,7 @@ def non_empty(texts):
 
 
 # ---------------------------------------------------------------------------- tokenizing
+
 
 def tokenize_batch(texts, tokenizer="gpt2"):
     """Pool worker: documents -> (uint16 tokens with EOT before each document, tokens per document).
@@ -259,10 +281,14 @@ def tokenized(batches, pool, max_pending, tokenizer="gpt2"):
 
 # ---------------------------------------------------------------------------- shards and manifest
 
+
 def shard_is_complete(out_dir, record):
     path = out_dir / record["file"]
-    return (path.is_file() and path.stat().st_size == HEADER_BYTES + 2 * record["tokens"]
-            and file_sha256(path) == record["sha256"])
+    return (
+        path.is_file()
+        and path.stat().st_size == HEADER_BYTES + 2 * record["tokens"]
+        and file_sha256(path) == record["sha256"]
+    )
 
 
 def remove_stale_temp_files(out_dir, name):
@@ -345,7 +371,7 @@ class ShardWriter:
 
         while pos < len(tokens):
             n = min(len(tokens) - pos, self.shard_tokens - self.fill)
-            self.buffer[self.fill: self.fill + n] = tokens[pos: pos + n]
+            self.buffer[self.fill : self.fill + n] = tokens[pos : pos + n]
             self.fill, pos = self.fill + n, pos + n
             if self.fill == self.shard_tokens:
                 self._write_train(position(pos))
@@ -353,14 +379,18 @@ class ShardWriter:
     def finish(self, num_docs):
         if self.in_val:  # the whole input is held: now its size is known
             if self.val_tokens and self.held_count <= self.val_tokens:
-                raise PrepError(f"the whole input ({num_docs} documents, {self.held_count} tokens) is not larger than "
-                                f"--val_tokens {self.val_tokens}, leaving nothing to train on; lower --val_tokens")
+                raise PrepError(
+                    f"the whole input ({num_docs} documents, {self.held_count} tokens) is not larger than "
+                    f"--val_tokens {self.val_tokens}, leaving nothing to train on; lower --val_tokens"
+                )
             self._split_val(self.val_tokens or max(1, round(VAL_SHARE * self.held_count)))
         if self.fill:
             self._write_train([num_docs, 0])
         if len(self.records) < 2:
-            raise PrepError(f"no tokens left for training: the validation split took all {self.records[0]['tokens']} "
-                            f"tokens of the input" + ("; lower --val_tokens" if self.val_tokens else "; add text"))
+            raise PrepError(
+                f"no tokens left for training: the validation split took all {self.records[0]['tokens']} "
+                f"tokens of the input" + ("; lower --val_tokens" if self.val_tokens else "; add text")
+            )
 
     def _write_train(self, end):
         self._write("train", self.buffer[: self.fill], self.start, end)
@@ -370,22 +400,32 @@ class ShardWriter:
         index = len(self.records) - 1 if split == "train" else 0
         path = self.out_dir / f"{self.name}_{split}_{index:06d}.bin"
         write_shard(path, tokens)
-        self.records.append({"file": path.name, "split": split, "tokens": int(len(tokens)),
-                             "max_token": int(tokens.max()), "sha256": file_sha256(path),
-                             "start": list(start), "end": list(end)})
+        self.records.append(
+            {
+                "file": path.name,
+                "split": split,
+                "tokens": int(len(tokens)),
+                "max_token": int(tokens.max()),
+                "sha256": file_sha256(path),
+                "start": list(start),
+                "end": list(end),
+            }
+        )
         self.start = list(end)
         write_manifest(self.out_dir / f"{self.name}_manifest.json", self.manifest)
 
 
 # ---------------------------------------------------------------------------- main
 
+
 def prepare_command(data_dir):
     """The command that writes shards to data_dir: a preset's when data_dir is named after one."""
     data_dir = Path(data_dir)
     if data_dir.name in PRESETS:
         default = Path("data") / data_dir.name
-        return (f"python prepare_data.py --dataset {data_dir.name}"
-                + ("" if data_dir == default else f" --out_dir {data_dir}"))
+        return f"python prepare_data.py --dataset {data_dir.name}" + (
+            "" if data_dir == default else f" --out_dir {data_dir}"
+        )
     return f"python prepare_data.py --input YOUR_TEXT_FILES --out_dir {data_dir}"
 
 
@@ -395,8 +435,10 @@ def resolve_source(inputs, dataset, text_key, hf_config, split, revision, stream
         raise PrepError("give exactly one of --input PATH [PATH ...] or --dataset NAME")
     if inputs:
         files = expand_inputs(inputs)
-        describe = {"files": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files],
-                    "text_key": text_key}
+        describe = {
+            "files": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+            "text_key": text_key,
+        }
         single = len(inputs) == 1 and not any(c in inputs[0] for c in "*?[")
         name = Path(inputs[0]).stem if single else "data"
         return describe, lambda: file_documents(files, text_key), lambda: count_documents(files), {}, name
@@ -406,16 +448,26 @@ def resolve_source(inputs, dataset, text_key, hf_config, split, revision, stream
         docs = split_speeches(path.read_text(encoding="utf-8"))
         describe = {"dataset": "shakespeare", "bytes": path.stat().st_size, "documents": "speeches"}
         return describe, lambda: iter(docs), lambda: len(docs), preset, "shakespeare"
-    hf = dict(hf_path=preset.get("hf_path", dataset), config=hf_config or preset.get("hf_config"),
-              split=split or preset.get("split", "train"), revision=revision or preset.get("revision"),
-              streaming=preset.get("streaming", True) if streaming is None else streaming)
-    describe = {"hf": hf["hf_path"], "config": hf["config"], "split": hf["split"], "revision": hf["revision"],
-                "text_key": text_key}
+    hf = dict(
+        hf_path=preset.get("hf_path", dataset),
+        config=hf_config or preset.get("hf_config"),
+        split=split or preset.get("split", "train"),
+        revision=revision or preset.get("revision"),
+        streaming=preset.get("streaming", True) if streaming is None else streaming,
+    )
+    describe = {
+        "hf": hf["hf_path"],
+        "config": hf["config"],
+        "split": hf["split"],
+        "revision": hf["revision"],
+        "text_key": text_key,
+    }
     loaded = {}
 
     def texts():
         loaded["texts"], loaded["total"] = hf_documents(**hf, text_key=text_key)
         return loaded["texts"]
+
     return describe, texts, lambda: loaded.get("total"), preset, dataset.split("/")[-1]
 
 
@@ -441,8 +493,10 @@ def resumable_manifest(out_dir, name, manifest_path, fingerprint, settings):
     existing = sorted(p.name for p in out_dir.iterdir() if ours.fullmatch(p.name))
     others = sorted(p.name for p in out_dir.iterdir() if p.suffix in SHARD_SUFFIXES and not ours.fullmatch(p.name))
     if others:  # a loader reading out_dir would mix them with ours
-        raise PrepError(f"{out_dir} holds other token files ({others[0]}, ...) that a loader reading the directory "
-                        f"would mix with the {name} shards; use another --out_dir")
+        raise PrepError(
+            f"{out_dir} holds other token files ({others[0]}, ...) that a loader reading the directory "
+            f"would mix with the {name} shards; use another --out_dir"
+        )
     manifest = {"fingerprint": fingerprint, "settings": settings, "complete": False, "shards": []}
     if manifest_path.exists():
         try:
@@ -450,8 +504,10 @@ def resumable_manifest(out_dir, name, manifest_path, fingerprint, settings):
         except (OSError, ValueError) as e:
             raise PrepError(f"{manifest_path}: unreadable manifest ({e}); delete it and the {name}_* shards") from None
         if old.get("fingerprint") != fingerprint:
-            raise PrepError(f"{out_dir} holds {name} shards from a different input or settings ({manifest_path.name}); "
-                            f"use another --out_dir or --name, or delete them")
+            raise PrepError(
+                f"{out_dir} holds {name} shards from a different input or settings ({manifest_path.name}); "
+                f"use another --out_dir or --name, or delete them"
+            )
         for record in old["shards"]:
             if not shard_is_complete(out_dir, record):
                 break
@@ -459,18 +515,36 @@ def resumable_manifest(out_dir, name, manifest_path, fingerprint, settings):
         if old.get("complete") and len(manifest["shards"]) == len(old["shards"]):
             manifest.update(complete=True, documents=old["documents"], tokens=old["tokens"])
     elif existing:
-        raise PrepError(f"{out_dir} holds {name} shards ({existing[0]}, ...) but no {manifest_path.name}, so they come "
-                        f"from another run or tool; use another --out_dir or --name, or delete them")
+        raise PrepError(
+            f"{out_dir} holds {name} shards ({existing[0]}, ...) but no {manifest_path.name}, so they come "
+            f"from another run or tool; use another --out_dir or --name, or delete them"
+        )
     return manifest, existing
 
 
-def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=None, val_tokens=None,
-            num_proc=None, text_key="text", dataset_config=None, split=None, revision=None, streaming=None,
-            start_method=None, batch_chars=1 << 18, progress=True, tokenizer="gpt2"):
+def prepare(
+    inputs=None,
+    dataset=None,
+    out_dir=None,
+    name=None,
+    shard_tokens=None,
+    val_tokens=None,
+    num_proc=None,
+    text_key="text",
+    dataset_config=None,
+    split=None,
+    revision=None,
+    streaming=None,
+    start_method=None,
+    batch_chars=1 << 18,
+    progress=True,
+    tokenizer="gpt2",
+):
     """Tokenize the input into shards (see the module docstring); returns a summary dict."""
     tokenizer, record = resolve_tokenizer(tokenizer)  # a bad --tokenizer fails before anything is read
     describe, texts, count, preset, default_name = resolve_source(
-        inputs, dataset, text_key, dataset_config, split, revision, streaming)
+        inputs, dataset, text_key, dataset_config, split, revision, streaming
+    )
     t0 = time.time()  # after fetching the shakespeare file, if that was needed
     name = re.sub(r"[^A-Za-z0-9]+", "_", name or default_name).strip("_") or "data"
     out_dir = Path(out_dir or Path("data") / (dataset if dataset in PRESETS else name))  # e.g. data/fineweb-edu
@@ -478,10 +552,17 @@ def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=Non
     val_tokens = preset.get("val_tokens") if val_tokens is None else val_tokens  # None: a share of the input
     num_proc = (os.cpu_count() or 1) if num_proc is None else num_proc
     if min(shard_tokens, 1 if val_tokens is None else val_tokens, num_proc, batch_chars) < 1 or shard_tokens >= 2**31:
-        raise PrepError(f"--shard_tokens (below 2^31), --val_tokens, --num_proc and --batch_chars must be >= 1, got "
-                        f"{shard_tokens}, {val_tokens}, {num_proc}, {batch_chars}")
-    settings = {"format": "llm.c uint16 shards v1", "tokenizer": record["id"], "input": describe,
-                "shard_tokens": shard_tokens, "val_tokens": val_tokens or {"share": VAL_SHARE, "max": DEFAULT_VAL_TOKENS}}
+        raise PrepError(
+            f"--shard_tokens (below 2^31), --val_tokens, --num_proc and --batch_chars must be >= 1, got "
+            f"{shard_tokens}, {val_tokens}, {num_proc}, {batch_chars}"
+        )
+    settings = {
+        "format": "llm.c uint16 shards v1",
+        "tokenizer": record["id"],
+        "input": describe,
+        "shard_tokens": shard_tokens,
+        "val_tokens": val_tokens or {"share": VAL_SHARE, "max": DEFAULT_VAL_TOKENS},
+    }
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
     with locked(out_dir):
@@ -493,19 +574,24 @@ def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=Non
         num_docs = writer.start[0]
         if not manifest["complete"]:
             if manifest["shards"]:
-                log(f"prepare_data: {len(manifest['shards'])} finished shards verified; resuming at document {num_docs}")
+                log(
+                    f"prepare_data: {len(manifest['shards'])} finished shards verified; resuming at document {num_docs}"
+                )
             open_tokenizer(tokenizer).encode_to_numpy("")  # fails early; forked workers inherit it ready-made
             # The pool starts before anything else starts threads (tqdm's monitor, datasets' downloads): fork + threads can deadlock.
             pool = multiprocessing.get_context(start_method).Pool(num_proc) if num_proc > 1 else None
             with pool or contextlib.nullcontext():
                 batches = document_batches(non_empty(texts()), batch_chars, start_doc=writer.start[0])
-                bar = progress_bar(total=count(), initial=num_docs, unit="doc", show=progress,
-                                   desc=f"tokenizing ({num_proc} proc)")
+                bar = progress_bar(
+                    total=count(), initial=num_docs, unit="doc", show=progress, desc=f"tokenizing ({num_proc} proc)"
+                )
                 for first, tokens, lengths in tokenized(batches, pool, max_pending=4 * num_proc, tokenizer=tokenizer):
                     writer.add(first, tokens, lengths)
                     num_docs = first + len(lengths)
                     bar.update(len(lengths))
-                    bar.set_postfix_str(f"{writer.tokens_added / max(time.time() - t0, 1e-9) / 1e6:.2f}M tok/s", refresh=False)
+                    bar.set_postfix_str(
+                        f"{writer.tokens_added / max(time.time() - t0, 1e-9) / 1e6:.2f}M tok/s", refresh=False
+                    )
                 bar.close()
             if num_docs == 0:
                 raise PrepError("no documents with text in the input (all empty)")
@@ -518,11 +604,19 @@ def prepare(inputs=None, dataset=None, out_dir=None, name=None, shard_tokens=Non
 
         seconds = time.time() - t0
         records = manifest["shards"]
-        return {"out_dir": str(out_dir), "name": name, "documents": manifest["documents"],
-                "tokens": manifest["tokens"], "val_tokens": records[0]["tokens"],
-                "train_tokens": sum(r["tokens"] for r in records[1:]), "shards": len(records),
-                "tokenized": writer.tokens_added, "seconds": seconds, "tokens_per_s": writer.tokens_added / seconds,
-                "tokenizer": record["id"]}
+        return {
+            "out_dir": str(out_dir),
+            "name": name,
+            "documents": manifest["documents"],
+            "tokens": manifest["tokens"],
+            "val_tokens": records[0]["tokens"],
+            "train_tokens": sum(r["tokens"] for r in records[1:]),
+            "shards": len(records),
+            "tokenized": writer.tokens_added,
+            "seconds": seconds,
+            "tokens_per_s": writer.tokens_added / seconds,
+            "tokenizer": record["id"],
+        }
 
 
 def resolve_tokenizer(spec):
@@ -553,6 +647,7 @@ def keep_tokenizer(out_dir, name, record):
 
 # ---------------------------------------------------------------------------- supervised fine-tuning data
 
+
 def write_sft_shard(path, split, conversations):
     """One shard of whole (tokens, mask) conversations, back to back, and its loss-mask file; returns its manifest
     record."""
@@ -560,9 +655,17 @@ def write_sft_shard(path, split, conversations):
     mask = np.array([m for _, k in conversations for m in k], dtype=np.uint8)
     write_shard(path, tokens)
     write_mask(path.with_suffix(MASK_SUFFIX), mask)
-    return {"file": path.name, "split": split, "tokens": len(tokens), "conversations": len(conversations),
-            "max_token": int(tokens.max()), "sha256": file_sha256(path), "mask": path.with_suffix(MASK_SUFFIX).name,
-            "trained_tokens": int(mask.sum()), "mask_sha256": file_sha256(path.with_suffix(MASK_SUFFIX))}
+    return {
+        "file": path.name,
+        "split": split,
+        "tokens": len(tokens),
+        "conversations": len(conversations),
+        "max_token": int(tokens.max()),
+        "sha256": file_sha256(path),
+        "mask": path.with_suffix(MASK_SUFFIX).name,
+        "trained_tokens": int(mask.sum()),
+        "mask_sha256": file_sha256(path.with_suffix(MASK_SUFFIX)),
+    }
 
 
 def prepare_sft(inputs, out_dir=None, name=None, block_size=None, shard_tokens=None, val_tokens=None):
@@ -575,49 +678,73 @@ def prepare_sft(inputs, out_dir=None, name=None, block_size=None, shard_tokens=N
     file:line. A re-run with the same input and settings verifies the shards and stops; anything else rewrites
     them all (one pass, no resume mid-way: SFT sets are small)."""
     import chat
+
     files = expand_inputs(inputs)
     if any(f.suffix != ".jsonl" for f in files):
         raise PrepError(f"{next(f for f in files if f.suffix != '.jsonl')}: --format sft reads .jsonl files")
     shard_tokens = shard_tokens or DEFAULT_SHARD_TOKENS
     val_tokens = 1024 if val_tokens is None else val_tokens  # default: about a row of GPT-2's block_size
     if min(val_tokens, shard_tokens, block_size or 1) < 1:
-        raise PrepError(f"--val_tokens, --shard_tokens and --block_size must be >= 1, got "
-                        f"{val_tokens}, {shard_tokens}, {block_size}")
+        raise PrepError(
+            f"--val_tokens, --shard_tokens and --block_size must be >= 1, got "
+            f"{val_tokens}, {shard_tokens}, {block_size}"
+        )
     name = re.sub(r"[^A-Za-z0-9]+", "_", name or (files[0].stem if len(files) == 1 else "sft")).strip("_") or "sft"
     out_dir = Path(out_dir or Path("data") / name)
-    settings = {"format": "llm.c uint16 shards v1 + uint8 loss masks, whole conversations (rows at load time)",
-                "tokenizer": "gpt2+chat", "template": chat.CHAT_TEMPLATE, "shard_tokens": shard_tokens,
-                "val_tokens": val_tokens, "input": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns]
-                                                    for p in files]}
+    settings = {
+        "format": "llm.c uint16 shards v1 + uint8 loss masks, whole conversations (rows at load time)",
+        "tokenizer": "gpt2+chat",
+        "template": chat.CHAT_TEMPLATE,
+        "shard_tokens": shard_tokens,
+        "val_tokens": val_tokens,
+        "input": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+    }
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     manifest_path = out_dir / f"{name}_manifest.json"
     with locked(out_dir):
         remove_stale_temp_files(out_dir, name)
         old = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
         t0, reused = time.time(), False
-        if old and old.get("fingerprint") == fingerprint and old.get("complete") and all(
+        if (
+            old
+            and old.get("fingerprint") == fingerprint
+            and old.get("complete")
+            and all(
                 shard_is_complete(out_dir, r) and file_sha256(out_dir / r["mask"]) == r["mask_sha256"]
-                for r in old["shards"]):
+                for r in old["shards"]
+            )
+        ):
             manifest, reused = old, True
         else:
             manifest = write_sft_shards(files, out_dir, name, old, shard_tokens, val_tokens, fingerprint, settings)
         summary = dict(manifest["summary"])
         longest = summary.pop("longest")  # [where, tokens] of the longest conversations, longest first
         too_long = [f"{where} ({n} tokens)" for where, n in longest if block_size and n > block_size + 1]
-        return {**summary, "too_long": len(too_long), "too_long_lines": too_long[:10],
-                "too_long_at_least": len(too_long) == len(longest) < summary["conversations"],
-                "longest": longest[0][1], "block_size": block_size, "out_dir": str(out_dir), "name": name,
-                "seconds": time.time() - t0, "reused": reused}
+        return {
+            **summary,
+            "too_long": len(too_long),
+            "too_long_lines": too_long[:10],
+            "too_long_at_least": len(too_long) == len(longest) < summary["conversations"],
+            "longest": longest[0][1],
+            "block_size": block_size,
+            "out_dir": str(out_dir),
+            "name": name,
+            "seconds": time.time() - t0,
+            "reused": reused,
+        }
 
 
 def write_sft_shards(files, out_dir, name, old, shard_tokens, val_tokens, fingerprint, settings):
     """prepare_sft's writing: the shards, then the complete manifest (returned)."""
     import chat
+
     ours = re.compile(rf"{re.escape(name)}_(train|val)_\d{{6}}\.(bin|mask)")
     others = sorted(p.name for p in out_dir.iterdir() if p.suffix in SHARD_SUFFIXES and not ours.fullmatch(p.name))
     if others or (old is None and any(ours.fullmatch(p.name) for p in out_dir.iterdir())):
-        raise PrepError(f"{out_dir} holds token files ({(others or ['<name> shards without a manifest'])[0]}, ...) "
-                        f"from another run or tool; use another --out_dir or --name, or delete them")
+        raise PrepError(
+            f"{out_dir} holds token files ({(others or ['<name> shards without a manifest'])[0]}, ...) "
+            f"from another run or tool; use another --out_dir or --name, or delete them"
+        )
     for stale in (p for p in out_dir.iterdir() if ours.fullmatch(p.name)):
         stale.unlink()  # ours from other settings or an interrupted run: rewritten below
     enc, conversations, lengths = chat.tokenizer(open_tokenizer("gpt2")), [], []
@@ -640,43 +767,80 @@ def write_sft_shards(files, out_dir, name, old, shard_tokens, val_tokens, finger
         part.append(c)
         size += len(c[0])
     parts.append(("train", part))
-    records = [write_sft_shard(out_dir / f"{name}_{split}_{max(0, i - 1):06d}.bin", split, part)
-               for i, (split, part) in enumerate(parts)]
-    summary = {"conversations": len(conversations), "val_conversations": n_val,
-               "tokens": sum(r["tokens"] for r in records), "trained_tokens": sum(r["trained_tokens"] for r in records),
-               "shards": len(records), "longest": sorted(lengths, key=lambda c: -c[1])[:1000]}
-    manifest = {"fingerprint": fingerprint, "settings": settings, "complete": True, "shards": records,
-                "summary": summary}
+    records = [
+        write_sft_shard(out_dir / f"{name}_{split}_{max(0, i - 1):06d}.bin", split, part)
+        for i, (split, part) in enumerate(parts)
+    ]
+    summary = {
+        "conversations": len(conversations),
+        "val_conversations": n_val,
+        "tokens": sum(r["tokens"] for r in records),
+        "trained_tokens": sum(r["trained_tokens"] for r in records),
+        "shards": len(records),
+        "longest": sorted(lengths, key=lambda c: -c[1])[:1000],
+    }
+    manifest = {
+        "fingerprint": fingerprint,
+        "settings": settings,
+        "complete": True,
+        "shards": records,
+        "summary": summary,
+    }
     write_manifest(out_dir / f"{name}_manifest.json", manifest)
     return manifest
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--input", nargs="+", metavar="PATH", help=".txt/.jsonl/.parquet files, directories or globs")
     p.add_argument("--dataset", metavar="NAME", help=f"preset ({', '.join(PRESETS)}) or a Hugging Face dataset path")
     p.add_argument("--dataset_config", help="Hugging Face dataset configuration (subset) name")
     p.add_argument("--split", help="Hugging Face split to read (default train)")
     p.add_argument("--revision", help="Hugging Face dataset revision")
-    p.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=None,
-                   help="stream the Hugging Face dataset instead of downloading it first (default: preset's, else on)")
+    p.add_argument(
+        "--streaming",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="stream the Hugging Face dataset instead of downloading it first (default: preset's, else on)",
+    )
     p.add_argument("--text_key", default="text", help="jsonl field / parquet or dataset column holding the text")
     p.add_argument("--out_dir", help="output directory (default data/<preset> or data/<name>)")
     p.add_argument("--name", help="shard name prefix (default: the preset, dataset or single input's name)")
     p.add_argument("--shard_tokens", type=int, help=f"tokens per train shard (default {DEFAULT_SHARD_TOKENS:,})")
-    p.add_argument("--val_tokens", type=int, help=f"validation tokens, taken from the start in whole documents (a long one is cut) "
-                   f"(default {VAL_SHARE:.0%}% of the input, at most {DEFAULT_VAL_TOKENS:,}; presets differ)")
+    p.add_argument(
+        "--val_tokens",
+        type=int,
+        help=f"validation tokens, taken from the start in whole documents (a long one is cut) "
+        f"(default {VAL_SHARE:.0%}% of the input, at most {DEFAULT_VAL_TOKENS:,}; presets differ)",
+    )
     p.add_argument("--num_proc", type=int, help="tokenizer processes (default: all CPUs)")
-    p.add_argument("--start_method", choices=multiprocessing.get_all_start_methods(),
-                   help="multiprocessing start method (default: the platform's)")
+    p.add_argument(
+        "--start_method",
+        choices=multiprocessing.get_all_start_methods(),
+        help="multiprocessing start method (default: the platform's)",
+    )
     p.add_argument("--batch_chars", type=int, default=1 << 18, help="characters of text per worker task")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
-    p.add_argument("--tokenizer", default="gpt2", metavar="gpt2|PATH",
-                   help="gpt2 (default), a tokenizer.json, or a directory with one (tokenizer.py's --out, Pythia's)")
-    p.add_argument("--format", choices=["text", "sft"], default="text",
-                   help="text: documents for pretraining; sft: prompt/completion or chat jsonl -> tokens + loss masks")
-    p.add_argument("--block_size", type=int, help="--format sft: report the conversations a run at this block_size "
-                   "leaves out (rows are built at load time, for any block_size)")
+    p.add_argument(
+        "--tokenizer",
+        default="gpt2",
+        metavar="gpt2|PATH",
+        help="gpt2 (default), a tokenizer.json, or a directory with one (tokenizer.py's --out, Pythia's)",
+    )
+    p.add_argument(
+        "--format",
+        choices=["text", "sft"],
+        default="text",
+        help="text: documents for pretraining; sft: prompt/completion or chat jsonl -> tokens + loss masks",
+    )
+    p.add_argument(
+        "--block_size",
+        type=int,
+        help="--format sft: report the conversations a run at this block_size "
+        "leaves out (rows are built at load time, for any block_size)",
+    )
     args = p.parse_args(argv)
     if args.format == "sft":
         if args.dataset or not args.input:
@@ -684,31 +848,56 @@ def main(argv=None):
         if args.tokenizer != "gpt2":
             p.error("--format sft uses GPT-2's tokenizer and its chat tokens; --tokenizer is for --format text")
         try:
-            s = prepare_sft(args.input, out_dir=args.out_dir, name=args.name, block_size=args.block_size,
-                            shard_tokens=args.shard_tokens, val_tokens=args.val_tokens)
+            s = prepare_sft(
+                args.input,
+                out_dir=args.out_dir,
+                name=args.name,
+                block_size=args.block_size,
+                shard_tokens=args.shard_tokens,
+                val_tokens=args.val_tokens,
+            )
         except (PrepError, OSError) as e:
             sys.exit(error_message("prepare_data.py", e))
         if s["too_long"]:
-            print(f"prepare_data: {'at least ' * s['too_long_at_least']}{s['too_long']} conversation(s) longer than block_size+1 = {s['block_size'] + 1} "
-                  f"tokens, which training at block_size {s['block_size']} leaves out: "
-                  + ", ".join(s["too_long_lines"])
-                  + (", ..." if s["too_long"] > len(s["too_long_lines"]) else "")
-                  + f"; block_size >= {s['longest'] - 1} keeps them all")
-        print(f"{s['conversations']:,} conversations ({s['val_conversations']:,} val, the longest {s['longest']:,} "
-              f"tokens), {s['tokens']:,} tokens of which {s['trained_tokens']:,} trained, {s['shards']} shards"
-              + (" (already prepared, verified)" if s["reused"] else f", {s['seconds']:.1f} s")
-              + f" -> {s['out_dir']}/{s['name']}_*; rows are built at load time, for any block_size")
+            print(
+                f"prepare_data: {'at least ' * s['too_long_at_least']}{s['too_long']} conversation(s) longer than block_size+1 = {s['block_size'] + 1} "
+                f"tokens, which training at block_size {s['block_size']} leaves out: "
+                + ", ".join(s["too_long_lines"])
+                + (", ..." if s["too_long"] > len(s["too_long_lines"]) else "")
+                + f"; block_size >= {s['longest'] - 1} keeps them all"
+            )
+        print(
+            f"{s['conversations']:,} conversations ({s['val_conversations']:,} val, the longest {s['longest']:,} "
+            f"tokens), {s['tokens']:,} tokens of which {s['trained_tokens']:,} trained, {s['shards']} shards"
+            + (" (already prepared, verified)" if s["reused"] else f", {s['seconds']:.1f} s")
+            + f" -> {s['out_dir']}/{s['name']}_*; rows are built at load time, for any block_size"
+        )
         return s
     try:
-        s = prepare(inputs=args.input, dataset=args.dataset, out_dir=args.out_dir, name=args.name,
-                    shard_tokens=args.shard_tokens, val_tokens=args.val_tokens, num_proc=args.num_proc,
-                    text_key=args.text_key, dataset_config=args.dataset_config, split=args.split,
-                    revision=args.revision, streaming=args.streaming, start_method=args.start_method,
-                    batch_chars=args.batch_chars, progress=not args.no_progress, tokenizer=args.tokenizer)
+        s = prepare(
+            inputs=args.input,
+            dataset=args.dataset,
+            out_dir=args.out_dir,
+            name=args.name,
+            shard_tokens=args.shard_tokens,
+            val_tokens=args.val_tokens,
+            num_proc=args.num_proc,
+            text_key=args.text_key,
+            dataset_config=args.dataset_config,
+            split=args.split,
+            revision=args.revision,
+            streaming=args.streaming,
+            start_method=args.start_method,
+            batch_chars=args.batch_chars,
+            progress=not args.no_progress,
+            tokenizer=args.tokenizer,
+        )
     except (PrepError, OSError) as e:  # bad input or environment: one line (GPT2_TRACEBACK=1: the traceback)
         sys.exit(error_message("prepare_data.py", e))
-    print(f"{s['documents']:,} documents, {s['tokens']:,} tokens ({s['val_tokens']:,} val + {s['train_tokens']:,} train) "
-          f"in {s['shards']} shards, {s['seconds']:.1f} s, {s['tokens_per_s']:,.0f} tokens/s -> {s['out_dir']}/{s['name']}_*.bin")
+    print(
+        f"{s['documents']:,} documents, {s['tokens']:,} tokens ({s['val_tokens']:,} val + {s['train_tokens']:,} train) "
+        f"in {s['shards']} shards, {s['seconds']:.1f} s, {s['tokens_per_s']:,.0f} tokens/s -> {s['out_dir']}/{s['name']}_*.bin"
+    )
     return s
 
 

@@ -11,16 +11,31 @@ Tokenizers: the data's tokenizer (prepare_data.py's manifest) must be the one of
 (check_tokenizer, in resolve_config: resume, a fine-tuning checkpoint, a Hugging Face directory); run_tokenizer()
 gives the run's tokenizer, which save() puts in every checkpoint, and vocab_size from the data.
 """
+
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 
 import assets
-from checkpoint import (FORMAT, META_FILES, CheckpointError, checkpoint_path, checksum_path, is_checkpoint,
-                        list_checkpoints, load_checkpoint, load_latest_checkpoint, load_optimizer_state,
-                        load_sharded_checkpoint, prune_checkpoints, read_checksums, save_checkpoint,
-                        save_sharded_checkpoint, verify_checkpoint)
+from checkpoint import (
+    FORMAT,
+    META_FILES,
+    CheckpointError,
+    checkpoint_path,
+    checksum_path,
+    is_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    load_latest_checkpoint,
+    load_optimizer_state,
+    load_sharded_checkpoint,
+    prune_checkpoints,
+    read_checksums,
+    save_checkpoint,
+    save_sharded_checkpoint,
+    verify_checkpoint,
+)
 from config import ARCH_KEYS, ConfigError, make_config, model_config
 from console import is_rank0, launched_by_torchrun, log
 from devices import rng_state, set_rng_state
@@ -57,8 +72,10 @@ def resolve_config(user, verify=True):
     cfg = make_config(user)
     if cfg.init_from != "resume":
         if list_checkpoints(cfg.out_dir):
-            raise ConfigError(f"{cfg.out_dir} already holds checkpoints; continue with --init_from=resume, "
-                              f"or pick another out_dir (or delete them) to start over")
+            raise ConfigError(
+                f"{cfg.out_dir} already holds checkpoints; continue with --init_from=resume, "
+                f"or pick another out_dir (or delete them) to start over"
+            )
         if cfg.init_from != "scratch" and not is_checkpoint(cfg.init_from):  # pretrained weights, their tokenizer
             check_tokenizer(pretrained_tokenizer(cfg.init_from), cfg.data_dir, f"init_from={cfg.init_from!r}")
         return fine_tune_config(user, cfg) if is_checkpoint(cfg.init_from) else cfg, None
@@ -73,8 +90,9 @@ def pretrained_tokenizer(init_from):
     """The tokenizer record (assets.tokenizer_record) of a Hugging Face model directory or hub name: its
     tokenizer.json where it has one, else GPT-2's."""
     own = Path(init_from) / "tokenizer.json"
-    return assets.tokenizer_record(assets.HFTokenizer(own) if own.is_file() else assets.get_tokenizer(),
-                                   source=own if own.is_file() else None)
+    return assets.tokenizer_record(
+        assets.HFTokenizer(own) if own.is_file() else assets.get_tokenizer(), source=own if own.is_file() else None
+    )
 
 
 def check_tokenizer(saved, data_dir, what):
@@ -82,17 +100,22 @@ def check_tokenizer(saved, data_dir, what):
     of the weights a run starts from (`what`: where they are); None (a checkpoint from before tokenizers were
     recorded) is GPT-2's. Data without a manifest (other tools' shards), or no data yet, is not checked here."""
     from data import NoShardsError, data_tokenizer
+
     try:
         data = data_tokenizer(data_dir)
     except NoShardsError:
         return  # make_loaders says how to prepare it
     saved = saved or {"id": "gpt2", "source": None}
     if data is not None and data["id"] != saved["id"]:
+
         def name(r):
             return r["id"] + (f" ({r['source']})" if r.get("source") else "")
-        raise ConfigError(f"data_dir={data_dir!r} was tokenized with {name(data)}, but {what} with {name(saved)}; "
-                          f"prepare the data with the model's tokenizer (prepare_data.py --tokenizer) or start "
-                          f"from weights trained with the data's")
+
+        raise ConfigError(
+            f"data_dir={data_dir!r} was tokenized with {name(data)}, but {what} with {name(saved)}; "
+            f"prepare the data with the model's tokenizer (prepare_data.py --tokenizer) or start "
+            f"from weights trained with the data's"
+        )
 
 
 def run_tokenizer(cfg, user, ckpt):
@@ -100,6 +123,7 @@ def run_tokenizer(cfg, user, ckpt):
     of the weights it starts from (check_tokenizer has refused a mismatch). A run from scratch takes vocab_size from
     the data, the tokenizer's size padded to a multiple of 64, unless the config sets it (directly or by preset)."""
     from data import NoShardsError, data_tokenizer
+
     try:
         record = data_tokenizer(cfg.data_dir)
     except NoShardsError:
@@ -123,13 +147,17 @@ def resumed_config(user, out_dir, ckpt):
     # the run stays in the out_dir it found the checkpoint in (the checkpoint's own may be another, if moved)
     cfg = make_config({**user, "out_dir": out_dir}, base=ckpt["config"])
     if cfg.optimizer != ckpt["config"]["optimizer"]:  # the saved state is the other optimizer's
-        raise ConfigError(f"cannot change optimizer when resuming: the checkpoint {path} has "
-                          f"{ckpt['config']['optimizer']!r}, the config {cfg.optimizer!r}")
+        raise ConfigError(
+            f"cannot change optimizer when resuming: the checkpoint {path} has "
+            f"{ckpt['config']['optimizer']!r}, the config {cfg.optimizer!r}"
+        )
     saved = model_config(cfg, **ckpt["model_args"])  # fields added since the checkpoint get their defaults
     for key in ARCH_KEYS:
         if getattr(cfg, key) != getattr(saved, key):
-            raise ConfigError(f"cannot change {key} when resuming: the checkpoint {path} has "
-                              f"{getattr(saved, key)!r}, the config {getattr(cfg, key)!r}")
+            raise ConfigError(
+                f"cannot change {key} when resuming: the checkpoint {path} has "
+                f"{getattr(saved, key)!r}, the config {getattr(cfg, key)!r}"
+            )
     check_tokenizer(ckpt.get("tokenizer"), cfg.data_dir, f"the checkpoint {path}")
     return cfg, ckpt
 
@@ -143,9 +171,11 @@ def fine_tune_config(user, cfg):
     chosen = {**PRESETS.get(user.get("preset"), {}), **user}
     for key in ARCH_KEYS:
         if key in chosen and chosen[key] != getattr(saved, key):
-            raise ConfigError(f"init_from={cfg.init_from!r}: the checkpoint has {key}={getattr(saved, key)!r}, the "
-                              f"config {key}={chosen[key]!r}; a fine-tuned model keeps its architecture: drop {key} "
-                              f"from the config")
+            raise ConfigError(
+                f"init_from={cfg.init_from!r}: the checkpoint has {key}={getattr(saved, key)!r}, the "
+                f"config {key}={chosen[key]!r}; a fine-tuned model keeps its architecture: drop {key} "
+                f"from the config"
+            )
     check_tokenizer(ckpt.get("tokenizer"), cfg.data_dir, f"init_from={cfg.init_from!r}")
     return make_config({**user, **{key: getattr(saved, key) for key in ARCH_KEYS}})
 
@@ -178,14 +208,21 @@ def agree_on_checkpoint(user, cfg, ckpt, problem, env):
     if problem or chosen[0] is None or chosen[0] == (ckpt and ckpt["path"]):
         return cfg, ckpt, problem
     try:
-        agreed, ckpt = resumed_config(user, cfg.out_dir, {**load_checkpoint(chosen[0], consolidate=False, verify=False),
-                                                          "path": chosen[0]})
+        agreed, ckpt = resumed_config(
+            user, cfg.out_dir, {**load_checkpoint(chosen[0], consolidate=False, verify=False), "path": chosen[0]}
+        )
     except (ConfigError, CheckpointError) as e:
         return cfg, None, str(e)
     changed = [k for k in SETUP_KEYS if getattr(agreed, k) != getattr(cfg, k)]
     if changed:
-        return cfg, None, (f"rank 0 resumes from {chosen[0]}, whose {changed[0]} differs from that of the checkpoint "
-                           f"this rank found; resume again")
+        return (
+            cfg,
+            None,
+            (
+                f"rank 0 resumes from {chosen[0]}, whose {changed[0]} differs from that of the checkpoint "
+                f"this rank found; resume again"
+            ),
+        )
     return agreed, ckpt, None
 
 
@@ -198,7 +235,7 @@ def verify_shards(ckpt, env):
         return
     try:
         names = sorted(set(read_checksums(checksum_path(ckpt["shards"]))) - META_FILES)
-        verify_checkpoint(ckpt["shards"], only=set(names[env.rank::env.world_size]))
+        verify_checkpoint(ckpt["shards"], only=set(names[env.rank :: env.world_size]))
         problem = None
     except (CheckpointError, OSError, ValueError) as e:
         problem = str(e)
@@ -206,13 +243,15 @@ def verify_shards(ckpt, env):
     dist.all_gather_object(problems, problem)
     found = [p for p in problems if p]
     if found:
-        raise CheckpointError(f"{found[0]}; move {ckpt['shards']} aside and resume again (the newest intact "
-                              f"checkpoint is then used)")
+        raise CheckpointError(
+            f"{found[0]}; move {ckpt['shards']} aside and resume again (the newest intact checkpoint is then used)"
+        )
 
 
 @dataclass
 class Progress:
     """What the loop carries from step to step and a checkpoint carries across a restart."""
+
     step: int = 0
     best_step: int | None = None
     best_val: float | None = None
@@ -232,8 +271,10 @@ def restore(ckpt, raw_model, optimizer, scaler, loader):
         loader.load_state_dict(ckpt["loader"])
     except ValueError as e:
         saved = ckpt["config"]
-        raise ConfigError(f"cannot resume: {e}; the checkpoint's run used data_dir={saved.get('data_dir')!r} and "
-                          f"seed={saved.get('seed')}") from None
+        raise ConfigError(
+            f"cannot resume: {e}; the checkpoint's run used data_dir={saved.get('data_dir')!r} and "
+            f"seed={saved.get('seed')}"
+        ) from None
     return Progress(ckpt["step"], ckpt.get("best_step"), ckpt.get("best_val_loss"))
 
 
@@ -242,8 +283,11 @@ def restore_rngs(ckpt, env):
     if len(ckpt["rng"]) == env.world_size:
         set_rng_state(ckpt["rng"][env.rank])
     else:
-        log(f"checkpoint has RNG states of {len(ckpt['rng'])} ranks, this run has {env.world_size}; "
-            "dropout masks will differ from an uninterrupted run", note=True)
+        log(
+            f"checkpoint has RNG states of {len(ckpt['rng'])} ranks, this run has {env.world_size}; "
+            "dropout masks will differ from an uninterrupted run",
+            note=True,
+        )
 
 
 def kept_checkpoint(out_dir):
@@ -271,10 +315,20 @@ def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, tracker, 
     if val is not None and (progress.best_val is None or val < progress.best_val):
         progress.best_step, progress.best_val = step, val
     config = {**asdict(cfg), "batch_size": loader.B}  # the live micro-batch: an out-of-memory may have halved it
-    meta = {"model_args": asdict(raw_model.config), "config": config, "step": step,
-            "scaler": scaler.state_dict() if scaler.is_enabled() else None, "loader": loader.state_dict(),
-            "rng": rngs, "val_loss": val, "best_step": progress.best_step, "best_val_loss": progress.best_val,
-            "tracker": tracker.state_dict(), "format": FORMAT, "tokenizer": tokenizer}
+    meta = {
+        "model_args": asdict(raw_model.config),
+        "config": config,
+        "step": step,
+        "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+        "loader": loader.state_dict(),
+        "rng": rngs,
+        "val_loss": val,
+        "best_step": progress.best_step,
+        "best_val_loss": progress.best_val,
+        "tracker": tracker.state_dict(),
+        "format": FORMAT,
+        "tokenizer": tokenizer,
+    }
     path = checkpoint_path(out_dir, step, sharded=env.sharded)
     if env.sharded:
         save_sharded_checkpoint(path, meta, raw_model, optimizer)

@@ -17,6 +17,7 @@ messages, e.g. from a file) or plain text (one user message), and streams the as
 A Hugging Face model directory with a tokenizer.json (e.g. an imported Pythia) is sampled with that
 tokenizer (needs the `tokenizers` package); everything else with GPT-2's.
 """
+
 import argparse
 import codecs
 import math
@@ -36,7 +37,7 @@ def read_prompt(prompt_arg, stdin=None):
     """Prompt text from --prompt TEXT, --prompt FILE:path, or stdin when it is not a terminal ('' if none)."""
     if prompt_arg is not None:
         if prompt_arg.startswith("FILE:"):
-            with open(prompt_arg[len("FILE:"):], encoding="utf-8") as f:
+            with open(prompt_arg[len("FILE:") :], encoding="utf-8") as f:
                 return f.read()
         return prompt_arg
     stdin = sys.stdin if stdin is None else stdin
@@ -54,9 +55,23 @@ def token_bytes(enc, token):
 
 
 @torch.no_grad()
-def stream_samples(model, enc, prompt, num_samples=1, max_new_tokens=200, temperature=1.0, top_k=None,
-                   top_p=None, seed=1337, device="cpu", dtype=None, out=None, messages=None,
-                   end="\n" + SEPARATOR + "\n", stop_at_eot=False):
+def stream_samples(
+    model,
+    enc,
+    prompt,
+    num_samples=1,
+    max_new_tokens=200,
+    temperature=1.0,
+    top_k=None,
+    top_p=None,
+    seed=1337,
+    device="cpu",
+    dtype=None,
+    out=None,
+    messages=None,
+    end="\n" + SEPARATOR + "\n",
+    stop_at_eot=False,
+):
     """Generate num_samples continuations of `prompt`, writing each to `out` token by token.
 
     Each sample is written as prompt + continuation, then `end` (a newline and a separator line). One
@@ -84,8 +99,15 @@ def stream_samples(model, enc, prompt, num_samples=1, max_new_tokens=200, temper
         out.write(prompt)
         out.flush()
         with autocast(device, dtype):
-            for new in model.generate_stream(idx, max_new_tokens, temperature=temperature, top_k=top_k,
-                                             top_p=top_p, generator=generator, n_vocab=enc.n_vocab):  # new: (1,)
+            for new in model.generate_stream(
+                idx,
+                max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                generator=generator,
+                n_vocab=enc.n_vocab,
+            ):  # new: (1,)
                 if int(new[0]) in stop:
                     break
                 piece = decoder.decode(token_bytes(enc, int(new[0])))
@@ -103,20 +125,41 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Sample text from a checkpoint or a pretrained GPT-2.")
     add_model_args(parser)
     parser.add_argument("--prompt", help="prompt text, or FILE:path to read it from a file (default: stdin if piped)")
-    parser.add_argument("--num_samples", type=int, default=1,
-                        help="continuations of the prompt, one after another (default %(default)s)")
-    parser.add_argument("--max_new_tokens", type=int, default=200,
-                        help="tokens to generate per sample, at most (default %(default)s)")
-    parser.add_argument("--temperature", type=float, default=0.8,
-                        help="sampling temperature; 0 is greedy, the argmax (default %(default)s)")
+    parser.add_argument(
+        "--num_samples",
+        type=int,
+        default=1,
+        help="continuations of the prompt, one after another (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max_new_tokens", type=int, default=200, help="tokens to generate per sample, at most (default %(default)s)"
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="sampling temperature; 0 is greedy, the argmax (default %(default)s)",
+    )
     parser.add_argument("--top_k", type=int, default=None, help="sample only among the k most likely tokens")
     parser.add_argument("--top_p", type=float, default=None, help="nucleus sampling: smallest set with this much mass")
-    parser.add_argument("--seed", type=int, default=1337,
-                        help="random seed: the same seed, prompt and model give the same text (default %(default)s)")
-    parser.add_argument("--stop_at_eot", action="store_true", help="end a sample at <|endoftext|> (as transformers' "
-                        "generate does at eos); by default it runs on into the next document for --max_new_tokens")
-    parser.add_argument("--chat", action="store_true", help="reply as the assistant of a fine-tuned chat model: the "
-                        "prompt is a conversation (JSON) or one user message; none on a terminal: chat interactively")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=1337,
+        help="random seed: the same seed, prompt and model give the same text (default %(default)s)",
+    )
+    parser.add_argument(
+        "--stop_at_eot",
+        action="store_true",
+        help="end a sample at <|endoftext|> (as transformers' "
+        "generate does at eos); by default it runs on into the next document for --max_new_tokens",
+    )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="reply as the assistant of a fine-tuned chat model: the "
+        "prompt is a conversation (JSON) or one user message; none on a terminal: chat interactively",
+    )
     args = parser.parse_args(argv)
     if args.num_samples < 1 or args.max_new_tokens < 0:
         parser.error("--num_samples must be >= 1 and --max_new_tokens >= 0")
@@ -139,12 +182,21 @@ def main(argv=None):
         except ValueError as e:
             parser.exit(2, f"{parser.prog}: error: --chat: {e}\n")
     elif not prompt and enc.eot_token is None:
-        parser.exit(2, f"{parser.prog}: error: an empty prompt starts at <|endoftext|>, which {enc.name} lacks; "
-                       "give --prompt\n")
+        parser.exit(
+            2, f"{parser.prog}: error: an empty prompt starts at <|endoftext|>, which {enc.name} lacks; give --prompt\n"
+        )
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")  # a terminal that can't show a character gets '?', not a crash
-    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, device=device, dtype=dtype, stop_at_eot=args.stop_at_eot)
+    options = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        device=device,
+        dtype=dtype,
+        stop_at_eot=args.stop_at_eot,
+    )
     try:
         if args.chat and messages is None:  # interactive: each reply joins the conversation
             messages = []
@@ -156,8 +208,9 @@ def main(argv=None):
                 print("assistant> ", end="", flush=True)
                 reply = stream_samples(model, enc, "", messages=messages, end="\n", **options)[0]
                 messages.append({"role": "assistant", "content": reply})
-        stream_samples(model, enc, prompt, num_samples=args.num_samples, messages=messages if args.chat else None,
-                       **options)
+        stream_samples(
+            model, enc, prompt, num_samples=args.num_samples, messages=messages if args.chat else None, **options
+        )
     except KeyboardInterrupt:  # Ctrl-C while streaming: stop quietly
         print(file=sys.stderr)
         return 130

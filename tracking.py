@@ -8,6 +8,7 @@ cost per token and the end-of-run summary. train.py makes one Tracker, on rank 0
 
 Both sinks are optional packages (`pip install wandb tensorboard`); the library runs without them.
 """
+
 import json
 import math
 import os
@@ -61,31 +62,43 @@ def check_tracking_available(wandb_log, tensorboard_dir):
         try:
             import wandb  # noqa: F401
         except Exception as e:  # ImportError, or a broken install (a protobuf clash, say)
-            raise TrackingError(f"wandb_log=True needs the wandb package, an optional extra: pip install wandb "
-                                f"({first_line(e)})") from None
+            raise TrackingError(
+                f"wandb_log=True needs the wandb package, an optional extra: pip install wandb ({first_line(e)})"
+            ) from None
     if tensorboard_dir is not None:
         try:
             from torch.utils.tensorboard import SummaryWriter  # noqa: F401  (imports the tensorboard package)
         except Exception as e:
-            raise TrackingError(f"tensorboard_dir={tensorboard_dir!r} needs the tensorboard package, an optional "
-                                f"extra: pip install tensorboard ({first_line(e)})") from None
+            raise TrackingError(
+                f"tensorboard_dir={tensorboard_dir!r} needs the tensorboard package, an optional "
+                f"extra: pip install tensorboard ({first_line(e)})"
+            ) from None
 
 
 class WandbSink:
     """A W&B run with step as its x-axis. Resuming passes the same id with resume='allow'; with
     WANDB_MODE=offline the run is written under out_dir/wandb/ (or $WANDB_DIR/wandb/ when WANDB_DIR is set,
     W&B's own convention) for a later `wandb sync`."""
+
     name = "wandb"
 
     def __init__(self, out_dir, run_config, run_id, project, run_name):
         import wandb
+
         try:
-            self.run = wandb.init(project=project, name=run_name, id=run_id, resume="allow",
-                                  dir=os.environ.get("WANDB_DIR") or str(out_dir))
+            self.run = wandb.init(
+                project=project,
+                name=run_name,
+                id=run_id,
+                resume="allow",
+                dir=os.environ.get("WANDB_DIR") or str(out_dir),
+            )
             self.run.config.update(run_config, allow_val_change=True)  # a resume may change e.g. max_steps
         except Exception as e:
-            raise TrackingError(f"wandb.init failed ({first_line(e)}); log in (`wandb login`), record offline "
-                                "with WANDB_MODE=offline, or set wandb_log=False") from None
+            raise TrackingError(
+                f"wandb.init failed ({first_line(e)}); log in (`wandb login`), record offline "
+                "with WANDB_MODE=offline, or set wandb_log=False"
+            ) from None
 
     def log(self, record):
         self.run.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
@@ -102,11 +115,13 @@ class TensorBoardSink:
     step's reason) as text. A resume writes a purge marker at resume_step + 1, so TensorBoard hides what a
     killed run logged after its checkpoint; a fresh run purges from step 0 (a reused directory starts
     over, as metrics.jsonl does)."""
+
     name = "tensorboard"
 
     def __init__(self, log_dir, run_config, resume_step):
         from tensorboard.compat.proto.summary_pb2 import Summary
         from torch.utils.tensorboard import SummaryWriter
+
         self.Summary = Summary
         self.writer = SummaryWriter(log_dir, purge_step=0 if resume_step is None else resume_step + 1)
         config = json.dumps(run_config, indent=2, default=str).replace("\n", "\n    ")
@@ -141,8 +156,20 @@ class Tracker:
     checkpoint from before tracking, then the W&B id comes from out_dir/wandb_id.txt).
     """
 
-    def __init__(self, out_dir, run_config, tokens_per_step, resume_step=None, state=None, *, wandb_log=False,
-                 wandb_project="gpt2-train", wandb_run_name=None, tensorboard_dir=None, cost_per_hour=None):
+    def __init__(
+        self,
+        out_dir,
+        run_config,
+        tokens_per_step,
+        resume_step=None,
+        state=None,
+        *,
+        wandb_log=False,
+        wandb_project="gpt2-train",
+        wandb_run_name=None,
+        tensorboard_dir=None,
+        cost_per_hour=None,
+    ):
         check_tracking_available(wandb_log, tensorboard_dir)
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -166,8 +193,15 @@ class Tracker:
                 self.wandb_id = id_file.read_text().strip() or None
             self.wandb_id = self.wandb_id or secrets.token_hex(4)  # W&B ids: [a-z0-9]+, 8 like its own
             id_file.write_text(self.wandb_id + "\n")
-            self.sinks.append(WandbSink(self.out_dir, run_config, self.wandb_id, wandb_project,
-                                        wandb_run_name or self.out_dir.resolve().name))
+            self.sinks.append(
+                WandbSink(
+                    self.out_dir,
+                    run_config,
+                    self.wandb_id,
+                    wandb_project,
+                    wandb_run_name or self.out_dir.resolve().name,
+                )
+            )
         if tensorboard_dir is not None:
             self.sinks.append(TensorBoardSink(tensorboard_dir, run_config, resume_step))
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", resume_step)
@@ -202,15 +236,24 @@ class Tracker:
                 getattr(sink, method)(*args)
             except Exception as e:
                 self.sinks.remove(sink)
-                log(f"tracking: {sink.name} failed ({first_line(e)}); disabled for the rest of the run "
-                    f"(metrics.jsonl continues)", note=True)
+                log(
+                    f"tracking: {sink.name} failed ({first_line(e)}); disabled for the rest of the run "
+                    f"(metrics.jsonl continues)",
+                    note=True,
+                )
 
     def state_dict(self):
         """What a resume needs (plain types, for the checkpoint). Also flushes the sinks, so all that the
         checkpoint covers is on disk."""
         self._each_sink("flush")
-        return {"wandb_id": self.wandb_id, "wall_s": self.wall_s(), "tokens": self.tokens,
-                "timed_s": self.timed_s, "timed_tokens": self.timed_tokens, "mfu_s": self.mfu_s}
+        return {
+            "wandb_id": self.wandb_id,
+            "wall_s": self.wall_s(),
+            "tokens": self.tokens,
+            "timed_s": self.timed_s,
+            "timed_tokens": self.timed_tokens,
+            "mfu_s": self.mfu_s,
+        }
 
     def summary(self):
         """The run so far, from metrics.jsonl (the whole run, across resumes) and the tracker's counters."""
@@ -227,25 +270,37 @@ class Tracker:
         mem = [r["peak_mem_mb"] for r in records if r.get("peak_mem_mb") is not None]
         best = min(val, key=lambda r: r["val_loss"]) if val else None
         timed = self.timed_s > 0
-        out = {"steps": max((r["step"] for r in records), default=0), "tokens": self.tokens,
-               "wall_s": self.wall_s(), "mean_tokens_per_s": self.timed_tokens / self.timed_s if timed else None,
-               "mean_mfu": self.mfu_s / self.timed_s if timed and self.mfu_s is not None else None,
-               "final_train_loss": losses[-1] if losses else None,
-               "final_val_loss": val[-1]["val_loss"] if val else None,
-               "best_val_loss": best["val_loss"] if best else None, "best_val_step": best["step"] if best else None,
-               "skipped_steps": sum(1 for r in train if r.get("skipped")),
-               "peak_mem_mb": max(mem) if mem else None}
+        out = {
+            "steps": max((r["step"] for r in records), default=0),
+            "tokens": self.tokens,
+            "wall_s": self.wall_s(),
+            "mean_tokens_per_s": self.timed_tokens / self.timed_s if timed else None,
+            "mean_mfu": self.mfu_s / self.timed_s if timed and self.mfu_s is not None else None,
+            "final_train_loss": losses[-1] if losses else None,
+            "final_val_loss": val[-1]["val_loss"] if val else None,
+            "best_val_loss": best["val_loss"] if best else None,
+            "best_val_step": best["step"] if best else None,
+            "skipped_steps": sum(1 for r in train if r.get("skipped")),
+            "peak_mem_mb": max(mem) if mem else None,
+        }
         if hellaswag:
             h = hellaswag[-1]
-            out.update(hellaswag_step=h["step"], hellaswag_acc=h["hellaswag_acc"],
-                       hellaswag_acc_norm=h["hellaswag_acc_norm"], hellaswag_n=h["hellaswag_n"])
+            out.update(
+                hellaswag_step=h["step"],
+                hellaswag_acc=h["hellaswag_acc"],
+                hellaswag_acc_norm=h["hellaswag_acc_norm"],
+                hellaswag_n=h["hellaswag_n"],
+            )
         suite = [r for r in records if "mc_centered" in r]
         if suite:  # evaluate.py's task suite: the last evaluation's summary
             out.update(mc_centered_step=suite[-1]["step"], mc_centered=suite[-1]["mc_centered"])
         if self.cost_per_hour is not None:
             cost = out["wall_s"] / 3600 * self.cost_per_hour
-            out.update(cost_per_hour=self.cost_per_hour, cost_usd=cost,
-                       tokens_per_dollar=self.tokens / cost if cost > 0 else None)
+            out.update(
+                cost_per_hour=self.cost_per_hour,
+                cost_usd=cost,
+                tokens_per_dollar=self.tokens / cost if cost > 0 else None,
+            )
         return out
 
     def close(self, exit_code=0):
@@ -275,9 +330,11 @@ class NoTracker:
 
 def summary_text(s, path):
     fmt = lambda v, spec: "n/a" if v is None else format(v, spec)
-    lines = [f"summary ({path}): {s['steps']} steps, {s['tokens']:,} tokens in {s['wall_s']:.1f} s | "
-             f"{fmt(s['mean_tokens_per_s'], ',.0f')} tokens/s, mfu {fmt(s['mean_mfu'], '.1%')} | "
-             f"peak memory {fmt(s['peak_mem_mb'], ',.0f')} MiB"]
+    lines = [
+        f"summary ({path}): {s['steps']} steps, {s['tokens']:,} tokens in {s['wall_s']:.1f} s | "
+        f"{fmt(s['mean_tokens_per_s'], ',.0f')} tokens/s, mfu {fmt(s['mean_mfu'], '.1%')} | "
+        f"peak memory {fmt(s['peak_mem_mb'], ',.0f')} MiB"
+    ]
     loss = f"  train loss {fmt(s['final_train_loss'], '.4f')}"
     if s["final_val_loss"] is not None:
         loss += f" | val loss {s['final_val_loss']:.4f} (best {s['best_val_loss']:.4f} at step {s['best_val_step']})"
@@ -289,6 +346,8 @@ def summary_text(s, path):
         loss += f" | {s['skipped_steps']} skipped steps"
     lines.append(loss)
     if "cost_usd" in s:
-        lines.append(f"  cost ${s['cost_usd']:,.4f} at ${s['cost_per_hour']:,.2f}/h: "
-                     f"{fmt(s['tokens_per_dollar'], ',.0f')} tokens per dollar")
+        lines.append(
+            f"  cost ${s['cost_usd']:,.4f} at ${s['cost_per_hour']:,.2f}/h: "
+            f"{fmt(s['tokens_per_dollar'], ',.0f')} tokens per dollar"
+        )
     return "\n".join(lines)

@@ -12,6 +12,7 @@ Python literals (strings may be written bare) and win over the file. run() at th
 setup, data, model, optimizer, parallelize, then the loop; each step of it is a function above it or one call
 into the module named for its job. Expected errors are one line on stderr (main(); docs/failure-modes.md).
 """
+
 import json
 import math
 import signal
@@ -28,16 +29,25 @@ from assets import tokenizer_from_record
 from chat import CHAT_VOCAB
 from checkpoint import CheckpointError, is_checkpoint, load_checkpoint, load_sharded_checkpoint
 from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text, make_config, model_config, parse_args
+from console import distributed, log, progress_bar
 from data import DataLoader, NoShardsError, ShardError
 from devices import autocast, fused_adamw_supported, peak_flops, peak_memory
-from console import distributed, log, progress_bar
 from files import Halt, LockError, atomic_write, report_error
 from hf import from_pretrained, pad_vocab
 from memory import fitting_forward_backward, in_micro_batches, probe_batch_size
 from model import GPT, TRAINING_ONLY_MODEL_KEYS
 from optim import build_optimizer, set_lr
-from parallel import (any_rank, build_on_meta, clip_gradients, gathered, is_compiled, keeps_grads, lock_out_dir,
-                      parallelize, to_device)
+from parallel import (
+    any_rank,
+    build_on_meta,
+    clip_gradients,
+    gathered,
+    is_compiled,
+    keeps_grads,
+    lock_out_dir,
+    parallelize,
+    to_device,
+)
 from resume import Progress, kept_checkpoint, restore, restore_rngs, save, start
 from tracking import TRACKING_KEYS, NoTracker, Tracker, TrackingError
 
@@ -58,21 +68,35 @@ class StopRequest:
 
 # ----------------------------------------------------------------------------- setup
 
+
 def make_loaders(cfg, env):
     """Train and val loaders: every rank reads its own slice of one global, world-size-invariant stream.
     Every shard is validated here, token ids included, before step 1."""
+
     def loader(split):  # batch_size='auto': 1 until probe_batch_size sets it
-        return DataLoader(cfg.data_dir, split, 1 if cfg.batch_size == "auto" else cfg.batch_size, cfg.block_size,
-                          rank=env.rank, world_size=env.world_size, seed=cfg.seed, vocab_size=cfg.vocab_size,
-                          packing=cfg.packing)
+        return DataLoader(
+            cfg.data_dir,
+            split,
+            1 if cfg.batch_size == "auto" else cfg.batch_size,
+            cfg.block_size,
+            rank=env.rank,
+            world_size=env.world_size,
+            seed=cfg.seed,
+            vocab_size=cfg.vocab_size,
+            packing=cfg.packing,
+        )
+
     try:
         train_loader = loader("train")
         val_loader = loader("val") if cfg.eval_interval > 0 else None
     except NoShardsError as e:
         from prepare_data import prepare_command
+
         raise NoShardsError(f"{e}; prepare it with `{prepare_command(cfg.data_dir)}`") from None
-    log(f"data: {train_loader.summary().replace(' shards', ' train shards')}; "
-        f"val: {val_loader.summary() if val_loader else 'none (eval_interval=0)'}")
+    log(
+        f"data: {train_loader.summary().replace(' shards', ' train shards')}; "
+        f"val: {val_loader.summary() if val_loader else 'none (eval_interval=0)'}"
+    )
     return train_loader, val_loader
 
 
@@ -109,6 +133,7 @@ def build_model(cfg, ckpt, env, min_vocab=0):
 
 
 # ----------------------------------------------------------------------------- the step
+
 
 def get_lr(step, cfg):
     """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine or WSD decay to min_lr."""
@@ -154,12 +179,15 @@ def skip_reason(train_loss, grad_norm, scaler, cfg, progress, step, trained_toke
         raise Halt(f"step {step}: {reason}; halting (nonfinite='halt')")
     progress.skipped_in_a_row += 1
     if cfg.max_skipped_steps and progress.skipped_in_a_row >= cfg.max_skipped_steps:
-        raise Halt(f"step {step}: {progress.skipped_in_a_row} updates in a row skipped ({reason}); halting "
-                   f"(max_skipped_steps={cfg.max_skipped_steps}): lower learning_rate?")
+        raise Halt(
+            f"step {step}: {progress.skipped_in_a_row} updates in a row skipped ({reason}); halting "
+            f"(max_skipped_steps={cfg.max_skipped_steps}): lower learning_rate?"
+        )
     return reason
 
 
 # ----------------------------------------------------------------------------- evaluation
+
 
 class Abandoned(Exception):
     """An evaluation cut short by SIGTERM/SIGINT: the loop saves a checkpoint and exits 0."""
@@ -181,6 +209,7 @@ def val_loss(model, loader, eval_steps, micro, env, stop=lambda: False, step=0):
         xb, yb = to_device((x[a:b], y[a:b]), env.device)
         with autocast(env.device, env.dtype):
             total.add_(model(xb, yb, return_logits=False)[1].float() * (b - a))
+
     try:
         in_micro_batches(rows, len(x), micro, env, f"step {step}")
     finally:
@@ -196,6 +225,7 @@ def hellaswag_eval(raw_model, kept, cfg, env, enc, stop=None):
     turns True on a rank."""
     import hellaswag
     from assets import fetch_hellaswag
+
     if "hellaswag" not in kept:
         examples = hellaswag.load_examples(fetch_hellaswag(), limit=cfg.hellaswag_limit)
         kept["hellaswag"] = hellaswag.Rendered(examples, enc, env.rank, env.world_size)
@@ -212,11 +242,13 @@ def tasks_eval(raw_model, kept, cfg, env, enc, stop=None):
     evaluation."""
     import evaluate
     import tasks
+
     if "tasks" not in kept:
         try:
             if raw_model.config.vocab_size < enc.n_vocab:
-                raise ValueError(f"a model of vocab_size={raw_model.config.vocab_size} cannot read the tokenizer's "
-                                 f"{enc.n_vocab} ids")
+                raise ValueError(
+                    f"a model of vocab_size={raw_model.config.vocab_size} cannot read the tokenizer's {enc.n_vocab} ids"
+                )
             docs = {name: tasks.load_docs(name, cfg.eval_tasks_limit) for name in tasks.parse_tasks(cfg.eval_tasks)}
         except (OSError, ValueError, RuntimeError) as e:
             raise ConfigError(f"eval_tasks: {e}") from None
@@ -237,8 +269,13 @@ def sample_preview(raw_model, cfg, env, enc):
         generator = torch.Generator(device=env.device).manual_seed(cfg.seed)  # leaves the training RNG alone
         model.eval()
         with autocast(env.device, env.dtype):
-            out = model.generate(torch.tensor([prompt], device=env.device), cfg.sample_tokens,
-                                 top_k=200, generator=generator, n_vocab=enc.n_vocab)
+            out = model.generate(
+                torch.tensor([prompt], device=env.device),
+                cfg.sample_tokens,
+                top_k=200,
+                generator=generator,
+                n_vocab=enc.n_vocab,
+            )
         model.train()
     return enc.decode([t for t in out[0].tolist() if t < enc.n_vocab])
 
@@ -257,11 +294,13 @@ def evaluate(step, model, raw_model, val_loader, micro, kept, tracker, cfg, env,
         log(f"step {step}: val loss {val:.4f}")
     if due(cfg.hellaswag_interval):
         hs = hellaswag_eval(raw_model, kept, cfg, env, enc, stop=lambda: stop.signal is not None)
-        tracker.log({"step": step, "hellaswag_acc": hs["acc"], "hellaswag_acc_norm": hs["acc_norm"],
-                     "hellaswag_n": hs["n"]})
+        tracker.log(
+            {"step": step, "hellaswag_acc": hs["acc"], "hellaswag_acc_norm": hs["acc_norm"], "hellaswag_n": hs["n"]}
+        )
         log(f"step {step}: hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
     if due(cfg.eval_tasks_interval):
         from evaluate import summary_line, tracker_record
+
         result = tasks_eval(raw_model, kept, cfg, env, enc, stop=lambda: stop.signal is not None)
         tracker.log(tracker_record(step, result))
         log(f"step {step}: {summary_line(result)}")
@@ -270,14 +309,36 @@ def evaluate(step, model, raw_model, val_loader, micro, kept, tracker, cfg, env,
     return val
 
 
-def step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model, micro_batch, env,
-                trained_tokens, empty_micro_batches=0):
+def step_record(
+    step,
+    train_loss,
+    lr,
+    grad_norm,
+    dt,
+    skipped,
+    total_batch_size,
+    peak,
+    raw_model,
+    micro_batch,
+    env,
+    trained_tokens,
+    empty_micro_batches=0,
+):
     """The metrics.jsonl record of one optimizer step."""
     tokens_per_s = total_batch_size / dt
     mem, reserved = peak_memory(env.kind)
-    record = {"step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-              "mfu": raw_model.estimate_mfu(tokens_per_s / env.world_size, peak), "step_ms": dt * 1000,
-              "peak_mem_mb": mem, "micro_batch": micro_batch, "trained_tokens": trained_tokens}
+    record = {
+        "step": step,
+        "train_loss": train_loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "tokens_per_s": tokens_per_s,
+        "mfu": raw_model.estimate_mfu(tokens_per_s / env.world_size, peak),
+        "step_ms": dt * 1000,
+        "peak_mem_mb": mem,
+        "micro_batch": micro_batch,
+        "trained_tokens": trained_tokens,
+    }
     if reserved is not None:
         record["peak_reserved_mb"] = reserved
     if skipped:
@@ -293,9 +354,11 @@ def report_step(record, tracker, bar, cfg):
     bar.update(1)
     step = record["step"]
     if cfg.log_interval and (step % cfg.log_interval == 0 or step == cfg.max_steps):
-        log(f"step {step:>6}/{cfg.max_steps} | loss {record['train_loss']:.4f} | lr {record['lr']:.2e} | norm "
+        log(
+            f"step {step:>6}/{cfg.max_steps} | loss {record['train_loss']:.4f} | lr {record['lr']:.2e} | norm "
             f"{record['grad_norm']:.3f} | {record['step_ms']:.0f} ms | {record['tokens_per_s']:,.0f} tok/s"
-            + (f" | mfu {record['mfu']:.1%}" if record["mfu"] else ""))
+            + (f" | mfu {record['mfu']:.1%}" if record["mfu"] else "")
+        )
 
 
 def start_tracking(cfg, ckpt, progress, total_batch_size, env):
@@ -306,18 +369,28 @@ def start_tracking(cfg, ckpt, progress, total_batch_size, env):
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(out_dir / "config.json", json.dumps(asdict(cfg), indent=2) + "\n")
-    return Tracker(out_dir, asdict(cfg), total_batch_size, resume_step=progress.step if ckpt else None,
-                   state=ckpt.get("tracker") if ckpt else None, **{k: getattr(cfg, k) for k in TRACKING_KEYS})
+    return Tracker(
+        out_dir,
+        asdict(cfg),
+        total_batch_size,
+        resume_step=progress.step if ckpt else None,
+        state=ckpt.get("tracker") if ckpt else None,
+        **{k: getattr(cfg, k) for k in TRACKING_KEYS},
+    )
 
 
 # ----------------------------------------------------------------------------- the recipe
 
+
 def run_summary(raw_model, compiled, cfg, env, total_batch_size, grad_accum, resumed_step):
     """The one line that says what this run is: size, device, precision, world, batch layout."""
-    line = (f"{raw_model.num_params() / 1e6:.2f}M parameters | device {env.device} | dtype {env.dtype} | compile "
-            f"{compiled} | world size {env.world_size}" + (f" ({env.parallel})" if env.distributed else "") +
-            f" | {total_batch_size:,} tokens/step = {env.world_size} ranks"
-            f" x {grad_accum} accumulation steps x {cfg.batch_size} x {cfg.block_size}")
+    line = (
+        f"{raw_model.num_params() / 1e6:.2f}M parameters | device {env.device} | dtype {env.dtype} | compile "
+        f"{compiled} | world size {env.world_size}"
+        + (f" ({env.parallel})" if env.distributed else "")
+        + f" | {total_batch_size:,} tokens/step = {env.world_size} ranks"
+        f" x {grad_accum} accumulation steps x {cfg.batch_size} x {cfg.block_size}"
+    )
     return line if resumed_step is None else f"{line} | resumed from step {resumed_step}"
 
 
@@ -369,8 +442,9 @@ def run(user):
             # a resumed run's first step was evaluated before it stopped
             if (step > start_step or start_step == 0) and not stopping:
                 try:
-                    val = evaluate(step, model, raw_model, val_loader, train_loader.B, kept, tracker, cfg, env,
-                                   last, stop, enc)
+                    val = evaluate(
+                        step, model, raw_model, val_loader, train_loader.B, kept, tracker, cfg, env, last, stop, enc
+                    )
                 except Abandoned:  # a signal: save now rather than after a whole evaluation
                     stopping = True
             if step > start_step and (last or stopping or cfg.save_interval and step % cfg.save_interval == 0):
@@ -388,12 +462,16 @@ def run(user):
                 stop_flag.fill_(1.0)
             scaler.unscale_(optimizer)  # true gradients before clipping (no-op without fp16)
             grad_norm = clip_gradients(raw_model, cfg.grad_clip)
-            train_loss, grad_norm, stopping, trained_tokens, empty = reduce_step_stats(loss_sum, stop_flag, grad_norm,
-                                                                                       counts, env)
+            train_loss, grad_norm, stopping, trained_tokens, empty = reduce_step_stats(
+                loss_sum, stop_flag, grad_norm, counts, env
+            )
             skipped = skip_reason(train_loss, grad_norm, scaler, cfg, progress, step + 1, trained_tokens)
             if empty and trained_tokens:  # they ran (every rank runs every backward) and added nothing
-                log(f"step {step + 1}: {empty} micro-batch(es) with no trained target (loss masks) skipped: loss and "
-                    "gradients 0, the step's mean is over the others' tokens", note=True)
+                log(
+                    f"step {step + 1}: {empty} micro-batch(es) with no trained target (loss masks) skipped: loss and "
+                    "gradients 0, the step's mean is over the others' tokens",
+                    note=True,
+                )
             if skipped:
                 log(f"step {step + 1}: {skipped}: update skipped")
             else:
@@ -404,8 +482,21 @@ def run(user):
             step += 1
             progress.step = step
 
-            record = step_record(step, train_loss, lr, grad_norm, dt, skipped, total_batch_size, peak, raw_model,
-                                 train_loader.B, env, trained_tokens, empty)
+            record = step_record(
+                step,
+                train_loss,
+                lr,
+                grad_norm,
+                dt,
+                skipped,
+                total_batch_size,
+                peak,
+                raw_model,
+                train_loader.B,
+                env,
+                trained_tokens,
+                empty,
+            )
             report_step(record, tracker, bar, cfg)
         finished = True
     except Halt as e:
@@ -427,8 +518,10 @@ def run(user):
         if finished and summary:
             log(summary)
     if stopping:
-        log(f"stopped by {signal.Signals(stop.signal).name if stop.signal else 'a signal on another rank'} at step "
-            f"{progress.step}; continue with --init_from=resume")
+        log(
+            f"stopped by {signal.Signals(stop.signal).name if stop.signal else 'a signal on another rank'} at step "
+            f"{progress.step}; continue with --init_from=resume"
+        )
     if env.distributed:  # no rank tears its process group down (main) while rank 0 still writes
         dist.barrier()
     return 0

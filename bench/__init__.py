@@ -10,6 +10,7 @@
 They import only library modules and their public names, never train.py. A run that needs an optional
 package (transformers for `bench.scoreboard --compare`) checks it with require() before measuring anything.
 """
+
 import importlib
 import os
 import platform
@@ -33,8 +34,10 @@ def machine_line(device):
     except (OSError, StopIteration):
         pass
     bf16 = "with" if cpu_has_fast_bf16() else "without"
-    return (f"{name} ({bf16} AVX512-BF16/AMX), {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; "
-            f"torch {torch.__version__}")
+    return (
+        f"{name} ({bf16} AVX512-BF16/AMX), {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; "
+        f"torch {torch.__version__}"
+    )
 
 
 def require(what, *packages):
@@ -47,5 +50,7 @@ def require(what, *packages):
         except ImportError:
             missing.append(name)
     if missing:
-        raise SystemExit(f"{what} needs {' and '.join(missing)} (optional, not installed): "
-                         f"pip install {' '.join(missing)}   (or: pip install -r requirements-dev.txt)")
+        raise SystemExit(
+            f"{what} needs {' and '.join(missing)} (optional, not installed): "
+            f"pip install {' '.join(missing)}   (or: pip install -r requirements-dev.txt)"
+        )

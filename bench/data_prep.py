@@ -12,6 +12,7 @@ like a web document). Every rate is the best of --repeats runs. On a machine who
 with other work, trust the CPU-time lines (CPU seconds per token over all processes) more than
 the wall-clock ones. POSIX only (resource.getrusage).
 """
+
 import argparse
 import json
 import multiprocessing
@@ -41,9 +42,11 @@ def best_seconds(fn, repeats):
 
 def cpu_seconds(fn):
     """(CPU seconds of this process and its reaped children, of this process alone) spent in fn()."""
+
     def now():
         me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
     me0, kids0 = now()
     fn()
     me1, kids1 = now()
@@ -87,13 +90,22 @@ def bench_prep(docs, label, num_proc, repeats, tmp):
         for r in range(repeats):
             threads.append(tokens / best_seconds(lambda: enc.encode_ordinary_batch(docs, num_threads=num_proc), 1))
             procs.append(tokens / best_seconds(lambda: sum(pool.map(_count_tokens, batches, chunksize=1)), 1))
-            s = prepare(inputs=[str(src)], out_dir=Path(tmp) / f"{label}_out{r}", name=label, num_proc=num_proc,
-                        val_tokens=10_000, progress=False)
+            s = prepare(
+                inputs=[str(src)],
+                out_dir=Path(tmp) / f"{label}_out{r}",
+                name=label,
+                num_proc=num_proc,
+                val_tokens=10_000,
+                progress=False,
+            )
             prep.append(s["tokens"] / s["seconds"])  # everything: pool start, reading, EOTs, writing, sha256
     threads, procs, prep = max(threads), max(procs), max(prep)
-    print(f"prep  {label:9s} {len(docs):7,} docs {tokens:10,} tokens | encode_ordinary_batch: "
-          f"{threads / 1e6:5.2f}M tok/s ({num_proc} threads), {procs / 1e6:5.2f}M tok/s ({num_proc} processes) | "
-          f"prepare_data: {prep / 1e6:5.2f}M tok/s = {100 * prep / max(threads, procs):3.0f}% of the faster (wall clock)")
+    print(
+        f"prep  {label:9s} {len(docs):7,} docs {tokens:10,} tokens | encode_ordinary_batch: "
+        f"{threads / 1e6:5.2f}M tok/s ({num_proc} threads), {procs / 1e6:5.2f}M tok/s ({num_proc} processes) | "
+        f"prepare_data: {prep / 1e6:5.2f}M tok/s = {100 * prep / max(threads, procs):3.0f}% of the faster (wall clock)"
+    )
+
     # The same work in CPU seconds (all processes), which a busy machine disturbs much less than
     # wall time: the overhead prepare_data adds, and the main process's share, which caps scaling.
     def raw_pool():
@@ -101,13 +113,27 @@ def bench_prep(docs, label, num_proc, repeats, tmp):
             sum(pool.map(_count_tokens, batches, chunksize=1))
             pool.close()
             pool.join()  # reaped, so their CPU time shows in RUSAGE_CHILDREN
+
     raw_cpu = min(cpu_seconds(raw_pool)[0] for _ in range(repeats))
-    runs = [cpu_seconds(lambda: prepare(inputs=[str(src)], out_dir=Path(tmp) / f"{label}_cpu{r}", name=label,
-                                        num_proc=num_proc, val_tokens=10_000, progress=False)) for r in range(repeats)]
+    runs = [
+        cpu_seconds(
+            lambda: prepare(
+                inputs=[str(src)],
+                out_dir=Path(tmp) / f"{label}_cpu{r}",
+                name=label,
+                num_proc=num_proc,
+                val_tokens=10_000,
+                progress=False,
+            )
+        )
+        for r in range(repeats)
+    ]
     prep_cpu, main_cpu = min(runs)
-    print(f"prep  {label:9s} CPU time per token, all processes: encode_ordinary_batch {raw_cpu / tokens * 1e9:5.0f} ns, "
-          f"prepare_data {prep_cpu / tokens * 1e9:5.0f} ns = {100 * raw_cpu / prep_cpu:3.0f}% efficiency; "
-          f"its main process {main_cpu / tokens * 1e9:4.0f} ns/token caps it at {tokens / main_cpu / 1e6:.0f}M tok/s")
+    print(
+        f"prep  {label:9s} CPU time per token, all processes: encode_ordinary_batch {raw_cpu / tokens * 1e9:5.0f} ns, "
+        f"prepare_data {prep_cpu / tokens * 1e9:5.0f} ns = {100 * raw_cpu / prep_cpu:3.0f}% efficiency; "
+        f"its main process {main_cpu / tokens * 1e9:4.0f} ns/token caps it at {tokens / main_cpu / 1e6:.0f}M tok/s"
+    )
 
 
 def bench_tokenizers(docs, label, num_proc, repeats, tmp, tokenizer_path):
@@ -115,6 +141,7 @@ def bench_tokenizers(docs, label, num_proc, repeats, tmp, tokenizer_path):
     assets.HFTokenizer.encode_to_numpy) and with the same file read by the tokenizers library alone (an empty
     normalizer added: same ids, no translation). Rates in MB of text per second, wall clock and CPU seconds."""
     from assets import open_tokenizer
+
     src = Path(tmp) / f"tok_{label}.d"
     src.mkdir()
     (src / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
@@ -124,8 +151,11 @@ def bench_tokenizers(docs, label, num_proc, repeats, tmp, tokenizer_path):
     library = Path(tmp) / f"library_{label}.json"
     library.write_text(json.dumps(spec))
     ids = open_tokenizer(str(tokenizer_path)).n_vocab
-    rows = {"gpt2 (tiktoken)": "gpt2", f"{ids:,}-id tokenizer.json": tokenizer_path,
-            "same file, tokenizers library": library}
+    rows = {
+        "gpt2 (tiktoken)": "gpt2",
+        f"{ids:,}-id tokenizer.json": tokenizer_path,
+        "same file, tokenizers library": library,
+    }
     wall, cpu, tokens = {k: [] for k in rows}, {k: [] for k in rows}, {}
     for r in range(repeats):  # interleaved, so that a busy machine's quiet moments are shared fairly
         for k, tok in rows.items():
@@ -133,17 +163,29 @@ def bench_tokenizers(docs, label, num_proc, repeats, tmp, tokenizer_path):
             summary = {}
 
             def run(out=out, tok=tok, summary=summary):
-                summary.update(prepare(inputs=[str(src)], out_dir=out, name=label, num_proc=num_proc,
-                                       val_tokens=10_000, progress=False, tokenizer=str(tok)))
+                summary.update(
+                    prepare(
+                        inputs=[str(src)],
+                        out_dir=out,
+                        name=label,
+                        num_proc=num_proc,
+                        val_tokens=10_000,
+                        progress=False,
+                        tokenizer=str(tok),
+                    )
+                )
+
             seconds = cpu_seconds(run)[0]
             wall[k].append(size / summary["seconds"] / 1e6)
             cpu[k].append(seconds / size * 1e9)
             tokens[k] = summary["tokens"]
     base_wall, base_cpu = max(wall["gpt2 (tiktoken)"]), min(cpu["gpt2 (tiktoken)"])
     for k in rows:
-        print(f"tokenizer {label:9s} {k:32s} {size / 1e6:5.1f} MB -> {tokens[k]:10,} tokens | prepare_data "
-              f"{max(wall[k]):5.2f} MB/s wall = {100 * max(wall[k]) / base_wall:3.0f}% of gpt2's | "
-              f"{min(cpu[k]):5.0f} CPU ns/byte = {min(cpu[k]) / base_cpu:4.2f}x gpt2's ({num_proc} processes)")
+        print(
+            f"tokenizer {label:9s} {k:32s} {size / 1e6:5.1f} MB -> {tokens[k]:10,} tokens | prepare_data "
+            f"{max(wall[k]):5.2f} MB/s wall = {100 * max(wall[k]) / base_wall:3.0f}% of gpt2's | "
+            f"{min(cpu[k]):5.0f} CPU ns/byte = {min(cpu[k]) / base_cpu:4.2f}x gpt2's ({num_proc} processes)"
+        )
 
 
 def bench_loader(batch_size, block_size, world_size, steps, tmp):
@@ -161,10 +203,12 @@ def bench_loader(batch_size, block_size, world_size, steps, tmp):
     loader.next_batch()
     seconds = best_seconds(lambda: [loader.next_batch() for _ in range(steps)], 3) / steps
     tokens = batch_size * block_size
-    print(f"loader B={batch_size} T={block_size} world_size={world_size}: {seconds * 1e3:.3f} ms/batch "
-          f"({seconds / tokens * 1e9:.1f} ns/token); startup + first batches incl. vocab check of a 10M-token shard "
-          f"{first * 1e3:.0f} ms. Under 1% of the step whenever a rank's micro-step takes >= {100 * seconds * 1e3:.1f} ms, "
-          f"i.e. the trainer runs below {tokens / (100 * seconds) / 1e6:.1f}M tokens/s per rank")
+    print(
+        f"loader B={batch_size} T={block_size} world_size={world_size}: {seconds * 1e3:.3f} ms/batch "
+        f"({seconds / tokens * 1e9:.1f} ns/token); startup + first batches incl. vocab check of a 10M-token shard "
+        f"{first * 1e3:.0f} ms. Under 1% of the step whenever a rank's micro-step takes >= {100 * seconds * 1e3:.1f} ms, "
+        f"i.e. the trainer runs below {tokens / (100 * seconds) / 1e6:.1f}M tokens/s per rank"
+    )
 
 
 def main():
@@ -176,12 +220,16 @@ def main():
     p.add_argument("--block_size", type=int, default=1024)
     p.add_argument("--world_size", type=int, default=1)
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--tokenizer", help="tokenizer.json (or its directory) to compare with GPT-2's (default: one "
-                   "trained here by tokenizer.py on the text, 8,192 ids)")
+    p.add_argument(
+        "--tokenizer",
+        help="tokenizer.json (or its directory) to compare with GPT-2's (default: one "
+        "trained here by tokenizer.py on the text, 8,192 ids)",
+    )
     p.add_argument("--only", choices=["prep", "tokenizers", "loader"], help="run one of the three benchmarks")
     args = p.parse_args()
     # after parsing (--help needs no torch), before timing: the loader's first batch is not charged for it
     import torch  # noqa: F401
+
     print(f"machine: {machine_line('cpu')}")
     text = Path(fetch_shakespeare()).read_text(encoding="utf-8")
     speeches = split_speeches(text) * args.copies
@@ -196,6 +244,7 @@ def main():
                 path = Path(path) / "tokenizer.json"
             if path is None:
                 import tokenizer
+
                 path = Path(tmp) / "tokenizer.json"
                 tokenizer.train(split_speeches(text), 8192).save(str(path))
             bench_tokenizers(speeches, "speeches", args.num_proc, args.repeats, tmp, path)

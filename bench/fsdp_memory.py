@@ -11,6 +11,7 @@ rank (16 bytes/param in fp32); FSDP 1/world_size of it. Peak RSS is reported too
 measure: it adds the Python/torch runtime, the whole fp32 model every rank initialises before sharding, and
 freed pages the tuned CPU allocator keeps (devices.tune_cpu_allocator).
 """
+
 import argparse
 import json
 import os
@@ -40,13 +41,16 @@ def worker(model_keys, out):
     """One rank: a training step as train.py takes it (the same parallelize()), then the bytes this rank holds."""
     import torch
     import torch.distributed as dist
+
     from config import make_config, model_config
     from model import GPT
     from optim import adamw
     from parallel import Env, clip_gradients, mesh_shape, parallelize
+
     parallel = os.environ["BENCH_PARALLEL"]
-    cfg = make_config({**model_keys, "device": "cpu", "dtype": "float32", "compile": False, "parallel": parallel,
-                       "grad_clip": 1.0})
+    cfg = make_config(
+        {**model_keys, "device": "cpu", "dtype": "float32", "compile": False, "parallel": parallel, "grad_clip": 1.0}
+    )
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = mesh_shape(parallel, None, world, world) if parallel != "ddp" else ()
@@ -61,9 +65,13 @@ def worker(model_keys, out):
     optimizer.step()
     params = list(raw.parameters())
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-    result = {"params": storage_bytes(params), "grads": storage_bytes(p.grad for p in params),
-              "optimizer": storage_bytes(state), "num_params": raw.num_params(),
-              "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    result = {
+        "params": storage_bytes(params),
+        "grads": storage_bytes(p.grad for p in params),
+        "optimizer": storage_bytes(state),
+        "num_params": raw.num_params(),
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
     with open(f"{out}.{env.rank}", "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -92,8 +100,17 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("ddp", "fsdp"):
             out = Path(tmp) / mode
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                   "bench.fsdp_memory", f"--worker={out}", *(f"--{k}={v}" for k, v in model_keys.items())]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                "-m",
+                "bench.fsdp_memory",
+                f"--worker={out}",
+                *(f"--{k}={v}" for k, v in model_keys.items()),
+            ]
             env = {**os.environ, "BENCH_PARALLEL": mode, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
             done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
             if done.returncode:
@@ -103,15 +120,19 @@ def main(argv=None):
     mib = lambda b: b / 2**20  # noqa: E731
     n = results["ddp"][0]["num_params"]
     print(f"{cpu_name()} | 2 ranks (gloo), fp32 | {n / 1e6:.1f}M parameters | {model_keys}")
-    print(f"{'mode':<5} {'rank':>4} {'params MiB':>11} {'grads MiB':>10} {'AdamW MiB':>10} {'total MiB':>10} "
-          f"{'bytes/param':>11} {'peak RSS MiB':>13}")
+    print(
+        f"{'mode':<5} {'rank':>4} {'params MiB':>11} {'grads MiB':>10} {'AdamW MiB':>10} {'total MiB':>10} "
+        f"{'bytes/param':>11} {'peak RSS MiB':>13}"
+    )
     totals = {}
     for mode, ranks in results.items():
         for rank, r in enumerate(ranks):
             total = r["params"] + r["grads"] + r["optimizer"]
             totals.setdefault(mode, []).append(total)
-            print(f"{mode:<5} {rank:>4} {mib(r['params']):>11.1f} {mib(r['grads']):>10.1f} "
-                  f"{mib(r['optimizer']):>10.1f} {mib(total):>10.1f} {total / n:>11.2f} {mib(r['peak_rss']):>13.0f}")
+            print(
+                f"{mode:<5} {rank:>4} {mib(r['params']):>11.1f} {mib(r['grads']):>10.1f} "
+                f"{mib(r['optimizer']):>10.1f} {mib(total):>10.1f} {total / n:>11.2f} {mib(r['peak_rss']):>13.0f}"
+            )
     ratio = max(totals["fsdp"]) / max(totals["ddp"])
     rss = max(r["peak_rss"] for r in results["fsdp"]) / max(r["peak_rss"] for r in results["ddp"])
     print(f"fsdp / ddp per rank: params+grads+AdamW {ratio:.3f}, peak RSS {rss:.3f}")

@@ -36,6 +36,7 @@ The header names torch, CUDA and NCCL versions and the GPU topology (nvidia-smi 
 
 Each train.py run gets its own empty torch.compile cache, so compile times are first-run times.
 """
+
 import argparse
 import json
 import math
@@ -53,7 +54,7 @@ import numpy as np
 import torch
 
 from config import TrainConfig, make_config, model_config, parse_args
-from devices import autocast, device_type, peak_flops, resolve_device, resolve_dtype, use_cuda_device
+from devices import autocast, device_type, resolve_device, resolve_dtype, use_cuda_device
 from model import GPT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,12 +68,16 @@ CHUNKED_TOL = {"float32": (1e-4, 1e-4), "bfloat16": (1e-3, 5e-2)}
 HELLASWAG_TOL = 0.1  # max |bf16 - fp32| of an ending's mean loss (nats)
 # Inputs for --tiny's HellaSwag row (a CI machine may have no copy of the real file); never scored for accuracy.
 SYNTHETIC_EXAMPLES = [
-    {"ind": i, "ctx": ctx, "label": i % 4, "endings": endings} for i, (ctx, endings) in enumerate([
-        ("The chef cracks two eggs into a bowl and", ["whisks them.", "sings.", "leaves.", "paints the wall."]),
-        ("A man climbs a ladder to the roof. He", ["fixes a tile.", "swims.", "eats soup.", "reads a map."]),
-        ("The kids run onto the beach and", ["build a sandcastle.", "file taxes.", "sleep.", "type."]),
-        ("She tunes the guitar, then", ["plays a song.", "mows it.", "bakes it.", "mails it."]),
-    ])]
+    {"ind": i, "ctx": ctx, "label": i % 4, "endings": endings}
+    for i, (ctx, endings) in enumerate(
+        [
+            ("The chef cracks two eggs into a bowl and", ["whisks them.", "sings.", "leaves.", "paints the wall."]),
+            ("A man climbs a ladder to the roof. He", ["fixes a tile.", "swims.", "eats soup.", "reads a map."]),
+            ("The kids run onto the beach and", ["build a sandcastle.", "file taxes.", "sleep.", "type."]),
+            ("She tunes the guitar, then", ["plays a song.", "mows it.", "bakes it.", "mails it."]),
+        ]
+    )
+]
 
 
 class Report:
@@ -100,8 +105,10 @@ def describe(device):
     if device_type(device) == "cuda":
         nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else "none"
         nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl
-        return (f"{torch.cuda.get_device_name(device)} x {torch.cuda.device_count()}, torch {torch.__version__}, "
-                f"CUDA {torch.version.cuda}, NCCL {nccl}")
+        return (
+            f"{torch.cuda.get_device_name(device)} x {torch.cuda.device_count()}, torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda}, NCCL {nccl}"
+        )
     return f"CPU ({os.cpu_count()} cores), torch {torch.__version__}"
 
 
@@ -124,6 +131,7 @@ def sync(device):
 def write_random_shards(data_dir, tokens, vocab, seed=0):
     """Train and val shards of uniformly random token ids: throughput and equivalence need no real text."""
     from data import write_shard
+
     rng = np.random.default_rng(seed)
     write_shard(Path(data_dir) / "random_train_000000.bin", rng.integers(0, min(vocab, 50257), tokens))
     write_shard(Path(data_dir) / "random_val_000000.bin", rng.integers(0, min(vocab, 50257), 100_000))
@@ -131,8 +139,9 @@ def write_random_shards(data_dir, tokens, vocab, seed=0):
 
 def run_train(args, out_dir, env, nproc=0, timeout=3600):
     """train.py (under torchrun with nproc ranks if nproc) -> (return code, stderr tail, metrics records)."""
-    launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-                                   if nproc else [])
+    launcher = [sys.executable] + (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    )
     cmd = [*launcher, str(ROOT / "train.py"), *args, f"--out_dir={out_dir}"]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     path = Path(out_dir) / "metrics.jsonl"
@@ -142,20 +151,34 @@ def run_train(args, out_dir, env, nproc=0, timeout=3600):
 
 def train_env(tmp, name):
     """The environment of a train.py subprocess: this checkout importable, its own empty compile cache."""
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-            "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / f"inductor_{name}")}
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / f"inductor_{name}"),
+    }
 
 
 # ----------------------------------------------------------------------------- the checks
+
 
 def check_train(report, opts, tmp, data_dir):
     """train.py on the acceptance config; returns (cfg it ran, out_dir, its step records) or None if it failed."""
     batch_size = opts.batch_size
     while True:
         cfg = make_config({**opts.user, "batch_size": batch_size})
-        args = [*opts.train_args, f"--data_dir={data_dir}", f"--max_steps={opts.steps}", f"--batch_size={batch_size}",
-                f"--total_batch_size={batch_size * cfg.block_size}", "--eval_interval=0", "--hellaswag_interval=0",
-                "--sample_interval=0", "--save_interval=0", f"--device={opts.device}"]
+        args = [
+            *opts.train_args,
+            f"--data_dir={data_dir}",
+            f"--max_steps={opts.steps}",
+            f"--batch_size={batch_size}",
+            f"--total_batch_size={batch_size * cfg.block_size}",
+            "--eval_interval=0",
+            "--hellaswag_interval=0",
+            "--sample_interval=0",
+            "--save_interval=0",
+            f"--device={opts.device}",
+        ]
         out_dir = Path(tmp) / f"train_b{batch_size}"
         rc, err, records = run_train(args, out_dir, train_env(tmp, f"train_b{batch_size}"))
         if rc and "out of memory" in err.lower() and batch_size > 1:
@@ -165,18 +188,26 @@ def check_train(report, opts, tmp, data_dir):
         break
     what = f"micro-batch {batch_size} x {cfg.block_size}, {cfg.dtype}, compile {cfg.compile}"
     if rc or not records:
-        report.add("train", f"train.py failed ({what}): {err.strip().splitlines()[-1] if err.strip() else rc}",
-                   "exit 0", "FAIL")
+        report.add(
+            "train",
+            f"train.py failed ({what}): {err.strip().splitlines()[-1] if err.strip() else rc}",
+            "exit 0",
+            "FAIL",
+        )
         return None
     losses = [r["train_loss"] for r in records]
-    timed = records[max(1, len(records) // 4):] or records  # after the first steps (allocator, autotuning)
+    timed = records[max(1, len(records) // 4) :] or records  # after the first steps (allocator, autotuning)
     tok_s = statistics.median(r["tokens_per_s"] for r in timed)
     mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
     peak = max(r["peak_mem_mb"] for r in records if r.get("peak_mem_mb") is not None)
     reserved = max((r.get("peak_reserved_mb") or 0) for r in records)
-    result = (f"{tok_s:,.0f} tokens/s" + (f", MFU {statistics.median(mfus):.1%}" if mfus else "")
-              + f", peak {peak:,.0f} MiB" + (f" ({reserved:,.0f} reserved)" if reserved else "")
-              + f"; {what}; loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps")
+    result = (
+        f"{tok_s:,.0f} tokens/s"
+        + (f", MFU {statistics.median(mfus):.1%}" if mfus else "")
+        + f", peak {peak:,.0f} MiB"
+        + (f" ({reserved:,.0f} reserved)" if reserved else "")
+        + f"; {what}; loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps"
+    )
     reference = "-"
     if not opts.tiny:
         with torch.device("meta"):  # FLOPs per token need the shapes only
@@ -207,8 +238,9 @@ def check_compile(report, opts, cfg, device, dtype, tmp):
         times.append(time.perf_counter() - t0)
     del model, compiled, loss
     torch.cuda.empty_cache() if device_type(device) == "cuda" else None
-    report.add("compile", f"first forward+backward {times[0]:.1f} s (compile included), then {times[-1]:.3f} s",
-               "-", "INFO")
+    report.add(
+        "compile", f"first forward+backward {times[0]:.1f} s (compile included), then {times[-1]:.3f} s", "-", "INFO"
+    )
 
 
 def chunked_vs_full(model, x, y, device, dtype):
@@ -246,8 +278,12 @@ def check_chunked(report, opts, cfg, device):
         loss_tol, grad_tol = CHUNKED_TOL[dtype]
         loss_err = abs(full - chunked)
         ok = loss_err <= loss_tol and grad_err <= grad_tol
-        report.add(f"chunked loss ({dtype})", f"loss {chunked:.6f} vs full logits {full:.6f}: |diff| {loss_err:.1e}, "
-                   f"gradients {grad_err:.1e} of max", f"<= {loss_tol:g}, <= {grad_tol:g}", "PASS" if ok else "FAIL")
+        report.add(
+            f"chunked loss ({dtype})",
+            f"loss {chunked:.6f} vs full logits {full:.6f}: |diff| {loss_err:.1e}, gradients {grad_err:.1e} of max",
+            f"<= {loss_tol:g}, <= {grad_tol:g}",
+            "PASS" if ok else "FAIL",
+        )
     del model
 
 
@@ -255,6 +291,7 @@ def check_hellaswag(report, opts, device, ckpt_dir):
     import hellaswag
     from assets import fetch_hellaswag, get_tokenizer
     from checkpoint import load_model
+
     try:
         enc = get_tokenizer()
         if opts.tiny:
@@ -279,9 +316,13 @@ def check_hellaswag(report, opts, device, ckpt_dir):
     if opts.hellaswag_model and not opts.tiny:
         reference += "; GPT-2 124M: acc_norm 0.2955 on all 10,042"
     ok = math.isfinite(diff) and diff <= HELLASWAG_TOL
-    report.add("hellaswag", f"{low['n']} examples ({source}): acc_norm {low['acc_norm']:.4f} bf16, {full['acc_norm']:.4f}"
-               f" fp32; max |bf16 - fp32| mean loss {diff:.1e}, same prediction {same:.0%}; {rate:.0f} examples/s bf16",
-               reference, "PASS" if ok else "FAIL")
+    report.add(
+        "hellaswag",
+        f"{low['n']} examples ({source}): acc_norm {low['acc_norm']:.4f} bf16, {full['acc_norm']:.4f}"
+        f" fp32; max |bf16 - fp32| mean loss {diff:.1e}, same prediction {same:.0%}; {rate:.0f} examples/s bf16",
+        reference,
+        "PASS" if ok else "FAIL",
+    )
 
 
 def memory_verdict(predicted_bytes, measured_bytes, slack=MEMORY_SLACK):
@@ -298,23 +339,43 @@ def check_memory(report, cfg, device, dtype, records):
         return
     plan = memory.estimate_memory(model_config(cfg), cfg.batch_size, dtype=dtype, parallel="ddp", world_size=1)
     if device_type(device) != "cuda":
-        report.add("memory plan", f"predicted {plan.total / 2**30:.2f} GiB; not compared: the CPU's peak RSS "
-                   "includes the whole process", "-", "INFO")
+        report.add(
+            "memory plan",
+            f"predicted {plan.total / 2**30:.2f} GiB; not compared: the CPU's peak RSS includes the whole process",
+            "-",
+            "INFO",
+        )
         return
     measured = max(r["peak_mem_mb"] for r in records) * 2**20
     status, ratio = memory_verdict(plan.total, measured)
-    report.add("memory plan", f"predicted {plan.total / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB allocated "
-               f"({ratio:.2f}x); {plan.line()}", f"measured <= {MEMORY_SLACK:.2f}x predicted", status)
+    report.add(
+        "memory plan",
+        f"predicted {plan.total / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB allocated "
+        f"({ratio:.2f}x); {plan.line()}",
+        f"measured <= {MEMORY_SLACK:.2f}x predicted",
+        status,
+    )
 
 
 def check_torchrun(report, opts, tmp, data_dir, nproc):
     """torchrun with nproc ranks (DDP, and FSDP where it exists) equals 1 process with nproc accumulation steps."""
     model_args = TINY if opts.tiny else SMALL
     batch = 4 if opts.tiny else 8
-    common = [*(f"--{k}={v}" for k, v in model_args.items()), f"--data_dir={data_dir}", "--max_steps=5",
-              f"--batch_size={batch}", f"--total_batch_size={batch * model_args['block_size'] * nproc}",
-              "--dtype=float32", "--compile=False", "--dropout=0.0", "--eval_interval=0", "--save_interval=0",
-              "--warmup_steps=1", "--learning_rate=1e-3", f"--device={'cpu' if opts.tiny else 'cuda'}"]
+    common = [
+        *(f"--{k}={v}" for k, v in model_args.items()),
+        f"--data_dir={data_dir}",
+        "--max_steps=5",
+        f"--batch_size={batch}",
+        f"--total_batch_size={batch * model_args['block_size'] * nproc}",
+        "--dtype=float32",
+        "--compile=False",
+        "--dropout=0.0",
+        "--eval_interval=0",
+        "--save_interval=0",
+        "--warmup_steps=1",
+        "--learning_rate=1e-3",
+        f"--device={'cpu' if opts.tiny else 'cuda'}",
+    ]
     rc, err, single = run_train(common, Path(tmp) / "single", train_env(tmp, "single"))
     tol = 1e-5 if opts.tiny else 1e-4  # GPUs: fp32 with TF32 matmuls (train.py turns them on)
     modes = ["ddp"] + (["fsdp"] if "parallel" in {f.name for f in fields(TrainConfig)} else [])
@@ -326,16 +387,31 @@ def check_torchrun(report, opts, tmp, data_dir, nproc):
             report.add(mode, f"a run failed: {tail[0]}", "exit 0", "FAIL")
             continue
         diff = max(abs(a["train_loss"] - b["train_loss"]) for a, b in zip(ranks, single))
-        report.add(mode, f"{nproc} ranks vs 1 process x {nproc} accumulation steps, {len(single)} steps: max |loss "
-                   f"diff| {diff:.1e}", f"<= {tol:g}", "PASS" if diff <= tol else "FAIL")
+        report.add(
+            mode,
+            f"{nproc} ranks vs 1 process x {nproc} accumulation steps, {len(single)} steps: max |loss diff| {diff:.1e}",
+            f"<= {tol:g}",
+            "PASS" if diff <= tol else "FAIL",
+        )
 
 
 def train_args(opts, data_dir, model_args=None, steps=8, batch=4, dtype="float32"):
     """A few train.py steps on random tokens: the tiny model (--tiny) or SMALL, no evaluation, no compile."""
     model_args = model_args or (TINY if opts.tiny else SMALL)
-    return [*(f"--{k}={v}" for k, v in model_args.items()), f"--data_dir={data_dir}", f"--max_steps={steps}",
-            f"--batch_size={batch}", f"--dtype={dtype}", "--compile=False", "--eval_interval=0", "--save_interval=0",
-            "--warmup_steps=1", "--learning_rate=1e-3", "--log_interval=0", f"--device={opts.device}"]
+    return [
+        *(f"--{k}={v}" for k, v in model_args.items()),
+        f"--data_dir={data_dir}",
+        f"--max_steps={steps}",
+        f"--batch_size={batch}",
+        f"--dtype={dtype}",
+        "--compile=False",
+        "--eval_interval=0",
+        "--save_interval=0",
+        "--warmup_steps=1",
+        "--learning_rate=1e-3",
+        "--log_interval=0",
+        f"--device={opts.device}",
+    ]
 
 
 def losses(records):
@@ -347,8 +423,14 @@ def check_sigterm_resume(report, opts, tmp, data_dir):
     with an uninterrupted run's."""
     args = [*train_args(opts, data_dir, steps=60), "--dropout=0.1"]
     env, out = train_env(tmp, "sigterm"), Path(tmp) / "sigterm"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"--out_dir={out}"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args, f"--out_dir={out}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 600
     while proc.poll() is None and time.time() < deadline:  # until it has trained 5 steps
         metrics = out / "metrics.jsonl"
@@ -370,8 +452,12 @@ def check_sigterm_resume(report, opts, tmp, data_dir):
     a, b = losses(resumed), losses(straight)
     diff = max(abs(a[k] - b[k]) for k in b) if set(a) == set(b) else math.inf
     tol = 0.0 if opts.tiny else 1e-3  # a GPU's kernels need not be deterministic
-    report.add("sigterm", f"stopped after step {stopped} of {len(straight)}, resumed: max |loss diff| {diff:.1e}",
-               f"<= {tol:g}", "PASS" if diff <= tol else "FAIL")
+    report.add(
+        "sigterm",
+        f"stopped after step {stopped} of {len(straight)}, resumed: max |loss diff| {diff:.1e}",
+        f"<= {tol:g}",
+        "PASS" if diff <= tol else "FAIL",
+    )
 
 
 def run_train_records(out_dir):
@@ -407,15 +493,24 @@ def check_host_syncs(report, opts, tmp, data_dir):
         return
     script, result = Path(tmp) / "count_syncs.py", Path(tmp) / "syncs.json"
     script.write_text(COUNT_SYNCS)
-    cmd = [sys.executable, str(script), str(result), *train_args(opts, data_dir, steps=10, dtype="bfloat16"),
-           f"--out_dir={Path(tmp) / 'syncs'}"]
+    cmd = [
+        sys.executable,
+        str(script),
+        str(result),
+        *train_args(opts, data_dir, steps=10, dtype="bfloat16"),
+        f"--out_dir={Path(tmp) / 'syncs'}",
+    ]
     run = subprocess.run(cmd, cwd=ROOT, env=train_env(tmp, "syncs"), capture_output=True, text=True, timeout=1800)
     if run.returncode or not result.exists():
         report.add("host syncs", f"failed: {run.stderr.strip().splitlines()[-1:]}", "exit 0", "FAIL")
         return
     found = json.loads(result.read_text())
-    report.add("host syncs", f"{found['per_step']:g} per step over 4 profiled steps ({found['counts']})", "1",
-               "PASS" if found["per_step"] <= 1 else "FAIL")
+    report.add(
+        "host syncs",
+        f"{found['per_step']:g} per step over 4 profiled steps ({found['counts']})",
+        "1",
+        "PASS" if found["per_step"] <= 1 else "FAIL",
+    )
 
 
 SYNC_DEBUG = """
@@ -467,10 +562,18 @@ def check_sync_debug(report, opts, tmp, data_dir):
     block = (TINY if opts.tiny else SMALL)["block_size"]
     for name, nproc in (("plain", 0), ("masked", 1)):
         result = Path(tmp) / f"sync_debug_{name}.json"
-        launcher = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-                                       if nproc else [])
-        cmd = [*launcher, str(script), str(result), name, *train_args(opts, data_dir, steps=10, dtype="bfloat16"),
-               f"--total_batch_size={2 * 4 * block}", f"--out_dir={Path(tmp) / f'sync_debug_{name}'}"]
+        launcher = [sys.executable] + (
+            ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+        )
+        cmd = [
+            *launcher,
+            str(script),
+            str(result),
+            name,
+            *train_args(opts, data_dir, steps=10, dtype="bfloat16"),
+            f"--total_batch_size={2 * 4 * block}",
+            f"--out_dir={Path(tmp) / f'sync_debug_{name}'}",
+        ]
         run = subprocess.run(cmd, cwd=ROOT, env=train_env(tmp, "sync"), capture_output=True, text=True, timeout=1800)
         check = f"sync debug {name}" + (" (torchrun)" if nproc else "")
         if run.returncode or not result.exists():
@@ -478,8 +581,12 @@ def check_sync_debug(report, opts, tmp, data_dir):
             report.add(check, f"failed: {(errors or run.stderr.strip().splitlines())[-1:]}", "exit 0", "FAIL")
             continue
         found = json.loads(result.read_text())
-        report.add(check, f"{found['per_step']:g} per step over 5 steps {found['first']}", "<= 1",
-                   "PASS" if found["per_step"] <= 1 else "FAIL")
+        report.add(
+            check,
+            f"{found['per_step']:g} per step over 5 steps {found['first']}",
+            "<= 1",
+            "PASS" if found["per_step"] <= 1 else "FAIL",
+        )
 
 
 def check_oom(report, opts, tmp, data_dir):
@@ -487,21 +594,36 @@ def check_oom(report, opts, tmp, data_dir):
         report.add("oom", "CUDA only (batch_size='auto' probes the GPU; a real out-of-memory)", "-", "SKIP")
         return
     import memory
+
     cfg = make_config(opts.user)
     free = torch.cuda.mem_get_info(opts.device)[0]
     b = 1
     while memory.estimate_memory(model_config(cfg), b, dtype=resolve_dtype(cfg.dtype, opts.device)).total < 2 * free:
         b *= 2
-    base = [*opts.train_args, f"--data_dir={data_dir}", "--max_steps=3", "--eval_interval=0", "--save_interval=0",
-            "--hellaswag_interval=0", "--sample_interval=0", f"--device={opts.device}",
-            f"--total_batch_size={b * cfg.block_size}"]
-    for name, extra in (("auto", ["--batch_size=auto"]),
-                        (f"micro-batch {b}", [f"--batch_size={b}", "--memory_check=False"])):
+    base = [
+        *opts.train_args,
+        f"--data_dir={data_dir}",
+        "--max_steps=3",
+        "--eval_interval=0",
+        "--save_interval=0",
+        "--hellaswag_interval=0",
+        "--sample_interval=0",
+        f"--device={opts.device}",
+        f"--total_batch_size={b * cfg.block_size}",
+    ]
+    for name, extra in (
+        ("auto", ["--batch_size=auto"]),
+        (f"micro-batch {b}", [f"--batch_size={b}", "--memory_check=False"]),
+    ):
         rc, err, records = run_train([*base, *extra], Path(tmp) / f"oom_{name.split()[-1]}", train_env(tmp, "oom"))
         ok = rc == 0 and len(records) == 3
         micro = sorted({r.get("micro_batch") for r in records})
-        report.add(f"oom ({name})", f"finished 3 steps at micro-batch {micro}" if ok else
-                   f"failed: {err.strip().splitlines()[-1:] or rc}", "exit 0, 3 steps", "PASS" if ok else "FAIL")
+        report.add(
+            f"oom ({name})",
+            f"finished 3 steps at micro-batch {micro}" if ok else f"failed: {err.strip().splitlines()[-1:] or rc}",
+            "exit 0, 3 steps",
+            "PASS" if ok else "FAIL",
+        )
 
 
 def check_fsdp_bf16_resume(report, opts, tmp, data_dir, nproc):
@@ -511,24 +633,37 @@ def check_fsdp_bf16_resume(report, opts, tmp, data_dir, nproc):
         report.add("fsdp bf16", "needs >= 2 GPUs (tests/test_fsdp.py covers its CPU part)", "-", "SKIP")
         return
     batch = 4
-    args = [*train_args(opts, data_dir, steps=8, batch=batch, dtype="bfloat16"), "--compile=True", "--parallel=fsdp",
-            "--activation_checkpointing=True", f"--total_batch_size={2 * batch * SMALL['block_size'] * nproc}",
-            "--save_interval=4", "--keep_last=0"]
+    args = [
+        *train_args(opts, data_dir, steps=8, batch=batch, dtype="bfloat16"),
+        "--compile=True",
+        "--parallel=fsdp",
+        "--activation_checkpointing=True",
+        f"--total_batch_size={2 * batch * SMALL['block_size'] * nproc}",
+        "--save_interval=4",
+        "--keep_last=0",
+    ]
     out, straight = Path(tmp) / "fsdp_bf16", Path(tmp) / "fsdp_bf16_straight"
     rc, err, full = run_train(args, straight, train_env(tmp, "fsdp_bf16"), nproc=nproc)
     if not rc:
         import shutil
+
         shutil.copytree(straight / "ckpt_000004", out / "ckpt_000004")
         half = nproc // 2 if nproc > 2 else 0
-        rc, err, resumed = run_train(["--init_from=resume", f"--device={opts.device}"], out,
-                                     train_env(tmp, "fsdp_bf16_resume"), nproc=half)
+        rc, err, resumed = run_train(
+            ["--init_from=resume", f"--device={opts.device}"], out, train_env(tmp, "fsdp_bf16_resume"), nproc=half
+        )
     if rc or not full:
         report.add("fsdp bf16", f"a run failed: {err.strip().splitlines()[-1:] or rc}", "exit 0", "FAIL")
         return
     a, b = losses(resumed), {k: v for k, v in losses(full).items() if k > 4}
     diff = max(abs(a[k] - b[k]) for k in b) if set(a) == set(b) else math.inf
-    report.add("fsdp bf16", f"{nproc} ranks, compile + checkpointing + 2 accumulation steps; resumed at step 4 on "
-               f"{half or 1}: max |loss diff| {diff:.1e} over steps 5-8", "<= 0.02", "PASS" if diff <= 0.02 else "FAIL")
+    report.add(
+        "fsdp bf16",
+        f"{nproc} ranks, compile + checkpointing + 2 accumulation steps; resumed at step 4 on "
+        f"{half or 1}: max |loss diff| {diff:.1e} over steps 5-8",
+        "<= 0.02",
+        "PASS" if diff <= 0.02 else "FAIL",
+    )
 
 
 def check_ddp_scaling(report, opts, tmp, data_dir, trained):
@@ -538,6 +673,7 @@ def check_ddp_scaling(report, opts, tmp, data_dir, trained):
         return
     try:  # train.py reads HellaSwag from the cache fetch_hellaswag fills; an offline node may not have it
         from assets import fetch_hellaswag
+
         fetch_hellaswag()
         hellaswag = 20
     except Exception:  # noqa: BLE001 -- no data: the row runs without HellaSwag and says so
@@ -546,18 +682,32 @@ def check_ddp_scaling(report, opts, tmp, data_dir, trained):
         report.add("ddp x8", "the train row failed: no one-GPU reference", "-", "FAIL")
         return
     cfg, _, one = trained
-    one_gpu_tokens_per_s = statistics.median(r["tokens_per_s"] for r in one[max(1, len(one) // 4):])
-    args = [*opts.train_args, f"--data_dir={data_dir}", f"--max_steps={opts.steps}", f"--batch_size={cfg.batch_size}",
-            f"--total_batch_size={8 * cfg.batch_size * cfg.block_size}", "--eval_interval=10", "--eval_steps=5",
-            f"--hellaswag_interval={hellaswag}", "--hellaswag_limit=200", "--sample_interval=20", "--save_interval=0"]
+    one_gpu_tokens_per_s = statistics.median(r["tokens_per_s"] for r in one[max(1, len(one) // 4) :])
+    args = [
+        *opts.train_args,
+        f"--data_dir={data_dir}",
+        f"--max_steps={opts.steps}",
+        f"--batch_size={cfg.batch_size}",
+        f"--total_batch_size={8 * cfg.batch_size * cfg.block_size}",
+        "--eval_interval=10",
+        "--eval_steps=5",
+        f"--hellaswag_interval={hellaswag}",
+        "--hellaswag_limit=200",
+        "--sample_interval=20",
+        "--save_interval=0",
+    ]
     rc, err, records = run_train(args, Path(tmp) / "ddp8", train_env(tmp, "ddp8"), nproc=8)
     if rc or not records:
         report.add("ddp x8", f"failed: {err.strip().splitlines()[-1:] or rc}", "exit 0", "FAIL")
         return
-    timed = records[max(1, len(records) // 4):]
+    timed = records[max(1, len(records) // 4) :]
     scaling = statistics.median(r["tokens_per_s"] for r in timed) / (8 * one_gpu_tokens_per_s)
-    report.add("ddp x8", f"{scaling:.0%} of 8x one GPU (eval, samples" + (", HellaSwag" if hellaswag else "") + " on)",
-               ">= 85%", "PASS" if scaling >= 0.85 else "FAIL")
+    report.add(
+        "ddp x8",
+        f"{scaling:.0%} of 8x one GPU (eval, samples" + (", HellaSwag" if hellaswag else "") + " on)",
+        ">= 85%",
+        "PASS" if scaling >= 0.85 else "FAIL",
+    )
 
 
 def check_1558m_memory(report, opts, tmp, data_dir):
@@ -566,12 +716,22 @@ def check_1558m_memory(report, opts, tmp, data_dir):
         return
     import dryrun
     import memory
+
     config = ROOT / "configs" / "gpt2_1558m.py"
     cfg = make_config(parse_args([str(config)]))
     cfg = make_config(parse_args([str(config), f"--total_batch_size={2 * cfg.batch_size * cfg.block_size}"]))
-    args = [str(config), f"--data_dir={data_dir}", "--max_steps=3", "--eval_interval=0",
-            f"--total_batch_size={cfg.total_batch_size}", "--hellaswag_interval=0",
-            "--sample_interval=0", "--save_interval=0", f"--device={opts.device}", "--memory_check=False"]
+    args = [
+        str(config),
+        f"--data_dir={data_dir}",
+        "--max_steps=3",
+        "--eval_interval=0",
+        f"--total_batch_size={cfg.total_batch_size}",
+        "--hellaswag_interval=0",
+        "--sample_interval=0",
+        "--save_interval=0",
+        f"--device={opts.device}",
+        "--memory_check=False",
+    ]
     rc, err, records = run_train(args, Path(tmp) / "1558m", train_env(tmp, "1558m"))
     if rc or not records:
         report.add("1558m memory", f"failed: {err.strip().splitlines()[-1:] or rc}", "exit 0", "FAIL")
@@ -581,24 +741,37 @@ def check_1558m_memory(report, opts, tmp, data_dir):
     simulated = f"{dryrun.dry_run(cfg, world_size=1).total / 2**30:.1f} GiB"
     measured = max(r["peak_mem_mb"] for r in records) * 2**20
     status, ratio = memory_verdict(plan.total, measured)
-    report.add("1558m memory", f"2 accumulation steps: measured {measured / 2**30:.1f} GiB, planned "
-               f"{plan.total / 2**30:.1f} GiB ({ratio:.2f}x), dry run {simulated}",
-               f"measured <= {MEMORY_SLACK:.2f}x planned", status)
+    report.add(
+        "1558m memory",
+        f"2 accumulation steps: measured {measured / 2**30:.1f} GiB, planned "
+        f"{plan.total / 2**30:.1f} GiB ({ratio:.2f}x), dry run {simulated}",
+        f"measured <= {MEMORY_SLACK:.2f}x planned",
+        status,
+    )
 
 
 # ----------------------------------------------------------------------------- main
 
+
 def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cuda', 'cuda:1', or 'cpu' with --tiny")
+    p.add_argument(
+        "--device", default="auto", help="'auto' (cuda if available), 'cuda', 'cuda:1', or 'cpu' with --tiny"
+    )
     p.add_argument("--tiny", action="store_true", help="a tiny model, float32, no compile: the checks a CPU can run")
     p.add_argument("--steps", type=int, default=None, help="train.py steps (default 40; --tiny 6)")
     p.add_argument("--batch_size", type=int, default=None, help="micro-batch to try first (default: the config's, 64)")
     p.add_argument("--hellaswag", type=int, default=300, help="HellaSwag examples to score")
     p.add_argument("--hellaswag_file", default=None, help="hellaswag_val.jsonl (default: assets.fetch_hellaswag())")
-    p.add_argument("--hellaswag_model", default=None, help="score this Hugging Face GPT-2 dir instead of the trained one")
-    p.add_argument("--nproc", type=int, default=None, help="ranks for the torchrun checks (default: 2 if >= 2 GPUs, else none)")
-    p.add_argument("--inject", choices=["chunked"], default=None, help="test hook: make that check compute a wrong result")
+    p.add_argument(
+        "--hellaswag_model", default=None, help="score this Hugging Face GPT-2 dir instead of the trained one"
+    )
+    p.add_argument(
+        "--nproc", type=int, default=None, help="ranks for the torchrun checks (default: 2 if >= 2 GPUs, else none)"
+    )
+    p.add_argument(
+        "--inject", choices=["chunked"], default=None, help="test hook: make that check compute a wrong result"
+    )
     opts = p.parse_args(argv)
     opts.device = resolve_device(opts.device)
     if device_type(opts.device) != "cuda" and not opts.tiny:

@@ -3,6 +3,7 @@ Run from the repository root (a random model on the real examples):
 
     python -m bench.hellaswag_speed [--n 100] [--batch_size 16] [--device auto] [--dtype auto]
 """
+
 import argparse
 import time
 
@@ -54,8 +55,14 @@ def bench_hellaswag(model, examples, device, batch_size=16, dtype=None, enc=None
     t2 = time.perf_counter()
     same = [(p["pred"], p["pred_norm"]) for p in batched["preds"]] == single
     n = len(examples)
-    return {"n": n, "batch_size": batch_size, "batched_ex_per_s": n / (t1 - t0),
-            "single_ex_per_s": n / (t2 - t1), "speedup": (t2 - t1) / (t1 - t0), "same_preds": same}
+    return {
+        "n": n,
+        "batch_size": batch_size,
+        "batched_ex_per_s": n / (t1 - t0),
+        "single_ex_per_s": n / (t2 - t1),
+        "speedup": (t2 - t1) / (t1 - t0),
+        "same_preds": same,
+    }
 
 
 def main(argv=None):
@@ -75,11 +82,15 @@ def main(argv=None):
     model = GPT(GPTConfig(n_layer=args.n_layer, n_head=args.n_embd // 64, n_embd=args.n_embd)).to(device)
     examples = load_examples(fetch_hellaswag(), limit=args.n)
     r = bench_hellaswag(model, examples, device, batch_size=args.batch_size, dtype=dtype)
-    print(f"HellaSwag on {machine_line(device)}: {args.n_layer}-layer {args.n_embd}-dim random GPT, "
-          f"{r['n']} examples, {dtype}")
+    print(
+        f"HellaSwag on {machine_line(device)}: {args.n_layer}-layer {args.n_embd}-dim random GPT, "
+        f"{r['n']} examples, {dtype}"
+    )
     print(f"  one example per forward: {r['single_ex_per_s']:8.1f} examples/s")
-    print(f"  {args.batch_size:3d} examples per forward: {r['batched_ex_per_s']:8.1f} examples/s "
-          f"({r['speedup']:.2f}x), same predictions: {r['same_preds']}")
+    print(
+        f"  {args.batch_size:3d} examples per forward: {r['batched_ex_per_s']:8.1f} examples/s "
+        f"({r['speedup']:.2f}x), same predictions: {r['same_preds']}"
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ loss.backward(), fused AdamW step); the measured value is the peak RSS (VmHWM) m
 before the model is built), which is what the plan models; RSS exceeds it by what glibc's heap keeps
 fragmented (the tuned allocator never unmaps, and a freed block is reused only by requests that fit in it).
 """
+
 import argparse
 import json
 import subprocess
@@ -84,10 +85,12 @@ def run_one(fields, batch_size, ckpt, dtype, steps, live=False) -> int:
 
 def cpu_name() -> str:
     import devices
+
     try:
         name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         import platform
+
         name = platform.processor() or "unknown CPU"
     return f"{name} ({'native bf16' if devices.cpu_has_fast_bf16() else 'no native bf16'})"
 
@@ -111,8 +114,10 @@ def main(argv=None):
         rows += [(name, f, b, ck, "bfloat16") for name, f, b, ck in (CONFIGS[i] for i in BF16_CONFIGS)]
     print(f"memory planner vs peak RSS rise, {args.steps} training steps each, on {cpu_name()}")
     live_head = (" live tensors GiB | predicted/live |", "---|---|") if args.live else ("", "")
-    print(f"| config | dtype | predicted GiB | RSS rise GiB | predicted/RSS |{live_head[0]}\n"
-          f"|---|---|---|---|---|{live_head[1]}")
+    print(
+        f"| config | dtype | predicted GiB | RSS rise GiB | predicted/RSS |{live_head[0]}\n"
+        f"|---|---|---|---|---|{live_head[1]}"
+    )
     worst = 0.0
     for name, fields, b, ckpt, dtype in rows:
         plan = estimate_memory(GPTConfig(**fields, activation_checkpointing=ckpt), b, dtype=dtype)

@@ -10,6 +10,7 @@ weights after): one plain process, then torchrun with --nproc FSDP ranks. Each r
 returns, and a sha256 of each parameter's slice it holds (the one process: of every rank's slice of it). The
 done-criterion of issue 24: every rank below 0.75x the whole fp32 model, and every slice's hash equal.
 """
+
 import argparse
 import hashlib
 import json
@@ -28,7 +29,9 @@ def worker(out, nproc, argv):
     """One rank (or the one process): train.py as a script (runpy, as `python train.py` runs it; the library's
     parallelize() wrapped to keep the model it gets), then its peak RSS and the hashes of the slices it holds."""
     import runpy
+
     import parallel
+
     kept = []
     real = parallel.parallelize
     parallel.parallelize = lambda model, *a, **k: (kept.append(model), real(model, *a, **k))[1]
@@ -74,30 +77,48 @@ def main(argv=None):
         return worker(out, int(nproc), sys.argv[1:] if argv is None else argv)
     opts = p.parse_args(argv)
     import numpy as np
-    from data import write_shard
+
     from bench import machine_line
+    from data import write_shard
+
     with tempfile.TemporaryDirectory(prefix="meta_init_") as tmp:
         rng = np.random.default_rng(0)
         for split in ("train", "val"):
             write_shard(Path(tmp) / f"random_{split}_000000.bin", rng.integers(0, 50257, 100_000))
-        args = [f"--preset={opts.preset}", f"--data_dir={tmp}", "--max_steps=0", "--batch_size=1", "--device=cpu",
-                "--dtype=float32", "--compile=False", "--eval_interval=0", "--hellaswag_interval=0",
-                "--sample_interval=0", "--log_interval=0", "--seed=1337", "--memory_check=False"]
+        args = [
+            f"--preset={opts.preset}",
+            f"--data_dir={tmp}",
+            "--max_steps=0",
+            "--batch_size=1",
+            "--device=cpu",
+            "--dtype=float32",
+            "--compile=False",
+            "--eval_interval=0",
+            "--hellaswag_interval=0",
+            "--sample_interval=0",
+            "--log_interval=0",
+            "--seed=1337",
+            "--memory_check=False",
+        ]
         one = run(tmp, "one", opts.nproc, args)[0]
         rows = [("1 process", one)]
         sharded = run(tmp, "sharded", opts.nproc, [*args, f"--parallel={opts.parallel}"])
         rows += [(f"{opts.parallel} rank {r} (meta init)", info) for r, info in enumerate(sharded)]
     model_bytes = one["params"] * 4
-    print(f"bench.meta_init: {opts.preset}, {one['params'] / 1e6:.0f}M parameters = {model_bytes / 2**30:.2f} GiB "
-          f"fp32; {opts.nproc} ranks; {machine_line('cpu')}\n")
+    print(
+        f"bench.meta_init: {opts.preset}, {one['params'] / 1e6:.0f}M parameters = {model_bytes / 2**30:.2f} GiB "
+        f"fp32; {opts.nproc} ranks; {machine_line('cpu')}\n"
+    )
     print(f"{'run':<34} {'peak RSS':>10} {'x model':>8}")
     for label, info in rows:
         print(f"{label:<34} {info['peak_rss'] / 2**30:>8.2f} GiB {info['peak_rss'] / model_bytes:>7.2f}x")
     theirs = {k: v for info in sharded for k, v in info["hashes"].items()}
     same = theirs == one["hashes"]
     fits = all(info["peak_rss"] < LIMIT * model_bytes for info in sharded)
-    print(f"\ninitial weights equal to the 1-process run's: {'yes' if same else 'NO'} ({len(theirs)} slices); "
-          f"every meta-init rank below {LIMIT}x the model: {'yes' if fits else 'NO'}")
+    print(
+        f"\ninitial weights equal to the 1-process run's: {'yes' if same else 'NO'} ({len(theirs)} slices); "
+        f"every meta-init rank below {LIMIT}x the model: {'yes' if fits else 'NO'}"
+    )
     return 0 if same and fits else 1
 
 

@@ -12,6 +12,7 @@ of block_size+1 tokens, each alone), 'windows' the val windows as training with 
 'document rows' the val rows as training with packing='document' does. Also the share of padding (and of
 tokens dropped: none, by design) of document rows at several block sizes.
 """
+
 import argparse
 import json
 import shutil
@@ -31,19 +32,37 @@ from data import DataLoader, find_shards, load_shard
 
 
 def train_run(data, out_dir, packing, seed, args):
-    cmd = [sys.executable, "train.py", "configs/shakespeare_cpu.py", f"--data_dir={data}", f"--out_dir={out_dir}",
-           f"--packing={packing}", f"--max_steps={args.steps}", f"--block_size={args.block_size}",
-           f"--batch_size={args.batch_size}", f"--total_batch_size={args.batch_size * args.block_size}",
-           "--eval_interval=0", "--sample_interval=0", "--log_interval=0", f"--save_interval={args.steps}",
-           f"--device={args.device}", "--dtype=float32", "--compile=False", f"--seed={seed}"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        "configs/shakespeare_cpu.py",
+        f"--data_dir={data}",
+        f"--out_dir={out_dir}",
+        f"--packing={packing}",
+        f"--max_steps={args.steps}",
+        f"--block_size={args.block_size}",
+        f"--batch_size={args.batch_size}",
+        f"--total_batch_size={args.batch_size * args.block_size}",
+        "--eval_interval=0",
+        "--sample_interval=0",
+        "--log_interval=0",
+        f"--save_interval={args.steps}",
+        f"--device={args.device}",
+        "--dtype=float32",
+        "--compile=False",
+        f"--seed={seed}",
+    ]
     t0 = time.time()
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
     lines = [json.loads(x) for x in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in lines if "train_loss" in m]
-    return {"seconds": time.time() - t0, "final_train_loss": steps[-1]["train_loss"],
-            "trained_tokens": sum(m["trained_tokens"] for m in steps)}
+    return {
+        "seconds": time.time() - t0,
+        "final_train_loss": steps[-1]["train_loss"],
+        "trained_tokens": sum(m["trained_tokens"] for m in steps),
+    }
 
 
 @torch.no_grad()
@@ -62,14 +81,15 @@ def whole_document_rows(tokens, T, batch=32):
     """(x, y) batches: every document of tokens alone in its row from its start (a longer one in pieces of T+1
     tokens at stride T, each alone), padding targets -1."""
     starts = np.flatnonzero(tokens == EOT)
-    pieces = [(s, min(s + T + 1, e)) for s, e in zip(starts, np.append(starts[1:], len(tokens)))
-              for s in range(s, e - 1, T)]
+    pieces = [
+        (s, min(s + T + 1, e)) for s, e in zip(starts, np.append(starts[1:], len(tokens))) for s in range(s, e - 1, T)
+    ]
     for i in range(0, len(pieces), batch):
-        x = torch.full((len(pieces[i:i + batch]), T), EOT, dtype=torch.int64)
+        x = torch.full((len(pieces[i : i + batch]), T), EOT, dtype=torch.int64)
         y = torch.full_like(x, -1)
-        for r, (s, e) in enumerate(pieces[i:i + batch]):
+        for r, (s, e) in enumerate(pieces[i : i + batch]):
             piece = torch.from_numpy(tokens[s:e].astype(np.int64))
-            x[r, :len(piece) - 1], y[r, :len(piece) - 1] = piece[:-1], piece[1:]
+            x[r, : len(piece) - 1], y[r, : len(piece) - 1] = piece[:-1], piece[1:]
         yield x, y
 
 
@@ -99,27 +119,40 @@ def main(argv=None):
     for T in (64, 128, 256, 512, 1024):
         loader = DataLoader(data, "train", 1, T, packing="document")
         slots = loader.num_samples * (T + 1)
-        results["padding"][T] = {"rows": loader.num_samples, "windows": sum((len(s) - 1) // T for s in loader.shards),
-                                 "padding": 1 - sum(r.tokens for r in loader.rows) / slots, "dropped": 0.0}
+        results["padding"][T] = {
+            "rows": loader.num_samples,
+            "windows": sum((len(s) - 1) // T for s in loader.shards),
+            "padding": 1 - sum(r.tokens for r in loader.rows) / slots,
+            "dropped": 0.0,
+        }
     val = np.concatenate([np.asarray(load_shard(p)) for p in find_shards(data, "val")])
     for seed in args.seeds:
         for packing in ("window", "document"):
             r = train_run(data, work / f"{packing}_{seed}", packing, seed, args)
             model, _ = load_model(work / f"{packing}_{seed}", device=args.device)
-            r.update(packing=packing, seed=seed,
-                     whole_documents=mean_loss(model, whole_document_rows(val, args.block_size), args.device),
-                     windows=mean_loss(model, loader_rows(data, args.block_size, "window"), args.device),
-                     document_rows=mean_loss(model, loader_rows(data, args.block_size, "document"), args.device))
+            r.update(
+                packing=packing,
+                seed=seed,
+                whole_documents=mean_loss(model, whole_document_rows(val, args.block_size), args.device),
+                windows=mean_loss(model, loader_rows(data, args.block_size, "window"), args.device),
+                document_rows=mean_loss(model, loader_rows(data, args.block_size, "document"), args.device),
+            )
             results["runs"].append(r)
             print(json.dumps(r), flush=True)
     (work / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    print(f"\n{results['machine']}\nTiny Shakespeare (one document per speech), {args.steps} steps of "
-          f"{args.batch_size} x {args.block_size} tokens\n")
-    print("| packing | seed | trained tokens | held-out loss: whole documents | windows | document rows | time |\n"
-          "|---|---|---|---|---|---|---|")
+    print(
+        f"\n{results['machine']}\nTiny Shakespeare (one document per speech), {args.steps} steps of "
+        f"{args.batch_size} x {args.block_size} tokens\n"
+    )
+    print(
+        "| packing | seed | trained tokens | held-out loss: whole documents | windows | document rows | time |\n"
+        "|---|---|---|---|---|---|---|"
+    )
     for r in results["runs"]:
-        print(f"| {r['packing']} | {r['seed']} | {r['trained_tokens']:,} | {r['whole_documents']:.4f} | "
-              f"{r['windows']:.4f} | {r['document_rows']:.4f} | {r['seconds']:.0f} s |")
+        print(
+            f"| {r['packing']} | {r['seed']} | {r['trained_tokens']:,} | {r['whole_documents']:.4f} | "
+            f"{r['windows']:.4f} | {r['document_rows']:.4f} | {r['seconds']:.0f} s |"
+        )
     print("\n| block_size | windows | document rows | padding | dropped |\n|---|---|---|---|---|")
     for T, r in results["padding"].items():
         print(f"| {T} | {r['windows']:,} | {r['rows']:,} | {r['padding']:.2%} | {r['dropped']:.0%} |")

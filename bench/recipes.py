@@ -23,6 +23,7 @@ Corpora: 'shakespeare' (prepare_data.py's preset) and 'stdlib' (this Python's st
 of its top directory, each top-level function/class/block a document, in a seeded random order so validation
 is a random sample of them).
 """
+
 import argparse
 import glob
 import json
@@ -42,8 +43,14 @@ from config import read_config_file
 ROOT = Path(__file__).resolve().parent.parent
 MODERN = ROOT / "configs" / "modern.py"
 # the modern recipe's knobs, each added alone to the GPT-2 recipe for its per-step cost
-KNOBS = {"muon": ["--optimizer=muon"], "qk_norm": ["--qk_norm=True"], "relu2": ["--activation=relu2"],
-         "rotary": ["--rotary_pct=1.0"], "untied head": ["--tie_embeddings=False"], "no biases": ["--bias=False"]}
+KNOBS = {
+    "muon": ["--optimizer=muon"],
+    "qk_norm": ["--qk_norm=True"],
+    "relu2": ["--activation=relu2"],
+    "rotary": ["--rotary_pct=1.0"],
+    "untied head": ["--tie_embeddings=False"],
+    "no biases": ["--bias=False"],
+}
 
 
 def prepare_corpus(name, data_root):
@@ -96,8 +103,10 @@ def read_metrics(out_dir):
 
 def summarize(metrics):
     """{val: {step: loss}, step_ms: {step: ms}} of one run."""
-    return {"val": {m["step"]: m["val_loss"] for m in metrics if "val_loss" in m},
-            "step_ms": {m["step"]: m["step_ms"] for m in metrics if "step_ms" in m}}
+    return {
+        "val": {m["step"]: m["val_loss"] for m in metrics if "val_loss" in m},
+        "step_ms": {m["step"]: m["step_ms"] for m in metrics if "step_ms" in m},
+    }
 
 
 def to_target(run, target):
@@ -118,8 +127,13 @@ def recipe_args(recipe, lr, common, steps):
     if recipe == "gpt2":
         return [*common, f"--learning_rate={lr}", f"--min_lr={lr / 10}", f"--max_steps={steps}"]
     keys = read_config_file(MODERN)
-    return [str(MODERN), *common, f"--learning_rate={keys['learning_rate'] * lr}",
-            f"--muon_lr={keys['muon_lr'] * lr}", f"--max_steps={steps}"]
+    return [
+        str(MODERN),
+        *common,
+        f"--learning_rate={keys['learning_rate'] * lr}",
+        f"--muon_lr={keys['muon_lr'] * lr}",
+        f"--max_steps={steps}",
+    ]
 
 
 def fmt(x, spec):
@@ -136,8 +150,11 @@ def parse_args(argv=None):
     p.add_argument("--gpt2_warmup", type=int, default=20, help="GPT-2 recipe: warmup steps")
     p.add_argument("--modern_sweep", default="0.5,1,2", help="modern recipe: factors on both of its rates")
     p.add_argument("--sweep_every_corpus", action="store_true", help="sweep on every corpus, not the first only")
-    p.add_argument("--model", default="--n_layer=4 --n_head=4 --n_embd=256 --block_size=128 --batch_size=16",
-                   help="model size and batch, as train.py flags")
+    p.add_argument(
+        "--model",
+        default="--n_layer=4 --n_head=4 --n_embd=256 --block_size=128 --batch_size=16",
+        help="model size and batch, as train.py flags",
+    )
     p.add_argument("--eval_interval", type=int, default=20)
     p.add_argument("--eval_steps", type=int, default=8, help="val micro-batches per evaluation")
     p.add_argument("--knob_steps", type=int, default=30, help="steps per knob-cost run (0: skip them)")
@@ -148,9 +165,17 @@ def parse_args(argv=None):
 
 def common_args(data, a):
     """train.py flags every run of a corpus shares: data, model, evaluation; nothing printed or sampled."""
-    return [f"--data_dir={data}", *a.model.split(), f"--eval_interval={a.eval_interval}",
-            f"--eval_steps={a.eval_steps}", "--log_interval=0", "--save_interval=0", "--keep_last=1",
-            "--hellaswag_interval=0", "--sample_interval=0"]
+    return [
+        f"--data_dir={data}",
+        *a.model.split(),
+        f"--eval_interval={a.eval_interval}",
+        f"--eval_steps={a.eval_steps}",
+        "--log_interval=0",
+        "--save_interval=0",
+        "--keep_last=1",
+        "--hellaswag_interval=0",
+        "--sample_interval=0",
+    ]
 
 
 def compare(corpus, a, out_root, best):
@@ -165,29 +190,49 @@ def compare(corpus, a, out_root, best):
             args = recipe_args(recipe, lr, gpt2_common if recipe == "gpt2" else common, a.steps)
             t0 = time.time()
             run = runs[(recipe, lr)] = summarize(train_run(out_root / corpus / f"{recipe}_{lr:g}", args, a.threads))
-            print(f"{corpus} {recipe} {'lr' if recipe == 'gpt2' else 'scale'} {lr:g}: final val "
-                  f"{run['val'][a.steps]:.4f}, {median_ms(run):.0f} ms/step ({time.time() - t0:.0f} s)", flush=True)
+            print(
+                f"{corpus} {recipe} {'lr' if recipe == 'gpt2' else 'scale'} {lr:g}: final val "
+                f"{run['val'][a.steps]:.4f}, {median_ms(run):.0f} ms/step ({time.time() - t0:.0f} s)",
+                flush=True,
+            )
         best[recipe] = min(lrs, key=lambda lr: runs[(recipe, lr)]["val"][a.steps])
     g, m = runs[("gpt2", best["gpt2"])], runs[("modern", best["modern"])]
     target = g["val"][a.steps]
     (gs, gt), (ms, mt) = to_target(g, target), to_target(m, target)
-    return {"sweep": {f"{r} {lr:g}": run["val"][a.steps] for (r, lr), run in runs.items()},
-            "best": dict(best), "target": target,
+    return (
+        {
+            "sweep": {f"{r} {lr:g}": run["val"][a.steps] for (r, lr), run in runs.items()},
+            "best": dict(best),
+            "target": target,
             "val_at_equal_steps": {s: {"gpt2": v, "modern": m["val"].get(s)} for s, v in sorted(g["val"].items())},
             "gpt2": {"steps_to_target": gs, "seconds_to_target": gt, "ms_per_step": median_ms(g)},
             "modern": {"steps_to_target": ms, "seconds_to_target": mt, "ms_per_step": median_ms(m)},
-            "step_ratio": ms / gs if ms else None, "time_ratio": mt / gt if mt else None}, gpt2_common, common
+            "step_ratio": ms / gs if ms else None,
+            "time_ratio": mt / gt if mt else None,
+        },
+        gpt2_common,
+        common,
+    )
 
 
 def knob_costs(corpus, a, out_root, best, gpt2_common, common):
     """{name: ms/step}: the GPT-2 recipe, it with each knob alone, the modern recipe, and the GPT-2 recipe again,
     run back to back so they share the machine's load (the two GPT-2 runs show its drift), --knob_rounds times;
     each the lowest of its rounds' medians (the least disturbed by other processes)."""
-    base = [*gpt2_common, f"--learning_rate={best['gpt2']}", f"--min_lr={best['gpt2'] / 10}",
-            f"--max_steps={a.knob_steps}", "--eval_interval=0"]
+    base = [
+        *gpt2_common,
+        f"--learning_rate={best['gpt2']}",
+        f"--min_lr={best['gpt2'] / 10}",
+        f"--max_steps={a.knob_steps}",
+        "--eval_interval=0",
+    ]
     modern = [*recipe_args("modern", best["modern"], common, a.knob_steps), "--eval_interval=0"]
-    runs = [("gpt2", base), *((k, [*base, *flags]) for k, flags in KNOBS.items()), ("modern recipe", modern),
-            ("gpt2 again", base)]
+    runs = [
+        ("gpt2", base),
+        *((k, [*base, *flags]) for k, flags in KNOBS.items()),
+        ("modern recipe", modern),
+        ("gpt2 again", base),
+    ]
     cost = {}
     for r in range(a.knob_rounds):
         for name, args in runs:
@@ -202,8 +247,15 @@ def main(argv=None):
     a = parse_args(argv)
     out_root = Path(a.out_dir)
     out_root.mkdir(parents=True, exist_ok=True)
-    report = {"machine": machine_line("cpu"), "python": sys.version.split()[0], "threads": a.threads,
-              "steps": a.steps, "model": a.model, "corpora": {}, "ms_per_step": None}
+    report = {
+        "machine": machine_line("cpu"),
+        "python": sys.version.split()[0],
+        "threads": a.threads,
+        "steps": a.steps,
+        "model": a.model,
+        "corpora": {},
+        "ms_per_step": None,
+    }
     print(f"bench.recipes on {report['machine']}, OMP_NUM_THREADS={a.threads or 'default'}", flush=True)
     best = {}
     for i, corpus in enumerate(a.corpora.split(",")):
@@ -217,8 +269,9 @@ def main(argv=None):
     for corpus, r in report["corpora"].items():
         if cost and r["modern"]["steps_to_target"]:  # time to target at the back-to-back per-step costs
             gpt2_ms = (cost["gpt2"] + cost["gpt2 again"]) / 2
-            r["time_ratio_back_to_back"] = (r["modern"]["steps_to_target"] * cost["modern recipe"]
-                                            / (r["gpt2"]["steps_to_target"] * gpt2_ms))
+            r["time_ratio_back_to_back"] = (
+                r["modern"]["steps_to_target"] * cost["modern recipe"] / (r["gpt2"]["steps_to_target"] * gpt2_ms)
+            )
         print_corpus(corpus, r, a.steps)
     if cost:
         print_costs(cost)
@@ -237,10 +290,14 @@ def print_corpus(corpus, r, steps):
     print("| recipe | steps to target | training time to target (in its run) | ms/step (median in its run) |")
     print("|---|---|---|---|")
     for name, x in (("GPT-2", g), ("modern", m)):
-        print(f"| {name} | {fmt(x['steps_to_target'], 'd')} | {fmt(x['seconds_to_target'], '.0f')} s | "
-              f"{x['ms_per_step']:.0f} |")
-    print(f"steps ratio {fmt(r['step_ratio'], '.2f')}, time ratio {fmt(r['time_ratio'], '.2f')} (runs at different "
-          f"times), {fmt(r.get('time_ratio_back_to_back'), '.2f')} (at the back-to-back per-step costs)")
+        print(
+            f"| {name} | {fmt(x['steps_to_target'], 'd')} | {fmt(x['seconds_to_target'], '.0f')} s | "
+            f"{x['ms_per_step']:.0f} |"
+        )
+    print(
+        f"steps ratio {fmt(r['step_ratio'], '.2f')}, time ratio {fmt(r['time_ratio'], '.2f')} (runs at different "
+        f"times), {fmt(r.get('time_ratio_back_to_back'), '.2f')} (at the back-to-back per-step costs)"
+    )
 
 
 def print_costs(cost):

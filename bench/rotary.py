@@ -11,6 +11,7 @@ Trainium", AWS ML blog). Both are exact: the same bits come out.
 Measured: the op alone, and forward+backward of a 4-layer, 256-wide model (T=256, rotary_pct=0.25), eager
 and torch.compile'd, the variants interleaved round by round; medians reported.
 """
+
 import argparse
 import statistics
 import sys
@@ -57,6 +58,7 @@ def make_zero_freq(rot_dim: int):
         leaves the rest in place (multiplied by sin = 0 there)."""
         partner = torch.cat((x[..., half:rot_dim], x[..., :half], x[..., rot_dim:]), dim=-1)
         return x * cos.to(x.dtype) + partner * sin.to(x.dtype)
+
     return apply_zero_freq
 
 
@@ -105,8 +107,17 @@ def interleaved(fns: dict, rounds: int) -> dict:
 
 
 def bench_model(compiled: bool, rounds: int, bf16: bool = False):
-    cfg = M.GPTConfig(n_layer=4, n_head=4, n_embd=256, block_size=256, vocab_size=512, rotary_pct=0.25,
-                      parallel_residual=True, tie_embeddings=False, activation="gelu")
+    cfg = M.GPTConfig(
+        n_layer=4,
+        n_head=4,
+        n_embd=256,
+        block_size=256,
+        vocab_size=512,
+        rotary_pct=0.25,
+        parallel_residual=True,
+        tie_embeddings=False,
+        activation="gelu",
+    )
     idx = torch.randint(0, 512, (8, 256), generator=torch.Generator().manual_seed(0))
     fns, outputs = {}, {}
     for name in VARIANTS:
@@ -123,6 +134,7 @@ def bench_model(compiled: bool, rounds: int, bf16: bool = False):
                 loss = step_model(idx, idx, return_logits=False)[1]
             loss.backward()
             return loss
+
         fns[name] = step
         outputs[name] = step().item()
     if not compiled:  # eager: the same bits (compiled kernels may fuse the two differently)
@@ -134,8 +146,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="3 rounds instead of 7")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--bf16", action="store_true", help="the model rows under bf16 autocast (train.py's CPU default "
-                   "where the CPU has native bf16)")
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="the model rows under bf16 autocast (train.py's CPU default where the CPU has native bf16)",
+    )
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -143,9 +158,11 @@ def main(argv=None):
     original = M.apply_rotary
     try:
         dtype = "bf16 autocast" if args.bf16 else "fp32"
-        rows = [("rotary op (8x8x256x64, 16 dims), fp32 fwd+bwd", bench_op(rounds)),
-                (f"model 4L/256d T=256 B=8, {dtype} eager fwd+bwd", bench_model(False, rounds, args.bf16)),
-                (f"model 4L/256d T=256 B=8, {dtype} compiled fwd+bwd", bench_model(True, rounds, args.bf16))]
+        rows = [
+            ("rotary op (8x8x256x64, 16 dims), fp32 fwd+bwd", bench_op(rounds)),
+            (f"model 4L/256d T=256 B=8, {dtype} eager fwd+bwd", bench_model(False, rounds, args.bf16)),
+            (f"model 4L/256d T=256 B=8, {dtype} compiled fwd+bwd", bench_model(True, rounds, args.bf16)),
+        ]
     finally:
         M.apply_rotary = original
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")

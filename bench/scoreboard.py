@@ -24,6 +24,7 @@ alternating rounds in one process and report per-round ratios and their median.
 Everything is measured first (measure_* functions return plain dicts, also written by --json), then
 report() prints the tables.
 """
+
 import argparse
 import copy
 import gc
@@ -34,28 +35,33 @@ import statistics
 import sys
 import tempfile
 import time
-from functools import partial
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 import devices
 import optim
-from bench import machine_line, require
-from devices import autocast, device_type, glibc, malloc_tuned, resolve_device, set_malloc_tuned
-from config import TrainConfig
 from assets import fetch_hellaswag
+from bench import machine_line, require
 from bench.hellaswag_speed import bench_hellaswag
+from config import TrainConfig
+from devices import autocast, device_type, glibc, malloc_tuned, resolve_device, set_malloc_tuned
 from hellaswag import load_examples
 from hf import CONV1D_WEIGHTS, save_pretrained
 from model import GPT, GPT2_VOCAB, PRESETS, GPTConfig
 
 SMALL = dict(n_layer=6, n_head=6, n_embd=384, block_size=256)  # the default config (issue 7 targets)
 GEN_PROMPT, GEN_NEW = 16, 200  # generation benchmark: prompt tokens, new tokens
-TARGETS = {"fp32_eager": 0.95, "defaults_vs_fp32": 2.5, "defaults_vs_same": 1.0, "cache_vs_nocache": 2.5,
-           "cache_vs_hf": 1.3}
+TARGETS = {
+    "fp32_eager": 0.95,
+    "defaults_vs_fp32": 2.5,
+    "defaults_vs_same": 1.0,
+    "cache_vs_nocache": 2.5,
+    "cache_vs_hf": 1.3,
+}
 ROW_KEYS = ("baseline", "bf16", "sdpa", "compile", "fused", "tf32", "malloc", "chunked", "batch", "train")
 
 
@@ -64,6 +70,7 @@ def log(msg):
 
 
 # ----------------------------------------------------------------------------- allocator and memory
+
 
 def release_free_memory():
     """Return freed heap memory to the OS, so the next peak-RSS measurement starts from live memory only."""
@@ -130,6 +137,7 @@ def sync(device):
 
 # ----------------------------------------------------------------------------- device GEMM rate
 
+
 def gemm_rates(cfg: GPTConfig, batch_size: int, device, budget_s: float = 2.0):
     """Measured matmul FLOP/s for the model's shapes: {'float32': (rate, rows), 'bfloat16': (rate, rows)}.
 
@@ -174,6 +182,7 @@ def gemm_rates(cfg: GPTConfig, batch_size: int, device, budget_s: float = 2.0):
 
 
 # ----------------------------------------------------------------------------- one training setup
+
 
 @dataclass
 class Setup:
@@ -232,9 +241,19 @@ def train_defaults_setup(device, batch_size):
     note = f"{dtype}, compile {use_compile}"
     if cpu:
         note += f", malloc tuned {malloc}"
-    return Setup("train.py defaults", dtype=dtype, sdpa=True, compile=use_compile, optimizer="train",
-                 tf32=device_type(device) == "cuda", malloc=malloc, chunked=True, batch_size=batch_size,
-                 clip=TrainConfig.grad_clip, note=note)
+    return Setup(
+        "train.py defaults",
+        dtype=dtype,
+        sdpa=True,
+        compile=use_compile,
+        optimizer="train",
+        tf32=device_type(device) == "cuda",
+        malloc=malloc,
+        chunked=True,
+        batch_size=batch_size,
+        clip=TrainConfig.grad_clip,
+        note=note,
+    )
 
 
 def make_model(cfg: GPTConfig, device):
@@ -270,23 +289,40 @@ def attention(sdpa):
 def make_hf_model(cfg: GPTConfig, device):
     """transformers.GPT2LMHeadModel (sdpa attention) with our vocabulary size and our initial weights."""
     from transformers import GPT2Config, GPT2LMHeadModel
-    hf_cfg = GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
-                        n_layer=cfg.n_layer, n_head=cfg.n_head, activation_function="gelu_new", resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, tie_word_embeddings=True)
+
+    hf_cfg = GPT2Config(
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.block_size,
+        n_embd=cfg.n_embd,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        activation_function="gelu_new",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        layer_norm_epsilon=1e-5,
+        tie_word_embeddings=True,
+    )
     hf = GPT2LMHeadModel._from_config(hf_cfg, attn_implementation="sdpa")
     sd = {k: (v.t() if k.endswith(CONV1D_WEIGHTS) else v) for k, v in make_model(cfg, "cpu").state_dict().items()}
     missing, unexpected = hf.load_state_dict(sd, strict=False)
     if unexpected or [k for k in missing if not k.endswith((".attn.bias", ".attn.masked_bias"))]:
-        raise RuntimeError(f"bench.scoreboard: copying weights to GPT2LMHeadModel: missing {missing[:3]}, "
-                           f"unexpected {unexpected[:3]}")
+        raise RuntimeError(
+            f"bench.scoreboard: copying weights to GPT2LMHeadModel: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     return hf.to(device).train()
 
 
 def make_optimizer(model, setup: Setup, device):
     if setup.optimizer == "train":
         c = TrainConfig
-        return optim.adamw(model.parameters(), c.weight_decay, c.learning_rate, (c.beta1, c.beta2),
-                                         fused=devices.fused_adamw_supported(device_type(device)))
+        return optim.adamw(
+            model.parameters(),
+            c.weight_decay,
+            c.learning_rate,
+            (c.beta1, c.beta2),
+            fused=devices.fused_adamw_supported(device_type(device)),
+        )
     kw = {"loop": dict(foreach=False, fused=False), "default": {}, "fused": dict(fused=True)}[setup.optimizer]
     return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, **kw)
 
@@ -393,16 +429,25 @@ def ratios(results, a, b):
 
 # ----------------------------------------------------------------------------- comparisons with transformers
 
+
 def compare_training(cfg, device, batch_size, rounds, rates, flops_per_token, interleave=True):
     """Ours vs transformers, measured in alternating rounds (see measure). Returns {'variants': [{key, setup,
     tok_s per round}], 'ratios': [{name, target or None, per_round}], 'ceiling_tok_s': {dtype: tokens/s at
     100% of the measured GEMM rate}, 'ceiling_vs_hf': {dtype: that over transformers fp32 eager}}."""
     defaults = train_defaults_setup(device, batch_size)
     hf = Setup("transformers fp32 eager", sdpa=True, optimizer="default", hf=True, batch_size=batch_size)
-    hf_same = replace(hf, name="transformers, train.py's dtype/compile", dtype=defaults.dtype,
-                      compile=defaults.compile, tf32=defaults.tf32)
-    variants = {"hf": hf, "ours": Setup("ours fp32 eager", sdpa=True, optimizer="default", batch_size=batch_size),
-                "defaults": replace(defaults, name="ours, train.py defaults")}
+    hf_same = replace(
+        hf,
+        name="transformers, train.py's dtype/compile",
+        dtype=defaults.dtype,
+        compile=defaults.compile,
+        tf32=defaults.tf32,
+    )
+    variants = {
+        "hf": hf,
+        "ours": Setup("ours fp32 eager", sdpa=True, optimizer="default", batch_size=batch_size),
+        "defaults": replace(defaults, name="ours, train.py defaults"),
+    }
     if (hf_same.dtype, hf_same.compile, hf_same.tf32) != (hf.dtype, hf.compile, hf.tf32):
         variants["hf_same"] = hf_same
     if defaults.malloc:  # what transformers gets from the same allocator setting, for an apples-to-apples ratio
@@ -411,18 +456,27 @@ def compare_training(cfg, device, batch_size, rounds, rates, flops_per_token, in
     results = measure(cfg, variants, device, rounds, warmup=1, interleave=interleave)
     ratio = lambda a, b: ratios(results, a, b)
     same = "hf_same" if "hf_same" in variants else "hf"
-    rows = [("ours fp32 eager / transformers fp32 eager", TARGETS["fp32_eager"], ratio("ours", "hf")),
-            ("ours train.py defaults / transformers fp32 eager", TARGETS["defaults_vs_fp32"], ratio("defaults", "hf")),
-            (f"ours train.py defaults / transformers with train.py's dtype+compile ({defaults.dtype}, compile "
-             f"{defaults.compile})", TARGETS["defaults_vs_same"], ratio("defaults", same))]
+    rows = [
+        ("ours fp32 eager / transformers fp32 eager", TARGETS["fp32_eager"], ratio("ours", "hf")),
+        ("ours train.py defaults / transformers fp32 eager", TARGETS["defaults_vs_fp32"], ratio("defaults", "hf")),
+        (
+            f"ours train.py defaults / transformers with train.py's dtype+compile ({defaults.dtype}, compile "
+            f"{defaults.compile})",
+            TARGETS["defaults_vs_same"],
+            ratio("defaults", same),
+        ),
+    ]
     if "hf_malloc" in variants:
         rows.append((f"ours train.py defaults / {variants['hf_malloc'].name}", None, ratio("defaults", "hf_malloc")))
     # the most any implementation could reach here: every FLOP at the measured GEMM rate (MFU 100%)
     ceiling = {d: rate / flops_per_token for d, rate in rates.items()}
     hf_median = statistics.median(results["hf"]["tok_s"])
-    return {"variants": [{"key": key, "setup": asdict(v), "tok_s": results[key]["tok_s"]} for key, v in variants.items()],
-            "ratios": [{"name": n, "target": t, "per_round": vs} for n, t, vs in rows],
-            "ceiling_tok_s": ceiling, "ceiling_vs_hf": {d: c / hf_median for d, c in ceiling.items()}}
+    return {
+        "variants": [{"key": key, "setup": asdict(v), "tok_s": results[key]["tok_s"]} for key, v in variants.items()],
+        "ratios": [{"name": n, "target": t, "per_round": vs} for n, t, vs in rows],
+        "ceiling_tok_s": ceiling,
+        "ceiling_vs_hf": {d: c / hf_median for d, c in ceiling.items()},
+    }
 
 
 def compare_generation(cfg, device, rounds, dtypes, slow_dtypes=()):
@@ -432,6 +486,7 @@ def compare_generation(cfg, device, rounds, dtypes, slow_dtypes=()):
     Returns one dict per (dtype, variant): tok_s per round, cached_ratio (median per-round ratio of ours with
     the KV cache over this variant), n_tokens, same_tokens and first_difference against ours with the cache."""
     from transformers import GPT2LMHeadModel
+
     ours32 = make_model(cfg, device).eval()
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, min(cfg.vocab_size, GPT2_VOCAB), (1, GEN_PROMPT), generator=g).to(device)  # (1, T)
@@ -456,7 +511,7 @@ def compare_generation(cfg, device, rounds, dtypes, slow_dtypes=()):
                     log(f"  generation {dtype}: {name} ...")
                     tokens[name] = fn()[0, GEN_PROMPT:].tolist()
                 for r in range(rounds):
-                    for name in names[r % len(names):] + names[:r % len(names)]:
+                    for name in names[r % len(names) :] + names[: r % len(names)]:
                         sync(device)
                         t0 = time.perf_counter()
                         runs[name]()
@@ -466,9 +521,17 @@ def compare_generation(cfg, device, rounds, dtypes, slow_dtypes=()):
             for name in runs:
                 same = sum(a == b for a, b in zip(tokens[name], ref))
                 first_diff = next((i for i, (a, b) in enumerate(zip(tokens[name], ref)) if a != b), None)
-                results.append({"dtype": str(dtype).replace("torch.", ""), "variant": name, "tok_s": per_round[name],
-                                "cached_ratio": statistics.median(a / b for a, b in zip(cached, per_round[name])),
-                                "n_tokens": len(tokens[name]), "same_tokens": same, "first_difference": first_diff})
+                results.append(
+                    {
+                        "dtype": str(dtype).replace("torch.", ""),
+                        "variant": name,
+                        "tok_s": per_round[name],
+                        "cached_ratio": statistics.median(a / b for a, b in zip(cached, per_round[name])),
+                        "n_tokens": len(tokens[name]),
+                        "same_tokens": same,
+                        "first_difference": first_diff,
+                    }
+                )
             del ours, hf
     return results
 
@@ -490,6 +553,7 @@ def hellaswag_rates(cfg, device, n, batch_size):
 
 # ----------------------------------------------------------------------------- output
 
+
 def md_table(headers, rows):
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
@@ -507,6 +571,7 @@ def mfu(tok_s, flops_per_token, rate):
 
 # ----------------------------------------------------------------------------- measuring: plain data out
 
+
 def datasheet_peak(out, dtype):
     """The data-sheet FLOP/s of this CUDA device in dtype, or None (no dtype, a CPU, or a GPU
     devices.peak_flops does not know)."""
@@ -517,8 +582,10 @@ def measure_gemm(cfg, batch_size, device, bf16_mode):
     """(gemm_flops {dtype: {'all', 'shapes'}}, bf16_note): the matmul rates, and why the bf16 rows are skipped
     ('' when they run). bf16_mode 'auto' skips them on a CPU whose bf16 matmuls are slower than fp32."""
     measured = gemm_rates(cfg, batch_size, device)
-    gemm = {d: {"all": r, "shapes": [dict(zip(("name", "m", "k", "n", "flops"), s)) for s in shapes]}
-            for d, (r, shapes) in measured.items()}
+    gemm = {
+        d: {"all": r, "shapes": [dict(zip(("name", "m", "k", "n", "flops"), s)) for s in shapes]}
+        for d, (r, shapes) in measured.items()
+    }
     f32, bf16 = gemm["float32"]["all"], gemm["bfloat16"]["all"]
     if bf16_mode == "off":
         return gemm, "--bf16 off"
@@ -535,8 +602,10 @@ def measure_scoreboard(out, cfg, device, wanted, large_batch_size, steps, warmup
     setups = dict(zip(ROW_KEYS, rows))
     run = {key: setup for key, setup in setups.items() if key in wanted and not setup.skipped}
     interleave = not sequential and fits_interleaved(out["n_params"], len(run), device)
-    log(f"## scoreboard: {len(run)} setups, {steps} timed steps each, "
-        f"{'interleaved' if interleave else 'one after another'} ...")
+    log(
+        f"## scoreboard: {len(run)} setups, {steps} timed steps each, "
+        f"{'interleaved' if interleave else 'one after another'} ..."
+    )
     measured = measure(cfg, run, device, steps, warmup, interleave)
     fpt = out["flops_per_token"]
     result = []
@@ -555,9 +624,14 @@ def measure_scoreboard(out, cfg, device, wanted, large_batch_size, steps, warmup
             peak_dtype = setup.dtype  # a bf16/fp16 row runs at that peak even with TF32 on for its fp32 matmuls
             if setup.dtype == "float32":
                 peak_dtype = "tf32" if setup.tf32 else None  # plain fp32 matmuls: no data-sheet row
-            row.update(r, tokens_per_s=tok, speedup=speedup, interleaved=interleave,
-                       mfu_gemm=mfu(tok, fpt, out["gemm_flops"].get(setup.dtype, {}).get("all")),
-                       mfu_datasheet=mfu(tok, fpt, datasheet_peak(out, peak_dtype)))
+            row.update(
+                r,
+                tokens_per_s=tok,
+                speedup=speedup,
+                interleaved=interleave,
+                mfu_gemm=mfu(tok, fpt, out["gemm_flops"].get(setup.dtype, {}).get("all")),
+                mfu_datasheet=mfu(tok, fpt, datasheet_peak(out, peak_dtype)),
+            )
         result.append(row)
     return result
 
@@ -567,22 +641,32 @@ def measure_all(args, device, cfg, B, large_B, wanted):
     t_start = time.perf_counter()
     cuda = device_type(device) == "cuda"
     probe = make_model(cfg, "cpu")
-    out = {"machine": machine_line(device), "device": str(device), "cuda": cuda,
-           "device_name": torch.cuda.get_device_name(device) if cuda else device_type(device),
-           "config": asdict(cfg), "batch_size": B, "flops_per_token": probe.flops_per_token(cfg.block_size),
-           "n_params": probe.num_params(), "steps": args.steps, "rounds": args.rounds}
+    out = {
+        "machine": machine_line(device),
+        "device": str(device),
+        "cuda": cuda,
+        "device_name": torch.cuda.get_device_name(device) if cuda else device_type(device),
+        "config": asdict(cfg),
+        "batch_size": B,
+        "flops_per_token": probe.flops_per_token(cfg.block_size),
+        "n_params": probe.num_params(),
+        "steps": args.steps,
+        "rounds": args.rounds,
+    }
     del probe
     log("## matmul rates ...")
     out["gemm_flops"], out["bf16_note"] = measure_gemm(cfg, B, device, args.bf16)
     if wanted:
-        out["scoreboard"] = measure_scoreboard(out, cfg, device, wanted, large_B, args.steps, args.warmup,
-                                               args.sequential)
+        out["scoreboard"] = measure_scoreboard(
+            out, cfg, device, wanted, large_B, args.steps, args.warmup, args.sequential
+        )
     if args.compare:
         log(f"## training vs transformers, {args.rounds} rounds ...")
         rates = {d: g["all"] for d, g in out["gemm_flops"].items()}
         interleave = not args.sequential and fits_interleaved(out["n_params"], 5, device)
-        out["compare_training"] = compare_training(cfg, device, B, args.rounds, rates, out["flops_per_token"],
-                                                   interleave)
+        out["compare_training"] = compare_training(
+            cfg, device, B, args.rounds, rates, out["flops_per_token"], interleave
+        )
         dtypes = [torch.float32, torch.bfloat16]
         if cfg.block_size < GEN_PROMPT + GEN_NEW:  # transformers cannot go past n_positions
             dtypes = []
@@ -598,12 +682,15 @@ def measure_all(args, device, cfg, B, large_B, wanted):
 
 # ----------------------------------------------------------------------------- printing: tables from that data
 
+
 def report(out):
     """Print the Markdown tables of a measure_all() result."""
     cfg = out["config"]
-    print(f"# bench.scoreboard: {cfg['n_layer']} layers, {cfg['n_head']} heads, {cfg['n_embd']} dims, "
-          f"T={cfg['block_size']}, V={cfg['vocab_size']}, micro-batch {out['batch_size']}; "
-          f"{out['n_params'] / 1e6:.1f}M parameters, {out['flops_per_token'] / 1e6:.0f} MFLOP/token (training)")
+    print(
+        f"# bench.scoreboard: {cfg['n_layer']} layers, {cfg['n_head']} heads, {cfg['n_embd']} dims, "
+        f"T={cfg['block_size']}, V={cfg['vocab_size']}, micro-batch {out['batch_size']}; "
+        f"{out['n_params'] / 1e6:.1f}M parameters, {out['flops_per_token'] / 1e6:.0f} MFLOP/token (training)"
+    )
     print(f"machine: {out['machine']}\n")
     report_gemm(out)
     if "scoreboard" in out:
@@ -618,8 +705,10 @@ def report(out):
 def report_gemm(out):
     table = []
     for d, g in out["gemm_flops"].items():
-        table += [(d, s["name"], f"({s['m']}, {s['k']}) x ({s['k']}, {s['n']})", f"{s['flops'] / 1e9:,.1f}")
-                  for s in g["shapes"]]
+        table += [
+            (d, s["name"], f"({s['m']}, {s['k']}) x ({s['k']}, {s['n']})", f"{s['flops'] / 1e9:,.1f}")
+            for s in g["shapes"]
+        ]
         total = f"**{g['all'] / 1e9:,.1f}**"
         sheet = datasheet_peak(out, d)
         if sheet:
@@ -661,21 +750,31 @@ def report_scoreboard(out):
     print(md_table(headers, table))
     mem_how = "rise of max_memory_allocated" if cuda else "rise of the process's peak RSS (VmHWM) during the row"
     sheet = " and over the data-sheet peak" if cuda else ""
-    print(f"\npeak mem: {mem_how}. MFU: {out['flops_per_token'] / 1e6:.0f} MFLOP/token x tokens/s over the measured "
-          f"GEMM rate in the row's dtype{sheet}.\n")
+    print(
+        f"\npeak mem: {mem_how}. MFU: {out['flops_per_token'] / 1e6:.0f} MFLOP/token x tokens/s over the measured "
+        f"GEMM rate in the row's dtype{sheet}.\n"
+    )
 
 
 def report_training(out):
     c, B = out["compare_training"], out["batch_size"]
-    print(f"## Training vs transformers.GPT2LMHeadModel (sdpa): micro-batch {B}, {out['rounds']} alternating "
-          "rounds, one step per variant per round\n")
+    print(
+        f"## Training vs transformers.GPT2LMHeadModel (sdpa): micro-batch {B}, {out['rounds']} alternating "
+        "rounds, one step per variant per round\n"
+    )
     rows = []
     for v in c["variants"]:
         setup, med = v["setup"], statistics.median(v["tok_s"])
         rate = out["gemm_flops"].get(setup["dtype"], {}).get("all")
-        rows.append((setup["name"], " ".join(f"{t:.0f}" for t in v["tok_s"]), f"{med:,.0f}",
-                     pct(mfu(med, out["flops_per_token"], rate)),
-                     f"{setup['dtype']}, compile {setup['compile']}, malloc tuned {setup['malloc']}"))
+        rows.append(
+            (
+                setup["name"],
+                " ".join(f"{t:.0f}" for t in v["tok_s"]),
+                f"{med:,.0f}",
+                pct(mfu(med, out["flops_per_token"], rate)),
+                f"{setup['dtype']}, compile {setup['compile']}, malloc tuned {setup['malloc']}",
+            )
+        )
     print(md_table(("variant", "tokens/s per round", "median", "MFU (measured GEMM)", "settings"), rows) + "\n")
     rows = []
     for r in c["ratios"]:
@@ -686,9 +785,14 @@ def report_training(out):
             wanted, met = f">= {target}x", "yes" if med >= target else "NO"
         rows.append((r["name"], " ".join(f"{v:.2f}" for v in r["per_round"]), f"**{med:.2f}x**", wanted, met))
     print(md_table(("ratio", "per round", "median", "target", "met"), rows) + "\n")
-    print("Ceiling (MFU 100% of the measured GEMM rate): " + ", ".join(
-        f"{d} {ceiling:,.0f} tokens/s = {c['ceiling_vs_hf'][d]:.2f}x transformers fp32 eager"
-        for d, ceiling in c["ceiling_tok_s"].items()) + ".\n")
+    print(
+        "Ceiling (MFU 100% of the measured GEMM rate): "
+        + ", ".join(
+            f"{d} {ceiling:,.0f} tokens/s = {c['ceiling_vs_hf'][d]:.2f}x transformers fp32 eager"
+            for d, ceiling in c["ceiling_tok_s"].items()
+        )
+        + ".\n"
+    )
 
 
 def report_generation(out):
@@ -701,13 +805,35 @@ def report_generation(out):
         if r["first_difference"] is not None:
             same += f" (first differs at {r['first_difference']})"
         ratio = "-" if r["variant"] == "ours, KV cache" else f"**{r['cached_ratio']:.2f}x**"
-        rows.append((r["dtype"], r["variant"], " ".join(f"{v:.1f}" for v in r["tok_s"]),
-                     f"{statistics.median(r['tok_s']):,.1f}", ratio, same))
-    print(f"## Greedy generation: {GEN_NEW} new tokens after a {GEN_PROMPT}-token prompt, batch 1, weights "
-          f"stored in the dtype (targets in fp32: cached >= {TARGETS['cache_vs_nocache']}x no cache, "
-          f">= {TARGETS['cache_vs_hf']}x transformers)\n")
-    print(md_table(("dtype", "variant", "new tokens/s per round", "median", "ours cached / this (median of rounds)",
-                    "same tokens as ours cached"), rows) + "\n")
+        rows.append(
+            (
+                r["dtype"],
+                r["variant"],
+                " ".join(f"{v:.1f}" for v in r["tok_s"]),
+                f"{statistics.median(r['tok_s']):,.1f}",
+                ratio,
+                same,
+            )
+        )
+    print(
+        f"## Greedy generation: {GEN_NEW} new tokens after a {GEN_PROMPT}-token prompt, batch 1, weights "
+        f"stored in the dtype (targets in fp32: cached >= {TARGETS['cache_vs_nocache']}x no cache, "
+        f">= {TARGETS['cache_vs_hf']}x transformers)\n"
+    )
+    print(
+        md_table(
+            (
+                "dtype",
+                "variant",
+                "new tokens/s per round",
+                "median",
+                "ours cached / this (median of rounds)",
+                "same tokens as ours cached",
+            ),
+            rows,
+        )
+        + "\n"
+    )
     if out["bf16_note"]:
         print(f"bf16 without the KV cache not run: {out['bf16_note'].split(';')[0]}.\n")
 
@@ -717,36 +843,74 @@ def report_hellaswag(hs):
     if "note" in hs:
         print(hs["note"] + "\n")
         return
-    print(md_table(("examples", "dtype", "1 per forward (ex/s)", f"{hs['batch_size']} per forward (ex/s)",
-                    "speedup", "same predictions"),
-                   [(hs["n"], hs["dtype"], f"{hs['single_ex_per_s']:.1f}", f"{hs['batched_ex_per_s']:.1f}",
-                     f"{hs['speedup']:.2f}x", hs["same_preds"])]) + "\n")
+    print(
+        md_table(
+            (
+                "examples",
+                "dtype",
+                "1 per forward (ex/s)",
+                f"{hs['batch_size']} per forward (ex/s)",
+                "speedup",
+                "same predictions",
+            ),
+            [
+                (
+                    hs["n"],
+                    hs["dtype"],
+                    f"{hs['single_ex_per_s']:.1f}",
+                    f"{hs['batched_ex_per_s']:.1f}",
+                    f"{hs['speedup']:.2f}x",
+                    hs["same_preds"],
+                )
+            ],
+        )
+        + "\n"
+    )
 
 
 # ----------------------------------------------------------------------------- main
 
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n", 1)[1])
+    p = argparse.ArgumentParser(
+        description=__doc__.strip().splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n", 1)[1],
+    )
     p.add_argument("--config", default="small", help=f"'small' (6L/6H/384d, T=256) or a preset: {', '.join(PRESETS)}")
     for key in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
         p.add_argument(f"--{key}", type=int, help="override the config's value")
     p.add_argument("--batch_size", type=int, default=None, help="micro-batch (default 8 for 'small', else 1)")
     p.add_argument("--large_batch_size", type=int, default=None, help="the larger micro-batch row (default 2x)")
     p.add_argument("--device", default="auto", help="'auto' (cuda > mps > cpu), 'cpu', 'cuda', 'cuda:1', ...")
-    p.add_argument("--steps", type=int, default=None,
-                   help="timed steps (rounds) per scoreboard row, median reported (default 5 on CPU, 20 on GPU)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps (rounds) per scoreboard row, median reported (default 5 on CPU, 20 on GPU)",
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per row (+1 for compiled rows)")
-    p.add_argument("--rows", default="all", help=f"'all', 'none' or a comma list of {','.join(ROW_KEYS)} "
-                                                 "(rows stay cumulative)")
-    p.add_argument("--bf16", choices=("auto", "on", "off"), default="auto",
-                   help="bf16 rows: 'auto' skips them where bf16 matmuls measure slower than fp32")
-    p.add_argument("--sequential", action="store_true",
-                   help="time setups one after another instead of in interleaved rounds (less memory)")
+    p.add_argument(
+        "--rows", default="all", help=f"'all', 'none' or a comma list of {','.join(ROW_KEYS)} (rows stay cumulative)"
+    )
+    p.add_argument(
+        "--bf16",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="bf16 rows: 'auto' skips them where bf16 matmuls measure slower than fp32",
+    )
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="time setups one after another instead of in interleaved rounds (less memory)",
+    )
     p.add_argument("--compare", action="store_true", help="also: transformers training and generation, HellaSwag")
-    p.add_argument("--rounds", type=int, default=None,
-                   help="alternating rounds of the training comparison (default 5 on CPU, 20 on GPU)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="alternating rounds of the training comparison (default 5 on CPU, 20 on GPU)",
+    )
     p.add_argument("--gen_rounds", type=int, default=5, help="alternating rounds of the generation comparison")
     p.add_argument("--hellaswag_n", type=int, default=40, help="HellaSwag examples for the batched-vs-single row")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
@@ -763,8 +927,13 @@ def resolve_args(args):
     if args.config != "small" and args.config not in PRESETS:
         raise SystemExit(f"bench.scoreboard: --config {args.config!r} is not 'small' or one of {', '.join(PRESETS)}")
     base = dict(SMALL if args.config == "small" else PRESETS[args.config])
-    base.update({k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
-                 if getattr(args, k) is not None})
+    base.update(
+        {
+            k: getattr(args, k)
+            for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+            if getattr(args, k) is not None
+        }
+    )
     B = args.batch_size or (8 if args.config == "small" else 1)
     if args.rows == "all":
         wanted = set(ROW_KEYS)
@@ -773,7 +942,9 @@ def resolve_args(args):
     else:
         wanted = set(args.rows.split(","))
     if bad := wanted - set(ROW_KEYS):
-        raise SystemExit(f"bench.scoreboard: --rows has unknown {sorted(bad)}; expected 'all', 'none' or some of {ROW_KEYS}")
+        raise SystemExit(
+            f"bench.scoreboard: --rows has unknown {sorted(bad)}; expected 'all', 'none' or some of {ROW_KEYS}"
+        )
     return device, GPTConfig(**base), B, args.large_batch_size or 2 * B, wanted
 
 

@@ -14,6 +14,7 @@ checked masks against the manifest), both with packing='document' (rows of whole
 exactly the same completion tokens; the unmasked run also trains on the prompts. Exact match: the greedy reply
 (sample.stream_samples as --chat runs it, up to <|end|>) equals the sorted sequence.
 """
+
 import argparse
 import json
 import random
@@ -37,6 +38,7 @@ def make_data(work, n_train, n_eval, length, seed):
     def task(letters):
         seq = rng.sample(letters, len(letters))
         return "sort: " + " ".join(seq), " " + " ".join(sorted(seq))
+
     sets = set()
     while len(sets) < n_eval:
         sets.add("".join(sorted(rng.sample(LETTERS, length))))
@@ -59,33 +61,64 @@ def exact_match(out_dir, held):
     import chat
     from checkpoint import load_model
     from sample import stream_samples
+
     model, _ = load_model(ckpt=out_dir)
     enc = chat.tokenizer()
     sink = open("/dev/null", "w")
     right = 0
     with torch.no_grad():
         for prompt, answer in held:
-            reply = stream_samples(model, enc, "", messages=[{"role": "user", "content": prompt}],
-                                   max_new_tokens=16, temperature=0, out=sink)[0]
+            reply = stream_samples(
+                model,
+                enc,
+                "",
+                messages=[{"role": "user", "content": prompt}],
+                max_new_tokens=16,
+                temperature=0,
+                out=sink,
+            )[0]
             right += reply == answer
     return right / len(held)
 
 
 def train_run(data_dir, out_dir, args):
-    cmd = [sys.executable, "train.py", f"--data_dir={data_dir}", f"--out_dir={out_dir}", "--init_from=scratch",
-           f"--n_layer={args.n_layer}", f"--n_head={args.n_head}", f"--n_embd={args.n_embd}",
-           f"--block_size={args.block_size}", f"--batch_size={args.batch_size}",
-           f"--total_batch_size={args.batch_size * args.block_size}", f"--max_steps={args.steps}",
-           f"--learning_rate={args.lr}", f"--min_lr={args.lr / 10}", "--warmup_steps=20", "--dropout=0.0",
-           "--eval_interval=0", "--sample_interval=0", "--hellaswag_interval=0", "--log_interval=0",
-           f"--save_interval={args.steps}", "--device=cpu", "--dtype=float32", "--compile=False", f"--seed={args.seed}",
-           "--packing=document"]  # the unmasked copy too: rows of whole conversations, as SFT data always is
+    cmd = [
+        sys.executable,
+        "train.py",
+        f"--data_dir={data_dir}",
+        f"--out_dir={out_dir}",
+        "--init_from=scratch",
+        f"--n_layer={args.n_layer}",
+        f"--n_head={args.n_head}",
+        f"--n_embd={args.n_embd}",
+        f"--block_size={args.block_size}",
+        f"--batch_size={args.batch_size}",
+        f"--total_batch_size={args.batch_size * args.block_size}",
+        f"--max_steps={args.steps}",
+        f"--learning_rate={args.lr}",
+        f"--min_lr={args.lr / 10}",
+        "--warmup_steps=20",
+        "--dropout=0.0",
+        "--eval_interval=0",
+        "--sample_interval=0",
+        "--hellaswag_interval=0",
+        "--log_interval=0",
+        f"--save_interval={args.steps}",
+        "--device=cpu",
+        "--dtype=float32",
+        "--compile=False",
+        f"--seed={args.seed}",
+        "--packing=document",
+    ]  # the unmasked copy too: rows of whole conversations, as SFT data always is
     t0 = time.time()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     lines = [json.loads(x) for x in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in lines if "train_loss" in m]
-    return {"seconds": time.time() - t0, "final_train_loss": steps[-1]["train_loss"],
-            "trained_tokens": sum(m["trained_tokens"] for m in steps)}
+    return {
+        "seconds": time.time() - t0,
+        "final_train_loss": steps[-1]["train_loss"],
+        "trained_tokens": sum(m["trained_tokens"] for m in steps),
+    }
 
 
 def main(argv=None):
@@ -107,8 +140,9 @@ def main(argv=None):
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     path, held = make_data(work, args.train, args.eval, args.length, args.seed)
-    prepare_data.main(["--input", str(path), "--format", "sft", "--out_dir", str(work / "data"),
-                       "--block_size", str(args.block_size)])
+    prepare_data.main(
+        ["--input", str(path), "--format", "sft", "--out_dir", str(work / "data"), "--block_size", str(args.block_size)]
+    )
     # without the masks and the manifest that lists them (else the loader refuses the copy)
     shutil.copytree(work / "data", work / "data_unmasked", ignore=shutil.ignore_patterns("*.mask", "*_manifest.json"))
     results = {"args": vars(args), "machine": machine_line("cpu")}
@@ -116,13 +150,17 @@ def main(argv=None):
         results[name] = train_run(data, work / name, args)
         results[name]["exact_match"] = exact_match(work / name, held)
     (work / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    print(f"\n{results['machine']}\n{args.train} conversations, {args.steps} steps of {args.batch_size} x "
-          f"{args.block_size} tokens, {args.eval} held-out prompts\n")
+    print(
+        f"\n{results['machine']}\n{args.train} conversations, {args.steps} steps of {args.batch_size} x "
+        f"{args.block_size} tokens, {args.eval} held-out prompts\n"
+    )
     print("| run | trained tokens | final train loss | held-out exact match | time |\n|---|---|---|---|---|")
     for name in ("masked", "unmasked"):
         r = results[name]
-        print(f"| {name} | {r['trained_tokens']:,} | {r['final_train_loss']:.3f} | {r['exact_match']:.1%} | "
-              f"{r['seconds']:.0f} s |")
+        print(
+            f"| {name} | {r['trained_tokens']:,} | {r['final_train_loss']:.3f} | {r['exact_match']:.1%} | "
+            f"{r['seconds']:.0f} s |"
+        )
     return results
 
 

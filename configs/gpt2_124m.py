@@ -6,7 +6,7 @@ data_dir = "data/fineweb-edu"
 out_dir = "out/gpt2_124m"
 
 # GPT-2 small: 12 layers, 12 heads, 768 wide, 1024 context, vocabulary padded to 50304
-preset = 'gpt2'  # the model shape from model.PRESETS; vocab_size stays 50304 (50257 padded)
+preset = "gpt2"  # the model shape from model.PRESETS; vocab_size stays 50304 (50257 padded)
 
 batch_size = 64  # micro-batch 64 x 1024 tokens per GPU (fits an 80 GB GPU)
 total_batch_size = 524288  # 2**19 (~0.5M, GPT-3 small); 8 GPUs x 64 x 1024: no accumulation

@@ -9,7 +9,7 @@
 data_dir = "data/fineweb-edu"
 out_dir = "out/gpt2_124m_modern"
 
-preset = 'gpt2'  # 12 layers, 12 heads, 768 wide, 1024 context, vocab_size 50304
+preset = "gpt2"  # 12 layers, 12 heads, 768 wide, 1024 context, vocab_size 50304
 
 batch_size = 64
 total_batch_size = 524288  # 2**19 tokens per step, as configs/gpt2_124m.py

@@ -8,7 +8,7 @@ data_dir = "data/fineweb-edu"
 out_dir = "out/gpt2_1558m"
 
 # GPT-2 XL: 48 layers, 25 heads of 64, 1600 wide
-preset = 'gpt2-xl'  # the model shape from model.PRESETS; vocab_size stays 50304 (50257 padded)
+preset = "gpt2-xl"  # the model shape from model.PRESETS; vocab_size stays 50304 (50257 padded)
 
 batch_size = 16  # 16 x 1024 tokens per GPU per micro-step
 total_batch_size = 1048576  # 2**20 tokens per step: 8 accumulation steps on 8 GPUs

@@ -6,7 +6,7 @@
 data_dir = "data/fineweb-edu"
 out_dir = "out/gpt3_125m"
 
-preset = 'gpt3-125m'  # the model shape from model.PRESETS; vocab_size stays 50304 (50257 padded)
+preset = "gpt3-125m"  # the model shape from model.PRESETS; vocab_size stays 50304 (50257 padded)
 
 batch_size = 16  # sequences of 2048 per GPU per micro-step
 total_batch_size = 524288  # 256 sequences x 2048 (0.5M tokens)

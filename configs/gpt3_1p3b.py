@@ -9,7 +9,7 @@
 data_dir = "data/fineweb-edu"
 out_dir = "out/gpt3_1p3b"
 
-preset = 'gpt3-1.3b'  # the model shape from model.PRESETS; vocab_size stays 50304 (50257 padded)
+preset = "gpt3-1.3b"  # the model shape from model.PRESETS; vocab_size stays 50304 (50257 padded)
 
 batch_size = 4  # sequences of 2048 per GPU per micro-step
 total_batch_size = 1048576  # 512 sequences x 2048 (1M tokens)

@@ -10,7 +10,7 @@
 data_dir = "data/fineweb-edu"
 out_dir = "out/gpt3_2p7b"
 
-preset = 'gpt3-2.7b'  # the model shape from model.PRESETS; vocab_size stays 50304 (50257 padded)
+preset = "gpt3-2.7b"  # the model shape from model.PRESETS; vocab_size stays 50304 (50257 padded)
 parallel = "fsdp"  # under torchrun; hsdp to shard within each node and replicate across nodes
 
 batch_size = 4  # sequences of 2048 per GPU per micro-step

@@ -7,7 +7,7 @@
 data_dir = "data/fineweb-edu"
 out_dir = "out/gpt3_350m"
 
-preset = 'gpt3-350m'  # the model shape from model.PRESETS; vocab_size stays 50304 (50257 padded)
+preset = "gpt3-350m"  # the model shape from model.PRESETS; vocab_size stays 50304 (50257 padded)
 
 batch_size = 8  # sequences of 2048 per GPU per micro-step
 total_batch_size = 524288  # the article's train_batch_size: 256 x 2048

@@ -13,7 +13,7 @@
 data_dir = "data/fineweb-edu"
 out_dir = "out/gpt3_6p7b"
 
-preset = 'gpt3-6.7b'  # the model shape from model.PRESETS; vocab_size stays 50304 (50257 padded)
+preset = "gpt3-6.7b"  # the model shape from model.PRESETS; vocab_size stays 50304 (50257 padded)
 parallel = "fsdp"  # under torchrun; hsdp to shard within each node and replicate across nodes
 activation_checkpointing = "auto"  # the plan chooses (docs/memory.md): none at micro-batch 4 on 8 x 80 GiB
 

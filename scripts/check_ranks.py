@@ -7,6 +7,7 @@
 Every rank prints its host, rank and the sum of ones over all ranks, which must equal the world size. A hang
 here (rather than in train.py) points at the network: rerun with NCCL_DEBUG=INFO.
 """
+
 import argparse
 import os
 import socket
@@ -29,8 +30,11 @@ def main(argv=None):
     dist.all_reduce(ones)
     rank, world = dist.get_rank(), dist.get_world_size()
     status = "ok" if int(ones.item()) == world else "WRONG"
-    print(f"{socket.gethostname()}: rank {rank}/{world} (local {os.environ['LOCAL_RANK']}): all_reduce(1) = "
-          f"{ones.item():.0f} {status}", flush=True)
+    print(
+        f"{socket.gethostname()}: rank {rank}/{world} (local {os.environ['LOCAL_RANK']}): all_reduce(1) = "
+        f"{ones.item():.0f} {status}",
+        flush=True,
+    )
     dist.destroy_process_group()
     return 0 if status == "ok" else 1
 

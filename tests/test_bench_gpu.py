@@ -1,5 +1,6 @@
 """bench/gpu.py, the GPU acceptance run: its CPU-checkable parts (python -m bench.gpu --device=cpu --tiny)
 pass, a wrong result fails the run, and its verdicts are right."""
+
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def table_rows(stdout):
     """{check: (result, status)} from the printed table (columns are separated by two or more spaces)."""
-    lines = stdout[stdout.index("check "):].splitlines()[2:]
+    lines = stdout[stdout.index("check ") :].splitlines()[2:]
     rows = {}
     for line in lines:
         if not line.strip() or line.startswith("FAILED"):
@@ -49,16 +50,32 @@ def test_without_a_gpu_it_asks_for_tiny(capsys):
 @pytest.mark.slow
 def test_tiny_cpu_run_passes_every_check_it_can_run_and_prints_one_table():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-m", "bench.gpu", "--device=cpu", "--tiny", "--nproc=2"], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.gpu", "--device=cpu", "--tiny", "--nproc=2"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     rows = table_rows(result.stdout)
     assert {check: status for check, (_, status) in rows.items()} == {
-        "train": "INFO", "compile": "SKIP", "chunked loss (float32)": "PASS", "chunked loss (bfloat16)": "PASS",
-        "hellaswag": "PASS", "memory plan": "INFO" if (ROOT / "memory.py").exists() else "SKIP", "ddp": "PASS",
+        "train": "INFO",
+        "compile": "SKIP",
+        "chunked loss (float32)": "PASS",
+        "chunked loss (bfloat16)": "PASS",
+        "hellaswag": "PASS",
+        "memory plan": "INFO" if (ROOT / "memory.py").exists() else "SKIP",
+        "ddp": "PASS",
         **({"fsdp": "PASS"} if "parallel" in gpu.TrainConfig.__dataclass_fields__ else {}),
-        "sigterm": "PASS", "host syncs": "SKIP", "oom": "SKIP", "fsdp bf16": "SKIP", "ddp x8": "SKIP",
-        "1558m memory": "SKIP"}
+        "sigterm": "PASS",
+        "host syncs": "SKIP",
+        "oom": "SKIP",
+        "fsdp bf16": "SKIP",
+        "ddp x8": "SKIP",
+        "1558m memory": "SKIP",
+    }
     assert "tokens/s" in rows["train"][0] and "2 ranks vs 1 process x 2 accumulation steps" in rows["ddp"][0]
     assert "stopped after step " in rows["sigterm"][0] and "max |loss diff| 0.0e+00" in rows["sigterm"][0]
 

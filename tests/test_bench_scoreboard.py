@@ -1,4 +1,5 @@
 """bench.scoreboard: peak-memory probe, tables, and a tiny end-to-end run (no timing assertions)."""
+
 import json
 import sys
 
@@ -25,6 +26,7 @@ def test_explicit_attention_of_the_baseline_rows_equals_sdpa(monkeypatch):
     """The scoreboard's pre-SDPA rows swap model.py's F.scaled_dot_product_attention for the written-out softmax;
     same model, same logits, in training (causal) and in KV-cache decoding (an explicit mask)."""
     from model import GPT, GPTConfig
+
     calls, explicit = [], scoreboard.explicit_attention
     monkeypatch.setattr(scoreboard, "explicit_attention", lambda *a, **k: calls.append(1) or explicit(*a, **k))
     torch.manual_seed(0)
@@ -42,8 +44,23 @@ def test_explicit_attention_of_the_baseline_rows_equals_sdpa(monkeypatch):
 
 def _tiny(tmp_path, *extra):
     out = tmp_path / "bench.json"
-    args = ["--n_layer", "1", "--n_head", "2", "--n_embd", "32", "--block_size", "256", "--vocab_size", "512",
-            "--batch_size", "2", "--json", str(out), *extra]
+    args = [
+        "--n_layer",
+        "1",
+        "--n_head",
+        "2",
+        "--n_embd",
+        "32",
+        "--block_size",
+        "256",
+        "--vocab_size",
+        "512",
+        "--batch_size",
+        "2",
+        "--json",
+        str(out),
+        *extra,
+    ]
     assert scoreboard.main(args) == 0
     return json.loads(out.read_text())
 
@@ -87,5 +104,7 @@ def test_compare_without_transformers_stops_before_measuring(monkeypatch):
     monkeypatch.setattr(scoreboard, "measure_all", lambda *a: pytest.fail("measured without transformers"))
     with pytest.raises(SystemExit) as stop:
         scoreboard.main(["--compare"])
-    assert str(stop.value) == ("bench.scoreboard --compare needs transformers (optional, not installed): "
-                               "pip install transformers   (or: pip install -r requirements-dev.txt)")
+    assert str(stop.value) == (
+        "bench.scoreboard --compare needs transformers (optional, not installed): "
+        "pip install transformers   (or: pip install -r requirements-dev.txt)"
+    )

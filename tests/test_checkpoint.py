@@ -1,4 +1,5 @@
 """checkpoint.py: atomic writes, sha256 sidecars verified on load with fallback, free-space checks, one-line load errors, the scripts' model flags."""
+
 import argparse
 import errno
 import os
@@ -10,9 +11,19 @@ import pytest
 import torch
 
 import checkpoint
-from checkpoint import (FORMAT, CheckpointError, add_model_args, checkpoint_path, checksum_path,
-                        load_checkpoint, load_latest_checkpoint, load_model, load_model_from_args, prune_checkpoints,
-                        save_checkpoint)
+from checkpoint import (
+    FORMAT,
+    CheckpointError,
+    add_model_args,
+    checkpoint_path,
+    checksum_path,
+    load_checkpoint,
+    load_latest_checkpoint,
+    load_model,
+    load_model_from_args,
+    prune_checkpoints,
+    save_checkpoint,
+)
 from files import file_sha256
 from model import GPT, GPTConfig
 
@@ -20,8 +31,15 @@ TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32)
 
 
 def fake_ckpt(step, **extra):
-    return {"format": FORMAT, "step": step, "model": {"w": torch.full((3,), float(step))}, "model_args": {}, "config": {},
-            "rng": [{"python": [3, list(range(5)), None]}], **extra}
+    return {
+        "format": FORMAT,
+        "step": step,
+        "model": {"w": torch.full((3,), float(step))},
+        "model_args": {},
+        "config": {},
+        "rng": [{"python": [3, list(range(5)), None]}],
+        **extra,
+    }
 
 
 def test_roundtrip_loads_with_weights_only(tmp_path):
@@ -120,8 +138,17 @@ def test_prune_keeps_last_n_and_the_best(tmp_path):
 def test_load_model_from_checkpoint(tmp_path):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY))
-    save_checkpoint(checkpoint_path(tmp_path, 3), {
-        "format": FORMAT, "model": model.state_dict(), "model_args": TINY, "config": {"seed": 1}, "step": 3, "val_loss": 2.5})
+    save_checkpoint(
+        checkpoint_path(tmp_path, 3),
+        {
+            "format": FORMAT,
+            "model": model.state_dict(),
+            "model_args": TINY,
+            "config": {"seed": 1},
+            "step": 3,
+            "val_loss": 2.5,
+        },
+    )
     loaded, info = load_model(ckpt=str(tmp_path))
     assert not loaded.training and info["step"] == 3 and info["val_loss"] == 2.5
     for (k, a), (k2, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
@@ -139,10 +166,13 @@ def model_flags(*argv):
 def test_model_flags_load_the_model_tokenizer_device_and_dtype(tmp_path):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY))
-    save_checkpoint(checkpoint_path(tmp_path, 3), {
-        "format": FORMAT, "model": model.state_dict(), "model_args": TINY, "config": {}, "step": 3})
-    loaded, enc, device, dtype = load_model_from_args(*model_flags("--ckpt", str(tmp_path), "--device", "cpu",
-                                                                   "--dtype", "float32"))
+    save_checkpoint(
+        checkpoint_path(tmp_path, 3),
+        {"format": FORMAT, "model": model.state_dict(), "model_args": TINY, "config": {}, "step": 3},
+    )
+    loaded, enc, device, dtype = load_model_from_args(
+        *model_flags("--ckpt", str(tmp_path), "--device", "cpu", "--dtype", "float32")
+    )
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight) and not loaded.training
     assert (device, dtype, enc.name) == ("cpu", "float32", "gpt2")
     with pytest.raises(SystemExit):  # exactly one of --ckpt / --init_from
@@ -161,6 +191,7 @@ def test_model_flags_bad_source_is_one_line_and_exit_2(tmp_path, capsys, flag):
 
 
 # ----------------------------------------------------------------------------- verification, disk space
+
 
 def tensor_offset(path, tensor):
     """Where a tensor's bytes start in a checkpoint file (torch.save stores them uncompressed, as they are)."""
@@ -189,7 +220,7 @@ def test_a_damaged_checkpoint_is_named_and_a_directory_falls_back(tmp_path, dama
     else:  # inside the pickle that describes the tensors
         with zipfile.ZipFile(newest) as z:
             info = next(i for i in z.infolist() if i.filename.endswith("data.pkl"))
-        header = newest.read_bytes()[info.header_offset:info.header_offset + 30]  # the zip's local file header
+        header = newest.read_bytes()[info.header_offset : info.header_offset + 30]  # the zip's local file header
         name_len, extra_len = int.from_bytes(header[26:28], "little"), int.from_bytes(header[28:30], "little")
         overwrite(newest, info.header_offset + 30 + name_len + extra_len + 10, b"\xff" * 8)
     with pytest.raises(CheckpointError) as err:  # named explicitly: an error, one line
@@ -238,7 +269,9 @@ def test_storage_bytes_counts_shared_storage_once_and_bounds_the_file(tmp_path):
 def test_full_disk_is_refused_before_writing(tmp_path, monkeypatch):
     save_checkpoint(checkpoint_path(tmp_path, 1), fake_ckpt(1))
     big = fake_ckpt(2, big=torch.zeros(3 * 2**20 // 4))  # 3 MiB of tensor data
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 2**20, 2**20))
+    monkeypatch.setattr(
+        checkpoint.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 2**20, 2**20)
+    )
     with pytest.raises(CheckpointError) as err:
         save_checkpoint(checkpoint_path(tmp_path, 2), big)
     assert "not enough disk space to write this checkpoint: it needs about 4 MiB" in str(err.value)
@@ -278,8 +311,10 @@ def test_disk_filling_up_midway_is_one_line_and_leaves_no_temporary_file(tmp_pat
     with pytest.raises(CheckpointError) as err:
         save_checkpoint(checkpoint_path(tmp_path, 2), fake_ckpt(2, big=torch.randn(4096)))
     monkeypatch.undo()
-    assert str(err.value) == (f"{checkpoint_path(tmp_path, 2)}: cannot write the checkpoint (No space left on device); "
-                              "free some disk space; nothing was written, the previous checkpoints are kept")
+    assert str(err.value) == (
+        f"{checkpoint_path(tmp_path, 2)}: cannot write the checkpoint (No space left on device); "
+        "free some disk space; nothing was written, the previous checkpoints are kept"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_000001.pt", "ckpt_000001.pt.sha256"]
     assert load_checkpoint(tmp_path)["step"] == 1
 

@@ -3,6 +3,7 @@ on stderr and exit status 2 (issue 34). The scripts are found, not listed: each 
 bench/ or in scripts/ with an `if __name__ == "__main__":` block, so a new script is covered the day it lands.
 Each runs as `python X.py ...` (`python -m bench.X ...`) would run it, __main__ block included, through runpy in
 this process: torch is imported once for all of them, not once per script."""
+
 import re
 import runpy
 import sys
@@ -12,8 +13,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 MAIN_BLOCK = re.compile(r'^if __name__ == "__main__":', re.MULTILINE)
-SCRIPTS = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("*.py"), *ROOT.glob("bench/*.py"),
-                                                   *ROOT.glob("scripts/*.py")] if MAIN_BLOCK.search(p.read_text()))
+SCRIPTS = sorted(
+    str(p.relative_to(ROOT))
+    for p in [*ROOT.glob("*.py"), *ROOT.glob("bench/*.py"), *ROOT.glob("scripts/*.py")]
+    if MAIN_BLOCK.search(p.read_text())
+)
 
 
 def run_script(path, args, monkeypatch, capsys):
@@ -23,7 +27,7 @@ def run_script(path, args, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [str(ROOT / path), *args])
     try:
         if path.startswith("bench/"):
-            name = path[:-len(".py")].replace("/", ".")
+            name = path[: -len(".py")].replace("/", ".")
             monkeypatch.delitem(sys.modules, name, raising=False)  # imported by another bench: python -m has it fresh
             runpy.run_module(name, run_name="__main__", alter_sys=True)
         else:
@@ -36,8 +40,17 @@ def run_script(path, args, monkeypatch, capsys):
 
 
 def test_the_scripts_are_found():
-    assert {"train.py", "sample.py", "prepare_data.py", "checkpoint.py", "hellaswag.py", "dryrun.py",
-            "plot_metrics.py", "bench/scoreboard.py", "scripts/check_ranks.py"} <= set(SCRIPTS)
+    assert {
+        "train.py",
+        "sample.py",
+        "prepare_data.py",
+        "checkpoint.py",
+        "hellaswag.py",
+        "dryrun.py",
+        "plot_metrics.py",
+        "bench/scoreboard.py",
+        "scripts/check_ranks.py",
+    } <= set(SCRIPTS)
 
 
 @pytest.mark.parametrize("path", SCRIPTS)

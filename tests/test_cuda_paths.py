@@ -2,6 +2,7 @@
 queries are mocked, torch's own argument parsing runs): setup() for device 'auto', 'cuda' and 'cuda:1', under
 torchrun and without, then the calls a run makes with the device it picked; bench.gpu's start. And the APIs
 newer than the torch floor (devices.MIN_TORCH), each gated: tested by deleting the attribute."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,8 +25,9 @@ def no_tf32_leak():  # setup() turns TF32 on for CUDA runs: keep it from the oth
 
 @pytest.mark.parametrize("torchrun", [False, True])
 @pytest.mark.parametrize("device", ["auto", "cuda", "cuda:1"])
-def test_setup_makes_an_indexed_gpu_current_and_the_run_can_query_it(fake_gpus, monkeypatch, no_tf32_leak,
-                                                                     device, torchrun):
+def test_setup_makes_an_indexed_gpu_current_and_the_run_can_query_it(
+    fake_gpus, monkeypatch, no_tf32_leak, device, torchrun
+):
     gpus = fake_gpus(2)
     groups = []
     monkeypatch.setattr(parallel.dist, "init_process_group", lambda **kwargs: groups.append(kwargs["backend"]))
@@ -60,8 +62,11 @@ def test_bench_gpu_starts_on_the_gpu_it_names(fake_gpus, monkeypatch, capsys, de
 
 def test_muon_on_a_torch_without_it_is_a_one_line_config_error(monkeypatch):
     monkeypatch.delattr(torch.optim, "Muon")
-    with pytest.raises(ConfigError, match=r"^optimizer='muon' needs torch.optim.Muon \(torch >= 2.9\), which torch "
-                       r"\S+ lacks: upgrade torch, or use optimizer='adamw'$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^optimizer='muon' needs torch.optim.Muon \(torch >= 2.9\), which torch "
+        r"\S+ lacks: upgrade torch, or use optimizer='adamw'$",
+    ):
         make_config({"optimizer": "muon"})
     make_config({"optimizer": "adamw"})  # the default needs nothing new
 
@@ -82,14 +87,29 @@ def test_fsdp_compile_failure_on_a_torch_without_reset_iter_state_is_a_one_line_
     def broken_compile(forward):
         def compiled(*args, **kwargs):
             raise BackendCompilerFailed("inductor", RuntimeError("no working C++ compiler"), None)
+
         return compiled
 
     monkeypatch.setattr(torch, "compile", broken_compile)
     monkeypatch.delattr(FSDPModule, "reset_iter_state")
-    cfg = make_config({"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8, "vocab_size": 32, "batch_size": 1,
-                       "compile": True, "device": "cpu", "dtype": "float32", "parallel": "fsdp"})
+    cfg = make_config(
+        {
+            "n_layer": 1,
+            "n_head": 2,
+            "n_embd": 16,
+            "block_size": 8,
+            "vocab_size": 32,
+            "batch_size": 1,
+            "compile": True,
+            "device": "cpu",
+            "dtype": "float32",
+            "parallel": "fsdp",
+        }
+    )
     env = parallel.Env(0, 0, 1, True, "cpu", "float32", "fsdp", (1,))
     with pytest.raises(ConfigError) as error:
         parallel.shard(GPT(model_config(cfg)), cfg, env)
-    assert str(error.value) == (f"torch {torch.__version__} cannot recover FSDP from the failed torch.compile trial "
-                                "(no FSDPModule.reset_iter_state): set compile=False, or upgrade torch")
+    assert str(error.value) == (
+        f"torch {torch.__version__} cannot recover FSDP from the failed torch.compile trial "
+        "(no FSDPModule.reset_iter_state): set compile=False, or upgrade torch"
+    )

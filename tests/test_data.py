@@ -1,4 +1,5 @@
 """Shard format, prepare_data.py and the DataLoader (issue 4)."""
+
 import contextlib
 import json
 import random
@@ -46,10 +47,11 @@ def split_docs(tokens, enc):
     """Token stream -> decoded documents; asserts every document starts with EOT."""
     assert tokens[0] == EOT, "the stream must start with the EOT that precedes the first document"
     starts = np.flatnonzero(tokens == EOT)
-    return [enc.decode(tokens[a + 1:b].tolist()) for a, b in zip(starts, [*starts[1:], len(tokens)])]
+    return [enc.decode(tokens[a + 1 : b].tolist()) for a, b in zip(starts, [*starts[1:], len(tokens)])]
 
 
 # ---------------------------------------------------------------------------- shard format
+
 
 def test_header_bytes_match_spec(tmp_path):
     tokens = [EOT, 15496, 995, 0, 65535]
@@ -71,6 +73,7 @@ def test_failed_write_keeps_the_old_shard(tmp_path):
 
 # ---------------------------------------------------------------------------- prepare_data.py
 
+
 def test_worker_encodes_like_encode_ordinary_with_eot_first(enc):
     docs = ["Hello world", "a <|endoftext|> b", "lone surrogate \ud800 here", "naïve café 日本語\n\n"]
     tokens, lengths = prepare_data.tokenize_batch(docs)
@@ -85,17 +88,17 @@ def test_round_trip_documents_shards_documents(tmp_path, enc):
     out = tmp_path / "out"
     summary = run_prep("--input", src, "--out_dir", out, "--shard_tokens", 400, "--val_tokens", 300, "--num_proc", 1)
 
-    val, = shard_tokens(out, "docs", "val")
+    (val,) = shard_tokens(out, "docs", "val")
     train = shard_tokens(out, "docs", "train")
     assert (out / "docs_val_000000.bin").exists() and (out / "docs_train_000000.bin").exists()
     assert len(train) >= 3 and all(len(t) == 400 for t in train[:-1]) and 0 < len(train[-1]) <= 400
     assert any(t[0] != EOT for t in train[1:]), "the test should cover a document split across shards"
 
     val_docs = split_docs(val, enc)
-    assert val_docs == docs[:len(val_docs)]  # val holds whole documents, the first ones
+    assert val_docs == docs[: len(val_docs)]  # val holds whole documents, the first ones
     lengths = [len(enc.encode_ordinary(d)) + 1 for d in val_docs]
     assert sum(lengths) == len(val) >= 300 > sum(lengths[:-1])  # the fewest documents reaching --val_tokens
-    assert split_docs(np.concatenate(train), enc) == docs[len(val_docs):]  # concatenated shards restore them
+    assert split_docs(np.concatenate(train), enc) == docs[len(val_docs) :]  # concatenated shards restore them
     total = len(val) + sum(map(len, train))
     assert int((np.concatenate([val, *train]) == EOT).sum()) == len(docs)  # literal "<|endoftext|>" is text
     assert summary["documents"] == len(docs) and summary["tokens"] == total and summary["shards"] == 1 + len(train)
@@ -115,9 +118,23 @@ def test_txt_jsonl_parquet_directories_and_globs(tmp_path, enc):
     (tmp_path / "e1.txt").write_text(docs[7], encoding="utf-8")
     (tmp_path / "e2.txt").write_text(docs[8], encoding="utf-8")
     out = tmp_path / "out"
-    run_prep("--input", tmp_path / "in", tmp_path / "d.parquet", tmp_path / "e*.txt", "--text_key", "content",
-             "--out_dir", out, "--name", "mix", "--val_tokens", len(enc.encode_ordinary(docs[0])) + 1, "--num_proc", 1)
-    val, = shard_tokens(out, "mix", "val")
+    run_prep(
+        "--input",
+        tmp_path / "in",
+        tmp_path / "d.parquet",
+        tmp_path / "e*.txt",
+        "--text_key",
+        "content",
+        "--out_dir",
+        out,
+        "--name",
+        "mix",
+        "--val_tokens",
+        len(enc.encode_ordinary(docs[0])) + 1,
+        "--num_proc",
+        1,
+    )
+    (val,) = shard_tokens(out, "mix", "val")
     stream = np.concatenate([val, *shard_tokens(out, "mix", "train")])
     assert split_docs(stream, enc) == docs
     assert split_docs(val, enc) == docs[:1]
@@ -135,11 +152,11 @@ def test_files_of_other_types_under_an_input_directory_are_named_as_skipped(tmp_
 def test_default_val_split_is_a_tenth_of_a_small_corpus_in_whole_documents(tmp_path, enc):
     docs = make_docs(200, seed=7)
     run_prep("--input", write_jsonl(tmp_path / "docs.jsonl", docs), "--out_dir", tmp_path / "out", "--num_proc", 1)
-    val, = shard_tokens(tmp_path / "out", "docs", "val")
-    train, = shard_tokens(tmp_path / "out", "docs", "train")
+    (val,) = shard_tokens(tmp_path / "out", "docs", "val")
+    (train,) = shard_tokens(tmp_path / "out", "docs", "train")
     lengths = [len(enc.encode_ordinary(d)) + 1 for d in docs]
     k = len(split_docs(val, enc))
-    assert sum(lengths[:k]) == len(val) >= sum(lengths) / 10 > sum(lengths[:k - 1])  # the fewest reaching 10%
+    assert sum(lengths[:k]) == len(val) >= sum(lengths) / 10 > sum(lengths[: k - 1])  # the fewest reaching 10%
     assert split_docs(train, enc) == docs[k:]
 
 
@@ -147,8 +164,8 @@ def test_default_val_split_cuts_a_single_text_file_90_10(tmp_path, enc):
     text = "\n\n".join(make_docs(60, seed=8))  # one .txt file is one document
     (tmp_path / "corpus.txt").write_text(text, encoding="utf-8")
     summary = run_prep("--input", tmp_path / "corpus.txt", "--out_dir", tmp_path / "out", "--num_proc", 1)
-    val, = shard_tokens(tmp_path / "out", "corpus", "val")
-    train, = shard_tokens(tmp_path / "out", "corpus", "train")
+    (val,) = shard_tokens(tmp_path / "out", "corpus", "val")
+    (train,) = shard_tokens(tmp_path / "out", "corpus", "train")
     assert len(val) == round((len(enc.encode_ordinary(text)) + 1) / 10) == summary["val_tokens"]
     assert np.concatenate([val, train]).tolist() == [EOT, *enc.encode_ordinary(text)]
 
@@ -163,6 +180,7 @@ def test_a_run_interrupted_after_a_cut_val_split_resumes_mid_document(tmp_path, 
         if "_train_" in path.name:
             raise KeyboardInterrupt
         real_write(path, tokens)
+
     monkeypatch.setattr(prepare_data, "write_shard", crash_after_val)
     with pytest.raises(KeyboardInterrupt):
         run_prep(*args, "--out_dir", tmp_path / "crashed")
@@ -176,15 +194,17 @@ def test_a_run_interrupted_after_a_cut_val_split_resumes_mid_document(tmp_path, 
 
 
 def test_shakespeare_preset_makes_one_document_per_speech(tmp_path, monkeypatch, enc):
-    text = "First Citizen:\nBefore we proceed,\nhear me.\n\nAll:\nSpeak, speak.\n\n\nFirst Citizen:\nYou are resolved.\n"
+    text = (
+        "First Citizen:\nBefore we proceed,\nhear me.\n\nAll:\nSpeak, speak.\n\n\nFirst Citizen:\nYou are resolved.\n"
+    )
     (tmp_path / "input.txt").write_text(text)
     monkeypatch.setattr(prepare_data, "fetch_shakespeare", lambda: tmp_path / "input.txt")
     monkeypatch.chdir(tmp_path)
     first = "First Citizen:\nBefore we proceed,\nhear me."
     run_prep("--dataset", "shakespeare", "--val_tokens", len(enc.encode_ordinary(first)) + 1, "--num_proc", 1)
     out = tmp_path / "data" / "shakespeare"  # the default out_dir, where configs/ look for it
-    val, = shard_tokens(out, "shakespeare", "val")
-    train, = shard_tokens(out, "shakespeare", "train")
+    (val,) = shard_tokens(out, "shakespeare", "val")
+    (train,) = shard_tokens(out, "shakespeare", "train")
     assert split_docs(val, enc) == [first]
     assert split_docs(train, enc) == ["All:\nSpeak, speak.", "First Citizen:\nYou are resolved."]
 
@@ -201,15 +221,30 @@ def test_hugging_face_preset_streams_through_datasets(tmp_path, monkeypatch, enc
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     out = tmp_path / "out"
-    summary = run_prep("--dataset", "fineweb-edu", "--out_dir", out, "--shard_tokens", 200, "--val_tokens", 100, "--num_proc", 1)
+    summary = run_prep(
+        "--dataset", "fineweb-edu", "--out_dir", out, "--shard_tokens", 200, "--val_tokens", 100, "--num_proc", 1
+    )
     assert calls == [("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", None, True)]
     assert summary["name"] == "fineweb_edu"
     stream = np.concatenate([*shard_tokens(out, "fineweb_edu", "val"), *shard_tokens(out, "fineweb_edu", "train")])
     assert split_docs(stream, enc) == docs
 
     calls.clear()
-    run_prep("--dataset", "someone/corpus", "--dataset_config", "en", "--split", "validation", "--no-streaming",
-             "--out_dir", tmp_path / "out2", "--val_tokens", 100, "--num_proc", 1)
+    run_prep(
+        "--dataset",
+        "someone/corpus",
+        "--dataset_config",
+        "en",
+        "--split",
+        "validation",
+        "--no-streaming",
+        "--out_dir",
+        tmp_path / "out2",
+        "--val_tokens",
+        100,
+        "--num_proc",
+        1,
+    )
     assert calls == [("someone/corpus", "en", "validation", None, False)]
     assert (tmp_path / "out2" / "corpus_val_000000.bin").exists()
 
@@ -235,7 +270,9 @@ def test_rerun_skips_finished_shards_and_resumes_after_damage(tmp_path, monkeypa
 
     writes = []
     real_write = prepare_data.write_shard
-    monkeypatch.setattr(prepare_data, "write_shard", lambda path, tokens: (writes.append(path.name), real_write(path, tokens)))
+    monkeypatch.setattr(
+        prepare_data, "write_shard", lambda path, tokens: (writes.append(path.name), real_write(path, tokens))
+    )
     again = run_prep(*args)
     assert writes == [] and again["tokenized"] == 0 and again["tokens"] == first["tokens"]
 
@@ -263,6 +300,7 @@ def test_interrupted_run_resumes_to_identical_output(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         count.append(path)
         real_write(path, tokens)
+
     monkeypatch.setattr(prepare_data, "write_shard", crashing_write)
     with pytest.raises(KeyboardInterrupt):
         run_prep(*args, "--out_dir", tmp_path / "crashed")
@@ -275,17 +313,35 @@ def test_interrupted_run_resumes_to_identical_output(tmp_path, monkeypatch):
         assert (tmp_path / "clean" / name).read_bytes() == (tmp_path / "crashed" / name).read_bytes(), name
 
 
-@pytest.mark.parametrize("case", ["no_match", "only_empty", "bad_utf8", "bad_json", "missing_key", "too_small",
-                                  "different_input", "foreign_shards", "other_dataset"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "no_match",
+        "only_empty",
+        "bad_utf8",
+        "bad_json",
+        "missing_key",
+        "too_small",
+        "different_input",
+        "foreign_shards",
+        "other_dataset",
+    ],
+)
 def test_prepare_errors_are_one_clear_line(tmp_path, case):
     out = tmp_path / "out"
     src = write_jsonl(tmp_path / "docs.jsonl", make_docs(20))
     args = ["--input", src, "--out_dir", out, "--val_tokens", 10, "--num_proc", 1]
-    expected = {"no_match": "no input files matched", "only_empty": "no documents with text",
-                "bad_utf8": "bad.txt: cannot read", "bad_json": "bad.jsonl:2: not valid JSON",
-                "missing_key": "docs.jsonl:1: no 'body' field", "too_small": "lower --val_tokens",
-                "different_input": "from a different input", "foreign_shards": "but no docs_manifest.json",
-                "other_dataset": "holds other token files (tiny_train_000000.bin, ...)"}[case]
+    expected = {
+        "no_match": "no input files matched",
+        "only_empty": "no documents with text",
+        "bad_utf8": "bad.txt: cannot read",
+        "bad_json": "bad.jsonl:2: not valid JSON",
+        "missing_key": "docs.jsonl:1: no 'body' field",
+        "too_small": "lower --val_tokens",
+        "different_input": "from a different input",
+        "foreign_shards": "but no docs_manifest.json",
+        "other_dataset": "holds other token files (tiny_train_000000.bin, ...)",
+    }[case]
     if case == "no_match":
         args[1] = tmp_path / "missing" / "*.jsonl"
     elif case == "only_empty":
@@ -330,7 +386,9 @@ def test_a_killed_preps_temporary_files_are_removed_by_the_next_run(tmp_path, ca
     run_prep(*args, "--out_dir", out)
     assert "removed 2 temporary file(s) (0.0 MiB) of an interrupted run" in capsys.readouterr().out
     assert not any(p.exists() for p in stale) and foreign.exists()
-    assert sorted(p.name for p in out.iterdir()) == sorted([p.name for p in (tmp_path / "clean").iterdir()] + [foreign.name])
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [p.name for p in (tmp_path / "clean").iterdir()] + [foreign.name]
+    )
 
 
 def test_unwritable_output_dir_fails_before_any_work(tmp_path, monkeypatch, read_only):
@@ -339,12 +397,15 @@ def test_unwritable_output_dir_fails_before_any_work(tmp_path, monkeypatch, read
     read_only(tmp_path / "ro")
     with pytest.raises(SystemExit) as e:
         run_prep("--input", src, "--out_dir", tmp_path / "ro" / "out", "--num_proc", 1)
-    assert str(e.value.code) == (f"prepare_data.py: error: cannot write to the output directory {tmp_path / 'ro' / 'out'} "
-                                 f"(Permission denied: {tmp_path / 'ro' / 'out'})")
+    assert str(e.value.code) == (
+        f"prepare_data.py: error: cannot write to the output directory {tmp_path / 'ro' / 'out'} "
+        f"(Permission denied: {tmp_path / 'ro' / 'out'})"
+    )
 
 
 def test_a_second_prep_on_the_same_output_dir_is_refused(tmp_path, monkeypatch):
     from files import directory_lock
+
     src = write_jsonl(tmp_path / "docs.jsonl", make_docs(20))
     monkeypatch.setattr(prepare_data, "tokenize_batch", lambda *args: pytest.fail("tokenizing began"))
     with directory_lock(tmp_path / "out", "prepare_data.py"):
@@ -376,21 +437,25 @@ def test_manifest_records_each_shards_max_token_and_the_loader_trusts_it(tmp_pat
 
 # ---------------------------------------------------------------------------- load_shard
 
+
 def llmc_bytes(tokens, magic=20240520, version=1, count=None):
     header = struct.pack("<256i", magic, version, len(tokens) if count is None else count, *[0] * 253)
     return header + np.asarray(tokens, dtype="<u2").tobytes()
 
 
-@pytest.mark.parametrize("content, expected", [
-    (llmc_bytes(range(100), magic=20240521), "bad magic 20240521"),
-    (llmc_bytes(range(100))[:-10], "truncated"),
-    (llmc_bytes(range(100))[:500], "truncated"),
-    (llmc_bytes(range(100), count=90), "corrupt"),
-    (llmc_bytes(range(100), version=2), "version 2"),
-    (llmc_bytes([]), "empty shard"),
-    (b"", "empty shard"),
-    (b"\x01\x02\x03", "odd size"),
-])
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (llmc_bytes(range(100), magic=20240521), "bad magic 20240521"),
+        (llmc_bytes(range(100))[:-10], "truncated"),
+        (llmc_bytes(range(100))[:500], "truncated"),
+        (llmc_bytes(range(100), count=90), "corrupt"),
+        (llmc_bytes(range(100), version=2), "version 2"),
+        (llmc_bytes([]), "empty shard"),
+        (b"", "empty shard"),
+        (b"\x01\x02\x03", "odd size"),
+    ],
+)
 def test_bad_shards_give_clear_errors(tmp_path, content, expected):
     path = tmp_path / "x_train_000000.bin"
     path.write_bytes(content)
@@ -412,12 +477,15 @@ def test_out_of_vocab_token_is_reported(tmp_path):
 
 def test_shards_without_a_manifest_are_scanned_in_chunks_to_the_last_token(tmp_path):
     from data import check_shards_vocab
+
     paths = [tmp_path / f"x_train_{i:06d}.bin" for i in range(2)]
     write_shard(paths[0], np.arange(5000) % 64)
     write_shard(paths[1], np.r_[np.arange(4999) % 64, 64])  # the very last token is out of range
     shards = [load_shard(p) for p in paths]
     check_shards_vocab(paths, shards, 65, chunk=999)
-    with pytest.raises(ShardError, match=r"x_train_000001.bin: token id 64 >= vocab_size 64 \(first bad id at token 4,999\)"):
+    with pytest.raises(
+        ShardError, match=r"x_train_000001.bin: token id 64 >= vocab_size 64 \(first bad id at token 4,999\)"
+    ):
         check_shards_vocab(paths, shards, 64, chunk=999)
 
 
@@ -439,8 +507,11 @@ def test_headerless_bin_and_npy_load_to_the_same_tokens(tmp_path):
     write_shard(tmp_path / "llmc" / "fw_train_000000.bin", tokens)
     tokens.astype("<u2").tofile(tmp_path / "raw" / "train.bin")  # nanoGPT's prepare.py layout
     np.save(tmp_path / "npy" / "edufineweb_train_000000.npy", tokens)  # build-nanogpt's
-    for path in (tmp_path / "llmc" / "fw_train_000000.bin", tmp_path / "raw" / "train.bin",
-                 tmp_path / "npy" / "edufineweb_train_000000.npy"):
+    for path in (
+        tmp_path / "llmc" / "fw_train_000000.bin",
+        tmp_path / "raw" / "train.bin",
+        tmp_path / "npy" / "edufineweb_train_000000.npy",
+    ):
         loaded = load_shard(path, vocab_size=50257)
         assert loaded.dtype == np.uint16 and np.array_equal(loaded, tokens), path
     batches = []
@@ -511,10 +582,14 @@ def test_epoch_tail_continues_into_the_next_epoch(numbered):
 @pytest.mark.parametrize("world_size, accum", [(2, 2), (4, 1)])
 def test_world_size_times_accumulation_gives_the_same_global_batches(numbered, world_size, accum):
     def step_samples(world_size, accum, steps):
-        loaders = [DataLoader(numbered, "train", batch_size=3, block_size=T, rank=r, world_size=world_size, seed=5)
-                   for r in range(world_size)]
-        return [sorted(s for _ in range(accum) for loader in loaders for s in sample_ids(loader, 1))
-                for _ in range(steps)]
+        loaders = [
+            DataLoader(numbered, "train", batch_size=3, block_size=T, rank=r, world_size=world_size, seed=5)
+            for r in range(world_size)
+        ]
+        return [
+            sorted(s for _ in range(accum) for loader in loaders for s in sample_ids(loader, 1)) for _ in range(steps)
+        ]
+
     # A global batch of 12 does not divide 16 samples, so steps straddle epochs too.
     assert step_samples(world_size, accum, 6) == step_samples(1, world_size * accum, 6)
 
@@ -522,6 +597,7 @@ def test_world_size_times_accumulation_gives_the_same_global_batches(numbered, w
 def test_shuffle_is_deterministic_from_seed(numbered):
     def stream(seed):
         return sample_ids(DataLoader(numbered, "train", batch_size=4, block_size=T, seed=seed), 8)
+
     assert stream(0) == stream(0)
     assert stream(0) != stream(1)
     assert stream(0)[:16] != ALL_SAMPLES  # actually shuffled
@@ -547,11 +623,14 @@ def test_val_loader_reads_fixed_batches_in_file_order(numbered):
     assert first == ALL_SAMPLES  # no shuffling for val, whatever the seed
     loader.reset()
     assert sample_ids(loader, 2) == first[:8]
-    halves = [sample_ids(DataLoader(numbered, "val", batch_size=2, block_size=T, rank=r, world_size=2), 1) for r in range(2)]
+    halves = [
+        sample_ids(DataLoader(numbered, "val", batch_size=2, block_size=T, rank=r, world_size=2), 1) for r in range(2)
+    ]
     assert halves[0] + halves[1] == first[:4]  # ranks split each global batch
 
 
 # ---------------------------------------------------------------------------- data that is what the manifest says
+
 
 @pytest.fixture
 def prepped(tmp_path):
@@ -570,6 +649,7 @@ def poke(path, at, value):
 
 def test_a_shard_changed_after_prep_is_scanned_not_trusted_to_its_record(prepped):
     import os
+
     shard = prepped / "docs_train_000003.bin"
     poke(shard, 123, 60000)
     later = (prepped / "docs_manifest.json").stat().st_mtime + 5
@@ -581,22 +661,32 @@ def test_a_shard_changed_after_prep_is_scanned_not_trusted_to_its_record(prepped
 def test_an_id_that_appears_after_the_start_check_is_a_shard_error_naming_the_position(prepped):
     loader = DataLoader(prepped, "train", batch_size=4, block_size=8, vocab_size=50304, shuffle=False)
     poke(prepped / "docs_train_000000.bin", 13, 60000)  # the memory-mapped file changes under the run
-    with pytest.raises(ShardError, match=r"docs_train_000000.bin: token id 60000 >= vocab_size 50304 at token 13: "
-                                         r"the shard changed after the run checked it at start"):
+    with pytest.raises(
+        ShardError,
+        match=r"docs_train_000000.bin: token id 60000 >= vocab_size 50304 at token 13: "
+        r"the shard changed after the run checked it at start",
+    ):
         loader.next_batch()
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("missing", r"docs_train_000002.bin: listed in docs_manifest.json but is missing"),
-    ("replaced", r"docs_train_000002.bin: listed in docs_manifest.json but has 1,604 bytes, the manifest records 1,624"),
-    ("foreign", r"docs_train_000099.bin: not in docs_manifest.json \(another prep's shard\?\)"),
-    ("unfinished", r"docs_manifest.json: the prep that writes docs_\* did not finish"),
-    ("locked", r"is being written by prepare_data.py \(pid"),
-    ("unmanifested", r"other_train_000000.bin: in no prep manifest of .*, unlike its other train shards"),
-    ("dangling symlink", r"docs_train_000002.bin: a symlink to .*gone.bin, which does not exist"),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("missing", r"docs_train_000002.bin: listed in docs_manifest.json but is missing"),
+        (
+            "replaced",
+            r"docs_train_000002.bin: listed in docs_manifest.json but has 1,604 bytes, the manifest records 1,624",
+        ),
+        ("foreign", r"docs_train_000099.bin: not in docs_manifest.json \(another prep's shard\?\)"),
+        ("unfinished", r"docs_manifest.json: the prep that writes docs_\* did not finish"),
+        ("locked", r"is being written by prepare_data.py \(pid"),
+        ("unmanifested", r"other_train_000000.bin: in no prep manifest of .*, unlike its other train shards"),
+        ("dangling symlink", r"docs_train_000002.bin: a symlink to .*gone.bin, which does not exist"),
+    ],
+)
 def test_the_loader_trains_only_on_what_the_manifest_lists(prepped, case, expected):
     from files import directory_lock
+
     shard = prepped / "docs_train_000002.bin"
     manifest = json.loads((prepped / "docs_manifest.json").read_text())
     assert [r["tokens"] for r in manifest["shards"] if r["file"] == shard.name] == [300]
@@ -626,6 +716,7 @@ def test_the_loader_trains_only_on_what_the_manifest_lists(prepped, case, expect
 
 # ---------------------------------------------------------------------------- document rows (packing='document')
 
+
 def make_documents(tmp_path, seed=0):
     """Shards of documents (each <|endoftext|> then distinct ids, so a token names its place), some longer than a
     row of T+1; the first shard opens with the tail of a document (no <|endoftext|>), as a prep's shards can.
@@ -652,7 +743,7 @@ def epoch_rows(loader):
         x, y = loader.next_batch()
         xs += x.tolist()
         ys += y.tolist()
-    return xs[:loader.num_samples], ys[:loader.num_samples]
+    return xs[: loader.num_samples], ys[: loader.num_samples]
 
 
 def test_document_rows_start_at_a_document_and_train_each_target_once(tmp_path):
@@ -686,6 +777,7 @@ def test_document_rows_start_at_a_document_and_train_each_target_once(tmp_path):
 
 def test_document_rows_pack_best_fit_and_split_only_longer_documents():
     from data import document_items, pack_best_fit
+
     lengths = np.array([9, 2, 7, 4, 5, 3, 1, 6])
     row, rows = pack_best_fit(lengths, 9)
     assert rows == 5 and all(np.bincount(row, weights=lengths) <= 9)  # 37 tokens: 5 rows is the minimum
@@ -701,12 +793,15 @@ def test_document_rows_are_the_same_global_rows_at_any_world_size_and_resume_exa
     make_documents(tmp_path, seed=1)
 
     def rows(world_size, batch, steps, state=None):
-        loaders = [DataLoader(tmp_path, "train", batch, T, rank=r, world_size=world_size, seed=5, packing="document")
-                   for r in range(world_size)]
+        loaders = [
+            DataLoader(tmp_path, "train", batch, T, rank=r, world_size=world_size, seed=5, packing="document")
+            for r in range(world_size)
+        ]
         for loader in loaders:
             loader.load_state_dict(state) if state else None
         out = [tuple(map(tuple, loader.next_batch()[1].tolist())) for _ in range(steps) for loader in loaders]
         return [r for batch in out for r in batch], loaders[0].state_dict()
+
     one, _ = rows(1, 4, 6)
     two, _ = rows(2, 2, 6)
     assert one == two  # 2 ranks x 2 rows == 1 rank x 4 rows, row for row, across epoch ends
@@ -719,11 +814,29 @@ def test_document_rows_are_the_same_global_rows_at_any_world_size_and_resume_exa
 
 def test_training_with_document_rows_resumes_bit_exactly(tmp_path):
     import train
+
     make_documents(tmp_path / "data")
-    tiny = ["--n_layer=1", "--n_head=2", "--n_embd=16", f"--block_size={T}", "--batch_size=2", "--vocab_size=50304",
-            f"--total_batch_size={4 * T}", "--warmup_steps=2", "--eval_interval=4", "--eval_steps=1",
-            "--log_interval=0", "--save_interval=4", "--device=cpu", "--dtype=float32", "--compile=False",
-            "--sample_interval=0", "--packing=document", "--lr_decay_steps=8", f"--data_dir={tmp_path / 'data'}"]
+    tiny = [
+        "--n_layer=1",
+        "--n_head=2",
+        "--n_embd=16",
+        f"--block_size={T}",
+        "--batch_size=2",
+        "--vocab_size=50304",
+        f"--total_batch_size={4 * T}",
+        "--warmup_steps=2",
+        "--eval_interval=4",
+        "--eval_steps=1",
+        "--log_interval=0",
+        "--save_interval=4",
+        "--device=cpu",
+        "--dtype=float32",
+        "--compile=False",
+        "--sample_interval=0",
+        "--packing=document",
+        "--lr_decay_steps=8",
+        f"--data_dir={tmp_path / 'data'}",
+    ]
     assert train.main([*tiny, f"--out_dir={tmp_path / 'full'}", "--max_steps=8"]) == 0
     assert train.main([*tiny, f"--out_dir={tmp_path / 'split'}", "--max_steps=4"]) == 0
     assert train.main(["--init_from=resume", f"--out_dir={tmp_path / 'split'}", "--max_steps=8"]) == 0
@@ -731,6 +844,7 @@ def test_training_with_document_rows_resumes_bit_exactly(tmp_path):
     def losses(out):
         lines = [json.loads(x) for x in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
         return {m["step"]: (m["train_loss"], m["trained_tokens"]) for m in lines if "train_loss" in m}
+
     assert list(losses("split")) == list(range(1, 9)) and losses("split") == losses("full")
 
 
@@ -743,15 +857,39 @@ def test_ddp_two_processes_equal_one_process_with_accumulation_on_document_rows(
     import sys
 
     import train
+
     make_documents(tmp_path / "data")
     root = Path(__file__).resolve().parent.parent
-    args = ["--n_layer=1", "--n_head=2", "--n_embd=16", f"--block_size={T}", "--batch_size=2", "--max_steps=4",
-            f"--total_batch_size={4 * T}", "--warmup_steps=2", "--eval_interval=0", "--log_interval=0",
-            "--device=cpu", "--dtype=float32", "--compile=False", "--sample_interval=0", "--dropout=0.0",
-            "--packing=document", f"--data_dir={tmp_path / 'data'}"]
+    args = [
+        "--n_layer=1",
+        "--n_head=2",
+        "--n_embd=16",
+        f"--block_size={T}",
+        "--batch_size=2",
+        "--max_steps=4",
+        f"--total_batch_size={4 * T}",
+        "--warmup_steps=2",
+        "--eval_interval=0",
+        "--log_interval=0",
+        "--device=cpu",
+        "--dtype=float32",
+        "--compile=False",
+        "--sample_interval=0",
+        "--dropout=0.0",
+        "--packing=document",
+        f"--data_dir={tmp_path / 'data'}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(root / "train.py"),
-           *args, f"--out_dir={tmp_path / 'ddp'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(root / "train.py"),
+        *args,
+        f"--out_dir={tmp_path / 'ddp'}",
+    ]
     result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert train.main([*args, f"--out_dir={tmp_path / 'single'}"]) == 0
@@ -759,6 +897,7 @@ def test_ddp_two_processes_equal_one_process_with_accumulation_on_document_rows(
     def losses(out):
         lines = [json.loads(x) for x in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
         return {m["step"]: (m["train_loss"], m["trained_tokens"]) for m in lines if "train_loss" in m}
+
     ddp, single = losses("ddp"), losses("single")
     assert list(ddp) == list(range(1, 5)) and len({n for _, n in single.values()}) > 1  # padding varies
     for step, (loss, trained) in single.items():

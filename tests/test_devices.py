@@ -1,5 +1,6 @@
 """devices.py: the one dtype/compile policy, the GPU peak table, error classification, and the glibc
 allocator switch every script applies on a CPU."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +9,6 @@ import pytest
 import torch
 
 import devices
-
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,10 +19,19 @@ def test_requirements_torch_floor_is_the_one_the_code_checks():
     assert torch_specs == [f"torch>={'.'.join(map(str, devices.MIN_TORCH))}"]
 
 
-@pytest.mark.parametrize("version, ok", [
-    ("2.13.0+cpu", True), ("2.6.0", True), ("2.6.0a0+ecf3bae40a.nv25.01", True), ("3.0.0", True),
-    ("2.5.1+cu124", False), ("2.3.0", False), ("1.13.1", False), ("2.10.0", True),  # 2.10 > 2.6, not "2.1"
-])
+@pytest.mark.parametrize(
+    "version, ok",
+    [
+        ("2.13.0+cpu", True),
+        ("2.6.0", True),
+        ("2.6.0a0+ecf3bae40a.nv25.01", True),
+        ("3.0.0", True),
+        ("2.5.1+cu124", False),
+        ("2.3.0", False),
+        ("1.13.1", False),
+        ("2.10.0", True),  # 2.10 > 2.6, not "2.1"
+    ],
+)
 def test_torch_version_floor(version, ok):
     problem = devices.torch_version_problem(version, minimum=(2, 6))
     assert (problem is None) == ok
@@ -37,7 +46,8 @@ def test_importing_devices_under_an_old_torch_is_a_one_line_error():
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
         f"error: torch 2.3.1+cu121 is installed, but gpt2-train needs torch >= {need} (requirements.txt); "
-        f"upgrade it, e.g. pip install 'torch>={need}'"]
+        f"upgrade it, e.g. pip install 'torch>={need}'"
+    ]
 
 
 def test_cpu_dtype_and_compile_follow_native_bf16(monkeypatch):
@@ -47,8 +57,13 @@ def test_cpu_dtype_and_compile_follow_native_bf16(monkeypatch):
     monkeypatch.setattr(devices, "cpu_has_fast_bf16", lambda: True)
     assert devices.resolve_dtype("auto", "cpu") == "bfloat16"
     assert devices.resolve_compile("auto", "cpu", "bfloat16") is True
-    assert devices.resolve_dtype("auto", "mps") == "float32" and devices.resolve_compile("auto", "mps", "float32") is False
-    assert devices.resolve_dtype("float16", "cpu") == "float16" and devices.resolve_compile(False, "cpu", "bfloat16") is False
+    assert (
+        devices.resolve_dtype("auto", "mps") == "float32" and devices.resolve_compile("auto", "mps", "float32") is False
+    )
+    assert (
+        devices.resolve_dtype("float16", "cpu") == "float16"
+        and devices.resolve_compile(False, "cpu", "bfloat16") is False
+    )
     with pytest.raises(ValueError, match="'fp8' is not one of"):
         devices.resolve_dtype("fp8", "cpu")
 
@@ -68,30 +83,33 @@ def test_cuda_dtype_uses_native_bf16_only(monkeypatch):
     assert devices.resolve_compile("auto", "cuda", "float16") is True
 
 
-@pytest.mark.parametrize("name, dtype, expected", [  # real torch.cuda.get_device_name() strings
-    ("NVIDIA H100 80GB HBM3", "bfloat16", 989e12),
-    ("NVIDIA H100 80GB HBM3", "float32", 494e12),  # fp32 training runs TF32 matmuls
-    ("NVIDIA H100 PCIe", "bfloat16", 756e12),
-    ("NVIDIA H100 NVL", "bfloat16", 835e12),
-    ("NVIDIA H200", "bf16", 989e12),
-    ("NVIDIA H200 NVL", "bfloat16", 835e12),
-    ("NVIDIA A100-SXM4-80GB", "bfloat16", 312e12),
-    ("NVIDIA A100-SXM4-80GB", "tf32", 156e12),
-    ("NVIDIA A100 80GB PCIe", "float16", 312e12),
-    ("NVIDIA L40S", "bfloat16", 362e12),
-    ("NVIDIA L40", "bfloat16", 181e12),
-    ("NVIDIA L4", "bfloat16", 121e12),
-    ("NVIDIA GeForce RTX 4090", "bfloat16", 165e12),
-    ("Tesla V100-SXM2-16GB", "bfloat16", None),
-    ("NVIDIA GH200 480GB", "bfloat16", 989e12),
-    ("NVIDIA GH200 144G HBM3e", "tf32", 494e12),
-    ("NVIDIA B200", "bfloat16", 2250e12),
-    ("NVIDIA B200", "float32", 1125e12),
-    ("NVIDIA GB200", "bfloat16", 2500e12),  # not B200's row
-    ("NVIDIA GB200", "tf32", 1250e12),
-    ("NVIDIA B100", "bfloat16", None),  # unknown: no MFU rather than a wrong one
-    ("cpu", "float32", None),
-])
+@pytest.mark.parametrize(
+    "name, dtype, expected",
+    [  # real torch.cuda.get_device_name() strings
+        ("NVIDIA H100 80GB HBM3", "bfloat16", 989e12),
+        ("NVIDIA H100 80GB HBM3", "float32", 494e12),  # fp32 training runs TF32 matmuls
+        ("NVIDIA H100 PCIe", "bfloat16", 756e12),
+        ("NVIDIA H100 NVL", "bfloat16", 835e12),
+        ("NVIDIA H200", "bf16", 989e12),
+        ("NVIDIA H200 NVL", "bfloat16", 835e12),
+        ("NVIDIA A100-SXM4-80GB", "bfloat16", 312e12),
+        ("NVIDIA A100-SXM4-80GB", "tf32", 156e12),
+        ("NVIDIA A100 80GB PCIe", "float16", 312e12),
+        ("NVIDIA L40S", "bfloat16", 362e12),
+        ("NVIDIA L40", "bfloat16", 181e12),
+        ("NVIDIA L4", "bfloat16", 121e12),
+        ("NVIDIA GeForce RTX 4090", "bfloat16", 165e12),
+        ("Tesla V100-SXM2-16GB", "bfloat16", None),
+        ("NVIDIA GH200 480GB", "bfloat16", 989e12),
+        ("NVIDIA GH200 144G HBM3e", "tf32", 494e12),
+        ("NVIDIA B200", "bfloat16", 2250e12),
+        ("NVIDIA B200", "float32", 1125e12),
+        ("NVIDIA GB200", "bfloat16", 2500e12),  # not B200's row
+        ("NVIDIA GB200", "tf32", 1250e12),
+        ("NVIDIA B100", "bfloat16", None),  # unknown: no MFU rather than a wrong one
+        ("cpu", "float32", None),
+    ],
+)
 def test_peak_flops_matches_whole_device_names(name, dtype, expected):
     assert devices.peak_flops(name, dtype) == expected
 
@@ -99,6 +117,7 @@ def test_peak_flops_matches_whole_device_names(name, dtype, expected):
 def test_oom_and_compile_errors_are_told_apart():
     from torch._dynamo.exc import BackendCompilerFailed
     from torch._inductor.exc import CppCompileError
+
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     assert devices.is_oom(oom) and devices.is_oom(RuntimeError("MPS backend out of memory"))
     assert not devices.is_oom(RuntimeError("NCCL error: unhandled system error"))
@@ -139,8 +158,9 @@ print(devices.malloc_tuned())
 
 def test_tuned_malloc_keeps_freed_big_blocks_mapped_and_glibc_mode_returns_them():
     # a fresh process: a heap that earlier tests grew could serve the first block without mmap
-    run = subprocess.run([sys.executable, "-c", ALLOCATOR_PROBE], capture_output=True, text=True,
-                         cwd=Path(__file__).parent.parent)
+    run = subprocess.run(
+        [sys.executable, "-c", ALLOCATOR_PROBE], capture_output=True, text=True, cwd=Path(__file__).parent.parent
+    )
     if run.returncode:
         assert "not glibc None" in run.stderr, run.stderr  # only a non-glibc libc may lack the switch
         pytest.skip("not glibc: no malloc tuning to check")

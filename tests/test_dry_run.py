@@ -1,6 +1,7 @@
 """dryrun.py: the dry run (fake tensors + the fake process group) and the memory fixes it proves: FSDP reduce-scatters
 every micro-step, DDP's gradients stay bucket views, the plan follows the configured optimizer; every shipped
 config is dry-run at its intended world size."""
+
 from pathlib import Path
 
 import pytest
@@ -18,12 +19,35 @@ from model import GPT
 
 ROOT = Path(__file__).resolve().parent.parent
 # a model whose units are small next to the whole: a no-sync accumulation would hold every unit's fp32 gradient
-DEEP = dict(n_layer=8, n_head=2, n_embd=64, block_size=32, vocab_size=128, batch_size=2, compile=False,
-            dtype="bfloat16", data_dir=".", out_dir="unused")
+DEEP = dict(
+    n_layer=8,
+    n_head=2,
+    n_embd=64,
+    block_size=32,
+    vocab_size=128,
+    batch_size=2,
+    compile=False,
+    dtype="bfloat16",
+    data_dir=".",
+    out_dir="unused",
+)
 # each shipped config's intended world size (its header's torchrun / sbatch line)
-WORLD = {"shakespeare_cpu": 1, "gpt2_124m": 8, "gpt2_124m_modern": 8, "gpt2_1558m": 8, "gpt3_125m": 8,
-         "gpt3_350m": 8, "gpt3_760m": 8, "gpt3_1p3b": 8, "gpt3_2p7b": 8, "gpt3_6p7b": 8, "pythia_160m": 8,
-         "pythia_6p9b": 8, "neox_20b": 64, "sft_gpt2": 1}  # sft_gpt2: GPT-2 124M's shape, as the config's keys give it
+WORLD = {
+    "shakespeare_cpu": 1,
+    "gpt2_124m": 8,
+    "gpt2_124m_modern": 8,
+    "gpt2_1558m": 8,
+    "gpt3_125m": 8,
+    "gpt3_350m": 8,
+    "gpt3_760m": 8,
+    "gpt3_1p3b": 8,
+    "gpt3_2p7b": 8,
+    "gpt3_6p7b": 8,
+    "pythia_160m": 8,
+    "pythia_6p9b": 8,
+    "neox_20b": 64,
+    "sft_gpt2": 1,
+}  # sft_gpt2: GPT-2 124M's shape, as the config's keys give it
 
 
 def test_every_shipped_config_has_an_intended_world_size():
@@ -35,8 +59,7 @@ def test_every_shipped_config_has_an_intended_world_size():
 @pytest.mark.parametrize("parallel_mode,world_size", [("fsdp", 4), ("hsdp", 8)])
 def test_sharded_accumulation_never_holds_whole_model_fp32_gradients(parallel_mode, world_size):
     """set_requires_gradient_sync(False) kept every unit's unsharded fp32 gradient until the last micro-step."""
-    cfg = make_config({**DEEP, "parallel": parallel_mode, "total_batch_size": 2 * 32 * world_size * 3,
-                       "shard_size": 4})
+    cfg = make_config({**DEEP, "parallel": parallel_mode, "total_batch_size": 2 * 32 * world_size * 3, "shard_size": 4})
     whole_grads = sum(p.numel() for p in GPT(model_config(cfg)).parameters()) * 4
     sim = dry_run(cfg, world_size)  # shards of 4 ranks: a quarter of the gradients, plus a unit or two gathered
     # measured: 1.1x whole_grads here; the whole unsharded fp32 gradients that no-sync keeps made it 2.1x
@@ -141,8 +164,13 @@ def test_the_6b_presets_recompute_nothing_where_the_plan_with_its_margin_fits(na
 def test_dry_run_of_selective_checkpointing_matches_the_plan():
     """Every other block recomputed, at a 6.7B block's width (4 of its layers, FSDP over 8): plan within 15% of the
     simulated step, and between none and every block."""
-    cfg = make_config({**vars(make_config(parse_args([str(ROOT / "configs" / "gpt3_6p7b.py")]))), "n_layer": 4,
-                       "activation_checkpointing": "selective"})
+    cfg = make_config(
+        {
+            **vars(make_config(parse_args([str(ROOT / "configs" / "gpt3_6p7b.py")]))),
+            "n_layer": 4,
+            "activation_checkpointing": "selective",
+        }
+    )
     plan, sim, text = dryrun.report(cfg, 8)
     assert "activation checkpointing of every other block" in text
     assert plan.total == pytest.approx(sim.total, rel=0.15)
@@ -178,25 +206,39 @@ def test_probe_reserves_optimizer_state_resident_gradients_and_nccl_buffers(monk
 
     alone = plan.optimizer + (plan.grads if torchrun else 0) + nccl  # micro-batch 4: no accumulation
     assert out.batch_size == 2 and seen["reset"] == "cuda:0"
-    assert seen["reserve"] == {4: alone + margin(4), 2: plan.optimizer + plan.grads + nccl + margin(2),
-                               1: plan.optimizer + plan.grads + nccl + margin(1)}
+    assert seen["reserve"] == {
+        4: alone + margin(4),
+        2: plan.optimizer + plan.grads + nccl + margin(2),
+        1: plan.optimizer + plan.grads + nccl + margin(1),
+    }
 
 
 def test_probe_holds_each_candidates_reservation_while_it_runs():
     held = []
-    b, _ = memory.probe_micro_batch(lambda b: None if b <= 2 else (_ for _ in ()).throw(torch.OutOfMemoryError()),
-                                    [8, 4, 2, 1], reserve_bytes=lambda b: held.append(b) or 1024)
+    b, _ = memory.probe_micro_batch(
+        lambda b: None if b <= 2 else (_ for _ in ()).throw(torch.OutOfMemoryError()),
+        [8, 4, 2, 1],
+        reserve_bytes=lambda b: held.append(b) or 1024,
+    )
     assert b == 2 and held == [8, 4, 2]
 
 
 def test_cli_exits_1_above_device_memory_and_2_on_a_bad_flag(monkeypatch, capsys):
     seen = []
-    monkeypatch.setattr(dryrun, "report", lambda cfg, world_size, gpus_per_node, memory_gib: seen.append(
-        (cfg.n_layer, world_size, gpus_per_node)) or (None, dryrun.DryRun({"params": 2 * GiB}, []), "the table"))
+    monkeypatch.setattr(
+        dryrun,
+        "report",
+        lambda cfg, world_size, gpus_per_node, memory_gib: (
+            seen.append((cfg.n_layer, world_size, gpus_per_node))
+            or (None, dryrun.DryRun({"params": 2 * GiB}, []), "the table")
+        ),
+    )
     config = str(ROOT / "configs" / "gpt3_125m.py")
     assert dryrun.main([config, "--world_size=16", "--n_layer=3", "--device_memory_gib=3.5"]) == 1
-    assert ("does NOT fit: simulated peak 2.0 GiB, with the margin (plan x 1.05 + 1.5 GiB) 3.6 GiB > 3.5 GiB"
-            in capsys.readouterr().out)
+    assert (
+        "does NOT fit: simulated peak 2.0 GiB, with the margin (plan x 1.05 + 1.5 GiB) 3.6 GiB > 3.5 GiB"
+        in capsys.readouterr().out
+    )
     assert dryrun.main([config, "--world_size=16", "--gpus_per_node=4"]) == 0 and seen == [(3, 16, 8), (12, 16, 4)]
     assert dryrun.main([config]) == 2 and "--world_size=N" in capsys.readouterr().err
     assert dryrun.main([config, "--world_size=eight"]) == 2 and "expected int" in capsys.readouterr().err

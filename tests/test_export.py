@@ -1,4 +1,5 @@
 """`checkpoint.py export` writes a directory that transformers uses offline: weights, tokenizer, generation config."""
+
 import json
 import shutil
 from dataclasses import asdict
@@ -14,8 +15,10 @@ from model import GPT, GPTConfig
 
 transformers = pytest.importorskip("transformers")
 
-VARIED = ("Hello  world!\n\n\n   indented\tand  tabbed\r\n naïve café, 日本語, 😀🎉, ünïcödé;  "
-          "1234567890 3.14159 2024-11-24<|endoftext|>Next doc: it's, we'll, they've; trailing spaces   \n")
+VARIED = (
+    "Hello  world!\n\n\n   indented\tand  tabbed\r\n naïve café, 日本語, 😀🎉, ünïcödé;  "
+    "1234567890 3.14159 2024-11-24<|endoftext|>Next doc: it's, we'll, they've; trailing spaces   \n"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -25,9 +28,21 @@ def network_off(monkeypatch):
 
 
 def write_checkpoint(path, model, config=None):
-    checkpoint.save_checkpoint(path, {"model": model.state_dict(), "model_args": asdict(model.config),
-                                      "config": config or {}, "step": 3, "optimizer": None, "scaler": None,
-                                      "loader": {}, "rng": {}, "val_loss": None, "format": checkpoint.FORMAT})
+    checkpoint.save_checkpoint(
+        path,
+        {
+            "model": model.state_dict(),
+            "model_args": asdict(model.config),
+            "config": config or {},
+            "step": 3,
+            "optimizer": None,
+            "scaler": None,
+            "loader": {},
+            "rng": {},
+            "val_loss": None,
+            "format": checkpoint.FORMAT,
+        },
+    )
     return path
 
 
@@ -66,8 +81,20 @@ def test_exported_tokenizer_encodes_and_decodes_as_tiktoken(run):
 
 def test_transformers_greedy_generation_equals_sample_py(run, capsys):
     prompt = "ROMEO: naïve 😀"
-    argv = ["--ckpt", str(run), "--prompt", prompt, "--temperature", "0", "--max_new_tokens", "50",
-            "--device", "cpu", "--dtype", "float32"]
+    argv = [
+        "--ckpt",
+        str(run),
+        "--prompt",
+        prompt,
+        "--temperature",
+        "0",
+        "--max_new_tokens",
+        "50",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+    ]
     assert sample.main(argv) == 0
     ours = capsys.readouterr().out.removesuffix("\n" + sample.SEPARATOR + "\n")
     tok = transformers.AutoTokenizer.from_pretrained(run / "hf")
@@ -84,8 +111,19 @@ def test_a_model_imported_with_its_own_tokenizer_exports_that_tokenizer(byte_lev
     hf_in.mkdir()
     shutil.copy(byte_level_tokenizer_json, hf_in / "tokenizer.json")
     own = load_tokenizer(hf_in)
-    model = GPT(GPTConfig(block_size=32, vocab_size=own.n_vocab, n_layer=1, n_head=2, n_embd=16, rotary_pct=0.25,
-                          parallel_residual=True, tie_embeddings=False, activation="gelu"))
+    model = GPT(
+        GPTConfig(
+            block_size=32,
+            vocab_size=own.n_vocab,
+            n_layer=1,
+            n_head=2,
+            n_embd=16,
+            rotary_pct=0.25,
+            parallel_residual=True,
+            tie_embeddings=False,
+            activation="gelu",
+        )
+    )
     write_checkpoint(tmp_path / "run" / "ckpt_000003.pt", model, config={"init_from": str(hf_in)})
     assert checkpoint.main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == byte_level_tokenizer_json.read_bytes()
@@ -117,25 +155,40 @@ def test_lm_eval_harness_scores_an_export_as_hellaswag_py(tmp_path, monkeypatch)
     the export equal hellaswag.py's on the model, example for example. Runs only where lm-eval is installed."""
     lm_eval = pytest.importorskip("lm_eval")
     pytest.importorskip("lm_eval.models.huggingface")  # needs accelerate too: pip install "lm_eval[hf]"
-    import hellaswag
     from lm_eval.tasks import TaskManager
+
+    import hellaswag
+
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     torch.manual_seed(0)
     # vocab 50257: no padded ids, so both softmaxes run over the same logits
     model = GPT(GPTConfig(block_size=64, vocab_size=50257, n_layer=1, n_head=2, n_embd=16)).eval()
     save_pretrained(model, tmp_path / "hf")
     endings = ["starts pulling up roofing.", "is  jumping, 3 times.", "falls; café naïve 😀", "leaves\n\nthe roof."]
-    examples = [{"ind": i, "ctx": f"A man (number {i}) is sitting on a roof. He", "label": i % 4,
-                 "endings": endings[i % 4:] + endings[:i % 4]} for i in range(6)]
+    examples = [
+        {
+            "ind": i,
+            "ctx": f"A man (number {i}) is sitting on a roof. He",
+            "label": i % 4,
+            "endings": endings[i % 4 :] + endings[: i % 4],
+        }
+        for i in range(6)
+    ]
     (tmp_path / "val.jsonl").write_text("".join(json.dumps(ex) + "\n" for ex in examples))
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "task.yaml").write_text(LM_EVAL_TASK.format(data=tmp_path / "val.jsonl"))
 
     ours = hellaswag.evaluate(model, hellaswag.load_examples(tmp_path / "val.jsonl"), "cpu")["preds"]
     tasks = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)  # no index of lm-eval's own
-    out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={tmp_path / 'hf'}", device="cpu",
-                                  tasks=["hellaswag_as_hellaswag_py"], log_samples=True, batch_size=8,
-                                  task_manager=tasks)
+    out = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={tmp_path / 'hf'}",
+        device="cpu",
+        tasks=["hellaswag_as_hellaswag_py"],
+        log_samples=True,
+        batch_size=8,
+        task_manager=tasks,
+    )
     theirs = sorted(out["samples"]["hellaswag_as_hellaswag_py"], key=lambda s: s["doc_id"])
     assert len(theirs) == len(ours) == 6
     for mine, their in zip(ours, theirs):

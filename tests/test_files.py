@@ -1,4 +1,5 @@
 """files.py: an atomic write leaves the whole new file or the old one, no temporary file, and a durable rename."""
+
 import errno
 import hashlib
 import os
@@ -115,8 +116,12 @@ with files.directory_lock(sys.argv[1], "holder.py"):
 
 def test_directory_lock_names_its_holder_and_dies_with_it(tmp_path):
     """A second locker gets a LockError naming the holder's pid; kill -9 of the holder frees the lock at once."""
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path / "run")], stdout=subprocess.PIPE,
-                              text=True, cwd=Path(files.__file__).parent)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(tmp_path / "run")],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(files.__file__).parent,
+    )
     try:
         assert holder.stdout.readline() == "locked\n"
         with pytest.raises(files.LockError) as err:
@@ -138,6 +143,7 @@ def test_directory_lock_names_its_holder_and_dies_with_it(tmp_path):
 def test_a_full_disk_names_the_file_being_written(tmp_path):
     def fill(f):
         raise OSError(errno.ENOSPC, "No space left on device")  # what f.write raises: no file name
+
     with pytest.raises(OSError) as e:
         atomic_write(tmp_path / "config.json", fill)
     assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(tmp_path / "config.json"))

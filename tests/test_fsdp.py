@@ -3,6 +3,7 @@ world size and survive a kill -9, a sharded model evaluates and samples, and one
 
 Multi-rank runs are 2 CPU processes under torchrun (gloo) on test_train's tiny model and Markov-chain data.
 """
+
 import json
 import os
 import shutil
@@ -17,8 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from test_hellaswag import EXAMPLES
-from test_train import TINY, markov_tokens, metrics, subprocess_env, train_losses
 
 import checkpoint
 import hellaswag
@@ -32,11 +31,21 @@ from config import make_config
 from data import write_shard
 from hf import from_pretrained
 from model import GPT, GPTConfig
+from test_hellaswag import EXAMPLES
+from test_train import TINY, markov_tokens, metrics, subprocess_env, train_losses
 
 ROOT = Path(__file__).resolve().parent.parent
 # 2 ranks x 1 micro-batch of 4 x 16 tokens, or 1 process x 2; a clip of 0.5 is below every step's norm here
-COMMON = [*TINY, "--total_batch_size=128", "--max_steps=20", "--lr_decay_steps=20", "--grad_clip=0.5",
-          "--eval_interval=10", "--save_interval=10", "--keep_last=0"]
+COMMON = [
+    *TINY,
+    "--total_batch_size=128",
+    "--max_steps=20",
+    "--lr_decay_steps=20",
+    "--grad_clip=0.5",
+    "--eval_interval=10",
+    "--save_interval=10",
+    "--keep_last=0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +57,15 @@ def data_dir(tmp_path_factory):
 
 
 def torchrun(*args, nproc=2, script=ROOT / "train.py"):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
-           *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script),
+        *map(str, args),
+    ]
     result = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -73,8 +89,14 @@ def free_port():
 def one_rank_torchrun(monkeypatch):
     """The environment torchrun --nproc_per_node=1 gives its process: train.main in-process joins a process
     group of one, so parallel='fsdp' shards (over one rank) and writes sharded checkpoints."""
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
+    for key, value in dict(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    ).items():
         monkeypatch.setenv(key, value)
     yield
     if dist.is_initialized():  # a failed run may not have reached its cleanup
@@ -90,6 +112,7 @@ def steps(losses, first, last):
 
 
 # ----------------------------------------------------------------------------- equal to DDP and to one process
+
 
 @pytest.mark.slow
 def test_fsdp_equals_ddp_and_one_process_with_accumulation(data_dir, fsdp_run, tmp_path):
@@ -111,6 +134,7 @@ def test_fsdp_equals_ddp_and_one_process_with_accumulation(data_dir, fsdp_run, t
 
 # ----------------------------------------------------------------------------- resume at any world size
 
+
 @pytest.mark.slow
 def test_sharded_resume_is_bit_exact_on_two_ranks_and_within_1e5_on_one(fsdp_run, tmp_path):
     for name in ("two", "one"):
@@ -127,11 +151,11 @@ def test_sharded_resume_is_bit_exact_on_two_ranks_and_within_1e5_on_one(fsdp_run
 
 
 @pytest.mark.slow
-def test_one_rank_sharded_checkpoint_resumes_on_two_ranks_as_hsdp(data_dir, fsdp_run, tmp_path, one_rank_torchrun,
-                                                                    monkeypatch, capsys):
+def test_one_rank_sharded_checkpoint_resumes_on_two_ranks_as_hsdp(
+    data_dir, fsdp_run, tmp_path, one_rank_torchrun, monkeypatch, capsys
+):
     out = tmp_path / "out"
-    assert train.main([*COMMON, f"--data_dir={data_dir}", f"--out_dir={out}", "--parallel=fsdp",
-                       "--max_steps=10"]) == 0
+    assert train.main([*COMMON, f"--data_dir={data_dir}", f"--out_dir={out}", "--parallel=fsdp", "--max_steps=10"]) == 0
     assert "world size 1 (fsdp)" in capsys.readouterr().out
     assert (out / "ckpt_000010" / ".metadata").is_file()
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
@@ -166,8 +190,7 @@ def test_sharded_checkpoint_resumes_under_ddp(fsdp_run, tmp_path, one_rank_torch
 
 
 @pytest.mark.parametrize("compile_fails", [False, True])
-def test_compiled_blocks_train_as_eager_ones(data_dir, tmp_path, one_rank_torchrun, monkeypatch, capsys,
-                                             compile_fails):
+def test_compiled_blocks_train_as_eager_ones(data_dir, tmp_path, one_rank_torchrun, monkeypatch, capsys, compile_fails):
     """torch.compile of each block's forward, faked: the same function, or one failing as a broken compiler does.
     Either way (trial passed: compiled; trial failed: back to eager) the run trains exactly as an eager one: the
     trial leaves no trace, and the optimizer holds every shard (the trial's eval forward leaves the root unit
@@ -180,6 +203,7 @@ def test_compiled_blocks_train_as_eager_ones(data_dir, tmp_path, one_rank_torchr
             if compile_fails:
                 raise BackendCompilerFailed("inductor", CppCompileError(["g++"], "no working C++ compiler"), None)
             return forward(*args, **kwargs)
+
         return compiled
 
     args = [*COMMON, f"--data_dir={data_dir}", "--parallel=fsdp", "--max_steps=6", "--dropout=0.1"]
@@ -219,10 +243,23 @@ sys.exit(train.main(argv))
 def test_kill_9_of_one_rank_during_a_sharded_save_keeps_the_previous_checkpoint(data_dir, fsdp_run, tmp_path):
     script, marker, out = tmp_path / "killed.py", tmp_path / "rank1.pid", tmp_path / "out"
     script.write_text(KILLED_WHILE_SAVING)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           str(marker), *COMMON, f"--data_dir={data_dir}", f"--out_dir={out}", "--parallel=fsdp", "--save_interval=1"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(script),
+        str(marker),
+        *COMMON,
+        f"--data_dir={data_dir}",
+        f"--out_dir={out}",
+        "--parallel=fsdp",
+        "--save_interval=1",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.time() + 240
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -267,16 +304,18 @@ def test_only_rank_0_hashes_the_checkpoint_and_every_rank_takes_its_choice(data_
     """A damaged newest checkpoint: rank 0 hashes it, skips it and hashes the one before; rank 1 hashes nothing,
     picks the newest complete one and then resumes from rank 0's choice (issue 24: 18.7 GB x 64 ranks)."""
     out = tmp_path / "out"
-    assert train.main([*COMMON, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=4",
-                       "--save_interval=2"]) == 0
+    assert (
+        train.main([*COMMON, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=4", "--save_interval=2"]) == 0
+    )
     losses = train_losses(out)
     newest = out / "ckpt_000004.pt"
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 1
     newest.write_bytes(bytes(data))
     (tmp_path / "count.py").write_text(COUNTING_HASHES)
-    result = torchrun(tmp_path / "hashed", "--init_from=resume", f"--out_dir={out}", "--max_steps=4",
-                      script=tmp_path / "count.py")
+    result = torchrun(
+        tmp_path / "hashed", "--init_from=resume", f"--out_dir={out}", "--max_steps=4", script=tmp_path / "count.py"
+    )
     assert f"note: skipping {newest}: damaged" in result.stderr and "resumed from step 2" in result.stdout
     hashed = [json.loads((tmp_path / f"hashed{r}").read_text()) for r in range(2)]
     assert hashed == [["ckpt_000004.pt", "ckpt_000002.pt", "started"], ["started"]]
@@ -285,8 +324,10 @@ def test_only_rank_0_hashes_the_checkpoint_and_every_rank_takes_its_choice(data_
 
 
 def test_under_torchrun_a_rank_other_than_0_hashes_nothing(data_dir, tmp_path, monkeypatch):
-    assert train.main([*COMMON, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_steps=2",
-                       "--save_interval=1"]) == 0
+    assert (
+        train.main([*COMMON, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_steps=2", "--save_interval=1"])
+        == 0
+    )
     hashed, real = [], checkpoint.file_sha256
     monkeypatch.setattr(checkpoint, "file_sha256", lambda path, **kw: hashed.append(path) or real(path, **kw))
     user = train.parse_args(["--init_from=resume", f"--out_dir={tmp_path}"])
@@ -305,18 +346,24 @@ def test_a_sharded_resume_hashes_the_metadata_first_and_then_each_rank_its_share
     world_size-th shard file, and a damaged one is the same one-line error on every rank."""
     tiny_sharded_checkpoint(tmp_path / "ckpt_000005")
     hashed, real = [], checkpoint.file_sha256
-    monkeypatch.setattr(checkpoint, "file_sha256", lambda path, **kw: hashed.append(Path(path).name) or real(path, **kw))
+    monkeypatch.setattr(
+        checkpoint, "file_sha256", lambda path, **kw: hashed.append(Path(path).name) or real(path, **kw)
+    )
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    cfg, ckpt, problem = resume.resolve_config_or_defer(train.parse_args(["--init_from=resume",
-                                                                          f"--out_dir={tmp_path}"]))
+    cfg, ckpt, problem = resume.resolve_config_or_defer(
+        train.parse_args(["--init_from=resume", f"--out_dir={tmp_path}"])
+    )
     assert sorted(set(hashed)) == [".metadata", "meta.pt"] and problem is None and ckpt["step"] == 5
     sums = tmp_path / "ckpt_000005" / checkpoint.SUMS
     shards = sorted(set(checkpoint.read_checksums(sums)) - {".metadata", "meta.pt"})
     assert shards  # DCP's __0_0.distcp
     gathered = []  # the ranks' results, as all_gather_object hands them to each rank (here: this rank's, twice)
-    monkeypatch.setattr(resume.dist, "all_gather_object", lambda out, mine: (gathered.append(mine),
-                                                                              out.__setitem__(slice(None), [mine] * 2)))
+    monkeypatch.setattr(
+        resume.dist,
+        "all_gather_object",
+        lambda out, mine: (gathered.append(mine), out.__setitem__(slice(None), [mine] * 2)),
+    )
     for rank in (0, 1):
         hashed.clear()
         resume.verify_shards(ckpt, parallel.Env(rank, rank, 2, True, "cpu", "float32", "fsdp", (2,)))
@@ -380,6 +427,7 @@ def test_sharded_model_starts_from_the_same_weights_evaluates_and_samples(tmp_pa
 
 # ----------------------------------------------------------------------------- one process reads the shards
 
+
 def tiny_sharded_checkpoint(path, vocab_size=32):
     """A sharded checkpoint written by one process (the format does not depend on the world size)."""
     torch.manual_seed(0)
@@ -389,8 +437,18 @@ def tiny_sharded_checkpoint(path, vocab_size=32):
     x = torch.randint(0, vocab_size, (2, 32))
     model(x, x, return_logits=False)[1].backward()
     optimizer.step()
-    meta = {"model_args": asdict(model.config), "config": asdict(cfg), "step": 5, "val_loss": 3.5, "rng": [],
-            "scaler": None, "loader": {}, "best_step": None, "best_val_loss": None, "format": checkpoint.FORMAT}
+    meta = {
+        "model_args": asdict(model.config),
+        "config": asdict(cfg),
+        "step": 5,
+        "val_loss": 3.5,
+        "rng": [],
+        "scaler": None,
+        "loader": {},
+        "best_step": None,
+        "best_val_loss": None,
+        "format": checkpoint.FORMAT,
+    }
     save_sharded_checkpoint(path, meta, model, optimizer)
     return model, optimizer
 
@@ -446,11 +504,11 @@ def test_sharded_directories_are_listed_pruned_and_skipped_while_incomplete(tmp_
 
 # ----------------------------------------------------------------------------- configuration
 
+
 def test_parallel_is_ignored_without_torchrun(data_dir, tmp_path, capsys):
-    assert train.main([*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_steps=2",
-                       "--parallel=fsdp"]) == 0
+    assert (
+        train.main([*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_steps=2", "--parallel=fsdp"]) == 0
+    )
     err = capsys.readouterr().err
     assert "note: parallel='fsdp' ignored: not launched by torchrun" in err and err.count("note:") == 1
     assert (tmp_path / "ckpt_000002.pt").is_file()
-
-

@@ -1,4 +1,5 @@
 """hellaswag.py: scoring equals a plain Hugging Face reference; batching, compile and DDP change nothing."""
+
 import json
 import os
 import shutil
@@ -21,31 +22,91 @@ BLOCK_SIZE = 64  # small enough that one example below is cropped from the left
 
 # Hand-written examples in the HellaSwag format, of varied lengths (one longer than BLOCK_SIZE).
 EXAMPLES = [
-    {"ind": 4, "ctx": "A man is sitting on a roof. He", "label": 3,
-     "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
-                 "is holding a rubik's cube.", "starts pulling up roofing on a roof."]},
-    {"ind": 7, "ctx": "The chef cracks two eggs into a bowl and", "label": 0,
-     "endings": ["whisks them with a fork.", "throws the bowl out of the window into the garden below.",
-                 "sings.", "paints the ceiling blue while the soup boils over."]},
-    {"ind": 12, "ctx": "Kids", "label": 2,
-     "endings": ["are.", "run around the playground, laughing loudly as the bell rings for lunch.",
-                 "play tag in the park.", "eat."]},
-    {"ind": 15, "ctx": "A woman walks her dog along the beach at sunset. The dog chases a seagull and then",
-     "label": 1, "endings": ["flies away.", "comes back wagging its tail.", "reads a newspaper.",
-                             "the sun explodes in a shower of confetti over the quiet water."]},
-    {"ind": 21, "ctx": "[header] How to tie a tie [title] Drape the tie around your neck. [step] Make sure "
-                       "the wide end hangs lower than the narrow end, about twelve inches, and cross the "
-                       "wide end over the narrow end near your collar. [title] Loop the wide end",
-     "label": 0, "endings": ["up through the neck loop from underneath.", "into the washing machine.",
-                             "around your left ankle twice.", "and then call a friend for advice."]},
-    {"ind": 30, "ctx": "Naïve café owners — “déjà vu” 😀 — greet", "label": 3,
-     "endings": ["the customers.", "nobody at all, ever, under any circumstances whatsoever.", "cats.",
-                 "each guest with a smile and a warm croissant."]},
-    {"ind": 33, "ctx": "He lifts the barbell over his head, holds it for a second, and", "label": 1,
-     "endings": ["eats it.", "drops it onto the mat.", "flies to the moon.", "sleeps."]},
-    {"ind": 41, "ctx": "A group of people are rafting down a river. They", "label": 2,
-     "endings": ["are in a kitchen.", "stop.", "paddle hard through the rapids as water splashes them.",
-                 "knit sweaters."]},
+    {
+        "ind": 4,
+        "ctx": "A man is sitting on a roof. He",
+        "label": 3,
+        "endings": [
+            "is using wrap to wrap a pair of skis.",
+            "is ripping level tiles off.",
+            "is holding a rubik's cube.",
+            "starts pulling up roofing on a roof.",
+        ],
+    },
+    {
+        "ind": 7,
+        "ctx": "The chef cracks two eggs into a bowl and",
+        "label": 0,
+        "endings": [
+            "whisks them with a fork.",
+            "throws the bowl out of the window into the garden below.",
+            "sings.",
+            "paints the ceiling blue while the soup boils over.",
+        ],
+    },
+    {
+        "ind": 12,
+        "ctx": "Kids",
+        "label": 2,
+        "endings": [
+            "are.",
+            "run around the playground, laughing loudly as the bell rings for lunch.",
+            "play tag in the park.",
+            "eat.",
+        ],
+    },
+    {
+        "ind": 15,
+        "ctx": "A woman walks her dog along the beach at sunset. The dog chases a seagull and then",
+        "label": 1,
+        "endings": [
+            "flies away.",
+            "comes back wagging its tail.",
+            "reads a newspaper.",
+            "the sun explodes in a shower of confetti over the quiet water.",
+        ],
+    },
+    {
+        "ind": 21,
+        "ctx": "[header] How to tie a tie [title] Drape the tie around your neck. [step] Make sure "
+        "the wide end hangs lower than the narrow end, about twelve inches, and cross the "
+        "wide end over the narrow end near your collar. [title] Loop the wide end",
+        "label": 0,
+        "endings": [
+            "up through the neck loop from underneath.",
+            "into the washing machine.",
+            "around your left ankle twice.",
+            "and then call a friend for advice.",
+        ],
+    },
+    {
+        "ind": 30,
+        "ctx": "Naïve café owners — “déjà vu” 😀 — greet",
+        "label": 3,
+        "endings": [
+            "the customers.",
+            "nobody at all, ever, under any circumstances whatsoever.",
+            "cats.",
+            "each guest with a smile and a warm croissant.",
+        ],
+    },
+    {
+        "ind": 33,
+        "ctx": "He lifts the barbell over his head, holds it for a second, and",
+        "label": 1,
+        "endings": ["eats it.", "drops it onto the mat.", "flies to the moon.", "sleeps."],
+    },
+    {
+        "ind": 41,
+        "ctx": "A group of people are rafting down a river. They",
+        "label": 2,
+        "endings": [
+            "are in a kitchen.",
+            "stop.",
+            "paddle hard through the rapids as water splashes them.",
+            "knit sweaters.",
+        ],
+    },
 ]
 
 
@@ -58,10 +119,10 @@ def enc():
 def hf_dir(tmp_path_factory):
     """A small random transformers GPT2LMHeadModel saved with save_pretrained."""
     from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(0)
     # a larger init than GPT-2's 0.02 makes the distributions far from uniform, so endings differ clearly
-    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=BLOCK_SIZE, vocab_size=50257,
-                        initializer_range=0.2)
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=BLOCK_SIZE, vocab_size=50257, initializer_range=0.2)
     path = tmp_path_factory.mktemp("hf_gpt2")
     GPT2LMHeadModel(config).save_pretrained(path)
     return path
@@ -85,11 +146,11 @@ def reference_losses(hf, enc, example, block_size):
     sums, means = [], []
     for ending in example["endings"]:
         end = enc.encode(" " + ending)
-        row = (ctx + end)[-(block_size + 1):]  # too long: the harness's window, the last block_size + 1 tokens
+        row = (ctx + end)[-(block_size + 1) :]  # too long: the harness's window, the last block_size + 1 tokens
         with torch.no_grad():
             logits = hf(torch.tensor([row[:-1]])).logits[0]  # (T, V): the model reads all but the last token
         token_loss = F.cross_entropy(logits, torch.tensor(row[1:]), reduction="none")
-        ending_loss = token_loss[-len(end):]  # predictions of the ending tokens
+        ending_loss = token_loss[-len(end) :]  # predictions of the ending tokens
         sums.append(ending_loss.sum().item())
         means.append(ending_loss.mean().item())
     return sums, means
@@ -108,6 +169,7 @@ def test_render_example_masks_exactly_the_ending_tokens(enc):
 
 def test_scores_and_predictions_equal_hf_reference(hf_dir, model, enc, data_file):
     from transformers import GPT2LMHeadModel
+
     hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
     examples = load_examples(data_file)
     assert any(len(r) > BLOCK_SIZE for ex in examples for r in render_example(ex, enc)[0])  # cropping is exercised
@@ -178,12 +240,25 @@ def _free_port():
 def test_two_processes_total_the_single_process_counts(model, enc, hf_dir, data_file, tmp_path):
     # 7 examples: the ranks get 4 and 3, so 2 and 1 batches -- uneven work must not hang
     single = evaluate(model, load_examples(data_file, limit=7), "cpu", batch_size=3, enc=enc)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
-               PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE="2",
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+    )
     out = tmp_path / "rank"
-    procs = [subprocess.Popen([sys.executable, "-c", DDP_SCRIPT, str(hf_dir), str(data_file), str(out)],
-                              cwd=ROOT, env=dict(env, RANK=str(rank)), stderr=subprocess.PIPE, text=True)
-             for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", DDP_SCRIPT, str(hf_dir), str(data_file), str(out)],
+            cwd=ROOT,
+            env=dict(env, RANK=str(rank)),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
@@ -197,14 +272,17 @@ def test_two_processes_total_the_single_process_counts(model, enc, hf_dir, data_
     assert by_ind == {p["ind"]: (p["pred"], p["pred_norm"]) for p in single["preds"]}
 
 
-@pytest.mark.parametrize("line, problem", [
-    ('{"ctx": "a", "endings": ["a", "b", "c", "d"], "label": 0', "invalid JSON"),
-    ('{"endings": ["a", "b", "c", "d"], "label": 0}', "ctx"),
-    ('{"ctx": "a", "endings": ["a", "b", "c"], "label": 0}', "endings"),
-    ('{"ctx": "a", "endings": ["a", "b", "c", 4], "label": 0}', "endings"),
-    ('{"ctx": "a", "endings": ["a", "b", "c", "d"], "label": 4}', "label"),
-    ('[1, 2]', "object"),
-])
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        ('{"ctx": "a", "endings": ["a", "b", "c", "d"], "label": 0', "invalid JSON"),
+        ('{"endings": ["a", "b", "c", "d"], "label": 0}', "ctx"),
+        ('{"ctx": "a", "endings": ["a", "b", "c"], "label": 0}', "endings"),
+        ('{"ctx": "a", "endings": ["a", "b", "c", 4], "label": 0}', "endings"),
+        ('{"ctx": "a", "endings": ["a", "b", "c", "d"], "label": 4}', "label"),
+        ("[1, 2]", "object"),
+    ],
+)
 def test_malformed_line_is_an_error_naming_the_line(tmp_path, line, problem):
     good = json.dumps(EXAMPLES[0])
     path = tmp_path / "bad.jsonl"
@@ -223,8 +301,21 @@ def test_load_examples_limit_and_string_labels(tmp_path):
 
 def test_cli_json_and_per_example(hf_dir, model, enc, data_file, tmp_path, capsys):
     per_example = tmp_path / "preds.jsonl"
-    rc = main(["--init_from", str(hf_dir), "--data", str(data_file), "--device", "cpu", "--batch_size", "4",
-               "--json", "--per_example", str(per_example)])
+    rc = main(
+        [
+            "--init_from",
+            str(hf_dir),
+            "--data",
+            str(data_file),
+            "--device",
+            "cpu",
+            "--batch_size",
+            "4",
+            "--json",
+            "--per_example",
+            str(per_example),
+        ]
+    )
     assert rc == 0
     expected = evaluate(model, load_examples(data_file), "cpu", enc=enc)
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -236,8 +327,13 @@ def test_cli_json_and_per_example(hf_dir, model, enc, data_file, tmp_path, capsy
 def test_cli_malformed_data_is_a_one_line_error(hf_dir, tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(EXAMPLES[0]) + "\nnot json\n")
-    proc = subprocess.run([sys.executable, "hellaswag.py", "--init_from", str(hf_dir), "--data", str(path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "hellaswag.py", "--init_from", str(hf_dir), "--data", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
     assert f"{path}:2" in proc.stderr
@@ -248,7 +344,9 @@ def test_cli_scores_with_the_model_dirs_tokenizer_json(byte_level_tokenizer_json
     assert isinstance(enc, HFTokenizer)
     torch.manual_seed(0)
     # vocab of the tokenizer's size: GPT-2 ids would not even fit this model
-    save_pretrained(GPT(GPTConfig(block_size=BLOCK_SIZE, vocab_size=enc.n_vocab, n_layer=2, n_head=2, n_embd=32)), tmp_path)
+    save_pretrained(
+        GPT(GPTConfig(block_size=BLOCK_SIZE, vocab_size=enc.n_vocab, n_layer=2, n_head=2, n_embd=32)), tmp_path
+    )
     shutil.copy(byte_level_tokenizer_json, tmp_path / "tokenizer.json")
     assert main(["--init_from", str(tmp_path), "--data", str(data_file), "--device", "cpu", "--json"]) == 0
     expected = evaluate(from_pretrained(str(tmp_path)), load_examples(data_file), "cpu", enc=enc)
@@ -271,6 +369,7 @@ def test_no_examples_is_an_error_not_an_accuracy(hf_dir, model, enc, tmp_path, c
 
 def test_bad_per_example_path_fails_before_evaluating(hf_dir, data_file, tmp_path, monkeypatch, capsys):
     import hellaswag
+
     monkeypatch.setattr(hellaswag, "evaluate", lambda *a, **k: pytest.fail("evaluated before checking --per_example"))
     bad = tmp_path / "no" / "such" / "dir" / "preds.jsonl"
     with pytest.raises(SystemExit) as exit_info:
@@ -283,6 +382,7 @@ def test_bad_per_example_path_fails_before_evaluating(hf_dir, data_file, tmp_pat
 def test_a_stop_request_abandons_the_evaluation_between_batches(model, enc, monkeypatch):
     """train.py's SIGTERM: once stop() is True no further batch is scored and the result is None."""
     import scoring
+
     scored, asked = [], []
     real = scoring.score_rows
     monkeypatch.setattr(scoring, "score_rows", lambda *a, **k: scored.append(1) or real(*a, **k))

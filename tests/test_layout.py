@@ -3,6 +3,7 @@ modules form no import cycle, so each can be read and tested on its own; each fi
 checkpoint files apart from the run's resume policy, the memory plan apart from the dry run, the model apart from
 the optimizers); every note goes through console.log and every progress bar through console.progress_bar. And what a
 clone needs around the code: requirements.txt installs what the scripts import, .gitignore hides what they write."""
+
 import ast
 import re
 import shutil
@@ -26,8 +27,9 @@ def imports_by_module():
     folders = [ROOT / "bench", ROOT / "scripts", ROOT / "configs"]
     files = [*ROOT.glob("*.py"), *(p for folder in folders for p in folder.rglob("*.py"))]
     local = {p.stem for p in ROOT.glob("*.py")}
-    return {str(path.relative_to(ROOT).with_suffix("")).replace("/", "."): top_level_imports(path) & local
-            for path in files}
+    return {
+        str(path.relative_to(ROOT).with_suffix("")).replace("/", "."): top_level_imports(path) & local for path in files
+    }
 
 
 def top_level_imports(path):
@@ -65,27 +67,43 @@ def test_no_import_cycles():
 
 # packages the scripts import that requirements.txt does not list, and why that is right
 PULLED_IN = {"huggingface_hub": "datasets", "pyarrow": "datasets", "tiktoken_ext": "tiktoken"}  # -> who installs it
-OPTIONAL = {"wandb": "wandb_log=True", "tensorboard": "tensorboard_dir", "matplotlib": "plot_metrics.py",
-            "tokenizers": "a model directory's own tokenizer.json"}
+OPTIONAL = {
+    "wandb": "wandb_log=True",
+    "tensorboard": "tensorboard_dir",
+    "matplotlib": "plot_metrics.py",
+    "tokenizers": "a model directory's own tokenizer.json",
+}
 
 
 def test_requirements_txt_installs_what_the_scripts_import():
     """The README's set-up (requirements.txt) runs every command it lists, `checkpoint.py export` included: each
     third-party package a top-level module imports is listed, pulled in by one that is, or an optional extra."""
     import sys
-    listed = {re.split(r"[<>=!~ ;\[]", line.split("#")[0].strip())[0].lower().replace("-", "_")
-              for line in (ROOT / "requirements.txt").read_text().splitlines() if line.split("#")[0].strip()}
+
+    listed = {
+        re.split(r"[<>=!~ ;\[]", line.split("#")[0].strip())[0].lower().replace("-", "_")
+        for line in (ROOT / "requirements.txt").read_text().splitlines()
+        if line.split("#")[0].strip()
+    }
     local = {p.stem for p in ROOT.glob("*.py")}
-    imported = {name: path.name for path in sorted(ROOT.glob("*.py")) for name in top_level_imports(path)
-                if name not in local and name not in sys.stdlib_module_names}
-    unlisted = {name: where for name, where in imported.items()
-                if name.lower() not in listed and PULLED_IN.get(name) not in listed and name not in OPTIONAL}
+    imported = {
+        name: path.name
+        for path in sorted(ROOT.glob("*.py"))
+        for name in top_level_imports(path)
+        if name not in local and name not in sys.stdlib_module_names
+    }
+    unlisted = {
+        name: where
+        for name, where in imported.items()
+        if name.lower() not in listed and PULLED_IN.get(name) not in listed and name not in OPTIONAL
+    }
     assert not unlisted, f"imported but not in requirements.txt: {unlisted}"
 
 
 def test_docs_document_every_config_key():
     """docs/config.md's key table is generated from config.config_docs(): a new key without a row fails here."""
     import config
+
     table = (ROOT / "docs" / "config.md").read_text()
     missing = [key for key in config.config_docs() if f"| `{key}` |" not in table]
     assert not missing, f"docs/config.md's key table lacks {missing}: regenerate it (config.key_table())"
@@ -95,10 +113,22 @@ def test_what_the_documented_commands_write_is_ignored_by_git():
     """README's and docs/'s commands write these at the root of a clone: none shows up in `git status`."""
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")
-    written = ["out/shakespeare/ckpt_000300.pt", "data/shakespeare/x_train_000000.bin", "hf_out/model.safetensors",
-               "hf_shakespeare/config.json", "runs/shakespeare/events", "wandb/run-1/files", "lm_eval_out/results.json"]
-    shown = subprocess.run(["git", "check-ignore", "--no-index", "--verbose", "--non-matching", *written], cwd=ROOT,
-                           check=False, capture_output=True, text=True).stdout.splitlines()  # exit 1: one not ignored
+    written = [
+        "out/shakespeare/ckpt_000300.pt",
+        "data/shakespeare/x_train_000000.bin",
+        "hf_out/model.safetensors",
+        "hf_shakespeare/config.json",
+        "runs/shakespeare/events",
+        "wandb/run-1/files",
+        "lm_eval_out/results.json",
+    ]
+    shown = subprocess.run(
+        ["git", "check-ignore", "--no-index", "--verbose", "--non-matching", *written],
+        cwd=ROOT,
+        check=False,
+        capture_output=True,
+        text=True,
+    ).stdout.splitlines()  # exit 1: one not ignored
     assert not [line for line in shown if line.startswith("::")], shown
 
 
@@ -114,8 +144,11 @@ def test_each_file_keeps_its_one_job():
     assert graph["model"] == set(), "model.py imports no project module"
     importers = sorted(m for m, deps in graph.items() if "resume" in deps)
     assert importers == ["train"], f"the resume policy is train.py's alone, imported by {importers}"
-    fake = [n.module for n in ast.walk(library()["memory"]) if isinstance(n, ast.ImportFrom) and n.module
-            and ("fake" in n.module or "_tools" in n.module)]
+    fake = [
+        n.module
+        for n in ast.walk(library()["memory"])
+        if isinstance(n, ast.ImportFrom) and n.module and ("fake" in n.module or "_tools" in n.module)
+    ]
     assert not fake, f"memory.py plans; the fake-tensor dry run is dryrun.py's: {fake}"
 
 

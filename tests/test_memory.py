@@ -1,4 +1,5 @@
 """memory.py: the plan's arithmetic, its printed line, the fit check, and batch_size='auto' (plan and probe)."""
+
 import os
 import re
 
@@ -13,8 +14,10 @@ from memory import GiB, MemoryPlanError, estimate_memory
 from model import GPT, PRESETS, GPTConfig
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
-LINE = re.compile(r"^estimated peak memory per rank: (\d+\.\d+) GiB \(params (\d+\.\d+) \+ grads (\d+\.\d+) \+ "
-                  r"AdamW (\d+\.\d+) \+ activations (\d+\.\d+) at micro-batch (\d+) \+ logits (\d+\.\d+)\)$")
+LINE = re.compile(
+    r"^estimated peak memory per rank: (\d+\.\d+) GiB \(params (\d+\.\d+) \+ grads (\d+\.\d+) \+ "
+    r"AdamW (\d+\.\d+) \+ activations (\d+\.\d+) at micro-batch (\d+) \+ logits (\d+\.\d+)\)$"
+)
 
 
 @pytest.mark.parametrize("extra", [{}, {"bias": False}, {"rotary_pct": 0.5}])
@@ -132,8 +135,12 @@ def test_the_plan_of_selective_checkpointing_lies_between_none_and_every_block()
 def test_auto_checkpointing_is_the_least_recomputation_whose_plan_fits():
     cfg = GPTConfig(**PRESETS["gpt2"])
     plans = {m: estimate_memory(cfg, 16, activation_checkpointing=m).total for m in (False, "selective", True)}
-    for budget, expected in ((plans[False], False), (plans[False] - 1, "selective"), (plans["selective"] - 1, True),
-                             (1, True)):  # nothing fits: every block, and the memory check says what would
+    for budget, expected in (
+        (plans[False], False),
+        (plans[False] - 1, "selective"),
+        (plans["selective"] - 1, True),
+        (1, True),
+    ):  # nothing fits: every block, and the memory check says what would
         assert memory.choose_checkpointing(cfg, 16, budget)[0] == expected
     assert "every other block" in memory.choose_checkpointing(cfg, 16, plans["selective"])[1]
 
@@ -199,8 +206,12 @@ def test_is_oom_tells_out_of_memory_from_other_errors():
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     assert memory.is_oom(oom) and memory.is_oom(MemoryError())
     assert memory.is_oom(RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"))
-    assert memory.is_oom(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate "
-                                      "memory: you tried to allocate 4096 bytes"))
+    assert memory.is_oom(
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate "
+            "memory: you tried to allocate 4096 bytes"
+        )
+    )
     try:  # wrapped, as torch.compile's backend errors wrap the original
         try:
             raise oom
@@ -229,6 +240,7 @@ def test_available_memory_on_cpu_is_at_most_the_machine_ram():
 @pytest.mark.parametrize("chunk_rows", [16, 1000])  # 4 chunks (the buffer reused) and one
 def test_loss_bytes_is_the_chunked_loss_peak_of_live_tensors(monkeypatch, dtype, low_params, chunk_rows):
     from torch.profiler import ProfilerActivity, profile
+
     monkeypatch.setattr(M, "LOSS_CHUNK_ROWS", chunk_rows)
     monkeypatch.setattr(memory, "LOSS_CHUNK_ROWS", chunk_rows)
     cfg, B = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32, vocab_size=4000), 2

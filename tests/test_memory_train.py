@@ -1,15 +1,16 @@
 """train.py with the memory planner: the plan line before the model is built, the refusal of a config that cannot
 fit, batch_size='auto' (from the plan, and by probing), and the runtime out-of-memory path that halves the
 micro-batch and re-runs the step. Out-of-memory is simulated (GPT_FAKE_OOM_ABOVE or a patched hook)."""
+
 import pytest
 import torch
-from test_train import TINY, data_dir, metrics, run, train_losses  # noqa: F401  (data_dir is a fixture)
 
 import memory
 import train
 from checkpoint import load_checkpoint
 from config import ConfigError, make_config, model_config, parse_args
 from model import GPT
+from test_train import TINY, data_dir, metrics, run, train_losses  # noqa: F401  (data_dir is a fixture)
 
 PLAN_PREFIX = "estimated peak memory per rank: "
 STEPS = ["--max_steps=5", "--eval_interval=0", "--save_interval=0"]
@@ -23,10 +24,12 @@ def oom_above(monkeypatch, limit, calls=None, oom_at_call=None):
     def failing(self, idx, *args, **kwargs):
         if calls is not None and torch.is_grad_enabled():
             calls.append(idx.shape[0])
-        if torch.is_grad_enabled() and ((limit is not None and idx.shape[0] > limit) or
-                                        (oom_at_call is not None and len(calls) == oom_at_call)):
+        if torch.is_grad_enabled() and (
+            (limit is not None and idx.shape[0] > limit) or (oom_at_call is not None and len(calls) == oom_at_call)
+        ):
             raise torch.OutOfMemoryError(f"simulated: micro-batch {idx.shape[0]}")
         return forward(self, idx, *args, **kwargs)
+
     monkeypatch.setattr(GPT, "forward", failing)
 
 
@@ -50,6 +53,7 @@ def test_a_config_that_cannot_fit_is_refused_before_anything_is_allocated(data_d
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("allocated before the refusal")
+
     monkeypatch.setattr(train, "make_loaders", must_not_run)
     monkeypatch.setattr(train, "build_model", must_not_run)
     with pytest.raises(SystemExit) as exit_:
@@ -63,11 +67,14 @@ def test_a_config_that_cannot_fit_is_refused_before_anything_is_allocated(data_d
         run(data_dir, tmp_path, "--max_steps=1", "--memory_check=False")
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--batch_size=auto"], "batch_size='auto' keeps total_batch_size fixed"),
-    (["--batch_size=big"], "config key 'batch_size' must be an int >= 1 or 'auto'; got 'big'"),
-    (["--batch_size=0"], "config key 'batch_size' must be >= 1 or 'auto'; got 0"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--batch_size=auto"], "batch_size='auto' keeps total_batch_size fixed"),
+        (["--batch_size=big"], "config key 'batch_size' must be an int >= 1 or 'auto'; got 'big'"),
+        (["--batch_size=0"], "config key 'batch_size' must be >= 1 or 'auto'; got 0"),
+    ],
+)
 def test_bad_batch_size_is_a_one_line_error(args, expected):
     with pytest.raises(ConfigError) as err:
         make_config(parse_args(args))
@@ -154,6 +161,7 @@ def test_oom_in_validation_halves_its_micro_batch_like_a_step(data_dir, tmp_path
             if idx.shape[0] > 4:
                 raise torch.OutOfMemoryError(f"simulated: micro-batch {idx.shape[0]}")
         return forward(self, idx, *a, **k)
+
     monkeypatch.setattr(GPT, "forward", failing)
     assert run(data_dir, tmp_path / "oom", *args) == 0
     assert sizes == [8, 4, 4, 4, 4] * 3  # steps 0, 2, 4: 16 rows each

@@ -3,6 +3,7 @@ holding exactly its slice of the weights one process draws from the same seed, a
 
 The ranks are simulated one after another in this process with torch's fake process group (collectives are
 no-ops; initialisation needs none): fast enough for any world size."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,8 +15,17 @@ from model import GPT
 
 ARCHS = {  # sizes that do not divide by 4: uneven shards
     "gpt2 (tied, learned positions)": dict(n_layer=2, n_head=2, n_embd=12, block_size=8, vocab_size=30),
-    "neox (untied, rotary)": dict(n_layer=2, n_head=3, n_embd=12, block_size=8, vocab_size=30, rotary_pct=0.5,
-                                  parallel_residual=True, tie_embeddings=False, activation="gelu"),
+    "neox (untied, rotary)": dict(
+        n_layer=2,
+        n_head=3,
+        n_embd=12,
+        block_size=8,
+        vocab_size=30,
+        rotary_pct=0.5,
+        parallel_residual=True,
+        tie_embeddings=False,
+        activation="gelu",
+    ),
 }
 
 
@@ -39,8 +49,9 @@ def rank_shards(cfg, mode, mesh, rank):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("mode, mesh", [("fsdp", (2,)), ("fsdp", (4,)), ("hsdp", (2, 2))])
 def test_every_rank_holds_its_slice_of_the_one_process_init(arch, mode, mesh):
-    cfg = make_config({**ARCHS[arch], "seed": 1234, "device": "cpu", "dtype": "float32", "compile": False,
-                       "parallel": mode})
+    cfg = make_config(
+        {**ARCHS[arch], "seed": 1234, "device": "cpu", "dtype": "float32", "compile": False, "parallel": mode}
+    )
     torch.manual_seed(cfg.seed)
     reference = GPT(model_config(cfg))  # one process, the same seed
     rng_after = torch.get_rng_state()
@@ -48,7 +59,7 @@ def test_every_rank_holds_its_slice_of_the_one_process_init(arch, mode, mesh):
     shard_size = mesh[-1]
     for name, whole in reference.named_parameters():
         for group in range(len(ranks) // shard_size):  # HSDP: each group of shard_size ranks holds one copy
-            members = ranks[group * shard_size:(group + 1) * shard_size]
+            members = ranks[group * shard_size : (group + 1) * shard_size]
             pieces = [model.get_parameter(name).to_local() for model, _ in members]
             assert torch.equal(torch.cat(pieces), whole.detach()), name
     for model, rng in ranks:
@@ -64,6 +75,7 @@ def test_a_model_that_a_sharded_checkpoint_will_fill_is_allocated_without_replay
     initialisation the load overwrites is not replayed (it draws every whole parameter once: minutes at 6.7B)."""
     import train
     from model import rotary_cos_sin
+
     cfg = make_config({**ARCHS["neox (untied, rotary)"], "compile": False})
     env = parallel.Env(0, 0, 2, True, "cpu", "float32", "fsdp", (2,))
     model, _ = train.build_model(cfg, {"model_args": model_config(cfg).__dict__, "shards": "unused"}, env)
@@ -86,6 +98,7 @@ def test_under_fsdp_the_blocks_and_the_head_with_its_loss_are_compiled(monkeypat
     block's forward and GPT.head_loss (ln_f, output head, chunked loss; under DDP the whole model is compiled),
     not only the blocks; a failed trial puts every one of them back to eager."""
     from torch._dynamo.exc import BackendCompilerFailed
+
     compiled = []
 
     def fake_compile(fn):
@@ -95,6 +108,7 @@ def test_under_fsdp_the_blocks_and_the_head_with_its_loss_are_compiled(monkeypat
             if compile_fails:
                 raise BackendCompilerFailed("inductor", RuntimeError("no working C++ compiler"), None)
             return fn(*args, **kwargs)
+
         return run
 
     monkeypatch.setattr(torch, "compile", fake_compile)

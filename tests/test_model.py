@@ -1,4 +1,5 @@
 """model.py specification: Hugging Face parity, chunked loss, KV-cache generation, rotary, optimizer, presets."""
+
 import math
 
 import pytest
@@ -40,8 +41,17 @@ def perturb_(module, seed=1, scale=0.05):
 
 def hf_gpt(seed=0, vocab_size=50257) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
-    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32, vocab_size=vocab_size, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
+    cfg = GPT2Config(
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        n_positions=32,
+        vocab_size=vocab_size,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="eager",
+    )
     return perturb_(GPT2LMHeadModel(cfg)).eval()
 
 
@@ -85,7 +95,9 @@ def test_a_hub_name_that_cannot_be_fetched_says_what_it_fetched_and_the_offline_
     def no_network(repo_id, allow_patterns):
         raise huggingface_hub.errors.LocalEntryNotFoundError(
             "Got: ConnectError: [Errno -2] Name or service not known\nAn error happened while trying to locate the "
-            "files on the Hub, and we cannot find the appropriate snapshot folder")
+            "files on the Hub, and we cannot find the appropriate snapshot folder"
+        )
+
     monkeypatch.setattr(huggingface_hub, "snapshot_download", no_network)
     with pytest.raises(OSError) as err:
         from_pretrained("gpt2-medium")
@@ -107,9 +119,14 @@ def test_adamw_step_matches_hf_plus_torch_adamw(tmp_path):
     hf.train(), ours.train()
     lr, wd, betas = 1e-3, 0.1, (0.9, 0.95)  # decaying a LayerNorm weight by mistake moves it ~1e-4
     params = list(hf.parameters())  # tied wte/lm_head appears once
-    hf_opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": wd},
-                                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                               lr=lr, betas=betas)
+    hf_opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": wd},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=betas,
+    )
     opt = optim.adamw(ours.parameters(), wd, lr, betas)
     gen, grad_diff = torch.Generator().manual_seed(0), 0.0
     for _ in range(2):  # two steps so the moment estimates matter too
@@ -131,6 +148,7 @@ def test_adamw_step_matches_hf_plus_torch_adamw(tmp_path):
 
 
 # ----------------------------------------------------------------------------- forward and loss
+
 
 def test_initial_loss_is_close_to_log_vocab():
     model = small_gpt(vocab_size=1024, n_embd=64)
@@ -228,6 +246,7 @@ def test_activation_checkpointing_gives_identical_gradients(monkeypatch):
     def counting_forward(self, *args, **kwargs):
         calls.append(1)
         return block_forward(self, *args, **kwargs)
+
     monkeypatch.setattr(M.Block, "forward", counting_forward)
 
     def grads(checkpointing):
@@ -247,6 +266,7 @@ def test_activation_checkpointing_gives_identical_gradients(monkeypatch):
 
 # ----------------------------------------------------------------------------- rotary
 
+
 def test_rotary_scores_depend_only_on_offset_and_leave_other_dims_untouched():
     rot_dim, hs = 8, 16
     cos, sin = M.rotary_cos_sin(rot_dim, 64)
@@ -254,7 +274,7 @@ def test_rotary_scores_depend_only_on_offset_and_leave_other_dims_untouched():
     q, k = torch.randn(1, 1, 1, hs, generator=gen), torch.randn(1, 1, 1, hs, generator=gen)
 
     def rot(x, pos):
-        return M.apply_rotary(x, cos[pos:pos + 1], sin[pos:pos + 1])
+        return M.apply_rotary(x, cos[pos : pos + 1], sin[pos : pos + 1])
 
     def score(m, n):
         return (rot(q, m)[..., :rot_dim] * rot(k, n)[..., :rot_dim]).sum().item()
@@ -271,7 +291,7 @@ def test_rotary_matches_complex_rotation_of_neox_pairs():
     rot_dim, pos = 8, 13
     cos, sin = M.rotary_cos_sin(rot_dim, 32)
     x = torch.randn(1, 1, 1, 12, dtype=torch.float64).float()
-    out = M.apply_rotary(x, cos[pos:pos + 1], sin[pos:pos + 1])[0, 0, 0]
+    out = M.apply_rotary(x, cos[pos : pos + 1], sin[pos : pos + 1])[0, 0, 0]
     half = rot_dim // 2
     z = torch.complex(x[0, 0, 0, :half].double(), x[0, 0, 0, half:rot_dim].double())
     theta = 10000.0 ** (-torch.arange(half, dtype=torch.float64) * 2 / rot_dim)
@@ -292,6 +312,7 @@ def test_rotary_model_has_no_learned_positions_and_validates_rot_dim():
 
 # ----------------------------------------------------------------------------- generation
 
+
 @pytest.mark.parametrize("rotary_pct", [None, 0.5])
 def test_kv_cache_hidden_states_match_full_recompute(rotary_pct):
     model = perturb_(small_gpt(rotary_pct=rotary_pct))
@@ -300,7 +321,7 @@ def test_kv_cache_hidden_states_match_full_recompute(rotary_pct):
         full = model.hidden_states(idx)
         caches = [M.KVCache(32) for _ in model.transformer.h]
         parts = [model.hidden_states(idx[:, :5], caches, 0), model.hidden_states(idx[:, 5:8], caches, 5)]
-        parts += [model.hidden_states(idx[:, t:t + 1], caches, t) for t in range(8, 12)]
+        parts += [model.hidden_states(idx[:, t : t + 1], caches, t) for t in range(8, 12)]
     assert caches[0].k.shape == (2, 2, 32, 16)  # preallocated to block_size
     assert (torch.cat(parts, dim=1) - full).abs().max() <= 1e-5
 
@@ -348,7 +369,7 @@ def test_eos_finishes_rows_and_stops_when_all_are_done():
     ref = sample()  # (2, 12) without eos
     eos = ref[0, 2].item()
     first = [(row == eos).nonzero()[0].item() if (row == eos).any() else None for row in ref]
-    assert (ref[0, first[0]:] != eos).any()  # precondition: row 0 would go on with other tokens
+    assert (ref[0, first[0] :] != eos).any()  # precondition: row 0 would go on with other tokens
     out = sample(eos_token=eos)
     expected_len = 12 if None in first else max(first) + 1
     assert out.shape == (2, expected_len)
@@ -356,7 +377,7 @@ def test_eos_finishes_rows_and_stops_when_all_are_done():
         if f is None:
             assert torch.equal(out[row], ref[row, :expected_len])
         else:  # identical up to eos, then eos forever
-            assert torch.equal(out[row, :f + 1], ref[row, :f + 1]) and (out[row, f:] == eos).all()
+            assert torch.equal(out[row, : f + 1], ref[row, : f + 1]) and (out[row, f:] == eos).all()
     greedy = model.generate(idx[:1], 12, temperature=0.0)[0, 3:]
     stop = (greedy == greedy[1]).nonzero()[0].item()  # first time the greedy row emits its 2nd token
     assert model.generate(idx[:1], 12, temperature=0.0, eos_token=greedy[1].item()).shape == (1, 3 + stop + 1)
@@ -395,11 +416,16 @@ def test_padded_vocab_ids_are_never_generated():
     with torch.no_grad():  # make every padding id the most likely next token
         model.transformer.ln_f.weight.zero_()
         model.transformer.ln_f.bias.fill_(1.0)
-        model.lm_head.weight[M.GPT2_VOCAB:] = 1.0
+        model.lm_head.weight[M.GPT2_VOCAB :] = 1.0
     idx = torch.zeros(2, 3, dtype=torch.long)
     gen = torch.Generator().manual_seed(0)
-    for kw in (dict(temperature=0.0), dict(temperature=1.0), dict(top_k=60), dict(top_p=0.9),
-               dict(temperature=0.0, use_kv_cache=False)):
+    for kw in (
+        dict(temperature=0.0),
+        dict(temperature=1.0),
+        dict(top_k=60),
+        dict(top_p=0.9),
+        dict(temperature=0.0, use_kv_cache=False),
+    ):
         out = model.generate(idx, 8, generator=gen, **kw)
         assert out.max().item() < M.GPT2_VOCAB, kw
 
@@ -423,16 +449,20 @@ def test_generate_rejects_bad_sampling_arguments():
 
 # ----------------------------------------------------------------------------- presets, FLOPs, MFU
 
-@pytest.mark.parametrize("name,expected", [("gpt2", 124_439_808), ("gpt2-medium", 354_823_168),
-                                           ("gpt2-large", 774_030_080), ("gpt2-xl", 1_557_611_200)])
+
+@pytest.mark.parametrize(
+    "name,expected",
+    [("gpt2", 124_439_808), ("gpt2-medium", 354_823_168), ("gpt2-large", 774_030_080), ("gpt2-xl", 1_557_611_200)],
+)
 def test_gpt2_presets_have_the_published_parameter_counts(name, expected):
     with torch.device("meta"):  # shapes only, no memory
         model = GPT(GPTConfig(**{**PRESETS[name], **dict(vocab_size=50257)}))
     assert model.num_params() == expected  # GPT2LMHeadModel's counts for the OpenAI checkpoints
 
 
-@pytest.mark.parametrize("name,size", [("gpt3-125m", 125e6), ("gpt3-350m", 350e6), ("gpt3-760m", 760e6),
-                                       ("gpt3-1.3b", 1.3e9)])
+@pytest.mark.parametrize(
+    "name,size", [("gpt3-125m", 125e6), ("gpt3-350m", 350e6), ("gpt3-760m", 760e6), ("gpt3-1.3b", 1.3e9)]
+)
 def test_gpt3_presets_match_their_names(name, size):
     cfg = GPTConfig(**PRESETS[name])
     with torch.device("meta"):
@@ -443,6 +473,7 @@ def test_gpt3_presets_match_their_names(name, size):
 
 def test_preset_errors_and_overrides():
     from config import ConfigError, make_config
+
     cfg = make_config({"preset": "gpt2", "dropout": 0.1, "rotary_pct": 0.25})  # config.py resolves presets
     assert (cfg.n_layer, cfg.n_embd, cfg.dropout, cfg.rotary_pct) == (12, 768, 0.1, 0.25)
     with pytest.raises(ConfigError, match="config key 'preset' must be one of"):

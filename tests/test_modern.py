@@ -3,6 +3,7 @@ for the rest) checkpoints, resumes and runs under DDP like the default AdamW (it
 
 Runs reuse test_train.py's tiny model and synthetic Markov-chain data.
 """
+
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -10,12 +11,12 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from test_train import ROOT, TINY, data_dir, metrics, run, subprocess_env, train_losses  # noqa: F401 (fixture)
 
 import checkpoint
 import train
 from checkpoint import load_checkpoint
 from config import ConfigError, TrainConfig, parse_args
+from test_train import ROOT, TINY, data_dir, metrics, run, subprocess_env, train_losses  # noqa: F401 (fixture)
 
 MUON = ["--optimizer=muon", "--muon_lr=0.03"]
 MODERN = str(ROOT / "configs" / "modern.py")
@@ -48,12 +49,15 @@ class WithParallel(TrainConfig):  # the `parallel` key as the sharding issue add
     parallel: str = "ddp"
 
 
-@pytest.mark.parametrize("keys, error", [
-    ({"optimizer": "muon", "parallel": "fsdp"}, "optimizer='muon' is not supported with parallel='fsdp'"),
-    ({"optimizer": "sgd"}, "config key 'optimizer' must be one of 'adamw', 'muon'"),
-    ({"muon_lr": 0.0}, "config key 'muon_lr' must be > 0"),
-    ({"muon_momentum": 1.0}, "config key 'muon_momentum' must be in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "keys, error",
+    [
+        ({"optimizer": "muon", "parallel": "fsdp"}, "optimizer='muon' is not supported with parallel='fsdp'"),
+        ({"optimizer": "sgd"}, "config key 'optimizer' must be one of 'adamw', 'muon'"),
+        ({"muon_lr": 0.0}, "config key 'muon_lr' must be > 0"),
+        ({"muon_momentum": 1.0}, "config key 'muon_momentum' must be in [0, 1)"),
+    ],
+)
 def test_bad_muon_config_is_a_one_line_error(keys, error):
     with pytest.raises(ConfigError) as err:
         WithParallel(**keys)
@@ -65,8 +69,17 @@ def test_bad_muon_config_is_a_one_line_error(keys, error):
 def test_muon_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tmp_path):
     """Gradients are all-reduced before the step, so each rank's Muon orthogonalises the same matrix."""
     common = [f"--data_dir={data_dir}", "--max_steps=4", "--total_batch_size=128", "--eval_interval=0", *MUON]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "train.py"), *TINY, *common, f"--out_dir={tmp_path / 'ddp'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "train.py"),
+        *TINY,
+        *common,
+        f"--out_dir={tmp_path / 'ddp'}",
+    ]
     result = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert run(data_dir, tmp_path / "single", *common[1:]) == 0
@@ -86,12 +99,24 @@ def test_muon_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tm
 
 # ----------------------------------------------------------------------------- the recipe configs
 
+
 def test_gpt2_124m_modern_is_gpt2_124m_with_the_modern_recipe():
     both = parse_args([str(ROOT / "configs" / "gpt2_124m.py"), MODERN])
     one = parse_args([str(ROOT / "configs" / "gpt2_124m_modern.py")])
     assert {k: v for k, v in one.items() if k != "out_dir"} == {k: v for k, v in both.items() if k != "out_dir"}
-    assert set(parse_args([MODERN])).isdisjoint({"n_layer", "n_embd", "n_head", "block_size", "batch_size",
-                                                 "total_batch_size", "max_steps", "preset", "data_dir"})
+    assert set(parse_args([MODERN])).isdisjoint(
+        {
+            "n_layer",
+            "n_embd",
+            "n_head",
+            "block_size",
+            "batch_size",
+            "total_batch_size",
+            "max_steps",
+            "preset",
+            "data_dir",
+        }
+    )
 
 
 def test_modern_config_trains_resumes_and_samples(data_dir, tmp_path):
@@ -99,8 +124,12 @@ def test_modern_config_trains_resumes_and_samples(data_dir, tmp_path):
     continues the run, and the checkpoint samples the same tokens with and without the KV cache."""
     tiny = [a for a in TINY if not a.startswith(("--learning_rate", "--min_lr", "--warmup_steps"))]
     out = tmp_path / "out"
-    assert train.main([MODERN, *tiny, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=8",
-                       "--lr_decay_steps=12"]) == 0
+    assert (
+        train.main(
+            [MODERN, *tiny, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=8", "--lr_decay_steps=12"]
+        )
+        == 0
+    )
     assert train.main(["--init_from=resume", f"--out_dir={out}", "--max_steps=12"]) == 0
     assert list(train_losses(out)) == list(range(1, 13))
     val = [m["val_loss"] for m in metrics(out) if "val_loss" in m]

@@ -1,13 +1,13 @@
 """GPT-NeoX / Pythia and the other architecture options of GPTConfig: parallel residual, untied head, exact
 GELU, ReLU², QK-norm, zero-initialised projections. Parity with transformers' GPTNeoXForCausalLM both ways,
 KV-cache decoding, presets' parameter counts, config validation, a tiny end-to-end run through train.py."""
+
 import json
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 import torch
-from test_model import perturb_, shifted_targets, single_thread, small_gpt  # noqa: F401  (autouse fixture)
 from transformers import GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 
 import hf as hf_io
@@ -15,6 +15,7 @@ import model as M
 import optim
 from hf import from_pretrained, save_pretrained
 from model import GPT, PRESETS, GPTConfig
+from test_model import perturb_, shifted_targets, single_thread, small_gpt  # noqa: F401  (autouse fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHIA_LIKE = dict(rotary_pct=0.25, parallel_residual=True, tie_embeddings=False, activation="gelu")
@@ -22,10 +23,20 @@ PYTHIA_LIKE = dict(rotary_pct=0.25, parallel_residual=True, tie_embeddings=False
 
 def hf_neox(rotary_pct=0.25, parallel=True, tied=False, base=10000.0, seed=0) -> GPTNeoXForCausalLM:
     torch.manual_seed(seed)
-    cfg = GPTNeoXConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=128, max_position_embeddings=32, rotary_pct=rotary_pct,
-                        rotary_emb_base=base, use_parallel_residual=parallel, tie_word_embeddings=tied,
-                        hidden_act="gelu", attn_implementation="eager")
+    cfg = GPTNeoXConfig(
+        vocab_size=96,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=32,
+        rotary_pct=rotary_pct,
+        rotary_emb_base=base,
+        use_parallel_residual=parallel,
+        tie_word_embeddings=tied,
+        hidden_act="gelu",
+        attn_implementation="eager",
+    )
     return perturb_(GPTNeoXForCausalLM(cfg)).eval()
 
 
@@ -46,6 +57,7 @@ CASES = [(0.25, True), (0.25, False), (1.0, True), (1.0, False)]  # rotary_pct, 
 
 # ----------------------------------------------------------------------------- Hugging Face GPT-NeoX
 
+
 @pytest.mark.parametrize("rotary_pct,parallel", CASES)
 def test_neox_import_matches_hf_logits_and_loss(tmp_path, rotary_pct, parallel):
     hf = hf_neox(rotary_pct, parallel)
@@ -53,7 +65,11 @@ def test_neox_import_matches_hf_logits_and_loss(tmp_path, rotary_pct, parallel):
     ours = from_pretrained(str(tmp_path)).eval()
     cfg = ours.config
     assert (cfg.rotary_pct, cfg.parallel_residual, cfg.tie_embeddings, cfg.activation) == (
-        rotary_pct, parallel, False, "gelu")
+        rotary_pct,
+        parallel,
+        False,
+        "gelu",
+    )
 
     idx = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -128,10 +144,12 @@ def test_neox_import_reads_pythia_hub_files(tmp_path):
 def test_neox_import_errors_are_clear(tmp_path):
     hf_neox().save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    for key, value, match in (("intermediate_size", 100, "intermediate_size=100"),
-                              ("hidden_act", "silu", "hidden_act='silu'"),
-                              ("rope_parameters", {"rope_type": "linear", "factor": 2.0}, "rope_type='linear'"),
-                              ("model_type", "llama", "model_type='llama'")):
+    for key, value, match in (
+        ("intermediate_size", 100, "intermediate_size=100"),
+        ("hidden_act", "silu", "hidden_act='silu'"),
+        ("rope_parameters", {"rope_type": "linear", "factor": 2.0}, "rope_type='linear'"),
+        ("model_type", "llama", "model_type='llama'"),
+    ):
         (tmp_path / "config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(ValueError, match=match):
             from_pretrained(str(tmp_path))
@@ -144,9 +162,14 @@ def test_neox_adamw_step_matches_hf_plus_torch_adamw(tmp_path):
     hf.train(), ours.train()
     lr, wd, betas = 1e-3, 0.1, (0.9, 0.95)
     params = list(hf.parameters())
-    hf_opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": wd},
-                                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                               lr=lr, betas=betas)
+    hf_opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": wd},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=betas,
+    )
     opt = optim.adamw(ours.parameters(), wd, lr, betas)
     gen, grad_diff = torch.Generator().manual_seed(0), 0.0
     for _ in range(2):
@@ -170,8 +193,17 @@ def test_neox_adamw_step_matches_hf_plus_torch_adamw(tmp_path):
 
 # ----------------------------------------------------------------------------- Hugging Face GPT-2 with the options
 
-@pytest.mark.parametrize("options", [dict(tie_embeddings=False), dict(activation="gelu"), dict(activation="relu2"),
-                                     dict(layer_norm_eps=1e-6, zero_init_proj=True)], ids=str)
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(tie_embeddings=False),
+        dict(activation="gelu"),
+        dict(activation="relu2"),
+        dict(layer_norm_eps=1e-6, zero_init_proj=True),
+    ],
+    ids=str,
+)
 def test_gpt2_export_of_options_matches_hf(tmp_path, options):
     ours = perturb_(small_gpt(vocab_size=50304, **options))
     save_pretrained(ours, str(tmp_path))
@@ -186,9 +218,15 @@ def test_gpt2_export_of_options_matches_hf(tmp_path, options):
     assert all(getattr(back.config, k) == v for k, v in options.items() if k != "zero_init_proj")
 
 
-@pytest.mark.parametrize("options,match", [(dict(qk_norm=True), "qk_norm"),
-                                           (dict(qk_norm=True, rotary_pct=0.5), "qk_norm"),
-                                           (dict(parallel_residual=True), "parallel_residual")], ids=str)
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        (dict(qk_norm=True), "qk_norm"),
+        (dict(qk_norm=True, rotary_pct=0.5), "qk_norm"),
+        (dict(parallel_residual=True), "parallel_residual"),
+    ],
+    ids=str,
+)
 def test_export_of_unrepresentable_models_is_refused(tmp_path, options, match):
     with pytest.raises(ValueError, match=match) as err:
         save_pretrained(small_gpt(**options), str(tmp_path))
@@ -196,6 +234,7 @@ def test_export_of_unrepresentable_models_is_refused(tmp_path, options, match):
 
 
 # ----------------------------------------------------------------------------- the options themselves
+
 
 def test_parallel_residual_block_is_one_step():
     model = perturb_(small_gpt(parallel_residual=True))
@@ -207,10 +246,14 @@ def test_parallel_residual_block_is_one_step():
         assert (block(x) - (sequential + block.mlp(block.ln_2(sequential)))).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("activation,reference", [
-    ("gelu_tanh", lambda h: 0.5 * h * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (h + 0.044715 * h ** 3)))),
-    ("gelu", lambda h: 0.5 * h * (1 + torch.erf(h / 2 ** 0.5))),
-    ("relu2", lambda h: torch.clamp(h, min=0) ** 2)])
+@pytest.mark.parametrize(
+    "activation,reference",
+    [
+        ("gelu_tanh", lambda h: 0.5 * h * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (h + 0.044715 * h**3)))),
+        ("gelu", lambda h: 0.5 * h * (1 + torch.erf(h / 2**0.5))),
+        ("relu2", lambda h: torch.clamp(h, min=0) ** 2),
+    ],
+)
 def test_mlp_activations(activation, reference):
     mlp = perturb_(small_gpt(activation=activation)).transformer.h[0].mlp
     x = torch.randn(2, 8, 32, dtype=torch.float64)
@@ -275,6 +318,7 @@ def test_untied_head_gets_the_chunked_loss_gradient(monkeypatch):
 
 def test_untied_model_state_dict_round_trips_and_resumes_exactly():
     """Train 3 steps, save model + optimizer, train 3 more; a fresh model loaded from the save matches exactly."""
+
     def step(model, opt, seed):
         idx = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(seed))
         model(idx, shifted_targets(idx), return_logits=False)[1].backward()
@@ -285,8 +329,13 @@ def test_untied_model_state_dict_round_trips_and_resumes_exactly():
     for s in range(3):
         step(model, opt, s)
     saved = {k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict()
-    saved = saved[0], {"state": {k: {n: t.clone() for n, t in v.items()} for k, v in saved[1]["state"].items()},
-                       "param_groups": saved[1]["param_groups"]}
+    saved = (
+        saved[0],
+        {
+            "state": {k: {n: t.clone() for n, t in v.items()} for k, v in saved[1]["state"].items()},
+            "param_groups": saved[1]["param_groups"],
+        },
+    )
     for s in range(3, 6):
         step(model, opt, s)
 
@@ -302,9 +351,16 @@ def test_untied_model_state_dict_round_trips_and_resumes_exactly():
         assert torch.equal(v, resumed.state_dict()[k]), k
 
 
-@pytest.mark.parametrize("options", [PYTHIA_LIKE, dict(PYTHIA_LIKE, rotary_pct=1.0),
-                                     dict(qk_norm=True, activation="relu2", tie_embeddings=False, rotary_pct=1.0),
-                                     dict(qk_norm=True, zero_init_proj=True)], ids=str)
+@pytest.mark.parametrize(
+    "options",
+    [
+        PYTHIA_LIKE,
+        dict(PYTHIA_LIKE, rotary_pct=1.0),
+        dict(qk_norm=True, activation="relu2", tie_embeddings=False, rotary_pct=1.0),
+        dict(qk_norm=True, zero_init_proj=True),
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("prompt_len", [1, 17])
 def test_kv_cache_greedy_equals_recompute_for_the_options(options, prompt_len):
     model = perturb_(small_gpt(**options), scale=0.2)
@@ -317,14 +373,16 @@ def test_kv_cache_greedy_equals_recompute_for_the_options(options, prompt_len):
         full = model.hidden_states(seq)
         caches = [M.KVCache(32) for _ in model.transformer.h]
         parts = [model.hidden_states(seq[:, :5], caches, 0)]
-        parts += [model.hidden_states(seq[:, t:t + 1], caches, t) for t in range(5, 12)]
+        parts += [model.hidden_states(seq[:, t : t + 1], caches, t) for t in range(5, 12)]
     assert (torch.cat(parts, dim=1) - full).abs().max() <= 1e-5
 
 
 # ----------------------------------------------------------------------------- partial rotary, two formulations
 
+
 def load_bench_rotary():
     from bench import rotary
+
     return rotary
 
 
@@ -363,9 +421,15 @@ def test_zero_frequency_rotary_model_gives_the_same_loss_and_grads(monkeypatch):
 # ----------------------------------------------------------------------------- presets and config
 
 PUBLISHED = {  # total parameters of the released checkpoints (Pythia model card; GPT-NeoX-20B paper)
-    "pythia-70m": 70_426_624, "pythia-160m": 162_322_944, "pythia-410m": 405_334_016,
-    "pythia-1b": 1_011_781_632, "pythia-1.4b": 1_414_647_808, "pythia-2.8b": 2_775_208_960,
-    "pythia-6.9b": 6_857_302_016, "pythia-12b": 11_846_072_320, "neox-20b": 20_554_567_680,
+    "pythia-70m": 70_426_624,
+    "pythia-160m": 162_322_944,
+    "pythia-410m": 405_334_016,
+    "pythia-1b": 1_011_781_632,
+    "pythia-1.4b": 1_414_647_808,
+    "pythia-2.8b": 2_775_208_960,
+    "pythia-6.9b": 6_857_302_016,
+    "pythia-12b": 11_846_072_320,
+    "neox-20b": 20_554_567_680,
 }
 
 
@@ -373,24 +437,33 @@ PUBLISHED = {  # total parameters of the released checkpoints (Pythia model card
 def test_neox_presets_have_the_published_parameter_counts(name):
     cfg = GPTConfig(**PRESETS[name])
     assert (cfg.block_size, cfg.rotary_pct, cfg.parallel_residual, cfg.tie_embeddings, cfg.activation) == (
-        2048, 0.25, True, False, "gelu")
+        2048,
+        0.25,
+        True,
+        False,
+        "gelu",
+    )
     with torch.device("meta"):
         model = GPT(cfg)
     assert model.num_params() == PUBLISHED[name]  # the checkpoints' padded vocabularies: exact
 
 
-@pytest.mark.parametrize("key,value,match", [
-    ("activation", "swish", "activation='swish', expected one of 'gelu_tanh', 'gelu', 'relu2'"),
-    ("parallel_residual", 1, "parallel_residual=1, expected True or False"),
-    ("tie_embeddings", "no", "tie_embeddings='no'"),
-    ("qk_norm", None, "qk_norm=None"),
-    ("n_layer", 0, "n_layer=0, expected a positive integer"),
-    ("vocab_size", 50304.0, "vocab_size=50304.0"),
-    ("block_size", True, "block_size=True"),
-    ("dropout", 1.0, r"dropout=1.0, expected a number in \[0, 1\)"),
-    ("rotary_base", 0.0, "rotary_base=0.0"),
-    ("layer_norm_eps", -1e-5, "layer_norm_eps=-1e-05"),
-    ("rotary_pct", "0.25", "rotary_pct='0.25'")])
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("activation", "swish", "activation='swish', expected one of 'gelu_tanh', 'gelu', 'relu2'"),
+        ("parallel_residual", 1, "parallel_residual=1, expected True or False"),
+        ("tie_embeddings", "no", "tie_embeddings='no'"),
+        ("qk_norm", None, "qk_norm=None"),
+        ("n_layer", 0, "n_layer=0, expected a positive integer"),
+        ("vocab_size", 50304.0, "vocab_size=50304.0"),
+        ("block_size", True, "block_size=True"),
+        ("dropout", 1.0, r"dropout=1.0, expected a number in \[0, 1\)"),
+        ("rotary_base", 0.0, "rotary_base=0.0"),
+        ("layer_norm_eps", -1e-5, "layer_norm_eps=-1e-05"),
+        ("rotary_pct", "0.25", "rotary_pct='0.25'"),
+    ],
+)
 def test_config_validates_every_field_in_one_line(key, value, match):
     with pytest.raises(ValueError, match=match) as err:
         GPTConfig(**{key: value})
@@ -406,24 +479,38 @@ def test_every_preset_is_a_valid_full_config():
 
 # ----------------------------------------------------------------------------- end to end through train.py
 
+
 @pytest.mark.slow
 def test_neox_hf_dir_fine_tunes_resumes_exactly_and_samples(tmp_path):
     """init_from=<a GPT-NeoX HF dir> trains (parallel residual, untied head), resumes bit-exactly, and its
     checkpoint loads in sample.py's loader and generates."""
-    from test_train import markov_tokens
-
     import checkpoint
     import train
     from data import write_shard
+    from test_train import markov_tokens
 
     data = tmp_path / "data"
     write_shard(data / "tiny_train_000000.bin", markov_tokens(30_000, seed=1))
     write_shard(data / "tiny_val_000000.bin", markov_tokens(3_000, seed=2))
     hf_neox(rotary_pct=0.25, parallel=True).save_pretrained(tmp_path / "hf")
-    args = [f"--init_from={tmp_path / 'hf'}", f"--data_dir={data}", "--batch_size=4", "--block_size=32",
-            "--warmup_steps=2", "--learning_rate=3e-3", "--min_lr=3e-4", "--eval_interval=4", "--eval_steps=2",
-            "--log_interval=0", "--save_interval=4", "--device=cpu", "--dtype=float32", "--compile=False",
-            "--lr_decay_steps=8", "--dropout=0.1"]
+    args = [
+        f"--init_from={tmp_path / 'hf'}",
+        f"--data_dir={data}",
+        "--batch_size=4",
+        "--block_size=32",
+        "--warmup_steps=2",
+        "--learning_rate=3e-3",
+        "--min_lr=3e-4",
+        "--eval_interval=4",
+        "--eval_steps=2",
+        "--log_interval=0",
+        "--save_interval=4",
+        "--device=cpu",
+        "--dtype=float32",
+        "--compile=False",
+        "--lr_decay_steps=8",
+        "--dropout=0.1",
+    ]
     assert train.main([*args, f"--out_dir={tmp_path / 'full'}", "--max_steps=8"]) == 0
     assert train.main([*args, f"--out_dir={tmp_path / 'split'}", "--max_steps=4"]) == 0
     assert train.main(["--init_from=resume", f"--out_dir={tmp_path / 'split'}", "--max_steps=8"]) == 0

@@ -1,4 +1,5 @@
 """sample.py: seeded sampling is reproducible, greedy equals model.generate, bad checkpoints are one-line errors."""
+
 import io
 import shutil
 import subprocess
@@ -34,9 +35,21 @@ def model():
 def ckpt(model, tmp_path_factory):
     """A training checkpoint in the project's format (CONTRACTS: checkpoint dict keys), with its sha256 sidecar."""
     path = tmp_path_factory.mktemp("run") / "ckpt_000010.pt"
-    save_checkpoint(path, {"model": model.state_dict(), "model_args": asdict(model.config), "config": {}, "step": 10,
-                "optimizer": None, "scaler": None, "loader": {}, "rng": {}, "val_loss": None,
-                "format": "gpt2-train-ckpt-v1"})
+    save_checkpoint(
+        path,
+        {
+            "model": model.state_dict(),
+            "model_args": asdict(model.config),
+            "config": {},
+            "step": 10,
+            "optimizer": None,
+            "scaler": None,
+            "loader": {},
+            "rng": {},
+            "val_loss": None,
+            "format": "gpt2-train-ckpt-v1",
+        },
+    )
     return path
 
 
@@ -46,8 +59,20 @@ def run_main(capsys, *argv):
 
 
 def test_same_seed_same_text_and_another_seed_differs(ckpt, capsys):
-    args = ["--ckpt", str(ckpt), "--prompt", "Hello", "--max_new_tokens", "12", "--num_samples", "2",
-            "--temperature", "1.0", "--device", "cpu"]
+    args = [
+        "--ckpt",
+        str(ckpt),
+        "--prompt",
+        "Hello",
+        "--max_new_tokens",
+        "12",
+        "--num_samples",
+        "2",
+        "--temperature",
+        "1.0",
+        "--device",
+        "cpu",
+    ]
     first = run_main(capsys, *args, "--seed", "3")
     assert first == run_main(capsys, *args, "--seed", "3")
     assert first != run_main(capsys, *args, "--seed", "4")
@@ -65,11 +90,22 @@ def test_out_dir_means_its_latest_checkpoint(ckpt, capsys):
 def test_greedy_equals_model_generate(model, enc, ckpt, capsys):
     prompt = "The meaning of life is"
     idx = torch.tensor([enc.encode(prompt)])
-    expected = prompt + enc.decode(model.generate(idx, 20, temperature=0)[0, idx.shape[1]:].tolist())
+    expected = prompt + enc.decode(model.generate(idx, 20, temperature=0)[0, idx.shape[1] :].tolist())
     texts = stream_samples(model, enc, prompt, max_new_tokens=20, temperature=0, out=io.StringIO())
     assert texts == [expected]
-    out = run_main(capsys, "--ckpt", str(ckpt), "--prompt", prompt, "--max_new_tokens", "20",
-                   "--temperature", "0", "--device", "cpu")
+    out = run_main(
+        capsys,
+        "--ckpt",
+        str(ckpt),
+        "--prompt",
+        prompt,
+        "--max_new_tokens",
+        "20",
+        "--temperature",
+        "0",
+        "--device",
+        "cpu",
+    )
     assert out == expected + "\n" + SEPARATOR + "\n"
 
 
@@ -140,9 +176,14 @@ def test_empty_prompt_starts_a_new_document(model, enc):
 
 
 def test_stdin_prompt_via_subprocess(ckpt):
-    proc = subprocess.run([sys.executable, "sample.py", "--ckpt", str(ckpt), "--max_new_tokens", "5",
-                           "--device", "cpu"], cwd=ROOT, input="Once upon a time", capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "sample.py", "--ckpt", str(ckpt), "--max_new_tokens", "5", "--device", "cpu"],
+        cwd=ROOT,
+        input="Once upon a time",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("Once upon a time") and proc.stdout.endswith(SEPARATOR + "\n")
 
@@ -170,8 +211,14 @@ def test_bad_checkpoint_is_a_one_line_error(tmp_path, ckpt, kind, capsys):
 
 def test_bad_checkpoint_from_the_shell_has_no_traceback(tmp_path, ckpt):
     path = _bad_checkpoints(tmp_path, ckpt)["truncated"]
-    proc = subprocess.run([sys.executable, "sample.py", "--ckpt", str(path), "--device", "cpu"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [sys.executable, "sample.py", "--ckpt", str(path), "--device", "cpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.startswith("sample.py: error: ") and proc.stderr.count("\n") == 1, proc.stderr
@@ -197,13 +244,22 @@ def test_model_dir_with_tokenizer_json_samples_with_that_tokenizer(hf_dir_with_t
     model = from_pretrained(str(hf_dir_with_tokenizer)).eval()
     prompt = "Once upon a time, naïve 😀"
     idx = torch.tensor([enc.encode(prompt)])
-    expected = prompt + enc.decode(model.generate(idx, 20, temperature=0)[0, idx.shape[1]:].tolist())
+    expected = prompt + enc.decode(model.generate(idx, 20, temperature=0)[0, idx.shape[1] :].tolist())
     args = ["--prompt", prompt, "--max_new_tokens", "20", "--temperature", "0", "--device", "cpu"]
     assert run_main(capsys, "--init_from", str(hf_dir_with_tokenizer), *args) == expected + "\n" + SEPARATOR + "\n"
     # a checkpoint fine-tuned from that directory samples with the same tokenizer
     ckpt = tmp_path / "ckpt_000001.pt"
-    save_checkpoint(ckpt, {"model": model.state_dict(), "model_args": asdict(model.config), "step": 1, "val_loss": None,
-                           "config": {"init_from": str(hf_dir_with_tokenizer)}, "format": "gpt2-train-ckpt-v1"})
+    save_checkpoint(
+        ckpt,
+        {
+            "model": model.state_dict(),
+            "model_args": asdict(model.config),
+            "step": 1,
+            "val_loss": None,
+            "config": {"init_from": str(hf_dir_with_tokenizer)},
+            "format": "gpt2-train-ckpt-v1",
+        },
+    )
     assert run_main(capsys, "--ckpt", str(ckpt), *args) == expected + "\n" + SEPARATOR + "\n"
 
 
@@ -249,6 +305,7 @@ def test_nan_sampling_settings_are_one_line_errors(ckpt, capsys, flag, value):
 
 # ----------------------------------------------------------------------------- start-up errors are one line
 
+
 def error_of(capsys, *argv):
     """sample.main's exit status 2 and its one error line (no traceback)."""
     with pytest.raises(SystemExit) as e:
@@ -260,12 +317,14 @@ def error_of(capsys, *argv):
 
 def test_integer_weights_in_a_model_directory_are_refused(hf_dir_with_tokenizer, tmp_path, capsys):
     from safetensors.torch import load_file, save_file
+
     shutil.copytree(hf_dir_with_tokenizer, tmp_path / "hf")
     weights = load_file(tmp_path / "hf" / "model.safetensors")
     weights["transformer.h.0.mlp.c_fc.weight"] = (weights["transformer.h.0.mlp.c_fc.weight"] * 100).to(torch.int8)
     save_file(weights, tmp_path / "hf" / "model.safetensors")
     assert "transformer.h.0.mlp.c_fc.weight holds torch.int8 values, expected floating-point weights" in error_of(
-        capsys, "--init_from", str(tmp_path / "hf"))
+        capsys, "--init_from", str(tmp_path / "hf")
+    )
 
 
 class Opaque:
@@ -273,7 +332,8 @@ class Opaque:
 
 
 def test_a_pickled_object_in_pytorch_model_bin_is_one_line_that_does_not_suggest_weights_only_false(
-        hf_dir_with_tokenizer, tmp_path, capsys):
+    hf_dir_with_tokenizer, tmp_path, capsys
+):
     shutil.copytree(hf_dir_with_tokenizer, tmp_path / "hf")
     (tmp_path / "hf" / "model.safetensors").unlink()
     torch.save({"x": Opaque()}, tmp_path / "hf" / "pytorch_model.bin")  # not a tensor: never unpickled
@@ -286,14 +346,18 @@ def test_a_broken_tokenizer_json_is_one_line_naming_it(hf_dir_with_tokenizer, tm
     shutil.copytree(hf_dir_with_tokenizer, tmp_path / "hf")
     (tmp_path / "hf" / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"')
     assert f"{tmp_path / 'hf' / 'tokenizer.json'}: not a readable tokenizer.json (" in error_of(
-        capsys, "--init_from", str(tmp_path / "hf"))
+        capsys, "--init_from", str(tmp_path / "hf")
+    )
 
 
 def test_a_checkpoint_without_model_args_is_one_line(model, tmp_path, capsys):
-    save_checkpoint(tmp_path / "ckpt_000001.pt", {"model": model.state_dict(), "config": {}, "step": 1,
-                                                  "format": "gpt2-train-ckpt-v1"})
+    save_checkpoint(
+        tmp_path / "ckpt_000001.pt",
+        {"model": model.state_dict(), "config": {}, "step": 1, "format": "gpt2-train-ckpt-v1"},
+    )
     assert "ckpt_000001.pt: incomplete gpt2-train checkpoint: no 'model_args'" in error_of(
-        capsys, "--ckpt", str(tmp_path / "ckpt_000001.pt"))
+        capsys, "--ckpt", str(tmp_path / "ckpt_000001.pt")
+    )
 
 
 def test_a_sample_runs_on_past_endoftext_unless_stop_at_eot(enc, ckpt, capsys, monkeypatch):
@@ -301,12 +365,15 @@ def test_a_sample_runs_on_past_endoftext_unless_stop_at_eot(enc, ckpt, capsys, m
     transformers' generate() stops at its eos token."""
     tokens = enc.encode(" Hello.") + [enc.eot_token] + enc.encode(" The next document")
     assert stream_samples(ScriptedModel(tokens), enc, "P:", max_new_tokens=20, out=io.StringIO()) == [
-        "P: Hello.<|endoftext|> The next document"]
+        "P: Hello.<|endoftext|> The next document"
+    ]
     out = io.StringIO()
     assert stream_samples(ScriptedModel(tokens), enc, "P:", max_new_tokens=20, out=out, stop_at_eot=True) == [
-        "P: Hello."]
+        "P: Hello."
+    ]
     assert out.getvalue() == "P: Hello.\n" + SEPARATOR + "\n"
     import sample
+
     seen = []
     monkeypatch.setattr(sample, "stream_samples", lambda *a, **kw: seen.append(kw["stop_at_eot"]))
     for flags in ([], ["--stop_at_eot"]):

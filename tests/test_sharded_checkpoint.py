@@ -1,6 +1,7 @@
 """Sharded checkpoints are as safe and as verified as single files: no pickled code runs from .metadata or the
 shards, every file's sha256 is checked before any tensor is read, an incomplete directory is skipped with a note,
 and every failure is one line."""
+
 import json
 import os
 import pickle
@@ -42,11 +43,14 @@ def entry_points(ckpt, tmp_path):
             return main(argv)
         except SystemExit as e:
             return e.code
-    return {"sample": lambda: exits(sample.main, [*flags, "--max_new_tokens", "2", "--prompt", "x"]),
-            "hellaswag": lambda: exits(hellaswag.main, [*flags, "--data", str(tmp_path / "hs.jsonl")]),
-            "consolidate": lambda: checkpoint.main(["consolidate", str(ckpt), str(tmp_path / "one.pt")]),
-            "export": lambda: checkpoint.main(["export", str(ckpt), str(tmp_path / "hf")]),
-            "resume": lambda: exits(train.main, ["--init_from=resume", f"--out_dir={ckpt.parent}", "--device=cpu"])}
+
+    return {
+        "sample": lambda: exits(sample.main, [*flags, "--max_new_tokens", "2", "--prompt", "x"]),
+        "hellaswag": lambda: exits(hellaswag.main, [*flags, "--data", str(tmp_path / "hs.jsonl")]),
+        "consolidate": lambda: checkpoint.main(["consolidate", str(ckpt), str(tmp_path / "one.pt")]),
+        "export": lambda: checkpoint.main(["export", str(ckpt), str(tmp_path / "hf")]),
+        "resume": lambda: exits(train.main, ["--init_from=resume", f"--out_dir={ckpt.parent}", "--device=cpu"]),
+    }
 
 
 def one_line_error(capsys):
@@ -162,11 +166,13 @@ def test_sha256sums_lists_only_regular_files_inside_the_directory(tmp_path, dead
     outside.write_text("anything readable")
     os.mkfifo(ckpt / "fifo")
     (ckpt / "link").symlink_to(outside)
-    cases = {"../x": "names '../x', not a file of this directory",
-             str(outside): f"names '{outside}', not a file of this directory",
-             "/dev/zero": "names '/dev/zero', not a file of this directory",
-             "fifo": r"cannot read fifo to verify it \(not a regular file",
-             "link": r"cannot read link to verify it \(is a symlink"}
+    cases = {
+        "../x": "names '../x', not a file of this directory",
+        str(outside): f"names '{outside}', not a file of this directory",
+        "/dev/zero": "names '/dev/zero', not a file of this directory",
+        "fifo": r"cannot read fifo to verify it \(not a regular file",
+        "link": r"cannot read link to verify it \(is a symlink",
+    }
     with deadline(60):
         for name, message in cases.items():
             digest = file_sha256(outside) if name != "fifo" else "0" * 64

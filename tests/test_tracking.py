@@ -4,6 +4,7 @@ without duplicate steps, failing sinks, cost and the summary.
 The records are shaped like train.py's loop writes them: a val line at step 0 and every 4 steps, a
 HellaSwag line at step 4, a train line per step, one of them skipped (NaN loss) with its reason.
 """
+
 import json
 import math
 import struct
@@ -21,8 +22,16 @@ TOKENS = 1024  # tokens per step
 
 
 def train_record(step, offset=0.0):
-    record = {"step": step, "train_loss": 4.2 - step / 20 + offset, "lr": 1e-3 * step, "grad_norm": 1 + step / 7,
-              "tokens_per_s": 16000.0 + step, "mfu": 0.3 + step / 100, "step_ms": 64.0, "peak_mem_mb": 300.0 + step}
+    record = {
+        "step": step,
+        "train_loss": 4.2 - step / 20 + offset,
+        "lr": 1e-3 * step,
+        "grad_norm": 1 + step / 7,
+        "tokens_per_s": 16000.0 + step,
+        "mfu": 0.3 + step / 100,
+        "step_ms": 64.0,
+        "peak_mem_mb": 300.0 + step,
+    }
     if step == 6:  # a skipped step, as train.py logs it
         record.update(train_loss=math.nan, grad_norm=math.nan, skipped="non-finite loss (loss nan, grad norm nan)")
     return record
@@ -53,6 +62,7 @@ def wandb_offline(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- reading back what the sinks wrote
 
+
 def wandb_segments(out_dir):
     """[(run_id, config, {step: {key: value}})] of each offline run under out_dir/wandb, oldest first.
     A .wandb file is LevelDB's log format (32 KiB blocks of checksum/length/type-framed chunks) after a
@@ -70,8 +80,8 @@ def wandb_segments(out_dir):
             if 32768 - pos % 32768 < 7:  # no room for a chunk header: the block's tail is padding
                 pos += 32768 - pos % 32768
                 continue
-            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-            chunk += data[pos + 7:pos + 7 + length]
+            _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+            chunk += data[pos + 7 : pos + 7 + length]
             pos += 7 + length
             if kind in (1, 4):  # FULL or LAST: a whole record
                 records.append(wandb_internal_pb2.Record.FromString(chunk))
@@ -129,8 +139,9 @@ def assert_wandb_holds(history, records):
     want = expected_values(records)
     got = {(step, k): v for step, row in history.items() for k, v in row.items()}
     assert got.keys() == want.keys()
-    assert all(same(float(got[k]) if isinstance(want[k], float) else got[k], want[k]) for k in want), \
-        [(k, got[k], want[k]) for k in want if not same(got[k], want[k])]
+    assert all(same(float(got[k]) if isinstance(want[k], float) else got[k], want[k]) for k in want), [
+        (k, got[k], want[k]) for k in want if not same(got[k], want[k])
+    ]
 
 
 def assert_tensorboard_holds(scalars, texts, records):
@@ -154,6 +165,7 @@ def json_form(records):
 
 
 # ----------------------------------------------------------------------------- the sinks
+
 
 def test_wandb_offline_and_tensorboard_receive_every_metric(tmp_path):
     out, tb = tmp_path / "run", tmp_path / "tb"
@@ -226,10 +238,13 @@ def test_resume_after_a_kill_replaces_the_steps_after_the_checkpoint(tmp_path):
 def test_a_missing_package_is_a_one_line_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: `import wandb` raises ImportError
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    for kwargs, expected in ((dict(wandb_log=True), "wandb_log=True needs the wandb package, an optional extra: "
-                                                    "pip install wandb"),
-                             (dict(tensorboard_dir="tb"), "tensorboard_dir='tb' needs the tensorboard package, an "
-                                                          "optional extra: pip install tensorboard")):
+    for kwargs, expected in (
+        (dict(wandb_log=True), "wandb_log=True needs the wandb package, an optional extra: pip install wandb"),
+        (
+            dict(tensorboard_dir="tb"),
+            "tensorboard_dir='tb' needs the tensorboard package, an optional extra: pip install tensorboard",
+        ),
+    ):
         with pytest.raises(TrackingError) as err:
             Tracker(tmp_path / "run", CONFIG, TOKENS, **kwargs)
         assert str(err.value).startswith(expected) and "\n" not in str(err.value)
@@ -251,7 +266,10 @@ def test_wandb_dir_is_honoured_when_set(tmp_path, monkeypatch):
     tracker.close()
     assert not (out / "wandb").exists()
     [(run_id, _, history)] = wandb_segments(tmp_path / "elsewhere")
-    assert run_id == (out / "wandb_id.txt").read_text().strip() and history[1]["train_loss"] == train_record(1)["train_loss"]
+    assert (
+        run_id == (out / "wandb_id.txt").read_text().strip()
+        and history[1]["train_loss"] == train_record(1)["train_loss"]
+    )
 
 
 def test_wandb_refusing_to_start_is_a_one_line_error(tmp_path, monkeypatch):
@@ -263,14 +281,17 @@ def test_wandb_refusing_to_start_is_a_one_line_error(tmp_path, monkeypatch):
     monkeypatch.setattr(wandb, "init", init)
     with pytest.raises(TrackingError) as err:
         Tracker(tmp_path / "run", CONFIG, TOKENS, wandb_log=True)
-    assert str(err.value) == ("wandb.init failed (UsageError: api_key not configured (no-tty). call wandb.login("
-                              "key=[your_api_key])); log in (`wandb login`), record offline with WANDB_MODE=offline, "
-                              "or set wandb_log=False")
+    assert str(err.value) == (
+        "wandb.init failed (UsageError: api_key not configured (no-tty). call wandb.login("
+        "key=[your_api_key])); log in (`wandb login`), record offline with WANDB_MODE=offline, "
+        "or set wandb_log=False"
+    )
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_a_sink_that_raises_mid_run_is_reported_once_and_disabled(tmp_path, monkeypatch, capsys):
     from torch.utils.tensorboard.writer import FileWriter
+
     real_add_summary, calls = FileWriter.add_summary, [0]
 
     def add_summary(self, *args, **kwargs):
@@ -296,6 +317,7 @@ def test_a_sink_that_raises_mid_run_is_reported_once_and_disabled(tmp_path, monk
 
 
 # ----------------------------------------------------------------------------- cost and summary
+
 
 def fake_clock(monkeypatch, seconds_per_call):
     now = [1000.0]
@@ -323,7 +345,9 @@ def test_cost_is_cumulative_across_a_resume(tmp_path, monkeypatch):
     train = [r for r in read_jsonl(out / "metrics.jsonl") if "train_loss" in r]
     costs = [r["cost_usd"] for r in train]
     assert costs == pytest.approx([0.02, 0.04, 0.06, 0.08, 0.12, 0.14, 0.16, 0.18])  # +2 s: the checkpoint's read
-    assert [r["tokens_per_dollar"] for r in train] == pytest.approx([TOKENS * r["step"] / c for r, c in zip(train, costs)])
+    assert [r["tokens_per_dollar"] for r in train] == pytest.approx(
+        [TOKENS * r["step"] / c for r, c in zip(train, costs)]
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["cost_per_hour"] == 36.0 and summary["tokens"] == 8 * TOKENS
     assert summary["wall_s"] == pytest.approx(20.0) and summary["cost_usd"] == pytest.approx(0.20)
@@ -347,10 +371,20 @@ def test_summary_json_and_console_summary(tmp_path):
     assert summary["mean_mfu"] == pytest.approx(sum(m * s for m, s in zip(mfu, step_s)) / sum(step_s))
     assert summary["wall_s"] > 0
     del summary["mean_tokens_per_s"], summary["mean_mfu"], summary["wall_s"]
-    assert summary == {"steps": 8, "tokens": 8 * TOKENS, "final_train_loss": 4.2 - 8 / 20,
-                       "final_val_loss": 4.0 - 0.8 + 1, "best_val_loss": 4.0 - 0.4, "best_val_step": 4,
-                       "skipped_steps": 1, "peak_mem_mb": 308.0, "hellaswag_step": 4, "hellaswag_acc": 0.25,
-                       "hellaswag_acc_norm": 0.26, "hellaswag_n": 10}
+    assert summary == {
+        "steps": 8,
+        "tokens": 8 * TOKENS,
+        "final_train_loss": 4.2 - 8 / 20,
+        "final_val_loss": 4.0 - 0.8 + 1,
+        "best_val_loss": 4.0 - 0.4,
+        "best_val_step": 4,
+        "skipped_steps": 1,
+        "peak_mem_mb": 308.0,
+        "hellaswag_step": 4,
+        "hellaswag_acc": 0.25,
+        "hellaswag_acc_norm": 0.26,
+        "hellaswag_n": 10,
+    }
     assert "8 steps, 8,192 tokens" in text and "best 3.6000 at step 4" in text and "acc_norm 0.2600" in text
     assert "1 skipped steps" in text and "cost" not in text
 
@@ -367,12 +401,17 @@ def test_summary_of_a_cpu_run_has_no_mfu(tmp_path):
 
 def test_metrics_log_resume_drops_the_steps_after_the_checkpoint(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 0, "val_loss": 4.0}\n{"step": 1, "train_loss": 3.9}\n{"step": 2, "train_loss": 3.8}\n'
-                    '{"step": 3, "trai')  # killed mid-line
+    path.write_text(
+        '{"step": 0, "val_loss": 4.0}\n{"step": 1, "train_loss": 3.9}\n{"step": 2, "train_loss": 3.8}\n'
+        '{"step": 3, "trai'
+    )  # killed mid-line
     log = MetricsLog(path, resume_step=1)
     log.write({"step": 2, "train_loss": math.nan})
     log.file.close()
-    assert read_jsonl(path) == [{"step": 0, "val_loss": 4.0}, {"step": 1, "train_loss": 3.9},
-                                {"step": 2, "train_loss": None}]
+    assert read_jsonl(path) == [
+        {"step": 0, "val_loss": 4.0},
+        {"step": 1, "train_loss": 3.9},
+        {"step": 2, "train_loss": None},
+    ]
     MetricsLog(path).file.close()  # a fresh run starts empty
     assert path.read_text() == ""

@@ -1,6 +1,7 @@
 """Tracking through train.py, end to end: W&B (offline) and TensorBoard get every metrics line of a tiny
 run, a resume continues the same W&B run and TensorBoard directory, a missing package stops the run at
 start, a failing sink does not, cost and summary.json; plot_metrics.py --compare on real runs."""
+
 import json
 import sys
 
@@ -47,6 +48,7 @@ def test_resume_continues_the_same_wandb_run_and_tensorboard_dir(data_dir, tmp_p
     assert load_checkpoint(out)["tracker"]["wandb_id"] == first_id
     # the tracking keys come back from the checkpoint's config, like every other key
     import train
+
     assert train.main(["--init_from=resume", f"--out_dir={out}", "--max_steps=8"]) == 0
     (id_a, _, hist_a), (id_b, config_b, hist_b) = wandb_segments(out)
     assert id_a == id_b == first_id and config_b["max_steps"] == 8
@@ -70,6 +72,7 @@ def test_missing_wandb_is_a_one_line_error_at_start(data_dir, tmp_path, monkeypa
 
 def test_a_failing_sink_is_disabled_and_training_finishes(data_dir, tmp_path, monkeypatch, capsys):
     from torch.utils.tensorboard.writer import FileWriter
+
     real_add_summary, calls = FileWriter.add_summary, [0]
 
     def add_summary(self, *args, **kwargs):

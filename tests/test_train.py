@@ -3,6 +3,7 @@
 Runs use a tiny model (vocab 64) on a synthetic dataset: a random Markov chain over 64 token ids
 (3 possible successors per token), so a model can learn it and its loss visibly falls.
 """
+
 import errno
 import hashlib
 import json
@@ -29,9 +30,24 @@ from data import DataLoader, ShardError, write_shard
 from train import get_lr
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=16", "--vocab_size=64", "--batch_size=4",
-        "--warmup_steps=2", "--learning_rate=3e-3", "--min_lr=3e-4", "--eval_interval=4", "--eval_steps=2",
-        "--log_interval=0", "--save_interval=4", "--device=cpu", "--dtype=float32", "--compile=False"]
+TINY = [
+    "--n_layer=2",
+    "--n_head=2",
+    "--n_embd=32",
+    "--block_size=16",
+    "--vocab_size=64",
+    "--batch_size=4",
+    "--warmup_steps=2",
+    "--learning_rate=3e-3",
+    "--min_lr=3e-4",
+    "--eval_interval=4",
+    "--eval_steps=2",
+    "--log_interval=0",
+    "--save_interval=4",
+    "--device=cpu",
+    "--dtype=float32",
+    "--compile=False",
+]
 
 
 def markov_tokens(n, seed):
@@ -79,7 +95,10 @@ def test_total_batch_size_must_divide(data_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         run(data_dir, tmp_path, "--total_batch_size=100")  # micro-batch is 4 x 16 = 64 tokens
     assert exit_.value.code == 2
-    assert "total_batch_size=100 is not a multiple of batch_size*block_size*world_size = 4*16*1 = 64" in capsys.readouterr().err
+    assert (
+        "total_batch_size=100 is not a multiple of batch_size*block_size*world_size = 4*16*1 = 64"
+        in capsys.readouterr().err
+    )
 
 
 def test_lr_schedules():
@@ -91,14 +110,16 @@ def test_lr_schedules():
     assert lrs[-1] == pytest.approx(0.1, abs=1e-3) and get_lr(500, cfg) == 0.1
     longer = TrainConfig(learning_rate=1.0, min_lr=0.1, warmup_steps=10, max_steps=110, lr_decay_steps=210)
     assert get_lr(60, longer) > lrs[60]  # the schedule follows lr_decay_steps, not max_steps
-    wsd = TrainConfig(learning_rate=1.0, min_lr=0.0, warmup_steps=10, max_steps=110, lr_schedule="wsd",
-                      wsd_decay_frac=0.5)
+    wsd = TrainConfig(
+        learning_rate=1.0, min_lr=0.0, warmup_steps=10, max_steps=110, lr_schedule="wsd", wsd_decay_frac=0.5
+    )
     assert [get_lr(s, wsd) for s in (10, 54)] == [1.0, 1.0]  # stable phase
     assert get_lr(55, wsd) == 1.0 and get_lr(82, wsd) == pytest.approx(0.5, abs=0.02)  # linear decay over the last half
     assert get_lr(109, wsd) == pytest.approx(0.0, abs=0.02)
 
 
 # ----------------------------------------------------------------------------- the loop's outputs
+
 
 def test_run_writes_metrics_config_and_clean_checkpoints(data_dir, tmp_path):
     out = tmp_path / "out"
@@ -126,10 +147,20 @@ def test_demo_config_loss_falls(data_dir, tmp_path):
     """configs/shakespeare_cpu.py as the README runs it, shrunk: the tiny dataset's vocabulary, shorter
     sequences (the 8-sequence micro-batch stays), 30 steps."""
     out = tmp_path / "demo"
-    code = train.main([str(ROOT / "configs" / "shakespeare_cpu.py"), f"--data_dir={data_dir}", f"--out_dir={out}",
-                       "--vocab_size=64", "--block_size=32", "--total_batch_size=256", "--max_steps=30",
-                       "--eval_interval=30",
-                       "--sample_interval=0", "--save_interval=0"])
+    code = train.main(
+        [
+            str(ROOT / "configs" / "shakespeare_cpu.py"),
+            f"--data_dir={data_dir}",
+            f"--out_dir={out}",
+            "--vocab_size=64",
+            "--block_size=32",
+            "--total_batch_size=256",
+            "--max_steps=30",
+            "--eval_interval=30",
+            "--sample_interval=0",
+            "--save_interval=0",
+        ]
+    )
     assert code == 0
     val = [m["val_loss"] for m in metrics(out) if "val_loss" in m]
     assert val[0] > math.log(64) - 0.2  # chance level at the start
@@ -145,6 +176,7 @@ def test_refuses_to_start_over_existing_checkpoints(data_dir, tmp_path, capsys):
 
 def fake_compile(monkeypatch, error):
     """torch.compile returns a model that raises `error` on its first call, as a compile problem does."""
+
     class BrokenCompiled(torch.nn.Module):
         def __init__(self, model):
             super().__init__()
@@ -159,8 +191,10 @@ def fake_compile(monkeypatch, error):
 def test_compile_failure_falls_back_to_eager(data_dir, tmp_path, monkeypatch, capsys):
     from torch._dynamo.exc import BackendCompilerFailed
     from torch._inductor.exc import CppCompileError
-    fake_compile(monkeypatch, BackendCompilerFailed("inductor", CppCompileError(["g++"], "no working C++ compiler"),
-                                                    None))
+
+    fake_compile(
+        monkeypatch, BackendCompilerFailed("inductor", CppCompileError(["g++"], "no working C++ compiler"), None)
+    )
     assert run(data_dir, tmp_path / "compiled", "--max_steps=4", "--compile=True", "--dropout=0.1") == 0
     out = capsys.readouterr().out
     assert "torch.compile failed (BackendCompilerFailed: " in out and "training eagerly" in out
@@ -215,6 +249,7 @@ def test_skip_reason_counts_consecutive_skips_and_halts():
 
 # ----------------------------------------------------------------------------- exact resume
 
+
 def test_resume_is_bit_exact(data_dir, tmp_path):
     """4 steps + resume + 4 more == 8 uninterrupted steps, with dropout (so RNG state matters) and
     2 accumulation steps (so the loader position matters)."""
@@ -250,6 +285,7 @@ def test_resume_cannot_change_the_architecture(data_dir, tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- fine-tuning a checkpoint
 
+
 @pytest.fixture(scope="module")
 def pretrained(data_dir, tmp_path_factory):
     """A 4-step run (its out_dir) and the same checkpoint rewritten as a sharded directory."""
@@ -270,10 +306,27 @@ def test_fine_tune_starts_from_the_checkpoints_weights_with_a_fresh_run(pretrain
     other.mkdir()
     write_shard(other / "rand_train_000000.bin", np.random.default_rng(7).integers(0, 64, 5_000).astype(np.uint16))
     # no architecture keys: they come from the checkpoint (the defaults would be GPT-2 124M's)
-    assert train.main([f"--init_from={pretrained / source}", f"--data_dir={other}", f"--out_dir={tmp_path / 'ft'}",
-                       "--batch_size=4", "--max_steps=2", "--warmup_steps=1", "--eval_interval=0", "--log_interval=0",
-                       "--save_interval=0", "--hellaswag_interval=0", "--sample_interval=0", "--device=cpu",
-                       "--dtype=float32", "--compile=False"]) == 0
+    assert (
+        train.main(
+            [
+                f"--init_from={pretrained / source}",
+                f"--data_dir={other}",
+                f"--out_dir={tmp_path / 'ft'}",
+                "--batch_size=4",
+                "--max_steps=2",
+                "--warmup_steps=1",
+                "--eval_interval=0",
+                "--log_interval=0",
+                "--save_interval=0",
+                "--hellaswag_interval=0",
+                "--sample_interval=0",
+                "--device=cpu",
+                "--dtype=float32",
+                "--compile=False",
+            ]
+        )
+        == 0
+    )
     losses = train_losses(tmp_path / "ft")
     assert list(losses) == [1, 2]  # a fresh step count (and schedule, optimizer, data order: this run's)
     weights, _ = checkpoint.load_model(ckpt=pretrained / "run")
@@ -293,6 +346,7 @@ def test_fine_tune_refuses_a_config_that_contradicts_the_checkpoint(pretrained, 
 
 
 # ----------------------------------------------------------------------------- faults
+
 
 def inject_nan_loss(monkeypatch, at_call):
     """Make the at_call-th training forward (1-based; or every call for which at_call(call) is true) return
@@ -372,12 +426,13 @@ def test_signal_saves_at_the_end_of_the_step(data_dir, tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- one line per expected error
 
+
 def one_line_error(capsys):
     """The error line of a train.main that failed: printed once, last on stderr (nothing after it, no
     traceback); progress bars and notes may come before it."""
     err = capsys.readouterr().err
     assert err.count("train.py: error: ") == 1 and "Traceback" not in err, err
-    line = err[err.index("train.py: error: "):]
+    line = err[err.index("train.py: error: ") :]
     assert line.count("\n") == 1 and line.endswith("\n"), err
     return line.rstrip("\n")
 
@@ -388,16 +443,21 @@ def expect_exit(code, fn, *args):
     assert exit_.value.code == code
 
 
-@pytest.mark.parametrize("args, config_file, expected", [
-    (["--learning_rate=1e999"], None, "config key 'learning_rate' must be a finite number; got inf"),
-    ([], "grad_clip = float('nan')\n", "config key 'grad_clip' must be a finite number; got nan"),
-    (["--beta2=1.5"], None, "config key 'beta2' must be in [0, 1); got 1.5"),
-    ([], "learning_rate = float('nan')\n", "config key 'learning_rate' must be a finite number; got nan"),
-    (["--weight_decay=-1"], None, "config key 'weight_decay' must be >= 0; got -1.0"),
-    (["--min_lr=0.01"], None, "config key 'min_lr' must be <= learning_rate=0.003; got 0.01"),
-    (["--dropout=1.0"], None, "dropout"),
-])
-def test_bad_float_settings_are_one_line_errors_before_any_step(data_dir, tmp_path, capsys, args, config_file, expected):
+@pytest.mark.parametrize(
+    "args, config_file, expected",
+    [
+        (["--learning_rate=1e999"], None, "config key 'learning_rate' must be a finite number; got inf"),
+        ([], "grad_clip = float('nan')\n", "config key 'grad_clip' must be a finite number; got nan"),
+        (["--beta2=1.5"], None, "config key 'beta2' must be in [0, 1); got 1.5"),
+        ([], "learning_rate = float('nan')\n", "config key 'learning_rate' must be a finite number; got nan"),
+        (["--weight_decay=-1"], None, "config key 'weight_decay' must be >= 0; got -1.0"),
+        (["--min_lr=0.01"], None, "config key 'min_lr' must be <= learning_rate=0.003; got 0.01"),
+        (["--dropout=1.0"], None, "dropout"),
+    ],
+)
+def test_bad_float_settings_are_one_line_errors_before_any_step(
+    data_dir, tmp_path, capsys, args, config_file, expected
+):
     files = []
     if config_file:
         (tmp_path / "cfg.py").write_text(config_file)
@@ -425,12 +485,14 @@ def test_too_many_skipped_updates_halt_and_keep_the_last_checkpoint(data_dir, tm
 def test_a_halt_before_any_checkpoint_says_so(data_dir, tmp_path, monkeypatch, capsys):
     inject_nan_loss(monkeypatch, at_call=lambda call: True)
     expect_exit(1, run, data_dir, tmp_path, "--max_steps=20", "--max_skipped_steps=2")
-    assert one_line_error(capsys).endswith("halting (max_skipped_steps=2): lower learning_rate?; no checkpoint was "
-                                           "written yet")
+    assert one_line_error(capsys).endswith(
+        "halting (max_skipped_steps=2): lower learning_rate?; no checkpoint was written yet"
+    )
 
 
 def test_a_second_run_on_a_locked_out_dir_is_refused(data_dir, tmp_path, capsys):
     from files import directory_lock
+
     with directory_lock(tmp_path, "other.py"):
         expect_exit(1, run, data_dir, tmp_path, "--max_steps=4")
     line = one_line_error(capsys)
@@ -483,7 +545,9 @@ def test_disk_full_at_a_save_is_one_line_and_the_run_resumes(data_dir, tmp_path,
     assert f"{tmp_path / 'ckpt_000008.pt'}: not enough disk space to write this checkpoint: it needs about " in line
     assert "MiB free; nothing was written, the previous checkpoints are kept" in line
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("ckpt", ".ckpt"))) == [
-        "ckpt_000004.pt", "ckpt_000004.pt.sha256"]
+        "ckpt_000004.pt",
+        "ckpt_000004.pt.sha256",
+    ]
     monkeypatch.undo()
     assert train.main(["--init_from=resume", f"--out_dir={tmp_path}"]) == 0
     assert load_checkpoint(tmp_path)["step"] == 12
@@ -500,8 +564,10 @@ def test_disk_filling_up_during_a_save_is_one_line_and_the_run_resumes(data_dir,
 
     monkeypatch.setattr(checkpoint.torch, "save", save_until_full)
     expect_exit(1, run, data_dir, tmp_path, "--max_steps=12")
-    assert "ckpt_000008.pt: cannot write the checkpoint (No space left on device); free some disk space" in \
-        one_line_error(capsys)
+    assert (
+        "ckpt_000008.pt: cannot write the checkpoint (No space left on device); free some disk space"
+        in one_line_error(capsys)
+    )
     assert not list(tmp_path.glob(".ckpt_*"))  # the temporary file is gone
     monkeypatch.undo()
     assert train.main(["--init_from=resume", f"--out_dir={tmp_path}", "--max_steps=8"]) == 0
@@ -540,15 +606,27 @@ def shard_problem(data_dir, tmp_path, case):
     return bad, ["--block_size=200", "--n_embd=32"] if case == "block_size longer than every shard" else []
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("missing data_dir", "fineweb-edu: no such data directory; prepare it with "
-                         "`python prepare_data.py --dataset fineweb-edu --out_dir "),
-    ("no shards", "no train shards (*.bin or *.npy files with 'train' in the name); prepare it with "
-                  "`python prepare_data.py --input YOUR_TEXT_FILES --out_dir "),
-    ("truncated shard", "d_train_000000.bin: truncated llm.c shard: header says 100 tokens"),
-    ("bad header", "d_train_000000.bin: bad magic 12345 in the llm.c shard header"),
-    ("block_size longer than every shard", "the train shards hold 100 tokens; none has the block_size+1 = 201 tokens"),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        (
+            "missing data_dir",
+            "fineweb-edu: no such data directory; prepare it with "
+            "`python prepare_data.py --dataset fineweb-edu --out_dir ",
+        ),
+        (
+            "no shards",
+            "no train shards (*.bin or *.npy files with 'train' in the name); prepare it with "
+            "`python prepare_data.py --input YOUR_TEXT_FILES --out_dir ",
+        ),
+        ("truncated shard", "d_train_000000.bin: truncated llm.c shard: header says 100 tokens"),
+        ("bad header", "d_train_000000.bin: bad magic 12345 in the llm.c shard header"),
+        (
+            "block_size longer than every shard",
+            "the train shards hold 100 tokens; none has the block_size+1 = 201 tokens",
+        ),
+    ],
+)
 def test_data_problems_are_one_line_errors(data_dir, tmp_path, capsys, case, expected):
     bad, extra = shard_problem(data_dir, tmp_path, case)
     expect_exit(1, run, bad, tmp_path / "out", "--max_steps=4", *extra)
@@ -558,14 +636,19 @@ def test_data_problems_are_one_line_errors(data_dir, tmp_path, capsys, case, exp
 def test_missing_default_data_names_the_prepare_command(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # a fresh clone: no data/fineweb-edu
     expect_exit(1, train.main, [*TINY, "--max_steps=1", f"--out_dir={tmp_path / 'out'}"])
-    assert one_line_error(capsys) == ("train.py: error: data/fineweb-edu: no such data directory; prepare it with "
-                                      "`python prepare_data.py --dataset fineweb-edu`")
+    assert one_line_error(capsys) == (
+        "train.py: error: data/fineweb-edu: no such data directory; prepare it with "
+        "`python prepare_data.py --dataset fineweb-edu`"
+    )
 
 
-@pytest.mark.parametrize("change, expected", [
-    ("--seed=7", "seed is 1337 in the saved state but 7 here"),
-    ("--data_dir=OTHER", "num_samples is"),
-])
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ("--seed=7", "seed is 1337 in the saved state but 7 here"),
+        ("--data_dir=OTHER", "num_samples is"),
+    ],
+)
 def test_resume_with_another_seed_or_data_dir_is_one_line(data_dir, tmp_path, capsys, change, expected):
     other = tmp_path / "other"
     other.mkdir()
@@ -573,8 +656,11 @@ def test_resume_with_another_seed_or_data_dir_is_one_line(data_dir, tmp_path, ca
     write_shard(other / "o_val_000000.bin", markov_tokens(1000, seed=6))
     assert run(data_dir, tmp_path / "out", "--max_steps=4") == 0
     capsys.readouterr()
-    expect_exit(2, train.main, ["--init_from=resume", f"--out_dir={tmp_path / 'out'}", "--max_steps=8",
-                                change.replace("OTHER", str(other))])
+    expect_exit(
+        2,
+        train.main,
+        ["--init_from=resume", f"--out_dir={tmp_path / 'out'}", "--max_steps=8", change.replace("OTHER", str(other))],
+    )
     line = one_line_error(capsys)
     assert line.startswith("train.py: error: cannot resume: loader state is for a different stream: ")
     assert expected in line and f"the checkpoint's run used data_dir='{data_dir}' and seed=1337" in line
@@ -586,13 +672,19 @@ def test_read_only_out_dir_is_one_line(data_dir, tmp_path, read_only, capsys):
     assert one_line_error(capsys) == f"train.py: error: {tmp_path / 'ro' / 'out'}: Permission denied"
 
 
-@pytest.mark.parametrize("arg, expected", [
-    ("--device=gpu", "config key 'device': 'gpu' is not a device ('auto', 'cpu', 'cuda', 'cuda:N' or 'mps')"),
-    ("--device=cuda", "config key 'device': 'cuda': "),
-    ("--init_from=gpt3", "config key 'init_from' must be 'scratch', 'resume', one of gpt2, gpt2-medium, gpt2-large, "
-                         "gpt2-xl, a Hugging Face model directory or a checkpoint of this library (a ckpt_XXXXXX.pt "
-                         "file, a ckpt_XXXXXX/ directory or a run's out_dir); got 'gpt3' (no such file or directory)"),
-])
+@pytest.mark.parametrize(
+    "arg, expected",
+    [
+        ("--device=gpu", "config key 'device': 'gpu' is not a device ('auto', 'cpu', 'cuda', 'cuda:N' or 'mps')"),
+        ("--device=cuda", "config key 'device': 'cuda': "),
+        (
+            "--init_from=gpt3",
+            "config key 'init_from' must be 'scratch', 'resume', one of gpt2, gpt2-medium, gpt2-large, "
+            "gpt2-xl, a Hugging Face model directory or a checkpoint of this library (a ckpt_XXXXXX.pt "
+            "file, a ckpt_XXXXXX/ directory or a run's out_dir); got 'gpt3' (no such file or directory)",
+        ),
+    ],
+)
 def test_bad_device_or_init_from_is_one_line(data_dir, tmp_path, capsys, arg, expected):
     if arg == "--device=cuda" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -608,6 +700,7 @@ def test_gpt2_traceback_shows_the_traceback(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- end to end, in subprocesses
 
+
 def subprocess_env():
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
@@ -618,8 +711,14 @@ def test_sigterm_mid_run_then_resume_matches_uninterrupted(data_dir, tmp_path):
     args = [*TINY, f"--data_dir={data_dir}", "--max_steps=150", "--save_interval=50", "--eval_interval=50"]
     train_py = [sys.executable, str(ROOT / "train.py")]
     out = tmp_path / "interrupted"
-    proc = subprocess.Popen([*train_py, *args, f"--out_dir={out}"], cwd=ROOT, env=subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*train_py, *args, f"--out_dir={out}"],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:  # wait until it is training
         if (out / "metrics.jsonl").exists() and len(train_losses(out)) >= 5:
@@ -632,8 +731,10 @@ def test_sigterm_mid_run_then_resume_matches_uninterrupted(data_dir, tmp_path):
     assert 5 <= stopped_at < 150, "the signal should have arrived mid-run"
     assert "received SIGTERM" in stderr
 
-    for cmd in ([*train_py, "--init_from=resume", f"--out_dir={out}"],
-                [*train_py, *args, f"--out_dir={tmp_path / 'uninterrupted'}"]):
+    for cmd in (
+        [*train_py, "--init_from=resume", f"--out_dir={out}"],
+        [*train_py, *args, f"--out_dir={tmp_path / 'uninterrupted'}"],
+    ):
         result = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
     assert train_losses(out) == train_losses(tmp_path / "uninterrupted")
@@ -644,9 +745,22 @@ def test_kill_9_leaves_a_loadable_checkpoint(data_dir, tmp_path):
     """SIGKILL while saving every step (so likely mid-write): the newest complete checkpoint loads
     and the run resumes from it."""
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *TINY, f"--data_dir={data_dir}",
-                             f"--out_dir={out}", "--max_steps=100000", "--save_interval=1", "--keep_last=3"],
-                            cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            *TINY,
+            f"--data_dir={data_dir}",
+            f"--out_dir={out}",
+            "--max_steps=100000",
+            "--save_interval=1",
+            "--keep_last=3",
+        ],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and len(list(out.glob("ckpt_*.pt"))) < 3:
         time.sleep(0.05)
@@ -662,8 +776,17 @@ def test_kill_9_leaves_a_loadable_checkpoint(data_dir, tmp_path):
 @pytest.mark.slow
 def test_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tmp_path):
     common = [f"--data_dir={data_dir}", "--max_steps=6", "--total_batch_size=128", "--dropout=0.0"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "train.py"), *TINY, *common, f"--out_dir={tmp_path / 'ddp'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "train.py"),
+        *TINY,
+        *common,
+        f"--out_dir={tmp_path / 'ddp'}",
+    ]
     result = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     # 1 process x 2 accumulation steps; eval_steps counts micro-batches per process, so 2 x 2 ranks = 4
@@ -697,10 +820,24 @@ def test_out_dir_not_shared_by_every_node_is_a_one_line_error_on_each_node(data_
     port = free_port()
     procs = []
     for rank, out in enumerate([shared, local]):
-        env = {**subprocess_env(), "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args, f"--out_dir={out}"], cwd=ROOT,
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = {
+            **subprocess_env(),
+            "RANK": str(rank),
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(ROOT / "train.py"), *args, f"--out_dir={out}"],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     try:
         outputs = [proc.communicate(timeout=120) for proc in procs]
     finally:
@@ -711,7 +848,8 @@ def test_out_dir_not_shared_by_every_node_is_a_one_line_error_on_each_node(data_
         assert proc.returncode == 2, stderr[-2000:]
         assert stderr.strip().splitlines() == [
             f"train.py: error: out_dir {out} must be storage shared by every node: rank(s) 1 on {host} do not see "
-            f"the file rank 0 ({host}) wrote there (node-local disk?); use a path on a shared filesystem"]
+            f"the file rank 0 ({host}) wrote there (node-local disk?); use a path on a shared filesystem"
+        ]
     assert not list(shared.glob(".out_dir_check*"))  # the marker is removed
 
 
@@ -719,24 +857,39 @@ def test_out_dir_not_shared_by_every_node_is_a_one_line_error_on_each_node(data_
 def test_two_concurrent_runs_on_one_out_dir(data_dir, tmp_path):
     """The second train.py on an out_dir in use exits 1 with one line naming the first; the first is untouched
     and finishes normally (here: stopped by SIGTERM, which saves and exits 0)."""
-    train_py = [sys.executable, str(ROOT / "train.py"), *TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
-                "--save_interval=20"]
-    first = subprocess.Popen([*train_py, "--max_steps=100000"], cwd=ROOT, env=subprocess_env(),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    train_py = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        *TINY,
+        f"--data_dir={data_dir}",
+        f"--out_dir={tmp_path}",
+        "--save_interval=20",
+    ]
+    first = subprocess.Popen(
+        [*train_py, "--max_steps=100000"],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 120
         while time.time() < deadline and not list(tmp_path.glob("ckpt_*.pt")):  # training, and holding the lock
             time.sleep(0.05)
-        second = subprocess.run([*train_py, "--max_steps=10"], cwd=ROOT, env=subprocess_env(), capture_output=True,
-                                text=True, timeout=120)
+        second = subprocess.run(
+            [*train_py, "--max_steps=10"], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120
+        )
         assert first.poll() is None  # still running
     finally:
         first.send_signal(signal.SIGTERM)
         _, first_err = first.communicate(timeout=120)
     assert second.returncode == 1
-    assert second.stderr.endswith(f"train.py: error: {tmp_path} is in use by train.py (pid {first.pid} on "
-                                  f"{os.uname().nodename}) (lock file {tmp_path / '.lock'}); wait until it ends, "
-                                  f"or use another directory\n"), second.stderr
+    assert second.stderr.endswith(
+        f"train.py: error: {tmp_path} is in use by train.py (pid {first.pid} on "
+        f"{os.uname().nodename}) (lock file {tmp_path / '.lock'}); wait until it ends, "
+        f"or use another directory\n"
+    ), second.stderr
     assert second.stderr.count("\n") == 1
     assert first.returncode == 0, first_err[-2000:]
     steps = [m["step"] for m in metrics(tmp_path) if "train_loss" in m]
@@ -747,12 +900,23 @@ def test_two_concurrent_runs_on_one_out_dir(data_dir, tmp_path):
 def test_torchrun_on_missing_data_prints_one_line_once(tmp_path):
     """A fresh clone's first command: each rank finds no data/fineweb-edu; rank 0 alone says so, in one line that
     names the command preparing it; no rank prints a traceback (torchrun then adds its own failure summary)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py"),
-           *TINY, "--max_steps=2", f"--out_dir={tmp_path / 'out'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "train.py"),
+        *TINY,
+        "--max_steps=2",
+        f"--out_dir={tmp_path / 'out'}",
+    ]
     result = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
-    line = ("train.py: error: data/fineweb-edu: no such data directory; prepare it with "
-            "`python prepare_data.py --dataset fineweb-edu`\n")
+    line = (
+        "train.py: error: data/fineweb-edu: no such data directory; prepare it with "
+        "`python prepare_data.py --dataset fineweb-edu`\n"
+    )
     assert result.stderr.count("train.py: error: ") == 1 and line in result.stderr, result.stderr
     assert f'File "{ROOT / "train.py"}"' not in result.stderr  # no traceback from a rank
 
@@ -761,7 +925,9 @@ def test_a_shard_that_changes_mid_run_is_one_line_after_saving_the_steps_done(da
     """Step 7 meets an id the start-up check did not see (the file changed under the run): the steps done since
     the last save (5, 6) are saved first, then the error names the shard and the position; no IndexError."""
     import shutil
+
     import data
+
     shutil.copytree(data_dir, tmp_path / "data")
     shard, real, calls = tmp_path / "data" / "tiny_train_000000.bin", data.DataLoader.next_batch, []
 
@@ -772,23 +938,27 @@ def test_a_shard_that_changes_mid_run_is_one_line_after_saving_the_steps_done(da
                 f.seek(1024)
                 f.write(np.full(30_000, 100, dtype="<u2").tobytes())
         return real(self)
+
     monkeypatch.setattr(data.DataLoader, "next_batch", next_batch)
     expect_exit(1, run, tmp_path / "data", tmp_path / "out", "--max_steps=8", "--save_interval=4")
     out, err = capsys.readouterr()
     assert "data: 1 train shards, 30,000 tokens; val: 1 shards, 3,000 tokens" in out
     assert err.count("train.py: error: ") == 1 and "Traceback" not in err and err.endswith("\n"), err
-    line = err[err.index("train.py: error: "):].rstrip("\n")
+    line = err[err.index("train.py: error: ") :].rstrip("\n")
     assert "\n" not in line and f"{shard}: token id 100 >= vocab_size 64 at token " in line
     assert f"the last checkpoint, {tmp_path / 'out' / 'ckpt_000006.pt'}, is kept" in line
     assert load_checkpoint(tmp_path / "out")["step"] == 6
 
 
-@pytest.mark.parametrize("key, expected", [
-    ("out_dir", "{path}: is a file, where a directory is expected"),
-    ("tensorboard_dir", "{path}: is a file, where a directory is expected"),
-    ("data_dir", "{path}: is a file, not a data directory"),
-    ("out_dir_inside", "{path}: a part of this path is a file, not a directory"),
-])
+@pytest.mark.parametrize(
+    "key, expected",
+    [
+        ("out_dir", "{path}: is a file, where a directory is expected"),
+        ("tensorboard_dir", "{path}: is a file, where a directory is expected"),
+        ("data_dir", "{path}: is a file, not a data directory"),
+        ("out_dir_inside", "{path}: a part of this path is a file, not a directory"),
+    ],
+)
 def test_a_file_where_a_directory_belongs_is_named_as_such(data_dir, tmp_path, capsys, key, expected):
     (tmp_path / "file").write_text("")
     path = tmp_path / "file" / "x" if key == "out_dir_inside" else tmp_path / "file"
@@ -809,6 +979,7 @@ def test_sigterm_during_validation_abandons_it_saves_and_exits_0(data_dir, tmp_p
             if len(evals) == 40 + 2:  # step 0's 40 batches, then step 4's second
                 os.kill(os.getpid(), signal.SIGTERM)
         return forward(self, idx, *a, **k)
+
     monkeypatch.setattr(model_module.GPT, "forward", forward_then_signal)
     assert run(data_dir, tmp_path, "--max_steps=8", "--eval_interval=4", "--eval_steps=40", "--save_interval=0") == 0
     assert len(evals) == 42
@@ -835,10 +1006,13 @@ def test_a_second_ctrl_c_during_a_save_exits_130_and_says_what_was_kept(data_dir
             if len(saves) == 2:
                 self.f = Interrupted(self.f)
         return real_write(self, data)
+
     monkeypatch.setattr(checkpoint._HashingWriter, "write", write)
     expect_exit(130, run, data_dir, tmp_path, "--max_steps=8")
     err = capsys.readouterr().err
     assert err.count("train.py: error: ") == 1 and "Traceback" not in err, err
-    assert (f"train.py: error: interrupted; the last checkpoint, {tmp_path / 'ckpt_000004.pt'}, is kept (continue "
-            f"with --init_from=resume)\n") in err
+    assert (
+        f"train.py: error: interrupted; the last checkpoint, {tmp_path / 'ckpt_000004.pt'}, is kept (continue "
+        f"with --init_from=resume)\n"
+    ) in err
     assert sorted(p.name for p in tmp_path.glob("*ckpt*")) == ["ckpt_000004.pt", "ckpt_000004.pt.sha256"]
