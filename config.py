@@ -37,13 +37,11 @@ class TrainConfig(GPTConfig):
     # data and output
     data_dir: str = "data/fineweb-edu"  # directory (or glob) of token shards written by prepare_data.py
     out_dir: str = "out"  # checkpoints, metrics.jsonl and config.json are written here
-    init_from: str = "scratch"  # 'scratch', 'resume' (latest checkpoint in out_dir), 'gpt2'..'gpt2-xl', an HF dir, or a checkpoint/run dir to fine-tune
+    init_from: str = "scratch"  # scratch, resume (out_dir's latest), gpt2..gpt2-xl, an HF dir, a checkpoint/run dir
     preset: str | None = None  # fill the model keys from model.PRESETS, e.g. 'gpt2', 'gpt3-350m' (keys set win)
-    packing: str = "window"  # rows: 'window' (fixed windows across documents) or 'document' (each row starts a document, best-fit packed; docs/data.md). SFT data: always 'document'
+    packing: str = "window"  # rows: 'window' (across documents) or 'document' (each starts a document; docs/data.md)
     # batch
-    batch_size: int | str = (
-        16  # micro-batch: sequences per process per forward/backward; 'auto': the largest that fits (needs total_batch_size)
-    )
+    batch_size: int | str = 16  # micro-batch: sequences per process per step; 'auto': the largest that fits
     total_batch_size: int | None = None  # tokens per step: a multiple of batch_size*block_size*world_size (None: that)
     # optimization
     max_steps: int = 19073  # optimizer steps to train for
@@ -89,9 +87,7 @@ class TrainConfig(GPTConfig):
     tensorboard_dir: str | None = None  # write TensorBoard event files here (None: no TensorBoard)
     cost_per_hour: float | None = None  # USD per hour for the whole job: metrics gain cost_usd, tokens_per_dollar
     memory_check: bool = True  # refuse at start a batch_size whose memory plan exceeds the device's available memory
-    dist_timeout_minutes: float = (
-        30.0  # torchrun: how long ranks wait in a collective (e.g. while rank 0 saves) before failing
-    )
+    dist_timeout_minutes: float = 30.0  # torchrun: how long a rank waits in a collective (rank 0 saving) before failing
     # several processes (torchrun only; a plain `python train.py` ignores these)
     parallel: str = "ddp"  # 'ddp' (every rank holds the whole model), 'fsdp' (all of it sharded over ranks) or 'hsdp'
     shard_size: int | None = None  # 'hsdp': ranks per shard group; groups replicate each other (None: one node's ranks)

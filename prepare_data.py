@@ -578,7 +578,8 @@ def prepare(
                     f"prepare_data: {len(manifest['shards'])} finished shards verified; resuming at document {num_docs}"
                 )
             open_tokenizer(tokenizer).encode_to_numpy("")  # fails early; forked workers inherit it ready-made
-            # The pool starts before anything else starts threads (tqdm's monitor, datasets' downloads): fork + threads can deadlock.
+            # The pool starts before anything else starts threads (tqdm's monitor, datasets' downloads):
+            # fork + threads can deadlock.
             pool = multiprocessing.get_context(start_method).Pool(num_proc) if num_proc > 1 else None
             with pool or contextlib.nullcontext():
                 batches = document_batches(non_empty(texts()), batch_chars, start_doc=writer.start[0])
@@ -860,8 +861,9 @@ def main(argv=None):
             sys.exit(error_message("prepare_data.py", e))
         if s["too_long"]:
             print(
-                f"prepare_data: {'at least ' * s['too_long_at_least']}{s['too_long']} conversation(s) longer than block_size+1 = {s['block_size'] + 1} "
-                f"tokens, which training at block_size {s['block_size']} leaves out: "
+                f"prepare_data: {'at least ' * s['too_long_at_least']}{s['too_long']} conversation(s) longer than "
+                f"block_size+1 = {s['block_size'] + 1} tokens, "
+                f"which training at block_size {s['block_size']} leaves out: "
                 + ", ".join(s["too_long_lines"])
                 + (", ..." if s["too_long"] > len(s["too_long_lines"]) else "")
                 + f"; block_size >= {s['longest'] - 1} keeps them all"
@@ -896,7 +898,8 @@ def main(argv=None):
         sys.exit(error_message("prepare_data.py", e))
     print(
         f"{s['documents']:,} documents, {s['tokens']:,} tokens ({s['val_tokens']:,} val + {s['train_tokens']:,} train) "
-        f"in {s['shards']} shards, {s['seconds']:.1f} s, {s['tokens_per_s']:,.0f} tokens/s -> {s['out_dir']}/{s['name']}_*.bin"
+        f"in {s['shards']} shards, {s['seconds']:.1f} s, {s['tokens_per_s']:,.0f} tokens/s "
+        f"-> {s['out_dir']}/{s['name']}_*.bin"
     )
     return s
 

@@ -206,7 +206,8 @@ def bench_loader(batch_size, block_size, world_size, steps, tmp):
     print(
         f"loader B={batch_size} T={block_size} world_size={world_size}: {seconds * 1e3:.3f} ms/batch "
         f"({seconds / tokens * 1e9:.1f} ns/token); startup + first batches incl. vocab check of a 10M-token shard "
-        f"{first * 1e3:.0f} ms. Under 1% of the step whenever a rank's micro-step takes >= {100 * seconds * 1e3:.1f} ms, "
+        f"{first * 1e3:.0f} ms. Under 1% of the step whenever a rank's micro-step takes "
+        f">= {100 * seconds * 1e3:.1f} ms, "
         f"i.e. the trainer runs below {tokens / (100 * seconds) / 1e6:.1f}M tokens/s per rank"
     )
 

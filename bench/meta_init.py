@@ -6,9 +6,10 @@ bit-identical to one process's.
     python -m bench.meta_init --preset=gpt2 --nproc=4
 
 Each run is train.py itself (run as a script by a wrapper that keeps the model parallelize() got, to hash its
-weights after): one plain process, then torchrun with --nproc FSDP ranks. Each rank reports its peak RSS (ru_maxrss) when main()
-returns, and a sha256 of each parameter's slice it holds (the one process: of every rank's slice of it). The
-done-criterion of issue 24: every rank below 0.75x the whole fp32 model, and every slice's hash equal.
+weights after): one plain process, then torchrun with --nproc FSDP ranks. Each rank reports its peak RSS
+(ru_maxrss) when main() returns, and a sha256 of each parameter's slice it holds (the one process: of every
+rank's slice of it). The done-criterion of issue 24: every rank below 0.75x the whole fp32 model, and every
+slice's hash equal.
 """
 
 import argparse

@@ -4,8 +4,8 @@
 #   python sample.py --ckpt out/sft --chat
 # Only the assistant tokens are trained (the mask shards); the logged train_loss is the mean over them and
 # trained_tokens counts them. The architecture (block_size included) comes from the pretrained weights; the
-# loader builds rows of whole conversations for it (1024). init_from='gpt2' downloads openai-community/gpt2 (548 MB) from the Hugging Face hub on first use; offline,
-# init_from may be a local Hugging Face directory instead.
+# loader builds rows of whole conversations for it (1024). init_from='gpt2' downloads openai-community/gpt2
+# (548 MB) from the Hugging Face hub on first use; offline, init_from may be a local Hugging Face directory instead.
 init_from = "gpt2"
 data_dir = "data/sft"
 out_dir = "out/sft"

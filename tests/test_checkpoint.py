@@ -1,4 +1,5 @@
-"""checkpoint.py: atomic writes, sha256 sidecars verified on load with fallback, free-space checks, one-line load errors, the scripts' model flags."""
+"""checkpoint.py: atomic writes, sha256 sidecars verified on load with fallback, free-space checks, one-line load
+errors, the scripts' model flags."""
 
 import argparse
 import errno
