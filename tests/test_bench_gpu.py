@@ -71,6 +71,7 @@ def test_tiny_cpu_run_passes_every_check_it_can_run_and_prints_one_table():
         **({"fsdp": "PASS"} if "parallel" in gpu.TrainConfig.__dataclass_fields__ else {}),
         "sigterm": "PASS",
         "host syncs": "SKIP",
+        "sync debug": "SKIP",
         "oom": "SKIP",
         "fsdp bf16": "SKIP",
         "ddp x8": "SKIP",
