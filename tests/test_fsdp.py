@@ -381,14 +381,16 @@ def test_a_sharded_resume_hashes_the_metadata_first_and_then_each_rank_its_share
 SHARDED_EVAL = """
 import json, sys
 import torch
-import hellaswag, parallel, train
+import assets, hellaswag, parallel, train
 from config import make_config, model_config
 from model import GPT
 
 examples, out = hellaswag.load_examples(sys.argv[1]), sys.argv[2]
+enc = assets.get_tokenizer()
 cfg = make_config(dict(n_layer=2, n_head=2, n_embd=32, block_size=64, device="cpu", dtype="float32", compile=False,
                        parallel="fsdp", sample_tokens=12, sample_prompt="The", seed=7))
 env = parallel.setup(cfg)
+kept = {"hellaswag": hellaswag.Rendered(examples, enc, env.rank, env.world_size)}  # as train.py keeps them
 raw, cfg = train.build_model(cfg, None, env)  # as train.py builds a sharded run: on meta
 model = train.parallelize(raw, cfg, env)
 torch.manual_seed(cfg.seed)
@@ -396,9 +398,10 @@ alone = GPT(model_config(cfg))  # what one process starts from with the same see
 with train.gathered(raw) as whole:  # before any forward: FSDP's lazy initialisation happens here
     same_init = [n for n, t in whole.state_dict().items() if not torch.equal(t, alone.state_dict()[n])] == []
 result = {"same_init": same_init, "sharded_after": type(raw.lm_head.weight).__name__,
-          "hellaswag": train.hellaswag_eval(raw, examples, cfg, env),
+          "hellaswag": train.hellaswag_eval(raw, kept, cfg, env, enc),
           "hellaswag_alone": hellaswag.evaluate(alone, examples, "cpu", rank=0, world_size=1),
-          "sample": train.sample_preview(raw, cfg, env), "sample_alone": train.sample_preview(alone, cfg, env)}
+          "sample": train.sample_preview(raw, cfg, env, enc),
+          "sample_alone": train.sample_preview(alone, cfg, env, enc)}
 x = torch.randint(0, 100, (2, 64))
 model(x, x, return_logits=False)[1].backward()  # training goes on after the gathered evaluations
 result["trains_after"] = all(p.grad is not None for p in raw.parameters())
