@@ -898,8 +898,9 @@ def main(argv=None):
         sys.exit(error_message("prepare_data.py", e))
     print(
         f"{s['documents']:,} documents, {s['tokens']:,} tokens ({s['val_tokens']:,} val + {s['train_tokens']:,} train) "
-        f"in {s['shards']} shards, {s['seconds']:.1f} s, {s['tokens_per_s']:,.0f} tokens/s "
-        f"-> {s['out_dir']}/{s['name']}_*.bin"
+        f"in {s['shards']} shards"
+        + (f", {s['seconds']:.1f} s, {s['tokens_per_s']:,.0f} tokens/s" if s["tokenized"] else ": already prepared")
+        + f" -> {s['out_dir']}/{s['name']}_*.bin"
     )
     return s
 

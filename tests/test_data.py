@@ -260,7 +260,7 @@ def test_multiprocess_spawn_writes_identical_shards(tmp_path):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
 
 
-def test_rerun_skips_finished_shards_and_resumes_after_damage(tmp_path, monkeypatch):
+def test_rerun_skips_finished_shards_and_resumes_after_damage(tmp_path, monkeypatch, capsys):
     src = write_jsonl(tmp_path / "docs.jsonl", make_docs(100, seed=4))
     out = tmp_path / "out"
     args = ["--input", src, "--out_dir", out, "--shard_tokens", 300, "--val_tokens", 200, "--num_proc", 1]
@@ -273,8 +273,10 @@ def test_rerun_skips_finished_shards_and_resumes_after_damage(tmp_path, monkeypa
     monkeypatch.setattr(
         prepare_data, "write_shard", lambda path, tokens: (writes.append(path.name), real_write(path, tokens))
     )
+    capsys.readouterr()
     again = run_prep(*args)
     assert writes == [] and again["tokenized"] == 0 and again["tokens"] == first["tokens"]
+    assert f"in {first['shards']} shards: already prepared -> " in capsys.readouterr().out  # not "0 tokens/s"
 
     # Damage train shard 2: shards before it are kept, it and the rest are rebuilt from its start.
     damaged = out / "docs_train_000002.bin"
