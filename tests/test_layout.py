@@ -121,6 +121,8 @@ def test_what_the_documented_commands_write_is_ignored_by_git():
         "runs/shakespeare/events",
         "wandb/run-1/files",
         "lm_eval_out/results.json",
+        "tok/mine/tokenizer.json",
+        "harness_tasks/gpt2train_piqa.yaml",
     ]
     shown = subprocess.run(
         ["git", "check-ignore", "--no-index", "--verbose", "--non-matching", *written],
