@@ -31,7 +31,7 @@ CHAT_TEMPLATE = (
 
 def tokenizer(enc=None):
     """GPT-2's tiktoken encoding plus the chat tokens (encode them with allowed_special='all'; decode shows them),
-    or a tokenizer.json tokenizer (assets.HFTokenizer) that has the chat tokens as special tokens itself (as
+    or a tokenizer.json tokenizer (bpe.HFTokenizer) that has the chat tokens as special tokens itself (as
     tokenizer.py's do): ValueError naming the ones it lacks. A chat export's tokenizer.json (GPT-2's BPE plus
     these tokens at these ids) is GPT-2's encoding, so `sample.py --chat --init_from <chat export>` works."""
     enc = enc or get_tokenizer()
@@ -67,7 +67,7 @@ def special_ids(enc):
 
 
 def _is_gpt2_with_chat_tokens(enc):
-    """Is `enc` (an assets.HFTokenizer) GPT-2's tokens, byte for byte, plus SPECIAL at their ids?"""
+    """Is `enc` (a bpe.HFTokenizer) GPT-2's tokens, byte for byte, plus SPECIAL at their ids?"""
     gpt2 = get_tokenizer()
     return (
         enc.n_vocab == CHAT_VOCAB

@@ -13,7 +13,7 @@ containers only, so it loads with torch.load(weights_only=True) (no pickled code
     val_loss    val loss measured at this step, or None
     best_step, best_val_loss   the best checkpoint so far (never pruned)
     format      'gpt2-train-ckpt-v1'
-    tokenizer   the run's tokenizer (assets.tokenizer_record: id, n_vocab, eot, source and the tokenizer.json text,
+    tokenizer   the run's tokenizer (bpe.tokenizer_record: id, n_vocab, eot, source and the tokenizer.json text,
                 a str; None or json None: GPT-2's), so that sampling and export need nothing but the checkpoint
 
 Writes go through files.atomic_write (a hidden temporary file in the same directory, fsync'ed, renamed
@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import assets
+import bpe
 import optim
 from console import distributed, log
 from devices import DTYPES, resolve_device, resolve_dtype
@@ -706,11 +706,11 @@ def add_model_args(parser):
 
 def model_tokenizer(info, cache_dir=None):
     """The tokenizer of a model load_model loaded: the checkpoint's own (its tokenizer.json text), else the model
-    directory's tokenizer.json when there is one (assets.load_tokenizer), else GPT-2's."""
+    directory's tokenizer.json when there is one (bpe.load_tokenizer), else GPT-2's."""
     record = info.get("tokenizer")
     if record is not None and record.get("json") is not None:
-        return assets.tokenizer_from_record(record, cache_dir=cache_dir)
-    return assets.load_tokenizer(info["hf_dir"], cache_dir=cache_dir)
+        return bpe.tokenizer_from_record(record, cache_dir=cache_dir)
+    return bpe.load_tokenizer(info["hf_dir"], cache_dir=cache_dir)
 
 
 def load_model_from_args(parser, args):

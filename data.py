@@ -290,7 +290,7 @@ def manifest_records(paths, split):
 
 def data_tokenizer(data_dir):
     """The tokenizer of the train shards in data_dir (a directory or a glob), as prepare_data.py's manifests record it
-    (assets.tokenizer_record; "json" read back from the <name>_tokenizer.json beside them and checked against its
+    (bpe.tokenizer_record; "json" read back from the <name>_tokenizer.json beside them and checked against its
     hash), or None where no manifest says (shards of other tools: assumed GPT-2's). A manifest from before tokenizers
     were recorded means GPT-2's ("n_vocab" None). ShardError when the manifests name different tokenizers (e.g. a
     glob over two data directories) or a tokenizer file is missing or changed."""

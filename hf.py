@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-import assets
+import bpe
 from assets import EOT
 from console import log
 from files import first_line
@@ -109,7 +109,7 @@ def save_pretrained(
     """Write config.json + model.safetensors that transformers loads: a GPT2LMHeadModel for learned positions
     (rotary_pct=None), a GPTNeoXForCausalLM (Pythia layout) for rotary ones. bias=False is written as zero
     biases; zero_init_proj and dropout need nothing. qk_norm, and a parallel residual with learned positions,
-    exist in neither (ValueError). With them the tokenizer (assets.save_tokenizer: tokenizer_dir's own
+    exist in neither (ValueError). With them the tokenizer (bpe.save_tokenizer: tokenizer_dir's own
     tokenizer.json if it has one, else GPT-2's; skipped, with a note, for a vocabulary too small for GPT-2's;
     `tokenizer_json`, a checkpoint's own tokenizer.json text, wins over both) and generation_config.json with its
     <|endoftext|> id as eos."""
@@ -159,7 +159,7 @@ def save_pretrained(
     if own or vocab > EOT or (tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file()):
         # a chat model's generation ends at <|end|>: the eos token of its tokenizer_config.json too, where
         # llama.cpp's converter looks (generation_config.json below lists both stops for transformers)
-        eos = assets.save_tokenizer(
+        eos = bpe.save_tokenizer(
             out,
             tokenizer_dir,
             chat_template,

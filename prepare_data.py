@@ -43,7 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
-from assets import fetch_shakespeare, open_tokenizer, tokenizer_record
+from assets import fetch_shakespeare
+from bpe import open_tokenizer, tokenizer_record
 from console import log, progress_bar
 from data import HEADER_BYTES, MASK_SUFFIX, SHARD_SUFFIXES, write_mask, write_shard
 from files import LockError, atomic_write, directory_lock, error_message, file_sha256, first_line
@@ -226,7 +227,7 @@ def tokenize_batch(texts, tokenizer="gpt2"):
     the tokenizer once (open_tokenizer is cached). encode_to_numpy with no special tokens encodes
     exactly like encode_ordinary (which encode_ordinary_batch runs in a thread pool), but hands back
     a buffer instead of a list of Python ints. `tokenizer`: 'gpt2' or a tokenizer.json path
-    (assets.HFTokenizer.encode_to_numpy: a tiktoken translation of the file where one encodes alike).
+    (bpe.HFTokenizer.encode_to_numpy: a tiktoken translation of the file where one encodes alike).
     """
     enc = open_tokenizer(tokenizer)
     eot = np.array([enc.eot_token], dtype=np.uint32)
@@ -621,7 +622,7 @@ def prepare(
 
 
 def resolve_tokenizer(spec):
-    """(what tokenize_batch takes: 'gpt2' or a tokenizer.json path, assets.tokenizer_record of it) for --tokenizer;
+    """(what tokenize_batch takes: 'gpt2' or a tokenizer.json path, bpe.tokenizer_record of it) for --tokenizer;
     PrepError for a tokenizer the shards cannot hold (no <|endoftext|>, over 65,536 ids) or that cannot be read."""
     try:
         enc = open_tokenizer(str(spec))

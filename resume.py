@@ -18,6 +18,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 import assets
+import bpe
 from checkpoint import (
     FORMAT,
     META_FILES,
@@ -87,11 +88,11 @@ def resolve_config(user, verify=True):
 
 
 def pretrained_tokenizer(init_from):
-    """The tokenizer record (assets.tokenizer_record) of a Hugging Face model directory or hub name: its
+    """The tokenizer record (bpe.tokenizer_record) of a Hugging Face model directory or hub name: its
     tokenizer.json where it has one, else GPT-2's."""
     own = Path(init_from) / "tokenizer.json"
-    return assets.tokenizer_record(
-        assets.HFTokenizer(own) if own.is_file() else assets.get_tokenizer(), source=own if own.is_file() else None
+    return bpe.tokenizer_record(
+        bpe.HFTokenizer(own) if own.is_file() else assets.get_tokenizer(), source=own if own.is_file() else None
     )
 
 
@@ -119,7 +120,7 @@ def check_tokenizer(saved, data_dir, what):
 
 
 def run_tokenizer(cfg, user, ckpt):
-    """(cfg, the run's tokenizer record, assets.tokenizer_record): the data's (prepare_data.py's manifest), else that
+    """(cfg, the run's tokenizer record, bpe.tokenizer_record): the data's (prepare_data.py's manifest), else that
     of the weights it starts from (check_tokenizer has refused a mismatch). A run from scratch takes vocab_size from
     the data, the tokenizer's size padded to a multiple of 64, unless the config sets it (directly or by preset)."""
     from data import NoShardsError, data_tokenizer
@@ -301,7 +302,7 @@ def kept_checkpoint(out_dir):
 def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, tracker, cfg, env, tokenizer=None):
     """Write a checkpoint holding everything an exact resume needs, then prune old ones: ckpt_{step}.pt from
     rank 0, or in a sharded run the directory ckpt_{step}/ to which every rank writes its own shards.
-    `tokenizer`: the run's assets.tokenizer_record (its tokenizer.json text, a str, goes along: a checkpoint moved
+    `tokenizer`: the run's bpe.tokenizer_record (its tokenizer.json text, a str, goes along: a checkpoint moved
     to another machine still samples); None is GPT-2's."""
     rngs = [rng_state()]
     if env.distributed:  # every rank's dropout RNG, so a resumed DDP run draws the same masks

@@ -153,6 +153,7 @@ def main(argv=None):
 def train_cli(args):
     """tokenizer.py's work for parsed flags; returns the report's text."""
     import assets
+    import bpe
     from prepare_data import PrepError, non_empty, resolve_source
 
     if not len(special_tokens()) + 256 < args.vocab_size <= MAX_VOCAB:
@@ -184,8 +185,8 @@ def train_cli(args):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
-    assets.save_tokenizer(out, model_dir=out)  # tokenizer_config.json: <|endoftext|> as bos/eos/unk, for AutoTokenizer
-    ours = assets.open_tokenizer(out)
+    bpe.save_tokenizer(out, model_dir=out)  # tokenizer_config.json: <|endoftext|> as bos/eos/unk, for AutoTokenizer
+    ours = bpe.open_tokenizer(out)
     speed = learned["bytes"] / 1e6 / max(seconds, 1e-9)
     fewer = (
         f" (asked for {args.vocab_size:,}: no pair of tokens left that occurs twice in the text)"

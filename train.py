@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from assets import tokenizer_from_record
+from bpe import tokenizer_from_record
 from chat import CHAT_VOCAB
 from checkpoint import CheckpointError, is_checkpoint, load_checkpoint, load_sharded_checkpoint
 from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text, make_config, model_config, parse_args

@@ -138,9 +138,9 @@ def bench_prep(docs, label, num_proc, repeats, tmp):
 
 def bench_tokenizers(docs, label, num_proc, repeats, tmp, tokenizer_path):
     """prepare_data.py on the same text with GPT-2 (tiktoken), with the tokenizer.json (its tiktoken translation,
-    assets.HFTokenizer.encode_to_numpy) and with the same file read by the tokenizers library alone (an empty
+    bpe.HFTokenizer.encode_to_numpy) and with the same file read by the tokenizers library alone (an empty
     normalizer added: same ids, no translation). Rates in MB of text per second, wall clock and CPU seconds."""
-    from assets import open_tokenizer
+    from bpe import open_tokenizer
 
     src = Path(tmp) / f"tok_{label}.d"
     src.mkdir()

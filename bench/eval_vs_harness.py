@@ -20,8 +20,8 @@ import torch
 
 import evaluate
 import tasks
-from assets import load_tokenizer
 from bench import machine_line, require
+from bpe import load_tokenizer
 from checkpoint import load_model
 from hf import save_pretrained
 

@@ -553,6 +553,7 @@ def test_export_harness_writes_configs_that_include_the_harness_own(tmp_path, su
     (fake / "tasks").mkdir(parents=True)
     (fake / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "lm_eval", raising=False)  # an imported lm_eval would be found first
     names = evaluate.export_harness(tmp_path / "out", list(tasks.TASKS), suite_docs)
     assert names == [f"gpt2train_{n}" for n in tasks.TASKS]
     arc = json.loads((tmp_path / "out" / "gpt2train_arc_easy.yaml").read_text())

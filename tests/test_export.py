@@ -9,7 +9,8 @@ import torch
 
 import checkpoint
 import sample
-from assets import EOT, get_tokenizer, load_tokenizer
+from assets import EOT, get_tokenizer
+from bpe import load_tokenizer
 from hf import save_pretrained
 from model import GPT, GPTConfig
 

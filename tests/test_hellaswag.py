@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from assets import HFTokenizer, get_tokenizer, load_tokenizer
+from assets import get_tokenizer
+from bpe import HFTokenizer, load_tokenizer
 from hellaswag import evaluate, load_examples, main, render_example, score_rows
 from hf import from_pretrained, save_pretrained
 from model import GPT, GPTConfig

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from assets import HFTokenizer, get_tokenizer, load_tokenizer
+from assets import get_tokenizer
+from bpe import HFTokenizer, load_tokenizer
 from checkpoint import save_checkpoint
 from hf import from_pretrained, save_pretrained
 from model import GPT, GPTConfig

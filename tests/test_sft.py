@@ -624,7 +624,7 @@ def test_sft_from_a_pretrained_gpt2_pads_its_vocabulary_for_the_chat_tokens(sft_
 
 
 def test_chat_refuses_a_tokenizer_that_is_not_gpt2s(byte_level_tokenizer_json):
-    from assets import HFTokenizer
+    from bpe import HFTokenizer
 
     with pytest.raises(
         ValueError, match="the chat format needs the special tokens .* which the tokenizer .*tokenizer.json lacks"

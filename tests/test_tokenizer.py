@@ -8,6 +8,7 @@ import random
 import pytest
 
 import assets
+import bpe
 import chat
 import tokenizer
 
@@ -54,7 +55,7 @@ def trained(tmp_path_factory):
 
 def test_the_special_tokens_come_first_and_the_vocabulary_has_the_asked_size(trained):
     out, report = trained
-    enc = assets.open_tokenizer(out)
+    enc = bpe.open_tokenizer(out)
     assert enc.n_vocab == 400 == report["vocab_size"]
     assert enc.eot_token == 0
     assert [enc.special_id(t) for t in chat.SPECIAL] == [1, 2, 3, 4]
@@ -63,7 +64,7 @@ def test_the_special_tokens_come_first_and_the_vocabulary_has_the_asked_size(tra
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_text_round_trips_and_special_token_strings_are_plain_text(trained, text):
-    enc = assets.open_tokenizer(trained[0])
+    enc = bpe.open_tokenizer(trained[0])
     ids = enc.encode_ordinary(text)
     assert enc.decode(ids) == text
     assert not set(ids) & {0, 1, 2, 3, 4}  # '<|endoftext|>' typed in a document is text, not the separator
@@ -71,7 +72,7 @@ def test_text_round_trips_and_special_token_strings_are_plain_text(trained, text
 
 
 def test_random_text_round_trips_and_the_fast_path_agrees(trained):
-    enc, rng = assets.open_tokenizer(trained[0]), random.Random(0)
+    enc, rng = bpe.open_tokenizer(trained[0]), random.Random(0)
     for _ in range(50):
         text = random_text(rng)
         ids = enc.encode_ordinary(text)
@@ -85,7 +86,7 @@ def test_transformers_and_tokenizers_load_the_file_and_give_the_same_ids(trained
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     out = trained[0]
-    enc = assets.open_tokenizer(out)
+    enc = bpe.open_tokenizer(out)
     library = Tokenizer.from_file(str(out / "tokenizer.json"))
     fast = PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
     auto = AutoTokenizer.from_pretrained(out)
@@ -122,7 +123,7 @@ def test_a_vocabulary_beyond_uint16_is_a_one_line_error(tmp_path, capsys):
             "--no_progress",
         ]
     )  # 65,536 and below are fine: 300 here
-    assert assets.open_tokenizer(tmp_path / "ok").n_vocab <= 300
+    assert bpe.open_tokenizer(tmp_path / "ok").n_vocab <= 300
 
 
 def test_training_is_deterministic(tmp_path):
@@ -138,7 +139,7 @@ def test_held_out_text_is_the_start_of_the_input_cut_at_a_character():
 
 
 def test_gpt2s_tokenizer_json_is_gpt2_and_translates_to_tiktoken_exactly():
-    enc = assets.HFTokenizer(json_text=assets.gpt2_tokenizer_json(), name="gpt2.json")
+    enc = bpe.HFTokenizer(json_text=bpe.gpt2_tokenizer_json(), name="gpt2.json")
     assert enc.id == "gpt2"
     text = " ".join(TEXTS) + random_text(random.Random(2), 2000)
     assert list(enc.encode_to_numpy(text)) == assets.get_tokenizer().encode_ordinary(text) == enc.encode_ordinary(text)
@@ -146,7 +147,7 @@ def test_gpt2s_tokenizer_json_is_gpt2_and_translates_to_tiktoken_exactly():
 
 
 def test_a_normalizing_tokenizer_takes_the_tokenizers_path(neox_tokenizer_json):
-    enc = assets.open_tokenizer(neox_tokenizer_json)
+    enc = bpe.open_tokenizer(neox_tokenizer_json)
     text = "Cafe\u0301 caf\u00e9 <|endoftext|> 😀"
     assert list(enc.encode_to_numpy(text)) == enc.encode_ordinary(text)
     assert enc._fast is False  # NFC: no tiktoken translation
@@ -218,7 +219,7 @@ def test_prep_train_sample_export_autotokenizer_with_its_own_tokenizer(tokenizer
     import sample
     import train
 
-    enc = assets.open_tokenizer(tokenizer_file)
+    enc = bpe.open_tokenizer(tokenizer_file)
     data_dir = prepare(tmp_path, tokenizer_file, "corpus")
     manifest = json.loads((data_dir / "corpus_manifest.json").read_text())
     assert manifest["tokenizer"]["id"] == enc.id == manifest["settings"]["tokenizer"]
@@ -297,7 +298,7 @@ def test_resuming_on_data_of_another_tokenizer_is_refused(two_runs, capsys):
     err = one_line_refusal(
         capsys, ["--init_from=resume", f"--out_dir={tmp / 'run_a'}", f"--data_dir={b}", "--max_steps=4"]
     )
-    a_id, b_id = assets.open_tokenizer(a / "a_tokenizer.json").id, assets.open_tokenizer(b / "b_tokenizer.json").id
+    a_id, b_id = bpe.open_tokenizer(a / "a_tokenizer.json").id, bpe.open_tokenizer(b / "b_tokenizer.json").id
     assert a_id in err and b_id in err and "ckpt_000002.pt" in err
 
 
@@ -306,7 +307,7 @@ def test_fine_tuning_on_data_of_another_tokenizer_is_refused(two_runs, capsys):
     err = one_line_refusal(
         capsys, [*TINY, f"--init_from={tmp / 'run_a'}", f"--data_dir={b}", f"--out_dir={tmp / 'ft'}", "--max_steps=2"]
     )
-    assert "init_from=" in err and assets.open_tokenizer(b / "b_tokenizer.json").id in err
+    assert "init_from=" in err and bpe.open_tokenizer(b / "b_tokenizer.json").id in err
 
 
 def test_data_of_two_tokenizers_is_refused(two_runs, capsys):
@@ -374,10 +375,10 @@ def test_a_vocab_size_the_config_sets_wins_over_the_datas(two_runs):
 
 
 def test_the_chat_format_uses_the_tokenizers_own_chat_tokens(trained, neox_tokenizer_json):
-    enc = chat.tokenizer(assets.open_tokenizer(trained[0]))
+    enc = chat.tokenizer(bpe.open_tokenizer(trained[0]))
     tokens, mask = chat.encode(enc, [{"role": "user", "content": "Hi <|end|>"}, {"role": "assistant", "content": "Yo"}])
     hi, yo = enc.encode_ordinary("Hi <|end|>"), enc.encode_ordinary("Yo")
     assert tokens == [0, 2, *hi, 4, 3, *yo, 4]
     assert mask == [0, 0, *[0] * len(hi), 0, 0, *[1] * len(yo), 1]
     with pytest.raises(ValueError, match=r"<\|system\|>, <\|user\|>, <\|assistant\|>, <\|end\|>"):
-        chat.tokenizer(assets.open_tokenizer(neox_tokenizer_json))
+        chat.tokenizer(bpe.open_tokenizer(neox_tokenizer_json))
