@@ -2,9 +2,6 @@
 transformers reference and (where lm_eval is installed) the harness's own, example for example; ranks add up."""
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +16,7 @@ from assets import get_tokenizer
 from hf import from_pretrained, save_pretrained
 from model import GPT, GPTConfig
 from scoring import encode_pair
+from test_hellaswag import run_two_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 96  # small enough that the long boolq / MMLU rows below are cropped from the left
@@ -622,37 +620,11 @@ dist.destroy_process_group()
 """
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_ranks_give_the_single_process_results(hf_dir, model, suite_docs, tmp_path):
     single = evaluate.evaluate(model, evaluate.Suite(suite_docs, get_tokenizer()), "cpu", batch_size=3)
     (tmp_path / "docs.json").write_text(json.dumps(suite_docs))
-    env = dict(
-        os.environ,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        WORLD_SIZE="2",
-        PYTHONPATH=str(ROOT),
-        OMP_NUM_THREADS="1",
-    )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", DDP_SCRIPT, str(hf_dir), str(tmp_path / "docs.json"), str(tmp_path / "rank")],
-            cwd=ROOT,
-            env=dict(env, RANK=str(rank)),
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    for p in procs:
-        _, err = p.communicate(timeout=180)
-        assert p.returncode == 0, err
+    run_two_ranks(DDP_SCRIPT, [hf_dir, tmp_path / "docs.json", tmp_path / "rank"], timeout=180)
     ranks = [json.loads((tmp_path / f"rank{r}").read_text()) for r in range(2)]
     for r in ranks:  # every rank holds the all-reduced results
         assert r["tasks"] == single["tasks"] and r["mc_centered"] == single["mc_centered"]

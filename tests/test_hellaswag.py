@@ -237,10 +237,8 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_two_processes_total_the_single_process_counts(model, enc, hf_dir, data_file, tmp_path):
-    # 7 examples: the ranks get 4 and 3, so 2 and 1 batches -- uneven work must not hang
-    single = evaluate(model, load_examples(data_file, limit=7), "cpu", batch_size=3, enc=enc)
+def run_two_ranks(script, args, timeout):
+    """Run `python -c script *args` as ranks 0 and 1 of a 2-process gloo group; fails on a non-zero exit."""
     env = dict(
         os.environ,
         MASTER_ADDR="127.0.0.1",
@@ -249,10 +247,9 @@ def test_two_processes_total_the_single_process_counts(model, enc, hf_dir, data_
         PYTHONPATH=str(ROOT),
         OMP_NUM_THREADS="1",
     )
-    out = tmp_path / "rank"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", DDP_SCRIPT, str(hf_dir), str(data_file), str(out)],
+            [sys.executable, "-c", script, *map(str, args)],
             cwd=ROOT,
             env=dict(env, RANK=str(rank)),
             stderr=subprocess.PIPE,
@@ -261,8 +258,15 @@ def test_two_processes_total_the_single_process_counts(model, enc, hf_dir, data_
         for rank in range(2)
     ]
     for p in procs:
-        _, err = p.communicate(timeout=120)
+        _, err = p.communicate(timeout=timeout)
         assert p.returncode == 0, err
+
+
+@pytest.mark.slow
+def test_two_processes_total_the_single_process_counts(model, enc, hf_dir, data_file, tmp_path):
+    # 7 examples: the ranks get 4 and 3, so 2 and 1 batches -- uneven work must not hang
+    single = evaluate(model, load_examples(data_file, limit=7), "cpu", batch_size=3, enc=enc)
+    run_two_ranks(DDP_SCRIPT, [hf_dir, data_file, tmp_path / "rank"], timeout=120)
     ranks = [json.loads((tmp_path / f"rank{r}").read_text()) for r in range(2)]
     for r in ranks:  # every rank holds the all-reduced totals
         assert (r["n"], r["correct"], r["correct_norm"]) == (single["n"], single["correct"], single["correct_norm"])
