@@ -32,7 +32,7 @@ from data import write_shard
 from hf import from_pretrained
 from model import GPT, GPTConfig
 from test_hellaswag import EXAMPLES
-from test_train import TINY, markov_tokens, metrics, subprocess_env, train_losses
+from test_train import TINY, markov_tokens, metrics, subprocess_env, torchrun, train_losses
 
 ROOT = Path(__file__).resolve().parent.parent
 # 2 ranks x 1 micro-batch of 4 x 16 tokens, or 1 process x 2; a clip of 0.5 is below every step's norm here
@@ -54,21 +54,6 @@ def data_dir(tmp_path_factory):
     write_shard(d / "tiny_train_000000.bin", markov_tokens(30_000, seed=1))
     write_shard(d / "tiny_val_000000.bin", markov_tokens(3_000, seed=2))
     return d
-
-
-def torchrun(*args, nproc=2, script=ROOT / "train.py"):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(script),
-        *map(str, args),
-    ]
-    result = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ for the rest) checkpoints, resumes and runs under DDP like the default AdamW (it
 Runs reuse test_train.py's tiny model and synthetic Markov-chain data.
 """
 
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +14,7 @@ import checkpoint
 import train
 from checkpoint import load_checkpoint
 from config import ConfigError, TrainConfig, parse_args
-from test_train import ROOT, TINY, data_dir, metrics, run, subprocess_env, train_losses  # noqa: F401 (fixture)
+from test_train import ROOT, TINY, data_dir, metrics, run, subprocess_env, torchrun, train_losses  # noqa: F401 (fixture)
 
 MUON = ["--optimizer=muon", "--muon_lr=0.03"]
 MODERN = str(ROOT / "configs" / "modern.py")
@@ -69,19 +67,7 @@ def test_bad_muon_config_is_a_one_line_error(keys, error):
 def test_muon_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tmp_path):
     """Gradients are all-reduced before the step, so each rank's Muon orthogonalises the same matrix."""
     common = [f"--data_dir={data_dir}", "--max_steps=4", "--total_batch_size=128", "--eval_interval=0", *MUON]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(ROOT / "train.py"),
-        *TINY,
-        *common,
-        f"--out_dir={tmp_path / 'ddp'}",
-    ]
-    result = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    torchrun(*TINY, *common, f"--out_dir={tmp_path / 'ddp'}")
     assert run(data_dir, tmp_path / "single", *common[1:]) == 0
     ddp, single = train_losses(tmp_path / "ddp"), train_losses(tmp_path / "single")
     assert list(ddp) == list(single) == [1, 2, 3, 4]

@@ -20,6 +20,7 @@ from data import DataLoader, ShardError
 from model import GPT, ChunkedLMHeadLoss, GPTConfig
 from sample import stream_samples
 from test_chat import ROWS, render
+from test_train import torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 32
@@ -437,10 +438,6 @@ def test_sample_chat_renders_the_template_and_stops_at_the_end_of_turn():
 def test_ddp_two_processes_equal_one_process_with_accumulation_on_sft_data(sft_dir, tmp_path):
     """The step's loss is the mean over the trained tokens of both ranks: 2 DDP ranks == 1 process x 2 micro-batches,
     although the ranks' micro-batches hold different numbers of trained tokens."""
-    import os
-    import subprocess
-    import sys
-
     common = [
         f"--data_dir={sft_dir}",
         "--max_steps=4",
@@ -448,20 +445,7 @@ def test_ddp_two_processes_equal_one_process_with_accumulation_on_sft_data(sft_d
         "--dropout=0.0",
         "--eval_interval=0",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(ROOT / "train.py"),
-        *TINY,
-        *common,
-        f"--out_dir={tmp_path / 'ddp'}",
-    ]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    torchrun(*TINY, *common, f"--out_dir={tmp_path / 'ddp'}")
     assert run(sft_dir, tmp_path / "single", *common) == 0
     ddp, single = train_metrics(tmp_path / "ddp"), train_metrics(tmp_path / "single")
     assert list(ddp) == list(range(1, 5))

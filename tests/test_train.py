@@ -705,6 +705,22 @@ def subprocess_env():
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
+def torchrun(*args, nproc=2, script=ROOT / "train.py"):
+    """`torchrun --standalone --nproc_per_node=NPROC SCRIPT ARGS` with one thread per process; fails on an error."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script),
+        *map(str, args),
+    ]
+    result = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 @pytest.mark.slow
 def test_sigterm_mid_run_then_resume_matches_uninterrupted(data_dir, tmp_path):
     """All three runs are subprocesses with one thread each: the same float summation order."""
@@ -776,19 +792,7 @@ def test_kill_9_leaves_a_loadable_checkpoint(data_dir, tmp_path):
 @pytest.mark.slow
 def test_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tmp_path):
     common = [f"--data_dir={data_dir}", "--max_steps=6", "--total_batch_size=128", "--dropout=0.0"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(ROOT / "train.py"),
-        *TINY,
-        *common,
-        f"--out_dir={tmp_path / 'ddp'}",
-    ]
-    result = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    torchrun(*TINY, *common, f"--out_dir={tmp_path / 'ddp'}")
     # 1 process x 2 accumulation steps; eval_steps counts micro-batches per process, so 2 x 2 ranks = 4
     assert run(data_dir, tmp_path / "single", *common[1:], "--eval_steps=4") == 0
 
