@@ -28,14 +28,15 @@ def network_off(monkeypatch):
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
-def write_checkpoint(path, model, config=None):
+def write_checkpoint(path, model, config=None, step=3):
+    """`model`'s weights as a checkpoint of this library (no optimizer state), written by save_checkpoint."""
     checkpoint.save_checkpoint(
         path,
         {
             "model": model.state_dict(),
             "model_args": asdict(model.config),
             "config": config or {},
-            "step": 3,
+            "step": step,
             "optimizer": None,
             "scaler": None,
             "loader": {},

@@ -20,6 +20,7 @@ from data import DataLoader, ShardError
 from model import GPT, ChunkedLMHeadLoss, GPTConfig
 from sample import stream_samples
 from test_chat import ROWS, render
+from test_export import write_checkpoint
 from test_train import torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -456,28 +457,13 @@ def test_ddp_two_processes_equal_one_process_with_accumulation_on_sft_data(sft_d
 @pytest.fixture(scope="module")
 def chat_export(tmp_path_factory):
     """(model, run dir, its `checkpoint.py export --chat` directory): a tiny random GPT-2, padded vocabulary."""
-    from dataclasses import asdict
 
     import checkpoint
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=64, vocab_size=50304, n_layer=1, n_head=2, n_embd=16)).eval()
     run_dir = tmp_path_factory.mktemp("chat_run")
-    checkpoint.save_checkpoint(
-        run_dir / "ckpt_000001.pt",
-        {
-            "model": model.state_dict(),
-            "model_args": asdict(model.config),
-            "config": {},
-            "step": 1,
-            "optimizer": None,
-            "scaler": None,
-            "loader": {},
-            "rng": {},
-            "val_loss": None,
-            "format": checkpoint.FORMAT,
-        },
-    )
+    write_checkpoint(run_dir / "ckpt_000001.pt", model, step=1)
     assert checkpoint.main(["export", str(run_dir), str(run_dir / "hf"), "--chat"]) == 0
     return model, run_dir, run_dir / "hf"
 
@@ -620,28 +606,12 @@ def test_chat_refuses_a_tokenizer_that_is_not_gpt2s(byte_level_tokenizer_json):
 def test_the_chat_demo_fine_tunes_a_run_directory_and_scores_held_out_prompts(tmp_path, monkeypatch, capsys):
     """`python -m bench.chat_demo` (make chat-demo) end to end at toy size: the sort task's files, SFT shards of the
     checkpoint's block_size 128, train.py with --init_from=<a run's out_dir> (no export), the held-out score."""
-    from dataclasses import asdict
 
-    import checkpoint
     from bench import chat_demo
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=128, vocab_size=50304, n_layer=1, n_head=2, n_embd=16))
-    checkpoint.save_checkpoint(
-        tmp_path / "pre" / "ckpt_000001.pt",
-        {
-            "model": model.state_dict(),
-            "model_args": asdict(model.config),
-            "config": {},
-            "step": 1,
-            "optimizer": None,
-            "scaler": None,
-            "loader": {},
-            "rng": {},
-            "val_loss": None,
-            "format": checkpoint.FORMAT,
-        },
-    )
+    write_checkpoint(tmp_path / "pre" / "ckpt_000001.pt", model, step=1)
     monkeypatch.chdir(ROOT)
     assert (
         chat_demo.main(
