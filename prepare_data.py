@@ -792,7 +792,8 @@ def write_sft_shards(files, out_dir, name, old, shard_tokens, val_tokens, finger
     return manifest
 
 
-def main(argv=None):
+def arg_parser():
+    """prepare_data.py's flags."""
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -843,6 +844,11 @@ def main(argv=None):
         help="--format sft: report the conversations a run at this block_size "
         "leaves out (rows are built at load time, for any block_size)",
     )
+    return p
+
+
+def main(argv=None):
+    p = arg_parser()
     args = p.parse_args(argv)
     if args.format == "sft":
         if args.dataset or not args.input:

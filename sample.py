@@ -121,7 +121,8 @@ def stream_samples(
     return texts
 
 
-def main(argv=None):
+def arg_parser():
+    """sample.py's flags: the model flags (add_model_args) and the sampling ones."""
     parser = argparse.ArgumentParser(description="Sample text from a checkpoint or a pretrained GPT-2.")
     add_model_args(parser)
     parser.add_argument("--prompt", help="prompt text, or FILE:path to read it from a file (default: stdin if piped)")
@@ -160,6 +161,11 @@ def main(argv=None):
         help="reply as the assistant of a fine-tuned chat model: the "
         "prompt is a conversation (JSON) or one user message; none on a terminal: chat interactively",
     )
+    return parser
+
+
+def main(argv=None):
+    parser = arg_parser()
     args = parser.parse_args(argv)
     if args.num_samples < 1 or args.max_new_tokens < 0:
         parser.error("--num_samples must be >= 1 and --max_new_tokens >= 0")
