@@ -19,7 +19,8 @@ from files import report_error
 from memory import MARGIN, GiB, MemoryPlan, choose_checkpointing, estimate_memory, gib, with_margin, within_margin
 from model import GPT
 from optim import build_optimizer
-from parallel import Env, clip_gradients, forward_backward, keeps_grads, mesh_shape, parallelize
+from parallel import Env, keeps_grads, mesh_shape, parallelize
+from step import clip_gradients, micro_batches
 
 NOT_SIMULATED = (
     "not simulated: torch.compile, CUDA kernels' workspaces, NCCL's buffers and the caching allocator's "
@@ -73,7 +74,7 @@ def _categories(snapshot) -> dict:
 def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
     """Simulate one optimizer step of rank 0 of `world_size` for TrainConfig cfg (an int batch_size) on fake
     tensors and the fake process group: the project's own model (built on meta, materialised fake), parallelize
-    (FSDP/HSDP sharding on a CPU mesh), optimizer, forward_backward (with cfg's autocast dtype, 'auto' as a bf16
+    (FSDP/HSDP sharding on a CPU mesh), optimizer, step.micro_batches (with cfg's autocast dtype, 'auto' as a bf16
     GPU, activation checkpointing and the chunked loss), clip and update, tracked by torch's MemTracker /
     FSDPMemTracker. The simulated step is a steady one: the optimizer state exists (made by a first update on
     zero gradients). Micro-steps that start from the memory state micro-step 2 started from (checked) have its
@@ -117,7 +118,7 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
                 tracker = MemTracker()
                 tracker.track_external(model, *inner, *([model.buckets] if keeps_grads(model) else []))
 
-            class Batches:  # what forward_backward reads; each micro-step is a new iteration for the tracker
+            class Batches:  # what micro_batches reads; each micro-step is a new iteration for the tracker
                 def next_batch(self):
                     tracker.reset_mod_stats()
                     return x, x
@@ -130,7 +131,7 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
                     if 1 < micro < grad_accum - 1 and starts[-1] == starts[1]:  # as micro-step 2 began: its peak
                         skipped.append(micro)
                         continue
-                    forward_backward(model, Batches(), grad_accum, scaler, env, micro_steps=[micro])
+                    micro_batches(model, Batches(), grad_accum, scaler, env, micro_steps=[micro])
                 clip_gradients(raw, cfg.grad_clip)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=not keeps_grads(model))

@@ -16,9 +16,9 @@ and, under autocast, the low-precision copies of the block's matmul weights. tor
 plan is an upper bound there.
 
 A run calls resolve_batch_size() before anything is built (the plan line, a refusal, batch_size='auto' from the
-plan), probe_batch_size() once the bare model exists (batch_size='auto' on CUDA), and in the loop
-fitting_forward_backward() and in_micro_batches(), which halve the micro-batch on an out-of-memory in a
-single-process run. dryrun.py proves a plan at the real size and world size on fake tensors.
+plan) and probe_batch_size() once the bare model exists (batch_size='auto' on CUDA); step.py halves the
+micro-batch on an out-of-memory mid-run (smaller_micro_batch). dryrun.py proves a plan at the real size and
+world size on fake tensors.
 """
 
 import gc
@@ -32,9 +32,7 @@ from checkpoint import is_checkpoint
 from config import CHOICES, ConfigError, batch_layout, model_config
 from console import distributed, log
 from devices import autocast, is_oom, rng_state, set_rng_state
-from files import Halt
 from model import GPT, LOSS_CHUNK_ROWS, PRESETS
-from parallel import forward_backward
 
 GiB = 2**30
 # batch_size='auto' from the plan (CPU/MPS): use at most this share of the available memory. On a CPU the peak
@@ -461,9 +459,9 @@ def probe_micro_batch(try_step, candidates, reserve_bytes=0, device=None) -> tup
             break
         failed.append(b)
         del oom  # its traceback holds the failed step's tensors
-        _free(device)
+        free_cached_memory(device)
         b = next((c for c in candidates if c <= b // 2), None)
-    _free(device)
+    free_cached_memory(device)
     chosen = agree_micro_batch(b or 0, device)  # every rank takes part, also one that found nothing
     if not chosen:
         where = (
@@ -489,7 +487,8 @@ def agree_micro_batch(batch_size: int, device=None) -> int:
     return int(t.item())
 
 
-def _free(device) -> None:
+def free_cached_memory(device) -> None:
+    """What an out-of-memory left behind, back to the device: unreachable tensors, CUDA's cached blocks."""
     gc.collect()
     if device is not None and str(device).startswith("cuda"):
         torch.cuda.empty_cache()
@@ -623,64 +622,3 @@ def probe_batch_size(raw_model, cfg, env, loaders):
         if loader is not None:
             loader.set_batch_size(b)
     return replace(cfg, batch_size=b)
-
-
-def fitting_forward_backward(model, loader, rows, optimizer, scaler, env, step):
-    """parallel.forward_backward of one optimizer step: `rows` sequences per rank, loader.B (the live micro-batch)
-    at a time. On an out-of-memory: halve the micro-batch for the rest of the run (the largest divisor of rows at
-    most half), drop the partial step's gradients, rewind the loader to the step's start and re-run the same step
-    with the same data. Under torchrun, or at micro-batch 1, an out-of-memory is a Halt naming settings that would
-    help (ranks cannot switch safely: the others may be waiting in a gradient all-reduce)."""
-    start = loader.state_dict()
-    while True:
-        b = loader.B
-        try:
-            return forward_backward(model, loader, rows // b, scaler, env)
-        except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled
-            if not is_oom(e):
-                raise
-        smaller = smaller_micro_batch(rows, b)
-        if env.distributed or smaller is None:
-            hint = f"batch_size={smaller} with {rows // smaller} accumulation steps, " if smaller else ""
-            torchrun = " under torchrun (ranks cannot change micro-batch together mid-run)" if smaller else ""
-            raise Halt(
-                f"step {step + 1}: out of memory at micro-batch {b}{torchrun}; try {hint}"
-                f"activation_checkpointing=True, parallel='fsdp' or a smaller block_size"
-            )
-        optimizer.zero_grad(set_to_none=True)  # the partial step's gradients; the scaler has not stepped yet
-        _free(env.device)
-        loader.load_state_dict(start)
-        loader.set_batch_size(smaller)
-        log(
-            f"step {step + 1}: out of memory at micro-batch {b}: re-running the step at micro-batch {smaller} x "
-            f"{rows // smaller} accumulation steps (batch_size={smaller} from now on)"
-        )
-
-
-def in_micro_batches(run, rows, micro, env, what):
-    """Validation's rows: run(a, b) over rows [0, rows) `micro` at a time (micro divides rows); an out-of-memory
-    halves micro (the largest divisor of rows at most half) and retries that slice; under torchrun, or at
-    micro-batch 1, a Halt. `what` starts the messages ('step 100')."""
-    at = 0
-    while at < rows:
-        try:
-            run(at, at + micro)
-            at += micro
-            continue
-        except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled
-            if not is_oom(e):
-                raise
-        smaller = smaller_micro_batch(rows, micro)
-        if env.distributed or smaller is None:
-            raise Halt(
-                f"{what}: out of memory in validation at micro-batch {micro}; try a smaller batch_size, or eval_steps"
-            )
-        log(f"{what}: out of memory in validation at micro-batch {micro}: evaluating at {smaller}")
-        micro = smaller
-        _free(env.device)
-
-
-if __name__ == "__main__":  # the dry run's command before it moved: `python memory.py CONFIG ...` runs dryrun.py
-    import runpy
-
-    runpy.run_path(os.path.join(os.path.dirname(__file__), "dryrun.py"), run_name="__main__")

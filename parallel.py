@@ -3,14 +3,11 @@ the training loop (torchtitan's ParallelDims and parallelize.py). setup() joins 
 returns the Env (rank, device, precision, parallel mode) every later step takes; check_shared_out_dir() makes
 sure all nodes see one out_dir. parallelize() wraps the model once: DDP (every rank a whole replica), or FSDP2 /
 HSDP (parameters, gradients and optimizer state sharded over ranks), then torch.compile, tried once on dummy
-tokens so a compile error means eager from the start, never a swap mid-run. The helpers the loop needs from
-whatever parallelize() returned live here too: forward_backward() (a step's micro-batches, with gradient sync for
-accumulation; dryrun.py runs it too), the global gradient norm, a gathered copy of a sharded model for generation
-and HellaSwag.
+tokens so a compile error means eager from the start, never a swap mid-run. gathered() gives the
+evaluations a whole copy of a sharded model; step.py runs the step's micro-batches on what parallelize() returned.
 """
 
 import contextlib
-import math
 import os
 import random
 import socket
@@ -394,86 +391,10 @@ def compile_works(compiled, cfg, env):
     return False
 
 
-def set_grad_sync(model, enabled):
-    """Whether the next backward all-reduces gradients across replicas: only the last micro-step of an
-    accumulation needs to; must be set before the forward. DDP skips its all-reduce (gradients accumulate in its
-    buckets). FSDP/HSDP reduce-scatter every micro-step, so a rank only ever holds its fp32 gradient shard (the
-    no-sync alternative keeps whole fp32 gradients of every unit, 4 bytes/param of the whole model); HSDP adds
-    up the shards locally and all-reduces them across replicas on the last micro-step only."""
-    inner = getattr(model, "_orig_mod", model)  # under torch.compile
-    if hasattr(inner, "require_backward_grad_sync"):  # DDP
-        inner.require_backward_grad_sync = enabled
-    elif hasattr(inner, "set_requires_all_reduce"):  # FSDP2 (a no-op without replicas)
-        inner.set_requires_all_reduce(enabled)
-
-
 def keeps_grads(model):
     """Whether model's gradients are DDP's bucket views (gradient_as_bucket_view): zero them in place, never
     set them to None, or the next step's no-sync micro-steps allocate a second copy beside the buckets."""
     return hasattr(getattr(model, "_orig_mod", model), "require_backward_grad_sync")
-
-
-def to_device(tensors, device):
-    """CPU batch tensors on `device`. On CUDA the copy goes through pinned memory and is only queued: a copy
-    from pageable memory first waits for all the work already queued on the GPU (a host sync per micro-batch,
-    with or without non_blocking). Elsewhere a plain .to() (a no-op on the CPU)."""
-    if device_type(device) != "cuda":
-        return tuple(t.to(device) for t in tensors)
-    return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
-
-
-def forward_backward(model, loader, grad_accum, scaler, env, micro_steps=None):
-    """Gradients of the mean loss over the step's trained tokens (targets != -1, of all ranks); returns
-    (the summed loss, a device scalar; a float64 device tensor [trained tokens, micro-batches with no trained
-    target], both of all ranks: train.py reads them in its one copy to the host per step).
-    No host sync: the counts are taken on the host from the CPU batches; with loss masks under torchrun their
-    all-reduce runs while the first micro-batch's forward does, and is waited on (on the device) before its
-    loss is scaled; each next micro-batch is copied from pinned memory while the current one runs.
-    A micro-batch with no trained target (SFT data) still runs its forward and backward (the other ranks wait
-    for its gradients in a collective): its loss is 0 and so are its gradients.
-    micro_steps: which of the grad_accum micro-steps to run (default all; the dry run skips repeats)."""
-    micros = list(range(grad_accum) if micro_steps is None else micro_steps)
-    batches = [loader.next_batch() for _ in micros]  # (x, y) on the host, (B, T) each
-    masked = getattr(loader, "masked", False)  # some targets are -1 (SFT masks, document padding); else all trained
-    counts = [int((y != -1).sum()) if masked else y.numel() for _, y in batches]  # host tensors: no sync
-    trained = sum(counts) * (1 if masked else env.world_size)  # of all ranks; masked and torchrun: this rank's
-    stats = to_device((torch.tensor([trained, counts.count(0)], dtype=torch.float64),), env.device)[0]
-    pending = dist.all_reduce(stats, async_op=True) if masked and env.distributed else None
-    loss_sum = torch.zeros((), device=env.device)
-    upcoming = to_device(batches[0], env.device)
-    for i, micro in enumerate(micros):
-        x, y = upcoming
-        if i + 1 < len(micros):  # queued now, copied while this micro-batch runs
-            upcoming = to_device(batches[i + 1], env.device)
-        set_grad_sync(model, micro == grad_accum - 1)
-        with autocast(env.device, env.dtype):
-            _, loss = model(x, y, return_logits=False)
-        # each micro-batch loss is a mean over its trained tokens; weighting it by its share of the step's
-        # (x world_size: DDP averages over ranks) makes the summed gradients those of the mean over all the
-        # step's trained tokens. Without masks every share is 1/grad_accum. A step with no trained target at
-        # all divides by 1 (its loss and gradients are 0; train.py skips its update)
-        if not masked:
-            loss = loss / grad_accum
-        elif not env.distributed:
-            loss = loss * (counts[i] / max(trained, 1))
-        else:
-            if pending is not None:  # on NCCL the compute stream waits for it, the host does not
-                pending.wait()
-                pending = None
-            loss = loss * (counts[i] * env.world_size / stats[0].clamp(min=1)).float()
-        loss_sum += loss.detach().float()
-        scaler.scale(loss).backward()
-    if pending is not None:  # no micro-step ran (cannot happen in training)
-        pending.wait()
-    return loss_sum, stats
-
-
-def clip_gradients(model, max_norm):
-    """Clip the global gradient norm to max_norm (0: only measure it); returns the norm before clipping, a
-    plain scalar tensor. Under FSDP the gradients are DTensor shards: clip_grad_norm_ reduces the norm over
-    ranks, so it is the whole gradient's norm, the number DDP gets, and the clip factor is the same."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
 
 
 @contextmanager

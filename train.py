@@ -34,21 +34,12 @@ from data import DataLoader, NoShardsError, ShardError
 from devices import autocast, fused_adamw_supported, peak_flops, peak_memory
 from files import Halt, LockError, atomic_write, report_error
 from hf import from_pretrained, pad_vocab
-from memory import fitting_forward_backward, in_micro_batches, probe_batch_size
+from memory import probe_batch_size
 from model import GPT, TRAINING_ONLY_MODEL_KEYS
 from optim import build_optimizer, set_lr
-from parallel import (
-    any_rank,
-    build_on_meta,
-    clip_gradients,
-    gathered,
-    is_compiled,
-    keeps_grads,
-    lock_out_dir,
-    parallelize,
-    to_device,
-)
+from parallel import any_rank, build_on_meta, gathered, is_compiled, keeps_grads, lock_out_dir, parallelize
 from resume import Progress, kept_checkpoint, restore, restore_rngs, save, start
+from step import clip_gradients, forward_backward, in_micro_batches, to_device
 from tracking import TRACKING_KEYS, NoTracker, Tracker, TrackingError
 
 
@@ -457,7 +448,7 @@ def run(user):
             t0 = time.perf_counter()
             lr = get_lr(step, cfg)
             set_lr(optimizer, lr, cfg)
-            loss_sum, counts = fitting_forward_backward(model, train_loader, rows, optimizer, scaler, env, step)
+            loss_sum, counts = forward_backward(model, train_loader, rows, scaler, env, step)
             if stop.signal is not None:
                 stop_flag.fill_(1.0)
             scaler.unscale_(optimizer)  # true gradients before clipping (no-op without fp16)

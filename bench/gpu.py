@@ -516,14 +516,14 @@ def check_host_syncs(report, opts, tmp, data_dir):
 SYNC_DEBUG = """
 import json, sys, warnings
 import torch
-import memory, tracking, train
+import step, tracking, train
 # torch's own sync check: every CUDA call that makes the host wait for the device warns while it is on
 masked = sys.argv[2] == "masked"
 if masked:  # SFT-style loss masks: about half the targets not trained, and under torchrun the masked count all-reduced
-    real = memory.forward_backward  # what memory.fitting_forward_backward calls for train.py's step
+    real = step.micro_batches  # what step.forward_backward calls for train.py's step
 
     class Masked:
-        masks = ["bench"]
+        masked = True  # what micro_batches reads: weigh micro-batches by their trained targets
 
         def __init__(self, loader):
             self.loader = loader
@@ -532,7 +532,7 @@ if masked:  # SFT-style loss masks: about half the targets not trained, and unde
             x, y = self.loader.next_batch()
             return x, torch.where(torch.rand(y.shape) < 0.5, y, -1)
 
-    memory.forward_backward = lambda model, loader, *a, **k: real(model, Masked(loader), *a, **k)
+    step.micro_batches = lambda model, loader, *a, **k: real(model, Masked(loader), *a, **k)
 steps, syncs = [0], []
 real_log = tracking.Tracker.log
 def log(self, record):

@@ -12,6 +12,7 @@ import dryrun
 import memory
 import optim
 import parallel
+import step
 from config import ConfigError, make_config, model_config, parse_args
 from dryrun import dry_run
 from memory import GiB, estimate_memory
@@ -100,9 +101,9 @@ def test_ddp_gradients_stay_bucket_views_through_no_sync_micro_steps(tmp_path):
         assert 0 < len(grad_storages()) < few  # views of a few flat buckets from the start
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         for _ in range(2):
-            parallel.forward_backward(model, Batches(), 2, scaler, env, micro_steps=[0])  # no sync
+            step.micro_batches(model, Batches(), 2, scaler, env, micro_steps=[0])  # no sync
             assert len(grad_storages()) < few
-            parallel.forward_backward(model, Batches(), 2, scaler, env, micro_steps=[1])
+            step.micro_batches(model, Batches(), 2, scaler, env, micro_steps=[1])
             optimizer.step()
             optimizer.zero_grad(set_to_none=not parallel.keeps_grads(model))
             assert len(grad_storages()) < few

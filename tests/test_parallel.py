@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import parallel
+import step
 from config import ConfigError, TrainConfig, make_config
 
 
@@ -24,10 +25,10 @@ def test_cuda_batches_are_copied_from_pinned_memory_without_waiting():
             calls.append((device, non_blocking))
             return device
 
-    assert parallel.to_device((HostTensor(), HostTensor()), "cuda:3") == ("cuda:3", "cuda:3")
+    assert step.to_device((HostTensor(), HostTensor()), "cuda:3") == ("cuda:3", "cuda:3")
     assert calls == ["pin", ("cuda:3", True)] * 2
     x = torch.zeros(2, 3, dtype=torch.long)
-    assert parallel.to_device((x,), "cpu")[0] is x  # the CPU path is untouched
+    assert step.to_device((x,), "cpu")[0] is x  # the CPU path is untouched
 
 
 def test_process_group_timeout_is_the_config_key(monkeypatch):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import chat
 import parallel
 import prepare_data
+import step
 import train
 from config import TrainConfig
 from data import DataLoader, ShardError
@@ -277,7 +278,7 @@ def test_step_loss_is_the_mean_over_the_trained_tokens_of_all_micro_batches(sft_
     assert counts[0] != counts[1]  # so per-micro-batch means would weigh tokens unequally
     loader.reset()
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    loss_sum, stats = parallel.forward_backward(model, loader, 2, scaler, Env())
+    loss_sum, stats = step.micro_batches(model, loader, 2, scaler, Env())
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     # independently: logits of every position, CE over the positions with a trained target
@@ -319,7 +320,7 @@ def test_an_empty_micro_batch_leaves_the_step_finite_and_is_counted():
     x = torch.randint(0, 64, (2, BLOCK))
     y = torch.where(torch.rand(2, BLOCK) < 0.5, x, -1)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    loss_sum, stats = parallel.forward_backward(model, Batches([(x, y), (x, torch.full_like(y, -1))]), 2, scaler, Env())
+    loss_sum, stats = step.micro_batches(model, Batches([(x, y), (x, torch.full_like(y, -1))]), 2, scaler, Env())
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     ref = model(x, y, return_logits=False)[1]
@@ -329,7 +330,7 @@ def test_an_empty_micro_batch_leaves_the_step_finite_and_is_counted():
         assert torch.allclose(grads[n], p.grad, atol=1e-6), n
     model.zero_grad()
     empty = torch.full_like(y, -1)
-    loss_sum, stats = parallel.forward_backward(model, Batches([(x, empty), (x, empty)]), 2, scaler, Env())
+    loss_sum, stats = step.micro_batches(model, Batches([(x, empty), (x, empty)]), 2, scaler, Env())
     assert stats.tolist() == [0, 2] and loss_sum.item() == 0
     assert all(torch.all(p.grad == 0) for p in model.parameters())
     reason = train.skip_reason(0.0, 0.0, scaler, TrainConfig(), train.Progress(), 1, trained_tokens=0)
@@ -357,9 +358,9 @@ def test_masked_counts_are_all_reduced_during_the_first_forward_and_batches_copi
             events.append("backward")
             return loss
 
-    copy = parallel.to_device
+    copy = step.to_device
     monkeypatch.setattr(parallel.dist, "all_reduce", all_reduce)
-    monkeypatch.setattr(parallel, "to_device", lambda tensors, device: events.append("copy") or copy(tensors, device))
+    monkeypatch.setattr(step, "to_device", lambda tensors, device: events.append("copy") or copy(tensors, device))
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=BLOCK, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
     model.register_forward_pre_hook(lambda *args: events.append("forward"))
@@ -369,13 +370,13 @@ def test_masked_counts_are_all_reduced_during_the_first_forward_and_batches_copi
     class TwoRanks(Env):
         distributed, world_size = True, 2
 
-    _, stats = parallel.forward_backward(model, Batches([(x[0], y[0]), (x[1], y[1])]), 2, Scaler(), TwoRanks())
+    _, stats = step.micro_batches(model, Batches([(x[0], y[0]), (x[1], y[1])]), 2, Scaler(), TwoRanks())
     assert events == ["copy", "all_reduce async", "copy", "copy", "forward", "wait", "backward", "forward", "backward"]
     assert stats.tolist() == [2 * int((y != -1).sum()), 0]
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    parallel.forward_backward(model, Batches([(x[0], y[0]), (x[1], y[1])]), 2, scaler, Env())
+    step.micro_batches(model, Batches([(x[0], y[0]), (x[1], y[1])]), 2, scaler, Env())
     assert all(torch.allclose(a, p.grad, atol=1e-6) for a, p in zip(grads, model.parameters()))
 
 
@@ -450,8 +451,8 @@ def test_ddp_two_processes_equal_one_process_with_accumulation_on_sft_data(sft_d
     assert run(sft_dir, tmp_path / "single", *common) == 0
     ddp, single = train_metrics(tmp_path / "ddp"), train_metrics(tmp_path / "single")
     assert list(ddp) == list(range(1, 5))
-    for step, (loss, trained) in single.items():
-        assert abs(ddp[step][0] - loss) < 1e-5 and ddp[step][1] == trained, (step, ddp[step], single[step])
+    for n, (loss, trained) in single.items():
+        assert abs(ddp[n][0] - loss) < 1e-5 and ddp[n][1] == trained, (n, ddp[n], single[n])
 
 
 @pytest.fixture(scope="module")
