@@ -226,25 +226,47 @@ def check_vocab(tokens, vocab_size, path, top=None):
         )
 
 
-def manifest_records(paths, split):
-    """{shard path: its record} for the shards that prepare_data's manifests (<name>_manifest.json next to them)
-    describe, after checking that each manifest covers its `split` shards: the prep finished (the manifest says
-    complete, and no prepare_data.py holds the directory's lock), every shard it lists is there at its recorded
-    size, and no shard under its <name>_ prefix is unlisted. ShardError naming the file otherwise. Shards
-    without a manifest (nanoGPT's, build-nanogpt's) are left out; mixed in one directory with shards a manifest
-    lists, they are a ShardError too."""
+def read_manifests(data_dir):
+    """{manifest path: its parsed JSON} of prepare_data.py's manifests (<name>_manifest.json) in the directories of
+    data_dir's train and val shards, each file read once: a run reads them at its start (resume.start) and its
+    loaders and tokenizer check take them. ShardError naming a manifest that is unreadable or not a JSON object,
+    or a directory a prepare_data.py is still writing; NoShardsError when data_dir has no train shards."""
+    directories = {p.parent for p in find_shards(data_dir, "train")}
+    try:
+        directories |= {p.parent for p in find_shards(data_dir, "val")}
+    except NoShardsError:
+        pass  # a missing val split is the val loader's error, if the run evaluates
     from files import lock_holder
 
+    manifests = {}
+    for manifest in sorted(m for d in directories for m in d.glob("*_manifest.json")):
+        holder = lock_holder(manifest.parent)
+        if holder and holder.startswith("prepare_data.py"):
+            raise ShardError(f"{manifest.parent} is being written by {holder}: wait until it ends")
+        try:
+            manifests[manifest] = json.loads(manifest.read_text())
+            if not isinstance(manifests[manifest], dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
+            raise ShardError(
+                f"{manifest}: unreadable prep manifest ({type(e).__name__}: {e}); run prepare_data.py again, or "
+                f"delete it to train on the shards unchecked"
+            ) from None
+    return manifests
+
+
+def manifest_records(paths, split, manifests):
+    """{shard path: its record} for the shards that prepare_data's manifests (read_manifests: <name>_manifest.json
+    next to them) describe, after checking that each manifest covers its `split` shards: the prep finished (the
+    manifest says complete), every shard it lists is there at its recorded size, and no shard under its <name>_
+    prefix is unlisted. ShardError naming the file otherwise. Shards without a manifest (nanoGPT's,
+    build-nanogpt's) are left out; mixed in one directory with shards a manifest lists, they are a ShardError too."""
     found, paths = {}, [Path(p) for p in paths]
     for directory in sorted({p.parent for p in paths}):
-        manifests = sorted(directory.glob("*_manifest.json"))
-        holder = lock_holder(directory) if manifests else None
-        if holder and holder.startswith("prepare_data.py"):
-            raise ShardError(f"{directory} is being written by {holder}: wait until it ends")
-        for manifest in manifests:
+        for manifest in [m for m in manifests if m.parent == directory]:
             name = manifest.name[: -len("_manifest.json")]
+            m = manifests[manifest]
             try:
-                m = json.loads(manifest.read_text())
                 records = {directory / r["file"]: r for r in m["shards"] if r["split"] == split}
                 sizes = {path: HEADER_BYTES + 2 * int(r["tokens"]) for path, r in records.items()}
             except (OSError, ValueError, KeyError, TypeError) as e:
@@ -288,8 +310,8 @@ def manifest_records(paths, split):
     return found
 
 
-def data_tokenizer(data_dir):
-    """The tokenizer of the train shards in data_dir (a directory or a glob), as prepare_data.py's manifests record it
+def data_tokenizer(manifests):
+    """The tokenizer of a data_dir's shards, as its prepare_data.py manifests (read_manifests) record it
     (bpe.tokenizer_record; "json" read back from the <name>_tokenizer.json beside them and checked against its
     hash), or None where no manifest says (shards of other tools: assumed GPT-2's). A manifest from before tokenizers
     were recorded means GPT-2's ("n_vocab" None). ShardError when the manifests name different tokenizers (e.g. a
@@ -297,32 +319,31 @@ def data_tokenizer(data_dir):
     import hashlib
 
     found = {}
-    for directory in sorted({p.parent for p in find_shards(data_dir, "train")}):
-        for manifest in sorted(directory.glob("*_manifest.json")):
-            try:
-                m = json.loads(manifest.read_text())
-                record = m.get("tokenizer") or {"id": "gpt2", "n_vocab": None, "eot": 50256, "source": None}
-                record = {**record, "json": None}
-                if "file" in record:
-                    record["json"] = (directory / record["file"]).read_text(encoding="utf-8")
-            except (OSError, ValueError, TypeError, AttributeError) as e:
-                raise ShardError(
-                    f"{manifest}: cannot read its tokenizer ({type(e).__name__}: {e}); run prepare_data.py again"
-                ) from None
-            if (
-                record["json"] is not None
-                and record["id"] != "sha256:" + hashlib.sha256(record["json"].encode()).hexdigest()[:16]
-            ):
-                raise ShardError(
-                    f"{directory / record['file']}: changed since {manifest.name} recorded it as "
-                    f"{record['id']}; run prepare_data.py again"
-                )
-            found[manifest] = record
+    for manifest, m in manifests.items():
+        directory = manifest.parent
+        try:
+            record = m.get("tokenizer") or {"id": "gpt2", "n_vocab": None, "eot": 50256, "source": None}
+            record = {**record, "json": None}
+            if "file" in record:
+                record["json"] = (directory / record["file"]).read_text(encoding="utf-8")
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            raise ShardError(
+                f"{manifest}: cannot read its tokenizer ({type(e).__name__}: {e}); run prepare_data.py again"
+            ) from None
+        if (
+            record["json"] is not None
+            and record["id"] != "sha256:" + hashlib.sha256(record["json"].encode()).hexdigest()[:16]
+        ):
+            raise ShardError(
+                f"{directory / record['file']}: changed since {manifest.name} recorded it as "
+                f"{record['id']}; run prepare_data.py again"
+            )
+        found[manifest] = record
     ids = {r["id"] for r in found.values()}
     if len(ids) > 1:
         (a, ra), (b, rb) = [next((m, r) for m, r in found.items() if r["id"] == i) for i in sorted(ids)[:2]]
         raise ShardError(
-            f"{data_dir}: its shards come from two tokenizers: {a} has {ra['id']}, {b} has {rb['id']}; "
+            f"{a.parent}: its shards come from two tokenizers: {a} has {ra['id']}, {b} has {rb['id']}; "
             f"train on one tokenizer's data"
         )
     return next(iter(found.values()), None)
@@ -502,6 +523,7 @@ class DataLoader:
         shuffle=None,
         packing="window",
         doc_token=None,
+        manifests=None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -517,7 +539,9 @@ class DataLoader:
         self.vocab_size = vocab_size
         self.shuffle = (split == "train") if shuffle is None else bool(shuffle)
         self.paths = find_shards(data_dir, split)
-        records = manifest_records(self.paths, split)  # a prep's shards: all there, none foreign, prep finished
+        if manifests is None:  # a run's start read them already (resume.start)
+            manifests = read_manifests(data_dir)
+        records = manifest_records(self.paths, split, manifests)  # a prep's shards: all there, none foreign, finished
         # what starts a document: the <|endoftext|> of the tokenizer the manifest records, else GPT-2's
         self.doc_token = (
             doc_token

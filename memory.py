@@ -28,11 +28,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from checkpoint import is_checkpoint
-from config import CHOICES, ConfigError, batch_layout, model_config
+from config import CHOICES, ConfigError, batch_layout
 from console import distributed, log
 from devices import autocast, is_oom, rng_state, set_rng_state
-from model import GPT, LOSS_CHUNK_ROWS, PRESETS
+from model import GPT, LOSS_CHUNK_ROWS
 
 GiB = 2**30
 # batch_size='auto' from the plan (CPU/MPS): use at most this share of the available memory. On a CPU the peak
@@ -508,14 +507,6 @@ def probes(env):
     return env.kind in PROBED_KINDS and not env.sharded
 
 
-def planned_shape(cfg):
-    """The GPTConfig the model will have, known before it is built; None for a Hugging Face directory. A resumed
-    or fine-tuned run's cfg has its checkpoint's architecture (resume.resolve_config)."""
-    if cfg.init_from in ("scratch", "resume") or is_checkpoint(cfg.init_from):
-        return model_config(cfg)
-    return model_config(cfg, **PRESETS[cfg.init_from]) if cfg.init_from in PRESETS else None
-
-
 def plan_kwargs(cfg, env):
     """estimate_memory's arguments besides the model and the micro-batch."""
     return {
@@ -537,12 +528,12 @@ def device_memory(env):
     return (available // local, f"{what} / {local} ranks") if local > 1 else (available, what)
 
 
-def resolve_batch_size(cfg, env):
+def resolve_batch_size(cfg, env, shape):
     """Before anything big is allocated: log the memory plan and the device's memory; refuse (ConfigError, one line
     naming settings that fit) a batch_size whose plan exceeds it; resolve activation_checkpointing='auto' and
-    batch_size='auto' from the plan (the latter on devices that are not probed: probes()). Returns cfg with them
-    resolved, or batch_size still 'auto' (probe_batch_size)."""
-    shape = planned_shape(cfg)
+    batch_size='auto' from the plan (the latter on devices that are not probed: probes()). shape: the GPTConfig
+    the model will have (resume.Source.model; None for a Hugging Face directory, which has no plan before it is
+    loaded). Returns cfg with them resolved, or batch_size still 'auto' (probe_batch_size)."""
     auto = cfg.batch_size == "auto"
     if auto:  # sequences per rank per optimizer step; total_batch_size is checked before anything is built
         try:

@@ -1,15 +1,17 @@
 """How a run starts (fresh, resumed or fine-tuned) and saves to resume: train.py's side of checkpoints.
 
 start() is the start-up protocol every rank runs alike: config, process group, agreement on the checkpoint, the
-memory plan. resolve_config() turns the user's keys into the run's config: on init_from='resume' over the newest
-checkpoint that verifies (resumed_config: the architecture and optimizer cannot change), on a fine-tuning init_from
-with the checkpoint's architecture (fine_tune_config). Under torchrun only rank 0 hashes the checkpoint; the others
-agree on its choice (agree_on_checkpoint). restore() and restore_rngs() put a run back where its checkpoint left it;
-save() writes one with everything an exact resume needs. The files themselves are checkpoint.py's.
+memory plan; it decides once what the run starts from (Source: scratch, a resume, a checkpoint to fine-tune or
+pretrained weights; the checkpoint file and the data's manifests are each read once). resolve_config() turns the
+user's keys into the run's config: on init_from='resume' over the newest checkpoint that verifies (resumed_config:
+the architecture and optimizer cannot change), on a fine-tuning init_from with the checkpoint's architecture
+(fine_tune_config). Under torchrun only rank 0 hashes the checkpoint; the others agree on its choice
+(agree_on_checkpoint). restore() and restore_rngs() put a run back where its checkpoint left it; Checkpointer.save()
+writes one with everything an exact resume needs. The files themselves are checkpoint.py's.
 
 Tokenizers: the data's tokenizer (prepare_data.py's manifest) must be the one of the weights a run starts from
 (check_tokenizer, in resolve_config: resume, a fine-tuning checkpoint, a Hugging Face directory); run_tokenizer()
-gives the run's tokenizer, which save() puts in every checkpoint, and vocab_size from the data.
+gives the run's tokenizer, which Checkpointer.save() puts in every checkpoint, and vocab_size from the data.
 """
 
 from dataclasses import asdict, dataclass
@@ -39,52 +41,111 @@ from checkpoint import (
 )
 from config import ARCH_KEYS, ConfigError, make_config, model_config
 from console import is_rank0, launched_by_torchrun, log
+from data import NoShardsError, data_tokenizer, read_manifests
 from devices import rng_state, set_rng_state
 from files import Halt
 from memory import resolve_batch_size
-from model import PRESETS
+from model import PRESETS, GPTConfig
 from parallel import check_shared_out_dir, setup, weights_finite
 from tracking import check_tracking_available
 
 
+@dataclass
+class Source:
+    """What a run starts from, decided once by start(). kind: 'scratch'; 'resume' (state: the checkpoint it
+    continues, a sharded one's meta with its directory in state['shards'], state['path'] where it was found);
+    'checkpoint' (fine-tunes the weights of the checkpoint file or directory init_from names: state, read once,
+    its optimizer state dropped); 'pretrained' (a Hugging Face directory or hub name, loaded when the model is
+    built). model: the GPTConfig the model will have, known before it is built (None for a Hugging Face directory:
+    only loading it tells). tokenizer: the run's tokenizer record (bpe.tokenizer_record), which every checkpoint
+    keeps. manifests: the data's prep manifests (data.read_manifests), read once; the loaders take them."""
+
+    kind: str
+    state: dict | None = None
+    model: GPTConfig | None = None
+    tokenizer: dict | None = None
+    manifests: dict | None = None
+
+    @property
+    def resumed(self):
+        """The checkpoint the run continues (kind 'resume'), else None."""
+        return self.state if self.kind == "resume" else None
+
+
+def source_kind(init_from):
+    """The one classification of init_from: 'scratch', 'resume', 'checkpoint' or 'pretrained'."""
+    if init_from in ("scratch", "resume"):
+        return init_from
+    return "checkpoint" if is_checkpoint(init_from) else "pretrained"
+
+
 def start(user):
-    """(cfg, the checkpoint the run resumes from or None, Env, the run's tokenizer record: run_tokenizer), alike on
-    every rank. The config is resolved before
-    the process group exists; under torchrun a rank's error waits until every rank has joined (a rank that failed
-    before would leave the others in the rendezvous until it times out) and is then raised on all of them by
-    check_shared_out_dir, as is an out_dir some node cannot see. Only rank 0 hashes the checkpoint (a sharded
-    one: its metadata, then every rank its share of the shards, verify_shards); every rank resumes from rank 0's
-    choice (agree_on_checkpoint). Last, the memory plan (memory.resolve_batch_size): logged,
-    a batch_size that cannot fit refused, batch_size='auto' resolved from it where the device is not probed."""
-    cfg, ckpt, problem = resolve_config_or_defer(user)
+    """(cfg, Source, Env), alike on every rank. The config is resolved before the process group exists; under
+    torchrun a rank's error waits until every rank has joined (a rank that failed before would leave the others in
+    the rendezvous until it times out) and is then raised on all of them by check_shared_out_dir, as is an out_dir
+    some node cannot see. Only rank 0 hashes the checkpoint (a sharded one: its metadata, then every rank its share
+    of the shards, verify_shards); every rank resumes from rank 0's choice (agree_on_checkpoint). Then the run's
+    tokenizer (run_tokenizer) and last the memory plan (memory.resolve_batch_size): logged, a batch_size that
+    cannot fit refused, batch_size='auto' resolved from it where the device is not probed."""
+    cfg, source, problem = resolve_config_or_defer(user)
     check_tracking_available(cfg.wandb_log, cfg.tensorboard_dir)  # every rank: all stop alike
     env = setup(cfg)
-    cfg, ckpt, problem = agree_on_checkpoint(user, cfg, ckpt, problem, env)
-    check_shared_out_dir(cfg.out_dir, ckpt and ckpt["step"], problem, env)
-    verify_shards(ckpt, env)  # a sharded checkpoint under torchrun: every rank hashes its share, in parallel
-    cfg, tokenizer = run_tokenizer(cfg, user, ckpt)  # vocab_size from the data's tokenizer, before the memory plan
-    return resolve_batch_size(cfg, env), ckpt, env, tokenizer
+    cfg, source, problem = agree_on_checkpoint(user, cfg, source, problem, env)
+    check_shared_out_dir(cfg.out_dir, source.resumed and source.resumed["step"], problem, env)
+    verify_shards(source.resumed, env)  # a sharded checkpoint under torchrun: every rank hashes its share
+    cfg = run_tokenizer(cfg, user, source)  # vocab_size from the data's tokenizer, before the memory plan
+    source.model = planned_model(cfg, source.kind)
+    return resolve_batch_size(cfg, env, source.model), source, env
+
+
+def planned_model(cfg, kind):
+    """The GPTConfig the model will have, known before it is built; None for a Hugging Face directory. A resumed
+    or fine-tuned run's cfg has its checkpoint's architecture (resolve_config)."""
+    if kind != "pretrained":
+        return model_config(cfg)
+    return model_config(cfg, **PRESETS[cfg.init_from]) if cfg.init_from in PRESETS else None
 
 
 def resolve_config(user, verify=True):
-    """(TrainConfig, checkpoint dict or None). On init_from='resume' the newest checkpoint that verifies is
-    loaded (a note names each newer one skipped, and why; verify=False: the newest complete one, unhashed);
-    its config is the base the user's keys override (resumed_config); ckpt['path'] says where it was."""
+    """(TrainConfig, Source). The data's manifests are read here, once. On init_from='resume' the newest checkpoint
+    that verifies is loaded (a note names each newer one skipped, and why; verify=False: the newest complete one,
+    unhashed); its config is the base the user's keys override (resumed_config). A checkpoint to fine-tune is read
+    once, its architecture taken (fine_tune_config). The data's tokenizer must be the one of the weights the run
+    starts from (check_tokenizer)."""
     cfg = make_config(user)
-    if cfg.init_from != "resume":
-        if list_checkpoints(cfg.out_dir):
+    kind = source_kind(cfg.init_from)
+    manifests = data_manifests(cfg.data_dir)
+    source = Source(kind, tokenizer=data_tokenizer(manifests) if manifests else None, manifests=manifests)
+    if kind != "resume" and list_checkpoints(cfg.out_dir):
+        raise ConfigError(
+            f"{cfg.out_dir} already holds checkpoints; continue with --init_from=resume, "
+            f"or pick another out_dir (or delete them) to start over"
+        )
+    if kind == "pretrained":  # its tokenizer
+        check_tokenizer(
+            pretrained_tokenizer(cfg.init_from), source.tokenizer, cfg.data_dir, f"init_from={cfg.init_from!r}"
+        )
+    elif kind == "checkpoint":
+        source.state = load_checkpoint(cfg.init_from, consolidate=False)
+        source.state.pop("optimizer", None)  # a fine-tune starts its own
+        cfg = fine_tune_config(user, cfg, source)
+    elif kind == "resume":
+        if not list_checkpoints(cfg.out_dir):
             raise ConfigError(
-                f"{cfg.out_dir} already holds checkpoints; continue with --init_from=resume, "
-                f"or pick another out_dir (or delete them) to start over"
+                f"init_from='resume' but {cfg.out_dir} holds no checkpoint (ckpt_XXXXXX.pt or ckpt_XXXXXX/)"
             )
-        if cfg.init_from != "scratch" and not is_checkpoint(cfg.init_from):  # pretrained weights, their tokenizer
-            check_tokenizer(pretrained_tokenizer(cfg.init_from), cfg.data_dir, f"init_from={cfg.init_from!r}")
-        return fine_tune_config(user, cfg) if is_checkpoint(cfg.init_from) else cfg, None
-    if not list_checkpoints(cfg.out_dir):
-        raise ConfigError(f"init_from='resume' but {cfg.out_dir} holds no checkpoint (ckpt_XXXXXX.pt or ckpt_XXXXXX/)")
-    # a sharded checkpoint: its meta only; each rank reads its own shards later
-    ckpt, path = load_latest_checkpoint(cfg.out_dir, consolidate=False, verify=verify)
-    return resumed_config(user, cfg.out_dir, {**ckpt, "path": str(path)})
+        # a sharded checkpoint: its meta only; each rank reads its own shards later
+        ckpt, path = load_latest_checkpoint(cfg.out_dir, consolidate=False, verify=verify)
+        cfg, source.state = resumed_config(user, cfg.out_dir, {**ckpt, "path": str(path)}, source.tokenizer)
+    return cfg, source
+
+
+def data_manifests(data_dir):
+    """data.read_manifests of data_dir, or None where it has no shards yet (make_loaders says how to prepare it)."""
+    try:
+        return read_manifests(data_dir)
+    except NoShardsError:
+        return None
 
 
 def pretrained_tokenizer(init_from):
@@ -96,16 +157,11 @@ def pretrained_tokenizer(init_from):
     )
 
 
-def check_tokenizer(saved, data_dir, what):
-    """ConfigError (one line naming both) unless data_dir's shards were tokenized with `saved`, the tokenizer record
-    of the weights a run starts from (`what`: where they are); None (a checkpoint from before tokenizers were
-    recorded) is GPT-2's. Data without a manifest (other tools' shards), or no data yet, is not checked here."""
-    from data import NoShardsError, data_tokenizer
-
-    try:
-        data = data_tokenizer(data_dir)
-    except NoShardsError:
-        return  # make_loaders says how to prepare it
+def check_tokenizer(saved, data, data_dir, what):
+    """ConfigError (one line naming both) unless data_dir's shards were tokenized (`data`: the tokenizer record its
+    manifests give) with `saved`, the tokenizer record of the weights a run starts from (`what`: where they are);
+    None (a checkpoint from before tokenizers were recorded) is GPT-2's. Data without a manifest (other tools'
+    shards), or no data yet, is not checked here."""
     saved = saved or {"id": "gpt2", "source": None}
     if data is not None and data["id"] != saved["id"]:
 
@@ -119,31 +175,25 @@ def check_tokenizer(saved, data_dir, what):
         )
 
 
-def run_tokenizer(cfg, user, ckpt):
-    """(cfg, the run's tokenizer record, bpe.tokenizer_record): the data's (prepare_data.py's manifest), else that
-    of the weights it starts from (check_tokenizer has refused a mismatch). A run from scratch takes vocab_size from
-    the data, the tokenizer's size padded to a multiple of 64, unless the config sets it (directly or by preset)."""
-    from data import NoShardsError, data_tokenizer
-
-    try:
-        record = data_tokenizer(cfg.data_dir)
-    except NoShardsError:
-        record = None  # make_loaders says how to prepare it
-    if record is None and ckpt is not None:
-        record = ckpt.get("tokenizer")
-    elif record is None and is_checkpoint(cfg.init_from):
-        record = load_checkpoint(cfg.init_from, consolidate=False, verify=False).get("tokenizer")
-    elif record is None and cfg.init_from not in ("scratch", "resume"):
-        record = pretrained_tokenizer(cfg.init_from)
+def run_tokenizer(cfg, user, source):
+    """cfg, with source.tokenizer set to the run's tokenizer record: the data's (prepare_data.py's manifest), else
+    that of the weights it starts from (check_tokenizer has refused a mismatch). A run from scratch takes vocab_size
+    from the data, the tokenizer's size padded to a multiple of 64, unless the config sets it (directly or by
+    preset)."""
+    if source.tokenizer is None and source.state is not None:
+        source.tokenizer = source.state.get("tokenizer")
+    elif source.tokenizer is None and source.kind == "pretrained":
+        source.tokenizer = pretrained_tokenizer(cfg.init_from)
+    record = source.tokenizer
     chosen = {**PRESETS.get(user.get("preset"), {}), **user}
-    if cfg.init_from == "scratch" and record and record.get("n_vocab") and "vocab_size" not in chosen:
+    if source.kind == "scratch" and record and record.get("n_vocab") and "vocab_size" not in chosen:
         cfg = make_config({**asdict(cfg), "vocab_size": -(-record["n_vocab"] // 64) * 64})
-    return cfg, record
+    return cfg
 
 
-def resumed_config(user, out_dir, ckpt):
+def resumed_config(user, out_dir, ckpt, data_tokenizer):
     """(cfg, ckpt) of a run resuming from ckpt: the user's keys over the checkpoint's config; the architecture and
-    the optimizer cannot change."""
+    the optimizer cannot change, nor the tokenizer of the data (data_tokenizer: its record, or None)."""
     path = ckpt["path"]
     # the run stays in the out_dir it found the checkpoint in (the checkpoint's own may be another, if moved)
     cfg = make_config({**user, "out_dir": out_dir}, base=ckpt["config"])
@@ -159,16 +209,15 @@ def resumed_config(user, out_dir, ckpt):
                 f"cannot change {key} when resuming: the checkpoint {path} has "
                 f"{getattr(saved, key)!r}, the config {getattr(cfg, key)!r}"
             )
-    check_tokenizer(ckpt.get("tokenizer"), cfg.data_dir, f"the checkpoint {path}")
+    check_tokenizer(ckpt.get("tokenizer"), data_tokenizer, cfg.data_dir, f"the checkpoint {path}")
     return cfg, ckpt
 
 
-def fine_tune_config(user, cfg):
-    """cfg with the architecture of the checkpoint cfg.init_from names (train.build_model loads its weights); the
-    step count, optimizer, schedule and data order stay this run's. An architecture key the user set (directly or
-    through `preset`) that differs from the checkpoint's is a ConfigError."""
-    ckpt = load_checkpoint(cfg.init_from, consolidate=False)
-    saved = model_config(cfg, **ckpt["model_args"])  # fields added since the checkpoint get their defaults
+def fine_tune_config(user, cfg, source):
+    """cfg with the architecture of the checkpoint (source.state) that cfg.init_from names (train.build_model loads
+    its weights); the step count, optimizer, schedule and data order stay this run's. An architecture key the user
+    set (directly or through `preset`) that differs from the checkpoint's is a ConfigError."""
+    saved = model_config(cfg, **source.state["model_args"])  # fields added since the checkpoint get their defaults
     chosen = {**PRESETS.get(user.get("preset"), {}), **user}
     for key in ARCH_KEYS:
         if key in chosen and chosen[key] != getattr(saved, key):
@@ -177,12 +226,12 @@ def fine_tune_config(user, cfg):
                 f"config {key}={chosen[key]!r}; a fine-tuned model keeps its architecture: drop {key} "
                 f"from the config"
             )
-    check_tokenizer(ckpt.get("tokenizer"), cfg.data_dir, f"init_from={cfg.init_from!r}")
+    check_tokenizer(source.state.get("tokenizer"), source.tokenizer, cfg.data_dir, f"init_from={cfg.init_from!r}")
     return make_config({**user, **{key: getattr(saved, key) for key in ARCH_KEYS}})
 
 
 def resolve_config_or_defer(user):
-    """(cfg, checkpoint or None, error message or None): resolve_config, except that under torchrun its error is
+    """(cfg, Source, error message or None): resolve_config, except that under torchrun its error is
     returned rather than raised. A rank that failed before joining the process group (a node that cannot see
     out_dir's checkpoints) would leave the others waiting in the rendezvous until it times out; instead every
     rank joins and check_shared_out_dir raises the error on all of them."""
@@ -192,39 +241,39 @@ def resolve_config_or_defer(user):
     except (ConfigError, CheckpointError) as e:
         if not launched_by_torchrun():
             raise
-        return make_config(user), None, str(e)  # a bad key fails here alike on every rank: nobody waits
+        cfg = make_config(user)  # a bad key fails here alike on every rank: nobody waits
+        return cfg, Source(source_kind(cfg.init_from)), str(e)
 
 
 SETUP_KEYS = ("device", "dtype", "parallel", "shard_size", "seed", "dist_timeout_minutes")  # what setup() used
 
 
-def agree_on_checkpoint(user, cfg, ckpt, problem, env):
+def agree_on_checkpoint(user, cfg, source, problem, env):
     """Under torchrun only rank 0 sha256-hashed the checkpoint it resumes from (one read of an 18 GB file,
     not one per rank); a rank that chose another (rank 0 skipped a damaged one) loads rank 0's, unhashed.
-    Returns (cfg, ckpt, problem); a problem is raised on every rank by check_shared_out_dir."""
-    if not env.distributed or cfg.init_from != "resume":
-        return cfg, ckpt, problem
-    chosen = [ckpt and ckpt["path"]]
+    Returns (cfg, source, problem); a problem is raised on every rank by check_shared_out_dir."""
+    if not env.distributed or source.kind != "resume":
+        return cfg, source, problem
+    mine = source.state and source.state["path"]
+    chosen = [mine]
     dist.broadcast_object_list(chosen, src=0)
-    if problem or chosen[0] is None or chosen[0] == (ckpt and ckpt["path"]):
-        return cfg, ckpt, problem
+    if problem or chosen[0] is None or chosen[0] == mine:
+        return cfg, source, problem
     try:
-        agreed, ckpt = resumed_config(
-            user, cfg.out_dir, {**load_checkpoint(chosen[0], consolidate=False, verify=False), "path": chosen[0]}
-        )
+        ckpt = {**load_checkpoint(chosen[0], consolidate=False, verify=False), "path": chosen[0]}
+        agreed, source.state = resumed_config(user, cfg.out_dir, ckpt, source.tokenizer)
     except (ConfigError, CheckpointError) as e:
-        return cfg, None, str(e)
+        source.state = None
+        return cfg, source, str(e)
     changed = [k for k in SETUP_KEYS if getattr(agreed, k) != getattr(cfg, k)]
     if changed:
-        return (
-            cfg,
-            None,
-            (
-                f"rank 0 resumes from {chosen[0]}, whose {changed[0]} differs from that of the checkpoint "
-                f"this rank found; resume again"
-            ),
+        source.state = None
+        problem = (
+            f"rank 0 resumes from {chosen[0]}, whose {changed[0]} differs from that of the checkpoint this rank "
+            f"found; resume again"
         )
-    return agreed, ckpt, None
+        return cfg, source, problem
+    return agreed, source, None
 
 
 def verify_shards(ckpt, env):
@@ -299,42 +348,52 @@ def kept_checkpoint(out_dir):
     return f"the last checkpoint, {found[-1][1]}, is kept (continue with --init_from=resume)"
 
 
-def save(out_dir, val, progress, raw_model, optimizer, scaler, loader, tracker, cfg, env, tokenizer=None):
-    """Write a checkpoint holding everything an exact resume needs, then prune old ones: ckpt_{step}.pt from
-    rank 0, or in a sharded run the directory ckpt_{step}/ to which every rank writes its own shards.
-    `tokenizer`: the run's bpe.tokenizer_record (its tokenizer.json text, a str, goes along: a checkpoint moved
-    to another machine still samples); None is GPT-2's."""
-    rngs = [rng_state()]
-    if env.distributed:  # every rank's dropout RNG, so a resumed DDP run draws the same masks
-        rngs = [None] * env.world_size
-        dist.all_gather_object(rngs, rng_state())
-    if not (env.master or env.sharded):
-        return
-    step = progress.step
-    if not weights_finite(raw_model, env):
-        raise Halt(f"step {step}: the weights hold NaN/inf; not writing them")
-    if val is not None and (progress.best_val is None or val < progress.best_val):
-        progress.best_step, progress.best_val = step, val
-    config = {**asdict(cfg), "batch_size": loader.B}  # the live micro-batch: an out-of-memory may have halved it
-    meta = {
-        "model_args": asdict(raw_model.config),
-        "config": config,
-        "step": step,
-        "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-        "loader": loader.state_dict(),
-        "rng": rngs,
-        "val_loss": val,
-        "best_step": progress.best_step,
-        "best_val_loss": progress.best_val,
-        "tracker": tracker.state_dict(),
-        "format": FORMAT,
-        "tokenizer": tokenizer,
-    }
-    path = checkpoint_path(out_dir, step, sharded=env.sharded)
-    if env.sharded:
-        save_sharded_checkpoint(path, meta, raw_model, optimizer)
-    else:
-        save_checkpoint(path, {**meta, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict()})
-    if env.master:
-        prune_checkpoints(out_dir, cfg.keep_last, keep_steps={progress.best_step})
-        log(f"step {step}: saved {path}")
+class Checkpointer:
+    """Writes the run's checkpoints, built once in train.run() (torchtitan's CheckpointManager). states: what a
+    checkpoint holds the state of: {'model': the bare GPT, 'optimizer', 'scaler', 'loader': the train loader,
+    'tracker'}. tokenizer: the run's bpe.tokenizer_record (its tokenizer.json text, a str, goes along: a checkpoint
+    moved to another machine still samples); None is GPT-2's."""
+
+    def __init__(self, cfg, env, states, tokenizer=None):
+        self.cfg, self.env, self.states, self.tokenizer = cfg, env, states, tokenizer
+
+    def save(self, progress, val=None):
+        """Write a checkpoint holding everything an exact resume needs at progress.step (val: the val loss there,
+        which keeps the best checkpoint), then prune old ones: ckpt_{step}.pt from rank 0, or in a sharded run the
+        directory ckpt_{step}/ to which every rank writes its own shards. Every rank calls it."""
+        env, raw_model, loader = self.env, self.states["model"], self.states["loader"]
+        rngs = [rng_state()]
+        if env.distributed:  # every rank's dropout RNG, so a resumed DDP run draws the same masks
+            rngs = [None] * env.world_size
+            dist.all_gather_object(rngs, rng_state())
+        if not (env.master or env.sharded):
+            return
+        step = progress.step
+        if not weights_finite(raw_model, env):
+            raise Halt(f"step {step}: the weights hold NaN/inf; not writing them")
+        if val is not None and (progress.best_val is None or val < progress.best_val):
+            progress.best_step, progress.best_val = step, val
+        scaler, optimizer = self.states["scaler"], self.states["optimizer"]
+        meta = {
+            "model_args": asdict(raw_model.config),
+            # the live micro-batch: an out-of-memory may have halved it
+            "config": {**asdict(self.cfg), "batch_size": loader.B},
+            "step": step,
+            "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+            "loader": loader.state_dict(),
+            "rng": rngs,
+            "val_loss": val,
+            "best_step": progress.best_step,
+            "best_val_loss": progress.best_val,
+            "tracker": self.states["tracker"].state_dict(),
+            "format": FORMAT,
+            "tokenizer": self.tokenizer,
+        }
+        path = checkpoint_path(self.cfg.out_dir, step, sharded=env.sharded)
+        if env.sharded:
+            save_sharded_checkpoint(path, meta, raw_model, optimizer)
+        else:
+            save_checkpoint(path, {**meta, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict()})
+        if env.master:
+            prune_checkpoints(self.cfg.out_dir, self.cfg.keep_last, keep_steps={progress.best_step})
+            log(f"step {step}: saved {path}")

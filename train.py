@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from bpe import tokenizer_from_record
 from chat import CHAT_VOCAB
-from checkpoint import CheckpointError, is_checkpoint, load_checkpoint, load_sharded_checkpoint
+from checkpoint import CheckpointError, load_sharded_checkpoint
 from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text, make_config, model_config, parse_args
 from console import distributed, log, progress_bar
 from data import DataLoader, NoShardsError, ShardError
@@ -38,7 +38,7 @@ from memory import probe_batch_size
 from model import GPT, TRAINING_ONLY_MODEL_KEYS
 from optim import build_optimizer, set_lr
 from parallel import any_rank, build_on_meta, gathered, is_compiled, keeps_grads, lock_out_dir, parallelize
-from resume import Progress, kept_checkpoint, restore, restore_rngs, save, start
+from resume import Checkpointer, Progress, kept_checkpoint, restore, restore_rngs, start
 from step import clip_gradients, forward_backward, in_micro_batches, to_device
 from tracking import TRACKING_KEYS, NoTracker, Tracker, TrackingError
 
@@ -60,9 +60,10 @@ class StopRequest:
 # ----------------------------------------------------------------------------- setup
 
 
-def make_loaders(cfg, env):
+def make_loaders(cfg, env, manifests):
     """Train and val loaders: every rank reads its own slice of one global, world-size-invariant stream.
-    Every shard is validated here, token ids included, before step 1."""
+    Every shard is validated here, token ids included, before step 1. manifests: the data's, as the run's start
+    read them (resume.Source.manifests)."""
 
     def loader(split):  # batch_size='auto': 1 until probe_batch_size sets it
         return DataLoader(
@@ -75,6 +76,7 @@ def make_loaders(cfg, env):
             seed=cfg.seed,
             vocab_size=cfg.vocab_size,
             packing=cfg.packing,
+            manifests=manifests,
         )
 
     try:
@@ -91,22 +93,23 @@ def make_loaders(cfg, env):
     return train_loader, val_loader
 
 
-def build_model(cfg, ckpt, env, min_vocab=0):
-    """(the bare GPT, cfg with the model's real shape) from the checkpoint the run resumes from, scratch, a checkpoint
-    to fine-tune (its weights only: resolve_config took its architecture) or pretrained weights; pretrained weights
-    with fewer than min_vocab rows (GPT-2's 50257, for SFT data's chat tokens) are padded to a multiple of 64.
-    Where: an unsharded run's on its device. A sharded run's from scratch or from a sharded checkpoint on the meta
-    device (parallel.build_on_meta: parallelize() gives each rank its shards only, and restore() loads a sharded
-    checkpoint's weights into them); from whole weights on the CPU, for fully_shard to move."""
-    if ckpt is not None or cfg.init_from == "scratch":  # resuming: cfg has the checkpoint's architecture
-        if env.sharded and (ckpt is None or "shards" in ckpt):
+def build_model(cfg, source, env, min_vocab=0):
+    """(the bare GPT, cfg with the model's real shape) from what the run starts from (resume.Source): scratch, the
+    checkpoint it resumes from, a checkpoint to fine-tune (its weights only: resolve_config took its architecture)
+    or pretrained weights; pretrained weights with fewer than min_vocab rows (GPT-2's 50257, for SFT data's chat
+    tokens) are padded to a multiple of 64. Where: an unsharded run's on its device. A sharded run's from scratch
+    or from a sharded checkpoint on the meta device (parallel.build_on_meta: parallelize() gives each rank its
+    shards only, and restore() loads a sharded checkpoint's weights into them); from whole weights on the CPU,
+    for fully_shard to move."""
+    state = source.state
+    if source.kind in ("scratch", "resume"):
+        if env.sharded and (state is None or "shards" in state):
             # a sharded checkpoint overwrites every weight: no replay of the random initialisation
-            return build_on_meta(model_config(cfg), replay=ckpt is None), cfg
+            return build_on_meta(model_config(cfg), replay=state is None), cfg
         model = GPT(model_config(cfg))
-        if ckpt is not None and "shards" not in ckpt:
-            model.load_state_dict(ckpt["model"])
-    elif is_checkpoint(cfg.init_from):  # fine-tuning
-        state = load_checkpoint(cfg.init_from, consolidate=False, note=lambda message: None)  # noted already
+        if state is not None and "shards" not in state:
+            model.load_state_dict(state["model"])
+    elif source.kind == "checkpoint":  # fine-tuning
         model = GPT(model_config(cfg))
         if "shards" in state:
             load_sharded_checkpoint(state["shards"], model, collective=False)
@@ -143,21 +146,37 @@ def get_lr(step, cfg):
     return cfg.learning_rate + progress * (cfg.min_lr - cfg.learning_rate)
 
 
+@dataclass
+class StepStats:
+    """What one optimizer step measured, of all ranks (reduce_step_stats), and what the loop adds to it."""
+
+    train_loss: float
+    grad_norm: float
+    stop: bool  # a rank got SIGTERM/SIGINT
+    trained_tokens: int
+    empty_micro_batches: int  # micro-batches with no trained target (loss masks)
+    step: int = 0  # the step this one completes (1-based)
+    lr: float = 0.0
+    dt: float = 0.0  # seconds
+    skipped: str | None = None  # why its update was skipped
+
+
 def reduce_step_stats(loss_sum, stop_flag, grad_norm, counts, env):
-    """(mean loss over ranks, grad norm, whether any rank got a signal, trained tokens, micro-batches with no
-    trained target) with one device->host copy; counts is forward_backward's, already of all ranks."""
+    """The step's StepStats with one device->host copy: the mean loss over ranks, the grad norm, whether any rank
+    got a signal, and forward_backward's counts (already of all ranks)."""
     flags = torch.stack([loss_sum, stop_flag])
     if env.distributed:
         dist.all_reduce(flags)  # SUM: gloo has no AVG
     mine = torch.stack([flags[0] / env.world_size, flags[1], grad_norm.float()]).double()
     loss, stop, norm, trained, empty = torch.cat([mine, counts.to(mine.device)]).tolist()
-    return loss, norm, stop > 0, int(trained), int(empty)
+    return StepStats(loss, norm, stop > 0, int(trained), int(empty))
 
 
-def skip_reason(train_loss, grad_norm, scaler, cfg, progress, step, trained_tokens=1):
-    """Why this update must be skipped (None: apply it); raises Halt where the run must stop. Gradients are
-    identical on every rank after the all-reduce, so all ranks decide alike."""
-    if trained_tokens == 0:  # SFT data whose every target in the step is masked: nothing to learn from
+def skip_reason(stats, scaler, cfg, progress):
+    """Why the update of the step `stats` measured must be skipped (None: apply it); raises Halt where the run must
+    stop. Gradients are identical on every rank after the all-reduce, so all ranks decide alike."""
+    train_loss, grad_norm, step = stats.train_loss, stats.grad_norm, stats.step
+    if stats.trained_tokens == 0:  # SFT data whose every target in the step is masked: nothing to learn from
         return "no trained target in any micro-batch of the step (loss masks)"
     if math.isfinite(train_loss) and math.isfinite(grad_norm):
         progress.skipped_in_a_row = 0
@@ -300,42 +319,28 @@ def evaluate(step, model, raw_model, val_loader, micro, kept, tracker, cfg, env,
     return val
 
 
-def step_record(
-    step,
-    train_loss,
-    lr,
-    grad_norm,
-    dt,
-    skipped,
-    total_batch_size,
-    peak,
-    raw_model,
-    micro_batch,
-    env,
-    trained_tokens,
-    empty_micro_batches=0,
-):
-    """The metrics.jsonl record of one optimizer step."""
-    tokens_per_s = total_batch_size / dt
+def step_record(stats, micro_batch, total_batch_size, raw_model, peak, env):
+    """The metrics.jsonl record of one optimizer step (stats: its StepStats)."""
+    tokens_per_s = total_batch_size / stats.dt
     mem, reserved = peak_memory(env.kind)
     record = {
-        "step": step,
-        "train_loss": train_loss,
-        "lr": lr,
-        "grad_norm": grad_norm,
+        "step": stats.step,
+        "train_loss": stats.train_loss,
+        "lr": stats.lr,
+        "grad_norm": stats.grad_norm,
         "tokens_per_s": tokens_per_s,
         "mfu": raw_model.estimate_mfu(tokens_per_s / env.world_size, peak),
-        "step_ms": dt * 1000,
+        "step_ms": stats.dt * 1000,
         "peak_mem_mb": mem,
         "micro_batch": micro_batch,
-        "trained_tokens": trained_tokens,
+        "trained_tokens": stats.trained_tokens,
     }
     if reserved is not None:
         record["peak_reserved_mb"] = reserved
-    if skipped:
-        record["skipped"] = skipped
-    if empty_micro_batches:
-        record["skipped_micro_batches"] = empty_micro_batches
+    if stats.skipped:
+        record["skipped"] = stats.skipped
+    if stats.empty_micro_batches:
+        record["skipped_micro_batches"] = stats.empty_micro_batches
     return record
 
 
@@ -352,9 +357,9 @@ def report_step(record, tracker, bar, cfg):
         )
 
 
-def start_tracking(cfg, ckpt, progress, total_batch_size, env):
-    """Rank 0 writes out_dir/config.json and tracks the run (metrics.jsonl, W&B, TensorBoard; resumed with the
-    checkpoint's state); the other ranks track nothing."""
+def start_tracking(cfg, resumed, total_batch_size, env):
+    """Rank 0 writes out_dir/config.json and tracks the run (metrics.jsonl, W&B, TensorBoard; resumed with the state
+    of the checkpoint `resumed`, if any); the other ranks track nothing."""
     if not env.master:
         return NoTracker()
     out_dir = Path(cfg.out_dir)
@@ -364,8 +369,8 @@ def start_tracking(cfg, ckpt, progress, total_batch_size, env):
         out_dir,
         asdict(cfg),
         total_batch_size,
-        resume_step=progress.step if ckpt else None,
-        state=ckpt.get("tracker") if ckpt else None,
+        resume_step=resumed["step"] if resumed else None,
+        state=resumed.get("tracker") if resumed else None,
         **{k: getattr(cfg, k) for k in TRACKING_KEYS},
     )
 
@@ -373,11 +378,12 @@ def start_tracking(cfg, ckpt, progress, total_batch_size, env):
 # ----------------------------------------------------------------------------- the recipe
 
 
-def run_summary(raw_model, compiled, cfg, env, total_batch_size, grad_accum, resumed_step):
+def run_summary(raw_model, model, cfg, env, resumed_step):
     """The one line that says what this run is: size, device, precision, world, batch layout."""
+    total_batch_size, grad_accum = batch_layout(cfg, env.world_size)
     line = (
         f"{raw_model.num_params() / 1e6:.2f}M parameters | device {env.device} | dtype {env.dtype} | compile "
-        f"{compiled} | world size {env.world_size}"
+        f"{is_compiled(model)} | world size {env.world_size}"
         + (f" ({env.parallel})" if env.distributed else "")
         + f" | {total_batch_size:,} tokens/step = {env.world_size} ranks"
         f" x {grad_accum} accumulation steps x {cfg.batch_size} x {cfg.block_size}"
@@ -388,13 +394,13 @@ def run_summary(raw_model, compiled, cfg, env, total_batch_size, grad_accum, res
 def run(user):
     """The recipe, for the keys the user set (parse_args). Config: defaults < checkpoint (on resume) < preset <
     config files < --key=value."""
-    cfg, ckpt, env, tokenizer = start(user)  # config, process group, checkpoint and tokenizer, alike on every rank
-    enc = tokenizer_from_record(tokenizer)  # for HellaSwag, the task suite and samples
-    train_loader, val_loader = make_loaders(cfg, env)
+    cfg, source, env = start(user)  # config, process group, what the run starts from: alike on every rank
+    enc = tokenizer_from_record(source.tokenizer)  # for HellaSwag, the task suite and samples
+    train_loader, val_loader = make_loaders(cfg, env, source.manifests)
 
     # the bare GPT (checkpoints, samples, HellaSwag); SFT data's chat tokens need GPT-2's vocabulary padded
     min_vocab = CHAT_VOCAB if train_loader.masks is not None else 0
-    raw_model, cfg = build_model(cfg, ckpt, env, min_vocab)
+    raw_model, cfg = build_model(cfg, source, env, min_vocab)
     if cfg.batch_size == "auto":  # a probed device (CUDA)
         cfg = probe_batch_size(raw_model, cfg, env, [train_loader, val_loader])
     # cfg is final from here on; the micro-batch may still halve on an out-of-memory: train_loader.B is the live one
@@ -403,15 +409,18 @@ def run(user):
     model = parallelize(raw_model, cfg, env)  # what the loop calls
     optimizer = build_optimizer(raw_model, cfg, fused_adamw_supported(env.kind))  # after sharding
     scaler = torch.amp.GradScaler(env.kind, enabled=env.dtype == "float16")  # loss scaling for fp16 only
-    progress = restore(ckpt, raw_model, optimizer, scaler, train_loader) if ckpt else Progress()
+    resumed = source.resumed
+    progress = restore(resumed, raw_model, optimizer, scaler, train_loader) if resumed else Progress()
 
     out_dir = Path(cfg.out_dir)
-    tracker = start_tracking(cfg, ckpt, progress, total_batch_size, env)
+    tracker = start_tracking(cfg, resumed, total_batch_size, env)
+    states = {"model": raw_model, "optimizer": optimizer, "scaler": scaler, "loader": train_loader, "tracker": tracker}
+    checkpointer = Checkpointer(cfg, env, states, source.tokenizer)
     log(config_table(cfg, user))
-    log(run_summary(raw_model, is_compiled(model), cfg, env, total_batch_size, grad_accum, ckpt and ckpt["step"]))
-    if ckpt is not None:
-        restore_rngs(ckpt, env)
-    del ckpt  # free the checkpoint's copy of the weights and optimizer state
+    log(run_summary(raw_model, model, cfg, env, resumed and resumed["step"]))
+    if resumed is not None:
+        restore_rngs(resumed, env)
+    source.state = resumed = None  # free the checkpoint's copy of the weights and optimizer state
 
     stop = StopRequest()
     stop_flag = torch.zeros((), device=env.device)
@@ -439,7 +448,7 @@ def run(user):
                 except Abandoned:  # a signal: save now rather than after a whole evaluation
                     stopping = True
             if step > start_step and (last or stopping or cfg.save_interval and step % cfg.save_interval == 0):
-                save(out_dir, val, progress, raw_model, optimizer, scaler, train_loader, tracker, cfg, env, tokenizer)
+                checkpointer.save(progress, val)
                 saved_step = step
             if last or stopping:
                 break
@@ -453,42 +462,24 @@ def run(user):
                 stop_flag.fill_(1.0)
             scaler.unscale_(optimizer)  # true gradients before clipping (no-op without fp16)
             grad_norm = clip_gradients(raw_model, cfg.grad_clip)
-            train_loss, grad_norm, stopping, trained_tokens, empty = reduce_step_stats(
-                loss_sum, stop_flag, grad_norm, counts, env
-            )
-            skipped = skip_reason(train_loss, grad_norm, scaler, cfg, progress, step + 1, trained_tokens)
-            if empty and trained_tokens:  # they ran (every rank runs every backward) and added nothing
+            stats = reduce_step_stats(loss_sum, stop_flag, grad_norm, counts, env)
+            stats.step, stats.lr, stopping = step + 1, lr, stats.stop
+            stats.skipped = skip_reason(stats, scaler, cfg, progress)
+            if stats.empty_micro_batches and stats.trained_tokens:  # they ran (every rank runs every backward)
                 log(
-                    f"step {step + 1}: {empty} micro-batch(es) with no trained target (loss masks) skipped: loss and "
-                    "gradients 0, the step's mean is over the others' tokens",
+                    f"step {step + 1}: {stats.empty_micro_batches} micro-batch(es) with no trained target (loss "
+                    "masks) skipped: loss and gradients 0, the step's mean is over the others' tokens",
                     note=True,
                 )
-            if skipped:
-                log(f"step {step + 1}: {skipped}: update skipped")
+            if stats.skipped:
+                log(f"step {step + 1}: {stats.skipped}: update skipped")
             else:
                 scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=not keeps_grads(model))  # also drops the gradients of a skipped step
-            dt = time.perf_counter() - t0
-            step += 1
-            progress.step = step
-
-            record = step_record(
-                step,
-                train_loss,
-                lr,
-                grad_norm,
-                dt,
-                skipped,
-                total_batch_size,
-                peak,
-                raw_model,
-                train_loader.B,
-                env,
-                trained_tokens,
-                empty,
-            )
-            report_step(record, tracker, bar, cfg)
+            stats.dt = time.perf_counter() - t0
+            progress.step = step + 1
+            report_step(step_record(stats, train_loader.B, total_batch_size, raw_model, peak, env), tracker, bar, cfg)
         finished = True
     except Halt as e:
         raise Halt(f"{e}; {kept_checkpoint(out_dir)}") from None
@@ -499,7 +490,7 @@ def run(user):
         if not env.distributed and progress.step > saved_step:
             optimizer.zero_grad(set_to_none=True)
             train_loader.load_state_dict(step_start)
-            save(out_dir, None, progress, raw_model, optimizer, scaler, train_loader, tracker, cfg, env, tokenizer)
+            checkpointer.save(progress)
         raise ShardError(f"{e}; {kept_checkpoint(out_dir)}") from None
     finally:
         bar.close()

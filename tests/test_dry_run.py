@@ -142,10 +142,10 @@ def test_memory_check_on_a_gpu_keeps_the_margin(monkeypatch):
     need = memory.with_margin(plan)
     assert need == int(plan * 1.05) + 3 * GiB // 2
     monkeypatch.setattr(memory, "available_memory", lambda device: (need, f"{device}: free"))
-    assert memory.resolve_batch_size(cfg, env).batch_size == 2
+    assert memory.resolve_batch_size(cfg, env, model_config(cfg)).batch_size == 2
     monkeypatch.setattr(memory, "available_memory", lambda device: (need - 1, f"{device}: free"))
     with pytest.raises(ConfigError, match=r"a plan may use .* GiB: plan x 1.05 \+ 1.5 GiB <= free"):
-        memory.resolve_batch_size(cfg, env)
+        memory.resolve_batch_size(cfg, env, model_config(cfg))
 
 
 @pytest.mark.parametrize("name", ["gpt3_6p7b", "pythia_6p9b"])

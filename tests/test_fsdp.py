@@ -320,9 +320,9 @@ def test_under_torchrun_a_rank_other_than_0_hashes_nothing(data_dir, tmp_path, m
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("WORLD_SIZE", "2")
         hashed.clear()
-        cfg, ckpt, problem = resume.resolve_config_or_defer(user)
+        cfg, source, problem = resume.resolve_config_or_defer(user)
         assert hashed == expected, rank
-        assert ckpt["path"] == str(tmp_path / "ckpt_000002.pt") and problem is None
+        assert source.state["path"] == str(tmp_path / "ckpt_000002.pt") and problem is None
 
 
 def test_a_sharded_resume_hashes_the_metadata_first_and_then_each_rank_its_share_of_the_shards(tmp_path, monkeypatch):
@@ -336,9 +336,10 @@ def test_a_sharded_resume_hashes_the_metadata_first_and_then_each_rank_its_share
     )
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    cfg, ckpt, problem = resume.resolve_config_or_defer(
+    cfg, source, problem = resume.resolve_config_or_defer(
         train.parse_args(["--init_from=resume", f"--out_dir={tmp_path}"])
     )
+    ckpt = source.resumed
     assert sorted(set(hashed)) == [".metadata", "meta.pt"] and problem is None and ckpt["step"] == 5
     sums = tmp_path / "ckpt_000005" / checkpoint.SUMS
     shards = sorted(set(checkpoint.read_checksums(sums)) - {".metadata", "meta.pt"})
@@ -366,7 +367,7 @@ def test_a_sharded_resume_hashes_the_metadata_first_and_then_each_rank_its_share
 SHARDED_EVAL = """
 import json, sys
 import torch
-import assets, hellaswag, parallel, train
+import assets, hellaswag, parallel, resume, train
 from config import make_config, model_config
 from model import GPT
 
@@ -376,7 +377,7 @@ cfg = make_config(dict(n_layer=2, n_head=2, n_embd=32, block_size=64, device="cp
                        parallel="fsdp", sample_tokens=12, sample_prompt="The", seed=7))
 env = parallel.setup(cfg)
 kept = {"hellaswag": hellaswag.Rendered(examples, enc, env.rank, env.world_size)}  # as train.py keeps them
-raw, cfg = train.build_model(cfg, None, env)  # as train.py builds a sharded run: on meta
+raw, cfg = train.build_model(cfg, resume.Source("scratch"), env)  # as train.py builds a sharded run: on meta
 model = train.parallelize(raw, cfg, env)
 torch.manual_seed(cfg.seed)
 alone = GPT(model_config(cfg))  # what one process starts from with the same seed

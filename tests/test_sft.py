@@ -333,7 +333,8 @@ def test_an_empty_micro_batch_leaves_the_step_finite_and_is_counted():
     loss_sum, stats = step.micro_batches(model, Batches([(x, empty), (x, empty)]), 2, scaler, Env())
     assert stats.tolist() == [0, 2] and loss_sum.item() == 0
     assert all(torch.all(p.grad == 0) for p in model.parameters())
-    reason = train.skip_reason(0.0, 0.0, scaler, TrainConfig(), train.Progress(), 1, trained_tokens=0)
+    nothing = train.StepStats(0.0, 0.0, False, trained_tokens=0, empty_micro_batches=2, step=1)
+    reason = train.skip_reason(nothing, scaler, TrainConfig(), train.Progress())
     assert "no trained target" in reason
 
 

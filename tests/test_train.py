@@ -233,18 +233,22 @@ def test_out_of_memory_under_compile_is_not_called_a_compile_failure(data_dir, t
 def test_skip_reason_counts_consecutive_skips_and_halts():
     cfg = TrainConfig(max_skipped_steps=3)
     scaler, progress = torch.amp.GradScaler("cpu", enabled=False), train.Progress()
-    assert train.skip_reason(2.5, 0.7, scaler, cfg, progress, step=1) is None
-    assert "non-finite loss" in train.skip_reason(float("nan"), 0.7, scaler, cfg, progress, step=2)
-    assert "non-finite gradient norm" in train.skip_reason(2.5, float("inf"), scaler, cfg, progress, step=3)
-    with pytest.raises(train.Halt, match="3 updates in a row skipped"):
-        train.skip_reason(float("nan"), float("nan"), scaler, cfg, progress, step=4)
+
+    def stats(loss, norm, step):
+        return train.StepStats(loss, norm, False, trained_tokens=1, empty_micro_batches=0, step=step)
+
+    assert train.skip_reason(stats(2.5, 0.7, 1), scaler, cfg, progress) is None
+    assert "non-finite loss" in train.skip_reason(stats(float("nan"), 0.7, 2), scaler, cfg, progress)
+    assert "non-finite gradient norm" in train.skip_reason(stats(2.5, float("inf"), 3), scaler, cfg, progress)
+    with pytest.raises(train.Halt, match="step 4: 3 updates in a row skipped"):
+        train.skip_reason(stats(float("nan"), float("nan"), 4), scaler, cfg, progress)
     progress = train.Progress(skipped_in_a_row=2)
-    assert train.skip_reason(2.5, 0.7, scaler, cfg, progress, step=5) is None and progress.skipped_in_a_row == 0
+    assert train.skip_reason(stats(2.5, 0.7, 5), scaler, cfg, progress) is None and progress.skipped_in_a_row == 0
     with pytest.raises(train.Halt, match="nonfinite='halt'"):
-        train.skip_reason(float("nan"), 1.0, scaler, TrainConfig(nonfinite="halt"), progress, step=6)
+        train.skip_reason(stats(float("nan"), 1.0, 6), scaler, TrainConfig(nonfinite="halt"), progress)
     fp16 = torch.amp.GradScaler("cpu", enabled=True)  # an fp16 overflow is routine: never counted
     for step in range(10):
-        assert "fp16 gradient overflow" in train.skip_reason(2.5, float("inf"), fp16, cfg, progress, step)
+        assert "fp16 gradient overflow" in train.skip_reason(stats(2.5, float("inf"), step), fp16, cfg, progress)
 
 
 # ----------------------------------------------------------------------------- exact resume
