@@ -341,6 +341,34 @@ def test_fine_tune_starts_from_the_checkpoints_weights_with_a_fresh_run(pretrain
     assert ft["step"] == 2 and ft["model_args"] == load_checkpoint(pretrained / "run")["model_args"]
 
 
+def test_a_fine_tune_reads_its_checkpoint_file_once_and_each_data_manifest_once(pretrained, tmp_path, monkeypatch):
+    """What a run starts from is decided once (resume.Source): the checkpoint to fine-tune is read from disk once
+    (not once for its architecture and again for its weights), the data's manifest parsed once (not once for the
+    tokenizer check and again by each loader)."""
+    other = tmp_path / "other"
+    other.mkdir()
+    write_shard(other / "rand_train_000000.bin", np.random.default_rng(7).integers(0, 64, 5_000).astype(np.uint16))
+    shards = [{"file": "rand_train_000000.bin", "split": "train", "tokens": 5_000}]
+    (other / "rand_manifest.json").write_text(json.dumps({"complete": True, "shards": shards}))
+    loads, manifests = [], []
+    real_load, real_read = checkpoint._load_file, Path.read_text
+    monkeypatch.setattr(checkpoint, "_load_file", lambda path, *a, **k: loads.append(path) or real_load(path, *a, **k))
+
+    def read_text(path, *args, **kwargs):
+        if path.name.endswith("_manifest.json"):
+            manifests.append(path)
+        return real_read(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    args = ["--batch_size=4", "--max_steps=1", "--warmup_steps=1", "--save_interval=0", "--log_interval=0"]
+    off = ["--eval_interval=0", "--hellaswag_interval=0", "--sample_interval=0"]
+    cpu = ["--device=cpu", "--dtype=float32", "--compile=False"]
+    ft = [f"--init_from={pretrained / 'run'}", f"--data_dir={other}", f"--out_dir={tmp_path / 'ft'}"]
+    assert train.main([*ft, *args, *off, *cpu]) == 0
+    assert [Path(p).name for p in loads] == ["ckpt_000004.pt"]
+    assert manifests == [other / "rand_manifest.json"]
+
+
 def test_fine_tune_refuses_a_config_that_contradicts_the_checkpoint(pretrained, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.main([f"--init_from={pretrained / 'run'}", f"--out_dir={tmp_path / 'ft'}", "--n_layer=3"])
