@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from assets import fetch_shakespeare
 from bench import machine_line
 from checkpoint import load_model, model_tokenizer
-from prepare_data import split_speeches
+from documents import split_speeches
 
 
 def documents_held_out(config):
