@@ -678,9 +678,3 @@ def in_micro_batches(run, rows, micro, env, what):
         log(f"{what}: out of memory in validation at micro-batch {micro}: evaluating at {smaller}")
         micro = smaller
         _free(env.device)
-
-
-if __name__ == "__main__":  # the dry run's command before it moved: `python memory.py CONFIG ...` runs dryrun.py
-    import runpy
-
-    runpy.run_path(os.path.join(os.path.dirname(__file__), "dryrun.py"), run_name="__main__")
