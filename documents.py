@@ -1,11 +1,10 @@
-"""The documents prepare_data.py and tokenizer.py read: text files, jsonl, parquet and Hugging Face datasets, the
-ready-made dataset presets, and the command that prepares a run's data directory (train.py names it when the
-data is missing).
+"""The texts prepare_data.py and tokenizer.py read: files (.txt, .jsonl, .parquet), Hugging Face datasets and the
+ready-made dataset presets; and the command that prepares a data directory (train.py names it when data is missing).
 
 resolve_source(inputs, dataset, ...) is the one entry: local files (expand_inputs: a .txt file is one document, a
 .jsonl file one per line, a .parquet file one per row; directories are searched recursively) or a dataset (a preset
-of PRESETS or any Hugging Face dataset path), as an iterator of texts with what a manifest records of the input. No
-torch, no tokenizer here: prepare_data.py's tokenizer workers and tokenizer.py's trainer only read texts.
+of PRESETS or any Hugging Face dataset path), as an iterator of texts beside what a manifest records of the input.
+Reading texts needs no torch and no tokenizer, so neither is imported here.
 """
 
 import glob
