@@ -1,6 +1,6 @@
 """Checkpoint files: their format, atomic writes, finding the newest good one, safe loading, sharded (DCP) saves
-and loads, consolidate/export; load_model and the model flags (--ckpt/--init_from/--device/--dtype/--cache_dir)
-that sample.py and hellaswag.py share. How a training run resumes from them is resume.py's.
+and loads, a model read from one, consolidation; at the bottom, the `python checkpoint.py consolidate|export`
+command. How a training run resumes from them is resume.py's; how the commands open a model, loading.py's.
 
 A checkpoint is out_dir/ckpt_{step:06d}.pt, a torch.save'd dict of tensors and plain Python
 containers only, so it loads with torch.load(weights_only=True) (no pickled code runs):
@@ -32,7 +32,7 @@ optimizer as torch.distributed.checkpoint (DCP) shards, every rank writing its o
 (__0_0.distcp, __1_0.distcp, ... and DCP's .metadata index), plus meta.pt, a file like the above without
 the model and optimizer. It is written as .ckpt_{step:06d}.tmp/ and renamed by rank 0 only after every rank's
 shards and the index are on disk, so it is complete or absent. DCP reshards on load: a sharded checkpoint
-resumes at any world size, and loads into a single process without a process group (load_model,
+resumes at any world size, and loads into a single process without a process group (model_from_checkpoint,
 load_checkpoint, `python checkpoint.py consolidate` to write the single-file form).
 
 A sharded checkpoint is verified like a file before any tensor is read: its SHA256SUMS records the sha256
@@ -43,7 +43,6 @@ would run code): they are read here through an unpickler that builds only DCP's 
 (_MetadataUnpickler) and with weights_only=True (_safe_dcp), wherever a sharded checkpoint is opened.
 """
 
-import argparse
 import contextlib
 import errno
 import functools
@@ -52,19 +51,15 @@ import os
 import pickle
 import re
 import shutil
-import sys
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-import bpe
 import optim
 from console import distributed, log
-from devices import DTYPES, resolve_device, resolve_dtype
-from files import atomic_write, file_sha256, first_line, fsync_dir, open_regular, report_error
-from hf import from_pretrained, save_pretrained
+from files import atomic_write, file_sha256, first_line, fsync_dir, open_regular
 from model import GPT, GPTConfig
 
 FORMAT = "gpt2-train-ckpt-v1"
@@ -640,101 +635,38 @@ def consolidate(src, dst):
     return ckpt["step"]
 
 
-def load_model(ckpt=None, init_from=None, device="cpu"):
-    """(GPT in eval mode on `device`, info dict) from a training checkpoint (file, sharded directory or
-    out_dir) or from pretrained weights (init_from: 'gpt2', 'gpt2-medium', ... or a Hugging Face directory).
-    info: source, step, val_loss, config (the training config, or None) and hf_dir: the Hugging Face
-    directory the weights come from (init_from, or the run's own init_from), or None."""
-    if (ckpt is None) == (init_from is None):
-        raise ValueError("give exactly one of ckpt (a checkpoint file or out_dir) or init_from (a pretrained name)")
-    if init_from is not None:
-        model = from_pretrained(init_from)
-        info = {
-            "source": str(init_from),
-            "step": None,
-            "val_loss": None,
-            "config": None,
-            "hf_dir": init_from,
-            "tokenizer": None,
-        }
+def model_from_checkpoint(path):
+    """(GPT on the CPU, info) from the checkpoint at `path`: a file, a sharded directory (read straight into the
+    model: no second copy of the weights) or an out_dir (its newest good checkpoint). info: source, step, val_loss,
+    config (the training config), tokenizer (the run's bpe.tokenizer_record, or None) and hf_dir: the Hugging Face
+    directory the run started from (its init_from, when that is a directory), or None."""
+    state = load_checkpoint(path, consolidate=False)
+    model = GPT(GPTConfig(**state["model_args"]))
+    if "shards" in state:
+        load_sharded_checkpoint(state["shards"], model, collective=False)
     else:
-        state = load_checkpoint(ckpt, consolidate=False)
-        model = GPT(GPTConfig(**state["model_args"]))
-        if "shards" in state:  # read straight into the model: no second copy of the weights
-            load_sharded_checkpoint(state["shards"], model, collective=False)
-        else:
-            model.load_state_dict(state["model"])
-        info = {
-            "source": str(ckpt),
-            "step": state["step"],
-            "val_loss": state.get("val_loss"),
-            "config": state["config"],
-            "hf_dir": (state["config"] or {}).get("init_from"),
-            "tokenizer": state.get("tokenizer"),
-        }
-    if info["hf_dir"] is not None and not Path(info["hf_dir"]).is_dir():
-        info["hf_dir"] = None  # 'scratch', 'resume' or a hub name: GPT-2's tokenizer
-    return model.to(device).eval(), info
+        model.load_state_dict(state["model"])
+    hf_dir = (state["config"] or {}).get("init_from")
+    info = {
+        "source": str(path),
+        "step": state["step"],
+        "val_loss": state.get("val_loss"),
+        "config": state["config"],
+        "hf_dir": hf_dir if hf_dir is not None and Path(hf_dir).is_dir() else None,  # else GPT-2's tokenizer
+        "tokenizer": state.get("tokenizer"),
+    }
+    return model, info
 
 
-# ----------------------------------------------------------------------------- the scripts' model flags
-
-DTYPE_HELP = (
-    "autocast dtype (default auto: bfloat16 on CUDA GPUs with native bf16 and on CPUs with "
-    "AVX512-BF16 or AMX, float16 on older CUDA GPUs, else float32)"
-)
+# --- command: moves to the root checkpoint.py with the package
+# `python checkpoint.py consolidate SRC DST | export SRC HF_DIR`, over the public functions above and hf.py's; its
+# imports stay inside it, so that the move cuts the block out whole.
 
 
-def add_model_args(parser):
-    """The model flags sample.py and hellaswag.py share: --ckpt or --init_from (one is required),
-    --device, --dtype, --cache_dir. load_model_from_args() turns them into a model."""
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--ckpt", help="training checkpoint file, or an out_dir (its latest checkpoint)")
-    source.add_argument(
-        "--init_from",
-        help="gpt2, gpt2-medium, gpt2-large, gpt2-xl, or a Hugging Face model dir "
-        "(its tokenizer.json, if any, is the tokenizer)",
-    )
-    parser.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:N or mps")
-    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help=DTYPE_HELP)
-    parser.add_argument(
-        "--cache_dir",
-        help="cache of downloaded assets: the GPT-2 tokenizer, the HellaSwag data "
-        "(default $GPT2_CACHE_DIR, else ~/.cache/gpt2-train)",
-    )
+def arg_parser():
+    """checkpoint.py's flags: the consolidate and export subcommands."""
+    import argparse
 
-
-def model_tokenizer(info, cache_dir=None):
-    """The tokenizer of a model load_model loaded: the checkpoint's own (its tokenizer.json text), else the model
-    directory's tokenizer.json when there is one (bpe.load_tokenizer), else GPT-2's."""
-    record = info.get("tokenizer")
-    if record is not None and record.get("json") is not None:
-        return bpe.tokenizer_from_record(record, cache_dir=cache_dir)
-    return bpe.load_tokenizer(info["hf_dir"], cache_dir=cache_dir)
-
-
-def load_model_from_args(parser, args):
-    """(model, tokenizer, device, dtype) for the flags of add_model_args; the tokenizer is model_tokenizer's
-    (the checkpoint's, the model directory's, else GPT-2's). A bad checkpoint,
-    model directory or tokenizer is one line `<prog>: error: ...` on stderr and exit status 2, never a
-    traceback (as argparse does for bad flags)."""
-    source = args.ckpt or args.init_from
-    try:
-        device = resolve_device(args.device)
-        dtype = resolve_dtype(args.dtype, device)
-    except ValueError as e:
-        parser.exit(2, f"{parser.prog}: error: --device: {e}\n")
-    try:
-        model, info = load_model(ckpt=args.ckpt, init_from=args.init_from, device=device)
-        enc = model_tokenizer(info, cache_dir=args.cache_dir)
-    except (CheckpointError, OSError, ValueError, ImportError, RuntimeError) as e:
-        report_error(parser.prog, e, about=source)  # e.g. a hub download error that doesn't say what was loaded
-        parser.exit(2)
-    return model, enc, device, dtype
-
-
-def main(argv=None):
-    """python checkpoint.py consolidate SRC DST | export SRC HF_DIR"""
     parser = argparse.ArgumentParser(prog="checkpoint.py", description="Convert gpt2-train checkpoints.")
     commands = parser.add_subparsers(dest="command", required=True)
     c = commands.add_parser("consolidate", help="sharded checkpoint directory -> single-file checkpoint")
@@ -749,20 +681,26 @@ def main(argv=None):
         help="a chat model (fine-tuned with prepare_data.py --format sft): "
         "export the chat tokens and the chat template (docs/sft.md)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    """python checkpoint.py consolidate SRC DST | export SRC HF_DIR"""
+    from chat import CHAT_TEMPLATE
+    from files import report_error
+    from hf import save_pretrained
+
+    args = arg_parser().parse_args(argv)
     try:
         if args.command == "consolidate":
             step = consolidate(args.src, args.dst)
         else:
-            model, info = load_model(ckpt=args.src)
-            from chat import CHAT_TEMPLATE
-
-            record = info["tokenizer"] or {}
+            model, info = model_from_checkpoint(args.src)
             save_pretrained(
                 model,
                 args.dst,
                 tokenizer_dir=info["hf_dir"],
-                tokenizer_json=record.get("json"),
+                tokenizer_json=(info["tokenizer"] or {}).get("json"),
                 chat_template=CHAT_TEMPLATE if args.chat else None,
             )
             step = info["step"]
@@ -774,4 +712,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

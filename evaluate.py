@@ -212,7 +212,7 @@ def _parser(export):
             "--cache_dir", help="cache of downloaded data (default $GPT2_CACHE_DIR, else ~/.cache/gpt2-train)"
         )
     else:
-        from checkpoint import (
+        from loading import (
             add_model_args,  # imports torch's model stack: only when a model is scored
         )
 
@@ -264,8 +264,8 @@ def main(argv=None):
         report_error(parser.prog, e)
         parser.exit(2)
 
-    from checkpoint import load_model_from_args
     from devices import tune_cpu_allocator
+    from loading import load_model_from_args
 
     model, enc, device, dtype = load_model_from_args(parser, args)
     tune_cpu_allocator(device)

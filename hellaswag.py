@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 import assets
-from checkpoint import add_model_args, load_model_from_args
 from console import distributed
 from devices import tune_cpu_allocator
 from files import report_error
+from loading import add_model_args, load_model_from_args
 from scoring import score_requests, score_rows  # noqa: F401  (score_rows: the scorer's core, for tests and bench)
 
 

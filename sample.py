@@ -26,8 +26,8 @@ import sys
 import torch
 
 import chat
-from checkpoint import add_model_args, load_model_from_args
 from devices import autocast
+from loading import add_model_args, load_model_from_args
 
 SEPARATOR = "-" * 40
 REPLACEMENT = "\ufffd".encode()  # printed for ids the tokenizer lacks (the padded vocab 50257..50303)

@@ -154,7 +154,7 @@ def train_cli(args):
     """tokenizer.py's work for parsed flags; returns the report's text."""
     import assets
     import bpe
-    from prepare_data import PrepError, non_empty, resolve_source
+    from documents import PrepError, non_empty, resolve_source
 
     if not len(special_tokens()) + 256 < args.vocab_size <= MAX_VOCAB:
         train([], args.vocab_size)  # the one-line error, before reading anything

@@ -32,6 +32,7 @@ from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text
 from console import distributed, log, progress_bar
 from data import DataLoader, NoShardsError, ShardError
 from devices import autocast, fused_adamw_supported, peak_flops, peak_memory
+from documents import prepare_command
 from files import Halt, LockError, atomic_write, report_error
 from hf import from_pretrained, pad_vocab
 from memory import probe_batch_size
@@ -83,8 +84,6 @@ def make_loaders(cfg, env, manifests):
         train_loader = loader("train")
         val_loader = loader("val") if cfg.eval_interval > 0 else None
     except NoShardsError as e:
-        from prepare_data import prepare_command
-
         raise NoShardsError(f"{e}; prepare it with `{prepare_command(cfg.data_dir)}`") from None
     log(
         f"data: {train_loader.summary().replace(' shards', ' train shards')}; "

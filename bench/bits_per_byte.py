@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from assets import fetch_shakespeare
 from bench import machine_line
-from checkpoint import load_model, model_tokenizer
-from prepare_data import split_speeches
+from documents import split_speeches
+from loading import load_model, model_tokenizer
 
 
 def documents_held_out(config):

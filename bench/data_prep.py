@@ -28,7 +28,8 @@ import numpy as np
 from assets import fetch_shakespeare, get_tokenizer
 from bench import machine_line
 from data import DataLoader, write_shard
-from prepare_data import prepare, split_speeches
+from documents import split_speeches
+from prepare_data import prepare
 
 
 def best_seconds(fn, repeats):

@@ -22,8 +22,8 @@ import evaluate
 import tasks
 from bench import machine_line, require
 from bpe import load_tokenizer
-from checkpoint import load_model
 from hf import save_pretrained
+from loading import load_model
 
 
 def run_ours(model, docs, enc, batch_size):

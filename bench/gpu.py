@@ -290,7 +290,7 @@ def check_chunked(report, opts, cfg, device):
 def check_hellaswag(report, opts, device, ckpt_dir):
     import hellaswag
     from assets import fetch_hellaswag, get_tokenizer
-    from checkpoint import load_model
+    from loading import load_model
 
     try:
         enc = get_tokenizer()

@@ -27,8 +27,8 @@ import torch
 import prepare_data
 from assets import EOT
 from bench import machine_line
-from checkpoint import load_model
 from data import DataLoader, find_shards, load_shard
+from loading import load_model
 
 
 def train_run(data, out_dir, packing, seed, args):

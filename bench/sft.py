@@ -59,7 +59,7 @@ def exact_match(out_dir, held):
     import torch
 
     import chat
-    from checkpoint import load_model
+    from loading import load_model
     from sample import stream_samples
 
     model, _ = load_model(ckpt=out_dir)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import documents
 import prepare_data
 from assets import get_tokenizer
 from data import DataLoader, ShardError, find_shards, load_shard, write_shard
@@ -198,7 +199,7 @@ def test_shakespeare_preset_makes_one_document_per_speech(tmp_path, monkeypatch,
         "First Citizen:\nBefore we proceed,\nhear me.\n\nAll:\nSpeak, speak.\n\n\nFirst Citizen:\nYou are resolved.\n"
     )
     (tmp_path / "input.txt").write_text(text)
-    monkeypatch.setattr(prepare_data, "fetch_shakespeare", lambda: tmp_path / "input.txt")
+    monkeypatch.setattr(documents, "fetch_shakespeare", lambda: tmp_path / "input.txt")
     monkeypatch.chdir(tmp_path)
     first = "First Citizen:\nBefore we proceed,\nhear me."
     run_prep("--dataset", "shakespeare", "--val_tokens", len(enc.encode_ordinary(first)) + 1, "--num_proc", 1)

@@ -501,7 +501,7 @@ def test_cli_json_and_per_example(hf_dir, model, tmp_path, capsys):
 
 
 def one_line_error(capsys, argv, monkeypatch):
-    monkeypatch.setattr("checkpoint.load_model_from_args", lambda *a: pytest.fail("loaded a model before checking"))
+    monkeypatch.setattr("loading.load_model_from_args", lambda *a: pytest.fail("loaded a model before checking"))
     with pytest.raises(SystemExit) as exit_info:
         evaluate.main(argv)
     err = capsys.readouterr().err

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import checkpoint
 import hellaswag
+import loading
 import optim
 import parallel
 import resume
@@ -453,7 +454,7 @@ def test_consolidate_and_export_a_sharded_checkpoint(tmp_path, capsys):
     for i, state in now["state"].items():  # AdamW's moments, keyed by parameter index as optimizer.state_dict()
         assert all(torch.equal(v, saved["state"][i][k]) for k, v in state.items())
 
-    loaded, info = checkpoint.load_model(ckpt=str(tmp_path / "ckpt_000005"))  # straight from the shards
+    loaded, info = loading.load_model(ckpt=str(tmp_path / "ckpt_000005"))  # straight from the shards
     assert info["step"] == 5 and all(torch.equal(t, loaded.state_dict()[k]) for k, t in model.state_dict().items())
     assert checkpoint.main(["export", str(tmp_path / "ckpt_000005"), str(tmp_path / "hf")]) == 0
     hf = from_pretrained(str(tmp_path / "hf"))

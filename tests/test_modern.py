@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
+import loading
 import train
 from checkpoint import load_checkpoint
 from config import ConfigError, TrainConfig, parse_args
@@ -120,7 +120,7 @@ def test_modern_config_trains_resumes_and_samples(data_dir, tmp_path):
     assert list(train_losses(out)) == list(range(1, 13))
     val = [m["val_loss"] for m in metrics(out) if "val_loss" in m]
     assert val[-1] < val[0] - 0.5, val  # from ~ln(64) = 4.16 towards the chain's ln(3) = 1.10
-    model, info = checkpoint.load_model(ckpt=out)
+    model, info = loading.load_model(ckpt=out)
     assert info["step"] == 12 and model.config.qk_norm and model.config.activation == "relu2"
     assert not model.config.tie_embeddings and info["config"]["optimizer"] == "muon"
     prompt = torch.tensor([[1, 2, 3]])

@@ -484,7 +484,7 @@ def test_every_preset_is_a_valid_full_config():
 def test_neox_hf_dir_fine_tunes_resumes_exactly_and_samples(tmp_path):
     """init_from=<a GPT-NeoX HF dir> trains (parallel residual, untied head), resumes bit-exactly, and its
     checkpoint loads in sample.py's loader and generates."""
-    import checkpoint
+    import loading
     import train
     from data import write_shard
     from test_train import markov_tokens
@@ -522,7 +522,7 @@ def test_neox_hf_dir_fine_tunes_resumes_exactly_and_samples(tmp_path):
     full = losses(tmp_path / "full")
     assert list(full) == list(range(1, 9)) and full[8] < full[1]
     assert losses(tmp_path / "split") == full
-    model, _ = checkpoint.load_model(ckpt=tmp_path / "split")
+    model, _ = loading.load_model(ckpt=tmp_path / "split")
     assert model.config.parallel_residual and not model.config.tie_embeddings and model.config.activation == "gelu"
     out = model.generate(torch.zeros(1, 1, dtype=torch.long), 8, temperature=0.0)
     assert out.shape == (1, 9)

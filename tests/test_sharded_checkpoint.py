@@ -11,6 +11,7 @@ import torch
 
 import checkpoint
 import hellaswag
+import loading
 import sample
 import train
 from checkpoint import CheckpointError, load_checkpoint, load_latest_checkpoint
@@ -113,7 +114,7 @@ def test_every_shard_is_hashed_and_a_damaged_one_is_refused_everywhere(tmp_path,
     assert checkpoint.main(["consolidate", str(ckpt), str(tmp_path / "one.pt")]) == 2
     assert "damaged" in one_line_error(capsys) and not (tmp_path / "one.pt").exists()
     with pytest.raises(CheckpointError, match="damaged"):
-        checkpoint.load_model(ckpt=str(ckpt))
+        loading.load_model(ckpt=str(ckpt))
 
 
 def test_a_missing_or_truncated_shard_is_skipped_with_a_note_and_named(tmp_path):

@@ -216,6 +216,7 @@ def test_prep_train_sample_export_autotokenizer_with_its_own_tokenizer(tokenizer
 
     import checkpoint
     import data
+    import loading
     import sample
     import train
 
@@ -264,7 +265,7 @@ def test_prep_train_sample_export_autotokenizer_with_its_own_tokenizer(tokenizer
     assert auto.encode(text, add_special_tokens=False) == enc.encode_ordinary(text)
     assert auto.eos_token_id == enc.eot_token
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    ours, _ = checkpoint.load_model(ckpt=moved)
+    ours, _ = loading.load_model(ckpt=moved)
     ids = torch.tensor([enc.encode_ordinary(text)[:16]])  # block_size 16
     with torch.no_grad():
         logits, _ = ours(ids)

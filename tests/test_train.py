@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import checkpoint
+import loading
 import model as model_module
 import optim
 import train
@@ -333,7 +334,7 @@ def test_fine_tune_starts_from_the_checkpoints_weights_with_a_fresh_run(pretrain
     )
     losses = train_losses(tmp_path / "ft")
     assert list(losses) == [1, 2]  # a fresh step count (and schedule, optimizer, data order: this run's)
-    weights, _ = checkpoint.load_model(ckpt=pretrained / "run")
+    weights, _ = loading.load_model(ckpt=pretrained / "run")
     x, y = DataLoader(other, "train", 4, 16, seed=TrainConfig.seed, vocab_size=64).next_batch()  # its first batch
     with torch.no_grad():
         assert losses[1] == pytest.approx(weights(x, y)[1].item(), rel=1e-5)
