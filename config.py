@@ -302,16 +302,6 @@ def config_table(cfg, user):
     return "\n".join(["config ('*' = set in a config file or by --key=value):", *rows])
 
 
-def key_table():
-    """docs/config.md's key table (markdown), generated from the same comments as --help."""
-    escape = str.maketrans({"|": r"\|"})  # a literal | would end the cell
-    rows = [
-        f"| `{key}` | `{default!r}` | {comment.translate(escape)} |"
-        for key, (default, comment) in config_docs().items()
-    ]
-    return "\n".join(["| key | default | meaning |", "|---|---|---|", *rows])
-
-
 def help_text(doc):
     """`python train.py --help`: a usage line, the script's docstring, then every key with its default and meaning."""
     keys = "\n".join(f"  {key} = {default!r}  # {comment}" for key, (default, comment) in config_docs().items())

@@ -501,7 +501,7 @@ PROBED_KINDS = ("cuda",)  # batch_size='auto' probes the real model on these dev
 NCCL_RESERVE = GiB
 
 
-def probes(env):
+def probes_device(env):
     """Whether batch_size='auto' probes (probe_batch_size) rather than plans: not for a sharded run, whose bare
     model is built on the CPU and would not fit one device whole."""
     return env.kind in PROBED_KINDS and not env.sharded
@@ -531,7 +531,7 @@ def device_memory(env):
 def resolve_batch_size(cfg, env, shape):
     """Before anything big is allocated: log the memory plan and the device's memory; refuse (ConfigError, one line
     naming settings that fit) a batch_size whose plan exceeds it; resolve activation_checkpointing='auto' and
-    batch_size='auto' from the plan (the latter on devices that are not probed: probes()). shape: the GPTConfig
+    batch_size='auto' from the plan (the latter on devices that are not probed: probes_device()). shape: the GPTConfig
     the model will have (resume.Source.model; None for a Hugging Face directory, which has no plan before it is
     loaded). Returns cfg with them resolved, or batch_size still 'auto' (probe_batch_size)."""
     auto = cfg.batch_size == "auto"
@@ -543,7 +543,7 @@ def resolve_batch_size(cfg, env, shape):
     else:
         rows = cfg.batch_size * batch_layout(cfg, env.world_size)[1]
     if shape is None:
-        if auto and not probes(env):
+        if auto and not probes_device(env):
             raise ConfigError(
                 f"batch_size='auto' cannot plan init_from={cfg.init_from!r} before loading it; set batch_size"
             )
@@ -560,7 +560,7 @@ def resolve_batch_size(cfg, env, shape):
         mode, why = choose_checkpointing(shape, 1 if auto else cfg.batch_size, available, **plan_kwargs(cfg, env))
         log(why)
         cfg, shape = replace(cfg, activation_checkpointing=mode), replace(shape, activation_checkpointing=mode)
-    if auto and not probes(env):
+    if auto and not probes_device(env):
         fraction = 1.0 if env.kind == "cuda" else AUTO_FIT_FRACTION  # a GPU's margin is already taken off
         try:
             b, why = plan_micro_batch(shape, rows, available, fraction, description=what, **plan_kwargs(cfg, env))

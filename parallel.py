@@ -114,7 +114,7 @@ def check_shared_out_dir(out_dir, resumed_step, problem, env):
     if blind and not ranks[0]["problem"]:
         hosts = sorted({ranks[r]["host"] for r in blind})
         raise ConfigError(
-            f"out_dir {out_dir} must be storage shared by every node: rank(s) {span(blind)} on "
+            f"out_dir {out_dir} must be storage shared by every node: rank(s) {rank_ranges(blind)} on "
             f"{', '.join(hosts)} do not see the file rank 0 ({ranks[0]['host']}) wrote there "
             f"(node-local disk?); use a path on a shared filesystem"
         )
@@ -139,7 +139,7 @@ def any_rank(flag, env):
     return t.item() > 0
 
 
-def span(ranks):
+def rank_ranges(ranks):
     """[0, 1, 2, 5] -> '0-2, 5'."""
     runs = []
     for r in ranks:

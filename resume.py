@@ -340,8 +340,8 @@ def restore_rngs(ckpt, env):
         )
 
 
-def kept_checkpoint(out_dir):
-    """What a halted run leaves to resume from, for its error message."""
+def resume_hint(out_dir):
+    """What a halted run leaves to resume from, for the end of its error message."""
     found = list_checkpoints(out_dir)
     if not found:
         return "no checkpoint was written yet"

@@ -39,7 +39,7 @@ from memory import probe_batch_size
 from model import GPT, TRAINING_ONLY_MODEL_KEYS
 from optim import build_optimizer, set_lr
 from parallel import any_rank, build_on_meta, gathered, is_compiled, keeps_grads, lock_out_dir, parallelize
-from resume import Checkpointer, Progress, kept_checkpoint, restore, restore_rngs, start
+from resume import Checkpointer, Progress, restore, restore_rngs, resume_hint, start
 from step import clip_gradients, forward_backward, in_micro_batches, to_device
 from tracking import TRACKING_KEYS, NoTracker, Tracker, TrackingError
 
@@ -481,16 +481,16 @@ def run(user):
             report_step(step_record(stats, train_loader.B, total_batch_size, raw_model, peak, env), tracker, bar, cfg)
         finished = True
     except Halt as e:
-        raise Halt(f"{e}; {kept_checkpoint(out_dir)}") from None
+        raise Halt(f"{e}; {resume_hint(out_dir)}") from None
     except KeyboardInterrupt:  # a second Ctrl-C: at once, even in the middle of a save
-        raise KeyboardInterrupt(kept_checkpoint(out_dir)) from None
+        raise KeyboardInterrupt(resume_hint(out_dir)) from None
     except ShardError as e:  # a shard changed under the run: first keep the steps done since the last save
         # in a single process only: under torchrun the other ranks would wait in a collective
         if not env.distributed and progress.step > saved_step:
             optimizer.zero_grad(set_to_none=True)
             train_loader.load_state_dict(step_start)
             checkpointer.save(progress)
-        raise ShardError(f"{e}; {kept_checkpoint(out_dir)}") from None
+        raise ShardError(f"{e}; {resume_hint(out_dir)}") from None
     finally:
         bar.close()
         for s, handler in old_handlers.items():

@@ -45,7 +45,7 @@ def test_process_group_timeout_is_the_config_key(monkeypatch):
 
 
 def test_span_of_ranks():
-    assert parallel.span([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and parallel.span([3]) == "3"
+    assert parallel.rank_ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and parallel.rank_ranges([3]) == "3"
 
 
 def test_mesh_shapes_and_bad_shard_size():
