@@ -1020,3 +1020,28 @@ def test_a_second_ctrl_c_during_a_save_exits_130_and_says_what_was_kept(data_dir
         f"with --init_from=resume)\n"
     ) in err
     assert sorted(p.name for p in tmp_path.glob("*ckpt*")) == ["ckpt_000004.pt", "ckpt_000004.pt.sha256"]
+
+
+# ----------------------------------------------------------------------------- evaluations during training
+
+
+def test_hellaswag_during_training_logs_what_hellaswag_py_prints(data_dir, tmp_path, monkeypatch, capsys):
+    import assets
+    import hellaswag
+    from test_hellaswag import EXAMPLES
+
+    examples = tmp_path / "hellaswag.jsonl"
+    examples.write_text("".join(json.dumps(ex) + "\n" for ex in EXAMPLES))
+    monkeypatch.setattr(assets, "fetch_hellaswag", lambda cache_dir=None: examples)
+    out = tmp_path / "out"
+    assert run(data_dir, out, "--max_steps=4", "--vocab_size=50304", "--hellaswag_interval=4") == 0  # GPT-2's ids
+    logged = [m for m in metrics(out) if "hellaswag_acc" in m]
+    assert [(m["step"], m["hellaswag_n"]) for m in logged] == [(0, len(EXAMPLES)), (4, len(EXAMPLES))]
+    capsys.readouterr()
+    assert hellaswag.main(["--ckpt", str(out), "--data", str(examples), "--dtype", "float32", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out.splitlines()[-1])  # of step 4's checkpoint
+    assert printed == {
+        "n": len(EXAMPLES),
+        "acc": logged[1]["hellaswag_acc"],
+        "acc_norm": logged[1]["hellaswag_acc_norm"],
+    }
