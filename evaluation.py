@@ -27,8 +27,10 @@ class Evaluator:
     """The run's evaluations, built once in run(). run(model, raw_model, step, last, stop) does those due at `step`
     (an interval's multiples, and the last step), logs them and returns the val loss (None when not due).
 
-    tokenizer: the run's (its record, bpe.tokenizer_record), for HellaSwag, the suite and samples. HellaSwag's and
-    the suite's examples of this rank are read and tokenized at their first evaluation and kept."""
+    The run's tokenizer (`tokenizer`: its record, bpe.tokenizer_record) is loaded at the first call, and only when
+    HellaSwag, the suite or samples are on: a run without them trains without it (offline, GPT-2's may not be had),
+    and one with them stops before it trains when it cannot be loaded. HellaSwag's and the suite's examples of this
+    rank are read and tokenized at their first evaluation and kept."""
 
     def __init__(self, train_loader, val_loader, tracker, cfg, env, tokenizer):
         self.train_loader = train_loader  # its B is the live micro-batch (an out-of-memory halves it): validation's too
@@ -36,7 +38,10 @@ class Evaluator:
         self.tracker = tracker
         self.cfg = cfg
         self.env = env
-        self.enc = tokenizer_from_record(tokenizer)
+        self.tokenizer = tokenizer
+        self.enc = None
+        tokenized = ("hellaswag_interval", "eval_tasks_interval", "sample_interval")
+        self.tokenized_on = [key for key in tokenized if getattr(cfg, key) > 0]  # the evaluations that need `enc`
         self.suites = {}  # 'hellaswag', 'eval_tasks' -> Suite, made at their first evaluation
 
     def run(self, model, raw_model, step, last, stop):
@@ -45,6 +50,8 @@ class Evaluator:
         batches: Abandoned."""
         cfg, env = self.cfg, self.env
         due = lambda interval: interval > 0 and (step % interval == 0 or last)  # noqa: E731
+        if self.enc is None and self.tokenized_on:
+            self.enc = self.load_tokenizer()
         val = None
         if due(cfg.eval_interval):
             micro = self.train_loader.B
@@ -64,6 +71,16 @@ class Evaluator:
         if step > 0 and due(cfg.sample_interval):
             log(f"step {step}: sample: {sample_preview(raw_model, cfg, env, self.enc)!r}")
         return val
+
+    def load_tokenizer(self):
+        """The run's tokenizer; one that cannot be had is a ConfigError that says how to provide it."""
+        try:
+            return tokenizer_from_record(self.tokenizer)
+        except (RuntimeError, OSError, ImportError, ValueError) as e:
+            raise ConfigError(
+                f"{', '.join(self.tokenized_on)}: the run's tokenizer cannot be loaded: {e}; or train without it: "
+                + " ".join(f"--{key}=0" for key in self.tokenized_on)
+            ) from None
 
     def score(self, name, raw_model, stop):
         """The result of suite `name` ('hellaswag' or 'eval_tasks'), its examples sharded over ranks (every rank
