@@ -8,7 +8,7 @@ Tasks (tasks.py): hellaswag, arc_easy, arc_challenge, piqa, winogrande, copa, op
 social_iqa, boolq, mmlu; `default` is the suite a 124M run can afford at every evaluation, `all` every task.
 Each example's choices are scored by their summed log-likelihood after the context (`acc`) and, where the harness
 reports it, by that divided by the choice's length in characters (`acc_norm`), through the one batched scorer
-hellaswag.py uses (scoring.py). The summary `mc_centered` is the mean over tasks of centered accuracy,
+hellaswag.py and train.py use (scoring.py). The summary `mc_centered` is the mean over tasks of centered accuracy,
 (acc - chance) / (1 - chance), chance being the mean of 1/choices over the examples scored: 0 for guessing,
 1 for perfect. Scored on the validation splits (the harness's default is `test` for ARC, OpenBookQA, SciQ, MMLU).
 """
@@ -21,115 +21,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import tasks
-from console import distributed
 from files import report_error
-from scoring import encode_pair, score_requests
-
-
-class Suite:
-    """The tasks' examples of this rank (examples[rank::world_size] of each), tokenized once and kept: train.py
-    builds one and scores it at every evaluation. docs: {task: [doc, ...]} from tasks.load_docs."""
-
-    def __init__(self, docs, enc, rank=0, world_size=1):
-        self.names, self.n_vocab = list(docs), enc.n_vocab
-        self.examples = {}  # task -> [(index, request token pairs, label, choice lengths, subject)]
-        for name, task_docs in docs.items():
-            mine = []
-            for index in range(rank, len(task_docs), world_size):
-                doc = task_docs[index]
-                request = tasks.TASKS[name].render(doc)
-                pairs = [encode_pair(enc, context, continuation) for context, continuation in request.pairs]
-                mine.append((index, pairs, request.label, [len(c) for c in request.choices], doc.get("subject")))
-            self.examples[name] = mine
-
-
-def _argmax(values):
-    return max(range(len(values)), key=lambda i: (values[i], -i))  # the first of equal maxima, as numpy's
-
-
-def evaluate(model, suite, device, batch_size=64, dtype=None, stop=None, progress=False):
-    """Accuracies of `model` on a Suite; under torch.distributed every rank calls it with its own Suite and the
-    counts are all-reduced, so results equal one process's. batch_size: rows (choices) per forward.
-    Returns {"tasks": {task: {n, acc, acc_norm (where the harness has it), chance, centered}}, "mmlu_subjects":
-    {subject: {n, acc}} (when mmlu was scored), "mc_centered", "preds": this rank's [{task, index, pred, label,
-    acc}]}; None when stop() (asked between batches) turned True on any rank."""
-    vocab = model.config.vocab_size
-    if vocab < suite.n_vocab:
-        raise ValueError(f"the model's vocabulary ({vocab} ids) cannot read its tokenizer's {suite.n_vocab} ids")
-    flat = [(name, ex) for name in suite.names for ex in suite.examples[name]]
-    requests = [pair for _, ex in flat for pair in ex[1]]
-    scored = score_requests(
-        model, requests, device, batch_size, dtype, n_vocab=suite.n_vocab, stop=stop, progress=progress, desc="tasks"
-    )
-    log_likelihood = scored[0].tolist() if scored is not None else [0.0] * len(requests)
-    subjects = tasks.MMLU_SUBJECTS if "mmlu" in suite.names else []
-    # per task: n, correct, correct_norm, sum of 60/choices (an integer for 2-5 choices, so sums are exact in any
-    # order, on any number of ranks); per MMLU subject: n, correct; then the stop flag
-    counts = torch.zeros(4 * len(suite.names) + 2 * len(subjects) + 1, dtype=torch.float64)
-    preds, first = [], 0
-    for name, (index, pairs, label, lengths, subject) in flat:
-        ll = log_likelihood[first : first + len(pairs)]
-        first += len(pairs)
-        pred, pred_norm = _argmax(ll), _argmax([v / n for v, n in zip(ll, lengths)])
-        t = 4 * suite.names.index(name)
-        counts[t : t + 4] += torch.tensor([1, pred == label, pred_norm == label, 60 / len(pairs)], dtype=torch.float64)
-        if name == "mmlu":
-            s = 4 * len(suite.names) + 2 * subjects.index(subject)
-            counts[s : s + 2] += torch.tensor([1, pred == label], dtype=torch.float64)
-        preds.append({"task": name, "index": index, "pred": pred, "label": label, "acc": int(pred == label)})
-    counts[-1] = float(scored is None)
-    if distributed() and dist.get_world_size() > 1:  # the one collective, on every rank
-        on = device if dist.get_backend() == "nccl" else "cpu"
-        counts = counts.to(on)
-        dist.all_reduce(counts)
-        counts = counts.cpu()
-    if counts[-1] > 0:
-        return None
-    results = {}
-    for i, name in enumerate(suite.names):
-        n, correct, correct_norm, sixtieths = counts[4 * i : 4 * i + 4].tolist()
-        if n == 0:
-            raise ValueError(f"{name}: no examples to evaluate")
-        chance = sixtieths / 60 / n
-        results[name] = {
-            "n": int(n),
-            "acc": correct / n,
-            "chance": chance,
-            "centered": (correct / n - chance) / (1 - chance),
-        }
-        if tasks.TASKS[name].acc_norm:
-            results[name]["acc_norm"] = correct_norm / n
-    out = {"tasks": results, "mc_centered": sum(r["centered"] for r in results.values()) / len(results), "preds": preds}
-    if subjects:  # the harness's mmlu group: each subject, and all of them weighted by size (= all questions)
-        base = 4 * len(suite.names)
-        out["mmlu_subjects"] = {
-            s: {"n": int(n), "acc": c / n}
-            for j, s in enumerate(subjects)
-            for n, c in [counts[base + 2 * j : base + 2 * j + 2].tolist()]
-            if n > 0
-        }
-    return out
-
-
-def summary_line(result):
-    """One line: each task's acc and the summary."""
-    parts = [f"{name} {r['acc']:.4f}" for name, r in result["tasks"].items()]
-    return f"{' | '.join(parts)} | mc_centered {result['mc_centered']:.4f}"
-
-
-def tracker_record(step, result):
-    """The metrics.jsonl record of one evaluation: mc_centered, and mc/<task>_acc (and _acc_norm) per task (the
-    prefix keeps them apart from hellaswag.py's own hellaswag_acc, and groups them in W&B and TensorBoard)."""
-    record = {"step": step, "mc_centered": result["mc_centered"]}
-    for name, r in result["tasks"].items():
-        record[f"mc/{name}_acc"] = r["acc"]
-        if "acc_norm" in r:
-            record[f"mc/{name}_acc_norm"] = r["acc_norm"]
-    return record
-
+from scoring import Suite
 
 # ----------------------------------------------------------------------------- the harness's own task files
 
@@ -270,14 +165,14 @@ def main(argv=None):
     model, enc, device, dtype = load_model_from_args(parser, args)
     tune_cpu_allocator(device)
     t0 = time.time()
-    suite = Suite(docs, enc)
-    result = evaluate(model, suite, device, batch_size=args.batch_size, dtype=dtype, progress=sys.stderr.isatty())
+    result = Suite(docs, enc).score(model, device, args.batch_size, dtype, progress=sys.stderr.isatty())
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     elapsed = time.time() - t0
     if per_example:
         with per_example as f:
-            f.writelines(json.dumps(p) + "\n" for p in result["preds"])
+            for p in result["preds"]:
+                f.write(json.dumps({k: p[k] for k in ("task", "index", "pred", "label", "acc")}) + "\n")
     n = sum(r["n"] for r in result["tasks"].values())
     for name, r in result["tasks"].items():
         norm = f" acc_norm={r['acc_norm']:.4f}" if "acc_norm" in r else ""

@@ -1,4 +1,5 @@
-"""The one batched log-likelihood scorer behind hellaswag.py and evaluate.py.
+"""The one evaluation path of hellaswag.py, evaluate.py and train.py: a batched log-likelihood scorer
+(score_requests), and the Suite that renders the tasks' examples of a rank once and scores them with it.
 
 A request is (context tokens, continuation tokens); its score is the summed log-probability of the
 continuation's tokens given everything before them, as the lm-evaluation-harness computes it: a row longer
@@ -10,11 +11,18 @@ model input is the same (MMLU's four one-letter answers after one prompt) share 
 positions go through lm_head, and the softmax runs over the tokenizer's n_vocab ids (a padded vocabulary's
 unused rows, which an export drops, take no probability). The model is the bare GPT, run eagerly (train.py
 passes its gathered one): the eval shapes change every batch and would recompile a compiled one.
+
+A Suite scores every choice of an example by its summed log-likelihood (`acc`: the highest) and by that divided by
+the choice's length (`acc_norm`): in characters as the harness, in scored tokens as llm.c (tasks.py). Under
+torch.distributed each rank holds its share of the examples and the counts are all-reduced, so the results equal
+one process's; a stop request between batches abandons the evaluation on every rank (train.py's SIGTERM).
 """
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+import tasks
 from console import progress_bar
 from devices import autocast
 
@@ -114,3 +122,114 @@ def score_requests(
     finally:
         model.train(was_training)
     return -sum_loss, count
+
+
+class Suite:
+    """The tasks' examples of this rank (examples[rank::world_size] of each), tokenized once and kept: train.py's
+    Evaluator builds one and scores it at every evaluation. docs: {task name: [doc, ...]} (tasks.load_docs; for
+    hellaswag_llmc tasks.load_hellaswag). A suite split over ranks (world_size > 1) is scored under their process
+    group, by every rank alike."""
+
+    def __init__(self, docs, enc, rank=0, world_size=1):
+        self.names, self.n_vocab, self.world_size = list(docs), enc.n_vocab, world_size
+        self.examples = {}  # task -> [(index, request token pairs, label, acc_norm's divisors, subject)]
+        for name, task_docs in docs.items():
+            task, mine = tasks.task(name), []
+            for index in range(rank, len(task_docs), world_size):
+                doc = task_docs[index]
+                request = task.render(doc)
+                if task.llmc:  # acc_norm divides by the scored tokens, which the scorer counts
+                    pairs = [(enc.encode_ordinary(c), enc.encode_ordinary(x)) for c, x in request.pairs]
+                    lengths = None
+                else:
+                    pairs = [encode_pair(enc, c, x) for c, x in request.pairs]
+                    lengths = [len(c) for c in request.choices]
+                mine.append((index, pairs, request.label, lengths, doc.get("subject")))
+            self.examples[name] = mine
+
+    def score(self, model, device, rows_per_forward=64, dtype=None, stop=None, progress=False):
+        """Accuracies of `model` on this suite (split over ranks: the counts all-reduced, so results equal one
+        process's). Returns {"tasks": {task: {n, acc, acc_norm (where the task reports it),
+        chance, centered}}, "mmlu_subjects": {subject: {n, acc}} (when mmlu was scored), "mc_centered", "preds":
+        this rank's [{task, index, pred, pred_norm, label, acc, log_likelihoods}]}; None when stop() (asked between
+        batches) turned True on any rank."""
+        vocab = model.config.vocab_size
+        if vocab < self.n_vocab:
+            raise ValueError(f"the model's vocabulary ({vocab} ids) cannot read its tokenizer's {self.n_vocab} ids")
+        flat = [(name, ex) for name in self.names for ex in self.examples[name]]
+        requests = [pair for _, ex in flat for pair in ex[1]]
+        desc = self.names[0] if len(self.names) == 1 else "tasks"  # the progress bar's label
+        scored = score_requests(model, requests, device, rows_per_forward, dtype, self.n_vocab, stop, progress, desc)
+        abandoned = scored is None  # counted like a result, so that every rank takes part in the all-reduce
+        log_likelihood, count = (torch.zeros(len(requests)), torch.ones(len(requests))) if abandoned else scored
+        per_token = (log_likelihood / count.clamp(min=1)).tolist()  # llm.c's acc_norm, in float32 as llm.c's
+        log_likelihood = log_likelihood.tolist()
+        subjects = tasks.MMLU_SUBJECTS if "mmlu" in self.names else []
+        # per task: n, correct, correct_norm, sum of 60/choices (an integer for 2-5 choices, so sums are exact in any
+        # order, on any number of ranks); per MMLU subject: n, correct; then the stop flag
+        counts = torch.zeros(4 * len(self.names) + 2 * len(subjects) + 1, dtype=torch.float64)
+        preds, first = [], 0
+        for name, (index, pairs, label, lengths, subject) in flat:
+            end = first + len(pairs)
+            ll = log_likelihood[first:end]
+            normed = per_token[first:end] if lengths is None else [v / n for v, n in zip(ll, lengths)]
+            first = end
+            pred, pred_norm = _argmax(ll), _argmax(normed)
+            t = 4 * self.names.index(name)
+            counts[t : t + 4] += torch.tensor(
+                [1, pred == label, pred_norm == label, 60 / len(pairs)], dtype=torch.float64
+            )
+            if name == "mmlu":
+                s = 4 * len(self.names) + 2 * subjects.index(subject)
+                counts[s : s + 2] += torch.tensor([1, pred == label], dtype=torch.float64)
+            preds.append(
+                {
+                    "task": name,
+                    "index": index,
+                    "pred": pred,
+                    "pred_norm": pred_norm,
+                    "label": label,
+                    "acc": int(pred == label),
+                    "log_likelihoods": ll,
+                }
+            )
+        counts[-1] = float(abandoned)
+        if self.world_size > 1:  # the one collective, on every rank
+            on = device if dist.get_backend() == "nccl" else "cpu"
+            counts = counts.to(on)
+            dist.all_reduce(counts)
+            counts = counts.cpu()
+        if counts[-1] > 0:
+            return None
+        results = {}
+        for i, name in enumerate(self.names):
+            n, correct, correct_norm, sixtieths = counts[4 * i : 4 * i + 4].tolist()
+            if n == 0:
+                raise ValueError(f"{name}: no examples to evaluate")
+            chance = sixtieths / 60 / n
+            results[name] = {
+                "n": int(n),
+                "acc": correct / n,
+                "chance": chance,
+                "centered": (correct / n - chance) / (1 - chance),
+            }
+            if tasks.task(name).acc_norm:
+                results[name]["acc_norm"] = correct_norm / n
+        out = {
+            "tasks": results,
+            "mc_centered": sum(r["centered"] for r in results.values()) / len(results),
+            "preds": preds,
+        }
+        if subjects:  # the harness's mmlu group: each subject, and all of them weighted by size (= all questions)
+            base = 4 * len(self.names)
+            out["mmlu_subjects"] = {
+                s: {"n": int(n), "acc": c / n}
+                for j, s in enumerate(subjects)
+                for n, c in [counts[base + 2 * j : base + 2 * j + 2].tolist()]
+                if n > 0
+            }
+        return out
+
+
+def _argmax(values):
+    return max(range(len(values)), key=lambda i: (values[i], -i))  # the first of equal maxima, as numpy's

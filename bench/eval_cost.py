@@ -15,14 +15,13 @@ import time
 
 import torch
 
-import evaluate
-import hellaswag
 import tasks
 from assets import fetch_hellaswag, get_tokenizer
 from bench import machine_line
 from config import batch_layout, make_config, model_config, parse_args
 from devices import autocast, resolve_device
 from model import GPT
+from scoring import Suite
 
 
 def _timed(fn, device):
@@ -84,16 +83,18 @@ def main(argv=None):
     _, val_s = _timed(val, device)
 
     enc = get_tokenizer()
-    examples = hellaswag.load_examples(fetch_hellaswag())
-    rendered, hs_tok = _timed(lambda: hellaswag.Rendered(examples, enc, 0, args.world_size), "cpu")
-    hs, hs_cold = _timed(lambda: hellaswag.evaluate(model, rendered, device, dtype=dtype, rank=0, world_size=1), device)
-    hs, hs_s = _timed(lambda: hellaswag.evaluate(model, rendered, device, dtype=dtype, rank=0, world_size=1), device)
+    # one rank's share of HellaSwag and of the tasks (every world_size-th example), as train.py keeps it
+    hs_docs = {tasks.HELLASWAG_LLMC.name: tasks.load_hellaswag(fetch_hellaswag())[:: args.world_size]}
+    hs_suite, hs_tok = _timed(lambda: Suite(hs_docs, enc), "cpu")
+    _, hs_cold = _timed(lambda: hs_suite.score(model, device, dtype=dtype), device)
+    hs, hs_s = _timed(lambda: hs_suite.score(model, device, dtype=dtype), device)
+    hs = hs["tasks"][tasks.HELLASWAG_LLMC.name]
     names = tasks.parse_tasks(args.tasks)
-    docs = {name: tasks.load_docs(name) for name in names}
-    suite, suite_tok = _timed(lambda: evaluate.Suite(docs, enc, 0, args.world_size), "cpu")
+    docs = {name: tasks.load_docs(name)[:: args.world_size] for name in names}
+    suite, suite_tok = _timed(lambda: Suite(docs, enc), "cpu")
     rows = {}
     for batch_size in (64, 256):
-        _, rows[batch_size] = _timed(lambda b=batch_size: evaluate.evaluate(model, suite, device, b, dtype), device)
+        _, rows[batch_size] = _timed(lambda b=batch_size: suite.score(model, device, b, dtype), device)
     suite_s = min(rows.values())
     n_suite = sum(len(v) for v in suite.examples.values())
     tasks_interval = args.tasks_interval or cfg.eval_interval

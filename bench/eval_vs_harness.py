@@ -24,11 +24,12 @@ from bench import machine_line, require
 from bpe import load_tokenizer
 from hf import save_pretrained
 from loading import load_model
+from scoring import Suite
 
 
 def run_ours(model, docs, enc, batch_size):
     t0 = time.perf_counter()
-    result = evaluate.evaluate(model, evaluate.Suite(docs, enc), "cpu", batch_size=batch_size, dtype="float32")
+    result = Suite(docs, enc).score(model, "cpu", batch_size, dtype="float32")
     return result, time.perf_counter() - t0
 
 

@@ -288,16 +288,17 @@ def check_chunked(report, opts, cfg, device):
 
 
 def check_hellaswag(report, opts, device, ckpt_dir):
-    import hellaswag
     from assets import fetch_hellaswag, get_tokenizer
     from loading import load_model
+    from scoring import Suite
+    from tasks import HELLASWAG_LLMC, load_hellaswag
 
     try:
         enc = get_tokenizer()
         if opts.tiny:
             examples = SYNTHETIC_EXAMPLES
         else:
-            examples = hellaswag.load_examples(opts.hellaswag_file or fetch_hellaswag(), limit=opts.hellaswag)
+            examples = load_hellaswag(opts.hellaswag_file or fetch_hellaswag(), limit=opts.hellaswag)
     except Exception as e:  # offline GPU machine: no tokenizer or examples to be had
         report.add("hellaswag", f"no data ({type(e).__name__}: {str(e)[:120]}); --hellaswag_file PATH", "-", "SKIP")
         return
@@ -306,11 +307,15 @@ def check_hellaswag(report, opts, device, ckpt_dir):
     else:
         model, info = load_model(ckpt=ckpt_dir, device=device)
     t0 = time.perf_counter()
-    low = hellaswag.evaluate(model, examples, device, dtype="bfloat16", enc=enc, rank=0, world_size=1)
+    suite = Suite({HELLASWAG_LLMC.name: examples}, enc)  # hellaswag.py's scoring
+    low = suite.score(model, device, dtype="bfloat16")
     rate = len(examples) / (time.perf_counter() - t0)
-    full = hellaswag.evaluate(model, examples, device, dtype="float32", enc=enc, rank=0, world_size=1)
-    diff = max(abs(a - b) for p, q in zip(low["preds"], full["preds"]) for a, b in zip(p["mean_loss"], q["mean_loss"]))
+    full = suite.score(model, device, dtype="float32")
+    endings = [cont for _, pairs, *_ in suite.examples[HELLASWAG_LLMC.name] for _, cont in pairs]
+    low_ll, full_ll = ([v for p in r["preds"] for v in p["log_likelihoods"]] for r in (low, full))
+    diff = max(abs(a - b) / len(end) for a, b, end in zip(low_ll, full_ll, endings))  # of the mean loss per token
     same = sum(p["pred_norm"] == q["pred_norm"] for p, q in zip(low["preds"], full["preds"])) / len(examples)
+    low, full = low["tasks"][HELLASWAG_LLMC.name], full["tasks"][HELLASWAG_LLMC.name]
     source = "synthetic examples" if opts.tiny else f"model {info['source']}"
     reference = f"max |bf16 - fp32| <= {HELLASWAG_TOL}"
     if opts.hellaswag_model and not opts.tiny:

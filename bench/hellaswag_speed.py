@@ -12,8 +12,9 @@ import torch
 from assets import fetch_hellaswag, get_tokenizer
 from bench import machine_line
 from devices import resolve_device, resolve_dtype, tune_cpu_allocator
-from hellaswag import evaluate, load_examples, render_example, score_rows
 from model import GPT, GPTConfig
+from scoring import Suite, score_requests
+from tasks import HELLASWAG_LLMC, load_hellaswag
 
 
 def _sync(device):
@@ -21,22 +22,26 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def evaluate(model, examples, device, batch_size=16, dtype=None, enc=None):
+    """hellaswag.py's scoring: the suite's task hellaswag_llmc, batch_size examples (4 rows each) per forward."""
+    suite = Suite({HELLASWAG_LLMC.name: examples}, enc or get_tokenizer())
+    return suite.score(model, device, 4 * batch_size, dtype)
+
+
 def one_example_per_forward(model, examples, device, dtype=None, enc=None):
     """The plain way (build-nanogpt's): each example's 4 rows in their own forward, in file order.
     Returns [(pred, pred_norm)] per example."""
-    if enc is None:
-        enc = get_tokenizer()
     model = model.eval()
+    suite = Suite({HELLASWAG_LLMC.name: examples}, enc or get_tokenizer())
     preds = []
-    for ex in examples:
-        tokens, mask, _ = render_example(ex, enc)
-        sum_loss, mean_loss = score_rows(model, tokens, mask, device, model.config.block_size, dtype)
-        preds.append((int(sum_loss.argmin()), int(mean_loss.argmin())))
+    for _, pairs, *_ in suite.examples[HELLASWAG_LLMC.name]:
+        log_likelihood, count = score_requests(model, pairs, device, 4, dtype, suite.n_vocab)
+        preds.append((int(log_likelihood.argmax()), int((log_likelihood / count.clamp(min=1)).argmax())))
     return preds
 
 
 def bench_hellaswag(model, examples, device, batch_size=16, dtype=None, enc=None, warmup=4):
-    """examples/s of hellaswag.evaluate (batch_size examples per forward) and of one example per
+    """examples/s of hellaswag.py's scoring (batch_size examples per forward) and of one example per
     forward. Returns dict(n, batch_size, batched_ex_per_s, single_ex_per_s,
     speedup, same_preds): same_preds is True when both pick the same endings for every example.
     """
@@ -80,7 +85,7 @@ def main(argv=None):
     dtype = resolve_dtype(args.dtype, device)
     tune_cpu_allocator(device)  # as hellaswag.py does
     model = GPT(GPTConfig(n_layer=args.n_layer, n_head=args.n_embd // 64, n_embd=args.n_embd)).to(device)
-    examples = load_examples(fetch_hellaswag(), limit=args.n)
+    examples = load_hellaswag(fetch_hellaswag(), limit=args.n)
     r = bench_hellaswag(model, examples, device, batch_size=args.batch_size, dtype=dtype)
     print(
         f"HellaSwag on {machine_line(device)}: {args.n_layer}-layer {args.n_embd}-dim random GPT, "

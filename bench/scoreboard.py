@@ -49,9 +49,9 @@ from bench import machine_line, require
 from bench.hellaswag_speed import bench_hellaswag
 from config import TrainConfig
 from devices import autocast, device_type, glibc, malloc_tuned, resolve_device, set_malloc_tuned
-from hellaswag import load_examples
 from hf import CONV1D_WEIGHTS, save_pretrained
 from model import GPT, GPT2_VOCAB, PRESETS, GPTConfig
+from tasks import load_hellaswag
 
 SMALL = dict(n_layer=6, n_head=6, n_embd=384, block_size=256)  # the default config (issue 7 targets)
 GEN_PROMPT, GEN_NEW = 16, 200  # generation benchmark: prompt tokens, new tokens
@@ -542,7 +542,7 @@ def hellaswag_rates(cfg, device, n, batch_size):
     if cfg.vocab_size < GPT2_VOCAB:
         return {"note": f"skipped: HellaSwag needs the GPT-2 vocabulary, this config has vocab_size {cfg.vocab_size}"}
     try:
-        examples = load_examples(fetch_hellaswag(), limit=n)
+        examples = load_hellaswag(fetch_hellaswag(), limit=n)
     except Exception as e:  # no network and no cached copy
         return {"note": f"skipped: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
     dtype = train_defaults_setup(device, 1).dtype

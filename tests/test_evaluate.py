@@ -1,5 +1,6 @@
-"""evaluate.py: every task renders as lm-evaluation-harness 0.4.13's default config; scores equal a plain
-transformers reference and (where lm_eval is installed) the harness's own, example for example; ranks add up."""
+"""evaluate.py and the suite it scores (scoring.Suite): every task renders as lm-evaluation-harness 0.4.13's default
+config; scores equal a plain transformers reference and (where lm_eval is installed) the harness's own, example for
+example; ranks add up."""
 
 import json
 import sys
@@ -15,7 +16,7 @@ import tasks
 from assets import get_tokenizer
 from hf import from_pretrained, save_pretrained
 from model import GPT, GPTConfig
-from scoring import encode_pair
+from scoring import Suite, encode_pair
 from test_hellaswag import run_two_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -419,9 +420,9 @@ def test_scores_equal_a_one_request_at_a_time_transformers_reference(hf_dir, mod
 
     hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
     enc = get_tokenizer()
-    suite = evaluate.Suite(suite_docs, enc)
+    suite = Suite(suite_docs, enc)
     assert any(len(c) + len(x) > BLOCK_SIZE + 1 for ex in suite.examples["boolq"] for c, x in ex[1])  # cropped
-    result = evaluate.evaluate(model, suite, "cpu", batch_size=5)
+    result = suite.score(model, "cpu", 5)
     preds = iter(result["preds"])
     correct = {}
     for name, docs in suite_docs.items():
@@ -447,18 +448,22 @@ def test_scores_equal_a_one_request_at_a_time_transformers_reference(hf_dir, mod
     assert "acc_norm" not in result["tasks"]["mmlu"]
 
 
+def decisions(preds):
+    """What a prediction decides, without the log-likelihoods (whose rounding depends on the batch's padding)."""
+    return sorted((p["task"], p["index"], p["pred"], p["pred_norm"], p["label"], p["acc"]) for p in preds)
+
+
 def test_batching_changes_no_prediction(model, suite_docs):
-    enc = get_tokenizer()
-    suite = evaluate.Suite(suite_docs, enc)
-    one = evaluate.evaluate(model, suite, "cpu", batch_size=1)
+    suite = Suite(suite_docs, get_tokenizer())
+    one = suite.score(model, "cpu", 1)
     for batch_size in (3, 64):
-        assert evaluate.evaluate(model, suite, "cpu", batch_size=batch_size)["preds"] == one["preds"]
+        assert decisions(suite.score(model, "cpu", batch_size)["preds"]) == decisions(one["preds"])
 
 
 def test_a_stop_request_abandons_the_suite(model, suite_docs):
-    suite = evaluate.Suite(suite_docs, get_tokenizer())
+    suite = Suite(suite_docs, get_tokenizer())
     asked = []
-    assert evaluate.evaluate(model, suite, "cpu", batch_size=2, stop=lambda: asked.append(1) or len(asked) > 1) is None
+    assert suite.score(model, "cpu", 2, stop=lambda: asked.append(1) or len(asked) > 1) is None
     assert len(asked) == 2
 
 
@@ -494,10 +499,12 @@ def test_cli_json_and_per_example(hf_dir, model, tmp_path, capsys):
         == 0
     )
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    expected = evaluate.evaluate(model, evaluate.Suite({"arc_easy": docs_of("arc_easy")[:1]}, get_tokenizer()), "cpu")
+    expected = Suite({"arc_easy": docs_of("arc_easy")[:1]}, get_tokenizer()).score(model, "cpu")
     assert last["tasks"] == expected["tasks"] and last["mc_centered"] == expected["mc_centered"]
-    assert [json.loads(line) for line in out.read_text().splitlines()] == expected["preds"]
-    assert set(expected["preds"][0]) == {"task", "index", "pred", "label", "acc"}
+    keys = ("task", "index", "pred", "label", "acc")  # a line's keys
+    assert [json.loads(line) for line in out.read_text().splitlines()] == [
+        {k: p[k] for k in keys} for p in expected["preds"]
+    ]
 
 
 def one_line_error(capsys, argv, monkeypatch):
@@ -582,7 +589,7 @@ def test_the_harness_scores_every_task_as_this_suite(hf_dir, model, suite_docs, 
         batch_size=8,
         task_manager=TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False),
     )
-    ours = evaluate.evaluate(model, evaluate.Suite(suite_docs, get_tokenizer()), "cpu", batch_size=7)
+    ours = Suite(suite_docs, get_tokenizer()).score(model, "cpu", 7)
     enc = get_tokenizer()
     preds = iter(ours["preds"])
     for name in tasks.TASKS:
@@ -607,33 +614,29 @@ def reference_log_likelihoods_model(model, enc, pairs):
 DDP_SCRIPT = """
 import json, sys
 import torch.distributed as dist
-import evaluate
 from assets import get_tokenizer
 from hf import from_pretrained
+from scoring import Suite
 dist.init_process_group("gloo")
 docs = json.load(open(sys.argv[2]))
 model = from_pretrained(sys.argv[1])  # the bare GPT, as train.py passes it
-suite = evaluate.Suite(docs, get_tokenizer(), dist.get_rank(), dist.get_world_size())
+suite = Suite(docs, get_tokenizer(), dist.get_rank(), dist.get_world_size())
 with open(sys.argv[3] + str(dist.get_rank()), "w") as f:
-    json.dump(evaluate.evaluate(model, suite, "cpu", batch_size=3), f)
+    json.dump(suite.score(model, "cpu", 3), f)
 dist.destroy_process_group()
 """
 
 
 @pytest.mark.slow
 def test_two_ranks_give_the_single_process_results(hf_dir, model, suite_docs, tmp_path):
-    single = evaluate.evaluate(model, evaluate.Suite(suite_docs, get_tokenizer()), "cpu", batch_size=3)
+    single = Suite(suite_docs, get_tokenizer()).score(model, "cpu", 3)
     (tmp_path / "docs.json").write_text(json.dumps(suite_docs))
     run_two_ranks(DDP_SCRIPT, [hf_dir, tmp_path / "docs.json", tmp_path / "rank"], timeout=180)
     ranks = [json.loads((tmp_path / f"rank{r}").read_text()) for r in range(2)]
     for r in ranks:  # every rank holds the all-reduced results
         assert r["tasks"] == single["tasks"] and r["mc_centered"] == single["mc_centered"]
         assert r["mmlu_subjects"] == single["mmlu_subjects"]
-
-    def key(p):
-        return p["task"], p["index"]
-
-    assert sorted(ranks[0]["preds"] + ranks[1]["preds"], key=key) == sorted(single["preds"], key=key)
+    assert decisions(ranks[0]["preds"] + ranks[1]["preds"]) == decisions(single["preds"])
     assert len(ranks[1]["preds"]) > 0
 
 
@@ -703,4 +706,4 @@ def test_training_logs_the_suite_and_resumes_bit_exactly(tmp_path, monkeypatch):
 def test_a_model_too_small_for_the_tokenizer_is_refused(model, suite_docs):
     small = GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
     with pytest.raises(ValueError, match="vocabulary"):
-        evaluate.evaluate(small, evaluate.Suite({"copa": docs_of("copa")}, get_tokenizer()), "cpu")
+        Suite({"copa": docs_of("copa")}, get_tokenizer()).score(small, "cpu")

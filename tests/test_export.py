@@ -159,7 +159,8 @@ def test_lm_eval_harness_scores_an_export_as_hellaswag_py(tmp_path, monkeypatch)
     pytest.importorskip("lm_eval.models.huggingface")  # needs accelerate too: pip install "lm_eval[hf]"
     from lm_eval.tasks import TaskManager
 
-    import hellaswag
+    from scoring import Suite
+    from tasks import load_hellaswag
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     torch.manual_seed(0)
@@ -180,7 +181,8 @@ def test_lm_eval_harness_scores_an_export_as_hellaswag_py(tmp_path, monkeypatch)
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "task.yaml").write_text(LM_EVAL_TASK.format(data=tmp_path / "val.jsonl"))
 
-    ours = hellaswag.evaluate(model, hellaswag.load_examples(tmp_path / "val.jsonl"), "cpu")["preds"]
+    suite = Suite({"hellaswag_llmc": load_hellaswag(tmp_path / "val.jsonl")}, get_tokenizer())  # hellaswag.py's
+    ours = suite.score(model, "cpu")["preds"]
     tasks = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)  # no index of lm-eval's own
     out = lm_eval.simple_evaluate(
         model="hf",
@@ -196,4 +198,4 @@ def test_lm_eval_harness_scores_an_export_as_hellaswag_py(tmp_path, monkeypatch)
     for mine, their in zip(ours, theirs):
         assert their["acc"] == float(mine["pred"] == mine["label"])
         log_likelihoods = [resp[0] for resp in their["filtered_resps"]]
-        assert log_likelihoods == pytest.approx([-loss for loss in mine["sum_loss"]], rel=1e-4)
+        assert log_likelihoods == pytest.approx(mine["log_likelihoods"], rel=1e-4)

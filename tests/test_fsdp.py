@@ -368,27 +368,33 @@ def test_a_sharded_resume_hashes_the_metadata_first_and_then_each_rank_its_share
 SHARDED_EVAL = """
 import json, sys
 import torch
-import assets, hellaswag, parallel, resume, train
+import assets, parallel, resume, train
 from config import make_config, model_config
+from evaluation import Evaluator, sample_preview
 from model import GPT
+from scoring import Suite
+from tasks import load_hellaswag
+from tracking import NoTracker
 
-examples, out = hellaswag.load_examples(sys.argv[1]), sys.argv[2]
+examples, out = load_hellaswag(sys.argv[1]), sys.argv[2]
 enc = assets.get_tokenizer()
 cfg = make_config(dict(n_layer=2, n_head=2, n_embd=32, block_size=64, device="cpu", dtype="float32", compile=False,
                        parallel="fsdp", sample_tokens=12, sample_prompt="The", seed=7))
 env = parallel.setup(cfg)
-kept = {"hellaswag": hellaswag.Rendered(examples, enc, env.rank, env.world_size)}  # as train.py keeps them
+evaluator = Evaluator(None, None, NoTracker(), cfg, env, None)
+evaluator.enc = enc
+evaluator.suites["hellaswag"] = Suite({"hellaswag_llmc": examples}, enc, env.rank, env.world_size)  # as it keeps them
 raw, cfg = train.build_model(cfg, resume.Source("scratch"), env)  # as train.py builds a sharded run: on meta
 model = train.parallelize(raw, cfg, env)
 torch.manual_seed(cfg.seed)
 alone = GPT(model_config(cfg))  # what one process starts from with the same seed
-with train.gathered(raw) as whole:  # before any forward: FSDP's lazy initialisation happens here
+with parallel.gathered(raw) as whole:  # before any forward: FSDP's lazy initialisation happens here
     same_init = [n for n, t in whole.state_dict().items() if not torch.equal(t, alone.state_dict()[n])] == []
 result = {"same_init": same_init, "sharded_after": type(raw.lm_head.weight).__name__,
-          "hellaswag": train.hellaswag_eval(raw, kept, cfg, env, enc),
-          "hellaswag_alone": hellaswag.evaluate(alone, examples, "cpu", rank=0, world_size=1),
-          "sample": train.sample_preview(raw, cfg, env, enc),
-          "sample_alone": train.sample_preview(alone, cfg, env, enc)}
+          "hellaswag": evaluator.score("hellaswag", raw, train.StopRequest()),
+          "hellaswag_alone": Suite({"hellaswag_llmc": examples}, enc).score(alone, "cpu"),
+          "sample": sample_preview(raw, cfg, env, enc),
+          "sample_alone": sample_preview(alone, cfg, env, enc)}
 x = torch.randint(0, 100, (2, 64))
 model(x, x, return_logits=False)[1].backward()  # training goes on after the gathered evaluations
 result["trains_after"] = all(p.grad is not None for p in raw.parameters())
@@ -405,12 +411,11 @@ def test_sharded_model_starts_from_the_same_weights_evaluates_and_samples(tmp_pa
     ranks = [json.loads((tmp_path / f"rank{r}").read_text()) for r in range(2)]
     for r in ranks:
         assert r["same_init"] and r["sharded_after"] == "DTensor" and r["trains_after"]
-        hs, alone = r["hellaswag"], r["hellaswag_alone"]
-        assert (hs["n"], hs["correct"], hs["correct_norm"]) == (alone["n"], alone["correct"], alone["correct_norm"])
+        assert r["hellaswag"]["tasks"] == r["hellaswag_alone"]["tasks"]
     assert [len(r["hellaswag"]["preds"]) for r in ranks] == [4, 3]  # examples split over the ranks
-    alone = {p["ind"]: p["sum_loss"] for p in ranks[0]["hellaswag_alone"]["preds"]}
+    alone = {p["index"]: p["log_likelihoods"] for p in ranks[0]["hellaswag_alone"]["preds"]}
     for p in ranks[0]["hellaswag"]["preds"] + ranks[1]["hellaswag"]["preds"]:
-        assert p["sum_loss"] == pytest.approx(alone[p["ind"]], abs=1e-5)
+        assert p["log_likelihoods"] == pytest.approx(alone[p["index"]], abs=1e-5)
     assert ranks[0]["sample"] == ranks[0]["sample_alone"] and len(ranks[0]["sample"]) > len("The")
     assert ranks[1]["sample"] is None  # rank 0 samples; the others only take part in the gather
 

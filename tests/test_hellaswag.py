@@ -1,4 +1,6 @@
-"""hellaswag.py: scoring equals a plain Hugging Face reference; batching, compile and DDP change nothing."""
+"""hellaswag.py: HellaSwag as llm.c scores it, the suite's task hellaswag_llmc: rendered and predicted exactly as
+hellaswag.py did before it became a task of the suite; scores equal a plain Hugging Face reference; batching and
+DDP change nothing."""
 
 import json
 import os
@@ -14,9 +16,11 @@ import torch.nn.functional as F
 
 from assets import get_tokenizer
 from bpe import HFTokenizer, load_tokenizer
-from hellaswag import evaluate, load_examples, main, render_example, score_rows
+from hellaswag import main
 from hf import from_pretrained, save_pretrained
 from model import GPT, GPTConfig
+from scoring import Suite, score_requests, score_rows
+from tasks import HELLASWAG_LLMC, load_hellaswag
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 64  # small enough that one example below is cropped from the left
@@ -141,6 +145,42 @@ def data_file(tmp_path_factory):
     return path
 
 
+def evaluate(model, examples, enc, batch_size=16, stop=None):
+    """The suite's result on the examples, scored as hellaswag.py scores them: batch_size examples (4 rows each) per
+    forward."""
+    return Suite({HELLASWAG_LLMC.name: examples}, enc).score(model, "cpu", 4 * batch_size, stop=stop)
+
+
+def render_before(example, enc):
+    """(rows, masks): hellaswag.py's rendering before it became the suite's task hellaswag_llmc (the oracle the task is
+    checked against): row i is the tokens of ctx, then those of " " + endings[i]; the mask is 1 on the ending's."""
+    ctx = enc.encode_ordinary(example["ctx"])
+    rows, masks = [], []
+    for ending in example["endings"]:
+        end = enc.encode_ordinary(" " + ending)
+        rows.append(ctx + end)
+        masks.append([0] * len(ctx) + [1] * len(end))
+    return rows, masks
+
+
+def predictions_before(model, examples, enc, batch_size):
+    """[(pred, pred_norm)] and (acc, acc_norm) as hellaswag.py computed them before: argmin of each ending's summed
+    loss, and of its mean loss per ending token, in float32 (torch.argmin: the first of equal minima)."""
+    requests = []
+    for ex in examples:
+        for row, mask in zip(*render_before(ex, enc)):
+            requests.append((row[: mask.index(1)], row[mask.index(1) :]))
+    log_likelihood, count = score_requests(model, requests, "cpu", 4 * batch_size, n_vocab=enc.n_vocab)
+    sum_loss, mean_loss = (-log_likelihood).view(-1, 4), (-log_likelihood / count.clamp(min=1)).view(-1, 4)
+    preds = [(int(s.argmin()), int(m.argmin())) for s, m in zip(sum_loss, mean_loss)]
+    n = len(examples)
+    accuracies = (
+        sum(p == ex["label"] for (p, _), ex in zip(preds, examples)) / n,
+        sum(p == ex["label"] for (_, p), ex in zip(preds, examples)) / n,
+    )
+    return preds, accuracies
+
+
 def reference_losses(hf, enc, example, block_size):
     """One row at a time through transformers: CE of the ending tokens, as (sums, means) over 4 endings."""
     ctx = enc.encode(example["ctx"])
@@ -157,76 +197,95 @@ def reference_losses(hf, enc, example, block_size):
     return sums, means
 
 
-def test_render_example_masks_exactly_the_ending_tokens(enc):
-    ex = EXAMPLES[0]
-    tokens, mask, label = render_example(ex, enc)
-    assert label == ex["label"] and len(tokens) == len(mask) == 4
-    ctx = enc.encode(ex["ctx"])
-    for row, row_mask, ending in zip(tokens, mask, ex["endings"]):
-        end = enc.encode(" " + ending)
-        assert row == ctx + end
-        assert row_mask == [0] * len(ctx) + [1] * len(end)
+def test_the_task_renders_each_example_as_hellaswag_py_did(enc):
+    # and two that the harness's way of encoding would change: a context's trailing space (the harness moves it into
+    # the continuation) and special-token text (the harness encodes it as the special token)
+    examples = EXAMPLES + [
+        dict(EXAMPLES[0], ctx="A man is sitting on a roof. He "),
+        dict(EXAMPLES[1], ctx="<|endoftext|>The chef", endings=["<|endoftext|>", "a", "b", "c"]),
+    ]
+    suite = Suite({HELLASWAG_LLMC.name: examples}, enc)
+    rendered = suite.examples[HELLASWAG_LLMC.name]
+    assert [index for index, *_ in rendered] == list(range(len(examples)))
+    for ex, (_, pairs, label, _, _) in zip(examples, rendered):
+        rows, masks = render_before(ex, enc)
+        assert [ctx + cont for ctx, cont in pairs] == rows
+        assert [[0] * len(ctx) + [1] * len(cont) for ctx, cont in pairs] == masks
+        assert label == ex["label"]
+    rows, masks = render_before(EXAMPLES[0], enc)  # the oracle itself: the leading space belongs to the ending
+    assert rows[0] == enc.encode(EXAMPLES[0]["ctx"]) + enc.encode(" " + EXAMPLES[0]["endings"][0])
+    assert masks[0].count(1) == len(enc.encode(" " + EXAMPLES[0]["endings"][0]))
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 16])
+def test_predictions_and_accuracies_equal_hellaswag_py_before_the_suite(model, enc, batch_size):
+    preds, (acc, acc_norm) = predictions_before(model, EXAMPLES, enc, batch_size)
+    result = evaluate(model, EXAMPLES, enc, batch_size)
+    assert [(p["pred"], p["pred_norm"]) for p in result["preds"]] == preds
+    r = result["tasks"][HELLASWAG_LLMC.name]
+    assert (r["n"], r["acc"], r["acc_norm"]) == (len(EXAMPLES), acc, acc_norm)
+    assert any(p != q for p, q in preds)  # sum and mean disagree somewhere: acc_norm is really per token
 
 
 def test_scores_and_predictions_equal_hf_reference(hf_dir, model, enc, data_file):
     from transformers import GPT2LMHeadModel
 
     hf = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
-    examples = load_examples(data_file)
-    assert any(len(r) > BLOCK_SIZE for ex in examples for r in render_example(ex, enc)[0])  # cropping is exercised
-    result = evaluate(model, examples, "cpu", batch_size=3, enc=enc)
+    examples = load_hellaswag(data_file)
+    assert any(len(r) > BLOCK_SIZE for ex in examples for r in render_before(ex, enc)[0])  # cropping is exercised
+    result = evaluate(model, examples, enc, batch_size=3)
 
     correct = correct_norm = 0
-    assert [p["ind"] for p in result["preds"]] == [ex["ind"] for ex in EXAMPLES]
+    assert [p["index"] for p in result["preds"]] == list(range(len(EXAMPLES)))
     for ex, p in zip(examples, result["preds"]):
         sums, means = reference_losses(hf, enc, ex, BLOCK_SIZE)
-        assert p["sum_loss"] == pytest.approx(sums, abs=1e-4)
-        assert p["mean_loss"] == pytest.approx(means, abs=1e-4)
+        assert p["log_likelihoods"] == pytest.approx([-s for s in sums], abs=1e-4)
         assert p["pred"] == min(range(4), key=sums.__getitem__)
         assert p["pred_norm"] == min(range(4), key=means.__getitem__)
         assert p["label"] == ex["label"]
         correct += p["pred"] == ex["label"]
         correct_norm += p["pred_norm"] == ex["label"]
-    assert result["n"] == len(EXAMPLES)
-    assert result["acc"] == correct / len(EXAMPLES)
-    assert result["acc_norm"] == correct_norm / len(EXAMPLES)
-    # sum and mean disagree somewhere, so the two accuracies are really computed separately
-    assert any(p["pred"] != p["pred_norm"] for p in result["preds"])
+    r = result["tasks"][HELLASWAG_LLMC.name]
+    assert r["n"] == len(EXAMPLES)
+    assert r["acc"] == correct / len(EXAMPLES)
+    assert r["acc_norm"] == correct_norm / len(EXAMPLES)
 
 
 def test_batched_predictions_equal_one_example_per_forward(model, enc, data_file):
-    examples = load_examples(data_file)
+    examples = load_hellaswag(data_file)
     single = []  # the plain way: each example's 4 rows alone in one forward
     for ex in examples:
-        tokens, mask, _ = render_example(ex, enc)
-        single.append(score_rows(model, tokens, mask, "cpu", BLOCK_SIZE))
+        rows, masks = render_before(ex, enc)
+        single.append(score_rows(model, rows, masks, "cpu", BLOCK_SIZE))
     for batch_size in (1, 3, 8):
-        batched = evaluate(model, examples, "cpu", batch_size=batch_size, enc=enc)
+        batched = evaluate(model, examples, enc, batch_size=batch_size)
         for p, (sum_loss, mean_loss) in zip(batched["preds"], single):
             assert (p["pred"], p["pred_norm"]) == (int(sum_loss.argmin()), int(mean_loss.argmin()))
-            assert p["sum_loss"] == pytest.approx(sum_loss.tolist(), abs=1e-4)
-            assert p["mean_loss"] == pytest.approx(mean_loss.tolist(), abs=1e-4)
+            assert p["log_likelihoods"] == pytest.approx((-sum_loss).tolist(), abs=1e-4)
 
 
 def test_evaluate_restores_training_mode(model, enc):
     model.train()
-    evaluate(model, EXAMPLES[:2], "cpu", enc=enc)
+    evaluate(model, EXAMPLES[:2], enc)
     assert model.training
     model.eval()
-    evaluate(model, EXAMPLES[:2], "cpu", enc=enc)
+    evaluate(model, EXAMPLES[:2], enc)
     assert not model.training
 
 
 DDP_SCRIPT = """
 import json, sys
 import torch.distributed as dist
-from hellaswag import evaluate, load_examples
+from assets import get_tokenizer
 from hf import from_pretrained
+from scoring import Suite
+from tasks import load_hellaswag
 dist.init_process_group("gloo")
 model = from_pretrained(sys.argv[1])  # every rank its bare GPT, as train.py's gathered model
-result = evaluate(model, load_examples(sys.argv[2], limit=7), "cpu", batch_size=3)
+docs = {"hellaswag_llmc": load_hellaswag(sys.argv[2], limit=7)}
+suite = Suite(docs, get_tokenizer(), dist.get_rank(), dist.get_world_size())  # as train.py keeps it
 with open(sys.argv[3] + str(dist.get_rank()), "w") as f:
-    json.dump(result, f)
+    json.dump(suite.score(model, "cpu", 12), f)
 dist.destroy_process_group()
 """
 
@@ -265,16 +324,15 @@ def run_two_ranks(script, args, timeout):
 @pytest.mark.slow
 def test_two_processes_total_the_single_process_counts(model, enc, hf_dir, data_file, tmp_path):
     # 7 examples: the ranks get 4 and 3, so 2 and 1 batches -- uneven work must not hang
-    single = evaluate(model, load_examples(data_file, limit=7), "cpu", batch_size=3, enc=enc)
+    single = evaluate(model, load_hellaswag(data_file, limit=7), enc, batch_size=3)
     run_two_ranks(DDP_SCRIPT, [hf_dir, data_file, tmp_path / "rank"], timeout=120)
     ranks = [json.loads((tmp_path / f"rank{r}").read_text()) for r in range(2)]
     for r in ranks:  # every rank holds the all-reduced totals
-        assert (r["n"], r["correct"], r["correct_norm"]) == (single["n"], single["correct"], single["correct_norm"])
-        assert (r["acc"], r["acc_norm"]) == (single["acc"], single["acc_norm"])
+        assert r["tasks"] == single["tasks"]
     # each rank scored its own share, and together they scored every example once, the same way
     assert [len(r["preds"]) for r in ranks] == [4, 3]
-    by_ind = {p["ind"]: (p["pred"], p["pred_norm"]) for r in ranks for p in r["preds"]}
-    assert by_ind == {p["ind"]: (p["pred"], p["pred_norm"]) for p in single["preds"]}
+    by_index = {p["index"]: (p["pred"], p["pred_norm"]) for r in ranks for p in r["preds"]}
+    assert by_index == {p["index"]: (p["pred"], p["pred_norm"]) for p in single["preds"]}
 
 
 @pytest.mark.parametrize(
@@ -293,18 +351,18 @@ def test_malformed_line_is_an_error_naming_the_line(tmp_path, line, problem):
     path = tmp_path / "bad.jsonl"
     path.write_text(f"{good}\n{good}\n{line}\n{good}\n")
     with pytest.raises(ValueError, match=rf"bad\.jsonl:3: .*{problem}"):
-        load_examples(path)
+        load_hellaswag(path)
 
 
-def test_load_examples_limit_and_string_labels(tmp_path):
+def test_load_hellaswag_limit_and_string_labels(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(dict(ex, label=str(ex["label"]))) + "\n" for ex in EXAMPLES))
-    examples = load_examples(path, limit=5)
+    examples = load_hellaswag(path, limit=5)
     assert [ex["label"] for ex in examples] == [ex["label"] for ex in EXAMPLES[:5]]
     assert [ex["ind"] for ex in examples] == [ex["ind"] for ex in EXAMPLES[:5]]
 
 
-def test_cli_json_and_per_example(hf_dir, model, enc, data_file, tmp_path, capsys):
+def test_cli_prints_and_writes_what_hellaswag_py_did(hf_dir, model, enc, data_file, tmp_path, capsys):
     per_example = tmp_path / "preds.jsonl"
     rc = main(
         [
@@ -322,11 +380,15 @@ def test_cli_json_and_per_example(hf_dir, model, enc, data_file, tmp_path, capsy
         ]
     )
     assert rc == 0
-    expected = evaluate(model, load_examples(data_file), "cpu", enc=enc)
-    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert last == {"n": expected["n"], "acc": expected["acc"], "acc_norm": expected["acc_norm"]}
+    preds, (acc, acc_norm) = predictions_before(model, EXAMPLES, enc, batch_size=4)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith(f"hellaswag: n={len(EXAMPLES)} acc={acc:.4f} acc_norm={acc_norm:.4f} (")
+    assert json.loads(out[-1]) == {"n": len(EXAMPLES), "acc": acc, "acc_norm": acc_norm}
     lines = [json.loads(line) for line in per_example.read_text().splitlines()]
-    assert lines == [{k: p[k] for k in ("ind", "label", "pred", "pred_norm")} for p in expected["preds"]]
+    assert lines == [
+        {"ind": ex["ind"], "label": ex["label"], "pred": pred, "pred_norm": pred_norm}
+        for ex, (pred, pred_norm) in zip(EXAMPLES, preds)
+    ]
 
 
 def test_cli_malformed_data_is_a_one_line_error(hf_dir, tmp_path):
@@ -354,7 +416,7 @@ def test_cli_scores_with_the_model_dirs_tokenizer_json(byte_level_tokenizer_json
     )
     shutil.copy(byte_level_tokenizer_json, tmp_path / "tokenizer.json")
     assert main(["--init_from", str(tmp_path), "--data", str(data_file), "--device", "cpu", "--json"]) == 0
-    expected = evaluate(from_pretrained(str(tmp_path)), load_examples(data_file), "cpu", enc=enc)
+    expected = evaluate(from_pretrained(str(tmp_path)), load_hellaswag(data_file), enc)["tasks"][HELLASWAG_LLMC.name]
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last == {"n": expected["n"], "acc": expected["acc"], "acc_norm": expected["acc_norm"]}
 
@@ -369,13 +431,13 @@ def test_no_examples_is_an_error_not_an_accuracy(hf_dir, model, enc, tmp_path, c
     err = capsys.readouterr().err
     assert err.endswith(f"error: {path}: no examples to evaluate\n") and err.count("\n") == 1, err
     with pytest.raises(ValueError, match="no examples to evaluate"):  # the function too: 0/0 is no accuracy
-        evaluate(model, [], "cpu", enc=enc)
+        evaluate(model, [], enc)
 
 
 def test_bad_per_example_path_fails_before_evaluating(hf_dir, data_file, tmp_path, monkeypatch, capsys):
     import hellaswag
 
-    monkeypatch.setattr(hellaswag, "evaluate", lambda *a, **k: pytest.fail("evaluated before checking --per_example"))
+    monkeypatch.setattr(hellaswag, "Suite", lambda *a, **k: pytest.fail("evaluated before checking --per_example"))
     bad = tmp_path / "no" / "such" / "dir" / "preds.jsonl"
     with pytest.raises(SystemExit) as exit_info:
         main(["--init_from", str(hf_dir), "--data", str(data_file), "--device", "cpu", "--per_example", str(bad)])
@@ -392,5 +454,5 @@ def test_a_stop_request_abandons_the_evaluation_between_batches(model, enc, monk
     real = scoring.score_rows
     monkeypatch.setattr(scoring, "score_rows", lambda *a, **k: scored.append(1) or real(*a, **k))
     stop = lambda: asked.append(1) or len(asked) > 2  # noqa: E731  (a signal arrives during the second batch)
-    assert evaluate(model, EXAMPLES, "cpu", batch_size=1, enc=enc, stop=stop) is None
+    assert evaluate(model, EXAMPLES, enc, batch_size=1, stop=stop) is None
     assert len(scored) == 2 and len(EXAMPLES) > 2

@@ -1053,3 +1053,58 @@ def test_a_second_ctrl_c_during_a_save_exits_130_and_says_what_was_kept(data_dir
         f"with --init_from=resume)\n"
     ) in err
     assert sorted(p.name for p in tmp_path.glob("*ckpt*")) == ["ckpt_000004.pt", "ckpt_000004.pt.sha256"]
+
+
+# ----------------------------------------------------------------------------- evaluations during training
+
+
+def offline_without_gpt2s_tokenizer(monkeypatch, tmp_path):
+    """As on a GPU node with no network and an empty cache: every way to GPT-2's tokenizer fails."""
+    import assets
+
+    monkeypatch.setenv("GPT2_CACHE_DIR", str(tmp_path / "empty_cache"))
+    monkeypatch.setattr(assets, "_tiktoken_has_gpt2_cached", lambda: False)
+    monkeypatch.setattr(assets, "_host_reachable", lambda host, port=443: False)
+    monkeypatch.setattr(assets, "download_package", lambda *a, **k: (_ for _ in ()).throw(OSError("no network")))
+    with pytest.raises(RuntimeError, match="could not load the GPT-2 tokenizer"):
+        assets.get_tokenizer()
+
+
+def test_a_run_without_hellaswag_suite_or_samples_trains_without_the_tokenizer(data_dir, tmp_path, monkeypatch):
+    offline_without_gpt2s_tokenizer(monkeypatch, tmp_path)
+    assert run(data_dir, tmp_path / "out", "--max_steps=4") == 0  # val loss only: no tokenizer needed
+    assert sorted(train_losses(tmp_path / "out")) == [1, 2, 3, 4]
+
+
+def test_samples_without_the_tokenizer_stop_the_run_before_step_1_with_one_line(
+    data_dir, tmp_path, monkeypatch, capsys
+):
+    offline_without_gpt2s_tokenizer(monkeypatch, tmp_path)
+    expect_exit(2, run, data_dir, tmp_path / "out", "--max_steps=4", "--sample_interval=2")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("train.py: error: sample_interval: the run's tokenizer cannot be loaded")
+    assert "gpt2.tiktoken" in err and err.endswith("or train without it: --sample_interval=0\n")
+    assert train_losses(tmp_path / "out") == {}
+
+
+def test_hellaswag_during_training_logs_what_hellaswag_py_prints(data_dir, tmp_path, monkeypatch, capsys):
+    import assets
+    import hellaswag
+    from test_hellaswag import EXAMPLES
+
+    examples = tmp_path / "hellaswag.jsonl"
+    examples.write_text("".join(json.dumps(ex) + "\n" for ex in EXAMPLES))
+    monkeypatch.setattr(assets, "fetch_hellaswag", lambda cache_dir=None: examples)
+    out = tmp_path / "out"
+    assert run(data_dir, out, "--max_steps=4", "--vocab_size=50304", "--hellaswag_interval=4") == 0  # GPT-2's ids
+    logged = [m for m in metrics(out) if "hellaswag_acc" in m]
+    assert [(m["step"], m["hellaswag_n"]) for m in logged] == [(0, len(EXAMPLES)), (4, len(EXAMPLES))]
+    capsys.readouterr()
+    assert hellaswag.main(["--ckpt", str(out), "--data", str(examples), "--dtype", "float32", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out.splitlines()[-1])  # of step 4's checkpoint
+    assert printed == {
+        "n": len(EXAMPLES),
+        "acc": logged[1]["hellaswag_acc"],
+        "acc_norm": logged[1]["hellaswag_acc_norm"],
+    }
