@@ -14,13 +14,22 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from config import ConfigError, batch_layout, make_config, model_config, parse_args
-from files import report_error
-from memory import MARGIN, GiB, MemoryPlan, choose_checkpointing, estimate_memory, gib, with_margin, within_margin
+from gpt2train.config import ConfigError, batch_layout, make_config, model_config, parse_args
+from gpt2train.files import report_error
+from gpt2train.memory import (
+    MARGIN,
+    GiB,
+    MemoryPlan,
+    choose_checkpointing,
+    estimate_memory,
+    gib,
+    with_margin,
+    within_margin,
+)
+from gpt2train.optim import build_optimizer
+from gpt2train.parallel import Env, keeps_grads, mesh_shape, parallelize
+from gpt2train.step import clip_gradients, micro_batches
 from model import GPT
-from optim import build_optimizer
-from parallel import Env, keeps_grads, mesh_shape, parallelize
-from step import clip_gradients, micro_batches
 
 NOT_SIMULATED = (
     "not simulated: torch.compile, CUDA kernels' workspaces, NCCL's buffers and the caching allocator's "

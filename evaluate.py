@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-import tasks
-from files import report_error
-from scoring import Suite
+from gpt2train import tasks
+from gpt2train.files import report_error
+from gpt2train.scoring import Suite
 
 # ----------------------------------------------------------------------------- the harness's own task files
 
@@ -107,7 +107,7 @@ def _parser(export):
             "--cache_dir", help="cache of downloaded data (default $GPT2_CACHE_DIR, else ~/.cache/gpt2-train)"
         )
     else:
-        from loading import (
+        from gpt2train.loading import (
             add_model_args,  # imports torch's model stack: only when a model is scored
         )
 
@@ -159,8 +159,8 @@ def main(argv=None):
         report_error(parser.prog, e)
         parser.exit(2)
 
-    from devices import tune_cpu_allocator
-    from loading import load_model_from_args
+    from gpt2train.devices import tune_cpu_allocator
+    from gpt2train.loading import load_model_from_args
 
     model, enc, device, dtype = load_model_from_args(parser, args)
     tune_cpu_allocator(device)

@@ -23,12 +23,12 @@ import time
 
 import torch
 
-import assets
-from devices import tune_cpu_allocator
-from files import report_error
-from loading import add_model_args, load_model_from_args
-from scoring import Suite
-from tasks import HELLASWAG_LLMC, load_hellaswag
+from gpt2train import assets
+from gpt2train.devices import tune_cpu_allocator
+from gpt2train.files import report_error
+from gpt2train.loading import add_model_args, load_model_from_args
+from gpt2train.scoring import Suite
+from gpt2train.tasks import HELLASWAG_LLMC, load_hellaswag
 
 
 def main(argv=None):

@@ -13,8 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from console import log
-from files import report_error
+from gpt2train.console import log
+from gpt2train.files import report_error
 
 
 def read_metrics(path):

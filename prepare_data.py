@@ -42,11 +42,11 @@ from pathlib import Path
 
 import numpy as np
 
-from bpe import open_tokenizer, tokenizer_record
-from console import log, progress_bar
-from data import HEADER_BYTES, MASK_SUFFIX, SHARD_SUFFIXES, write_mask, write_shard
-from documents import PRESETS, PrepError, expand_inputs, non_empty, resolve_source
-from files import LockError, atomic_write, directory_lock, error_message, file_sha256, first_line
+from gpt2train.bpe import open_tokenizer, tokenizer_record
+from gpt2train.console import log, progress_bar
+from gpt2train.data import HEADER_BYTES, MASK_SUFFIX, SHARD_SUFFIXES, write_mask, write_shard
+from gpt2train.documents import PRESETS, PrepError, expand_inputs, non_empty, resolve_source
+from gpt2train.files import LockError, atomic_write, directory_lock, error_message, file_sha256, first_line
 
 DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c / build-nanogpt: 100M tokens (200 MB) per shard
 VAL_SHARE = 0.1  # default validation split: the first 10% of the input, like nanoGPT's 90/10 ...
@@ -462,7 +462,7 @@ def prepare_sft(inputs, out_dir=None, name=None, block_size=None, shard_tokens=N
     only reports the conversations a run at that block_size would leave out. A bad line is a PrepError naming
     file:line. A re-run with the same input and settings verifies the shards and stops; anything else rewrites
     them all (one pass, no resume mid-way: SFT sets are small)."""
-    import chat
+    from gpt2train import chat
 
     files = expand_inputs(inputs)
     if any(f.suffix != ".jsonl" for f in files):
@@ -521,7 +521,7 @@ def prepare_sft(inputs, out_dir=None, name=None, block_size=None, shard_tokens=N
 
 def write_sft_shards(files, out_dir, name, old, shard_tokens, val_tokens, fingerprint, settings):
     """prepare_sft's writing: the shards, then the complete manifest (returned)."""
-    import chat
+    from gpt2train import chat
 
     ours = re.compile(rf"{re.escape(name)}_(train|val)_\d{{6}}\.(bin|mask)")
     others = sorted(p.name for p in out_dir.iterdir() if p.suffix in SHARD_SUFFIXES and not ours.fullmatch(p.name))

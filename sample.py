@@ -25,9 +25,9 @@ import sys
 
 import torch
 
-import chat
-from devices import autocast
-from loading import add_model_args, load_model_from_args
+from gpt2train import chat
+from gpt2train.devices import autocast
+from gpt2train.loading import add_model_args, load_model_from_args
 
 SEPARATOR = "-" * 40
 REPLACEMENT = "\ufffd".encode()  # printed for ids the tokenizer lacks (the padded vocab 50257..50303)

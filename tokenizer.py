@@ -38,7 +38,7 @@ class TokenizerError(Exception):
 
 def special_tokens():
     """<|endoftext|> then chat.py's chat tokens, in id order."""
-    import chat
+    from gpt2train import chat
 
     return ["<|endoftext|>", *chat.SPECIAL]
 
@@ -143,7 +143,7 @@ def main(argv=None):
     try:
         report = train_cli(args)
     except (TokenizerError, OSError) as e:
-        from files import error_message
+        from gpt2train.files import error_message
 
         sys.exit(error_message("tokenizer.py", e))
     print(report)
@@ -152,9 +152,8 @@ def main(argv=None):
 
 def train_cli(args):
     """tokenizer.py's work for parsed flags; returns the report's text."""
-    import assets
-    import bpe
-    from documents import PrepError, non_empty, resolve_source
+    from gpt2train import assets, bpe
+    from gpt2train.documents import PrepError, non_empty, resolve_source
 
     if not len(special_tokens()) + 256 < args.vocab_size <= MAX_VOCAB:
         train([], args.vocab_size)  # the one-line error, before reading anything

@@ -25,23 +25,32 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from chat import CHAT_VOCAB
-from checkpoint import CheckpointError, load_sharded_checkpoint
-from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text, make_config, model_config, parse_args
-from console import distributed, log, progress_bar
-from data import DataLoader, NoShardsError, ShardError
-from devices import fused_adamw_supported, peak_flops, peak_memory
-from documents import prepare_command
-from evaluation import Abandoned, Evaluator
-from files import Halt, LockError, atomic_write, report_error
-from hf import from_pretrained, pad_vocab
-from memory import probe_batch_size
+from gpt2train.chat import CHAT_VOCAB
+from gpt2train.checkpoint import CheckpointError, load_sharded_checkpoint
+from gpt2train.config import (
+    ARCH_KEYS,
+    ConfigError,
+    batch_layout,
+    config_table,
+    help_text,
+    make_config,
+    model_config,
+    parse_args,
+)
+from gpt2train.console import distributed, log, progress_bar
+from gpt2train.data import DataLoader, NoShardsError, ShardError
+from gpt2train.devices import fused_adamw_supported, peak_flops, peak_memory
+from gpt2train.documents import prepare_command
+from gpt2train.evaluation import Abandoned, Evaluator
+from gpt2train.files import Halt, LockError, atomic_write, report_error
+from gpt2train.hf import from_pretrained, pad_vocab
+from gpt2train.memory import probe_batch_size
+from gpt2train.optim import build_optimizer, set_lr
+from gpt2train.parallel import build_on_meta, is_compiled, keeps_grads, lock_out_dir, parallelize
+from gpt2train.resume import Checkpointer, Progress, restore, restore_rngs, resume_hint, start
+from gpt2train.step import clip_gradients, forward_backward
+from gpt2train.tracking import TRACKING_KEYS, NoTracker, Tracker, TrackingError
 from model import GPT, TRAINING_ONLY_MODEL_KEYS
-from optim import build_optimizer, set_lr
-from parallel import build_on_meta, is_compiled, keeps_grads, lock_out_dir, parallelize
-from resume import Checkpointer, Progress, restore, restore_rngs, resume_hint, start
-from step import clip_gradients, forward_backward
-from tracking import TRACKING_KEYS, NoTracker, Tracker, TrackingError
 
 
 class StopRequest:

@@ -23,7 +23,7 @@ def machine_line(device):
     # launchers that measure child processes (bench.memory, bench.fsdp_memory, bench.meta_init) load no torch
     import torch
 
-    from devices import cpu_has_fast_bf16, device_type
+    from gpt2train.devices import cpu_has_fast_bf16, device_type
 
     if device_type(device) == "cuda":
         return f"{torch.cuda.get_device_name(device)}; torch {torch.__version__}"

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from assets import fetch_shakespeare
 from bench import machine_line
-from documents import split_speeches
-from loading import load_model, model_tokenizer
+from gpt2train.assets import fetch_shakespeare
+from gpt2train.documents import split_speeches
+from gpt2train.loading import load_model, model_tokenizer
 
 
 def documents_held_out(config):

@@ -23,7 +23,7 @@ from pathlib import Path
 import prepare_data
 from bench import machine_line
 from bench.sft import exact_match, make_data
-from config import ConfigError, parse_args
+from gpt2train.config import ConfigError, parse_args
 
 
 def main(argv=None):

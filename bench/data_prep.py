@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from assets import fetch_shakespeare, get_tokenizer
 from bench import machine_line
-from data import DataLoader, write_shard
-from documents import split_speeches
+from gpt2train.assets import fetch_shakespeare, get_tokenizer
+from gpt2train.data import DataLoader, write_shard
+from gpt2train.documents import split_speeches
 from prepare_data import prepare
 
 
@@ -141,7 +141,7 @@ def bench_tokenizers(docs, label, num_proc, repeats, tmp, tokenizer_path):
     """prepare_data.py on the same text with GPT-2 (tiktoken), with the tokenizer.json (its tiktoken translation,
     bpe.HFTokenizer.encode_to_numpy) and with the same file read by the tokenizers library alone (an empty
     normalizer added: same ids, no translation). Rates in MB of text per second, wall clock and CPU seconds."""
-    from bpe import open_tokenizer
+    from gpt2train.bpe import open_tokenizer
 
     src = Path(tmp) / f"tok_{label}.d"
     src.mkdir()

@@ -15,13 +15,13 @@ import time
 
 import torch
 
-import tasks
-from assets import fetch_hellaswag, get_tokenizer
 from bench import machine_line
-from config import batch_layout, make_config, model_config, parse_args
-from devices import autocast, resolve_device
+from gpt2train import tasks
+from gpt2train.assets import fetch_hellaswag, get_tokenizer
+from gpt2train.config import batch_layout, make_config, model_config, parse_args
+from gpt2train.devices import autocast, resolve_device
+from gpt2train.scoring import Suite
 from model import GPT
-from scoring import Suite
 
 
 def _timed(fn, device):

@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 
 import evaluate
-import tasks
 from bench import machine_line, require
-from bpe import load_tokenizer
-from hf import save_pretrained
-from loading import load_model
-from scoring import Suite
+from gpt2train import tasks
+from gpt2train.bpe import load_tokenizer
+from gpt2train.hf import save_pretrained
+from gpt2train.loading import load_model
+from gpt2train.scoring import Suite
 
 
 def run_ours(model, docs, enc, batch_size):

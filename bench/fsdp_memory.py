@@ -42,10 +42,10 @@ def worker(model_keys, out):
     import torch
     import torch.distributed as dist
 
-    from config import make_config, model_config
+    from gpt2train.config import make_config, model_config
+    from gpt2train.optim import adamw
+    from gpt2train.parallel import Env, clip_gradients, mesh_shape, parallelize
     from model import GPT
-    from optim import adamw
-    from parallel import Env, clip_gradients, mesh_shape, parallelize
 
     parallel = os.environ["BENCH_PARALLEL"]
     cfg = make_config(

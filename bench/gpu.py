@@ -53,8 +53,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from config import TrainConfig, make_config, model_config, parse_args
-from devices import autocast, device_type, resolve_device, resolve_dtype, use_cuda_device
+from gpt2train.config import TrainConfig, make_config, model_config, parse_args
+from gpt2train.devices import autocast, device_type, resolve_device, resolve_dtype, use_cuda_device
 from model import GPT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,7 +130,7 @@ def sync(device):
 
 def write_random_shards(data_dir, tokens, vocab, seed=0):
     """Train and val shards of uniformly random token ids: throughput and equivalence need no real text."""
-    from data import write_shard
+    from gpt2train.data import write_shard
 
     rng = np.random.default_rng(seed)
     write_shard(Path(data_dir) / "random_train_000000.bin", rng.integers(0, min(vocab, 50257), tokens))
@@ -288,10 +288,10 @@ def check_chunked(report, opts, cfg, device):
 
 
 def check_hellaswag(report, opts, device, ckpt_dir):
-    from assets import fetch_hellaswag, get_tokenizer
-    from loading import load_model
-    from scoring import Suite
-    from tasks import HELLASWAG_LLMC, load_hellaswag
+    from gpt2train.assets import fetch_hellaswag, get_tokenizer
+    from gpt2train.loading import load_model
+    from gpt2train.scoring import Suite
+    from gpt2train.tasks import HELLASWAG_LLMC, load_hellaswag
 
     try:
         enc = get_tokenizer()
@@ -338,7 +338,7 @@ def memory_verdict(predicted_bytes, measured_bytes, slack=MEMORY_SLACK):
 
 def check_memory(report, cfg, device, dtype, records):
     try:
-        import memory
+        from gpt2train import memory
     except ImportError:
         report.add("memory plan", "memory.py is not in this checkout", "-", "SKIP")
         return
@@ -474,7 +474,8 @@ COUNT_SYNCS = """
 import json, sys
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
-import tracking, train
+import train
+from gpt2train import tracking
 # the CUDA runtime calls that make the host wait for the device
 SYNCS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
 prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=schedule(wait=3, warmup=1, active=4))
@@ -521,7 +522,8 @@ def check_host_syncs(report, opts, tmp, data_dir):
 SYNC_DEBUG = """
 import json, sys, warnings
 import torch
-import step, tracking, train
+import train
+from gpt2train import step, tracking
 # torch's own sync check: every CUDA call that makes the host wait for the device warns while it is on
 masked = sys.argv[2] == "masked"
 if masked:  # SFT-style loss masks: about half the targets not trained, and under torchrun the masked count all-reduced
@@ -598,7 +600,7 @@ def check_oom(report, opts, tmp, data_dir):
     if device_type(opts.device) != "cuda":
         report.add("oom", "CUDA only (batch_size='auto' probes the GPU; a real out-of-memory)", "-", "SKIP")
         return
-    import memory
+    from gpt2train import memory
 
     cfg = make_config(opts.user)
     free = torch.cuda.mem_get_info(opts.device)[0]
@@ -677,7 +679,7 @@ def check_ddp_scaling(report, opts, tmp, data_dir, trained):
         report.add("ddp x8", "needs 8 GPUs", "-", "SKIP")
         return
     try:  # train.py reads HellaSwag from the cache fetch_hellaswag fills; an offline node may not have it
-        from assets import fetch_hellaswag
+        from gpt2train.assets import fetch_hellaswag
 
         fetch_hellaswag()
         hellaswag = 20
@@ -720,7 +722,7 @@ def check_1558m_memory(report, opts, tmp, data_dir):
         report.add("1558m memory", "CUDA only", "-", "SKIP")
         return
     import dryrun
-    import memory
+    from gpt2train import memory
 
     config = ROOT / "configs" / "gpt2_1558m.py"
     cfg = make_config(parse_args([str(config)]))

@@ -9,12 +9,12 @@ import time
 
 import torch
 
-from assets import fetch_hellaswag, get_tokenizer
 from bench import machine_line
-from devices import resolve_device, resolve_dtype, tune_cpu_allocator
+from gpt2train.assets import fetch_hellaswag, get_tokenizer
+from gpt2train.devices import resolve_device, resolve_dtype, tune_cpu_allocator
+from gpt2train.scoring import Suite, score_requests
+from gpt2train.tasks import HELLASWAG_LLMC, load_hellaswag
 from model import GPT, GPTConfig
-from scoring import Suite, score_requests
-from tasks import HELLASWAG_LLMC, load_hellaswag
 
 
 def _sync(device):

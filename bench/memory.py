@@ -42,7 +42,7 @@ def measure(fields: dict, batch_size: int, ckpt: bool, dtype: str, steps: int, l
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    import devices
+    from gpt2train import devices
     from model import GPT, GPTConfig
 
     devices.tune_cpu_allocator("cpu")
@@ -84,7 +84,7 @@ def run_one(fields, batch_size, ckpt, dtype, steps, live=False) -> int:
 
 
 def cpu_name() -> str:
-    import devices
+    from gpt2train import devices
 
     try:
         name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
@@ -105,8 +105,8 @@ def main(argv=None):
         print(measure(*json.loads(args.worker)))
         return
 
-    import devices
-    from memory import GiB, estimate_memory
+    from gpt2train import devices
+    from gpt2train.memory import GiB, estimate_memory
     from model import GPTConfig
 
     rows = [(name, f, b, ck, "float32") for name, f, b, ck in CONFIGS]

@@ -31,7 +31,7 @@ def worker(out, nproc, argv):
     parallelize() wrapped to keep the model it gets), then its peak RSS and the hashes of the slices it holds."""
     import runpy
 
-    import parallel
+    from gpt2train import parallel
 
     kept = []
     real = parallel.parallelize
@@ -80,7 +80,7 @@ def main(argv=None):
     import numpy as np
 
     from bench import machine_line
-    from data import write_shard
+    from gpt2train.data import write_shard
 
     with tempfile.TemporaryDirectory(prefix="meta_init_") as tmp:
         rng = np.random.default_rng(0)

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 import prepare_data
-from assets import EOT
 from bench import machine_line
-from data import DataLoader, find_shards, load_shard
-from loading import load_model
+from gpt2train.assets import EOT
+from gpt2train.data import DataLoader, find_shards, load_shard
+from gpt2train.loading import load_model
 
 
 def train_run(data, out_dir, packing, seed, args):

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import prepare_data
 from bench import machine_line
-from config import read_config_file
+from gpt2train.config import read_config_file
 
 ROOT = Path(__file__).resolve().parent.parent
 MODERN = ROOT / "configs" / "modern.py"

@@ -42,16 +42,15 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-import devices
-import optim
-from assets import fetch_hellaswag
 from bench import machine_line, require
 from bench.hellaswag_speed import bench_hellaswag
-from config import TrainConfig
-from devices import autocast, device_type, glibc, malloc_tuned, resolve_device, set_malloc_tuned
-from hf import CONV1D_WEIGHTS, save_pretrained
+from gpt2train import devices, optim
+from gpt2train.assets import fetch_hellaswag
+from gpt2train.config import TrainConfig
+from gpt2train.devices import autocast, device_type, glibc, malloc_tuned, resolve_device, set_malloc_tuned
+from gpt2train.hf import CONV1D_WEIGHTS, save_pretrained
+from gpt2train.tasks import load_hellaswag
 from model import GPT, GPT2_VOCAB, PRESETS, GPTConfig
-from tasks import load_hellaswag
 
 SMALL = dict(n_layer=6, n_head=6, n_embd=384, block_size=256)  # the default config (issue 7 targets)
 GEN_PROMPT, GEN_NEW = 16, 200  # generation benchmark: prompt tokens, new tokens

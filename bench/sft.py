@@ -58,8 +58,8 @@ def exact_match(out_dir, held):
     """Fraction of held-out prompts whose greedy reply is exactly the answer."""
     import torch
 
-    import chat
-    from loading import load_model
+    from gpt2train import chat
+    from gpt2train.loading import load_model
     from sample import stream_samples
 
     model, _ = load_model(ckpt=out_dir)

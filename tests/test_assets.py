@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import tiktoken
 
-import assets
+from gpt2train import assets
 
 UNREACHABLE = "http://127.0.0.1:9/unreachable"  # discard port, nothing listens: connection refused
 _real_download_package = assets.download_package

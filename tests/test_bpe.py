@@ -5,7 +5,7 @@ import sys
 import pytest
 import tiktoken
 
-import bpe
+from gpt2train import bpe
 from test_assets import varied_text
 
 

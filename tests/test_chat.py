@@ -1,6 +1,6 @@
 """chat.py: the chat format, declared once: the template as transformers renders it, and a conversation's tokens."""
 
-import chat
+from gpt2train import chat
 
 ROWS = [
     {"prompt": "What is 2+2?", "completion": " 4"},

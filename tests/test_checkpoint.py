@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
-from checkpoint import (
+from gpt2train import checkpoint
+from gpt2train.checkpoint import (
     FORMAT,
     CheckpointError,
     checkpoint_path,
@@ -21,7 +21,7 @@ from checkpoint import (
     prune_checkpoints,
     save_checkpoint,
 )
-from files import file_sha256
+from gpt2train.files import file_sha256
 from model import GPT, GPTConfig
 
 TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32)

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-import config
-from config import ConfigError, TrainConfig, make_config, parse_args
+from gpt2train import config
+from gpt2train.config import ConfigError, TrainConfig, make_config, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -4,7 +4,7 @@ import io
 import sys
 
 import prepare_data
-from console import progress_bar
+from gpt2train.console import progress_bar
 from test_data import make_docs, write_jsonl
 
 

@@ -7,12 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import devices
-import memory
-import parallel
 from bench import gpu
-from config import ConfigError, make_config, model_config
-from devices import peak_flops
+from gpt2train import devices, memory, parallel
+from gpt2train.config import ConfigError, make_config, model_config
+from gpt2train.devices import peak_flops
 from model import GPT
 
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-import documents
 import prepare_data
-from assets import get_tokenizer
-from data import DataLoader, ShardError, find_shards, load_shard, write_shard
+from gpt2train import documents
+from gpt2train.assets import get_tokenizer
+from gpt2train.data import DataLoader, ShardError, find_shards, load_shard, write_shard
 
 EOT = 50256
 
@@ -407,7 +407,7 @@ def test_unwritable_output_dir_fails_before_any_work(tmp_path, monkeypatch, read
 
 
 def test_a_second_prep_on_the_same_output_dir_is_refused(tmp_path, monkeypatch):
-    from files import directory_lock
+    from gpt2train.files import directory_lock
 
     src = write_jsonl(tmp_path / "docs.jsonl", make_docs(20))
     monkeypatch.setattr(prepare_data, "tokenize_batch", lambda *args: pytest.fail("tokenizing began"))
@@ -479,7 +479,7 @@ def test_out_of_vocab_token_is_reported(tmp_path):
 
 
 def test_shards_without_a_manifest_are_scanned_in_chunks_to_the_last_token(tmp_path):
-    from data import check_shards_vocab
+    from gpt2train.data import check_shards_vocab
 
     paths = [tmp_path / f"x_train_{i:06d}.bin" for i in range(2)]
     write_shard(paths[0], np.arange(5000) % 64)
@@ -688,7 +688,7 @@ def test_an_id_that_appears_after_the_start_check_is_a_shard_error_naming_the_po
     ],
 )
 def test_the_loader_trains_only_on_what_the_manifest_lists(prepped, case, expected):
-    from files import directory_lock
+    from gpt2train.files import directory_lock
 
     shard = prepped / "docs_train_000002.bin"
     manifest = json.loads((prepped / "docs_manifest.json").read_text())
@@ -779,7 +779,7 @@ def test_document_rows_start_at_a_document_and_train_each_target_once(tmp_path):
 
 
 def test_document_rows_pack_best_fit_and_split_only_longer_documents():
-    from data import document_items, pack_best_fit
+    from gpt2train.data import document_items, pack_best_fit
 
     lengths = np.array([9, 2, 7, 4, 5, 3, 1, 6])
     row, rows = pack_best_fit(lengths, 9)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import devices
+from gpt2train import devices
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,7 +40,7 @@ def test_torch_version_floor(version, ok):
 
 
 def test_importing_devices_under_an_old_torch_is_a_one_line_error():
-    code = "import torch; torch.__version__ = '2.3.1+cu121'; import devices"
+    code = "import torch; torch.__version__ = '2.3.1+cu121'; from gpt2train import devices"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     need = ".".join(map(str, devices.MIN_TORCH))
     assert result.returncode == 1 and result.stdout == ""
@@ -134,7 +134,8 @@ def test_oom_and_compile_errors_are_told_apart():
 
 
 ALLOCATOR_PROBE = """
-import resource, sys, torch, devices
+import resource, sys, torch
+from gpt2train import devices
 
 def rss_kb():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1])

@@ -9,13 +9,10 @@ import torch
 import torch.distributed as dist
 
 import dryrun
-import memory
-import optim
-import parallel
-import step
-from config import ConfigError, make_config, model_config, parse_args
 from dryrun import dry_run
-from memory import GiB, estimate_memory
+from gpt2train import memory, optim, parallel, step
+from gpt2train.config import ConfigError, make_config, model_config, parse_args
+from gpt2train.memory import GiB, estimate_memory
 from model import GPT
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,13 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import assets
 import evaluate
-import tasks
-from assets import get_tokenizer
-from hf import from_pretrained, save_pretrained
+from gpt2train import assets, tasks
+from gpt2train.assets import get_tokenizer
+from gpt2train.hf import from_pretrained, save_pretrained
+from gpt2train.scoring import Suite, encode_pair
 from model import GPT, GPTConfig
-from scoring import Suite, encode_pair
 from test_hellaswag import run_two_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -508,7 +507,9 @@ def test_cli_json_and_per_example(hf_dir, model, tmp_path, capsys):
 
 
 def one_line_error(capsys, argv, monkeypatch):
-    monkeypatch.setattr("loading.load_model_from_args", lambda *a: pytest.fail("loaded a model before checking"))
+    monkeypatch.setattr(
+        "gpt2train.loading.load_model_from_args", lambda *a: pytest.fail("loaded a model before checking")
+    )
     with pytest.raises(SystemExit) as exit_info:
         evaluate.main(argv)
     err = capsys.readouterr().err
@@ -606,7 +607,7 @@ def test_the_harness_scores_every_task_as_this_suite(hf_dir, model, suite_docs, 
 
 
 def reference_log_likelihoods_model(model, enc, pairs):
-    from scoring import score_requests
+    from gpt2train.scoring import score_requests
 
     return score_requests(model, [encode_pair(enc, c, x) for c, x in pairs], "cpu", n_vocab=enc.n_vocab)[0].tolist()
 
@@ -614,9 +615,9 @@ def reference_log_likelihoods_model(model, enc, pairs):
 DDP_SCRIPT = """
 import json, sys
 import torch.distributed as dist
-from assets import get_tokenizer
-from hf import from_pretrained
-from scoring import Suite
+from gpt2train.assets import get_tokenizer
+from gpt2train.hf import from_pretrained
+from gpt2train.scoring import Suite
 dist.init_process_group("gloo")
 docs = json.load(open(sys.argv[2]))
 model = from_pretrained(sys.argv[1])  # the bare GPT, as train.py passes it
@@ -649,7 +650,7 @@ def test_training_logs_the_suite_and_resumes_bit_exactly(tmp_path, monkeypatch):
     import numpy as np
 
     import train
-    from data import write_shard
+    from gpt2train.data import write_shard
 
     monkeypatch.setattr(tasks, "load_docs", lambda name, limit=None, cache_dir=None, path=None: docs_of(name)[:limit])
     data = tmp_path / "data"

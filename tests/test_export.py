@@ -7,11 +7,12 @@ from dataclasses import asdict
 import pytest
 import torch
 
-import checkpoint
+import checkpoint as checkpoint_command
 import sample
-from assets import EOT, get_tokenizer
-from bpe import load_tokenizer
-from hf import save_pretrained
+from gpt2train import checkpoint
+from gpt2train.assets import EOT, get_tokenizer
+from gpt2train.bpe import load_tokenizer
+from gpt2train.hf import save_pretrained
 from model import GPT, GPTConfig
 
 transformers = pytest.importorskip("transformers")
@@ -55,7 +56,7 @@ def run(tmp_path_factory):
     model = GPT(GPTConfig(block_size=128, vocab_size=50304, n_layer=2, n_head=2, n_embd=32))
     out = tmp_path_factory.mktemp("run")
     write_checkpoint(out / "ckpt_000003.pt", model)
-    assert checkpoint.main(["export", str(out), str(out / "hf")]) == 0
+    assert checkpoint_command.main(["export", str(out), str(out / "hf")]) == 0
     return out
 
 
@@ -65,7 +66,7 @@ def test_export_says_which_step_it_wrote_and_its_files_are_readable_by_all(tmp_p
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=50304, n_layer=1, n_head=2, n_embd=16))
     write_checkpoint(tmp_path / "run" / "ckpt_000003.pt", model)
-    assert checkpoint.main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    assert checkpoint_command.main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
     assert capsys.readouterr().out == f"wrote {tmp_path / 'hf'}: step 3 of {tmp_path / 'run'}\n"
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
     assert "model.safetensors" in modes and len(set(modes.values())) == 1, modes
@@ -127,7 +128,7 @@ def test_a_model_imported_with_its_own_tokenizer_exports_that_tokenizer(byte_lev
         )
     )
     write_checkpoint(tmp_path / "run" / "ckpt_000003.pt", model, config={"init_from": str(hf_in)})
-    assert checkpoint.main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
+    assert checkpoint_command.main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == byte_level_tokenizer_json.read_bytes()
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     text = "Once upon a time, naïve 😀"
@@ -159,8 +160,8 @@ def test_lm_eval_harness_scores_an_export_as_hellaswag_py(tmp_path, monkeypatch)
     pytest.importorskip("lm_eval.models.huggingface")  # needs accelerate too: pip install "lm_eval[hf]"
     from lm_eval.tasks import TaskManager
 
-    from scoring import Suite
-    from tasks import load_hellaswag
+    from gpt2train.scoring import Suite
+    from gpt2train.tasks import load_hellaswag
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     torch.manual_seed(0)

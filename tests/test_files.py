@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-import assets
-import files
 import prepare_data
-from checkpoint import save_checkpoint
-from data import write_shard
-from files import atomic_write, file_sha256
+from gpt2train import assets, files
+from gpt2train.checkpoint import save_checkpoint
+from gpt2train.data import write_shard
+from gpt2train.files import atomic_write, file_sha256
 
 
 def test_writes_bytes_text_or_through_a_function(tmp_path):
@@ -107,7 +106,7 @@ def test_file_sha256_refuses_a_fifo_or_a_device_without_reading_it(tmp_path, dea
 
 HOLD_LOCK = """
 import sys, time
-import files
+from gpt2train import files
 with files.directory_lock(sys.argv[1], "holder.py"):
     print("locked", flush=True)
     time.sleep(600)
@@ -120,7 +119,7 @@ def test_directory_lock_names_its_holder_and_dies_with_it(tmp_path):
         [sys.executable, "-c", HOLD_LOCK, str(tmp_path / "run")],
         stdout=subprocess.PIPE,
         text=True,
-        cwd=Path(files.__file__).parent,
+        cwd=Path(__file__).resolve().parent.parent,  # the root: gpt2train importable
     )
     try:
         assert holder.stdout.readline() == "locked\n"

@@ -19,18 +19,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import checkpoint
+import checkpoint as checkpoint_command
 import hellaswag
-import loading
-import optim
-import parallel
-import resume
 import sample
 import train
-from checkpoint import load_checkpoint, load_latest_checkpoint, save_sharded_checkpoint
-from config import make_config
-from data import write_shard
-from hf import from_pretrained
+from gpt2train import checkpoint, loading, optim, parallel, resume
+from gpt2train.checkpoint import load_checkpoint, load_latest_checkpoint, save_sharded_checkpoint
+from gpt2train.config import make_config
+from gpt2train.data import write_shard
+from gpt2train.hf import from_pretrained
 from model import GPT, GPTConfig
 from test_hellaswag import EXAMPLES
 from test_train import TINY, markov_tokens, metrics, subprocess_env, torchrun, train_losses
@@ -264,7 +261,8 @@ def test_kill_9_of_one_rank_during_a_sharded_save_keeps_the_previous_checkpoint(
 
 COUNTING_HASHES = """
 import json, os, sys
-import checkpoint, files, train
+import train
+from gpt2train import checkpoint, files
 
 out, argv = sys.argv[1], sys.argv[2:]
 hashed, real = [], files.file_sha256
@@ -368,13 +366,14 @@ def test_a_sharded_resume_hashes_the_metadata_first_and_then_each_rank_its_share
 SHARDED_EVAL = """
 import json, sys
 import torch
-import assets, parallel, resume, train
-from config import make_config, model_config
-from evaluation import Evaluator, sample_preview
+import train
+from gpt2train import assets, parallel, resume
+from gpt2train.config import make_config, model_config
+from gpt2train.evaluation import Evaluator, sample_preview
 from model import GPT
-from scoring import Suite
-from tasks import load_hellaswag
-from tracking import NoTracker
+from gpt2train.scoring import Suite
+from gpt2train.tasks import load_hellaswag
+from gpt2train.tracking import NoTracker
 
 examples, out = load_hellaswag(sys.argv[1]), sys.argv[2]
 enc = assets.get_tokenizer()
@@ -450,7 +449,7 @@ def tiny_sharded_checkpoint(path, vocab_size=32):
 
 def test_consolidate_and_export_a_sharded_checkpoint(tmp_path, capsys):
     model, optimizer = tiny_sharded_checkpoint(tmp_path / "ckpt_000005")
-    assert checkpoint.main(["consolidate", str(tmp_path / "ckpt_000005"), str(tmp_path / "one.pt")]) == 0
+    assert checkpoint_command.main(["consolidate", str(tmp_path / "ckpt_000005"), str(tmp_path / "one.pt")]) == 0
     single = load_checkpoint(tmp_path / "one.pt")
     assert single["step"] == 5 and "shards" not in single
     assert all(torch.equal(t, single["model"][k]) for k, t in model.state_dict().items())
@@ -461,10 +460,10 @@ def test_consolidate_and_export_a_sharded_checkpoint(tmp_path, capsys):
 
     loaded, info = loading.load_model(ckpt=str(tmp_path / "ckpt_000005"))  # straight from the shards
     assert info["step"] == 5 and all(torch.equal(t, loaded.state_dict()[k]) for k, t in model.state_dict().items())
-    assert checkpoint.main(["export", str(tmp_path / "ckpt_000005"), str(tmp_path / "hf")]) == 0
+    assert checkpoint_command.main(["export", str(tmp_path / "ckpt_000005"), str(tmp_path / "hf")]) == 0
     hf = from_pretrained(str(tmp_path / "hf"))
     assert all(torch.equal(t, hf.state_dict()[k]) for k, t in model.state_dict().items())
-    assert checkpoint.main(["consolidate", str(tmp_path / "one.pt"), str(tmp_path / "x.pt")]) == 2
+    assert checkpoint_command.main(["consolidate", str(tmp_path / "one.pt"), str(tmp_path / "x.pt")]) == 2
     assert "not a sharded checkpoint directory" in capsys.readouterr().err
 
 

@@ -14,13 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from assets import get_tokenizer
-from bpe import HFTokenizer, load_tokenizer
+from gpt2train.assets import get_tokenizer
+from gpt2train.bpe import HFTokenizer, load_tokenizer
+from gpt2train.hf import from_pretrained, save_pretrained
+from gpt2train.scoring import Suite, score_requests, score_rows
+from gpt2train.tasks import HELLASWAG_LLMC, load_hellaswag
 from hellaswag import main
-from hf import from_pretrained, save_pretrained
 from model import GPT, GPTConfig
-from scoring import Suite, score_requests, score_rows
-from tasks import HELLASWAG_LLMC, load_hellaswag
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 64  # small enough that one example below is cropped from the left
@@ -276,10 +276,10 @@ def test_evaluate_restores_training_mode(model, enc):
 DDP_SCRIPT = """
 import json, sys
 import torch.distributed as dist
-from assets import get_tokenizer
-from hf import from_pretrained
-from scoring import Suite
-from tasks import load_hellaswag
+from gpt2train.assets import get_tokenizer
+from gpt2train.hf import from_pretrained
+from gpt2train.scoring import Suite
+from gpt2train.tasks import load_hellaswag
 dist.init_process_group("gloo")
 model = from_pretrained(sys.argv[1])  # every rank its bare GPT, as train.py's gathered model
 docs = {"hellaswag_llmc": load_hellaswag(sys.argv[2], limit=7)}
@@ -448,7 +448,7 @@ def test_bad_per_example_path_fails_before_evaluating(hf_dir, data_file, tmp_pat
 
 def test_a_stop_request_abandons_the_evaluation_between_batches(model, enc, monkeypatch):
     """train.py's SIGTERM: once stop() is True no further batch is scored and the result is None."""
-    import scoring
+    from gpt2train import scoring
 
     scored, asked = [], []
     real = scoring.score_rows

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel
 
-from hf import from_pretrained, save_pretrained
+from gpt2train.hf import from_pretrained, save_pretrained
 from test_model import hf_gpt, max_param_diff, perturb_, shifted_targets, single_thread, small_gpt  # noqa: F401
 
 

@@ -1,9 +1,10 @@
-"""The codebase's shape: who imports whom, and who speaks. train.py is imported by nobody but tests, no command is
-imported by another root module, library modules form no import cycle, so each can be read and tested on its own;
-each file keeps its one job (the checkpoint files apart from the run's resume policy, the memory plan apart from the
-dry run, the model apart from the optimizers); every note goes through console.log and every progress bar through
-console.progress_bar. And what a clone needs around the code: requirements.txt installs what the scripts import,
-.gitignore hides what they write."""
+"""The codebase's shape: what a user runs apart from what it imports, who imports whom, and who speaks. The root
+holds model.py (the GPT, importing nothing local) and the commands (each with a `__main__` block); every other
+module is in the gpt2train package. No root file imports another but model.py, the package imports no root file but
+model.py, and nothing forms an import cycle, so each module can be read and tested on its own; each file keeps its
+one job (the checkpoint files apart from the run's resume policy, the memory plan apart from the dry run and the
+step); every note goes through console.log and every progress bar through console.progress_bar. And what a clone
+needs around the code: requirements.txt installs what the scripts import, .gitignore hides what they write."""
 
 import ast
 import re
@@ -14,60 +15,97 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-ENTRY_POINTS = {"train"}  # the training script: its functions are not an API
+PACKAGE = "gpt2train"
 
 
-def library():
-    """{module name: parsed AST} of the top-level modules (the library and its scripts)."""
-    return {p.stem: ast.parse(p.read_text()) for p in sorted(ROOT.glob("*.py"))}
+def module_name(path):
+    """'train' for a root file, 'gpt2train.step' for a package module, 'bench.gpu' for a bench script."""
+    return str(path.relative_to(ROOT).with_suffix("")).replace("/", ".")
+
+
+def code_files():
+    """The root files and the package's modules (not tests, bench/, scripts/, configs/)."""
+    return [*sorted(ROOT.glob("*.py")), *sorted((ROOT / PACKAGE).glob("*.py"))]
+
+
+def parsed():
+    """{module name: parsed AST} of the root files and the package's modules."""
+    return {module_name(p): ast.parse(p.read_text()) for p in code_files() if p.name != "__init__.py"}
+
+
+def commands():
+    """The root files a user runs: each has a `__main__` block."""
+    main_block = re.compile(r'^if __name__ == "__main__":', re.MULTILINE)
+    return {p.stem for p in ROOT.glob("*.py") if main_block.search(p.read_text())}
 
 
 def imports_by_module():
-    """{module: set of top-level repo modules it imports} for the library, bench/, scripts/ and configs/ (not tests,
-    nor what runs leave in data/ or out*/)."""
+    """{module: set of project modules it imports} for the root, the package, bench/, scripts/ and configs/ (not
+    tests, nor what runs leave in data/ or out*/): root files by their name, package modules as 'gpt2train.x'."""
     folders = [ROOT / "bench", ROOT / "scripts", ROOT / "configs"]
-    files = [*ROOT.glob("*.py"), *(p for folder in folders for p in folder.rglob("*.py"))]
-    local = {p.stem for p in ROOT.glob("*.py")}
-    return {
-        str(path.relative_to(ROOT).with_suffix("")).replace("/", "."): top_level_imports(path) & local for path in files
-    }
+    files = [*code_files(), *(p for folder in folders for p in folder.rglob("*.py"))]
+    roots = {p.stem for p in ROOT.glob("*.py")}
+    return {module_name(path): local_imports(path, roots) for path in files if path.name != "__init__.py"}
 
 
-def top_level_imports(path):
-    """The top-level package names the file at `path` imports, anywhere in it (inside functions too)."""
+def local_imports(path, roots):
+    """The project modules the file at `path` imports, anywhere in it (inside functions too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module]
+            if node.module == PACKAGE:  # from gpt2train import step, data
+                modules = [f"{PACKAGE}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for m in modules:
+            top = m.split(".")[0]
+            if top == PACKAGE:
+                names.add(".".join(m.split(".")[:2]))
+            elif top in roots:
+                names.add(top)
+    return names
+
+
+def third_party_imports(path):
+    """The top-level names of what the file at `path` imports that is not the project's."""
+    roots = {p.stem for p in ROOT.glob("*.py")} | {PACKAGE}
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module.split(".")[0])
-    return names
+    return names - roots
 
 
-def test_no_module_imports_an_entry_point():
-    offenders = {m: deps & ENTRY_POINTS for m, deps in imports_by_module().items() if deps & ENTRY_POINTS - {m}}
-    assert not offenders, f"entry points imported by library code: {offenders}"
+def test_the_root_holds_model_py_and_the_commands_only():
+    roots = {p.stem for p in ROOT.glob("*.py")}
+    assert roots - commands() == {"model"}, (
+        f"root files that are not commands: {sorted(roots - commands() - {'model'})}"
+    )
+    assert len(roots) <= 11, sorted(roots)
+    assert {"train", "sample", "prepare_data", "hellaswag", "evaluate", "checkpoint", "dryrun"} <= commands()
 
 
-def commands():
-    """The root files a user runs: each has a `__main__` block. checkpoint.py aside until the package move: it is the
-    library's checkpoint module, with the `python checkpoint.py` command as a block at its bottom."""
-    main_block = re.compile(r'^if __name__ == "__main__":', re.MULTILINE)
-    return {p.stem for p in ROOT.glob("*.py") if main_block.search(p.read_text())} - {"checkpoint"}
+def test_no_root_file_imports_another_but_model_py():
+    """Commands share code only through the package (bench/ and scripts/ may drive the commands)."""
+    graph = imports_by_module()
+    roots = {p.stem for p in ROOT.glob("*.py")}
+    crossings = sorted((m, d) for m in roots for d in graph[m] if "." not in d and d != "model")
+    assert not crossings, f"(root file, root file it imports) pairs: {crossings}"
 
 
-def test_no_root_module_imports_a_command():
-    """Commands share code only through library modules, and a library module is never a command (bench/ and
-    scripts/ may drive the commands). train.py's evaluation hooks import hellaswag.py and evaluate.py until their
-    scaffold moves into the library (issue 37)."""
-    waiting = {("train", "hellaswag"), ("train", "evaluate")}
-    graph = {m: deps for m, deps in imports_by_module().items() if "." not in m}
-    crossings = sorted((m, c) for m, deps in graph.items() for c in deps & commands() - {m} if (m, c) not in waiting)
-    assert not crossings, f"(importer, command) pairs: {crossings}"
+def test_the_package_imports_no_root_file_but_model_py():
+    graph = imports_by_module()
+    crossings = sorted((m, d) for m, deps in graph.items() if m.startswith(PACKAGE) for d in deps if "." not in d)
+    assert crossings and {d for _, d in crossings} == {"model"}, f"(module, root file) pairs: {crossings}"
 
 
 def test_no_import_cycles():
-    graph = {m: deps for m, deps in imports_by_module().items() if "." not in m}
+    graph = {m: deps for m, deps in imports_by_module().items() if not m.startswith(("bench", "scripts", "configs"))}
     state = {}
 
     def visit(m, path):
@@ -103,12 +141,11 @@ def test_requirements_txt_installs_what_the_scripts_import():
         for line in (ROOT / "requirements.txt").read_text().splitlines()
         if line.split("#")[0].strip()
     }
-    local = {p.stem for p in ROOT.glob("*.py")}
     imported = {
         name: path.name
-        for path in sorted(ROOT.glob("*.py"))
-        for name in top_level_imports(path)
-        if name not in local and name not in sys.stdlib_module_names
+        for path in code_files()
+        for name in third_party_imports(path)
+        if name not in sys.stdlib_module_names
     }
     unlisted = {
         name: where
@@ -120,7 +157,7 @@ def test_requirements_txt_installs_what_the_scripts_import():
 
 def test_docs_document_every_config_key():
     """docs/config.md's key table has a row for every key of config.config_docs(): a new key without one fails here."""
-    import config
+    from gpt2train import config
 
     table = (ROOT / "docs" / "config.md").read_text()
     missing = [key for key in config.config_docs() if f"| `{key}` |" not in table]
@@ -156,30 +193,39 @@ def test_what_the_documented_commands_write_is_ignored_by_git():
 
 def test_every_progress_bar_is_consoles():
     """console.progress_bar is the one bar (on a terminal only): no other module makes its own with tqdm."""
-    makers = sorted(p.name for p in ROOT.glob("*.py") if "tqdm" in top_level_imports(p))
-    assert makers == ["console.py"], makers
+    makers = sorted(module_name(p) for p in code_files() if "tqdm" in third_party_imports(p))
+    assert makers == ["gpt2train.console"], makers
 
 
 def test_each_file_keeps_its_one_job():
     graph = imports_by_module()
-    assert not graph["checkpoint"] & {"config", "parallel"}, "checkpoint.py is the file layer: no run config, no ranks"
+    checkpoint_deps = graph["gpt2train.checkpoint"] & {"gpt2train.config", "gpt2train.parallel"}
+    assert not checkpoint_deps, "gpt2train/checkpoint.py is the file layer: no run config, no ranks"
     assert graph["model"] == set(), "model.py imports no project module"
-    importers = sorted(m for m, deps in graph.items() if "resume" in deps)
+    importers = sorted(m for m, deps in graph.items() if "gpt2train.resume" in deps)
     assert importers == ["train"], f"the resume policy is train.py's alone, imported by {importers}"
     fake = [
         n.module
-        for n in ast.walk(library()["memory"])
+        for n in ast.walk(parsed()["gpt2train.memory"])
         if isinstance(n, ast.ImportFrom) and n.module and ("fake" in n.module or "_tools" in n.module)
     ]
     assert not fake, f"memory.py plans; the fake-tensor dry run is dryrun.py's: {fake}"
+    defines = {
+        name: sorted(m for m, tree in parsed().items() for f in tree.body if getattr(f, "name", None) == name)
+        for name in ("forward_backward", "clip_gradients", "parallelize", "estimate_memory")
+    }
+    assert defines["forward_backward"] == defines["clip_gradients"] == ["gpt2train.step"], defines
+    assert defines["parallelize"] == ["gpt2train.parallel"] and defines["estimate_memory"] == ["gpt2train.memory"]
+    step_users = sorted(m for m, deps in graph.items() if "gpt2train.step" in deps and "." not in m)
+    assert {"train", "dryrun"} <= set(step_users), step_users
 
 
 def test_every_note_goes_through_console_log():
     """print(), tqdm.write and sys.stdout/stderr.write only in console.py, and print() in a script's main()
     (its result: a sample, a --json line, a report); "is there a process group?" is asked of console.distributed()."""
     offenders = []
-    for name, tree in library().items():
-        if name == "console":
+    for name, tree in parsed().items():
+        if name == "gpt2train.console":
             continue
         mains = {id(n) for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "main" for n in ast.walk(f)}
         for node in ast.walk(tree):

@@ -5,8 +5,8 @@ import argparse
 import pytest
 import torch
 
-from checkpoint import FORMAT, checkpoint_path, save_checkpoint
-from loading import add_model_args, load_model, load_model_from_args
+from gpt2train.checkpoint import FORMAT, checkpoint_path, save_checkpoint
+from gpt2train.loading import add_model_args, load_model, load_model_from_args
 from model import GPT, GPTConfig
 from test_checkpoint import TINY
 

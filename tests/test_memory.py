@@ -6,11 +6,10 @@ import re
 import pytest
 import torch
 
-import devices
-import memory
 import model as M
 from bench.memory import peak_of_live_tensors
-from memory import GiB, MemoryPlanError, estimate_memory
+from gpt2train import devices, memory
+from gpt2train.memory import GiB, MemoryPlanError, estimate_memory
 from model import GPT, PRESETS, GPTConfig
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)

@@ -5,10 +5,10 @@ micro-batch and re-runs the step. Out-of-memory is simulated (GPT_FAKE_OOM_ABOVE
 import pytest
 import torch
 
-import memory
 import train
-from checkpoint import load_checkpoint
-from config import ConfigError, make_config, model_config, parse_args
+from gpt2train import memory
+from gpt2train.checkpoint import load_checkpoint
+from gpt2train.config import ConfigError, make_config, model_config, parse_args
 from model import GPT
 from test_train import TINY, data_dir, metrics, run, train_losses  # noqa: F401  (data_dir is a fixture)
 

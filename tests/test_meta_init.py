@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import parallel
-from config import make_config, model_config
+from gpt2train import parallel
+from gpt2train.config import make_config, model_config
 from model import GPT
 
 ARCHS = {  # sizes that do not divide by 4: uneven shards
@@ -73,8 +73,8 @@ def test_every_rank_holds_its_slice_of_the_one_process_init(arch, mode, mesh):
 def test_a_model_that_a_sharded_checkpoint_will_fill_is_allocated_without_replaying_the_init(monkeypatch):
     """Resuming a sharded checkpoint: the shards are allocated and the rotary tables computed, but the random
     initialisation the load overwrites is not replayed (it draws every whole parameter once: minutes at 6.7B)."""
-    import resume
     import train
+    from gpt2train import resume
     from model import rotary_cos_sin
 
     cfg = make_config({**ARCHS["neox (untied, rotary)"], "compile": False})

@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-import hf as hf_io
 import model as M
-import optim
-from hf import from_pretrained
+from gpt2train import hf as hf_io
+from gpt2train import optim
+from gpt2train.hf import from_pretrained
 from model import GPT, PRESETS, GPTConfig
 
 CONV1D = hf_io.CONV1D_WEIGHTS
@@ -472,7 +472,7 @@ def test_gpt3_presets_match_their_names(name, size):
 
 
 def test_preset_errors_and_overrides():
-    from config import ConfigError, make_config
+    from gpt2train.config import ConfigError, make_config
 
     cfg = make_config({"preset": "gpt2", "dropout": 0.1, "rotary_pct": 0.25})  # config.py resolves presets
     assert (cfg.n_layer, cfg.n_embd, cfg.dropout, cfg.rotary_pct) == (12, 768, 0.1, 0.25)

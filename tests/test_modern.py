@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-import loading
 import train
-from checkpoint import load_checkpoint
-from config import ConfigError, TrainConfig, parse_args
+from gpt2train import loading
+from gpt2train.checkpoint import load_checkpoint
+from gpt2train.config import ConfigError, TrainConfig, parse_args
 from test_train import ROOT, TINY, data_dir, metrics, run, subprocess_env, torchrun, train_losses  # noqa: F401 (fixture)
 
 MUON = ["--optimizer=muon", "--muon_lr=0.03"]

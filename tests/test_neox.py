@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 
-import hf as hf_io
 import model as M
-import optim
-from hf import from_pretrained, save_pretrained
+from gpt2train import hf as hf_io
+from gpt2train import optim
+from gpt2train.hf import from_pretrained, save_pretrained
 from model import GPT, PRESETS, GPTConfig
 from test_model import perturb_, shifted_targets, single_thread, small_gpt  # noqa: F401  (autouse fixture)
 
@@ -484,9 +484,9 @@ def test_every_preset_is_a_valid_full_config():
 def test_neox_hf_dir_fine_tunes_resumes_exactly_and_samples(tmp_path):
     """init_from=<a GPT-NeoX HF dir> trains (parallel residual, untied head), resumes bit-exactly, and its
     checkpoint loads in sample.py's loader and generates."""
-    import loading
     import train
-    from data import write_shard
+    from gpt2train import loading
+    from gpt2train.data import write_shard
     from test_train import markov_tokens
 
     data = tmp_path / "data"

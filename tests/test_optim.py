@@ -5,8 +5,8 @@ Muon runs end to end in test_modern.py."""
 import pytest
 import torch
 
-import optim
-from config import make_config, model_config
+from gpt2train import optim
+from gpt2train.config import make_config, model_config
 from model import GPT
 from test_model import small_gpt
 

@@ -7,9 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import parallel
-import step
-from config import ConfigError, TrainConfig, make_config
+from gpt2train import parallel, step
+from gpt2train.config import ConfigError, TrainConfig, make_config
 
 
 def test_cuda_batches_are_copied_from_pinned_memory_without_waiting():

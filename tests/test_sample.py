@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from assets import get_tokenizer
-from bpe import HFTokenizer, load_tokenizer
-from checkpoint import save_checkpoint
-from hf import from_pretrained, save_pretrained
+from gpt2train.assets import get_tokenizer
+from gpt2train.bpe import HFTokenizer, load_tokenizer
+from gpt2train.checkpoint import save_checkpoint
+from gpt2train.hf import from_pretrained, save_pretrained
 from model import GPT, GPTConfig
 from sample import SEPARATOR, main, read_prompt, stream_samples
 

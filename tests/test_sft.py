@@ -11,13 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import chat
-import parallel
 import prepare_data
-import step
 import train
-from config import TrainConfig
-from data import DataLoader, ShardError
+from gpt2train import chat, parallel, step
+from gpt2train.config import TrainConfig
+from gpt2train.data import DataLoader, ShardError
 from model import GPT, ChunkedLMHeadLoss, GPTConfig
 from sample import stream_samples
 from test_chat import ROWS, render
@@ -460,13 +458,13 @@ def test_ddp_two_processes_equal_one_process_with_accumulation_on_sft_data(sft_d
 def chat_export(tmp_path_factory):
     """(model, run dir, its `checkpoint.py export --chat` directory): a tiny random GPT-2, padded vocabulary."""
 
-    import checkpoint
+    import checkpoint as checkpoint_command
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=64, vocab_size=50304, n_layer=1, n_head=2, n_embd=16)).eval()
     run_dir = tmp_path_factory.mktemp("chat_run")
     write_checkpoint(run_dir / "ckpt_000001.pt", model, step=1)
-    assert checkpoint.main(["export", str(run_dir), str(run_dir / "hf"), "--chat"]) == 0
+    assert checkpoint_command.main(["export", str(run_dir), str(run_dir / "hf"), "--chat"]) == 0
     return model, run_dir, run_dir / "hf"
 
 
@@ -581,7 +579,7 @@ def test_sample_chat_from_a_chat_export_replies_as_from_its_checkpoint(chat_expo
 def test_sft_from_a_pretrained_gpt2_pads_its_vocabulary_for_the_chat_tokens(sft_dir, tmp_path):
     """A Hugging Face GPT-2 has 50257 rows, the chat tokens need 50261: init_from pads it to 50304 (new rows: the
     mean of the old), keeping the old rows, and fine-tunes."""
-    from hf import pad_vocab, save_pretrained
+    from gpt2train.hf import pad_vocab, save_pretrained
 
     torch.manual_seed(0)
     gpt2 = GPT(GPTConfig(block_size=BLOCK, vocab_size=50257, n_layer=1, n_head=2, n_embd=16))
@@ -596,7 +594,7 @@ def test_sft_from_a_pretrained_gpt2_pads_its_vocabulary_for_the_chat_tokens(sft_
 
 
 def test_chat_refuses_a_tokenizer_that_is_not_gpt2s(byte_level_tokenizer_json):
-    from bpe import HFTokenizer
+    from gpt2train.bpe import HFTokenizer
 
     with pytest.raises(
         ValueError, match="the chat format needs the special tokens .* which the tokenizer .*tokenizer.json lacks"

@@ -9,13 +9,13 @@ import pickle
 import pytest
 import torch
 
-import checkpoint
+import checkpoint as checkpoint_command
 import hellaswag
-import loading
 import sample
 import train
-from checkpoint import CheckpointError, load_checkpoint, load_latest_checkpoint
-from files import file_sha256
+from gpt2train import checkpoint, loading
+from gpt2train.checkpoint import CheckpointError, load_checkpoint, load_latest_checkpoint
+from gpt2train.files import file_sha256
 from test_fsdp import tiny_sharded_checkpoint
 from test_hellaswag import EXAMPLES
 
@@ -48,8 +48,8 @@ def entry_points(ckpt, tmp_path):
     return {
         "sample": lambda: exits(sample.main, [*flags, "--max_new_tokens", "2", "--prompt", "x"]),
         "hellaswag": lambda: exits(hellaswag.main, [*flags, "--data", str(tmp_path / "hs.jsonl")]),
-        "consolidate": lambda: checkpoint.main(["consolidate", str(ckpt), str(tmp_path / "one.pt")]),
-        "export": lambda: checkpoint.main(["export", str(ckpt), str(tmp_path / "hf")]),
+        "consolidate": lambda: checkpoint_command.main(["consolidate", str(ckpt), str(tmp_path / "one.pt")]),
+        "export": lambda: checkpoint_command.main(["export", str(ckpt), str(tmp_path / "hf")]),
         "resume": lambda: exits(train.main, ["--init_from=resume", f"--out_dir={ckpt.parent}", "--device=cpu"]),
     }
 
@@ -111,7 +111,7 @@ def test_every_shard_is_hashed_and_a_damaged_one_is_refused_everywhere(tmp_path,
     notes = []
     assert load_latest_checkpoint(run, consolidate=False, note=notes.append)[1] == run / "ckpt_000004"
     assert len(notes) == 1 and "skipping" in notes[0] and "damaged" in notes[0]
-    assert checkpoint.main(["consolidate", str(ckpt), str(tmp_path / "one.pt")]) == 2
+    assert checkpoint_command.main(["consolidate", str(ckpt), str(tmp_path / "one.pt")]) == 2
     assert "damaged" in one_line_error(capsys) and not (tmp_path / "one.pt").exists()
     with pytest.raises(CheckpointError, match="damaged"):
         loading.load_model(ckpt=str(ckpt))
@@ -141,7 +141,7 @@ def test_a_failure_inside_dcp_is_a_checkpoint_error(tmp_path, capsys):
     sums.write_text("".join(f"{file_sha256(ckpt / name)}  {name}\n" for name in checkpoint.read_checksums(sums)))
     with pytest.raises(CheckpointError, match=r"ckpt_000005: cannot read the sharded checkpoint \(rank 0: "):
         load_checkpoint(ckpt)
-    assert checkpoint.main(["export", str(ckpt), str(tmp_path / "hf")]) == 2
+    assert checkpoint_command.main(["export", str(ckpt), str(tmp_path / "hf")]) == 2
     assert "cannot read the sharded checkpoint" in one_line_error(capsys)
 
 
@@ -151,7 +151,7 @@ def test_consolidate_refuses_non_finite_weights(tmp_path, capsys):
         model.transformer.wpe.weight[0, 0] = float("nan")
     meta = {k: v for k, v in load_checkpoint(tmp_path / "ok", consolidate=False).items() if k != "shards"}
     checkpoint.save_sharded_checkpoint(tmp_path / "ckpt_000005", meta, model, optimizer)
-    assert checkpoint.main(["consolidate", str(tmp_path / "ckpt_000005"), str(tmp_path / "one.pt")]) == 2
+    assert checkpoint_command.main(["consolidate", str(tmp_path / "ckpt_000005"), str(tmp_path / "one.pt")]) == 2
     assert "NaN/inf" in one_line_error(capsys) and not (tmp_path / "one.pt").exists()
 
 
@@ -196,7 +196,7 @@ def test_consolidate_refuses_to_write_inside_its_source(tmp_path, capsys, dst):
     ckpt = tmp_path / "ckpt_000005"
     tiny_sharded_checkpoint(ckpt)
     before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
-    assert checkpoint.main(["consolidate", str(ckpt), str(ckpt / dst)]) == 2
+    assert checkpoint_command.main(["consolidate", str(ckpt), str(ckpt / dst)]) == 2
     assert f"inside the checkpoint {ckpt} it is made from" in one_line_error(capsys)
     assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
     assert load_checkpoint(ckpt)["step"] == 5

@@ -7,10 +7,8 @@ import random
 
 import pytest
 
-import assets
-import bpe
-import chat
 import tokenizer
+from gpt2train import assets, bpe, chat
 
 pytest.importorskip("tokenizers")
 
@@ -214,11 +212,10 @@ def test_prep_train_sample_export_autotokenizer_with_its_own_tokenizer(tokenizer
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import checkpoint
-    import data
-    import loading
+    import checkpoint as checkpoint_command
     import sample
     import train
+    from gpt2train import data, loading
 
     enc = bpe.open_tokenizer(tokenizer_file)
     data_dir = prepare(tmp_path, tokenizer_file, "corpus")
@@ -258,7 +255,7 @@ def test_prep_train_sample_export_autotokenizer_with_its_own_tokenizer(tokenizer
     )
     assert capsys.readouterr().out.startswith("Once upon")
 
-    assert checkpoint.main(["export", str(moved), str(tmp_path / "hf")]) == 0
+    assert checkpoint_command.main(["export", str(moved), str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "tokenizer.json").read_text() == tokenizer_file.read_text()
     auto = AutoTokenizer.from_pretrained(tmp_path / "hf")
     text = "The quick brown fox, 日本語 😀"

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import tracking
-from tracking import MetricsLog, Tracker, TrackingError, check_tracking_available
+from gpt2train import tracking
+from gpt2train.tracking import MetricsLog, Tracker, TrackingError, check_tracking_available
 
 CONFIG = {"n_layer": 2, "learning_rate": 3e-3, "out_dir": "out/x", "lr_decay_steps": None}
 TOKENS = 1024  # tokens per step

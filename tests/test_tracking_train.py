@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import plot_metrics
-from checkpoint import load_checkpoint
+from gpt2train.checkpoint import load_checkpoint
 from test_tracking import assert_tensorboard_holds, assert_wandb_holds, tensorboard_events, wandb_segments
 from test_train import data_dir, metrics, run  # noqa: F401  (data_dir is a fixture)
 

@@ -20,14 +20,12 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
-import loading
 import model as model_module
-import optim
 import train
-from checkpoint import load_checkpoint, load_latest_checkpoint
-from config import TrainConfig
-from data import DataLoader, ShardError, write_shard
+from gpt2train import checkpoint, loading, optim
+from gpt2train.checkpoint import load_checkpoint, load_latest_checkpoint
+from gpt2train.config import TrainConfig
+from gpt2train.data import DataLoader, ShardError, write_shard
 from train import get_lr
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -524,7 +522,7 @@ def test_a_halt_before_any_checkpoint_says_so(data_dir, tmp_path, monkeypatch, c
 
 
 def test_a_second_run_on_a_locked_out_dir_is_refused(data_dir, tmp_path, capsys):
-    from files import directory_lock
+    from gpt2train.files import directory_lock
 
     with directory_lock(tmp_path, "other.py"):
         expect_exit(1, run, data_dir, tmp_path, "--max_steps=4")
@@ -963,7 +961,7 @@ def test_a_shard_that_changes_mid_run_is_one_line_after_saving_the_steps_done(da
     the last save (5, 6) are saved first, then the error names the shard and the position; no IndexError."""
     import shutil
 
-    import data
+    from gpt2train import data
 
     shutil.copytree(data_dir, tmp_path / "data")
     shard, real, calls = tmp_path / "data" / "tiny_train_000000.bin", data.DataLoader.next_batch, []
@@ -1060,12 +1058,13 @@ def test_a_second_ctrl_c_during_a_save_exits_130_and_says_what_was_kept(data_dir
 
 def offline_without_gpt2s_tokenizer(monkeypatch, tmp_path):
     """As on a GPU node with no network and an empty cache: every way to GPT-2's tokenizer fails."""
-    import assets
+    from gpt2train import assets
 
     monkeypatch.setenv("GPT2_CACHE_DIR", str(tmp_path / "empty_cache"))
     monkeypatch.setattr(assets, "_tiktoken_has_gpt2_cached", lambda: False)
     monkeypatch.setattr(assets, "_host_reachable", lambda host, port=443: False)
     monkeypatch.setattr(assets, "download_package", lambda *a, **k: (_ for _ in ()).throw(OSError("no network")))
+    assets.get_tokenizer.cache_clear()  # an earlier test in this process may have loaded it
     with pytest.raises(RuntimeError, match="could not load the GPT-2 tokenizer"):
         assets.get_tokenizer()
 
@@ -1089,8 +1088,8 @@ def test_samples_without_the_tokenizer_stop_the_run_before_step_1_with_one_line(
 
 
 def test_hellaswag_during_training_logs_what_hellaswag_py_prints(data_dir, tmp_path, monkeypatch, capsys):
-    import assets
     import hellaswag
+    from gpt2train import assets
     from test_hellaswag import EXAMPLES
 
     examples = tmp_path / "hellaswag.jsonl"

@@ -9,10 +9,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from console import log
-from devices import autocast, device_type, is_oom
-from files import Halt
-from memory import free_cached_memory, smaller_micro_batch
+from gpt2train.console import log
+from gpt2train.devices import autocast, device_type, is_oom
+from gpt2train.files import Halt
+from gpt2train.memory import free_cached_memory, smaller_micro_batch
 
 
 def to_device(tensors, device):

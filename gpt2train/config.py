@@ -133,7 +133,7 @@ class TrainConfig(GPTConfig):
                 f"{torch.__version__} lacks: upgrade torch, or use optimizer='adamw'"
             )
         if self.eval_tasks_interval:
-            from tasks import parse_tasks  # no torch: the task catalogue
+            from gpt2train.tasks import parse_tasks  # no torch: the task catalogue
 
             try:
                 parse_tasks(self.eval_tasks)

@@ -28,9 +28,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from config import CHOICES, ConfigError, batch_layout
-from console import distributed, log
-from devices import autocast, is_oom, rng_state, set_rng_state
+from gpt2train.config import CHOICES, ConfigError, batch_layout
+from gpt2train.console import distributed, log
+from gpt2train.devices import autocast, is_oom, rng_state, set_rng_state
 from model import GPT, LOSS_CHUNK_ROWS
 
 GiB = 2**30

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-import bpe
-from assets import EOT
-from console import log
-from files import first_line
+from gpt2train import bpe
+from gpt2train.assets import EOT
+from gpt2train.console import log
+from gpt2train.files import first_line
 from model import GPT, GPT2_VOCAB, HUB_NAMES, TRAINING_ONLY_MODEL_KEYS, GPTConfig
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -134,7 +134,7 @@ def save_pretrained(
     vocab = GPT2_VOCAB if not neox and not own and cfg.vocab_size > GPT2_VOCAB else cfg.vocab_size
     chat_tokens = {}
     if chat_template is not None and not own:  # GPT-2's chat tokens (chat.py) are rows of the padded vocabulary
-        import chat
+        from gpt2train import chat
 
         chat_tokens = chat.SPECIAL
         vocab = max(vocab, max(chat_tokens.values()) + 1)

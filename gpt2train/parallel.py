@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from config import ConfigError
-from console import is_rank0, launched_by_torchrun, log
-from devices import (
+from gpt2train.config import ConfigError
+from gpt2train.console import is_rank0, launched_by_torchrun, log
+from gpt2train.devices import (
     DTYPES,
     autocast,
     device_type,
@@ -37,7 +37,7 @@ from devices import (
     tune_cpu_allocator,
     use_cuda_device,
 )
-from files import directory_lock, first_line
+from gpt2train.files import directory_lock, first_line
 from model import GPT, rotary_cos_sin
 
 

@@ -13,7 +13,7 @@ import socket
 import stat
 from pathlib import Path
 
-from console import log
+from gpt2train.console import log
 
 try:
     import fcntl

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-import assets
-import bpe
-from checkpoint import (
+from gpt2train import assets, bpe
+from gpt2train.checkpoint import (
     FORMAT,
     META_FILES,
     CheckpointError,
@@ -39,15 +38,15 @@ from checkpoint import (
     save_sharded_checkpoint,
     verify_checkpoint,
 )
-from config import ARCH_KEYS, ConfigError, make_config, model_config
-from console import is_rank0, launched_by_torchrun, log
-from data import NoShardsError, data_tokenizer, read_manifests
-from devices import rng_state, set_rng_state
-from files import Halt
-from memory import resolve_batch_size
+from gpt2train.config import ARCH_KEYS, ConfigError, make_config, model_config
+from gpt2train.console import is_rank0, launched_by_torchrun, log
+from gpt2train.data import NoShardsError, data_tokenizer, read_manifests
+from gpt2train.devices import rng_state, set_rng_state
+from gpt2train.files import Halt
+from gpt2train.memory import resolve_batch_size
+from gpt2train.parallel import check_shared_out_dir, setup, weights_finite
+from gpt2train.tracking import check_tracking_available
 from model import PRESETS, GPTConfig
-from parallel import check_shared_out_dir, setup, weights_finite
-from tracking import check_tracking_available
 
 
 @dataclass

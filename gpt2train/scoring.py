@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import tasks
-from console import progress_bar
-from devices import autocast
+from gpt2train import tasks
+from gpt2train.console import progress_bar
+from gpt2train.devices import autocast
 
 PAD_MULTIPLE = 8  # rows are padded to a multiple of this length (aligned shapes for matmul kernels)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import tiktoken
 
-from assets import EOT, get_tokenizer
+from gpt2train.assets import EOT, get_tokenizer
 
 
 def load_tokenizer(model_dir=None, cache_dir=None):

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from assets import EOT
-from console import progress_bar
-from files import atomic_write
+from gpt2train.assets import EOT
+from gpt2train.console import progress_bar
+from gpt2train.files import atomic_write
 
 MAGIC = 20240520
 VERSION = 1
@@ -236,7 +236,7 @@ def read_manifests(data_dir):
         directories |= {p.parent for p in find_shards(data_dir, "val")}
     except NoShardsError:
         pass  # a missing val split is the val loader's error, if the run evaluates
-    from files import lock_holder
+    from gpt2train.files import lock_holder
 
     manifests = {}
     for manifest in sorted(m for d in directories for m in d.glob("*_manifest.json")):

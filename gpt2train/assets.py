@@ -23,8 +23,8 @@ from pathlib import Path
 
 import tiktoken
 
-from console import log
-from files import atomic_write, file_sha256
+from gpt2train.console import log
+from gpt2train.files import atomic_write, file_sha256
 
 EOT = 50256  # <|endoftext|>, the GPT-2 document separator
 

@@ -8,15 +8,14 @@ every rank calls it alike. HellaSwag and the suite are scored by the evaluation 
 import torch
 import torch.distributed as dist
 
-import assets
-import tasks
-from bpe import tokenizer_from_record
-from config import ConfigError
-from console import log
-from devices import autocast
-from parallel import any_rank, gathered
-from scoring import Suite
-from step import in_micro_batches, to_device
+from gpt2train import assets, tasks
+from gpt2train.bpe import tokenizer_from_record
+from gpt2train.config import ConfigError
+from gpt2train.console import log
+from gpt2train.devices import autocast
+from gpt2train.parallel import any_rank, gathered
+from gpt2train.scoring import Suite
+from gpt2train.step import in_micro_batches, to_device
 
 
 class Abandoned(Exception):

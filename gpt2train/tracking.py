@@ -16,8 +16,8 @@ import secrets
 import time
 from pathlib import Path
 
-from console import log
-from files import atomic_write, first_line
+from gpt2train.console import log
+from gpt2train.files import atomic_write, first_line
 
 TRACKING_KEYS = ("wandb_log", "wandb_project", "wandb_run_name", "tensorboard_dir", "cost_per_hour")
 

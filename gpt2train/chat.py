@@ -14,7 +14,7 @@ import json
 
 import tiktoken
 
-from assets import EOT, get_tokenizer
+from gpt2train.assets import EOT, get_tokenizer
 
 ROLES = ("system", "user", "assistant")
 SPECIAL = {"<|system|>": 50257, "<|user|>": 50258, "<|assistant|>": 50259, "<|end|>": 50260}

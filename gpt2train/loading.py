@@ -4,11 +4,11 @@ pretrained weights, with its tokenizer, and the flags that choose it (--ckpt/--i
 
 from pathlib import Path
 
-import bpe
-from checkpoint import CheckpointError, model_from_checkpoint
-from devices import DTYPES, resolve_device, resolve_dtype
-from files import report_error
-from hf import from_pretrained
+from gpt2train import bpe
+from gpt2train.checkpoint import CheckpointError, model_from_checkpoint
+from gpt2train.devices import DTYPES, resolve_device, resolve_dtype
+from gpt2train.files import report_error
+from gpt2train.hf import from_pretrained
 
 DTYPE_HELP = (
     "autocast dtype (default auto: bfloat16 on CUDA GPUs with native bf16 and on CPUs with "

@@ -13,9 +13,9 @@ import os
 import re
 from pathlib import Path
 
-from assets import fetch_shakespeare
-from console import log
-from files import first_line
+from gpt2train.assets import fetch_shakespeare
+from gpt2train.console import log
+from gpt2train.files import first_line
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 

@@ -27,7 +27,7 @@ import json
 import re
 from dataclasses import dataclass, field, replace
 
-import assets
+from gpt2train import assets
 
 # The 57 MMLU subjects (the harness's mmlu group: stem, humanities, social sciences, other), in its file order.
 MMLU_SUBJECTS = (
