@@ -220,6 +220,18 @@ def test_each_file_keeps_its_one_job():
     assert {"train", "dryrun"} <= set(step_users), step_users
 
 
+def test_no_call_in_the_training_loop_takes_more_than_six_arguments():
+    """train.run() binds the loop's companions once (the Checkpointer, the Evaluator, a step's StepStats): no call in
+    it passes a dozen values along."""
+    run = next(f for f in parsed()["train"].body if getattr(f, "name", None) == "run")
+    wide = [
+        f"{ast.unparse(n.func)} (line {n.lineno}): {len(n.args) + len(n.keywords)}"
+        for n in ast.walk(run)
+        if isinstance(n, ast.Call) and len(n.args) + len(n.keywords) > 6
+    ]
+    assert not wide, wide
+
+
 def test_every_note_goes_through_console_log():
     """print(), tqdm.write and sys.stdout/stderr.write only in console.py, and print() in a script's main()
     (its result: a sample, a --json line, a report); "is there a process group?" is asked of console.distributed()."""
