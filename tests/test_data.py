@@ -922,3 +922,72 @@ def test_document_rows_start_at_the_end_of_text_token_of_the_tokenizer_the_manif
         for p in rows.start.tolist():  # a segment starts at a separator, a piece border of a long document, or 0
             doc = separators[separators <= p].max(initial=0)
             assert p == doc or (p - doc) % 8 == 0, (p, doc)
+
+
+def edit_tokenizer_entry(prepped, **entry):
+    """docs_manifest.json's "tokenizer" entry updated with `entry`; returns the manifest's path."""
+    path = prepped / "docs_manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["tokenizer"].update(entry)
+    path.write_text(json.dumps(manifest))
+    return path
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"eot": "abc"}, "tokenizer.eot is 'abc', expected an integer from 0 to 65,535"),
+        ({"eot": [1]}, "tokenizer.eot is [1], expected an integer from 0 to 65,535"),
+        ({"n_vocab": "many"}, "tokenizer.n_vocab is 'many', expected an integer from 0 to 65,536"),
+        ({"id": 5}, "tokenizer.id is 5, expected a string"),
+        (
+            {"file": "/dev/zero"},
+            "tokenizer.file is '/dev/zero', expected the name of a file in the manifest's directory",
+        ),
+        (
+            {"file": "../x.json"},
+            "tokenizer.file is '../x.json', expected the name of a file in the manifest's directory",
+        ),
+    ],
+)
+def test_a_manifests_tokenizer_entry_is_checked_key_by_key(prepped, entry, message):
+    """A manifest is a text file: a malformed entry is one ShardError naming it and the key, in every reader."""
+    from data import data_tokenizer, read_manifests
+
+    path = edit_tokenizer_entry(prepped, **entry)
+    for read in (
+        lambda: data_tokenizer(read_manifests(prepped)),
+        lambda: DataLoader(prepped, "train", batch_size=2, block_size=8, packing="document"),
+    ):
+        with pytest.raises(ShardError) as e:
+            read()
+        assert str(e.value) == f"{path}: {message}; run prepare_data.py again"
+
+
+def test_a_manifest_or_tokenizer_file_that_is_not_a_regular_file_is_refused_unread(prepped, deadline):
+    """A FIFO would hang the run, /dev/zero fill its memory; a tokenizer file made to match its recorded id but not a
+    tokenizer.json is named (the run's tokenizer error named the file the prep read it from)."""
+    import hashlib
+    import os
+
+    from data import data_tokenizer, read_manifests
+
+    tokenizer_file, broken = prepped / "docs_tokenizer.json", '{"model": '
+    tokenizer_file.write_text(broken)
+    digest = hashlib.sha256(broken.encode()).hexdigest()[:16]
+    manifest = edit_tokenizer_entry(prepped, id=f"sha256:{digest}", file=tokenizer_file.name, source="/elsewhere")
+    with deadline(30):
+        with pytest.raises(ShardError, match=rf"^{tokenizer_file}: not a tokenizer.json \(JSONDecodeError: "):
+            data_tokenizer(read_manifests(prepped))
+        tokenizer_file.unlink()
+        os.mkfifo(tokenizer_file)
+        with pytest.raises(ShardError, match=r"docs_tokenizer.json: cannot read the tokenizer that docs_manifest.json"):
+            data_tokenizer(read_manifests(prepped))
+        tokenizer_file.unlink()
+        tokenizer_file.symlink_to("/dev/zero")
+        with pytest.raises(ShardError, match=r"names \(is a symlink, not a regular file\); run prepare_data.py again"):
+            data_tokenizer(read_manifests(prepped))
+        manifest.unlink()
+        os.mkfifo(manifest)
+        with pytest.raises(ShardError, match=r"docs_manifest.json: unreadable prep manifest \(not a regular file"):
+            read_manifests(prepped)
