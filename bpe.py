@@ -15,6 +15,7 @@ import numpy as np
 import tiktoken
 
 from assets import EOT, get_tokenizer
+from files import atomic_write
 
 
 def load_tokenizer(model_dir=None, cache_dir=None):
@@ -358,8 +359,7 @@ def save_tokenizer(
     if chat_template is not None:
         config["chat_template"] = chat_template
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    atomic_write(out / "tokenizer.json", tokenizer_json)  # whole or not at all; a full disk's error names the file
+    atomic_write(out / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+    atomic_write(out / "special_tokens_map.json", json.dumps(special, indent=2) + "\n")
     return eot

@@ -183,8 +183,11 @@ def directory_lock(directory, program):
                     note=True,
                 )
         held = True
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{program} (pid {os.getpid()} on {socket.gethostname()})\n".encode())
+        try:  # the first write of a run: a full disk fails here, and os.write's error names no file
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{program} (pid {os.getpid()} on {socket.gethostname()})\n".encode())
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(path)) from None
         yield path
     finally:
         if held:  # an empty file: nobody holds it now

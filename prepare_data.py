@@ -46,7 +46,7 @@ from bpe import open_tokenizer, tokenizer_record
 from console import log, progress_bar
 from data import HEADER_BYTES, MASK_SUFFIX, SHARD_SUFFIXES, write_mask, write_shard
 from documents import PRESETS, PrepError, expand_inputs, non_empty, resolve_source
-from files import LockError, atomic_write, directory_lock, error_message, file_sha256, first_line
+from files import LockError, atomic_write, directory_lock, error_line, error_message, file_sha256, first_line
 
 DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c / build-nanogpt: 100M tokens (200 MB) per shard
 VAL_SHARE = 0.1  # default validation split: the first 10% of the input, like nanoGPT's 90/10 ...
@@ -265,7 +265,7 @@ def locked(out_dir):
     except LockError as e:
         raise PrepError(str(e)) from None
     except OSError as e:
-        raise PrepError(f"cannot write to the output directory {out_dir} ({e.strerror}: {e.filename})") from None
+        raise PrepError(f"cannot write to the output directory {out_dir} ({error_line(e)})") from None
     return held
 
 

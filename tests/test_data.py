@@ -402,7 +402,27 @@ def test_unwritable_output_dir_fails_before_any_work(tmp_path, monkeypatch, read
         run_prep("--input", src, "--out_dir", tmp_path / "ro" / "out", "--num_proc", 1)
     assert str(e.value.code) == (
         f"prepare_data.py: error: cannot write to the output directory {tmp_path / 'ro' / 'out'} "
-        f"(Permission denied: {tmp_path / 'ro' / 'out'})"
+        f"({tmp_path / 'ro' / 'out'}: Permission denied)"
+    )
+
+
+def test_a_full_output_disk_names_the_file_that_could_not_be_written(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    src = write_jsonl(tmp_path / "docs.jsonl", make_docs(20))
+    monkeypatch.setattr(prepare_data, "tokenize_batch", lambda *args: pytest.fail("tokenizing began"))
+
+    def full(fd, data):  # the lock's record: the first write
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(SystemExit) as e:
+        run_prep("--input", src, "--out_dir", tmp_path / "out", "--num_proc", 1)
+    monkeypatch.undo()
+    assert str(e.value.code) == (
+        f"prepare_data.py: error: cannot write to the output directory {tmp_path / 'out'} "
+        f"({tmp_path / 'out' / '.lock'}: no space left on the device; free some disk space)"
     )
 
 
