@@ -18,6 +18,11 @@ from assets import EOT, get_tokenizer
 from files import atomic_write
 
 
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be built or trained as asked (its file unreadable or unsupported, the `tokenizers`
+    package missing, a flag out of range); the message is one line naming the file or the flag."""
+
+
 def load_tokenizer(model_dir=None, cache_dir=None):
     """The tokenizer of a model: `model_dir`/tokenizer.json when that file exists (a Hugging Face
     directory, e.g. an imported Pythia), read through the `tokenizers` package; else GPT-2's."""
@@ -156,16 +161,18 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer, decoders
         except ImportError:
-            raise ImportError(
+            raise TokenizerError(
                 f"{self.name}: this model's tokenizer needs the `tokenizers` package: pip install tokenizers"
             ) from None
         self.json = Path(path).read_text(encoding="utf-8") if json_text is None else json_text
         try:
             self._tok = Tokenizer.from_str(self.json)
         except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception naming no file
-            raise ValueError(f"{self.name}: not a readable tokenizer.json ({' '.join(str(e).split())[:200]})") from None
+            raise TokenizerError(
+                f"{self.name}: not a readable tokenizer.json ({' '.join(str(e).split())[:200]})"
+            ) from None
         if not isinstance(self._tok.decoder, decoders.ByteLevel):
-            raise ValueError(
+            raise TokenizerError(
                 f"{self.name}: only byte-level BPE tokenizers (GPT-2 / GPT-NeoX style) are supported, "
                 f"this one decodes with {type(self._tok.decoder).__name__}"
             )

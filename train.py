@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bpe import tokenizer_from_record
+from bpe import TokenizerError, tokenizer_from_record
 from chat import CHAT_VOCAB
 from checkpoint import CheckpointError, load_sharded_checkpoint
 from config import ARCH_KEYS, ConfigError, batch_layout, config_table, help_text, make_config, model_config, parse_args
@@ -520,7 +520,7 @@ def main(argv=None):
         user = parse_args(argv)
         with lock_out_dir(make_config(user).out_dir):  # one run per out_dir, for the whole run
             return run(user)
-    except (ConfigError, TrackingError, CheckpointError, Halt, ShardError, LockError, OSError) as e:
+    except (ConfigError, TrackingError, CheckpointError, Halt, ShardError, LockError, TokenizerError, OSError) as e:
         report_error("train.py", e)
         raise SystemExit(2 if isinstance(e, (ConfigError, TrackingError)) else 1) from None
     except KeyboardInterrupt as e:  # 130, as a shell reports a Ctrl-C

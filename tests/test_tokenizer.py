@@ -383,3 +383,16 @@ def test_the_chat_format_uses_the_tokenizers_own_chat_tokens(trained, neox_token
     assert mask == [0, 0, *[0] * len(hi), 0, 0, *[1] * len(yo), 1]
     with pytest.raises(ValueError, match=r"<\|system\|>, <\|user\|>, <\|assistant\|>, <\|end\|>"):
         chat.tokenizer(bpe.open_tokenizer(neox_tokenizer_json))
+
+
+def test_a_tokenizer_that_cannot_be_built_is_one_line_from_train_py(trained, two_runs, capsys, monkeypatch):
+    """The `tokenizers` package missing where the data's own tokenizer is needed: one line, not a traceback."""
+    import sys
+
+    tmp, a, _ = two_runs
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers now raises ImportError
+    err = one_line_refusal(capsys, [*TINY, f"--data_dir={a}", f"--out_dir={tmp / 'no_package'}", "--max_steps=1"])
+    assert err == (
+        f"train.py: error: {trained[0] / 'tokenizer.json'}: this model's tokenizer needs the `tokenizers` package: "
+        f"pip install tokenizers"
+    )
