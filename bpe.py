@@ -180,7 +180,8 @@ class HFTokenizer:
         self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
         self._special = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         self._bytes = _byte_level_chars()
-        self.n_vocab = self._tok.get_vocab_size(with_added_tokens=True)
+        # the largest id + 1, as tiktoken's n_vocab: ids may have gaps, and the shards and the embedding hold ids
+        self.n_vocab = max(self.vocab().values(), default=-1) + 1
         self.eot_token = self._tok.token_to_id("<|endoftext|>")
         self.id = "gpt2" if self._is_gpt2() else "sha256:" + hashlib.sha256(self.json.encode()).hexdigest()[:16]
         self._fast = None  # encode_to_numpy's tiktoken translation: None until first asked, False if there is none
@@ -191,6 +192,10 @@ class HFTokenizer:
             return False
         gpt2 = get_tokenizer()
         return all(self.decode_single_token_bytes(i) == gpt2.decode_single_token_bytes(i) for i in range(EOT))
+
+    def vocab(self):
+        """{token: id} of every id, the added tokens included (a token in GPT-2's byte-level alphabet)."""
+        return self._tok.get_vocab(with_added_tokens=True)
 
     def special_id(self, text):
         """The id of the special token `text` (e.g. '<|user|>'), or None where this tokenizer has none."""

@@ -76,7 +76,15 @@ def tokenize_batch(texts, tokenizer="gpt2"):
             ids = np.array(enc.encode_ordinary(text), dtype=np.uint32)
         parts += (eot, ids)
         lengths[i] = len(ids) + 1
-    return np.concatenate(parts).astype(np.uint16), lengths
+    return as_uint16(np.concatenate(parts), f"tokenizer {tokenizer}"), lengths
+
+
+def as_uint16(ids, source):
+    """ids as the uint16 array a shard holds; PrepError naming `source` (what made them) for an id of 65,536 or
+    more, which a cast would wrap silently into another id."""
+    if ids.size and int(ids.max()) >= 2**16:
+        raise PrepError(f"{source}: token id {int(ids.max()):,} does not fit the shards' uint16 (0 to 65,535)")
+    return ids.astype(np.uint16)
 
 
 def document_batches(texts, batch_chars, start_doc):
@@ -415,8 +423,12 @@ def resolve_tokenizer(spec):
     record = tokenizer_record(enc, source=None if path == "gpt2" else path)
     if enc.eot_token is None:
         raise PrepError(f"tokenizer {spec} has no <|endoftext|> token, which separates the documents of the shards")
-    if enc.n_vocab > 2**16:
-        raise PrepError(f"tokenizer {spec} has {enc.n_vocab:,} ids: the shards store ids as uint16 (at most 65,536)")
+    if enc.n_vocab > 2**16:  # its largest id + 1: a tokenizer.json may number its tokens with gaps
+        high = sorted((i, token) for token, i in enc.vocab().items() if i >= 2**16)
+        raise PrepError(
+            f"tokenizer {spec}: token {high[0][1]!r} has id {high[0][0]:,} ({len(high):,} ids of 65,536 or more): "
+            f"the shards store ids as uint16, 0 to 65,535; renumber its vocabulary below 65,536"
+        )
     return path, record
 
 
@@ -436,7 +448,7 @@ def keep_tokenizer(out_dir, name, record):
 def write_sft_shard(path, split, conversations):
     """One shard of whole (tokens, mask) conversations, back to back, and its loss-mask file; returns its manifest
     record."""
-    tokens = np.array([t for c, _ in conversations for t in c], dtype=np.uint16)
+    tokens = as_uint16(np.array([t for c, _ in conversations for t in c], dtype=np.int64), path)
     mask = np.array([m for _, k in conversations for m in k], dtype=np.uint8)
     write_shard(path, tokens)
     write_mask(path.with_suffix(MASK_SUFFIX), mask)

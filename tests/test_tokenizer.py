@@ -385,6 +385,47 @@ def test_the_chat_format_uses_the_tokenizers_own_chat_tokens(trained, neox_token
         chat.tokenizer(bpe.open_tokenizer(neox_tokenizer_json))
 
 
+# ----------------------------------------------------------------------------- ids the uint16 shards cannot hold
+
+
+@pytest.fixture
+def high_ids(trained, tmp_path):
+    """The trained tokenizer with its 50 last merges renumbered 65,546-65,595: 400 entries, ids not contiguous."""
+    spec = json.loads((trained[0] / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    last = sorted(vocab, key=vocab.get)[-50:]
+    vocab.update({token: 65_546 + k for k, token in enumerate(last)})
+    path = tmp_path / "high" / "tokenizer.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(spec))
+    return path, last[0]
+
+
+def test_a_tokenizer_with_ids_of_65536_or_more_is_refused_naming_the_first(high_ids, tmp_path):
+    """It used to be accepted (it has 400 entries) and its ids wrapped silently into bytes and specials."""
+    import prepare_data
+
+    path, first = high_ids
+    src = tmp_path / "a.txt"
+    src.write_text(" ".join(CORPUS))
+    with pytest.raises(SystemExit) as e:
+        prepare_data.main(["--input", str(src), "--tokenizer", str(path), "--out_dir", str(tmp_path / "d")])
+    assert str(e.value.code) == (
+        f"prepare_data.py: error: tokenizer {path}: token {first!r} has id 65,546 (50 ids of 65,536 or more): the "
+        f"shards store ids as uint16, 0 to 65,535; renumber its vocabulary below 65,536"
+    )
+    assert not (tmp_path / "d").exists()
+
+
+def test_every_id_is_checked_before_the_cast_to_uint16(high_ids):
+    import prepare_data
+    from documents import PrepError
+
+    path, _ = high_ids
+    with pytest.raises(PrepError, match=r"tokenizer .*: token id 65,5\d\d does not fit the shards' uint16"):
+        prepare_data.tokenize_batch(CORPUS[:4], str(path))
+
+
 def test_a_tokenizer_that_cannot_be_built_is_one_line_from_train_py(trained, two_runs, capsys, monkeypatch):
     """The `tokenizers` package missing where the data's own tokenizer is needed: one line, not a traceback."""
     import sys
