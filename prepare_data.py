@@ -35,6 +35,7 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import sys
 import time
 from collections import deque
@@ -46,7 +47,16 @@ from bpe import open_tokenizer, tokenizer_record
 from console import log, progress_bar
 from data import HEADER_BYTES, MASK_SUFFIX, SHARD_SUFFIXES, write_mask, write_shard
 from documents import PRESETS, PrepError, expand_inputs, non_empty, resolve_source
-from files import LockError, atomic_write, directory_lock, error_line, error_message, file_sha256, first_line
+from files import (
+    LockError,
+    atomic_write,
+    directory_lock,
+    error_line,
+    error_message,
+    file_sha256,
+    first_line,
+    report_error,
+)
 
 DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c / build-nanogpt: 100M tokens (200 MB) per shard
 VAL_SHARE = 0.1  # default validation split: the first 10% of the input, like nanoGPT's 90/10 ...
@@ -85,6 +95,13 @@ def as_uint16(ids, source):
     if ids.size and int(ids.max()) >= 2**16:
         raise PrepError(f"{source}: token id {int(ids.max()):,} does not fit the shards' uint16 (0 to 65,535)")
     return ids.astype(np.uint16)
+
+
+def ignore_interrupts():
+    """Pool worker initializer. A Ctrl-C reaches every process of the terminal's foreground group: the main process
+    handles it (the pool's `with` terminates the workers, main() prints one line); a worker that raised
+    KeyboardInterrupt would print a traceback and leave the pool waiting for its task forever."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def document_batches(texts, batch_chars, start_doc):
@@ -372,7 +389,7 @@ def prepare(
             open_tokenizer(tokenizer).encode_to_numpy("")  # fails early; forked workers inherit it ready-made
             # The pool starts before anything else starts threads (tqdm's monitor, datasets' downloads):
             # fork + threads can deadlock.
-            pool = multiprocessing.get_context(start_method).Pool(num_proc) if num_proc > 1 else None
+            pool = multiprocessing.get_context(start_method).Pool(num_proc, ignore_interrupts) if num_proc > 1 else None
             with pool or contextlib.nullcontext():
                 batches = document_batches(non_empty(texts()), batch_chars, start_doc=writer.start[0])
                 bar = progress_bar(
@@ -642,6 +659,13 @@ def arg_parser():
     return p
 
 
+def interrupted():
+    """A Ctrl-C: one line and exit 130, as a shell reports it (the workers have stopped with the pool; the finished
+    shards are kept, and a re-run continues after them)."""
+    report_error("prepare_data.py", KeyboardInterrupt("interrupted; run the same command again to continue"))
+    raise SystemExit(130) from None
+
+
 def main(argv=None):
     p = arg_parser()
     args = p.parse_args(argv)
@@ -661,6 +685,8 @@ def main(argv=None):
             )
         except (PrepError, OSError) as e:
             sys.exit(error_message("prepare_data.py", e))
+        except KeyboardInterrupt:
+            interrupted()
         if s["too_long"]:
             print(
                 f"prepare_data: {'at least ' * s['too_long_at_least']}{s['too_long']} conversation(s) longer than "
@@ -698,6 +724,8 @@ def main(argv=None):
         )
     except (PrepError, OSError) as e:  # bad input or environment: one line (GPT2_TRACEBACK=1: the traceback)
         sys.exit(error_message("prepare_data.py", e))
+    except KeyboardInterrupt:
+        interrupted()
     print(
         f"{s['documents']:,} documents, {s['tokens']:,} tokens ({s['val_tokens']:,} val + {s['train_tokens']:,} train) "
         f"in {s['shards']} shards"

@@ -183,7 +183,7 @@ def test_a_run_interrupted_after_a_cut_val_split_resumes_mid_document(tmp_path, 
         real_write(path, tokens)
 
     monkeypatch.setattr(prepare_data, "write_shard", crash_after_val)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit, match="^130$"):  # a Ctrl-C: one line, exit 130
         run_prep(*args, "--out_dir", tmp_path / "crashed")
     monkeypatch.setattr(prepare_data, "write_shard", real_write)
     run_prep(*args, "--out_dir", tmp_path / "crashed")
@@ -305,7 +305,7 @@ def test_interrupted_run_resumes_to_identical_output(tmp_path, monkeypatch):
         real_write(path, tokens)
 
     monkeypatch.setattr(prepare_data, "write_shard", crashing_write)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit, match="^130$"):  # a Ctrl-C: one line, exit 130
         run_prep(*args, "--out_dir", tmp_path / "crashed")
     monkeypatch.setattr(prepare_data, "write_shard", real_write)
     resumed = run_prep(*args, "--out_dir", tmp_path / "crashed")
@@ -1011,3 +1011,38 @@ def test_a_manifest_or_tokenizer_file_that_is_not_a_regular_file_is_refused_unre
         os.mkfifo(manifest)
         with pytest.raises(ShardError, match=r"docs_manifest.json: unreadable prep manifest \(not a regular file"):
             read_manifests(prepped)
+
+
+def test_ctrl_c_while_tokenizing_stops_the_prep_at_once_with_one_line(tmp_path):
+    """A terminal's Ctrl-C sends SIGINT to the whole foreground process group: the workers too. They used to print
+    a KeyboardInterrupt traceback each and leave the main process waiting for their tasks forever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = write_jsonl(tmp_path / "docs.jsonl", make_docs(2000, seed=8) * 100)  # ~30 MB: a minute of tokenizing
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, str(root / "prepare_data.py"), "--input", str(src), "--out_dir", str(tmp_path / "out")]
+    cmd += ["--num_proc", "2", "--shard_tokens", "100000", "--val_tokens", "1000", "--batch_chars", "20000"]
+    prep = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        while not (tmp_path / "out" / "docs_train_000001.bin").exists():  # the workers are busy
+            assert prep.poll() is None, prep.communicate()
+            time.sleep(0.05)
+        os.killpg(prep.pid, signal.SIGINT)  # the group, as a terminal does
+        _, err = prep.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(prep.pid, signal.SIGKILL)
+    assert prep.returncode == 130, err
+    assert err == "prepare_data.py: error: interrupted; run the same command again to continue\n"
+    for _ in range(100):  # the workers were terminated with the pool, not left behind
+        try:
+            os.killpg(prep.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("a worker of the interrupted prep is still running")
