@@ -215,7 +215,7 @@ class HFTokenizer:
                 return self._fast.encode_to_numpy(text, disallowed_special=())
             return np.array(self.encode_ordinary(text), dtype=np.uint32)
         except (UnicodeEncodeError, TypeError):  # lone surrogates: replaced, as tiktoken's encode_ordinary does
-            return self.encode_to_numpy(text.encode("utf-16", "surrogatepass").decode("utf-16", "replace"))
+            return self.encode_to_numpy(replace_surrogates(text))
 
     def encode_ordinary(self, text):
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -246,6 +246,15 @@ class HFTokenizer:
         if piece is None:
             raise KeyError(token)
         return bytes(self._bytes[c] for c in piece)
+
+
+def replace_surrogates(text):
+    """text with its lone surrogates (valid JSON such as "\\ud800", not valid UTF-8) replaced by U+FFFD."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 # ----------------------------------------------------------------------------- tokenizer files for an export

@@ -385,6 +385,111 @@ def test_the_chat_format_uses_the_tokenizers_own_chat_tokens(trained, neox_token
         chat.tokenizer(bpe.open_tokenizer(neox_tokenizer_json))
 
 
+# ----------------------------------------------------------------------------- flags, input and output of tokenizer.py
+
+
+def run_tokenizer(*args):
+    """tokenizer.main on these flags, no progress bar; returns its exit status, or its one-line error."""
+    try:
+        return tokenizer.main([*map(str, args), "--no_progress"])
+    except SystemExit as e:
+        message = str(e.code)
+        assert message.startswith("tokenizer.py: error: ") and "\n" not in message
+        return message
+
+
+def test_default_flags_train_on_a_50_kb_corpus_holding_out_a_tenth(tmp_path):
+    """As prepare_data.py's --val_tokens: 10% of the input is held out (at most 200,000 bytes), so a small corpus
+    trains with the default flags (it used to be refused below 200 KB)."""
+    src = tmp_path / "small.txt"
+    src.write_text(" ".join(CORPUS * 6)[:48_000])
+    assert 50_000 <= src.stat().st_size < 52_000
+    assert run_tokenizer("--input", src, "--vocab_size", 400, "--out", tmp_path / "tok") == 0
+    report = json.loads((tmp_path / "tok" / "report.json").read_text())
+    assert abs(report["held_out_bytes"] - src.stat().st_size / 10) <= 4  # cut at a character boundary
+    assert report["train_bytes"] == src.stat().st_size - report["held_out_bytes"]
+    held, rest = tokenizer.split_held_out(["x" * 3_000_000])  # a large input: 200,000 bytes
+    assert len(held) == 200_000 and len(next(rest)) == 2_800_000
+
+
+def test_a_second_tokenizer_py_on_the_same_out_is_refused_before_reading_the_input(tmp_path, monkeypatch):
+    from files import directory_lock
+
+    src = tmp_path / "a.txt"
+    src.write_text("hello world " * 100)
+    monkeypatch.setattr(tokenizer, "resolve_source", lambda *a: pytest.fail("read the input"))
+    with directory_lock(tmp_path / "tok", "tokenizer.py"):
+        message = run_tokenizer("--input", src, "--vocab_size", 300, "--out", tmp_path / "tok")
+    assert f"{tmp_path / 'tok'} is in use by tokenizer.py (pid " in message
+
+
+def test_an_unwritable_out_fails_before_the_input_is_read(tmp_path, monkeypatch, read_only):
+    src = tmp_path / "a.txt"
+    src.write_text("hello world " * 100)
+    monkeypatch.setattr(tokenizer, "resolve_source", lambda *a: pytest.fail("read the input"))
+    read_only(tmp_path / "ro")
+    message = run_tokenizer("--input", src, "--vocab_size", 300, "--out", tmp_path / "ro" / "tok")
+    assert message == f"tokenizer.py: error: {tmp_path / 'ro' / 'tok'}: Permission denied"
+
+
+def test_a_full_disk_keeps_the_tokenizer_that_was_there_and_is_one_line(tmp_path, monkeypatch):
+    """tokenizer.json is written whole or not at all: a disk that fills during the write leaves the previous one."""
+    import errno
+    import os
+
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS))
+    flags = ["--input", src, "--out", tmp_path / "tok", "--held_out_bytes", 500]
+    assert run_tokenizer(*flags, "--vocab_size", 400) == 0
+    before = (tmp_path / "tok" / "tokenizer.json").read_bytes()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")  # the data did not reach the disk
+
+    monkeypatch.setattr(os, "fsync", full)
+    message = run_tokenizer(*flags, "--vocab_size", 350)
+    monkeypatch.undo()
+    assert message == (
+        f"tokenizer.py: error: {tmp_path / 'tok' / 'tokenizer.json'}: no space left on the device; free some disk space"
+    )
+    assert (tmp_path / "tok" / "tokenizer.json").read_bytes() == before
+    assert bpe.open_tokenizer(tmp_path / "tok").n_vocab == 400
+
+
+def test_lone_surrogates_in_the_input_are_replaced_as_prepare_data_replaces_them(tmp_path):
+    src = tmp_path / "s.jsonl"  # "\ud800" is valid JSON, not valid UTF-8
+    src.write_text('{"text": "lone \\ud800 surrogate"}\n' + "".join(json.dumps({"text": t}) + "\n" for t in CORPUS))
+    assert run_tokenizer("--input", src, "--vocab_size", 300, "--out", tmp_path / "tok", "--held_out_bytes", 10) == 0
+    assert run_tokenizer("--input", src, "--vocab_size", 300, "--out", tmp_path / "tok2") == 0  # in the held-out text
+
+
+def test_held_out_and_max_bytes_flags_are_checked_and_the_error_names_the_flag_to_change(tmp_path):
+    src = tmp_path / "a.txt"
+    src.write_text("hello world " * 100)
+    flags = ["--input", src, "--vocab_size", 300, "--out", tmp_path / "tok"]
+    assert "--held_out_bytes must be >= 0, got -5" in run_tokenizer(*flags, "--held_out_bytes", -5)
+    assert "--max_bytes must be >= 1, got 0" in run_tokenizer(*flags, "--max_bytes", 0)
+    message = run_tokenizer(*flags, "--held_out_bytes", 10, "--max_bytes", 100)
+    assert "--max_bytes 100 is smaller than the first document after the held-out text (1,190 bytes)" in message
+    assert "lower --held_out_bytes" in run_tokenizer(*flags, "--held_out_bytes", 5000)
+    (tmp_path / "empty.txt").write_text("")
+    assert "the input holds no text" in run_tokenizer(*flags[2:], "--input", tmp_path / "empty.txt")
+
+
+def test_long_runs_without_whitespace_are_cut_for_training_and_counted(tmp_path, capsys):
+    """The trainer's time grows with the square of a pre-token's length (1 MB of 'a': not done in 300 s)."""
+    text = "start " + "ab" * 1500 + " middle " + " " * 2500 + "end"
+    pieces, runs = tokenizer.cut_long_runs(text)
+    assert "".join(pieces) == text and runs == 2
+    assert max(len(p) for p in pieces) == tokenizer.MAX_RUN
+    assert tokenizer.cut_long_runs("x" * tokenizer.MAX_RUN) == (["x" * tokenizer.MAX_RUN], 0)
+    src = tmp_path / "long.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in [*CORPUS, text, "q" * 50_000]))
+    assert run_tokenizer("--input", src, "--vocab_size", 400, "--out", tmp_path / "tok", "--held_out_bytes", 500) == 0
+    note = "note: 3 run(s) of over 1,000 characters without whitespace (or of whitespace) cut into 1,000-character"
+    assert note in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- ids the uint16 shards cannot hold
 
 
