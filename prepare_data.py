@@ -35,6 +35,7 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import sys
 import time
 from collections import deque
@@ -46,7 +47,16 @@ from gpt2train.bpe import open_tokenizer, tokenizer_record
 from gpt2train.console import log, progress_bar
 from gpt2train.data import HEADER_BYTES, MASK_SUFFIX, SHARD_SUFFIXES, write_mask, write_shard
 from gpt2train.documents import PRESETS, PrepError, expand_inputs, non_empty, resolve_source
-from gpt2train.files import LockError, atomic_write, directory_lock, error_message, file_sha256, first_line
+from gpt2train.files import (
+    LockError,
+    atomic_write,
+    directory_lock,
+    error_line,
+    error_message,
+    file_sha256,
+    first_line,
+    report_error,
+)
 
 DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c / build-nanogpt: 100M tokens (200 MB) per shard
 VAL_SHARE = 0.1  # default validation split: the first 10% of the input, like nanoGPT's 90/10 ...
@@ -76,7 +86,22 @@ def tokenize_batch(texts, tokenizer="gpt2"):
             ids = np.array(enc.encode_ordinary(text), dtype=np.uint32)
         parts += (eot, ids)
         lengths[i] = len(ids) + 1
-    return np.concatenate(parts).astype(np.uint16), lengths
+    return as_uint16(np.concatenate(parts), f"tokenizer {tokenizer}"), lengths
+
+
+def as_uint16(ids, source):
+    """ids as the uint16 array a shard holds; PrepError naming `source` (what made them) for an id of 65,536 or
+    more, which a cast would wrap silently into another id."""
+    if ids.size and int(ids.max()) >= 2**16:
+        raise PrepError(f"{source}: token id {int(ids.max()):,} does not fit the shards' uint16 (0 to 65,535)")
+    return ids.astype(np.uint16)
+
+
+def ignore_interrupts():
+    """Pool worker initializer. A Ctrl-C reaches every process of the terminal's foreground group: the main process
+    handles it (the pool's `with` terminates the workers, main() prints one line); a worker that raised
+    KeyboardInterrupt would print a traceback and leave the pool waiting for its task forever."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def document_batches(texts, batch_chars, start_doc):
@@ -265,7 +290,7 @@ def locked(out_dir):
     except LockError as e:
         raise PrepError(str(e)) from None
     except OSError as e:
-        raise PrepError(f"cannot write to the output directory {out_dir} ({e.strerror}: {e.filename})") from None
+        raise PrepError(f"cannot write to the output directory {out_dir} ({error_line(e)})") from None
     return held
 
 
@@ -364,7 +389,7 @@ def prepare(
             open_tokenizer(tokenizer).encode_to_numpy("")  # fails early; forked workers inherit it ready-made
             # The pool starts before anything else starts threads (tqdm's monitor, datasets' downloads):
             # fork + threads can deadlock.
-            pool = multiprocessing.get_context(start_method).Pool(num_proc) if num_proc > 1 else None
+            pool = multiprocessing.get_context(start_method).Pool(num_proc, ignore_interrupts) if num_proc > 1 else None
             with pool or contextlib.nullcontext():
                 batches = document_batches(non_empty(texts()), batch_chars, start_doc=writer.start[0])
                 bar = progress_bar(
@@ -415,8 +440,12 @@ def resolve_tokenizer(spec):
     record = tokenizer_record(enc, source=None if path == "gpt2" else path)
     if enc.eot_token is None:
         raise PrepError(f"tokenizer {spec} has no <|endoftext|> token, which separates the documents of the shards")
-    if enc.n_vocab > 2**16:
-        raise PrepError(f"tokenizer {spec} has {enc.n_vocab:,} ids: the shards store ids as uint16 (at most 65,536)")
+    if enc.n_vocab > 2**16:  # its largest id + 1: a tokenizer.json may number its tokens with gaps
+        high = sorted((i, token) for token, i in enc.vocab().items() if i >= 2**16)
+        raise PrepError(
+            f"tokenizer {spec}: token {high[0][1]!r} has id {high[0][0]:,} ({len(high):,} ids of 65,536 or more): "
+            f"the shards store ids as uint16, 0 to 65,535; renumber its vocabulary below 65,536"
+        )
     return path, record
 
 
@@ -436,7 +465,7 @@ def keep_tokenizer(out_dir, name, record):
 def write_sft_shard(path, split, conversations):
     """One shard of whole (tokens, mask) conversations, back to back, and its loss-mask file; returns its manifest
     record."""
-    tokens = np.array([t for c, _ in conversations for t in c], dtype=np.uint16)
+    tokens = as_uint16(np.array([t for c, _ in conversations for t in c], dtype=np.int64), path)
     mask = np.array([m for _, k in conversations for m in k], dtype=np.uint8)
     write_shard(path, tokens)
     write_mask(path.with_suffix(MASK_SUFFIX), mask)
@@ -630,6 +659,13 @@ def arg_parser():
     return p
 
 
+def interrupted():
+    """A Ctrl-C: one line and exit 130, as a shell reports it (the workers have stopped with the pool; the finished
+    shards are kept, and a re-run continues after them)."""
+    report_error("prepare_data.py", KeyboardInterrupt("interrupted; run the same command again to continue"))
+    raise SystemExit(130) from None
+
+
 def main(argv=None):
     p = arg_parser()
     args = p.parse_args(argv)
@@ -649,6 +685,8 @@ def main(argv=None):
             )
         except (PrepError, OSError) as e:
             sys.exit(error_message("prepare_data.py", e))
+        except KeyboardInterrupt:
+            interrupted()
         if s["too_long"]:
             print(
                 f"prepare_data: {'at least ' * s['too_long_at_least']}{s['too_long']} conversation(s) longer than "
@@ -686,6 +724,8 @@ def main(argv=None):
         )
     except (PrepError, OSError) as e:  # bad input or environment: one line (GPT2_TRACEBACK=1: the traceback)
         sys.exit(error_message("prepare_data.py", e))
+    except KeyboardInterrupt:
+        interrupted()
     print(
         f"{s['documents']:,} documents, {s['tokens']:,} tokens ({s['val_tokens']:,} val + {s['train_tokens']:,} train) "
         f"in {s['shards']} shards"

@@ -6,9 +6,10 @@
 
 --input takes what prepare_data.py --input takes (.txt, .jsonl, .parquet files, directories, globs; --text_key),
 or --dataset shakespeare. The first --held_out_bytes of the text (as prepare_data.py's validation split, the start of
-the input) are held out; the tokenizer learns from the rest. It writes DIR/tokenizer.json (a standard Hugging Face
-file: tokenizers.Tokenizer.from_file and transformers' PreTrainedTokenizerFast / AutoTokenizer load it) and
-DIR/tokenizer_config.json, then reports bytes per token on the held-out text next to GPT-2's, and its speed.
+the input; by default 10% of it, at most 200,000 bytes) are held out; the tokenizer learns from the rest. It locks
+DIR, then writes DIR/tokenizer.json (a standard Hugging Face file: tokenizers.Tokenizer.from_file and transformers'
+PreTrainedTokenizerFast / AutoTokenizer load it) and DIR/tokenizer_config.json, each whole or not at all, then
+reports bytes per token on the held-out text next to GPT-2's, and its speed.
 
 Design: GPT-4's split pattern (cl100k_base) before the byte-level BPE. Compared with GPT-2's it keeps runs of
 newlines and indentation apart from the words (code and markdown compress better), splits digits in groups of at most
@@ -19,21 +20,28 @@ counts everything (specials, the 256 bytes, the merges) and is at most 65,536: t
 """
 
 import argparse
+import itertools
 import json
+import re
 import sys
 import time
 from pathlib import Path
+
+from gpt2train import assets, bpe
+from gpt2train.bpe import TokenizerError
+from gpt2train.console import log
+from gpt2train.documents import PrepError, non_empty, resolve_source
+from gpt2train.files import LockError, atomic_write, directory_lock, error_message
 
 GPT4_SPLIT_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""
     r"""|\s*[\r\n]|\s+(?!\S)|\s+"""
 )
 MAX_VOCAB = 2**16  # uint16 shards
-DEFAULT_HELD_OUT_BYTES = 200_000
-
-
-class TokenizerError(Exception):
-    """A one-line problem with the flags or the input."""
+HELD_OUT_SHARE = 0.1  # default held-out text: the first 10% of the input, as prepare_data.py's validation split ...
+DEFAULT_HELD_OUT_BYTES = 200_000  # ... and at most this many bytes
+MAX_RUN = 1_000  # characters: longer runs without whitespace (or of whitespace) are cut for training (cut_long_runs)
+LONG_RUN = re.compile(rf"\S{{{MAX_RUN + 1},}}|\s{{{MAX_RUN + 1},}}")
 
 
 def special_tokens():
@@ -43,10 +51,22 @@ def special_tokens():
     return ["<|endoftext|>", *chat.SPECIAL]
 
 
-def split_held_out(texts, held_out_bytes):
+def split_held_out(texts, held_out_bytes=None):
     """(held-out text, iterator over the remaining texts): the first held_out_bytes of UTF-8 text of the documents
-    (whole documents, the last one cut at a character boundary) and everything after it."""
-    held, size, texts = [], 0, iter(texts)
+    (whole documents, the last one cut at a character boundary) and everything after it. None: HELD_OUT_SHARE of
+    the input, at most DEFAULT_HELD_OUT_BYTES, so up to DEFAULT_HELD_OUT_BYTES / HELD_OUT_SHARE bytes are read
+    ahead before the input's size is known."""
+    texts = iter(texts)
+    if held_out_bytes is None:
+        ahead, size = [], 0
+        for text in texts:
+            ahead.append(text)
+            size += len(text.encode("utf-8", errors="surrogatepass"))
+            if size >= DEFAULT_HELD_OUT_BYTES / HELD_OUT_SHARE:
+                break
+        held_out_bytes = min(DEFAULT_HELD_OUT_BYTES, round(HELD_OUT_SHARE * size))
+        texts = itertools.chain(ahead, texts)
+    held, size = [], 0
     for text in texts:
         need = held_out_bytes - size
         data = text.encode("utf-8", errors="surrogatepass")
@@ -65,6 +85,20 @@ def _chain(first, rest):
     if first:
         yield first
     yield from rest
+
+
+def cut_long_runs(text):
+    """(pieces of text, runs cut): every run of over MAX_RUN characters without whitespace, or of whitespace, cut
+    into MAX_RUN-character pieces, each piece a text of its own. The BPE trainer's time grows with the square of a
+    pre-token's length (a 1 MB line of base64 or DNA: hours), and no token worth learning is that long. Text
+    without such a run comes back whole."""
+    pieces, start, runs = [], 0, 0
+    for m in LONG_RUN.finditer(text):
+        pieces.append(text[start : m.start()])
+        pieces += [m.group()[i : i + MAX_RUN] for i in range(0, m.end() - m.start(), MAX_RUN)]
+        start, runs = m.end(), runs + 1
+    pieces.append(text[start:])
+    return [p for p in pieces if p], runs
 
 
 def build_tokenizer():
@@ -134,58 +168,83 @@ def main(argv=None):
     p.add_argument(
         "--held_out_bytes",
         type=int,
-        default=DEFAULT_HELD_OUT_BYTES,
-        help="bytes at the start of the input kept out of training and used for the report",
+        help=f"bytes at the start of the input kept out of training and used for the report (default "
+        f"{HELD_OUT_SHARE:.0%}% of the input, at most {DEFAULT_HELD_OUT_BYTES:,})",
     )
     p.add_argument("--max_bytes", type=int, default=None, help="learn from at most this many bytes (default: all)")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     try:
         report = train_cli(args)
-    except (TokenizerError, OSError) as e:
-        from gpt2train.files import error_message
-
+    except (TokenizerError, LockError, OSError) as e:
         sys.exit(error_message("tokenizer.py", e))
     print(report)
     return 0
 
 
-def train_cli(args):
-    """tokenizer.py's work for parsed flags; returns the report's text."""
-    from gpt2train import assets, bpe
-    from gpt2train.documents import PrepError, non_empty, resolve_source
-
+def check_flags(args):
+    """TokenizerError for a flag out of range, before anything is read or written."""
     if not len(special_tokens()) + 256 < args.vocab_size <= MAX_VOCAB:
-        train([], args.vocab_size)  # the one-line error, before reading anything
+        train([], args.vocab_size)  # its one-line error
+    if args.held_out_bytes is not None and args.held_out_bytes < 0:
+        raise TokenizerError(f"--held_out_bytes must be >= 0, got {args.held_out_bytes:,}")
+    if args.max_bytes is not None and args.max_bytes < 1:
+        raise TokenizerError(f"--max_bytes must be >= 1, got {args.max_bytes:,}")
+
+
+def train_cli(args):
+    """tokenizer.py's work for parsed flags; returns the report's text. --out is locked before the input is read
+    (files.directory_lock: a second tokenizer.py there, or a directory that cannot be written, fails at once), and
+    each file is written whole or not at all (files.atomic_write: a full disk keeps the tokenizer that was there)."""
+    check_flags(args)
+    out = Path(args.out)
+    with directory_lock(out, "tokenizer.py"):
+        tok, held_out, learned = learn(args)
+        bpe.save_tokenizer(out, tokenizer_json=tok.to_str(pretty=True))  # + tokenizer_config.json, for AutoTokenizer
+        return report(args, out, tok, held_out, learned)
+
+
+def learn(args):
+    """(the trained tokenizers.Tokenizer, the held-out text, {"bytes", "docs", "seconds", ...}: what it learned from
+    and how long it took); TokenizerError where the input is unreadable or leaves nothing to learn from."""
     try:
         _, texts, _, _, _ = resolve_source(args.input, args.dataset, args.text_key, None, None, None, None)
-        held_out, rest = split_held_out(non_empty(texts()), args.held_out_bytes)
-        learned = {"bytes": 0, "docs": 0}
+        valid = (bpe.replace_surrogates(text) for text in non_empty(texts()))  # as prepare_data.py's encoders do
+        held_out, rest = split_held_out(valid, args.held_out_bytes)
+        learned = {"bytes": 0, "docs": 0, "runs_cut": 0, "stopped": None}
 
         def limited():
             for text in rest:
-                size = len(text.encode("utf-8", errors="surrogatepass"))
+                size = len(text.encode("utf-8"))
                 if args.max_bytes is not None and learned["bytes"] + size > args.max_bytes:
+                    learned["stopped"] = size
                     return
                 learned["bytes"] += size
                 learned["docs"] += 1
-                yield text
+                pieces, runs = cut_long_runs(text)
+                learned["runs_cut"] += runs
+                yield from pieces
 
         start = time.perf_counter()
         tok = train(limited(), args.vocab_size, progress=not args.no_progress)
+        learned["seconds"] = time.perf_counter() - start
     except PrepError as e:
         raise TokenizerError(str(e)) from None
-    seconds = time.perf_counter() - start
     if learned["bytes"] == 0:
-        raise TokenizerError(
-            f"no text left to learn from after the first --held_out_bytes {args.held_out_bytes:,} "
-            f"bytes; lower --held_out_bytes or give more text"
+        raise TokenizerError(nothing_learned(args, held_out, learned["stopped"]))
+    if learned["runs_cut"]:
+        log(
+            f"{learned['runs_cut']:,} run(s) of over {MAX_RUN:,} characters without whitespace (or of whitespace) "
+            f"cut into {MAX_RUN:,}-character pieces for training",
+            note=True,
         )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
-    bpe.save_tokenizer(out, model_dir=out)  # tokenizer_config.json: <|endoftext|> as bos/eos/unk, for AutoTokenizer
+    return tok, held_out, learned
+
+
+def report(args, out, tok, held_out, learned):
+    """The report's lines, and out/report.json where text was held out to measure it on."""
     ours = bpe.open_tokenizer(out)
+    seconds = learned["seconds"]
     speed = learned["bytes"] / 1e6 / max(seconds, 1e-9)
     fewer = (
         f" (asked for {args.vocab_size:,}: no pair of tokens left that occurs twice in the text)"
@@ -202,13 +261,13 @@ def train_cli(args):
     if held_out:
         mine, mine_speed = compression(ours, held_out)
         gpt2, gpt2_speed = compression(assets.get_tokenizer(), held_out)
-        size = len(held_out.encode("utf-8", errors="surrogatepass"))
+        size = len(held_out.encode("utf-8"))
         lines.append(
             f"held-out {size:,} bytes: {mine:.3f} bytes/token ({ours.n_vocab:,} ids) vs GPT-2 {gpt2:.3f} "
             f"(50,257 ids), {gpt2 / mine - 1:+.1%} tokens for the same text; encoding {mine_speed:.1f} MB/s vs "
             f"GPT-2's {gpt2_speed:.1f} MB/s (one process)"
         )
-        report = {
+        numbers = {
             "vocab_size": ours.n_vocab,
             "held_out_bytes": size,
             "bytes_per_token": mine,
@@ -216,8 +275,23 @@ def train_cli(args):
             "train_seconds": seconds,
             "train_bytes": learned["bytes"],
         }
-        (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+        atomic_write(out / "report.json", json.dumps(numbers, indent=1) + "\n")
     return "\n".join(lines)
+
+
+def nothing_learned(args, held_out, stopped):
+    """The one line for an input that left no text to learn from, naming the flag to change."""
+    if stopped is not None:
+        return (
+            f"--max_bytes {args.max_bytes:,} is smaller than the first document after the held-out text "
+            f"({stopped:,} bytes): nothing to learn from; raise --max_bytes"
+        )
+    if not held_out:
+        return "the input holds no text"
+    return (
+        f"no text left to learn from after the first {len(held_out.encode('utf-8')):,} bytes, held out "
+        f"(--held_out_bytes); lower --held_out_bytes or give more text"
+    )
 
 
 if __name__ == "__main__":

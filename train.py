@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gpt2train.bpe import TokenizerError
 from gpt2train.chat import CHAT_VOCAB
 from gpt2train.checkpoint import CheckpointError, load_sharded_checkpoint
 from gpt2train.config import (
@@ -406,7 +407,7 @@ def main(argv=None):
         user = parse_args(argv)
         with lock_out_dir(make_config(user).out_dir):  # one run per out_dir, for the whole run
             return run(user)
-    except (ConfigError, TrackingError, CheckpointError, Halt, ShardError, LockError, OSError) as e:
+    except (ConfigError, TrackingError, CheckpointError, Halt, ShardError, LockError, TokenizerError, OSError) as e:
         report_error("train.py", e)
         raise SystemExit(2 if isinstance(e, (ConfigError, TrackingError)) else 1) from None
     except KeyboardInterrupt as e:  # 130, as a shell reports a Ctrl-C

@@ -15,6 +15,12 @@ import numpy as np
 import tiktoken
 
 from gpt2train.assets import EOT, get_tokenizer
+from gpt2train.files import atomic_write
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be built or trained as asked (its file unreadable or unsupported, the `tokenizers`
+    package missing, a flag out of range); the message is one line naming the file or the flag."""
 
 
 def load_tokenizer(model_dir=None, cache_dir=None):
@@ -155,16 +161,18 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer, decoders
         except ImportError:
-            raise ImportError(
+            raise TokenizerError(
                 f"{self.name}: this model's tokenizer needs the `tokenizers` package: pip install tokenizers"
             ) from None
         self.json = Path(path).read_text(encoding="utf-8") if json_text is None else json_text
         try:
             self._tok = Tokenizer.from_str(self.json)
         except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception naming no file
-            raise ValueError(f"{self.name}: not a readable tokenizer.json ({' '.join(str(e).split())[:200]})") from None
+            raise TokenizerError(
+                f"{self.name}: not a readable tokenizer.json ({' '.join(str(e).split())[:200]})"
+            ) from None
         if not isinstance(self._tok.decoder, decoders.ByteLevel):
-            raise ValueError(
+            raise TokenizerError(
                 f"{self.name}: only byte-level BPE tokenizers (GPT-2 / GPT-NeoX style) are supported, "
                 f"this one decodes with {type(self._tok.decoder).__name__}"
             )
@@ -172,7 +180,8 @@ class HFTokenizer:
         self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
         self._special = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         self._bytes = _byte_level_chars()
-        self.n_vocab = self._tok.get_vocab_size(with_added_tokens=True)
+        # the largest id + 1, as tiktoken's n_vocab: ids may have gaps, and the shards and the embedding hold ids
+        self.n_vocab = max(self.vocab().values(), default=-1) + 1
         self.eot_token = self._tok.token_to_id("<|endoftext|>")
         self.id = "gpt2" if self._is_gpt2() else "sha256:" + hashlib.sha256(self.json.encode()).hexdigest()[:16]
         self._fast = None  # encode_to_numpy's tiktoken translation: None until first asked, False if there is none
@@ -183,6 +192,10 @@ class HFTokenizer:
             return False
         gpt2 = get_tokenizer()
         return all(self.decode_single_token_bytes(i) == gpt2.decode_single_token_bytes(i) for i in range(EOT))
+
+    def vocab(self):
+        """{token: id} of every id, the added tokens included (a token in GPT-2's byte-level alphabet)."""
+        return self._tok.get_vocab(with_added_tokens=True)
 
     def special_id(self, text):
         """The id of the special token `text` (e.g. '<|user|>'), or None where this tokenizer has none."""
@@ -202,7 +215,7 @@ class HFTokenizer:
                 return self._fast.encode_to_numpy(text, disallowed_special=())
             return np.array(self.encode_ordinary(text), dtype=np.uint32)
         except (UnicodeEncodeError, TypeError):  # lone surrogates: replaced, as tiktoken's encode_ordinary does
-            return self.encode_to_numpy(text.encode("utf-16", "surrogatepass").decode("utf-16", "replace"))
+            return self.encode_to_numpy(replace_surrogates(text))
 
     def encode_ordinary(self, text):
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -233,6 +246,15 @@ class HFTokenizer:
         if piece is None:
             raise KeyError(token)
         return bytes(self._bytes[c] for c in piece)
+
+
+def replace_surrogates(text):
+    """text with its lone surrogates (valid JSON such as "\\ud800", not valid UTF-8) replaced by U+FFFD."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 # ----------------------------------------------------------------------------- tokenizer files for an export
@@ -358,8 +380,7 @@ def save_tokenizer(
     if chat_template is not None:
         config["chat_template"] = chat_template
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    atomic_write(out / "tokenizer.json", tokenizer_json)  # whole or not at all; a full disk's error names the file
+    atomic_write(out / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+    atomic_write(out / "special_tokens_map.json", json.dumps(special, indent=2) + "\n")
     return eot

@@ -124,6 +124,15 @@ def parse(row):
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
+def loads(text):
+    """json.loads, with JSON nested too deeply for Python's recursion limit a ValueError that says so (json raises
+    RecursionError)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("the JSON is nested too deeply") from None
+
+
 def read_conversations(path):
     """(line number, messages) of every non-blank line of a jsonl file; a bad line raises ValueError
     '<path>:<line>: <what is wrong>'."""
@@ -132,7 +141,7 @@ def read_conversations(path):
             if not line.strip():
                 continue
             try:
-                yield lineno, parse(json.loads(line))
+                yield lineno, parse(loads(line))
             except ValueError as e:  # json.JSONDecodeError is a ValueError too
                 raise ValueError(f"{path}:{lineno}: {e}") from None
 
@@ -141,8 +150,8 @@ def conversation(text):
     """A --chat prompt: a conversation file's JSON ({"messages": [...]}, a list of messages or a prompt/completion
     object without the completion) or plain text, which is one user message. The reply to it comes next."""
     try:
-        data = json.loads(text)
-    except ValueError:
+        data = loads(text)
+    except json.JSONDecodeError:
         data = None
     if isinstance(data, dict) and "prompt" in data and "completion" not in data:
         data = [{"role": "user", "content": data["prompt"]}]

@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from gpt2train import optim
 from gpt2train.console import distributed, log
-from gpt2train.files import atomic_write, file_sha256, first_line, fsync_dir, open_regular
+from gpt2train.files import atomic_write, file_sha256, first_line, fsync_dir, open_regular, read_regular
 from model import GPT, GPTConfig
 
 FORMAT = "gpt2-train-ckpt-v1"
@@ -203,11 +203,8 @@ def save_checkpoint(path, obj):
 
 def read_checksums(sidecar, follow_symlinks=True, limit=1 << 24):
     """{file name: sha256} from a sidecar in sha256sum's format ('<hex>  <name>' per line): a regular file of at
-    most `limit` bytes (files.open_regular: a FIFO or a device is refused, never read), each name once."""
-    with open_regular(sidecar, follow_symlinks) as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise ValueError(f"over {limit:,} bytes")
+    most `limit` bytes (files.read_regular: a FIFO or a device is refused, never read), each name once."""
+    data = read_regular(sidecar, limit, follow_symlinks)
     recorded = {}
     for line in data.decode().splitlines():
         digest, sep, name = line.partition("  ")
@@ -313,7 +310,7 @@ def read_metadata(path):
 
     file = Path(path) / ".metadata"
     try:
-        with open(file, "rb") as f:
+        with open_regular(file, follow_symlinks=False) as f:  # not open(): a FIFO would block every loader
             metadata = _MetadataUnpickler(f).load()
     except OSError as e:
         raise CheckpointError(f"{path}: incomplete sharded checkpoint: cannot read .metadata ({e.strerror})") from None

@@ -28,7 +28,7 @@ import numpy as np
 
 from gpt2train.assets import EOT
 from gpt2train.console import progress_bar
-from gpt2train.files import atomic_write
+from gpt2train.files import atomic_write, first_line, read_regular
 
 MAGIC = 20240520
 VERSION = 1
@@ -38,6 +38,7 @@ SHARD_SUFFIXES = (".bin", ".npy")
 MASK_MAGIC = 20240527
 MASK_SUFFIX = ".mask"
 PACKINGS = ("window", "document")
+MAX_JSON_BYTES = 1 << 28  # a prep manifest or a tokenizer.json (tens of MB at most) is read whole
 
 
 class ShardError(ValueError):
@@ -244,12 +245,13 @@ def read_manifests(data_dir):
         if holder and holder.startswith("prepare_data.py"):
             raise ShardError(f"{manifest.parent} is being written by {holder}: wait until it ends")
         try:
-            manifests[manifest] = json.loads(manifest.read_text())
+            manifests[manifest] = json.loads(read_regular(manifest, MAX_JSON_BYTES))
             if not isinstance(manifests[manifest], dict):
                 raise ValueError("not a JSON object")
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError) as e:  # a FIFO, /dev/zero or a huge file: refused unread (read_regular)
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
             raise ShardError(
-                f"{manifest}: unreadable prep manifest ({type(e).__name__}: {e}); run prepare_data.py again, or "
+                f"{manifest}: unreadable prep manifest ({reason}); run prepare_data.py again, or "
                 f"delete it to train on the shards unchecked"
             ) from None
     return manifests
@@ -292,8 +294,8 @@ def manifest_records(paths, split, manifests):
                     f"{directory}, or run prepare_data.py again"
                 )
             written = manifest.stat().st_mtime_ns  # after each of its shards
-            tokenizer = m.get("tokenizer") if isinstance(m.get("tokenizer"), dict) else {}
-            doc_token = {"doc_token": int(tokenizer["eot"])} if tokenizer.get("eot") is not None else {}
+            eot = (tokenizer_entry(manifest, m) or {}).get("eot")
+            doc_token = {"doc_token": eot} if eot is not None else {}
             found.update(
                 {
                     path: {**r, "manifest": manifest.name, "manifest_mtime_ns": written, **doc_token}
@@ -310,34 +312,68 @@ def manifest_records(paths, split, manifests):
     return found
 
 
+def tokenizer_entry(manifest, m):
+    """The "tokenizer" entry of the prep manifest m (read from the file `manifest`), its values' types checked, or
+    None where it has none (a prep from before tokenizers were recorded: GPT-2's). ShardError naming the manifest
+    and the key otherwise (a manifest is a text file: anything may be there)."""
+    entry = m.get("tokenizer")
+    if entry is None:
+        return None
+
+    def refuse(key, expected):
+        value = entry if key is None else entry.get(key)
+        raise ShardError(
+            f"{manifest}: {'tokenizer' if key is None else f'tokenizer.{key}'} is {str(repr(value))[:80]}, expected "
+            f"{expected}; run prepare_data.py again"
+        )
+
+    if not isinstance(entry, dict):
+        refuse(None, "an object")
+    if not isinstance(entry.get("id"), str):
+        refuse("id", "a string")
+    for key, top in (("n_vocab", 2**16), ("eot", 2**16 - 1)):
+        value = entry.get(key)
+        if value is not None and (type(value) is not int or not 0 <= value <= top):
+            refuse(key, f"an integer from 0 to {top:,}")
+    name = entry.get("file")
+    if "file" in entry and (not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..")):
+        refuse("file", "the name of a file in the manifest's directory")
+    return entry
+
+
 def data_tokenizer(manifests):
     """The tokenizer of a data_dir's shards, as its prepare_data.py manifests (read_manifests) record it
     (bpe.tokenizer_record; "json" read back from the <name>_tokenizer.json beside them and checked against its
     hash), or None where no manifest says (shards of other tools: assumed GPT-2's). A manifest from before tokenizers
     were recorded means GPT-2's ("n_vocab" None). ShardError when the manifests name different tokenizers (e.g. a
-    glob over two data directories) or a tokenizer file is missing or changed."""
+    glob over two data directories), or a tokenizer entry or file that is malformed, missing, changed or not a
+    regular file (tokenizer_entry: a plain name inside the directory, read with a size cap)."""
     import hashlib
 
     found = {}
     for manifest, m in manifests.items():
         directory = manifest.parent
-        try:
-            record = m.get("tokenizer") or {"id": "gpt2", "n_vocab": None, "eot": 50256, "source": None}
-            record = {**record, "json": None}
-            if "file" in record:
-                record["json"] = (directory / record["file"]).read_text(encoding="utf-8")
-        except (OSError, ValueError, TypeError, AttributeError) as e:
-            raise ShardError(
-                f"{manifest}: cannot read its tokenizer ({type(e).__name__}: {e}); run prepare_data.py again"
-            ) from None
-        if (
-            record["json"] is not None
-            and record["id"] != "sha256:" + hashlib.sha256(record["json"].encode()).hexdigest()[:16]
-        ):
-            raise ShardError(
-                f"{directory / record['file']}: changed since {manifest.name} recorded it as "
-                f"{record['id']}; run prepare_data.py again"
-            )
+        record = tokenizer_entry(manifest, m) or {"id": "gpt2", "n_vocab": None, "eot": 50256, "source": None}
+        record = {**record, "json": None}
+        if "file" in record:
+            path = directory / record["file"]
+            try:  # a regular file of bounded size: not a FIFO, nor a symlink to /dev/zero
+                data = read_regular(path, MAX_JSON_BYTES, follow_symlinks=False)
+            except OSError as e:
+                raise ShardError(
+                    f"{path}: cannot read the tokenizer that {manifest.name} names ({e.strerror}); "
+                    f"run prepare_data.py again"
+                ) from None
+            if record["id"] != "sha256:" + hashlib.sha256(data).hexdigest()[:16]:
+                raise ShardError(
+                    f"{path}: changed since {manifest.name} recorded it as {record['id']}; run prepare_data.py again"
+                )
+            try:  # a file made to match its recorded id: its errors name it, not the tokenizer it was made from
+                record["json"] = data.decode("utf-8")
+                if not isinstance(json.loads(record["json"]), dict):
+                    raise ValueError("not a JSON object")
+            except ValueError as e:
+                raise ShardError(f"{path}: not a tokenizer.json ({first_line(e)}); run prepare_data.py again") from None
         found[manifest] = record
     ids = {r["id"] for r in found.values()}
     if len(ids) > 1:

@@ -120,6 +120,17 @@ def open_regular(path, follow_symlinks=True):
     return os.fdopen(fd, "rb")
 
 
+def read_regular(path, limit, follow_symlinks=True):
+    """The bytes of `path`, a regular file (open_regular) of at most `limit` bytes; else an OSError naming it.
+    For the small files a user can replace (manifests, sidecars, tokenizer files): a FIFO does not hang the
+    reader, and neither /dev/zero nor a huge file can fill its memory."""
+    with open_regular(path, follow_symlinks) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"larger than {limit:,} bytes", str(path))
+    return data
+
+
 def file_sha256(path, follow_symlinks=True):
     """Hex sha256 of a regular file (open_regular), read in 16 MiB blocks."""
     h = hashlib.sha256()
@@ -172,8 +183,11 @@ def directory_lock(directory, program):
                     note=True,
                 )
         held = True
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{program} (pid {os.getpid()} on {socket.gethostname()})\n".encode())
+        try:  # the first write of a run: a full disk fails here, and os.write's error names no file
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{program} (pid {os.getpid()} on {socket.gethostname()})\n".encode())
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(path)) from None
         yield path
     finally:
         if held:  # an empty file: nobody holds it now

@@ -19,7 +19,7 @@ import torch
 from gpt2train import bpe
 from gpt2train.assets import EOT
 from gpt2train.console import log
-from gpt2train.files import first_line
+from gpt2train.files import atomic_write, first_line
 from model import GPT, GPT2_VOCAB, HUB_NAMES, TRAINING_ONLY_MODEL_KEYS, GPTConfig
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -173,10 +173,9 @@ def save_pretrained(
         log(f"{out}: no tokenizer written: vocab_size {vocab} is smaller than GPT-2's {GPT2_VOCAB}", note=True)
     eos = vocab - 1 if eos is None else eos
     hf_config = _hf_config(cfg, vocab, eos, neox)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    atomic_write(out / "config.json", json.dumps(hf_config, indent=2) + "\n")  # a full disk's error names the file
     stop = [eos, chat_tokens["<|end|>"]] if chat_tokens else eos  # a chat model's reply ends at <|end|>
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": eos, "eos_token_id": stop}) + "\n")
+    atomic_write(out / "generation_config.json", json.dumps({"bos_token_id": eos, "eos_token_id": stop}) + "\n")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     umask = os.umask(0o022)  # safetensors creates the file 0600: give it the mode its siblings have
     os.umask(umask)

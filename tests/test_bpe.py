@@ -56,7 +56,7 @@ def test_load_tokenizer_without_tokenizer_json_is_gpt2(tmp_path):
 
 def test_missing_tokenizers_package_is_a_one_line_instruction(byte_level_tokenizer_json, monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers now raises ImportError
-    with pytest.raises(ImportError) as info:
+    with pytest.raises(bpe.TokenizerError) as info:
         bpe.load_tokenizer(byte_level_tokenizer_json.parent)
     message = str(info.value)
     assert "\n" not in message and "pip install tokenizers" in message and str(byte_level_tokenizer_json) in message

@@ -183,7 +183,7 @@ def test_a_run_interrupted_after_a_cut_val_split_resumes_mid_document(tmp_path, 
         real_write(path, tokens)
 
     monkeypatch.setattr(prepare_data, "write_shard", crash_after_val)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit, match="^130$"):  # a Ctrl-C: one line, exit 130
         run_prep(*args, "--out_dir", tmp_path / "crashed")
     monkeypatch.setattr(prepare_data, "write_shard", real_write)
     run_prep(*args, "--out_dir", tmp_path / "crashed")
@@ -305,7 +305,7 @@ def test_interrupted_run_resumes_to_identical_output(tmp_path, monkeypatch):
         real_write(path, tokens)
 
     monkeypatch.setattr(prepare_data, "write_shard", crashing_write)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit, match="^130$"):  # a Ctrl-C: one line, exit 130
         run_prep(*args, "--out_dir", tmp_path / "crashed")
     monkeypatch.setattr(prepare_data, "write_shard", real_write)
     resumed = run_prep(*args, "--out_dir", tmp_path / "crashed")
@@ -402,7 +402,27 @@ def test_unwritable_output_dir_fails_before_any_work(tmp_path, monkeypatch, read
         run_prep("--input", src, "--out_dir", tmp_path / "ro" / "out", "--num_proc", 1)
     assert str(e.value.code) == (
         f"prepare_data.py: error: cannot write to the output directory {tmp_path / 'ro' / 'out'} "
-        f"(Permission denied: {tmp_path / 'ro' / 'out'})"
+        f"({tmp_path / 'ro' / 'out'}: Permission denied)"
+    )
+
+
+def test_a_full_output_disk_names_the_file_that_could_not_be_written(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    src = write_jsonl(tmp_path / "docs.jsonl", make_docs(20))
+    monkeypatch.setattr(prepare_data, "tokenize_batch", lambda *args: pytest.fail("tokenizing began"))
+
+    def full(fd, data):  # the lock's record: the first write
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(SystemExit) as e:
+        run_prep("--input", src, "--out_dir", tmp_path / "out", "--num_proc", 1)
+    monkeypatch.undo()
+    assert str(e.value.code) == (
+        f"prepare_data.py: error: cannot write to the output directory {tmp_path / 'out'} "
+        f"({tmp_path / 'out' / '.lock'}: no space left on the device; free some disk space)"
     )
 
 
@@ -922,3 +942,107 @@ def test_document_rows_start_at_the_end_of_text_token_of_the_tokenizer_the_manif
         for p in rows.start.tolist():  # a segment starts at a separator, a piece border of a long document, or 0
             doc = separators[separators <= p].max(initial=0)
             assert p == doc or (p - doc) % 8 == 0, (p, doc)
+
+
+def edit_tokenizer_entry(prepped, **entry):
+    """docs_manifest.json's "tokenizer" entry updated with `entry`; returns the manifest's path."""
+    path = prepped / "docs_manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["tokenizer"].update(entry)
+    path.write_text(json.dumps(manifest))
+    return path
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"eot": "abc"}, "tokenizer.eot is 'abc', expected an integer from 0 to 65,535"),
+        ({"eot": [1]}, "tokenizer.eot is [1], expected an integer from 0 to 65,535"),
+        ({"n_vocab": "many"}, "tokenizer.n_vocab is 'many', expected an integer from 0 to 65,536"),
+        ({"id": 5}, "tokenizer.id is 5, expected a string"),
+        (
+            {"file": "/dev/zero"},
+            "tokenizer.file is '/dev/zero', expected the name of a file in the manifest's directory",
+        ),
+        (
+            {"file": "../x.json"},
+            "tokenizer.file is '../x.json', expected the name of a file in the manifest's directory",
+        ),
+    ],
+)
+def test_a_manifests_tokenizer_entry_is_checked_key_by_key(prepped, entry, message):
+    """A manifest is a text file: a malformed entry is one ShardError naming it and the key, in every reader."""
+    from gpt2train.data import data_tokenizer, read_manifests
+
+    path = edit_tokenizer_entry(prepped, **entry)
+    for read in (
+        lambda: data_tokenizer(read_manifests(prepped)),
+        lambda: DataLoader(prepped, "train", batch_size=2, block_size=8, packing="document"),
+    ):
+        with pytest.raises(ShardError) as e:
+            read()
+        assert str(e.value) == f"{path}: {message}; run prepare_data.py again"
+
+
+def test_a_manifest_or_tokenizer_file_that_is_not_a_regular_file_is_refused_unread(prepped, deadline):
+    """A FIFO would hang the run, /dev/zero fill its memory; a tokenizer file made to match its recorded id but not a
+    tokenizer.json is named (the run's tokenizer error named the file the prep read it from)."""
+    import hashlib
+    import os
+
+    from gpt2train.data import data_tokenizer, read_manifests
+
+    tokenizer_file, broken = prepped / "docs_tokenizer.json", '{"model": '
+    tokenizer_file.write_text(broken)
+    digest = hashlib.sha256(broken.encode()).hexdigest()[:16]
+    manifest = edit_tokenizer_entry(prepped, id=f"sha256:{digest}", file=tokenizer_file.name, source="/elsewhere")
+    with deadline(30):
+        with pytest.raises(ShardError, match=rf"^{tokenizer_file}: not a tokenizer.json \(JSONDecodeError: "):
+            data_tokenizer(read_manifests(prepped))
+        tokenizer_file.unlink()
+        os.mkfifo(tokenizer_file)
+        with pytest.raises(ShardError, match=r"docs_tokenizer.json: cannot read the tokenizer that docs_manifest.json"):
+            data_tokenizer(read_manifests(prepped))
+        tokenizer_file.unlink()
+        tokenizer_file.symlink_to("/dev/zero")
+        with pytest.raises(ShardError, match=r"names \(is a symlink, not a regular file\); run prepare_data.py again"):
+            data_tokenizer(read_manifests(prepped))
+        manifest.unlink()
+        os.mkfifo(manifest)
+        with pytest.raises(ShardError, match=r"docs_manifest.json: unreadable prep manifest \(not a regular file"):
+            read_manifests(prepped)
+
+
+def test_ctrl_c_while_tokenizing_stops_the_prep_at_once_with_one_line(tmp_path):
+    """A terminal's Ctrl-C sends SIGINT to the whole foreground process group: the workers too. They used to print
+    a KeyboardInterrupt traceback each and leave the main process waiting for their tasks forever."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = write_jsonl(tmp_path / "docs.jsonl", make_docs(2000, seed=8) * 100)  # ~30 MB: a minute of tokenizing
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, str(root / "prepare_data.py"), "--input", str(src), "--out_dir", str(tmp_path / "out")]
+    cmd += ["--num_proc", "2", "--shard_tokens", "100000", "--val_tokens", "1000", "--batch_chars", "20000"]
+    prep = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        while not (tmp_path / "out" / "docs_train_000001.bin").exists():  # the workers are busy
+            assert prep.poll() is None, prep.communicate()
+            time.sleep(0.05)
+        os.killpg(prep.pid, signal.SIGINT)  # the group, as a terminal does
+        _, err = prep.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(prep.pid, signal.SIGKILL)
+    assert prep.returncode == 130, err
+    assert err == "prepare_data.py: error: interrupted; run the same command again to continue\n"
+    for _ in range(100):  # the workers were terminated with the pool, not left behind
+        try:
+            os.killpg(prep.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("a worker of the interrupted prep is still running")

@@ -72,6 +72,27 @@ def test_export_says_which_step_it_wrote_and_its_files_are_readable_by_all(tmp_p
     assert "model.safetensors" in modes and len(set(modes.values())) == 1, modes
 
 
+def test_a_full_disk_during_export_names_the_file(tmp_path, monkeypatch, capsys):
+    import errno
+    import os
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=50304, n_layer=1, n_head=2, n_embd=16))
+    write_checkpoint(tmp_path / "run" / "ckpt_000003.pt", model)
+    capsys.readouterr()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    assert checkpoint_command.main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == 2
+    monkeypatch.undo()
+    assert capsys.readouterr().err == (
+        f"checkpoint.py: error: {tmp_path / 'hf' / 'tokenizer.json'}: no space left on the device; "
+        f"free some disk space\n"
+    )
+
+
 def test_exported_tokenizer_encodes_and_decodes_as_tiktoken(run):
     tok = transformers.AutoTokenizer.from_pretrained(run / "hf")
     enc = get_tokenizer()

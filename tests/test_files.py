@@ -147,3 +147,19 @@ def test_a_full_disk_names_the_file_being_written(tmp_path):
         atomic_write(tmp_path / "config.json", fill)
     assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(tmp_path / "config.json"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_at_the_lock_names_the_lock_file(tmp_path, monkeypatch):
+    """The lock's record is the first write of a run or a prep: os.write's error names no file."""
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError) as e:
+        with files.directory_lock(tmp_path / "run", "train.py"):
+            pass
+    monkeypatch.undo()
+    assert (
+        files.error_line(e.value) == f"{tmp_path / 'run' / '.lock'}: no space left on the device; free some disk space"
+    )

@@ -190,6 +190,22 @@ def test_sha256sums_lists_only_regular_files_inside_the_directory(tmp_path, dead
             load_checkpoint(ckpt)
 
 
+def test_a_fifo_metadata_is_refused_unread_and_resume_skips_to_the_intact_checkpoint(tmp_path, deadline):
+    """open() of a FIFO waits for a writer: every loader hung, and resume never reached the checkpoint before."""
+    run = tmp_path / "run"
+    tiny_sharded_checkpoint(run / "ckpt_000004")
+    tiny_sharded_checkpoint(run / "ckpt_000005")
+    ckpt = run / "ckpt_000005"
+    (ckpt / ".metadata").unlink()
+    os.mkfifo(ckpt / ".metadata")
+    with deadline(30):
+        with pytest.raises(CheckpointError, match=r"cannot read .metadata \(not a regular file"):
+            load_checkpoint(ckpt)
+        notes = []
+        assert load_latest_checkpoint(run, consolidate=False, note=notes.append)[1] == run / "ckpt_000004"
+        assert len(notes) == 1 and notes[0].startswith(f"skipping {ckpt}: ")
+
+
 @pytest.mark.parametrize("dst", ["meta.pt", "one.pt", "."])
 def test_consolidate_refuses_to_write_inside_its_source(tmp_path, capsys, dst):
     """SRC/meta.pt as DST would overwrite the source's own meta.pt and leave that checkpoint damaged."""

@@ -380,3 +380,163 @@ def test_the_chat_format_uses_the_tokenizers_own_chat_tokens(trained, neox_token
     assert mask == [0, 0, *[0] * len(hi), 0, 0, *[1] * len(yo), 1]
     with pytest.raises(ValueError, match=r"<\|system\|>, <\|user\|>, <\|assistant\|>, <\|end\|>"):
         chat.tokenizer(bpe.open_tokenizer(neox_tokenizer_json))
+
+
+# ----------------------------------------------------------------------------- flags, input and output of tokenizer.py
+
+
+def run_tokenizer(*args):
+    """tokenizer.main on these flags, no progress bar; returns its exit status, or its one-line error."""
+    try:
+        return tokenizer.main([*map(str, args), "--no_progress"])
+    except SystemExit as e:
+        message = str(e.code)
+        assert message.startswith("tokenizer.py: error: ") and "\n" not in message
+        return message
+
+
+def test_default_flags_train_on_a_50_kb_corpus_holding_out_a_tenth(tmp_path):
+    """As prepare_data.py's --val_tokens: 10% of the input is held out (at most 200,000 bytes), so a small corpus
+    trains with the default flags (it used to be refused below 200 KB)."""
+    src = tmp_path / "small.txt"
+    src.write_text(" ".join(CORPUS * 6)[:48_000])
+    assert 50_000 <= src.stat().st_size < 52_000
+    assert run_tokenizer("--input", src, "--vocab_size", 400, "--out", tmp_path / "tok") == 0
+    report = json.loads((tmp_path / "tok" / "report.json").read_text())
+    assert abs(report["held_out_bytes"] - src.stat().st_size / 10) <= 4  # cut at a character boundary
+    assert report["train_bytes"] == src.stat().st_size - report["held_out_bytes"]
+    held, rest = tokenizer.split_held_out(["x" * 3_000_000])  # a large input: 200,000 bytes
+    assert len(held) == 200_000 and len(next(rest)) == 2_800_000
+
+
+def test_a_second_tokenizer_py_on_the_same_out_is_refused_before_reading_the_input(tmp_path, monkeypatch):
+    from gpt2train.files import directory_lock
+
+    src = tmp_path / "a.txt"
+    src.write_text("hello world " * 100)
+    monkeypatch.setattr(tokenizer, "resolve_source", lambda *a: pytest.fail("read the input"))
+    with directory_lock(tmp_path / "tok", "tokenizer.py"):
+        message = run_tokenizer("--input", src, "--vocab_size", 300, "--out", tmp_path / "tok")
+    assert f"{tmp_path / 'tok'} is in use by tokenizer.py (pid " in message
+
+
+def test_an_unwritable_out_fails_before_the_input_is_read(tmp_path, monkeypatch, read_only):
+    src = tmp_path / "a.txt"
+    src.write_text("hello world " * 100)
+    monkeypatch.setattr(tokenizer, "resolve_source", lambda *a: pytest.fail("read the input"))
+    read_only(tmp_path / "ro")
+    message = run_tokenizer("--input", src, "--vocab_size", 300, "--out", tmp_path / "ro" / "tok")
+    assert message == f"tokenizer.py: error: {tmp_path / 'ro' / 'tok'}: Permission denied"
+
+
+def test_a_full_disk_keeps_the_tokenizer_that_was_there_and_is_one_line(tmp_path, monkeypatch):
+    """tokenizer.json is written whole or not at all: a disk that fills during the write leaves the previous one."""
+    import errno
+    import os
+
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS))
+    flags = ["--input", src, "--out", tmp_path / "tok", "--held_out_bytes", 500]
+    assert run_tokenizer(*flags, "--vocab_size", 400) == 0
+    before = (tmp_path / "tok" / "tokenizer.json").read_bytes()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")  # the data did not reach the disk
+
+    monkeypatch.setattr(os, "fsync", full)
+    message = run_tokenizer(*flags, "--vocab_size", 350)
+    monkeypatch.undo()
+    assert message == (
+        f"tokenizer.py: error: {tmp_path / 'tok' / 'tokenizer.json'}: no space left on the device; free some disk space"
+    )
+    assert (tmp_path / "tok" / "tokenizer.json").read_bytes() == before
+    assert bpe.open_tokenizer(tmp_path / "tok").n_vocab == 400
+
+
+def test_lone_surrogates_in_the_input_are_replaced_as_prepare_data_replaces_them(tmp_path):
+    src = tmp_path / "s.jsonl"  # "\ud800" is valid JSON, not valid UTF-8
+    src.write_text('{"text": "lone \\ud800 surrogate"}\n' + "".join(json.dumps({"text": t}) + "\n" for t in CORPUS))
+    assert run_tokenizer("--input", src, "--vocab_size", 300, "--out", tmp_path / "tok", "--held_out_bytes", 10) == 0
+    assert run_tokenizer("--input", src, "--vocab_size", 300, "--out", tmp_path / "tok2") == 0  # in the held-out text
+
+
+def test_held_out_and_max_bytes_flags_are_checked_and_the_error_names_the_flag_to_change(tmp_path):
+    src = tmp_path / "a.txt"
+    src.write_text("hello world " * 100)
+    flags = ["--input", src, "--vocab_size", 300, "--out", tmp_path / "tok"]
+    assert "--held_out_bytes must be >= 0, got -5" in run_tokenizer(*flags, "--held_out_bytes", -5)
+    assert "--max_bytes must be >= 1, got 0" in run_tokenizer(*flags, "--max_bytes", 0)
+    message = run_tokenizer(*flags, "--held_out_bytes", 10, "--max_bytes", 100)
+    assert "--max_bytes 100 is smaller than the first document after the held-out text (1,190 bytes)" in message
+    assert "lower --held_out_bytes" in run_tokenizer(*flags, "--held_out_bytes", 5000)
+    (tmp_path / "empty.txt").write_text("")
+    assert "the input holds no text" in run_tokenizer(*flags[2:], "--input", tmp_path / "empty.txt")
+
+
+def test_long_runs_without_whitespace_are_cut_for_training_and_counted(tmp_path, capsys):
+    """The trainer's time grows with the square of a pre-token's length (1 MB of 'a': not done in 300 s)."""
+    text = "start " + "ab" * 1500 + " middle " + " " * 2500 + "end"
+    pieces, runs = tokenizer.cut_long_runs(text)
+    assert "".join(pieces) == text and runs == 2
+    assert max(len(p) for p in pieces) == tokenizer.MAX_RUN
+    assert tokenizer.cut_long_runs("x" * tokenizer.MAX_RUN) == (["x" * tokenizer.MAX_RUN], 0)
+    src = tmp_path / "long.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in [*CORPUS, text, "q" * 50_000]))
+    assert run_tokenizer("--input", src, "--vocab_size", 400, "--out", tmp_path / "tok", "--held_out_bytes", 500) == 0
+    note = "note: 3 run(s) of over 1,000 characters without whitespace (or of whitespace) cut into 1,000-character"
+    assert note in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- ids the uint16 shards cannot hold
+
+
+@pytest.fixture
+def high_ids(trained, tmp_path):
+    """The trained tokenizer with its 50 last merges renumbered 65,546-65,595: 400 entries, ids not contiguous."""
+    spec = json.loads((trained[0] / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    last = sorted(vocab, key=vocab.get)[-50:]
+    vocab.update({token: 65_546 + k for k, token in enumerate(last)})
+    path = tmp_path / "high" / "tokenizer.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(spec))
+    return path, last[0]
+
+
+def test_a_tokenizer_with_ids_of_65536_or_more_is_refused_naming_the_first(high_ids, tmp_path):
+    """It used to be accepted (it has 400 entries) and its ids wrapped silently into bytes and specials."""
+    import prepare_data
+
+    path, first = high_ids
+    src = tmp_path / "a.txt"
+    src.write_text(" ".join(CORPUS))
+    with pytest.raises(SystemExit) as e:
+        prepare_data.main(["--input", str(src), "--tokenizer", str(path), "--out_dir", str(tmp_path / "d")])
+    assert str(e.value.code) == (
+        f"prepare_data.py: error: tokenizer {path}: token {first!r} has id 65,546 (50 ids of 65,536 or more): the "
+        f"shards store ids as uint16, 0 to 65,535; renumber its vocabulary below 65,536"
+    )
+    assert not (tmp_path / "d").exists()
+
+
+def test_every_id_is_checked_before_the_cast_to_uint16(high_ids):
+    import prepare_data
+    from gpt2train.documents import PrepError
+
+    path, _ = high_ids
+    with pytest.raises(PrepError, match=r"tokenizer .*: token id 65,5\d\d does not fit the shards' uint16"):
+        prepare_data.tokenize_batch(CORPUS[:4], str(path))
+
+
+def test_a_tokenizer_that_cannot_be_built_is_one_line_from_train_py(trained, two_runs, capsys, monkeypatch):
+    """The `tokenizers` package missing where the data's own tokenizer is needed: one line, not a traceback."""
+    import sys
+
+    tmp, a, _ = two_runs
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers now raises ImportError
+    err = one_line_refusal(capsys, [*TINY, f"--data_dir={a}", f"--out_dir={tmp / 'no_package'}", "--max_steps=1"])
+    assert err == (  # the evaluations load the run's tokenizer: samples are on in TINY
+        f"train.py: error: sample_interval: the run's tokenizer cannot be loaded: {trained[0] / 'tokenizer.json'}: "
+        f"this model's tokenizer needs the `tokenizers` package: pip install tokenizers; or train without it: "
+        f"--sample_interval=0"
+    )

@@ -350,15 +350,21 @@ def test_a_fine_tune_reads_its_checkpoint_file_once_and_each_data_manifest_once(
     shards = [{"file": "rand_train_000000.bin", "split": "train", "tokens": 5_000}]
     (other / "rand_manifest.json").write_text(json.dumps({"complete": True, "shards": shards}))
     loads, manifests = [], []
-    real_load, real_read = checkpoint._load_file, Path.read_text
+    real_load, real_read, real_open = checkpoint._load_file, Path.read_text, os.open
     monkeypatch.setattr(checkpoint, "_load_file", lambda path, *a, **k: loads.append(path) or real_load(path, *a, **k))
 
-    def read_text(path, *args, **kwargs):
+    def read_text(path, *args, **kwargs):  # every way a file is read: Path.read_text, and os.open (files.read_regular)
         if path.name.endswith("_manifest.json"):
             manifests.append(path)
         return real_read(path, *args, **kwargs)
 
+    def os_open(path, *args, **kwargs):
+        if str(path).endswith("_manifest.json"):
+            manifests.append(Path(path))
+        return real_open(path, *args, **kwargs)
+
     monkeypatch.setattr(Path, "read_text", read_text)
+    monkeypatch.setattr(os, "open", os_open)
     args = ["--batch_size=4", "--max_steps=1", "--warmup_steps=1", "--save_interval=0", "--log_interval=0"]
     off = ["--eval_interval=0", "--hellaswag_interval=0", "--sample_interval=0"]
     cpu = ["--device=cpu", "--dtype=float32", "--compile=False"]
