@@ -140,7 +140,12 @@ def render_hellaswag(doc):
 
 def render_hellaswag_llmc(doc):
     """The context as it is, then " " + each ending (the leading space is part of GPT-2's next token)."""
-    return _choices(doc["ctx"], doc["endings"], doc["label"])
+    ctx, endings = doc["ctx"], doc["endings"]
+    if not (isinstance(ctx, str) and isinstance(endings, list) and all(isinstance(e, str) for e in endings)):
+        raise TypeError("'ctx' must be a string and 'endings' a list of 4 strings")
+    if len(endings) != 4 or isinstance(doc["label"], bool):
+        raise ValueError(f"expected 4 endings and a label 0-3, got {len(endings)} and {doc['label']!r}")
+    return _choices(ctx, endings, int(doc["label"]))  # the Hugging Face copy stores labels as strings
 
 
 def render_arc(doc):
@@ -393,9 +398,9 @@ def task(name):
 def load_docs(name, limit=None, cache_dir=None, path=None):
     """The first `limit` docs of task `name`'s validation split, in dataset order (fetched and cached; or read
     from `path`, a jsonl file of the same rows). A malformed row raises ValueError naming the file and line."""
-    task = TASKS[name]
+    spec = task(name)
     if path is None:
-        path = assets.fetch_hellaswag(cache_dir) if name == "hellaswag" else assets.fetch_eval_set(task, cache_dir)
+        path = assets.fetch_hellaswag(cache_dir) if name == "hellaswag" else assets.fetch_eval_set(spec, cache_dir)
     docs = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -405,7 +410,7 @@ def load_docs(name, limit=None, cache_dir=None, path=None):
                 continue
             try:
                 doc = json.loads(line)
-                request = task.render(doc)  # every field the rendering needs, of a usable type
+                request = spec.render(doc)  # every field the rendering needs, of a usable type
                 if not 0 <= request.label < len(request.pairs):
                     raise IndexError(f"label {request.label} of {len(request.pairs)} choices")
             except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
@@ -417,38 +422,7 @@ def load_docs(name, limit=None, cache_dir=None, path=None):
 
 
 def load_hellaswag(path, limit=None):
-    """hellaswag_llmc's docs: the examples of a HellaSwag jsonl file (the original hellaswag_val.jsonl, or rows in its
-    format), dicts with ind, ctx, endings (4 strings), label (0..3).
-
-    A malformed line raises ValueError naming the file and the line number. Blank lines are skipped.
-    `ind` defaults to the example's 0-based position when the line has none.
-    """
-    examples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(examples) >= limit:
-                break
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                ex = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(ex, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(ex).__name__}")
-            missing = [k for k in ("ctx", "endings", "label") if k not in ex]
-            if missing:
-                raise ValueError(f"{where}: missing key(s) {', '.join(missing)}")
-            if not isinstance(ex["ctx"], str):
-                raise ValueError(f"{where}: 'ctx' must be a string, got {type(ex['ctx']).__name__}")
-            endings = ex["endings"]
-            if not (isinstance(endings, list) and len(endings) == 4 and all(isinstance(e, str) for e in endings)):
-                raise ValueError(f"{where}: 'endings' must be a list of 4 strings, got {json.dumps(endings)[:80]}")
-            label = ex["label"]
-            if isinstance(label, str) and label in ("0", "1", "2", "3"):  # the HF copy stores labels as strings
-                label = int(label)
-            if isinstance(label, bool) or label not in (0, 1, 2, 3):
-                raise ValueError(f"{where}: 'label' must be 0, 1, 2 or 3, got {json.dumps(ex['label'])}")
-            examples.append({"ind": ex.get("ind", len(examples)), "ctx": ex["ctx"], "endings": endings, "label": label})
-    return examples
+    """hellaswag_llmc's docs: the rows of a HellaSwag jsonl file (the original hellaswag_val.jsonl, or rows in its
+    format: ctx, endings, label 0-3 or "0"-"3", ind defaulting to the row's position), read by load_docs."""
+    docs = load_docs(HELLASWAG_LLMC.name, limit, path=path)
+    return [{**doc, "ind": doc.get("ind", i), "label": int(doc["label"])} for i, doc in enumerate(docs)]

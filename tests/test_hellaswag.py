@@ -338,12 +338,12 @@ def test_two_processes_total_the_single_process_counts(model, enc, hf_dir, data_
 @pytest.mark.parametrize(
     "line, problem",
     [
-        ('{"ctx": "a", "endings": ["a", "b", "c", "d"], "label": 0', "invalid JSON"),
+        ('{"ctx": "a", "endings": ["a", "b", "c", "d"], "label": 0', "JSONDecodeError"),
         ('{"endings": ["a", "b", "c", "d"], "label": 0}', "ctx"),
         ('{"ctx": "a", "endings": ["a", "b", "c"], "label": 0}', "endings"),
         ('{"ctx": "a", "endings": ["a", "b", "c", 4], "label": 0}', "endings"),
         ('{"ctx": "a", "endings": ["a", "b", "c", "d"], "label": 4}', "label"),
-        ("[1, 2]", "object"),
+        ("[1, 2]", "TypeError"),
     ],
 )
 def test_malformed_line_is_an_error_naming_the_line(tmp_path, line, problem):
@@ -429,7 +429,7 @@ def test_no_examples_is_an_error_not_an_accuracy(hf_dir, model, enc, tmp_path, c
         main(["--init_from", str(hf_dir), "--data", str(path), "--device", "cpu"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.endswith(f"error: {path}: no examples to evaluate\n") and err.count("\n") == 1, err
+    assert err.endswith(f"error: {path}: no hellaswag_llmc examples\n") and err.count("\n") == 1, err
     with pytest.raises(ValueError, match="no examples to evaluate"):  # the function too: 0/0 is no accuracy
         evaluate(model, [], enc)
 
