@@ -3,15 +3,19 @@ queries are mocked, torch's own argument parsing runs): setup() for device 'auto
 torchrun and without, then the calls a run makes with the device it picked; bench.gpu's start. And the APIs
 newer than the torch floor (devices.MIN_TORCH), each gated: tested by deleting the attribute."""
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from bench import gpu
 from gpt2train import devices, memory, parallel
+from gpt2train.checkpoint import load_checkpoint
 from gpt2train.config import ConfigError, make_config, model_config
 from gpt2train.devices import peak_flops
 from model import GPT
+from test_train import data_dir, run, train_losses  # noqa: F401  (data_dir is a fixture)
 
 
 @pytest.fixture
@@ -111,3 +115,39 @@ def test_fsdp_compile_failure_on_a_torch_without_reset_iter_state_is_a_one_line_
         f"torch {torch.__version__} cannot recover FSDP from the failed torch.compile trial "
         "(no FSDPModule.reset_iter_state): set compile=False, or upgrade torch"
     )
+
+
+def test_a_run_on_apple_mps_puts_no_float64_tensor_on_the_device(fake_device, data_dir, tmp_path, monkeypatch):
+    """MPS has no float64: a float64 tensor headed there (the step's token counts, the step's numbers on their way
+    to the host) failed every step. A run on MPS (mocked: its availability and memory queries; tensors 'on' it
+    live on the CPU, and a float64 one raises MPS's TypeError) trains, evaluates and saves."""
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 16 << 30)
+    with fake_device("mps") as mps:
+        assert run(data_dir, tmp_path, "--max_steps=4", "--device=mps", "--dtype=auto") == 0
+    assert mps.syncs  # the run read its numbers from the (fake) device
+    assert sorted(train_losses(tmp_path)) == [1, 2, 3, 4] and load_checkpoint(tmp_path)["step"] == 4
+
+
+def test_validation_under_torchrun_waits_for_the_gpu_once_per_micro_batch(fake_device, one_rank_group):
+    """Under torchrun the ranks agree before each validation micro-batch whether any got a signal (so a SIGTERM
+    abandons the evaluation at once): one collective and one read of its result. Copying the flag to the GPU from
+    pageable memory was a second wait per micro-batch. The batches come from pinned memory: no wait."""
+    from gpt2train import evaluation
+    from model import GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16))
+    env = parallel.Env(0, 0, 1, True, "cuda:0", "float32")
+
+    class Val:  # 4 batches of 2 rows
+        def reset(self):
+            self.rng = torch.Generator().manual_seed(0)
+
+        def next_batch(self):
+            return tuple(torch.randint(0, 32, (2, 8), generator=self.rng) for _ in range(2))
+
+    with fake_device("cuda:0") as cuda:
+        loss = evaluation.val_loss(model, Val(), 4, 2, env, lambda: parallel.any_rank(False, env))
+    assert math.isfinite(loss)
+    assert cuda.syncs == 4 + 1  # each micro-batch's agreement, then the mean's read
