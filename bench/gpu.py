@@ -146,13 +146,14 @@ def write_random_shards(data_dir, tokens, vocab, seed=0):
     write_shard(Path(data_dir) / "random_val_000000.bin", rng.integers(0, min(vocab, 50257), 100_000))
 
 
-def run_train(args, out_dir, env, nproc=0, timeout=3600, log=None):
+def run_train(args, out_dir, env, nproc=0, timeout=3600, log=None, script=None):
     """train.py (under torchrun with nproc ranks if nproc) -> (return code, stderr tail, metrics records).
-    log: a file for its whole output, stdout and stderr (the tail returned is then the output's)."""
+    log: a file for its whole output, stdout and stderr (the tail returned is then the output's); script: a
+    file that runs train.main in train.py's place."""
     launcher = [sys.executable] + (
         ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
     )
-    cmd = [*launcher, str(ROOT / "train.py"), *args, f"--out_dir={out_dir}"]
+    cmd = [*launcher, str(script or ROOT / "train.py"), *args, f"--out_dir={out_dir}"]
     if log is None:
         result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         tail = result.stderr[-3000:]
@@ -841,6 +842,14 @@ def check_1558m_memory(report, opts, tmp, data_dir):
 SLOT_SECONDS = 480  # a 15-minute GPU loan, less the machine's start and room to run it again
 GPT2_1558M = ROOT / "configs" / "gpt2_1558m.py"
 QUIET = ["--eval_interval=0", "--hellaswag_interval=0", "--sample_interval=0", "--save_interval=0"]  # no tokenizer
+# train.py as the slot runs it: without the checkpoint it writes at the last step (18.7 GB at 1.5B: a minute or more
+# of the slot's 8, and nothing it measures)
+NO_SAVE = """
+import sys
+import train
+train.Checkpointer.save = lambda self, *args, **kwargs: None
+sys.exit(train.main(sys.argv[1:]))
+"""
 
 
 def slot(opts):
@@ -917,14 +926,21 @@ def slot_environment(report, device):
 
 
 def slot_train(report, opts, tmp, data_dir, out, name, args, timeout):
-    """One train.py run of the slot, no evaluation: tokens/s (the steps', and over wall time), MFU, whether it
-    compiled, and on CUDA the memory plan at the micro-batch it ran against step 1's and the steady peaks.
+    """One train.py run of the slot, no evaluation and no checkpoint (NO_SAVE): tokens/s (the steps', and over wall
+    time), MFU, whether it compiled, and on CUDA the memory plan at the micro-batch it ran against step 1's and the
+    steady peaks.
     Returns what slot.json keeps of it: its arguments, per-step records and summary.json."""
     args = [*args, f"--data_dir={data_dir}", *QUIET, "--log_interval=10", f"--device={opts.device}"]
-    run, log = Path(tmp) / name.replace(" ", "_"), out / f"{name.replace(' ', '_')}.log"
+    run, log, script = (
+        Path(tmp) / name.replace(" ", "_"),
+        out / f"{name.replace(' ', '_')}.log",
+        Path(tmp) / "no_save.py",
+    )
+    script.write_text(NO_SAVE)
     kept = {"args": args}
+    env = train_env(tmp, name.replace(" ", "_"))
     try:
-        rc, tail, records = run_train(args, run, train_env(tmp, name.replace(" ", "_")), timeout=timeout, log=log)
+        rc, tail, records = run_train(args, run, env, timeout=timeout, log=log, script=script)
     except subprocess.TimeoutExpired:
         report.add(name, f"timed out after {timeout:.0f} s ({log})", "exit 0", "FAIL")
         return {**kept, "timed_out_s": timeout, "steps": run_train_records(run)}

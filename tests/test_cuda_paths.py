@@ -180,7 +180,8 @@ def test_the_slot_on_a_gpu_runs_its_rows_in_order_and_writes_one_table_and_one_j
     monkeypatch.setattr(gpu, "memory_phases", on_the_gpu)
     runs = {}
 
-    def run_train(args, out_dir, env, nproc=0, timeout=3600, log=None):
+    def run_train(args, out_dir, env, nproc=0, timeout=3600, log=None, script=None):
+        assert "train.Checkpointer.save = " in Path(script).read_text()  # train.py without its final checkpoint
         cfg = make_config(parse_args(args))
         micro = 8 if "gpt2_1558m" in args[0] else cfg.batch_size  # an out-of-memory halved 16
         plan = memory.estimate_memory(model_config(cfg), micro, dtype=cfg.dtype).total / 2**20
