@@ -176,7 +176,7 @@ def reduce_step_stats(loss_sum, stop_flag, grad_norm, counts, env):
     flags = torch.stack([loss_sum, stop_flag])
     if env.distributed:
         dist.all_reduce(flags)  # SUM: gloo has no AVG
-    mine = torch.stack([flags[0] / env.world_size, flags[1], grad_norm.float()]).double()
+    mine = torch.stack([flags[0] / env.world_size, flags[1], grad_norm.float()])  # float32: MPS has no float64
     loss, stop, norm, trained, empty = torch.cat([mine, counts.to(mine.device)]).tolist()
     return StepStats(loss, norm, stop > 0, int(trained), int(empty))
 
@@ -294,7 +294,7 @@ def run(user):
     # cfg is final from here on; the micro-batch may still halve on an out-of-memory: train_loader.B is the live one
     total_batch_size, grad_accum = batch_layout(cfg, env.world_size)
     rows = cfg.batch_size * grad_accum  # sequences per rank per optimizer step
-    model = parallelize(raw_model, cfg, env)  # what the loop calls
+    model = parallelize(raw_model, cfg, env, train_loader)  # what the loop calls
     optimizer = build_optimizer(raw_model, cfg, fused_adamw_supported(env.kind))  # after sharding
     scaler = torch.amp.GradScaler(env.kind, enabled=env.dtype == "float16")  # loss scaling for fp16 only
     resumed = source.resumed

@@ -22,13 +22,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gpt2train.config import ConfigError
+from gpt2train.config import ConfigError, batch_layout
 from gpt2train.console import is_rank0, launched_by_torchrun, log
 from gpt2train.devices import (
     DTYPES,
     autocast,
     device_type,
     is_compile_error,
+    is_oom,
     resolve_compile,
     resolve_device,
     resolve_dtype,
@@ -38,6 +39,8 @@ from gpt2train.devices import (
     use_cuda_device,
 )
 from gpt2train.files import directory_lock, first_line
+from gpt2train.memory import free_cached_memory
+from gpt2train.step import halve_or_halt
 from model import GPT, rotary_cos_sin
 
 
@@ -131,10 +134,12 @@ def check_shared_out_dir(out_dir, resumed_step, problem, env):
 
 
 def any_rank(flag, env):
-    """Whether flag is true on any rank: under torchrun a collective, so every rank must ask alike."""
+    """Whether flag is true on any rank: under torchrun a collective, so every rank must ask alike. One host sync
+    (reading the result): the flag is filled on the device, not copied there from pageable host memory (a copy
+    that would first wait for the device's queued work)."""
     if not env.distributed:
         return bool(flag)
-    t = torch.tensor(float(bool(flag)), device=env.device)
+    t = torch.full((), float(bool(flag)), device=env.device)
     dist.all_reduce(t)
     return t.item() > 0
 
@@ -210,11 +215,12 @@ def mesh_shape(parallel, shard_size, world_size, local_world_size):
 # ----------------------------------------------------------------------------- how the model is spread over them
 
 
-def parallelize(model, cfg, env):
+def parallelize(model, cfg, env, loader=None):
     """The one place the bare model is wrapped for training: DDP across ranks, then torch.compile (which
     understands DDP's gradient buckets); or, with parallel='fsdp'/'hsdp', shard() in place. Compile is decided
     here, once: a compile error surfaces in a trial forward/backward on dummy tokens (train and eval mode),
-    and then the run goes on eagerly."""
+    and then the run goes on eagerly. loader: the training loader, whose micro-batch (loader.B) the trial runs
+    at and, in one process, halves on an out-of-memory (compile_works)."""
     if env.sharded:
         return shard(model, cfg, env)
     if env.distributed:
@@ -228,7 +234,7 @@ def parallelize(model, cfg, env):
     if not resolve_compile(cfg.compile, env.device, env.dtype):
         return model
     compiled = torch.compile(model)
-    if compile_works(compiled, cfg, env):
+    if compile_works(compiled, cfg, env, loader):
         return compiled
     return model
 
@@ -361,34 +367,59 @@ def is_compiled(model):
     return hasattr(model, "_orig_mod") or any("forward" in vars(m) for m in model.modules())
 
 
-def compile_works(compiled, cfg, env):
+def compile_works(compiled, cfg, env, loader=None):
     """Run the compiled model once as training and once as evaluation, leaving weights, gradients and RNGs as
-    they were. False (with a note) on a compile error; an out-of-memory or any other error propagates. The
+    they were. False (with a note) on a compile error; any other error but an out-of-memory propagates. The
     trial's calls are the loop's (distinct inputs and targets: dynamo guards on `idx is targets`), so the graphs
-    compiled here are the ones the steps and evaluations run, not compiled a second time."""
+    compiled here are the ones the steps and evaluations run, not compiled a second time.
+    An out-of-memory is not a compile error: in one process with the run's loader the trial goes on as a step
+    does (step.halve_or_halt), the loader's micro-batch halves and the trial runs again, compiled afresh at the
+    new size (the loop then runs that graph, never one compiled for two sizes); under torchrun, without a
+    loader or at micro-batch 1, a Halt naming settings that help."""
     log("compiling the model (torch.compile): the first step waits for it; compile=False skips it")
-    x, y = (torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long, device=env.device) for _ in range(2))
+    rows = cfg.batch_size * batch_layout(cfg, env.world_size)[1]  # sequences per rank per step
     rngs = rng_state()
-    error = None
-    try:
-        with autocast(env.device, env.dtype):
-            compiled(x, y, return_logits=False)[1].backward()
-            if cfg.eval_interval > 0:  # evaluation compiles a graph of its own
-                compiled.eval()
-                with torch.no_grad():
-                    compiled(x, y, return_logits=False)
-    except Exception as e:
-        if not is_compile_error(e):
-            raise
-        error = first_line(e)
-    compiled.train()
-    compiled.zero_grad(set_to_none=not keeps_grads(compiled))
-    set_rng_state(rngs)
+    while True:
+        b = loader.B if loader is not None else cfg.batch_size
+        error, oom = None, False
+        try:
+            trial(compiled, b, cfg, env)
+        except Exception as e:
+            if is_compile_error(e):
+                error = first_line(e)
+            elif is_oom(e):
+                oom = True
+            else:
+                raise
+        compiled.train()
+        compiled.zero_grad(set_to_none=not keeps_grads(compiled))
+        set_rng_state(rngs)
+        if not oom:
+            break
+        # outside the except block from here: the failed attempt's tensors are freed
+        what = "the torch.compile trial"
+        smaller = halve_or_halt(rows, b, env, what, halvable=loader is not None)
+        free_cached_memory(env.device)
+        torch._dynamo.reset()  # else the next size is compiled as a dynamic-shape graph
+        log(
+            f"{what}: out of memory at micro-batch {b}: trying micro-batch {smaller} (batch_size={smaller} from now on)"
+        )
+        loader.set_batch_size(smaller)
     if error is None:
         return True
-    # outside the except block: the failed attempt's tensors are freed by now
     log(f"torch.compile failed ({error}); training eagerly (compile=False skips the attempt)")
     return False
+
+
+def trial(compiled, b, cfg, env):
+    """The compile trial's calls: a training forward+backward at micro-batch b, and an evaluation forward."""
+    x, y = (torch.zeros(b, cfg.block_size, dtype=torch.long, device=env.device) for _ in range(2))
+    with autocast(env.device, env.dtype):
+        compiled(x, y, return_logits=False)[1].backward()
+        if cfg.eval_interval > 0:  # evaluation compiles a graph of its own
+            compiled.eval()
+            with torch.no_grad():
+                compiled(x, y, return_logits=False)
 
 
 def keeps_grads(model):

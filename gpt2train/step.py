@@ -16,9 +16,11 @@ from gpt2train.memory import free_cached_memory, smaller_micro_batch
 
 
 def to_device(tensors, device):
-    """CPU batch tensors on `device`. On CUDA the copy goes through pinned memory and is only queued: a copy
-    from pageable memory first waits for all the work already queued on the GPU (a host sync per micro-batch,
-    with or without non_blocking). Elsewhere a plain .to() (a no-op on the CPU)."""
+    """CPU batch tensors on `device`. On CUDA the copy goes through pinned memory and is only queued, so the host
+    does not wait: a copy from pageable memory first waits for all the work already queued on the GPU (a host
+    sync per micro-batch, with or without non_blocking). The copy runs on the compute stream, after the work
+    queued before it: it does not overlap a forward (1 MiB at 64 x 1024, tens of microseconds). Elsewhere a
+    plain .to() (a no-op on the CPU)."""
     if device_type(device) != "cuda":
         return tuple(t.to(device) for t in tensors)
     return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
@@ -52,14 +54,7 @@ def forward_backward(model, loader, rows, scaler, env, step=0):
         except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled
             if not is_oom(e):
                 raise
-        smaller = smaller_micro_batch(rows, b)
-        if env.distributed or smaller is None:
-            hint = f"batch_size={smaller} with {rows // smaller} accumulation steps, " if smaller else ""
-            torchrun = " under torchrun (ranks cannot change micro-batch together mid-run)" if smaller else ""
-            raise Halt(
-                f"step {step + 1}: out of memory at micro-batch {b}{torchrun}; try {hint}"
-                f"activation_checkpointing=True, parallel='fsdp' or a smaller block_size"
-            )
+        smaller = halve_or_halt(rows, b, env, f"step {step + 1}")
         model.zero_grad(set_to_none=True)  # the partial step's gradients; the scaler has not stepped yet
         free_cached_memory(env.device)
         loader.load_state_dict(start)
@@ -70,13 +65,35 @@ def forward_backward(model, loader, rows, scaler, env, step=0):
         )
 
 
+def halve_or_halt(rows, b, env, what, halvable=True):
+    """After an out-of-memory at micro-batch b: the micro-batch to go on at, the largest divisor of rows (sequences
+    per rank per step) at most half of b. Under torchrun, at micro-batch 1, or where the caller cannot change the
+    micro-batch (halvable False), a Halt naming settings that would help instead (ranks cannot change micro-batch
+    together: the others may be waiting in a collective). `what` starts the message ('step 3')."""
+    smaller = smaller_micro_batch(rows, b)
+    if env.distributed or not halvable or smaller is None:
+        hint = f"batch_size={smaller} with {rows // smaller} accumulation steps, " if smaller else ""
+        torchrun = (
+            " under torchrun (ranks cannot change micro-batch together mid-run)" if smaller and env.distributed else ""
+        )
+        raise Halt(
+            f"{what}: out of memory at micro-batch {b}{torchrun}; try {hint}"
+            f"activation_checkpointing=True, parallel='fsdp' or a smaller block_size"
+        )
+    return smaller
+
+
 def micro_batches(model, loader, grad_accum, scaler, env, micro_steps=None):
     """Gradients of the mean loss over the step's trained tokens (targets != -1, of all ranks); returns
-    (the summed loss, a device scalar; a float64 device tensor [trained tokens, micro-batches with no trained
+    (the summed loss, a device scalar; a float32 device tensor [trained tokens, micro-batches with no trained
     target], both of all ranks: train.py reads them in its one copy to the host per step).
+    The counts are float32, a dtype every backend has (MPS has no float64), and exact below 2**24 (16.7M) trained
+    tokens per step of all ranks; above that trained_tokens is rounded (relative error below 1e-7). They are on
+    the device because under torchrun with loss masks NCCL all-reduces them there, and train.py reads them in the
+    same copy as the loss.
     No host sync: the counts are taken on the host from the CPU batches; with loss masks under torchrun their
     all-reduce runs while the first micro-batch's forward does, and is waited on (on the device) before its
-    loss is scaled; each next micro-batch is copied from pinned memory while the current one runs.
+    loss is scaled; each micro-batch is copied from pinned memory without the host waiting (to_device).
     A micro-batch with no trained target (SFT data) still runs its forward and backward (the other ranks wait
     for its gradients in a collective): its loss is 0 and so are its gradients.
     micro_steps: which of the grad_accum micro-steps to run (default all; the dry run skips repeats)."""
@@ -85,14 +102,11 @@ def micro_batches(model, loader, grad_accum, scaler, env, micro_steps=None):
     masked = getattr(loader, "masked", False)  # some targets are -1 (SFT masks, document padding); else all trained
     counts = [int((y != -1).sum()) if masked else y.numel() for _, y in batches]  # host tensors: no sync
     trained = sum(counts) * (1 if masked else env.world_size)  # of all ranks; masked and torchrun: this rank's
-    stats = to_device((torch.tensor([trained, counts.count(0)], dtype=torch.float64),), env.device)[0]
+    stats = to_device((torch.tensor([trained, counts.count(0)], dtype=torch.float32),), env.device)[0]
     pending = dist.all_reduce(stats, async_op=True) if masked and env.distributed else None
     loss_sum = torch.zeros((), device=env.device)
-    upcoming = to_device(batches[0], env.device)
     for i, micro in enumerate(micros):
-        x, y = upcoming
-        if i + 1 < len(micros):  # queued now, copied while this micro-batch runs
-            upcoming = to_device(batches[i + 1], env.device)
+        x, y = to_device(batches[i], env.device)
         set_grad_sync(model, micro == grad_accum - 1)
         with autocast(env.device, env.dtype):
             _, loss = model(x, y, return_logits=False)
@@ -108,7 +122,7 @@ def micro_batches(model, loader, grad_accum, scaler, env, micro_steps=None):
             if pending is not None:  # on NCCL the compute stream waits for it, the host does not
                 pending.wait()
                 pending = None
-            loss = loss * (counts[i] * env.world_size / stats[0].clamp(min=1)).float()
+            loss = loss * (counts[i] * env.world_size / stats[0].clamp(min=1))
         loss_sum += loss.detach().float()
         scaler.scale(loss).backward()
     if pending is not None:  # no micro-step ran (cannot happen in training)

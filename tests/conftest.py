@@ -163,3 +163,68 @@ def deadline():
             signal.signal(signal.SIGALRM, previous)
 
     return limit
+
+
+@pytest.fixture
+def fake_device():
+    """fake_device(name): a TorchFunctionMode (use it in a with block) under which tensors put on device `name`
+    ('mps', 'cuda:0'), which this CPU-only torch lacks, live on the CPU and are tracked as on that device: a tensor
+    made from them is on it too, and their .device says so. What the device refuses fails as there (MPS has no
+    float64: the TypeError MPS raises), and the host-device synchronisations are counted in .syncs: a device
+    tensor's value read on the host (item, tolist, bool, float, int, cpu, numpy, a copy to the CPU) and a copy
+    to the device from pageable host memory (torch.tensor(data, device=...) too), which first waits for the work
+    queued on the device; a copy from pinned memory (pin_memory()) does not."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_flatten, tree_map
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    Tensor = torch.Tensor
+    reads = {Tensor.item, Tensor.tolist, Tensor.__bool__, Tensor.__float__, Tensor.__int__, Tensor.cpu, Tensor.numpy}
+    device_of = Tensor.device.__get__
+
+    class FakeDevice(TorchFunctionMode):
+        def __init__(self, name):
+            super().__init__()
+            self.name, self.kind = torch.device(name), torch.device(name).type
+            self.on, self.pinned, self.syncs = WeakIdKeyDictionary(), WeakIdKeyDictionary(), 0
+
+        def here(self, a, kind=None):  # whether `a` names this device (or device type `kind`)
+            return isinstance(a, (str, torch.device)) and str(a).split(":")[0] == (kind or self.kind)
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            source = args[0] if args and isinstance(args[0], Tensor) else None
+            on_device = source is not None and source in self.on
+            if func == device_of and on_device:
+                return self.name
+            if func in (torch.device, torch._C._nn._parse_to):  # names a device, holds no tensor
+                return func(*args, **kwargs)
+            if func is Tensor.pin_memory:
+                pinned = source.clone()
+                self.pinned[pinned] = True
+                return pinned
+            moved = []  # this device named among the arguments: the CPU stands in for it
+            args, kwargs = tree_map(
+                lambda a: moved.append(a) or torch.device("cpu") if self.here(a) else a, (args, kwargs)
+            )
+            to_cpu = any(self.here(a, "cpu") for a in (*args[1:], *kwargs.values()))
+            to_host = func in reads or func is Tensor.to and not moved and to_cpu
+            if on_device and to_host:
+                self.syncs += 1
+            elif moved and (func is torch.tensor or func is Tensor.to and not on_device and source not in self.pinned):
+                self.syncs += 1  # a copy from pageable host memory
+            inputs = any(isinstance(t, Tensor) and t in self.on for t in tree_flatten((args, kwargs))[0])
+            out = func(*args, **kwargs)
+            if moved or inputs and not to_host:
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, Tensor):
+                        if self.kind == "mps" and t.dtype == torch.float64:
+                            raise TypeError(
+                                "Cannot convert a MPS Tensor to float64 dtype as the MPS framework doesn't support "
+                                "float64. Please use float32 instead."
+                            )
+                        self.on[t] = True
+            return out
+
+    return FakeDevice

@@ -3,15 +3,21 @@ queries are mocked, torch's own argument parsing runs): setup() for device 'auto
 torchrun and without, then the calls a run makes with the device it picked; bench.gpu's start. And the APIs
 newer than the torch floor (devices.MIN_TORCH), each gated: tested by deleting the attribute."""
 
+import json
+import math
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from bench import gpu
 from gpt2train import devices, memory, parallel
-from gpt2train.config import ConfigError, make_config, model_config
+from gpt2train.checkpoint import load_checkpoint
+from gpt2train.config import ConfigError, make_config, model_config, parse_args
 from gpt2train.devices import peak_flops
 from model import GPT
+from test_train import data_dir, run, train_losses  # noqa: F401  (data_dir is a fixture)
 
 
 @pytest.fixture
@@ -111,3 +117,129 @@ def test_fsdp_compile_failure_on_a_torch_without_reset_iter_state_is_a_one_line_
         f"torch {torch.__version__} cannot recover FSDP from the failed torch.compile trial "
         "(no FSDPModule.reset_iter_state): set compile=False, or upgrade torch"
     )
+
+
+def test_a_run_on_apple_mps_puts_no_float64_tensor_on_the_device(fake_device, data_dir, tmp_path, monkeypatch):
+    """MPS has no float64: a float64 tensor headed there (the step's token counts, the step's numbers on their way
+    to the host) failed every step. A run on MPS (mocked: its availability and memory queries; tensors 'on' it
+    live on the CPU, and a float64 one raises MPS's TypeError) trains, evaluates and saves."""
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 16 << 30)
+    with fake_device("mps") as mps:
+        assert run(data_dir, tmp_path, "--max_steps=4", "--device=mps", "--dtype=auto") == 0
+    assert mps.syncs  # the run read its numbers from the (fake) device
+    assert sorted(train_losses(tmp_path)) == [1, 2, 3, 4] and load_checkpoint(tmp_path)["step"] == 4
+
+
+def test_validation_under_torchrun_waits_for_the_gpu_once_per_micro_batch(fake_device, one_rank_group):
+    """Under torchrun the ranks agree before each validation micro-batch whether any got a signal (so a SIGTERM
+    abandons the evaluation at once): one collective and one read of its result. Copying the flag to the GPU from
+    pageable memory was a second wait per micro-batch. The batches come from pinned memory: no wait."""
+    from gpt2train import evaluation
+    from model import GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16))
+    env = parallel.Env(0, 0, 1, True, "cuda:0", "float32")
+
+    class Val:  # 4 batches of 2 rows
+        def reset(self):
+            self.rng = torch.Generator().manual_seed(0)
+
+        def next_batch(self):
+            return tuple(torch.randint(0, 32, (2, 8), generator=self.rng) for _ in range(2))
+
+    with fake_device("cuda:0") as cuda:
+        loss = evaluation.val_loss(model, Val(), 4, 2, env, lambda: parallel.any_rank(False, env))
+    assert math.isfinite(loss)
+    assert cuda.syncs == 4 + 1  # each micro-batch's agreement, then the mean's read
+
+
+def test_the_slot_on_a_gpu_runs_its_rows_in_order_and_writes_one_table_and_one_json(
+    fake_gpus, fake_device, monkeypatch, tmp_path, capsys, no_tf32_leak
+):
+    """python -m bench.gpu --slot on a (fake) H100: what each row runs and how it is judged. The train.py runs and
+    the sync debug script are stood in for (they need the GPU): each train row is compared with the plan at the
+    micro-batch its run ended at (the 1558m run halved to 8 here), step 1 apart. memory_phases runs, on the CPU
+    for the GPU (fake_device) with the allocator's statistics mocked, on a small model standing in for
+    gpt2_124m's config."""
+    fake_gpus(1)
+    small = tmp_path / "small.py"  # gpt2_124m's role, small enough to run here
+    small.write_text("n_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\nvocab_size = 50304\ndtype = 'float32'\n")
+    monkeypatch.setattr(gpu, "GPT2_124M", small)
+    for name, value in (("memory_allocated", 1 << 30), ("max_memory_allocated", 3 << 30)):
+        monkeypatch.setattr(torch.cuda, name, lambda device=None, v=value: v)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch, "compile", lambda model, backend=None: model)
+    phases = gpu.memory_phases
+
+    def on_the_gpu(*args, **kwargs):
+        with fake_device("cuda:0"):
+            return phases(*args, **kwargs)
+
+    monkeypatch.setattr(gpu, "memory_phases", on_the_gpu)
+    runs = {}
+
+    def run_train(args, out_dir, env, nproc=0, timeout=3600, log=None, script=None):
+        assert "train.Checkpointer.save = " in Path(script).read_text()  # train.py without its final checkpoint
+        cfg = make_config(parse_args(args))
+        micro = 8 if "gpt2_1558m" in args[0] else cfg.batch_size  # an out-of-memory halved 16
+        plan = memory.estimate_memory(model_config(cfg), micro, dtype=cfg.dtype).total / 2**20
+        runs[Path(out_dir).name] = args
+        records = [
+            {"step": i + 1, "train_loss": 3.0, "tokens_per_s": 4.5e5, "mfu": 0.39, "micro_batch": micro}
+            | {"peak_mem_mb": (1.5 if i == 0 else 0.9) * plan, "peak_reserved_mb": 1.6 * plan}
+            for i in range(cfg.max_steps)
+        ]
+        Path(out_dir).mkdir(parents=True)
+        (Path(out_dir) / "summary.json").write_text(json.dumps({"tokens": 1000, "wall_s": 1.0}))
+        Path(log).write_text(f"... | compile {'--compile=False' not in args} | world size 1 ...\n")  # train.py's line
+        return 0, "", records
+
+    monkeypatch.setattr(gpu, "run_train", run_train)
+    found = {"per_step": 1.0, "first": [], "steps": 10, "code": 0}
+    issued = {"plain": 0, "masked": 10}
+    monkeypatch.setattr(
+        gpu, "run_sync_debug", lambda opts, tmp, data, name, *a: (None, {**found, "async_all_reduces": issued[name]})
+    )
+    assert gpu.main(["--slot", "--device=cuda", f"--out={tmp_path / 'out'}"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split("  ")[0] for line in out[out.index("check ") :].splitlines()[2:]]
+    assert rows == [
+        "environment",
+        "124m compiled",
+        "124m eager",
+        "memory by phase",
+        "sync debug plain",
+        "sync debug masked (torchrun)",
+        "1558m eager",
+    ]
+    assert "NVIDIA H100 80GB HBM3 x 1" in out and "70.0 of 80.0 GiB free" in out
+    quiet = {"--eval_interval=0", "--hellaswag_interval=0", "--sample_interval=0", "--save_interval=0"}
+    compiled, eager, xl = runs["124m_compiled"], runs["124m_eager"], runs["1558m_eager"]
+    assert all(quiet <= set(args) and "--device=cuda:0" in args for args in runs.values())
+    assert {"--batch_size=64", "--total_batch_size=65536", "--max_steps=40"} <= set(compiled)
+    assert "--compile=False" not in compiled and {"--max_steps=6", "--compile=False"} <= set(eager)
+    assert xl[0].endswith("gpt2_1558m.py") and "--memory_check=False" in xl
+    assert {"--batch_size=16", "--total_batch_size=32768", "--max_steps=3", "--compile=False"} <= set(xl)
+    result = json.loads((tmp_path / "out" / "slot.json").read_text())
+    statuses = {row["check"]: row["status"] for row in result["rows"]}
+    assert statuses == {
+        "environment": "INFO",
+        "124m compiled": "PASS",
+        "124m eager": "PASS",
+        "memory by phase": "INFO",
+        "sync debug plain": "PASS",
+        "sync debug masked (torchrun)": "PASS",
+        "1558m eager": "PASS",
+    }
+    rows = {row["check"]: row["result"] for row in result["rows"]}
+    assert "compile True" in rows["124m compiled"] and "compile False" in rows["124m eager"]
+    assert "at micro-batch 8; measured step 1 " in rows["1558m eager"] and "(1.50x), steps >= 3 " in rows["1558m eager"]
+    assert set(result["memory by phase"]) == {"eager first", "eager", "compiled first", "compiled"}
+    assert {k: v for k, v in result["memory by phase"]["compiled"].items() if not k.endswith("_s")} == {
+        "held": 0.0,  # the mocked statistics: 1 GiB allocated, a 3 GiB peak
+        "fwd_peak": 2.0,
+        "bwd_peak": 2.0,
+    }
+    assert "micro-batch 64, GiB held for backward/forward peak/backward peak: eager first 0.00/2.00/2.00" in out

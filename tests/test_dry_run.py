@@ -178,11 +178,13 @@ def test_dry_run_of_selective_checkpointing_matches_the_plan():
     assert every.total < plan.total < none.total
 
 
+@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("torchrun", [True, False])
-def test_probe_reserves_optimizer_state_resident_gradients_and_nccl_buffers(monkeypatch, torchrun):
+def test_probe_reserves_optimizer_state_resident_gradients_nccl_buffers_and_compile(monkeypatch, torchrun, compiled):
     """batch_size='auto' probes the bare model's forward+backward holding aside what a real step has beside it:
     AdamW's state always; the fp32 gradients (4 bytes/param) under DDP (bucket views, resident across steps) and
-    at any micro-batch that needs accumulation; NCCL's buffers under torchrun. Then the peak stats are reset."""
+    at any micro-batch that needs accumulation; NCCL's buffers under torchrun; with compile, what the compiled
+    graph saves beyond eager (COMPILE_RESERVE_FRACTION of the activations). Then the peak stats are reset."""
     seen = {}
 
     def probe(try_step, candidates, device=None, reserve_bytes=0):
@@ -192,16 +194,17 @@ def test_probe_reserves_optimizer_state_resident_gradients_and_nccl_buffers(monk
     monkeypatch.setattr(memory, "probe_micro_batch", probe)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: seen.update(reset=device))
     world = 2 if torchrun else 1
-    cfg = make_config({**DEEP, "batch_size": "auto", "total_batch_size": 4 * 32 * world})  # 4 rows per rank
+    cfg = make_config({**DEEP, "batch_size": "auto", "total_batch_size": 4 * 32 * world, "compile": compiled})
     env = parallel.Env(0, 0, world, torchrun, "cuda:0", "bfloat16")
     out = memory.probe_batch_size(GPT(model_config(cfg)), cfg, env, [])
     plan = estimate_memory(model_config(cfg), 1, **memory.plan_kwargs(cfg, env))
     assert plan.grads == 4 * GPT(model_config(cfg)).num_params()
     nccl = memory.NCCL_RESERVE if torchrun else 0
 
-    def margin(b):  # item 4's margin, held aside too: plan x 1.05 + 1.5 GiB
-        planned = estimate_memory(model_config(cfg), b, **memory.plan_kwargs(cfg, env)).total
-        return memory.with_margin(planned) - planned
+    def margin(b):  # item 4's margin, held aside too: plan x 1.05 + 1.5 GiB; and compile's share
+        planned = estimate_memory(model_config(cfg), b, **memory.plan_kwargs(cfg, env))
+        extra = int(planned.activations * memory.COMPILE_RESERVE_FRACTION) if compiled else 0
+        return memory.with_margin(planned.total) - planned.total + extra
 
     alone = plan.optimizer + (plan.grads if torchrun else 0) + nccl  # micro-batch 4: no accumulation
     assert out.batch_size == 2 and seen["reset"] == "cuda:0"

@@ -137,6 +137,33 @@ def test_runtime_oom_mid_step_reruns_the_step_with_the_same_data(data_dir, tmp_p
     assert ckpt["config"]["batch_size"] == 4 and ckpt["loader"]["position"] == 5 * 16
 
 
+def test_oom_in_the_compile_trial_halves_the_micro_batch_before_step_1(data_dir, tmp_path, monkeypatch, capsys):
+    """The compile trial runs at the run's micro-batch before step 1 (and a compiled step may hold more than the
+    eager probe did): an out-of-memory there (simulated above micro-batch 4) halves it as a step's does and the
+    trial runs again, until it fits. The run then trains at 4 from its first step: a run at 4 x 4, bit for bit."""
+    assert run(data_dir, tmp_path / "fixed", *STEPS, "--batch_size=4", "--total_batch_size=256") == 0
+
+    class Compiled(torch.nn.Module):  # torch.compile's place, without the compile
+        def __init__(self, model):
+            super().__init__()
+            self._orig_mod = model
+
+        def forward(self, *args, **kwargs):
+            return self._orig_mod(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", Compiled)
+    calls = []
+    oom_above(monkeypatch, 4, calls)
+    assert run(data_dir, tmp_path / "trial", *STEPS, "--batch_size=16", "--total_batch_size=256", "--compile=True") == 0
+    out = capsys.readouterr().out
+    assert "the torch.compile trial: out of memory at micro-batch 16: trying micro-batch 8 (batch_size=8" in out
+    assert "the torch.compile trial: out of memory at micro-batch 8: trying micro-batch 4 (batch_size=4" in out
+    assert calls == [16, 8, 4] + [4] * 4 * 5 and "step 1: out of memory" not in out  # the steps start at 4
+    assert train_losses(tmp_path / "trial") == train_losses(tmp_path / "fixed")
+    assert [m["micro_batch"] for m in metrics(tmp_path / "trial") if "train_loss" in m] == [4] * 5
+    assert load_checkpoint(tmp_path / "trial")["config"]["batch_size"] == 4
+
+
 def test_oom_at_micro_batch_1_stops_with_one_line_naming_settings(data_dir, tmp_path, monkeypatch, capsys):
     oom_above(monkeypatch, 0)
     with pytest.raises(SystemExit) as exit_:

@@ -61,3 +61,35 @@ def test_sharded_float16_is_a_config_error(monkeypatch):
     with pytest.raises(ConfigError, match="parallel='fsdp' trains in bfloat16 or float32, not float16"):
         parallel.setup(make_config(dict(parallel="fsdp", dtype="float16", device="cpu")))
     assert not dist.is_initialized()
+
+
+def test_out_of_memory_in_the_compile_trial_under_torchrun_is_a_one_line_halt(monkeypatch):
+    """Ranks cannot change micro-batch together (the others may wait in DDP's all-reduce): an out-of-memory in
+    the compile trial under torchrun stops the run with one line naming settings that fit."""
+    from gpt2train.config import model_config
+    from gpt2train.files import Halt
+    from model import GPT
+
+    class OutOfMemory(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self._orig_mod = model
+
+        def forward(self, *args, **kwargs):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(torch, "compile", OutOfMemory)
+    keys = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32, device="cpu", dtype="float32")
+    cfg = make_config({**keys, "batch_size": 4, "total_batch_size": 64, "compile": True})  # 4 x 2 accumulation
+    env = parallel.Env(0, 0, 1, True, "cpu", "float32")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(Halt) as halt:
+            parallel.parallelize(GPT(model_config(cfg)), cfg, env)
+    finally:
+        dist.destroy_process_group()
+    assert str(halt.value) == (
+        "the torch.compile trial: out of memory at micro-batch 4 under torchrun (ranks cannot change micro-batch "
+        "together mid-run); try batch_size=2 with 4 accumulation steps, activation_checkpointing=True, "
+        "parallel='fsdp' or a smaller block_size"
+    )

@@ -336,11 +336,11 @@ def test_an_empty_micro_batch_leaves_the_step_finite_and_is_counted():
     assert "no trained target" in reason
 
 
-def test_masked_counts_are_all_reduced_during_the_first_forward_and_batches_copied_ahead(monkeypatch):
+def test_masked_counts_are_all_reduced_during_the_first_forward(monkeypatch):
     """Under torchrun with loss masks the step's trained-token count is all-reduced asynchronously: started
     before the first forward, waited on after it (on NCCL a wait of the compute stream, not of the host) and
-    before its loss is scaled; each next micro-batch is copied to the device before the current one runs. The
-    gradients are a single process's on the same batches (here two ranks with identical batches)."""
+    before its loss is scaled. The gradients are a single process's on the same batches (here two ranks with
+    identical batches)."""
     events = []
 
     class Work:
@@ -370,7 +370,7 @@ def test_masked_counts_are_all_reduced_during_the_first_forward_and_batches_copi
         distributed, world_size = True, 2
 
     _, stats = step.micro_batches(model, Batches([(x[0], y[0]), (x[1], y[1])]), 2, Scaler(), TwoRanks())
-    assert events == ["copy", "all_reduce async", "copy", "copy", "forward", "wait", "backward", "forward", "backward"]
+    assert events == ["copy", "all_reduce async", "copy", "forward", "wait", "backward", "copy", "forward", "backward"]
     assert stats.tolist() == [2 * int((y != -1).sum()), 0]
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
