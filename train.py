@@ -139,20 +139,76 @@ def build_model(cfg, source, env, min_vocab=0):
 
 
 def get_lr(step, cfg):
-    """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine or WSD decay to min_lr."""
+    """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine or WSD decay to min_lr. Under a
+    budget (max_seconds) the decay starts after step Budget.FIXED_AT at the soonest: the steps before it run before
+    max_steps is known (they get the peak), and every step's lr is the same function of the fixed max_steps, whenever
+    it was fixed (a resume's is the uninterrupted run's)."""
     decay_steps = cfg.lr_decay_steps or cfg.max_steps
     if step < cfg.warmup_steps:
         return cfg.learning_rate * (step + 1) / cfg.warmup_steps
+    stable = max(cfg.warmup_steps, Budget.FIXED_AT if cfg.max_seconds else 0)  # the steps before the decay
+    if step < stable:
+        return cfg.learning_rate
     if step >= decay_steps:
         return cfg.min_lr
     if cfg.lr_schedule == "cosine":
-        progress = (step - cfg.warmup_steps) / max(1, decay_steps - cfg.warmup_steps)  # 0 -> 1
+        progress = (step - stable) / max(1, decay_steps - stable)  # 0 -> 1
         return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.learning_rate - cfg.min_lr)
-    decay_start = max(cfg.warmup_steps, decay_steps - round(cfg.wsd_decay_frac * decay_steps))
+    decay_start = max(stable, decay_steps - round(cfg.wsd_decay_frac * decay_steps))
     if step < decay_start:  # WSD: constant until the final decay_frac of the schedule, then linear
         return cfg.learning_rate
     progress = (step - decay_start) / max(1, decay_steps - decay_start)
     return cfg.learning_rate + progress * (cfg.min_lr - cfg.learning_rate)
+
+
+class Budget:
+    """max_seconds, a wall-clock budget for training (evaluation and checkpoints excluded), turned into max_steps once
+    so that the schedule's decay fits it. A fresh run times its steps SKIPPED+1 .. FIXED_AT (the first ones are
+    torch.compile's and the caches' warm-up: not timed, but spent from the budget), then fixes max_steps = the steps
+    done + as many as the rest of the budget holds at their mean time (FIXED_AT at least), into cfg (every holder of
+    it sees the change) and config.json. A checkpoint written sooner (a signal, a short save_interval) first fixes it
+    from the steps done so far: every checkpoint of the run holds its fixed max_steps, and a resumed run continues on
+    it, never re-timed, exactly as the uninterrupted run would (get_lr starts the decay after FIXED_AT either way)."""
+
+    SKIPPED = 2
+    FIXED_AT = 10  # steps 3-10 timed
+
+    def __init__(self, cfg, env):
+        self.cfg, self.env = cfg, env
+        self.seconds = []  # of each step so far, until fixed
+        self.fixed = False
+        log(f"max_seconds={cfg.max_seconds:g}: max_steps is fixed after step {self.FIXED_AT}, from the steps' times")
+
+    def add(self, seconds):
+        """Count one step's seconds; fix max_steps when enough steps are timed. Returns whether it did now."""
+        if self.fixed:
+            return False
+        self.seconds.append(seconds)
+        if len(self.seconds) < self.FIXED_AT:
+            return False
+        self.fix()
+        return True
+
+    def fix(self):
+        """Fix cfg.max_steps from the steps done (at least one), now; once. Every rank calls it alike."""
+        if self.fixed:
+            return
+        done, spent = len(self.seconds), sum(self.seconds)
+        timed = self.seconds[self.SKIPPED :] or self.seconds  # fewer steps done: their mean, warm-up included
+        per_step = sum(timed) / len(timed)
+        # at least FIXED_AT: never the step a save fixes it at, and the same floor wherever it was fixed
+        steps = max(self.FIXED_AT, done + int((self.cfg.max_seconds - spent) / per_step))
+        if self.env.distributed:  # each rank timed its own steps: rank 0's count is the run's
+            agreed = torch.tensor(steps, device=self.env.device)
+            dist.broadcast(agreed, 0)
+            steps = int(agreed)
+        self.cfg.max_steps, self.fixed = steps, True
+        log(
+            f"max_seconds={self.cfg.max_seconds:g}: the first {done} steps took {spent:.1f} s, steps "
+            f"{done - len(timed) + 1}-{done} {per_step * 1000:,.0f} ms each: max_steps fixed at {steps}"
+        )
+        if self.env.master:
+            write_config(self.cfg)
 
 
 @dataclass
@@ -253,7 +309,7 @@ def start_tracking(cfg, resumed, total_batch_size, env):
         return NoTracker()
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(out_dir / "config.json", json.dumps(asdict(cfg), indent=2) + "\n")
+    write_config(cfg)
     return Tracker(
         out_dir,
         asdict(cfg),
@@ -262,6 +318,11 @@ def start_tracking(cfg, resumed, total_batch_size, env):
         state=resumed.get("tracker") if resumed else None,
         **{k: getattr(cfg, k) for k in TRACKING_KEYS},
     )
+
+
+def write_config(cfg):
+    """out_dir/config.json: the run's resolved config (rank 0)."""
+    atomic_write(Path(cfg.out_dir) / "config.json", json.dumps(asdict(cfg), indent=2) + "\n")
 
 
 # ----------------------------------------------------------------------------- the recipe
@@ -291,7 +352,8 @@ def run(user):
     raw_model, cfg = build_model(cfg, source, env, min_vocab)
     if cfg.batch_size == "auto":  # a probed device (CUDA)
         cfg = probe_batch_size(raw_model, cfg, env, [train_loader, val_loader])
-    # cfg is final from here on; the micro-batch may still halve on an out-of-memory: train_loader.B is the live one
+    # cfg is final from here on but for a budget's max_steps (Budget.fix); the micro-batch may still halve on an
+    # out-of-memory: train_loader.B is the live one
     total_batch_size, grad_accum = batch_layout(cfg, env.world_size)
     rows = cfg.batch_size * grad_accum  # sequences per rank per optimizer step
     model = parallelize(raw_model, cfg, env, train_loader)  # what the loop calls
@@ -316,11 +378,12 @@ def run(user):
     old_handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     peak = peak_flops(torch.cuda.get_device_name(env.device) if env.kind == "cuda" else env.kind, env.dtype)
     evaluator = Evaluator(train_loader, val_loader, tracker, cfg, env, source.tokenizer)
+    budget = Budget(cfg, env) if cfg.max_seconds and source.kind != "resume" else None  # a resume's is fixed
     start_step = progress.step
     saved_step = start_step
     stopping = False
     finished = False
-    bar = progress_bar(total=cfg.max_steps, initial=start_step, show=env.master, unit="step")
+    bar = progress_bar(total=None if budget else cfg.max_steps, initial=start_step, show=env.master, unit="step")
     try:
         while True:
             step = progress.step
@@ -334,6 +397,8 @@ def run(user):
                 except Abandoned:  # a signal: save now rather than after a whole evaluation
                     stopping = True
             if step > start_step and (last or stopping or cfg.save_interval and step % cfg.save_interval == 0):
+                if budget:  # before its timing is done (a signal, a short save_interval): from the steps so far
+                    budget.fix()
                 checkpointer.save(progress, val)
                 saved_step = step
             if last or stopping:
@@ -365,6 +430,8 @@ def run(user):
             optimizer.zero_grad(set_to_none=not keeps_grads(model))  # also drops the gradients of a skipped step
             stats.dt = time.perf_counter() - t0
             progress.step = step + 1
+            if budget and budget.add(stats.dt):
+                bar.total = cfg.max_steps
             report_step(step_record(stats, train_loader.B, total_batch_size, raw_model, peak, env), tracker, bar, cfg)
         finished = True
     except Halt as e:
@@ -376,6 +443,8 @@ def run(user):
         if not env.distributed and progress.step > saved_step:
             optimizer.zero_grad(set_to_none=True)
             train_loader.load_state_dict(step_start)
+            if budget:
+                budget.fix()
             checkpointer.save(progress)
         raise ShardError(f"{e}; {resume_hint(out_dir)}") from None
     finally:

@@ -45,6 +45,7 @@ class TrainConfig(GPTConfig):
     total_batch_size: int | None = None  # tokens per step: a multiple of batch_size*block_size*world_size (None: that)
     # optimization
     max_steps: int = 19073  # optimizer steps to train for
+    max_seconds: float | None = None  # training budget in s (evaluation excluded): max_steps fixed from the first steps
     lr_decay_steps: int | None = None  # schedule length (None: max_steps); fix it to stop early, resume later
     learning_rate: float = 6e-4  # peak learning rate, reached at the end of warmup
     min_lr: float = 6e-5  # learning rate at the end of the decay
@@ -188,6 +189,7 @@ RANGES = {  # key: (check, what the message says); None passes where the key all
     "batch_size": (lambda v: v == "auto" or v >= 1, ">= 1 or 'auto'"),
     **{k: (lambda v: v >= 0, ">= 0") for k in NON_NEGATIVE},
     "learning_rate": (lambda v: v > 0, "> 0"),
+    "max_seconds": (lambda v: v > 0, "> 0"),
     "muon_lr": (lambda v: v > 0, "> 0"),
     "muon_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "dist_timeout_minutes": (lambda v: v > 0, "> 0"),
@@ -242,11 +244,16 @@ def read_config_file(path):
 
 
 def parse_args(argv):
-    """{key: value} the user set on this command line: config files in order, then --key=value (later wins)."""
-    user = {}
+    """{key: value} the user set on this command line: config files in order, then --key=value (later wins).
+    max_steps and max_seconds both say how long a run trains, so one set later replaces the other set earlier (a
+    budget on the command line, a config file's max_steps); both in one config file or on the command line are
+    ambiguous (which stops the run?): a ConfigError."""
+    user, overrides = {}, {}
     for arg in argv:
         if not arg.startswith("--"):
-            user.update(read_config_file(arg))
+            layer = read_config_file(arg)
+            check_run_length(layer, arg)
+            set_layer(user, layer)
             continue
         key, eq, raw = arg[2:].partition("=")
         if not eq:
@@ -256,12 +263,33 @@ def parse_args(argv):
         except (ValueError, SyntaxError):
             value = raw  # a bare word: a string, if the key takes strings
         try:
-            user[key] = check_value(key, value, arg)
+            value = check_value(key, value, arg)
         except ConfigError:
             if key not in FIELD_TYPES or str not in typing.get_args(FIELD_TYPES[key]) + (FIELD_TYPES[key],):
                 raise
-            user[key] = raw  # --out_dir=123 means the directory '123'
+            value = raw  # --out_dir=123 means the directory '123'
+        overrides[key] = value
+        check_run_length(overrides, "the command line")
+        set_layer(user, {key: value})
     return user
+
+
+def check_run_length(keys, where):
+    """ConfigError where one place (a config file, the command line) sets both max_steps and a max_seconds."""
+    if keys.get("max_seconds") is not None and "max_steps" in keys:
+        raise ConfigError(
+            f"{where} sets both max_steps={keys['max_steps']} and max_seconds={keys['max_seconds']:g}: set one (a "
+            "budget fixes max_steps from the first steps' timing)"
+        )
+
+
+def set_layer(user, keys):
+    """user.update(keys), where a budget (max_seconds) drops an earlier max_steps and a max_steps an earlier budget."""
+    if keys.get("max_seconds") is not None:
+        user.pop("max_steps", None)
+    if "max_steps" in keys:
+        user.pop("max_seconds", None)
+    user.update(keys)
 
 
 def make_config(user, base=None):
@@ -274,6 +302,8 @@ def make_config(user, base=None):
             raise ConfigError(f"config key 'preset' must be one of {', '.join(map(repr, PRESETS))}; got {preset!r}")
         values.update(PRESETS[preset])
     values.update(user)
+    if "max_steps" in user and "max_seconds" not in user:  # a step count replaces the base's (a resume's) budget
+        values["max_seconds"] = None
     return TrainConfig(**values)
 
 

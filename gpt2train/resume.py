@@ -191,8 +191,9 @@ def run_tokenizer(cfg, user, source):
 
 
 def resumed_config(user, out_dir, ckpt, data_tokenizer):
-    """(cfg, ckpt) of a run resuming from ckpt: the user's keys over the checkpoint's config; the architecture and
-    the optimizer cannot change, nor the tokenizer of the data (data_tokenizer: its record, or None)."""
+    """(cfg, ckpt) of a run resuming from ckpt: the user's keys over the checkpoint's config; the architecture, the
+    optimizer and the budget (max_seconds) cannot change, nor the tokenizer of the data (data_tokenizer: its record,
+    or None)."""
     path = ckpt["path"]
     # the run stays in the out_dir it found the checkpoint in (the checkpoint's own may be another, if moved)
     cfg = make_config({**user, "out_dir": out_dir}, base=ckpt["config"])
@@ -200,6 +201,13 @@ def resumed_config(user, out_dir, ckpt, data_tokenizer):
         raise ConfigError(
             f"cannot change optimizer when resuming: the checkpoint {path} has "
             f"{ckpt['config']['optimizer']!r}, the config {cfg.optimizer!r}"
+        )
+    budget = ckpt["config"].get("max_seconds")
+    if cfg.max_seconds is not None and cfg.max_seconds != budget:  # its max_steps was fixed by (or without) a budget
+        raise ConfigError(
+            f"cannot change max_seconds when resuming: the checkpoint {path} has max_seconds={budget!r} and "
+            f"max_steps={ckpt['config']['max_steps']}; a budget fixes max_steps once, at the start of a run: set "
+            "--max_steps to train on"
         )
     saved = model_config(cfg, **ckpt["model_args"])  # fields added since the checkpoint get their defaults
     for key in ARCH_KEYS:

@@ -301,6 +301,7 @@ class Tracker:
                 cost_usd=cost,
                 tokens_per_dollar=self.tokens / cost if cost > 0 else None,
             )
+        out["result"] = run_result(out, records)
         return out
 
     def close(self, exit_code=0):
@@ -328,6 +329,29 @@ class NoTracker:
         return None
 
 
+def run_result(summary, records):
+    """The run in one flat dict (the `result:` line, summary.json's 'result'), for sweeps to compare: the numbers of
+    the last val record (val_loss, and val_bpb where it has one; val_loss None without one), the final train loss,
+    steps, tokens, mean tokens/s and MFU, peak memory, wall seconds, and the last HellaSwag acc_norm and suite
+    scores (mc_centered, mc/<task>_acc) where the run evaluated them."""
+    last = lambda key: next((r for r in reversed(records) if key in r), {})  # noqa: E731
+    result = {"val_loss": None, **last("val_loss")}
+    result.update(
+        train_loss=summary["final_train_loss"],
+        steps=summary["steps"],
+        tokens=summary["tokens"],
+        tokens_per_s=summary["mean_tokens_per_s"],
+        mfu=summary["mean_mfu"],
+        peak_mem_mb=summary["peak_mem_mb"],
+        wall_s=summary["wall_s"],
+    )
+    if "hellaswag_acc_norm" in summary:
+        result["hellaswag_acc_norm"] = summary["hellaswag_acc_norm"]
+    result.update(last("mc_centered"))
+    result.pop("step", None)
+    return {k: json_safe(v) for k, v in result.items()}
+
+
 def summary_text(s, path):
     fmt = lambda v, spec: "n/a" if v is None else format(v, spec)
     lines = [
@@ -350,4 +374,5 @@ def summary_text(s, path):
             f"  cost ${s['cost_usd']:,.4f} at ${s['cost_per_hour']:,.2f}/h: "
             f"{fmt(s['tokens_per_dollar'], ',.0f')} tokens per dollar"
         )
+    lines.append(f"result: {json.dumps(s['result'])}")  # the last line: one JSON object to grep for
     return "\n".join(lines)

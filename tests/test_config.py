@@ -41,6 +41,32 @@ def test_the_config_table_marks_keys_from_the_config_file_and_the_command_line(t
     assert marked == {"n_layer", "max_steps"}
 
 
+def test_max_steps_and_max_seconds_set_later_replace_each_other_and_together_are_refused(tmp_path):
+    steps_file, budget_file, both_file = tmp_path / "steps.py", tmp_path / "budget.py", tmp_path / "both.py"
+    steps_file.write_text("max_steps = 300\nn_layer = 4\n")
+    budget_file.write_text("max_seconds = 60\n")
+    both_file.write_text("max_steps = 300\nmax_seconds = 60\n")
+    # a budget on the command line replaces a config file's max_steps, and max_steps a file's budget
+    assert parse_args([str(steps_file), "--max_seconds=30"]) == {"n_layer": 4, "max_seconds": 30.0}
+    assert parse_args([str(budget_file), "--max_steps=5"]) == {"max_steps": 5}
+    assert parse_args([str(steps_file), str(budget_file)]) == {"n_layer": 4, "max_seconds": 60.0}
+    assert parse_args(["--max_seconds=None", "--max_steps=5"]) == {"max_steps": 5}  # no budget: not ambiguous
+    for args, where, steps in (
+        ([str(both_file)], str(both_file), 300),
+        (["--max_steps=5", "--max_seconds=60"], "the command line", 5),
+    ):
+        with pytest.raises(ConfigError) as err:
+            parse_args(args)
+        assert str(err.value) == (
+            f"{where} sets both max_steps={steps} and max_seconds=60: set one (a budget fixes max_steps from the "
+            "first steps' timing)"
+        )
+    # a resume's max_steps replaces the checkpoint's budget; its budget alone keeps the checkpoint's fixed max_steps
+    base = vars(TrainConfig(max_seconds=60.0, max_steps=412))
+    assert make_config({"max_steps": 800}, base=base).max_seconds is None
+    assert make_config({"max_seconds": 60.0}, base=base).max_steps == 412
+
+
 @pytest.mark.parametrize(
     "args, expected",
     [
@@ -52,6 +78,7 @@ def test_the_config_table_marks_keys_from_the_config_file_and_the_command_line(t
         (["--compile=yes"], "config key 'compile' must be one of True, False, 'auto'"),
         (["--n_embd=100", "--n_head=3"], "n_embd=100 must be divisible by n_head=3"),
         (["--max_steps"], "write overrides as --key=value"),
+        (["--max_seconds=0"], "config key 'max_seconds' must be > 0; got 0.0"),
         (["no/such/config.py"], "config file 'no/such/config.py' not found"),
     ],
 )

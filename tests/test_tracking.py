@@ -370,7 +370,7 @@ def test_summary_json_and_console_summary(tmp_path):
     assert summary["mean_tokens_per_s"] == pytest.approx(7 * TOKENS / sum(step_s))
     assert summary["mean_mfu"] == pytest.approx(sum(m * s for m, s in zip(mfu, step_s)) / sum(step_s))
     assert summary["wall_s"] > 0
-    del summary["mean_tokens_per_s"], summary["mean_mfu"], summary["wall_s"]
+    del summary["mean_tokens_per_s"], summary["mean_mfu"], summary["wall_s"], summary["result"]
     assert summary == {
         "steps": 8,
         "tokens": 8 * TOKENS,
@@ -389,6 +389,33 @@ def test_summary_json_and_console_summary(tmp_path):
     assert "1 skipped steps" in text and "cost" not in text
 
 
+def test_the_result_is_the_summarys_last_line_and_in_summary_json(tmp_path):
+    """One JSON line for sweeps: the last val record's numbers (whatever it holds: val_bpb too), the last HellaSwag
+    acc_norm and suite scores, and the run's totals."""
+    out = tmp_path / "run"
+    tracker = Tracker(out, CONFIG, TOKENS)
+    records = loop_records(0, 8)
+    records[-1]["val_bpb"] = 1.25  # the final val record (step 8) with a metric this file does not name
+    for record in [*records, {"step": 8, "mc_centered": 0.1, "mc/piqa_acc": 0.55}]:
+        tracker.log(record)
+    text = tracker.close()
+    result = json.loads((out / "summary.json").read_text())["result"]
+    assert text.splitlines()[-1] == f"result: {json.dumps(result)}"
+    wall_s, tokens_per_s, mfu = result.pop("wall_s"), result.pop("tokens_per_s"), result.pop("mfu")
+    assert wall_s > 0 and tokens_per_s == pytest.approx(TOKENS / 0.064) and 0.3 < mfu < 0.4
+    assert result == {
+        "val_loss": 4.0 - 0.8 + 1,  # the final one, not the best
+        "val_bpb": 1.25,
+        "train_loss": 4.2 - 8 / 20,
+        "steps": 8,
+        "tokens": 8 * TOKENS,
+        "peak_mem_mb": 308.0,
+        "hellaswag_acc_norm": 0.26,
+        "mc_centered": 0.1,
+        "mc/piqa_acc": 0.55,
+    }
+
+
 def test_summary_of_a_cpu_run_has_no_mfu(tmp_path):
     tracker = Tracker(tmp_path, CONFIG, TOKENS)
     for step in (1, 2, 3):
@@ -397,6 +424,7 @@ def test_summary_of_a_cpu_run_has_no_mfu(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["mean_mfu"] is None and summary["mean_tokens_per_s"] == pytest.approx(TOKENS / 0.064)
     assert summary["final_val_loss"] is None and "hellaswag_acc" not in summary and "cost_usd" not in summary
+    assert summary["result"]["val_loss"] is None and summary["result"]["mfu"] is None  # every run has these keys
 
 
 def test_metrics_log_resume_drops_the_steps_after_the_checkpoint(tmp_path):

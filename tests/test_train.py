@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -290,6 +291,97 @@ def test_resume_cannot_change_the_architecture(data_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.main(["--init_from=resume", f"--out_dir={tmp_path}", "--n_layer=3"])
     assert "cannot change n_layer when resuming" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- a time budget (max_seconds)
+
+
+def fake_step_clock(monkeypatch, sigterm_at=None):
+    """time.perf_counter, train.py's clock, as a fake that moves only in a training forward (one per step here): 3 s
+    in each of the first two (compile, warm-up), 0.25 s in the others. sigterm_at: the forward that gets a SIGTERM
+    (the run saves and exits after that step)."""
+    now, calls, real_forward = [0.0], [0], model_module.GPT.forward
+
+    def forward(self, *args, **kwargs):
+        if self.training:
+            calls[0] += 1
+            now[0] += 3.0 if calls[0] <= 2 else 0.25
+            if calls[0] == sigterm_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(model_module.GPT, "forward", forward)
+    monkeypatch.setattr(train.time, "perf_counter", lambda: now[0])
+
+
+def lrs(out_dir):
+    return {m["step"]: m["lr"] for m in metrics(out_dir) if "train_loss" in m}
+
+
+def test_a_budget_times_steps_3_to_10_or_those_done_before_a_save_and_trains_10_steps_at_least():
+    def fixed(max_seconds, seconds):
+        """max_steps as a budget fixes it from these steps' seconds: itself after 10 steps, or as a save forces it."""
+        cfg = TrainConfig(max_seconds=max_seconds)
+        budget = train.Budget(cfg, SimpleNamespace(distributed=False, master=False, device="cpu"))
+        fixed_now = [budget.add(s) for s in seconds]
+        assert fixed_now == [False] * 9 + [True] if len(seconds) == 10 else not any(fixed_now)
+        budget.fix()  # before a checkpoint; nothing once fixed
+        return cfg.max_steps
+
+    assert fixed(30, [5.0, 5.0] + [1.0] * 8) == 22  # 18 s spent, 12 s left at 1 s a step (not at 1.8 s)
+    assert fixed(10, [5.0, 5.0] + [1.0] * 8) == 10  # over budget: the 10 steps timed
+    assert fixed(100, [5.0, 5.0, 2.0]) == 3 + 44  # a save at step 3: 88 s left at step 3's 2 s
+    assert fixed(100, [5.0, 5.0]) == 2 + 18  # no step past the warm-up yet: theirs is the mean
+
+
+def test_max_seconds_fixes_max_steps_from_steps_3_to_10_and_a_resume_continues_bit_exactly(
+    data_dir, tmp_path, monkeypatch, capsys
+):
+    """12 s: steps 1-2 take 6 s, steps 3-10 0.25 s each (2 s), so the 4 s left hold 16 steps more: max_steps 26.
+    Interrupted after step 14 (the budget fixed) or step 4 (before the timing is done: its checkpoint fixes max_steps
+    from steps 3-4, the same here) and resumed: the uninterrupted run's losses, bit for bit."""
+
+    def budgeted(out_dir, *args, sigterm_at=None):
+        with monkeypatch.context() as patched:
+            fake_step_clock(patched, sigterm_at)
+            return train.main([*TINY, f"--data_dir={data_dir}", f"--out_dir={out_dir}", *args])
+
+    budget = ["--max_seconds=12", "--save_interval=0", "--dropout=0.1"]
+    assert budgeted(tmp_path / "full", *budget) == 0
+    out = capsys.readouterr().out
+    assert "max_seconds=12: the first 10 steps took 8.0 s, steps 3-10 250 ms each: max_steps fixed at 26" in out
+    result = json.loads((tmp_path / "full" / "summary.json").read_text())["result"]
+    assert out.splitlines()[-1] == f"result: {json.dumps(result)}" and result["steps"] == 26
+    assert sum(m["step_ms"] for m in metrics(tmp_path / "full") if "train_loss" in m) == 12_000  # the budget, spent
+    assert json.loads((tmp_path / "full" / "config.json").read_text())["max_steps"] == 26
+    assert load_checkpoint(tmp_path / "full")["config"]["max_steps"] == 26
+    full_lrs = lrs(tmp_path / "full")
+    assert [full_lrs[s] for s in range(3, 12)] == [3e-3] * 9 and full_lrs[12] < 3e-3  # the decay after step 10
+    fixed = TrainConfig(learning_rate=3e-3, min_lr=3e-4, warmup_steps=2, max_seconds=12, max_steps=26)
+    assert full_lrs == {s: get_lr(s - 1, fixed) for s in range(1, 27)}  # the timed steps' too: the fixed schedule's
+
+    for stop in (14, 4):
+        split = tmp_path / f"split{stop}"
+        assert budgeted(split, *budget, sigterm_at=stop) == 0
+        assert load_checkpoint(split)["step"] == stop and load_checkpoint(split)["config"]["max_steps"] == 26
+        # the resume times nothing: re-timed on this clock, it would fix max_steps at stop + 10 + 16
+        assert budgeted(split, "--init_from=resume") == 0
+        assert train_losses(split) == train_losses(tmp_path / "full") and lrs(split) == full_lrs
+
+
+def test_a_budgeted_run_resumes_with_its_budget_or_trains_on_with_max_steps_only(
+    data_dir, tmp_path, monkeypatch, capsys
+):
+    fake_step_clock(monkeypatch)
+    assert run(data_dir, tmp_path, "--max_seconds=12", "--save_interval=0") == 0
+    expect_exit(2, train.main, ["--init_from=resume", f"--out_dir={tmp_path}", "--max_seconds=30"])
+    assert one_line_error(capsys).endswith(
+        f"cannot change max_seconds when resuming: the checkpoint {tmp_path / 'ckpt_000026.pt'} has max_seconds=12.0 "
+        "and max_steps=26; a budget fixes max_steps once, at the start of a run: set --max_steps to train on"
+    )
+    assert train.main(["--init_from=resume", f"--out_dir={tmp_path}", "--max_steps=30"]) == 0
+    assert max(train_losses(tmp_path)) == 30
+    assert load_checkpoint(tmp_path)["config"]["max_seconds"] is None  # a plain 30-step run from here on
 
 
 # ----------------------------------------------------------------------------- fine-tuning a checkpoint
