@@ -106,6 +106,19 @@ def atomic_write(path, data):
     fsync_dir(path.parent)
 
 
+def check_writable(path):
+    """Raise the OSError (naming `path`) that writing it would meet, without creating or changing anything: a
+    file written whole at the end of the work (atomic_write) is checked before it, and an earlier one is kept
+    until then."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    if not path.parent.is_dir():
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+    if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+
 def open_regular(path, follow_symlinks=True):
     """`path` opened for binary reading if it is a regular file; else an OSError naming it. Opened without
     blocking and checked before a byte is read: a FIFO (whose open would wait for a writer) or a device such as

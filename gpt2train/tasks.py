@@ -406,6 +406,8 @@ def load_docs(name, limit=None, cache_dir=None, path=None):
             try:
                 doc = json.loads(line)
                 request = task.render(doc)  # every field the rendering needs, of a usable type
+                if task.subjects and doc["subject"] not in task.subjects:  # the suite counts by subject
+                    raise ValueError(f"subject {doc['subject']!r} is not one of {name}'s {len(task.subjects)}")
                 if not 0 <= request.label < len(request.pairs):
                     raise IndexError(f"label {request.label} of {len(request.pairs)} choices")
             except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
