@@ -157,11 +157,13 @@ def directory_lock(directory, program):
     records who holds it (`program`, pid, host) for the error a second process gets (LockError).
 
     The OS drops the lock when the process dies in any way (kill -9 included), so it is never stale;
-    the file itself stays. Across machines it holds only where the shared filesystem implements flock
-    for all its clients (docs/failure-modes.md); where flock is not supported at all, a note says the
-    directory is not locked and the block runs anyway.
+    the file itself stays, unless the block created the directory and wrote nothing else into it (a run that
+    failed at its start): then the directory goes too, with the parents created for it. Across machines it holds
+    only where the shared filesystem implements flock for all its clients (docs/failure-modes.md); where flock is
+    not supported at all, a note says the directory is not locked and the block runs anyway.
     """
     directory = Path(directory)
+    created = [d for d in (directory, *directory.parents) if not d.exists()]  # what mkdir makes, innermost first
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -192,6 +194,12 @@ def directory_lock(directory, program):
         if held:  # an empty file: nobody holds it now
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
+        if held and created:
+            with contextlib.suppress(OSError):
+                if [p.name for p in directory.iterdir()] == [LOCK_FILE]:
+                    path.unlink()  # while still held: a process after us makes a lock file of its own
+                    for d in created:
+                        d.rmdir()  # only while empty: a parent something else was written into stays
         os.close(fd)  # releases the flock
 
 
