@@ -29,6 +29,7 @@ from gpt2train.devices import (
     autocast,
     device_type,
     is_compile_error,
+    make_compile_deterministic,
     resolve_compile,
     resolve_device,
     resolve_dtype,
@@ -367,6 +368,7 @@ def compile_works(compiled, cfg, env):
     trial's calls are the loop's (distinct inputs and targets: dynamo guards on `idx is targets`), so the graphs
     compiled here are the ones the steps and evaluations run, not compiled a second time."""
     log("compiling the model (torch.compile): the first step waits for it; compile=False skips it")
+    make_compile_deterministic(env.device)  # graphs are built by the calls below
     x, y = (torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long, device=env.device) for _ in range(2))
     rngs = rng_state()
     error = None
