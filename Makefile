@@ -33,6 +33,7 @@ demo: $(VENV)/.installed
 	$(PY) prepare_data.py --dataset shakespeare --out_dir data/shakespeare
 	$(PY) train.py configs/shakespeare_cpu.py
 	$(PY) sample.py --ckpt out/shakespeare --prompt "ROMEO:" --max_new_tokens 200
+	@echo "next, in each new shell: source $(VENV)/bin/activate (then README.md's python/torchrun commands work)"
 
 # docs/sft.md#the-chat-demo; chat interactively afterwards: .venv/bin/python sample.py --ckpt out/chat_demo --chat
 chat-demo: $(VENV)/.installed

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from gpt2train import tasks
-from gpt2train.files import report_error
+from gpt2train.files import atomic_write, check_writable, report_error
 from gpt2train.scoring import Suite
 
 # ----------------------------------------------------------------------------- the harness's own task files
@@ -143,7 +143,8 @@ def main(argv=None):
 
     try:  # bad input is one line on stderr and exit status 2, all checked before a model is loaded
         names = tasks.parse_tasks(args.tasks)
-        per_example = open(args.per_example, "w") if not export and args.per_example else None  # noqa: SIM115
+        if not export and args.per_example:  # written at the end: an earlier file stays until then
+            check_writable(args.per_example)
         if args.data is not None and len(names) != 1:
             raise ValueError(f"--data is one task's rows, but --tasks names {len(names)}: {','.join(names)}")
         limit = None if export else args.limit
@@ -169,10 +170,13 @@ def main(argv=None):
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     elapsed = time.time() - t0
-    if per_example:
-        with per_example as f:
-            for p in result["preds"]:
-                f.write(json.dumps({k: p[k] for k in ("task", "index", "pred", "label", "acc")}) + "\n")
+    if args.per_example:
+        keys = ("task", "index", "pred", "label", "acc")
+        try:
+            atomic_write(args.per_example, "".join(json.dumps({k: p[k] for k in keys}) + "\n" for p in result["preds"]))
+        except OSError as e:
+            report_error(parser.prog, e)
+            parser.exit(2)
     n = sum(r["n"] for r in result["tasks"].values())
     for name, r in result["tasks"].items():
         norm = f" acc_norm={r['acc_norm']:.4f}" if "acc_norm" in r else ""

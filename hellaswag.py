@@ -25,7 +25,7 @@ import torch
 
 from gpt2train import assets
 from gpt2train.devices import tune_cpu_allocator
-from gpt2train.files import report_error
+from gpt2train.files import atomic_write, check_writable, report_error
 from gpt2train.loading import add_model_args, load_model_from_args
 from gpt2train.scoring import Suite
 from gpt2train.tasks import HELLASWAG_LLMC, load_hellaswag
@@ -46,7 +46,8 @@ def main(argv=None):
         parser.error(f"--limit must be >= 1, got {args.limit}")
 
     try:  # bad input is one line on stderr and exit code 2, never a traceback; all checked before evaluating
-        per_example = open(args.per_example, "w") if args.per_example else None
+        if args.per_example:  # written at the end: an earlier file stays until then
+            check_writable(args.per_example)
         data = args.data or assets.fetch_hellaswag(args.cache_dir)
         examples = load_hellaswag(data, args.limit)  # its errors name the file and line
         if not examples:
@@ -63,12 +64,16 @@ def main(argv=None):
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     elapsed = time.time() - t0
-    if per_example:
-        with per_example as f:
-            for p in result["preds"]:
-                ind = examples[p["index"]]["ind"]
-                f.write(json.dumps({"ind": ind, "label": p["label"], "pred": p["pred"], "pred_norm": p["pred_norm"]}))
-                f.write("\n")
+    if args.per_example:
+        lines = (
+            json.dumps({"ind": examples[p["index"]]["ind"], **{k: p[k] for k in ("label", "pred", "pred_norm")}})
+            for p in result["preds"]
+        )
+        try:
+            atomic_write(args.per_example, "".join(line + "\n" for line in lines))
+        except OSError as e:
+            report_error(parser.prog, e)
+            parser.exit(2)
     r = result["tasks"][HELLASWAG_LLMC.name]
     print(
         f"hellaswag: n={r['n']} acc={r['acc']:.4f} acc_norm={r['acc_norm']:.4f} "

@@ -94,7 +94,7 @@ def make_loaders(cfg, env, manifests):
         train_loader = loader("train")
         val_loader = loader("val") if cfg.eval_interval > 0 else None
     except NoShardsError as e:
-        raise NoShardsError(f"{e}; prepare it with `{prepare_command(cfg.data_dir)}`") from None
+        raise NoShardsError(f"{e}; prepare it with {prepare_command(cfg.data_dir)}") from None
     log(
         f"data: {train_loader.summary().replace(' shards', ' train shards')}; "
         f"val: {val_loader.summary() if val_loader else 'none (eval_interval=0)'}"

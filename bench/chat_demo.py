@@ -14,6 +14,7 @@ held-out exact match (the greedy reply up to <|end|>, as sample.py --chat produc
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -47,14 +48,16 @@ def main(argv=None):
     shutil.rmtree(out_dir, ignore_errors=True)  # the demo's own run: a re-run starts over
     prepare_data.main(["--input", str(path), "--format", "sft", "--out_dir", str(data), "--block_size", "128"])
     cmd = [sys.executable, "train.py", args.config, f"--data_dir={data}", *overrides]
-    print("$", " ".join(cmd[1:]), flush=True)
+    # the interpreter that runs this (make's .venv/bin/python), so each printed command runs as it is in any shell
+    python = os.path.relpath(sys.executable) if Path(sys.executable).is_relative_to(Path.cwd()) else sys.executable
+    print("$", python, " ".join(cmd[1:]), flush=True)
     if subprocess.run(cmd).returncode != 0:
         return 1
     score = exact_match(out_dir, held)
     print(
         f"\n{machine_line('cpu')}\nheld-out exact match: {score:.1%} ({round(score * len(held))}/{len(held)}); "
         f"prep + fine-tuning + scoring {time.time() - t0:.0f} s\n"
-        f'chat with it: python sample.py --ckpt {out_dir} --chat --prompt "sort: k c f a" --temperature 0'
+        f'chat with it: {python} sample.py --ckpt {out_dir} --chat --prompt "sort: k c f a" --temperature 0'
     )
     return 0
 

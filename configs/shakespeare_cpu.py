@@ -25,8 +25,7 @@ weight_decay = 0.1
 
 eval_interval = 50
 eval_steps = 8
-sample_interval = 100
-sample_prompt = "ROMEO:"
+sample_interval = 100  # from <|endoftext|>: the README reuses this config for your own data
 sample_tokens = 48
 log_interval = 10
 save_interval = 100

@@ -372,15 +372,19 @@ def list_checkpoints(out_dir):
 
 
 def load_latest_checkpoint(
-    out_dir, map_location="cpu", consolidate=True, note=functools.partial(log, note=True), verify=True
+    out_dir, map_location="cpu", consolidate=True, note=functools.partial(log, note=True), verify=True, damaged=None
 ):
     """(checkpoint dict, path) of the newest checkpoint in out_dir that verifies and loads; note() is called
-    with the reason for each newer one skipped. CheckpointError if out_dir holds none that loads."""
+    with the reason for each newer one skipped. CheckpointError if out_dir holds none that loads. damaged:
+    {path: reason} of checkpoints already found damaged (resume.verify_shards), skipped as if found so here."""
     found = list_checkpoints(out_dir)
     if not found:
         raise CheckpointError(f"{out_dir}: no checkpoint (ckpt_XXXXXX.pt or ckpt_XXXXXX/) in this directory")
     reasons = []
     for _, path in reversed(found):
+        if damaged and str(path) in damaged:  # its note was given when it was found
+            reasons.append(damaged[str(path)])
+            continue
         try:
             return load_checkpoint(path, map_location, consolidate, note, verify), path
         except CheckpointError as e:

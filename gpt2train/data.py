@@ -621,9 +621,10 @@ class DataLoader:
                     f"{block_size + 1} tokens (the shortest has {shortest}); train with block_size >= "
                     f"{shortest - 1}"
                 )
+            more = "prepare it again with a larger --val_tokens" if split == "val" else "prepare more text"
             raise ShardError(
                 f"{data_dir}: the {split} shards hold {total} tokens; none has the "
-                f"block_size+1 = {block_size + 1} tokens of one sample"
+                f"block_size+1 = {block_size + 1} tokens of one sample: {more}, or train with a smaller block_size"
             )
         self._plans = {}  # epoch -> (shard order, cumulative sample counts in that order)
         self._perms = {}  # (epoch, shard) -> permutation of that shard's samples

@@ -134,6 +134,18 @@ def resolve_compile(setting, device, dtype):
     return kind == "cuda" or (kind == "cpu" and dtype == "bfloat16")
 
 
+def make_compile_deterministic(device):
+    """Before torch.compile's graphs are built, on a CPU: torch's deterministic mode, for the whole process.
+    Inductor's CPU kernel for an embedding's gradient adds the rows of repeated token ids with atomic adds from
+    several threads, so two identical compiled runs (bf16 + compile, the CPU default) drifted apart in the last
+    bits from a few steps on; in this mode Inductor calls ATen's serial index_put instead (an eager run is
+    deterministic already). Process-wide and kept: Dynamo guards on the mode, so turning it off would recompile.
+    Not on CUDA, where Triton's atomic adds are the fast path and the mode needs CUBLAS_WORKSPACE_CONFIG."""
+    if device_type(device) == "cpu":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = False  # the mode's NaN fill of every new tensor
+
+
 def autocast(device, dtype):
     """Context manager running ops in `dtype` (a resolved name from resolve_dtype, a torch.dtype or None).
 

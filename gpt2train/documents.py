@@ -49,14 +49,18 @@ class PrepError(Exception):
 
 
 def prepare_command(data_dir):
-    """The command that writes shards to data_dir: a preset's when data_dir is named after one."""
+    """The command that writes shards to data_dir, quoted for a message: a preset's when data_dir is named after
+    one, else the one for your own files, and its form for conversations (SFT data)."""
     data_dir = Path(data_dir)
     if data_dir.name in PRESETS:
         default = Path("data") / data_dir.name
-        return f"python prepare_data.py --dataset {data_dir.name}" + (
-            "" if data_dir == default else f" --out_dir {data_dir}"
+        return f"`python prepare_data.py --dataset {data_dir.name}" + (
+            "`" if data_dir == default else f" --out_dir {data_dir}`"
         )
-    return f"python prepare_data.py --input YOUR_TEXT_FILES --out_dir {data_dir}"
+    return (
+        f"`python prepare_data.py --input YOUR_TEXT_FILES --out_dir {data_dir}` "
+        f"(conversations to fine-tune on: add `--format sft`)"
+    )
 
 
 def split_speeches(text):

@@ -106,6 +106,19 @@ def atomic_write(path, data):
     fsync_dir(path.parent)
 
 
+def check_writable(path):
+    """Raise the OSError (naming `path`) that writing it would meet, without creating or changing anything: a
+    file written whole at the end of the work (atomic_write) is checked before it, and an earlier one is kept
+    until then."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    if not path.parent.is_dir():
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+    if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+
 def open_regular(path, follow_symlinks=True):
     """`path` opened for binary reading if it is a regular file; else an OSError naming it. Opened without
     blocking and checked before a byte is read: a FIFO (whose open would wait for a writer) or a device such as
@@ -155,11 +168,13 @@ def directory_lock(directory, program):
     records who holds it (`program`, pid, host) for the error a second process gets (LockError).
 
     The OS drops the lock when the process dies in any way (kill -9 included), so it is never stale;
-    the file itself stays. Across machines it holds only where the shared filesystem implements flock
-    for all its clients (docs/failure-modes.md); where flock is not supported at all, a note says the
-    directory is not locked and the block runs anyway.
+    the file itself stays, unless the block created the directory and wrote nothing else into it (a run that
+    failed at its start): then the directory goes too, with the parents created for it. Across machines it holds
+    only where the shared filesystem implements flock for all its clients (docs/failure-modes.md); where flock is
+    not supported at all, a note says the directory is not locked and the block runs anyway.
     """
     directory = Path(directory)
+    created = [d for d in (directory, *directory.parents) if not d.exists()]  # what mkdir makes, innermost first
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -193,6 +208,12 @@ def directory_lock(directory, program):
         if held:  # an empty file: nobody holds it now
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
+        if held and created:
+            with contextlib.suppress(OSError):
+                if [p.name for p in directory.iterdir()] == [LOCK_FILE]:
+                    path.unlink()  # while still held: a process after us makes a lock file of its own
+                    for d in created:
+                        d.rmdir()  # only while empty: a parent something else was written into stays
         os.close(fd)  # releases the flock
 
 

@@ -69,9 +69,9 @@ def add_model_args(parser):
 
 def load_model_from_args(parser, args):
     """(model, tokenizer, device, dtype) for the flags of add_model_args; the tokenizer is model_tokenizer's
-    (the checkpoint's, the model directory's, else GPT-2's). A bad checkpoint,
-    model directory or tokenizer is one line `<prog>: error: ...` on stderr and exit status 2, never a
-    traceback (as argparse does for bad flags)."""
+    (the checkpoint's, the model directory's, else GPT-2's). A bad checkpoint, model directory or tokenizer (one
+    with more ids than the model's vocabulary included) is one line `<prog>: error: ...` on stderr and exit
+    status 2, never a traceback (as argparse does for bad flags)."""
     source = args.ckpt or args.init_from
     try:
         device = resolve_device(args.device)
@@ -81,6 +81,11 @@ def load_model_from_args(parser, args):
     try:
         model, info = load_model(ckpt=args.ckpt, init_from=args.init_from, device=device)
         enc = model_tokenizer(info, cache_dir=args.cache_dir)
+        if enc.n_vocab > model.config.vocab_size:  # its ids past the embedding would be an IndexError
+            raise ValueError(
+                f"its tokenizer has {enc.n_vocab} ids, the model's vocabulary {model.config.vocab_size}: "
+                f"not the tokenizer this model was trained with"
+            )
     except (CheckpointError, OSError, ValueError, ImportError, RuntimeError) as e:
         report_error(parser.prog, e, about=source)  # e.g. a hub download error that doesn't say what was loaded
         parser.exit(2)

@@ -30,6 +30,7 @@ from gpt2train.devices import (
     device_type,
     is_compile_error,
     is_oom,
+    make_compile_deterministic,
     resolve_compile,
     resolve_device,
     resolve_dtype,
@@ -377,6 +378,7 @@ def compile_works(compiled, cfg, env, loader=None):
     new size (the loop then runs that graph, never one compiled for two sizes); under torchrun, without a
     loader or at micro-batch 1, a Halt naming settings that help."""
     log("compiling the model (torch.compile): the first step waits for it; compile=False skips it")
+    make_compile_deterministic(env.device)  # graphs are built by the calls below
     rows = cfg.batch_size * batch_layout(cfg, env.world_size)[1]  # sequences per rank per step
     rngs = rng_state()
     while True:

@@ -14,6 +14,7 @@ Tokenizers: the data's tokenizer (prepare_data.py's manifest) must be the one of
 gives the run's tokenizer, which Checkpointer.save() puts in every checkpoint, and vocab_size from the data.
 """
 
+import difflib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -42,6 +43,7 @@ from gpt2train.config import ARCH_KEYS, ConfigError, make_config, model_config
 from gpt2train.console import is_rank0, launched_by_torchrun, log
 from gpt2train.data import NoShardsError, data_tokenizer, read_manifests
 from gpt2train.devices import rng_state, set_rng_state
+from gpt2train.documents import prepare_command
 from gpt2train.files import Halt
 from gpt2train.memory import resolve_batch_size
 from gpt2train.parallel import check_shared_out_dir, setup, weights_finite
@@ -83,15 +85,26 @@ def start(user):
     torchrun a rank's error waits until every rank has joined (a rank that failed before would leave the others in
     the rendezvous until it times out) and is then raised on all of them by check_shared_out_dir, as is an out_dir
     some node cannot see. Only rank 0 hashes the checkpoint (a sharded one: its metadata, then every rank its share
-    of the shards, verify_shards); every rank resumes from rank 0's choice (agree_on_checkpoint). Then the run's
+    of the shards, verify_shards); every rank resumes from rank 0's choice (agree_on_checkpoint). A sharded one
+    that the ranks find damaged is skipped with a note, as one process skips it, and the choice made again among
+    the older ones: every rank then resumes from the same older checkpoint. Then the run's
     tokenizer (run_tokenizer) and last the memory plan (memory.resolve_batch_size): logged, a batch_size that
     cannot fit refused, batch_size='auto' resolved from it where the device is not probed."""
     cfg, source, problem = resolve_config_or_defer(user)
     check_tracking_available(cfg.wandb_log, cfg.tensorboard_dir)  # every rank: all stop alike
     env = setup(cfg)
-    cfg, source, problem = agree_on_checkpoint(user, cfg, source, problem, env)
-    check_shared_out_dir(cfg.out_dir, source.resumed and source.resumed["step"], problem, env)
-    verify_shards(source.resumed, env)  # a sharded checkpoint under torchrun: every rank hashes its share
+    started, damaged = cfg, {}  # damaged: {path: reason} of sharded checkpoints verify_shards refused
+    while True:
+        cfg, source, problem = agree_on_checkpoint(user, cfg, source, problem, env)
+        problem = problem or setup_changed(started, cfg, source)
+        check_shared_out_dir(cfg.out_dir, source.resumed and source.resumed["step"], problem, env)
+        reason = verify_shards(source.resumed, env)  # a sharded checkpoint under torchrun: each rank its share
+        if reason is None:
+            break
+        # as one process does (load_latest_checkpoint): skip it, with a note, and resume from the one before
+        log(f"skipping {reason}", note=True)
+        damaged[source.resumed["path"]] = reason
+        cfg, source, problem = resolve_config_or_defer(user, damaged)
     cfg = run_tokenizer(cfg, user, source)  # vocab_size from the data's tokenizer, before the memory plan
     source.model = planned_model(cfg, source.kind)
     return resolve_batch_size(cfg, env, source.model), source, env
@@ -105,21 +118,32 @@ def planned_model(cfg, kind):
     return model_config(cfg, **PRESETS[cfg.init_from]) if cfg.init_from in PRESETS else None
 
 
-def resolve_config(user, verify=True):
-    """(TrainConfig, Source). The data's manifests are read here, once. On init_from='resume' the newest checkpoint
-    that verifies is loaded (a note names each newer one skipped, and why; verify=False: the newest complete one,
-    unhashed); its config is the base the user's keys override (resumed_config). A checkpoint to fine-tune is read
-    once, its architecture taken (fine_tune_config). The data's tokenizer must be the one of the weights the run
-    starts from (check_tokenizer)."""
+def resolve_config(user, verify=True, damaged=None):
+    """(TrainConfig, Source). On init_from='resume' the newest checkpoint that verifies is loaded (a note names each
+    newer one skipped, and why; verify=False: the newest complete one, unhashed; damaged: checkpoints found damaged
+    already, skipped); its config is the base the user's keys override (resumed_config). The data's manifests are
+    read here, once, from the run's data_dir (on resume the checkpoint's unless the user sets one). A checkpoint to
+    fine-tune is read once, its architecture taken (fine_tune_config). The data's tokenizer must be the one of the
+    weights the run starts from (check_tokenizer)."""
     cfg = make_config(user)
     kind = source_kind(cfg.init_from)
-    manifests = data_manifests(cfg.data_dir)
-    source = Source(kind, tokenizer=data_tokenizer(manifests) if manifests else None, manifests=manifests)
     if kind != "resume" and list_checkpoints(cfg.out_dir):
         raise ConfigError(
             f"{cfg.out_dir} already holds checkpoints; continue with --init_from=resume, "
             f"or pick another out_dir (or delete them) to start over"
         )
+    data_dir = cfg.data_dir
+    if kind == "resume":
+        if not list_checkpoints(cfg.out_dir):
+            raise ConfigError(
+                f"init_from='resume' but {cfg.out_dir} holds no checkpoint (ckpt_XXXXXX.pt or ckpt_XXXXXX/)"
+            )
+        # a sharded checkpoint: its meta only; each rank reads its own shards later
+        ckpt, path = load_latest_checkpoint(cfg.out_dir, consolidate=False, verify=verify, damaged=damaged)
+        ckpt = {**ckpt, "path": str(path)}
+        data_dir = user.get("data_dir", ckpt["config"].get("data_dir", data_dir))  # the checkpoint's, unless set
+    manifests = data_manifests(data_dir)
+    source = Source(kind, tokenizer=data_tokenizer(manifests) if manifests else None, manifests=manifests)
     if kind == "pretrained":  # its tokenizer
         check_tokenizer(
             pretrained_tokenizer(cfg.init_from), source.tokenizer, cfg.data_dir, f"init_from={cfg.init_from!r}"
@@ -129,22 +153,24 @@ def resolve_config(user, verify=True):
         source.state.pop("optimizer", None)  # a fine-tune starts its own
         cfg = fine_tune_config(user, cfg, source)
     elif kind == "resume":
-        if not list_checkpoints(cfg.out_dir):
-            raise ConfigError(
-                f"init_from='resume' but {cfg.out_dir} holds no checkpoint (ckpt_XXXXXX.pt or ckpt_XXXXXX/)"
-            )
-        # a sharded checkpoint: its meta only; each rank reads its own shards later
-        ckpt, path = load_latest_checkpoint(cfg.out_dir, consolidate=False, verify=verify)
-        cfg, source.state = resumed_config(user, cfg.out_dir, {**ckpt, "path": str(path)}, source.tokenizer)
+        cfg, source.state = resumed_config(user, cfg.out_dir, ckpt, source.tokenizer)
     return cfg, source
 
 
 def data_manifests(data_dir):
-    """data.read_manifests of data_dir, or None where it has no shards yet (make_loaders says how to prepare it)."""
+    """data.read_manifests of data_dir. No train shards there (no such directory, or not prepared yet) is a
+    NoShardsError saying how to prepare it, and naming a sibling directory of a near name: found before anything
+    else of the run is planned or printed."""
     try:
         return read_manifests(data_dir)
-    except NoShardsError:
-        return None
+    except NoShardsError as e:
+        path = Path(data_dir)
+        near = (
+            [] if path.exists() or not path.parent.is_dir() else [p.name for p in path.parent.iterdir() if p.is_dir()]
+        )
+        close = difflib.get_close_matches(path.name, near, n=1)
+        hint = f" (did you mean '{path.parent / close[0]}'?)" if close else ""
+        raise NoShardsError(f"{e}{hint}; prepare it with {prepare_command(data_dir)}") from None
 
 
 def pretrained_tokenizer(init_from):
@@ -237,14 +263,15 @@ def fine_tune_config(user, cfg, source):
     return make_config({**user, **{key: getattr(saved, key) for key in ARCH_KEYS}})
 
 
-def resolve_config_or_defer(user):
+def resolve_config_or_defer(user, damaged=None):
     """(cfg, Source, error message or None): resolve_config, except that under torchrun its error is
     returned rather than raised. A rank that failed before joining the process group (a node that cannot see
     out_dir's checkpoints) would leave the others waiting in the rendezvous until it times out; instead every
     rank joins and check_shared_out_dir raises the error on all of them."""
     try:  # only rank 0 hashes the checkpoint (of a sharded one only the metadata: verify_shards hashes the rest,
         # every rank its share, once the process group is up); the others check that it is complete
-        return (*resolve_config(user, verify=is_rank0() and ("meta" if launched_by_torchrun() else True)), None)
+        verify = is_rank0() and ("meta" if launched_by_torchrun() else True)
+        return (*resolve_config(user, verify, damaged), None)
     except (ConfigError, CheckpointError) as e:
         if not launched_by_torchrun():
             raise
@@ -272,24 +299,28 @@ def agree_on_checkpoint(user, cfg, source, problem, env):
     except (ConfigError, CheckpointError) as e:
         source.state = None
         return cfg, source, str(e)
-    changed = [k for k in SETUP_KEYS if getattr(agreed, k) != getattr(cfg, k)]
-    if changed:
-        source.state = None
-        problem = (
-            f"rank 0 resumes from {chosen[0]}, whose {changed[0]} differs from that of the checkpoint this rank "
-            f"found; resume again"
-        )
-        return cfg, source, problem
     return agreed, source, None
+
+
+def setup_changed(started, cfg, source):
+    """The problem (or None) of a checkpoint chosen after setup() ran with `started` (rank 0 chose another than
+    this rank, or the ranks skipped a damaged one) whose config would have set the process group up otherwise."""
+    changed = [k for k in SETUP_KEYS if getattr(cfg, k) != getattr(started, k)]
+    if changed and source.resumed:
+        return (
+            f"{source.resumed['path']}: its {changed[0]} differs from that of the checkpoint the run set up with; "
+            f"resume again"
+        )
+    return None
 
 
 def verify_shards(ckpt, env):
     """A sharded checkpoint resumed under torchrun: rank 0 hashed its metadata before the process group started;
     now every rank hashes its share of the shard files (every world_size-th of SHA256SUMS' names), all in
     parallel, rather than rank 0 alone hashing the whole checkpoint (80 GB at 6.7B) against the rendezvous
-    timeout. All ranks agree: a damaged shard is the same CheckpointError on every rank."""
+    timeout. Returns None, or the reason it is damaged: the same on every rank (the first rank's that found one)."""
     if not env.distributed or ckpt is None or "shards" not in ckpt:
-        return
+        return None
     try:
         names = sorted(set(read_checksums(checksum_path(ckpt["shards"]))) - META_FILES)
         verify_checkpoint(ckpt["shards"], only=set(names[env.rank :: env.world_size]))
@@ -298,11 +329,7 @@ def verify_shards(ckpt, env):
         problem = str(e)
     problems = [None] * env.world_size
     dist.all_gather_object(problems, problem)
-    found = [p for p in problems if p]
-    if found:
-        raise CheckpointError(
-            f"{found[0]}; move {ckpt['shards']} aside and resume again (the newest intact checkpoint is then used)"
-        )
+    return next((p for p in problems if p), None)
 
 
 @dataclass

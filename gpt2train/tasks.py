@@ -411,6 +411,8 @@ def load_docs(name, limit=None, cache_dir=None, path=None):
             try:
                 doc = json.loads(line)
                 request = spec.render(doc)  # every field the rendering needs, of a usable type
+                if spec.subjects and doc["subject"] not in spec.subjects:  # the suite counts by subject
+                    raise ValueError(f"subject {doc['subject']!r} is not one of {name}'s {len(spec.subjects)}")
                 if not 0 <= request.label < len(request.pairs):
                     raise IndexError(f"label {request.label} of {len(request.pairs)} choices")
             except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:

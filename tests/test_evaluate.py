@@ -554,6 +554,30 @@ def test_a_bad_per_example_path_fails_before_any_model(hf_dir, tmp_path, capsys,
     assert str(bad) in err
 
 
+def test_an_unknown_mmlu_subject_is_a_one_line_error_naming_the_line(hf_dir, tmp_path, capsys, monkeypatch):
+    """Issue 38 (Z): the suite counts MMLU by subject; an unknown one was a ValueError traceback after scoring."""
+    doc = docs_of("mmlu")[0]
+    path = write_task_file(tmp_path, "mmlu", [doc, dict(doc, subject="../../etc/passwd")])
+    err = one_line_error(capsys, ["--init_from", str(hf_dir), "--tasks", "mmlu", "--data", str(path)], monkeypatch)
+    assert f"{path}:2: not a mmlu row" in err and "subject '../../etc/passwd' is not one of mmlu's 57" in err
+
+
+def test_per_example_keeps_an_earlier_file_until_the_new_one_is_written(hf_dir, tmp_path, capsys):
+    """Issue 38 (O): the file was opened for writing (emptied) before the model loaded."""
+    data = write_task_file(tmp_path, "copa", docs_of("copa"))
+    out = tmp_path / "preds.jsonl"
+    out.write_text("earlier results\n")
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main(
+            ["--ckpt", str(tmp_path / "nope"), "--tasks", "copa", "--data", str(data), "--per_example", str(out)]
+        )
+    assert exit_info.value.code == 2 and out.read_text() == "earlier results\n"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary file left
+    argv = ["--init_from", str(hf_dir), "--tasks", "copa", "--data", str(data), "--device", "cpu"]
+    assert evaluate.main([*argv, "--per_example", str(out)]) == 0
+    assert [json.loads(line)["task"] for line in out.read_text().splitlines()] == ["copa"] * len(docs_of("copa"))
+
+
 def test_export_harness_writes_configs_that_include_the_harness_own(tmp_path, suite_docs, monkeypatch):
     fake = tmp_path / "site" / "lm_eval"
     (fake / "tasks").mkdir(parents=True)

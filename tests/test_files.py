@@ -139,6 +139,20 @@ def test_directory_lock_names_its_holder_and_dies_with_it(tmp_path):
     assert lock_file.read_text() == ""  # released: nobody named as the holder
 
 
+def test_a_lock_that_made_its_directory_and_wrote_nothing_else_leaves_nothing_behind(tmp_path):
+    """Issue 38: every failed train.py start left an empty out_dir holding only its .lock."""
+    with files.directory_lock(tmp_path / "out" / "run", "train.py"):
+        pass
+    assert list(tmp_path.iterdir()) == []  # out/run and out/, both made for the lock
+    with files.directory_lock(tmp_path / "out" / "run", "train.py"):
+        (tmp_path / "out" / "run" / "config.json").write_text("{}")
+    assert sorted(p.name for p in (tmp_path / "out" / "run").iterdir()) == [".lock", "config.json"]
+    (tmp_path / "kept").mkdir()
+    with files.directory_lock(tmp_path / "kept", "train.py"):  # there before the lock: not its to remove
+        pass
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == [".lock"]
+
+
 def test_a_full_disk_names_the_file_being_written(tmp_path):
     def fill(f):
         raise OSError(errno.ENOSPC, "No space left on device")  # what f.write raises: no file name

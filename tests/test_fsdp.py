@@ -324,10 +324,12 @@ def test_under_torchrun_a_rank_other_than_0_hashes_nothing(data_dir, tmp_path, m
         assert source.state["path"] == str(tmp_path / "ckpt_000002.pt") and problem is None
 
 
-def test_a_sharded_resume_hashes_the_metadata_first_and_then_each_rank_its_share_of_the_shards(tmp_path, monkeypatch):
+def test_a_sharded_resume_hashes_the_metadata_first_and_then_each_rank_its_share_of_the_shards(
+    data_dir, tmp_path, monkeypatch
+):
     """Under torchrun rank 0 hashes only a sharded checkpoint's metadata before the process group starts (not
     80 GB of shards alone against the rendezvous timeout); once the group is up every rank hashes every
-    world_size-th shard file, and a damaged one is the same one-line error on every rank."""
+    world_size-th shard file, and a damaged one is the same verdict on every rank."""
     tiny_sharded_checkpoint(tmp_path / "ckpt_000005")
     hashed, real = [], checkpoint.file_sha256
     monkeypatch.setattr(
@@ -336,7 +338,7 @@ def test_a_sharded_resume_hashes_the_metadata_first_and_then_each_rank_its_share
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     cfg, source, problem = resume.resolve_config_or_defer(
-        train.parse_args(["--init_from=resume", f"--out_dir={tmp_path}"])
+        train.parse_args(["--init_from=resume", f"--out_dir={tmp_path}", f"--data_dir={data_dir}"])
     )
     ckpt = source.resumed
     assert sorted(set(hashed)) == [".metadata", "meta.pt"] and problem is None and ckpt["step"] == 5
@@ -357,8 +359,26 @@ def test_a_sharded_resume_hashes_the_metadata_first_and_then_each_rank_its_share
     data = bytearray(damaged.read_bytes())
     data[len(data) // 2] ^= 1
     damaged.write_bytes(bytes(data))
-    with pytest.raises(checkpoint.CheckpointError, match="damaged.*move .*ckpt_000005 aside and resume again"):
-        resume.verify_shards(ckpt, parallel.Env(0, 0, 2, True, "cpu", "float32", "fsdp", (2,)))
+    reason = resume.verify_shards(ckpt, parallel.Env(0, 0, 2, True, "cpu", "float32", "fsdp", (2,)))
+    assert reason.startswith(f"{tmp_path / 'ckpt_000005'}: damaged: its sha256 is ")
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_sharded_checkpoint_is_skipped_on_every_rank_as_one_process_skips_it(fsdp_run, tmp_path):
+    """Issue 38: torchrun resumes from the newest intact checkpoint, with the note one process gives, rather than
+    stopping (an automatic restart, torchrun --max-restarts or a SLURM requeue, would fail every time)."""
+    for step in (10, 20):
+        shutil.copytree(fsdp_run / f"ckpt_{step:06d}", tmp_path / f"ckpt_{step:06d}")
+    newest = tmp_path / "ckpt_000020"
+    shard = next(p for p in sorted(newest.iterdir()) if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    result = torchrun("--init_from=resume", f"--out_dir={tmp_path}")
+    assert result.stderr.count(f"note: skipping {newest}: damaged: its sha256 is ") == 1, result.stderr
+    assert "resumed from step 10" in result.stdout
+    assert train_losses(tmp_path) == steps(train_losses(fsdp_run), 11, 20)  # both ranks loaded step 10
+    assert load_checkpoint(newest)["step"] == 20  # written again, and it verifies
 
 
 # ----------------------------------------------------------------------------- evaluation of a sharded model

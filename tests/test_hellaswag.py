@@ -446,6 +446,19 @@ def test_bad_per_example_path_fails_before_evaluating(hf_dir, data_file, tmp_pat
     assert err.endswith(f"error: {bad}: No such file or directory\n") and err.count("\n") == 1, err
 
 
+def test_per_example_keeps_an_earlier_file_until_the_new_one_is_written(hf_dir, data_file, tmp_path, capsys):
+    """Issue 38 (O): the file was opened for writing (emptied) before the model loaded."""
+    out = tmp_path / "preds.jsonl"
+    out.write_text("earlier results\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--ckpt", str(tmp_path / "nope"), "--data", str(data_file), "--per_example", str(out)])
+    assert exit_info.value.code == 2 and out.read_text() == "earlier results\n"
+    assert (
+        main(["--init_from", str(hf_dir), "--data", str(data_file), "--device", "cpu", "--per_example", str(out)]) == 0
+    )
+    assert [json.loads(line)["ind"] for line in out.read_text().splitlines()] == [ex["ind"] for ex in EXAMPLES]
+
+
 def test_a_stop_request_abandons_the_evaluation_between_batches(model, enc, monkeypatch):
     """train.py's SIGTERM: once stop() is True no further batch is scored and the result is None."""
     from gpt2train import scoring

@@ -93,3 +93,32 @@ def test_out_of_memory_in_the_compile_trial_under_torchrun_is_a_one_line_halt(mo
         "together mid-run); try batch_size=2 with 4 accumulation steps, activation_checkpointing=True, "
         "parallel='fsdp' or a smaller block_size"
     )
+
+
+@pytest.fixture
+def process_modes():
+    """Restores torch's deterministic mode, which make_compile_deterministic sets for the rest of a process."""
+    mode, fill = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    yield
+    torch.use_deterministic_algorithms(mode)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+@pytest.mark.slow
+def test_a_compiled_cpu_run_adds_no_gradient_with_atomic_adds(process_modes, monkeypatch):
+    """Issue 38: two identical bf16 + compile runs on a CPU drifted apart from a few steps on: Inductor's kernel for
+    the token embedding's gradient added repeated ids' rows with atomic adds from several threads, in whatever
+    order the threads ran. The code Inductor generates for the trial step (the graphs the loop runs) has none."""
+    from torch._inductor.utils import run_and_get_code  # what torch's own tests read generated code with
+
+    from gpt2train.config import model_config
+    from model import GPT
+
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # generate, not load, the code
+    cfg = make_config(
+        dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64, batch_size=2, compile=True, eval_interval=0)
+    )
+    env = parallel.Env(0, 0, 1, False, "cpu", "bfloat16")
+    model, code = run_and_get_code(parallel.parallelize, GPT(model_config(cfg)), cfg, env)
+    assert parallel.is_compiled(model) and code
+    assert not [c for c in code if "atomic_add" in c]

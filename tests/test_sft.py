@@ -4,6 +4,7 @@ step's loss, exact resume, and sample.py --chat."""
 import io
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -635,4 +636,8 @@ def test_the_chat_demo_fine_tunes_a_run_directory_and_scores_held_out_prompts(tm
     held = [json.loads(line) for line in (tmp_path / "data" / "heldout.jsonl").read_text().splitlines()]
     assert len(held) == 4 and all(h["prompt"].startswith("sort: ") for h in held)
     assert list((tmp_path / "out").glob("ckpt_000002.pt"))
-    assert "held-out exact match: " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "held-out exact match: " in out
+    # what it tells the user to run next runs as printed: this interpreter (make's .venv/bin/python), not `python`
+    chat = next(line for line in out.splitlines() if line.startswith("chat with it: "))
+    assert Path(chat.split()[3]).resolve() == Path(sys.executable).resolve()

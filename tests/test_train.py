@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -472,9 +473,16 @@ def test_a_fine_tune_reads_its_checkpoint_file_once_and_each_data_manifest_once(
     assert manifests == [other / "rand_manifest.json"]
 
 
-def test_fine_tune_refuses_a_config_that_contradicts_the_checkpoint(pretrained, tmp_path, capsys):
+def test_fine_tune_refuses_a_config_that_contradicts_the_checkpoint(data_dir, pretrained, tmp_path, capsys):
     with pytest.raises(SystemExit):
-        train.main([f"--init_from={pretrained / 'run'}", f"--out_dir={tmp_path / 'ft'}", "--n_layer=3"])
+        train.main(
+            [
+                f"--init_from={pretrained / 'run'}",
+                f"--data_dir={data_dir}",
+                f"--out_dir={tmp_path / 'ft'}",
+                "--n_layer=3",
+            ]
+        )
     err = capsys.readouterr().err
     assert "the checkpoint has n_layer=2, the config n_layer=3" in err and err.count("\n") == 1, err
     assert not checkpoint.list_checkpoints(tmp_path / "ft")
@@ -733,12 +741,12 @@ def shard_problem(data_dir, tmp_path, case):
         return bad, []
     write_shard(bad / "d_val_000000.bin", markov_tokens(100, seed=3))
     train = bad / "d_train_000000.bin"
-    write_shard(train, markov_tokens(100, seed=4))
+    write_shard(train, markov_tokens(5000 if case == "val split shorter than a sample" else 100, seed=4))
     if case == "truncated shard":
         train.write_bytes(train.read_bytes()[:-10])
     elif case == "bad header":
         train.write_bytes((12345).to_bytes(4, "little") + train.read_bytes()[4:])
-    return bad, ["--block_size=200", "--n_embd=32"] if case == "block_size longer than every shard" else []
+    return bad, ["--block_size=200", "--n_embd=32"] if "sample" in case or "block_size" in case else []
 
 
 @pytest.mark.parametrize(
@@ -754,18 +762,42 @@ def shard_problem(data_dir, tmp_path, case):
             "no train shards (*.bin or *.npy files with 'train' in the name); prepare it with "
             "`python prepare_data.py --input YOUR_TEXT_FILES --out_dir ",
         ),
+        (  # a hint with it (issue 38: the fix, not only the cause)
+            "block_size longer than every shard",
+            "the train shards hold 100 tokens; none has the block_size+1 = 201 tokens of one sample: "
+            "prepare more text, or train with a smaller block_size",
+        ),
+        (
+            "val split shorter than a sample",
+            "the val shards hold 100 tokens; none has the block_size+1 = 201 tokens of one sample: "
+            "prepare it again with a larger --val_tokens, or train with a smaller block_size",
+        ),
         ("truncated shard", "d_train_000000.bin: truncated llm.c shard: header says 100 tokens"),
         ("bad header", "d_train_000000.bin: bad magic 12345 in the llm.c shard header"),
-        (
-            "block_size longer than every shard",
-            "the train shards hold 100 tokens; none has the block_size+1 = 201 tokens",
-        ),
     ],
 )
 def test_data_problems_are_one_line_errors(data_dir, tmp_path, capsys, case, expected):
     bad, extra = shard_problem(data_dir, tmp_path, case)
     expect_exit(1, run, bad, tmp_path / "out", "--max_steps=4", *extra)
     assert expected in one_line_error(capsys)
+
+
+def test_a_misspelled_data_dir_is_found_before_the_plan_with_a_near_name_and_a_prepare_command(
+    data_dir, tmp_path, capsys
+):
+    """Issue 38: the wrong --data_dir printed the memory plan (for the wrong vocabulary) first, suggested no near
+    name, and its prepare command left out SFT data's --format sft; the failed start left out_dir behind, holding
+    only its .lock."""
+    (tmp_path / "data").mkdir()
+    shutil.copytree(data_dir, tmp_path / "data" / "kdoc")
+    expect_exit(1, run, tmp_path / "data" / "kdocs", tmp_path / "out" / "typo", "--max_steps=1")
+    out, err = capsys.readouterr()
+    assert out == "" and err == (  # nothing before it: no memory plan
+        f"train.py: error: {tmp_path / 'data' / 'kdocs'}: no such data directory (did you mean "
+        f"'{tmp_path / 'data' / 'kdoc'}'?); prepare it with `python prepare_data.py --input YOUR_TEXT_FILES "
+        f"--out_dir {tmp_path / 'data' / 'kdocs'}` (conversations to fine-tune on: add `--format sft`)\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # out/typo and out/ were made for the run
 
 
 def test_missing_default_data_names_the_prepare_command(tmp_path, monkeypatch, capsys):
