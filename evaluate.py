@@ -3,6 +3,7 @@
     python evaluate.py --ckpt out/gpt2_124m --tasks default --json          # the default suite
     python evaluate.py --init_from hf_dir --tasks arc_easy,mmlu --limit 200 --per_example preds.jsonl
     python evaluate.py --export_harness harness_tasks --tasks default       # the same tasks for `lm_eval`
+    python evaluate.py --ckpt out/a --bpb held_out.txt docs.jsonl --json    # bits per byte of any text
 
 Tasks (tasks.py): hellaswag, arc_easy, arc_challenge, piqa, winogrande, copa, openbookqa, commonsense_qa, sciq,
 social_iqa, boolq, mmlu; `default` is the suite a 124M run can afford at every evaluation, `all` every task.
@@ -11,6 +12,9 @@ reports it, by that divided by the choice's length in characters (`acc_norm`), t
 hellaswag.py and train.py use (scoring.py). The summary `mc_centered` is the mean over tasks of centered accuracy,
 (acc - chance) / (1 - chance), chance being the mean of 1/choices over the examples scored: 0 for guessing,
 1 for perfect. Scored on the validation splits (the harness's default is `test` for ARC, OpenBookQA, SciQ, MMLU).
+
+--bpb scores text files instead, in bits per UTF-8 byte (BPB_PROTOCOL below; scoring.bits_per_byte), so models with
+different tokenizers compare on the same text.
 """
 
 import argparse
@@ -23,8 +27,16 @@ from pathlib import Path
 import torch
 
 from gpt2train import tasks
+from gpt2train.documents import PrepError, file_documents
 from gpt2train.files import atomic_write, check_writable, report_error
-from gpt2train.scoring import Suite
+from gpt2train.scoring import Suite, bits_per_byte
+
+BPB_PROTOCOL = (
+    "a .txt file is one document, a .jsonl file's `text` fields are documents; each document is scored alone as "
+    "the end-of-text token followed by its tokens, cut into consecutive non-overlapping windows of at most "
+    "block_size predicted tokens, each window conditioned only on its own tokens (softmax over the tokenizer's "
+    "ids); bits per byte = the summed negative log-likelihood / ln 2 / the documents' UTF-8 bytes"
+)
 
 # ----------------------------------------------------------------------------- the harness's own task files
 
@@ -116,12 +128,17 @@ def _parser(export):
         parser.add_argument("--json", action="store_true", help="last stdout line: one JSON object of the results")
         parser.add_argument("--per_example", help="write one JSON line per example: task, index, pred, label, acc")
         parser.add_argument("--export_harness", metavar="DIR", help="write the lm_eval task folder instead (no model)")
+        parser.add_argument(
+            "--bpb", nargs="+", metavar="FILE", help=f"score these text files in bits per byte instead: {BPB_PROTOCOL}"
+        )
     parser.add_argument(
         "--tasks",
         default="default",
         help=f"comma-separated: {', '.join(tasks.TASKS)}; default ({','.join(tasks.DEFAULT_TASKS)}), all",
     )
-    parser.add_argument("--limit", type=int, default=None, help="score only the first N examples of each task")
+    parser.add_argument(
+        "--limit", type=int, default=None, help="score only the first N examples of each task (--bpb: documents)"
+    )
     parser.add_argument(
         "--data",
         metavar="FILE",
@@ -141,6 +158,16 @@ def main(argv=None):
     if args.limit is not None and args.limit < 1:
         parser.error(f"--limit must be >= 1, got {args.limit}")
 
+    if not export and args.bpb:
+        result, device, dtype = score_bpb(parser, args)
+        print(
+            f"bpb={result['bpb']:.4f} over {result['documents']:,} document(s) of {', '.join(args.bpb)}: "
+            f"{result['bytes']:,} bytes, {result['tokens']:,} tokens ({result['bytes'] / result['tokens']:.3f} "
+            f"bytes/token), {result['nats'] / result['tokens']:.4f} nats/token ({device}, {dtype})"
+        )
+        if args.json:
+            print(json.dumps({**result, "files": args.bpb}))
+        return 0
     try:  # bad input is one line on stderr and exit status 2, all checked before a model is loaded
         names = tasks.parse_tasks(args.tasks)
         if not export and args.per_example:  # written at the end: an earlier file stays until then
@@ -191,6 +218,45 @@ def main(argv=None):
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k != "preds"}))
     return 0
+
+
+def read_documents(paths, limit=None):
+    """The documents of --bpb's files (BPB_PROTOCOL), the first `limit` of them; ValueError (one line naming the
+    file) for another kind of file or one that cannot be read."""
+    docs = []
+    for path in map(Path, paths):
+        if path.suffix not in (".txt", ".jsonl"):
+            raise ValueError(f"{path}: --bpb reads .txt files (one document) and .jsonl files (a 'text' field a line)")
+        if not path.is_file():
+            raise ValueError(f"{path}: no such file")
+        try:
+            docs += file_documents([path], "text")
+        except PrepError as e:
+            raise ValueError(str(e)) from None
+    return docs[:limit]
+
+
+def score_bpb(parser, args):
+    """evaluate.py --bpb: (scoring.bits_per_byte's result for the model and files the flags name, device, dtype);
+    bad input is one line on stderr and exit status 2."""
+    if args.per_example or args.data:
+        parser.error("--bpb scores text files: --per_example and --data belong to the tasks")
+    try:
+        docs = read_documents(args.bpb, args.limit)
+    except (OSError, ValueError) as e:
+        report_error(parser.prog, e)
+        parser.exit(2)
+    from gpt2train.devices import tune_cpu_allocator
+    from gpt2train.loading import load_model_from_args
+
+    model, enc, device, dtype = load_model_from_args(parser, args)
+    tune_cpu_allocator(device)
+    try:
+        result = bits_per_byte(model, enc, docs, device, args.batch_size, dtype, progress=sys.stderr.isatty())
+    except ValueError as e:  # no text, a tokenizer without <|endoftext|> or with more ids than the model
+        report_error(parser.prog, e)
+        parser.exit(2)
+    return result, device, dtype
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Plot training runs' metrics.jsonl: loss (train and val), gradient norm, learning rate, throughput;
-or compare two runs' trajectories step by step.
+"""Plot training runs' metrics.jsonl: loss (train and val; a mixture's sources dashed), gradient norm, learning
+rate, throughput, val bits per byte and evaluations; or compare two runs' trajectories step by step.
 
     python plot_metrics.py out/shakespeare                      # -> out/shakespeare/metrics.png
     python plot_metrics.py out/a/metrics.jsonl out/b -o cmp.png  # several runs overlaid, legend from the dirs
@@ -9,6 +9,7 @@ Plotting needs matplotlib (`pip install matplotlib`, an optional extra; training
 """
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -47,6 +48,18 @@ def series(records, key):
 
 
 EVAL_KEYS = ("hellaswag_acc_norm", "mc_centered")  # hellaswag.py's, and evaluate.py's summary
+SOURCE_STYLES = ("--", ":", "-.")  # a mixture's sources, in turn
+
+
+def sources(val):
+    """The names of a mixture's sources in val records (val/<name>_loss), in order."""
+    keys = dict.fromkeys(k for r in val for k in r if k.startswith("val/") and k.endswith("_loss"))
+    return [k[len("val/") : -len("_loss")] for k in keys]
+
+
+def val_keys(records):
+    """The keys --compare compares of val records: val_bpb, and a mixture's val/<name>_loss and _bpb."""
+    return {k for r in records for k in r if k == "val_bpb" or k.startswith("val/")}
 
 
 def plot(runs, out_path):
@@ -58,36 +71,44 @@ def plot(runs, out_path):
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
-    evals = [read_metrics(path)[2] for _, path in runs]
-    panels = 5 if any(evals) else 4  # a fifth for the evaluations (HellaSwag, the task suite) when a run has them
-    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4.5))
-    (ax_loss, ax_norm, ax_lr, ax_tps), ax_eval = axes[:4], axes[4] if panels == 5 else None
-    for label, path in runs:
-        steps, val, hellaswag = read_metrics(path)
-        (line,) = ax_loss.plot(*series(steps, "train_loss"), lw=1, alpha=0.8, label=f"{label} train")
+    read = [read_metrics(path) for _, path in runs]
+    titles = ["loss", "gradient norm", "learning rate", "tokens / s"]
+    titles += ["val bits / byte"] if any(r.get("val_bpb") is not None for _, val, _ in read for r in val) else []
+    titles += ["evaluations"] if any(evals for _, _, evals in read) else []  # HellaSwag, the task suite
+    fig, axes = plt.subplots(1, len(titles), figsize=(5 * len(titles), 4.5))
+    ax = dict(zip(titles, axes))
+    for (label, _), (steps, val, hellaswag) in zip(runs, read):
+        (line,) = ax["loss"].plot(*series(steps, "train_loss"), lw=1, alpha=0.8, label=f"{label} train")
+        color = line.get_color()
         if val:
-            ax_loss.plot(*series(val, "val_loss"), "o-", color=line.get_color(), ms=3, label=f"{label} val")
-        ax_norm.plot(*series(steps, "grad_norm"), lw=1, label=label)
-        ax_lr.plot(*series(steps, "lr"), label=label)
-        ax_tps.plot(*series(steps, "tokens_per_s"), lw=1, label=label)
+            ax["loss"].plot(*series(val, "val_loss"), "o-", color=color, ms=3, label=f"{label} val")
+        if "val bits / byte" in ax and any(r.get("val_bpb") is not None for r in val):
+            ax["val bits / byte"].plot(*series(val, "val_bpb"), "o-", color=color, ms=3, label=label)
+        for name, style in zip(sources(val), itertools.cycle(SOURCE_STYLES)):  # a mixture's sources, each alone
+            ax["loss"].plot(*series(val, f"val/{name}_loss"), style, color=color, label=f"{label} val {name}")
+            if "val bits / byte" in ax:
+                ax["val bits / byte"].plot(*series(val, f"val/{name}_bpb"), style, color=color, label=f"{label} {name}")
+        ax["gradient norm"].plot(*series(steps, "grad_norm"), lw=1, label=label)
+        ax["learning rate"].plot(*series(steps, "lr"), label=label)
+        ax["tokens / s"].plot(*series(steps, "tokens_per_s"), lw=1, label=label)
         for key in EVAL_KEYS:
             if any(key in r for r in hellaswag):
-                ax_eval.plot(*series(hellaswag, key), "o-", ms=3, label=f"{label} {key}")
+                ax["evaluations"].plot(*series(hellaswag, key), "o-", ms=3, label=f"{label} {key}")
                 log(f"{label}: best {key} {max(series(hellaswag, key)[1]):.4f}")
-    titled = [(ax_loss, "loss"), (ax_norm, "gradient norm"), (ax_lr, "learning rate"), (ax_tps, "tokens / s")]
-    for ax, title in titled + ([(ax_eval, "evaluations")] if ax_eval is not None else []):
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    for title, axis in ax.items():
+        axis.set_title(title)
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_path, dpi=120)
     log(f"wrote {out_path}")
 
 
 def compare(path_a, path_b):
-    """Over the steps both runs logged: max and mean |a - b| of train_loss and grad_norm, and each
-    run's final val loss. Returns a dict (what --compare prints)."""
+    """Over the steps both runs logged: max and mean |a - b| of train_loss and grad_norm; of the evaluations and
+    val bits per byte (a mixture's: each source's val loss and bits per byte too) both logged, each run's last value
+    and the largest gap; each run's final val loss. Returns a dict (what --compare prints)."""
     (steps_a, val_a, eval_a), (steps_b, val_b, eval_b) = read_metrics(path_a), read_metrics(path_b)
     out = {}
     for key in ("train_loss", "grad_norm"):
@@ -101,8 +122,10 @@ def compare(path_a, path_b):
             "max_abs_diff": max(diffs, default=None),
             "mean_abs_diff": sum(diffs) / len(diffs) if diffs else None,
         }
-    for key in sorted({k for r in eval_a + eval_b for k in r if k in EVAL_KEYS or k.startswith("mc/")}):
-        a, b = dict(zip(*series(eval_a, key))), dict(zip(*series(eval_b, key)))
+    evaluated = {k: (eval_a, eval_b) for r in eval_a + eval_b for k in r if k in EVAL_KEYS or k.startswith("mc/")}
+    evaluated |= {k: (val_a, val_b) for k in val_keys(val_a + val_b)}  # val_bpb, a mixture's sources
+    for key in sorted(evaluated):
+        a, b = (dict(zip(*series(records, key))) for records in evaluated[key])
         if a and b:  # an evaluation both runs logged: each run's last value, and the largest gap at common steps
             common = sorted(a.keys() & b.keys())
             out[key] = {
@@ -131,8 +154,8 @@ def compare_text(path_a, path_b, result):
     line = f"final val_loss  a {fmt(va, sa)}, b {fmt(vb, sb)}"
     if va is not None and vb is not None:
         line += f", |a-b| {abs(va - vb):.3e}"
-    for key, r in result.items():  # the evaluations (HellaSwag, the task suite), then the val loss last
-        if key in EVAL_KEYS or key.startswith("mc/"):
+    for key, r in result.items():  # the evaluations (HellaSwag, the task suite, val bpb), then the val loss last
+        if key in EVAL_KEYS or key.startswith(("mc/", "val")):
             gap = "n/a" if r["max_abs_diff"] is None else f"{r['max_abs_diff']:.4f}"
             lines.append(
                 f"{key:<22}  a {r['last'][0]:.4f} (step {r['steps'][0]}), b {r['last'][1]:.4f} "

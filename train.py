@@ -39,7 +39,7 @@ from gpt2train.config import (
     parse_args,
 )
 from gpt2train.console import distributed, log, progress_bar
-from gpt2train.data import DataLoader, NoShardsError, ShardError
+from gpt2train.data import DataLoader, Mixture, NoShardsError, ShardError, parse_mixture
 from gpt2train.devices import fused_adamw_supported, peak_flops, peak_memory
 from gpt2train.documents import prepare_command
 from gpt2train.evaluation import Abandoned, Evaluator
@@ -72,13 +72,15 @@ class StopRequest:
 
 
 def make_loaders(cfg, env, manifests):
-    """Train and val loaders: every rank reads its own slice of one global, world-size-invariant stream.
-    Every shard is validated here, token ids included, before step 1. manifests: the data's, as the run's start
-    read them (resume.Source.manifests)."""
+    """Train and val loaders: every rank reads its own slice of one global, world-size-invariant stream; of a
+    mixture (data_dir names several datasets), a data.Mixture of one loader per source. Every shard is validated
+    here, token ids included, before step 1. manifests: the data's, as the run's start read them
+    (resume.Source.manifests)."""
+    sources = parse_mixture(cfg.data_dir)
 
     def loader(split):  # batch_size='auto': 1 until probe_batch_size sets it
-        return DataLoader(
-            cfg.data_dir,
+        return (Mixture if sources else DataLoader)(
+            sources or cfg.data_dir,
             split,
             1 if cfg.batch_size == "auto" else cfg.batch_size,
             cfg.block_size,
@@ -94,7 +96,7 @@ def make_loaders(cfg, env, manifests):
         train_loader = loader("train")
         val_loader = loader("val") if cfg.eval_interval > 0 else None
     except NoShardsError as e:
-        raise NoShardsError(f"{e}; prepare it with {prepare_command(cfg.data_dir)}") from None
+        raise NoShardsError(f"{e}; prepare it with {prepare_command(e.data_dir or cfg.data_dir)}") from None
     log(
         f"data: {train_loader.summary().replace(' shards', ' train shards')}; "
         f"val: {val_loader.summary() if val_loader else 'none (eval_interval=0)'}"
@@ -264,8 +266,9 @@ def skip_reason(stats, scaler, cfg, progress):
 # ----------------------------------------------------------------------------- logging
 
 
-def step_record(stats, micro_batch, total_batch_size, raw_model, peak, env):
-    """The metrics.jsonl record of one optimizer step (stats: its StepStats)."""
+def step_record(stats, loader, total_batch_size, raw_model, peak, env):
+    """The metrics.jsonl record of one optimizer step (stats: its StepStats; loader: the train loader, whose B is
+    the live micro-batch; of a mixture, the tokens each source supplied so far, tokens/<name>)."""
     tokens_per_s = total_batch_size / stats.dt
     mem, reserved = peak_memory(env.kind)
     record = {
@@ -277,9 +280,11 @@ def step_record(stats, micro_batch, total_batch_size, raw_model, peak, env):
         "mfu": raw_model.estimate_mfu(tokens_per_s / env.world_size, peak),
         "step_ms": stats.dt * 1000,
         "peak_mem_mb": mem,
-        "micro_batch": micro_batch,
+        "micro_batch": loader.B,
         "trained_tokens": stats.trained_tokens,
     }
+    if isinstance(loader, Mixture):
+        record.update(loader.tokens())
     if reserved is not None:
         record["peak_reserved_mb"] = reserved
     if stats.skipped:
@@ -432,7 +437,7 @@ def run(user):
             progress.step = step + 1
             if budget and budget.add(stats.dt):
                 bar.total = cfg.max_steps
-            report_step(step_record(stats, train_loader.B, total_batch_size, raw_model, peak, env), tracker, bar, cfg)
+            report_step(step_record(stats, train_loader, total_batch_size, raw_model, peak, env), tracker, bar, cfg)
         finished = True
     except Halt as e:
         raise Halt(f"{e}; {resume_hint(out_dir)}") from None

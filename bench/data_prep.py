@@ -1,10 +1,12 @@
 """Data benchmarks (not a test): prepare_data.py's throughput against tiktoken's raw
 encode_ordinary_batch on the same text and number of processes, prepare_data.py with a tokenizer.json (--tokenizer)
-against GPT-2's tiktoken path on the same text, and the loader's time per batch. Run from the repository root:
+against GPT-2's tiktoken path on the same text, the loader's time per batch, and a 4-source mixture's time per batch
+against one source's. Run from the repository root:
 
     python -m bench.data_prep                      # all CPUs, Tiny Shakespeare x4, B=16 T=1024
     python -m bench.data_prep --num_proc 8 --copies 16 --batch_size 64
     python -m bench.data_prep --only tokenizers --tokenizer tok/mine   # just the tokenizer comparison
+    python -m bench.data_prep --only mixture --repeats 30              # data.Mixture of 4 vs one DataLoader
 
 Text: Tiny Shakespeare (the assets fetcher), repeated --copies times, cut two ways: one document
 per speech (~45 tokens, the worst case for per-document overhead) and ~4 KB pages (~1,000 tokens,
@@ -27,7 +29,7 @@ import numpy as np
 
 from bench import machine_line
 from gpt2train.assets import fetch_shakespeare, get_tokenizer
-from gpt2train.data import DataLoader, write_shard
+from gpt2train.data import AHEAD_STEPS, DataLoader, Mixture, parse_mixture, write_shard
 from gpt2train.documents import split_speeches
 from prepare_data import prepare
 
@@ -213,6 +215,36 @@ def bench_loader(batch_size, block_size, world_size, steps, tmp):
     )
 
 
+def bench_mixture(batch_size, block_size, world_size, steps, repeats, tmp):
+    """CPU time per batch of a data.Mixture of 4 sources (equal weights; each 2 shards of 5M random tokens) against
+    one DataLoader over the same 8 shards (a glob), so both read rows at random from the same 80 MB. The two take
+    turns batch by batch, so a busy machine disturbs both alike; each batch is timed in CPU time (time.process_time:
+    time the process was not running is not counted). The mixture's batches are cheap but every AHEAD_STEPS-th
+    reads all the next ones: the figure is the mean over repeats * max(steps, 20 * AHEAD_STEPS) batches."""
+    rng = np.random.default_rng(0)
+    root = Path(tmp) / "mixture"
+    for s in range(4):
+        for i in range(2):
+            tokens = rng.integers(0, 50257, size=5_000_000, dtype=np.uint16)
+            write_shard(root / f"s{s}" / f"bench_train_{i:06d}.bin", tokens)
+    args = ("train", batch_size, block_size, 0, world_size)
+    one = DataLoader(str(root / "s*" / "bench_train_*"), *args, vocab_size=50257)
+    mixture = Mixture(parse_mixture({str(root / f"s{s}"): 1 for s in range(4)}), *args, vocab_size=50257)
+    batches = repeats * max(steps, 20 * AHEAD_STEPS)
+    seconds = {one: 0.0, mixture: 0.0}
+    for i in range(batches + 2 * AHEAD_STEPS):  # the first ones warm up
+        for loader in (one, mixture):
+            t0 = time.process_time()
+            loader.next_batch()
+            seconds[loader] += (time.process_time() - t0) if i >= 2 * AHEAD_STEPS else 0.0
+    single, mixed = seconds[one] / batches, seconds[mixture] / batches
+    print(
+        f"mixture B={batch_size} T={block_size} world_size={world_size}: 4 sources {mixed * 1e6:.1f} us/batch, "
+        f"one source {single * 1e6:.1f} us/batch (CPU time, {batches:,} batches each, taking turns): "
+        f"{mixed / single:.3f}x"
+    )
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num_proc", type=int, default=os.cpu_count())
@@ -227,7 +259,7 @@ def main():
         help="tokenizer.json (or its directory) to compare with GPT-2's (default: one "
         "trained here by tokenizer.py on the text, 8,192 ids)",
     )
-    p.add_argument("--only", choices=["prep", "tokenizers", "loader"], help="run one of the three benchmarks")
+    p.add_argument("--only", choices=["prep", "tokenizers", "loader", "mixture"], help="run one of the benchmarks")
     args = p.parse_args()
     # after parsing (--help needs no torch), before timing: the loader's first batch is not charged for it
     import torch  # noqa: F401
@@ -253,6 +285,8 @@ def main():
             bench_tokenizers(pages, "pages", args.num_proc, args.repeats, tmp, path)
         if args.only in (None, "loader"):
             bench_loader(args.batch_size, args.block_size, args.world_size, args.steps, tmp)
+        if args.only in (None, "mixture"):
+            bench_mixture(args.batch_size, args.block_size, args.world_size, args.steps, args.repeats, tmp)
 
 
 if __name__ == "__main__":

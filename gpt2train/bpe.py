@@ -71,6 +71,26 @@ def tokenizer_record(enc, source=None):
     }
 
 
+@functools.lru_cache(maxsize=4)  # GPT-2's takes 0.2 s, and every run in a process asks for it
+def token_bytes(enc, size=0):
+    """How many UTF-8 bytes of text each token id decodes to (decode_single_token_bytes), as a read-only int64
+    array of max(size, n_vocab) entries: 0 for the special tokens (<|endoftext|> and the like mark text, they are
+    none of it) and for ids the tokenizer does not have (a padded vocabulary's). The denominator of val_bpb."""
+    if isinstance(enc, HFTokenizer):
+        special = set(enc._special.values())
+    else:  # tiktoken's Encoding
+        special = {enc.encode_single_token(t) for t in enc.special_tokens_set}
+    table = np.zeros(max(size, enc.n_vocab), dtype=np.int64)
+    for i in range(enc.n_vocab):
+        if i not in special:
+            try:
+                table[i] = len(enc.decode_single_token_bytes(i))
+            except KeyError:  # an id in a gap of the vocabulary
+                pass
+    table.flags.writeable = False
+    return table
+
+
 def _byte_level_chars():
     """GPT-2's byte-level alphabet: byte b is written as one printable character; here char -> byte."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]

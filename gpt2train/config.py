@@ -35,7 +35,7 @@ class ConfigError(ValueError):
 @dataclass
 class TrainConfig(GPTConfig):
     # data and output
-    data_dir: str = "data/fineweb-edu"  # directory (or glob) of token shards written by prepare_data.py
+    data_dir: str | dict = "data/fineweb-edu"  # prepare_data.py's shards (dir or glob); a mixture: "a:0.8,b:0.2"
     out_dir: str = "out"  # checkpoints, metrics.jsonl and config.json are written here
     init_from: str = "scratch"  # scratch, resume (out_dir's latest), gpt2..gpt2-xl, an HF dir, a checkpoint/run dir
     preset: str | None = None  # fill the model keys from model.PRESETS, e.g. 'gpt2', 'gpt3-350m' (keys set win)
@@ -133,6 +133,12 @@ class TrainConfig(GPTConfig):
                 f"optimizer='muon' needs torch.optim.Muon (torch >= 2.9), which torch "
                 f"{torch.__version__} lacks: upgrade torch, or use optimizer='adamw'"
             )
+        from gpt2train.data import parse_mixture  # no torch: the shard format and the loaders
+
+        try:
+            parse_mixture(self.data_dir)
+        except ValueError as e:
+            raise ConfigError(f"config key 'data_dir': {e}") from None
         if self.eval_tasks_interval:
             from gpt2train.tasks import parse_tasks  # no torch: the task catalogue
 
@@ -220,6 +226,8 @@ def check_value(key, value, source):
         if isinstance(value, bool):  # True is an int in Python, but never a valid int/float setting
             continue
         if tp is int and isinstance(value, int) or tp is str and isinstance(value, str):
+            return value
+        if tp is dict and isinstance(value, dict):
             return value
         if tp is float and isinstance(value, (int, float)):
             return float(value)

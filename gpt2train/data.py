@@ -20,6 +20,7 @@ than a row is left out, counted and reported), and the loader yields y = -1 wher
 import bisect
 import glob
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from gpt2train.assets import EOT
-from gpt2train.console import progress_bar
+from gpt2train.console import log, progress_bar
 from gpt2train.files import atomic_write, first_line, read_regular
 
 MAGIC = 20240520
@@ -46,7 +47,11 @@ class ShardError(ValueError):
 
 
 class NoShardsError(ShardError):
-    """A data directory that does not exist or holds no shards of a split (not prepared yet?)."""
+    """A data directory that does not exist or holds no shards of a split (not prepared yet?); data_dir: which."""
+
+    def __init__(self, message, data_dir=None):
+        super().__init__(message)
+        self.data_dir = data_dir
 
 
 def shard_header(num_tokens):
@@ -231,7 +236,13 @@ def read_manifests(data_dir):
     """{manifest path: its parsed JSON} of prepare_data.py's manifests (<name>_manifest.json) in the directories of
     data_dir's train and val shards, each file read once: a run reads them at its start (resume.start) and its
     loaders and tokenizer check take them. ShardError naming a manifest that is unreadable or not a JSON object,
-    or a directory a prepare_data.py is still writing; NoShardsError when data_dir has no train shards."""
+    or a directory a prepare_data.py is still writing; NoShardsError when data_dir has no train shards. A mixture
+    (parse_mixture): the manifests of all its sources, which must share one tokenizer (check_one_tokenizer)."""
+    sources = parse_mixture(data_dir)
+    if sources is not None:
+        found = {name: read_manifests(path) for name, (path, _) in sources.items()}
+        check_one_tokenizer(found, sources)
+        return {manifest: m for manifests in found.values() for manifest, m in manifests.items()}
     directories = {p.parent for p in find_shards(data_dir, "train")}
     try:
         directories |= {p.parent for p in find_shards(data_dir, "val")}
@@ -385,6 +396,37 @@ def data_tokenizer(manifests):
     return next(iter(found.values()), None)
 
 
+def check_one_tokenizer(found, sources):
+    """ShardError, one line naming two sources and their tokenizers, unless the sources of a mixture ({name: (path,
+    weight)}) were all tokenized with one tokenizer, by the ids their manifests (found: {name: read_manifests'})
+    record; a source without a manifest is taken to be GPT-2's, as everywhere. Two tokenizers within one source are
+    data_tokenizer's error."""
+
+    def tokenizer(m):
+        t = m.get("tokenizer")
+        return t if isinstance(t, dict) and "id" in t else {"id": "gpt2"}
+
+    ids = {}
+    for name, manifests in found.items():
+        records = [tokenizer(m) for m in manifests.values()] or [{"id": "gpt2"}]
+        if len({r["id"] for r in records}) == 1:
+            ids[name] = records[0]
+    first = next(iter(ids.values()), None)
+    other = next((name for name, r in ids.items() if r["id"] != first["id"]), None)
+    if other is None:
+        return
+    one = next(iter(ids))
+
+    def named(name):
+        r = ids[name]
+        return r["id"] + (f" ({r['source']})" if r.get("source") else "")
+
+    raise ShardError(
+        f"data_dir: {sources[one][0]} was tokenized with {named(one)}, {sources[other][0]} with {named(other)}; the "
+        f"sources of a mixture share one tokenizer: prepare them with the same prepare_data.py --tokenizer"
+    )
+
+
 def check_shards_vocab(paths, shards, vocab_size, progress=True, chunk=1 << 26, records=None):
     """Every token id of every shard < vocab_size, before training starts (ShardError naming the shard and
     the id otherwise). A shard's max id comes from its manifest record (manifest_records) if the shard was not
@@ -409,6 +451,48 @@ def check_shards_vocab(paths, shards, vocab_size, progress=True, chunk=1 << 26, 
             check_vocab(tokens, vocab_size, path, top=top)
 
 
+def parse_mixture(data_dir):
+    """{name: (path, weight)} of a data_dir that names a mixture of prepared datasets, weights scaled to sum to 1;
+    None for one source (a directory or a glob of shards). A mixture is a dict {path: weight} (a config file) or a
+    string "path:weight,path:weight" (the command line); a weight is a share of the rows drawn, >= 0 (0: validated,
+    never trained on). A source's name is its path's last part without glob characters, made unique by _2, _3 ...
+    in order. ValueError (one line) for a malformed mixture."""
+    if isinstance(data_dir, dict):
+        items = [(str(path), weight) for path, weight in data_dir.items()]
+    else:
+        text = str(data_dir)
+        path, _, weight = text.rpartition(":")
+        if "," not in text and not (path and re.fullmatch(r"\s*[0-9.eE+-]+\s*", weight)):
+            return None
+        items = [part.rpartition(":")[::2] for part in text.split(",")]
+        bad = next((part for part, (path, _) in zip(text.split(","), items) if not path.strip()), None)
+        if bad is not None:
+            raise ValueError(f"data_dir {text!r}: {bad!r} is not path:weight (a mixture is path:weight,path:weight)")
+    sources, paths = {}, set()
+    for path, weight in items:
+        path = path.strip()
+        try:
+            number = float(weight) if not isinstance(weight, bool) else math.nan
+        except (TypeError, ValueError):
+            number = math.nan
+        if not math.isfinite(number) or number < 0:
+            raise ValueError(f"data_dir: the weight of {path} must be a number >= 0; got {weight!r}")
+        weight = number
+        if path in paths:
+            raise ValueError(f"data_dir: {path} is named twice")
+        paths.add(path)
+        base = re.sub(r"[*?\[\]]", "", Path(path).name) or Path(path).parent.name or "data"
+        name, n = base, 1
+        while name in sources:
+            n += 1
+            name = f"{base}_{n}"
+        sources[name] = (path, weight)
+    total = sum(w for _, w in sources.values())
+    if total <= 0:
+        raise ValueError(f"data_dir: at least one source needs a weight > 0; got {data_dir!r}")
+    return {name: (path, w / total) for name, (path, w) in sources.items()}
+
+
 def find_shards(data_dir, split):
     """Sorted shard files (.bin/.npy) of one split in data_dir: names whose stem contains the split
     as a word, e.g. `x_train_000001.bin`, `train.bin`, `edufineweb_val_000000.npy`.
@@ -423,7 +507,7 @@ def find_shards(data_dir, split):
     elif os.path.exists(data_dir):
         raise ShardError(f"{data_dir}: is a file, not a data directory (data_dir: a directory of shards, or a glob)")
     else:
-        raise NoShardsError(f"{data_dir}: no such data directory")
+        raise NoShardsError(f"{data_dir}: no such data directory", data_dir)
     word = re.compile(rf"(^|[_.-]){split}($|[_.-])")
     named = [p for p in candidates if p.suffix in SHARD_SUFFIXES and word.search(p.stem)]
     dangling = [p for p in named if p.is_symlink() and not p.exists()]
@@ -431,7 +515,9 @@ def find_shards(data_dir, split):
         raise ShardError(f"{dangling[0]}: a symlink to {os.readlink(dangling[0])}, which does not exist")
     paths = [p for p in named if p.is_file()]
     if not paths:
-        raise NoShardsError(f"{data_dir}: no {split} shards (*.bin or *.npy files with '{split}' in the name)")
+        raise NoShardsError(
+            f"{data_dir}: no {split} shards (*.bin or *.npy files with '{split}' in the name)", data_dir
+        )
     return paths
 
 
@@ -605,8 +691,14 @@ class DataLoader:
                     for s, n in zip(*r.left_out)
                 )
         else:
-            self._window_offsets = np.arange(block_size + 1)
             self.samples_per_shard = np.array([max(0, (len(s) - 1) // block_size) for s in self.shards], dtype=np.int64)
+            # each shard as its (samples, T+1) windows at stride T, a view: a batch copies whole rows out of it
+            self.windows = [
+                np.lib.stride_tricks.as_strided(
+                    s, (n, block_size + 1), (block_size * s.strides[0], s.strides[0]), writeable=False
+                )
+                for s, n in zip(self.shards, self.samples_per_shard.tolist())
+            ]
         self.num_samples = int(self.samples_per_shard.sum())
         if masks is not None and self.num_samples and not self.trained_tokens:
             raise ShardError(
@@ -706,39 +798,60 @@ class DataLoader:
     def next_batch(self):
         """The next (x, y) of this rank: int64 CPU tensors of shape (B, T); y[:, t] == x[:, t+1], or -1 where a
         loss mask is off or a document row is padded."""
-        B, T = self.B, self.T
-        window = np.empty((B, T + 1), dtype=np.uint16)
-        keep = np.empty((B, T + 1), dtype=np.uint8) if self.masked else None
-        for at, shard, samples in self._runs(self.position + self.rank * B, B):  # usually a single run
-            rows = window[at : at + len(samples)]
-            mask = None if self.masks is None else self.masks[shard]
-            if self.rows is not None:
-                self.rows[shard].gather(
-                    samples, rows, keep[at : at + len(samples)], self.shards[shard], mask, self.doc_token
-                )
-            else:
-                where = (samples * T)[:, None] + self._window_offsets
-                rows[:] = self.shards[shard][where]  # (b, T+1) gather
-            if self.vocab_size is not None and rows.size and int(rows.max()) >= self.vocab_size:  # changed since start
-                row, col = np.argwhere(rows >= self.vocab_size)[0]
-                at_token = (
-                    f"at token {int(samples[row]) * T + int(col):,}"
-                    if self.rows is None
-                    else f"in document row {int(samples[row]):,}"
-                )
-                raise ShardError(
-                    f"{self.paths[shard]}: token id {int(rows[row, col])} >= vocab_size {self.vocab_size} "
-                    f"{at_token}: the shard changed after the run checked it at start; restore or "
-                    f"re-prepare it"
-                )
-        self.position += B * self.world_size
-        import torch  # not at the top: prepare_data's tokenizer workers import this module and need no torch
+        window, keep = self.empty_rows(self.B)
+        self.read(self.position + self.rank * self.B, window, keep)
+        self.position += self.B * self.world_size
+        return batch_tensors(window, keep)
 
-        x = torch.from_numpy(window[:, :-1].astype(np.int64))  # (B, T)
-        y = window[:, 1:].astype(np.int64)
-        if keep is not None:
-            y[keep[:, 1:] == 0] = -1
-        return x, torch.from_numpy(y)  # (B, T) each
+    def empty_rows(self, count):
+        """Buffers for `count` rows: (token ids (count, T+1) uint16, trained-target flags of the same shape uint8
+        where some targets are not trained (self.masked), else None)."""
+        window = np.empty((count, self.T + 1), dtype=np.uint16)
+        return window, np.empty(window.shape, dtype=np.uint8) if self.masked else None
+
+    def read(self, first, window, keep=None):
+        """Stream positions [first, first + len(window)) into window (rows of T+1 ids) and keep (empty_rows')."""
+        for at, shard, samples in self._runs(first, len(window)):  # usually a single run
+            self._fill(shard, samples, window, keep, slice(at, at + len(samples)))
+
+    def read_at(self, positions, window, keep, rows):
+        """Stream positions (sorted, gaps allowed) into window[rows] and keep[rows] (rows: an index array, one per
+        position): a Mixture's read-ahead, this source's rows among those of the other sources and ranks."""
+        epoch, offset = np.divmod(positions, self.num_samples)
+        for a, b in runs(epoch):  # usually one epoch
+            e = int(epoch[a])
+            order, cum = self._plan(e)
+            slot = np.searchsorted(cum, offset[a:b], side="right")  # places in the epoch's shard order
+            shard = order[slot]
+            begin = offset[a:b] - (cum[slot] - self.samples_per_shard[shard])  # indices into the permutations
+            for c, d in runs(slot):  # each in one shard
+                s = int(shard[c])
+                self._fill(s, self._perm(e, s)[begin[c:d]], window, keep, rows[a + c : a + d])
+
+    def _fill(self, shard, samples, window, keep, rows):
+        """window[rows] (and keep[rows]) = the samples of a shard; ShardError if one holds an id >= vocab_size."""
+        T = self.T
+        if self.rows is None:
+            out = self.windows[shard][samples]  # (b, T+1)
+            window[rows] = out
+        else:  # document rows; a view of window where rows is a slice
+            out, kept = (window[rows], keep[rows]) if isinstance(rows, slice) else self.empty_rows(len(samples))
+            mask = None if self.masks is None else self.masks[shard]
+            self.rows[shard].gather(samples, out, kept, self.shards[shard], mask, self.doc_token)
+            if not isinstance(rows, slice):
+                window[rows], keep[rows] = out, kept
+        if self.vocab_size is not None and out.size and int(out.max()) >= self.vocab_size:  # changed since start
+            row, col = np.argwhere(out >= self.vocab_size)[0]
+            at_token = (
+                f"at token {int(samples[row]) * T + int(col):,}"
+                if self.rows is None
+                else f"in document row {int(samples[row]):,}"
+            )
+            raise ShardError(
+                f"{self.paths[shard]}: token id {int(out[row, col])} >= vocab_size {self.vocab_size} "
+                f"{at_token}: the shard changed after the run checked it at start; restore or "
+                f"re-prepare it"
+            )
 
     def state_dict(self):
         """Plain ints/bools: the stream position and what identifies the stream."""
@@ -753,6 +866,8 @@ class DataLoader:
 
     def load_state_dict(self, state):
         """Continue the exact stream of the loader that saved state (any B/world_size split)."""
+        if "sources" in state:
+            raise ValueError("loader state is of a mixture, but data_dir now names one data directory")
         for key in ("packing", "seed", "block_size", "num_samples", "shuffle"):
             mine = getattr(self, {"block_size": "T"}.get(key, key))
             if state.get(key, "window" if key == "packing" else None) != mine:  # older states: windows
@@ -761,3 +876,233 @@ class DataLoader:
                     f"in the saved state but {mine!r} here (data or settings changed?)"
                 )
         self.position = int(state["position"])
+
+
+# a mixture reads each rank's rows of up to AHEAD_STEPS micro-steps (AHEAD_TOKENS at most) at a time: a read costs
+# tens of microseconds per source whatever its size, a micro-batch of one source's windows about as much
+AHEAD_STEPS, AHEAD_TOKENS = 128, 1 << 22
+
+
+class Mixture:
+    """(x, y) batches from several prepared datasets (sources: parse_mixture's {name: (path, weight)}), each row
+    from one source, in proportion to the weights: one DataLoader per source, each with its own stream position
+    and epochs (a source that runs out starts its next epoch, and a note says so).
+
+    Which source supplies each row of the global stream (all ranks' rows, as DataLoader's) is a schedule worked out
+    from the sources' row counts alone: source s's k-th row since its weights were set is due at (k + phase_s) /
+    weight_s, with phase_s in [0, 1) drawn from the seed, and rows go to the sources in order of due time (ties: the
+    first source). So it is the same on every rank (each works out the whole stream's sources and reads its own B
+    rows of each micro-step), a checkpoint of the counts resumes it exactly, and after any n rows each source has
+    supplied weight * n rows give or take one or two: a 0.75/0.25 mixture is 3:1 in every stretch of rows. A weight
+    of 0 never draws (the source is still validated). A resume with other weights continues every source where it
+    was and applies the new weights from there (load_state_dict). Rows are read many micro-steps ahead, one read per
+    source, so a batch costs about what one source's does."""
+
+    def __init__(
+        self,
+        sources,
+        split,
+        batch_size,
+        block_size,
+        rank=0,
+        world_size=1,
+        seed=0,
+        vocab_size=None,
+        shuffle=None,
+        packing="window",
+        manifests=None,
+    ):
+        self.paths = {name: str(path) for name, (path, _) in sources.items()}
+        kwargs = dict(rank=rank, world_size=world_size, seed=seed, vocab_size=vocab_size, shuffle=shuffle)
+        self.loaders = {
+            name: DataLoader(path, split, batch_size, block_size, packing=packing, manifests=manifests, **kwargs)
+            for name, path in self.paths.items()
+        }
+        self.weights = np.array([weight for _, weight in sources.values()], dtype=np.float64)
+        self.B, self.T = batch_size, block_size
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.phase = np.random.Generator(np.random.PCG64([seed, 2])).random(len(sources))  # tag 2: not a loader's
+        self.base = np.zeros(len(sources), dtype=np.int64)  # each source's row count when the weights were set
+        self.masked = any(loader.masked for loader in self.loaders.values())
+        self.masks = next((loader.masks for loader in self.loaders.values() if loader.masks is not None), None)
+        self.position = 0  # global stream position: rows consumed by all ranks together
+        self._ahead = None  # (position, B, each source's rows before each micro-step) of the rows read ahead
+        self._rows = None  # (the rows read ahead, their keep): buffers that each read-ahead fills again
+        self._drawn = None  # each source's rows after the last batch, given to its loader when asked (_sync)
+
+    def summary(self):
+        """'mixture of 2: a 0.75: 3 shards, 5,516 tokens; b 0.25: ...' (DataLoader.summary per source)."""
+        parts = [f"{name} {w:.3g}: {loader.summary()}" for (name, loader), w in zip(self.loaders.items(), self.weights)]
+        return f"mixture of {len(parts)}: " + "; ".join(parts)
+
+    def _sync(self):
+        """Bring each source's loader to the rows it has supplied (next_batch only notes them: per batch, that
+        would cost as much as the rest of a mixture's bookkeeping)."""
+        if self._drawn is not None:
+            for loader, c in zip(self.loaders.values(), self._drawn):
+                loader.position = c
+            self._drawn = None
+
+    def counts(self):
+        """Rows each source has supplied so far (its loader's stream position), in source order."""
+        self._sync()
+        return np.array([loader.position for loader in self.loaders.values()], dtype=np.int64)
+
+    def tokens(self):
+        """{'tokens/<name>': tokens of the rows each source supplied so far (all ranks)}, for metrics.jsonl."""
+        self._sync()
+        return {f"tokens/{name}": loader.position * self.T for name, loader in self.loaders.items()}
+
+    def reset(self):
+        """Back to the start of every source and of the schedule."""
+        for loader in self.loaders.values():
+            loader.reset()
+        self.position, self._ahead, self._drawn = 0, None, None
+        self.base[:] = 0
+
+    def set_batch_size(self, batch_size):
+        """As DataLoader.set_batch_size (the sources' loaders take it too: validation reads each alone)."""
+        for loader in self.loaders.values():
+            loader.set_batch_size(batch_size)
+        self.B = batch_size
+
+    def _schedule(self, count):
+        """(the sources of rows [position, position + count), each source's rows among them before each row: an
+        array of count + 1 rows), worked out from the counts now."""
+        S = len(self.weights)
+        # candidates: each source's next rows, as many as `count` rows can take of it: every source's next row is
+        # due within 1 / weight of the last row drawn (the counts came from this schedule, or were just rebased),
+        # so count rows reach at most count + S - 1 further in time, weight * (count + S - 1) + 1 rows of a source
+        cap = np.ceil(self.weights * (count + S)).astype(np.int64) + 1
+        owner = np.repeat(np.arange(S), cap)  # in source order: a stable sort breaks ties for the first source
+        k = np.arange(cap.sum()) - np.repeat(np.cumsum(cap) - cap, cap) + (self.counts() - self.base)[owner]
+        with np.errstate(divide="ignore"):
+            due = (k + self.phase[owner]) / self.weights[owner]  # weight 0: inf, never due
+        src = owner[np.argsort(due, kind="stable")[:count]]  # (count,) in order of due time
+        before = np.zeros((count + 1, S), dtype=np.int64)
+        np.cumsum(src[:, None] == np.arange(S), axis=0, out=before[1:])
+        return src, before
+
+    def _read_ahead(self):
+        """This rank's rows of the next micro-steps (AHEAD_STEPS, AHEAD_TOKENS), each source's in one read_at, and
+        each source's row count before each of them (all ranks), from the counts now."""
+        B, W, counts = self.B, self.world_size, self.counts()
+        steps = max(1, min(AHEAD_STEPS, AHEAD_TOKENS // (B * (self.T + 1))))
+        src, before = self._schedule(steps * B * W)
+        mine = (np.arange(steps)[:, None] * B * W + self.rank * B + np.arange(B)).ravel()  # rows of the schedule
+        shape = (steps * B, self.T + 1)
+        if self._rows is None or self._rows[0].shape != shape:  # else the same buffers: batch_tensors copies
+            self._rows = (np.empty(shape, np.uint16), np.empty(shape, np.uint8) if self.masked else None)
+        window, keep = self._rows
+        if keep is not None:
+            keep.fill(1)  # rows of sources without masks or padding
+        sources = src[mine]
+        positions = counts[sources] + before[mine, sources]  # in each row's source's stream
+        by_source = np.argsort(sources, kind="stable")  # this rank's rows, source by source, each in stream order
+        edges = np.searchsorted(sources[by_source], np.arange(len(self.weights) + 1)).tolist()
+        for s, loader in enumerate(self.loaders.values()):
+            rows = by_source[edges[s] : edges[s + 1]]
+            if len(rows):
+                loader.read_at(positions[rows], window, keep, rows)
+        rows = counts + before[np.arange(steps + 1) * B * W]  # (steps + 1, S): of all ranks
+        sizes = [loader.num_samples for loader in self.loaders.values()]
+        ends = {}  # micro-step -> its notes: the sources that run out in it
+        for step, s in np.argwhere(np.diff(rows // sizes, axis=0)).tolist():
+            ends.setdefault(step, []).append(
+                f"data: {list(self.loaders)[s]} ran out after {sizes[s]:,} rows: its epoch "
+                f"{rows[step + 1, s] // sizes[s] + 1} starts"
+            )
+        self._ahead = (self.position, B, rows.tolist(), ends)
+
+    def next_batch(self):
+        """This rank's next (x, y), as DataLoader.next_batch; its rows in the global stream's order."""
+        B = self.B
+        ahead = self._ahead
+        if ahead is not None:
+            step, off = divmod(self.position - ahead[0], B * self.world_size)
+        if ahead is None or ahead[1] != B or off or not 0 <= step < len(ahead[2]) - 1:
+            self._read_ahead()
+            ahead, step = self._ahead, 0
+        self._drawn = ahead[2][step + 1]
+        for note in ahead[3].get(step, ()):
+            log(note, note=True)
+        window, keep = self._rows
+        self.position += B * self.world_size
+        rows = slice(step * B, (step + 1) * B)
+        return batch_tensors(window[rows], None if keep is None else keep[rows])
+
+    def state_dict(self):
+        """Plain values: the position, and each source's path, weight, schedule base and DataLoader state."""
+        self._sync()
+        return {
+            "position": int(self.position),
+            "seed": int(self.seed),
+            "block_size": int(self.T),
+            "sources": {
+                name: {"path": path, "weight": float(w), "base": int(b), "loader": self.loaders[name].state_dict()}
+                for (name, path), w, b in zip(self.paths.items(), self.weights, self.base)
+            },
+        }
+
+    def load_state_dict(self, state):
+        """Continue the exact stream of the mixture that saved state. Sources are matched by path; where the weights
+        (or the sources) changed, each source continues where it was (a new one at its start) and the new weights
+        apply from here, with a note."""
+        if "sources" not in state:
+            raise ValueError("loader state is of one data directory, but data_dir now names a mixture")
+        for key, mine in (("seed", self.seed), ("block_size", self.T)):
+            if state.get(key) != mine:
+                raise ValueError(
+                    f"loader state is for a different stream: {key} is {state.get(key)!r} in the saved state but "
+                    f"{mine!r} here"
+                )
+        saved = {entry["path"]: entry for entry in state["sources"].values()}
+        self._drawn = None  # what the state says wins
+        for name, loader in self.loaders.items():
+            entry = saved.get(self.paths[name])
+            if entry is None:
+                loader.reset()
+                continue
+            try:
+                loader.load_state_dict(entry["loader"])
+            except ValueError as e:
+                raise ValueError(f"{self.paths[name]}: {e}") from None
+        self.position, self._ahead = int(state["position"]), None
+        was = {name: entry["weight"] for name, entry in state["sources"].items()}
+        now = {name: float(w) for name, w in zip(self.paths, self.weights)}
+        if [(e["path"], e["weight"]) for e in state["sources"].values()] == list(
+            zip(self.paths.values(), now.values())
+        ):
+            self.base = np.array([e["base"] for e in state["sources"].values()], dtype=np.int64)
+            return
+        self.base = self.counts()
+        new = [name for name, path in self.paths.items() if path not in saved]
+        log(
+            "data_dir's mixture changed since the checkpoint ("
+            + ", ".join(f"{n} {w:.3g}" for n, w in was.items())
+            + " -> "
+            + ", ".join(f"{n} {w:.3g}" for n, w in now.items())
+            + "): each source continues where it was"
+            + (f" ({', '.join(new)} from its start)" if new else "")
+            + " and the new weights apply from here",
+            note=True,
+        )
+
+
+def runs(values):
+    """[(start, end)] of the runs of equal values in a non-decreasing 1-D array (usually one: no search)."""
+    if values[0] == values[-1]:
+        return [(0, len(values))]
+    cuts = [0, *(np.flatnonzero(values[1:] != values[:-1]) + 1).tolist(), len(values)]
+    return list(zip(cuts, cuts[1:]))
+
+
+def batch_tensors(window, keep):
+    """(x, y) int64 CPU tensors (B, T) of rows of T+1 ids (window); y is -1 where keep (if any) is 0."""
+    import torch  # not at the top: prepare_data's tokenizer workers import this module and need no torch
+
+    x = torch.from_numpy(window[:, :-1].astype(np.int64))  # (B, T)
+    y = window[:, 1:].astype(np.int64)
+    if keep is not None:
+        y[keep[:, 1:] == 0] = -1
+    return x, torch.from_numpy(y)  # (B, T) each

@@ -1,18 +1,22 @@
-"""What the training loop evaluates, each at its interval: the val loss (eval_interval), HellaSwag as llm.c scores
-it (hellaswag_interval), the multiple-choice suite (eval_tasks at eval_tasks_interval) and a sample preview
-(sample_interval). train.py builds one Evaluator in run() and calls it at every step, as torchtitan's Validator;
-every rank calls it alike. HellaSwag and the suite are scored by the evaluation path of hellaswag.py and evaluate.py
-(scoring.Suite), on the bare model (gathered, when sharded).
+"""What the training loop evaluates, each at its interval: the val loss and bits per byte (eval_interval; of a
+mixture each source's too), HellaSwag as llm.c scores it (hellaswag_interval), the multiple-choice suite (eval_tasks
+at eval_tasks_interval) and a sample preview (sample_interval). train.py builds one Evaluator in run() and calls it
+at every step, as torchtitan's Validator; every rank calls it alike. HellaSwag and the suite are scored by the
+evaluation path of hellaswag.py and evaluate.py (scoring.Suite), on the bare model (gathered, when sharded).
 """
+
+import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from gpt2train import assets, tasks
-from gpt2train.bpe import tokenizer_from_record
+from gpt2train.bpe import token_bytes, tokenizer_from_record
 from gpt2train.config import ConfigError
 from gpt2train.console import log
 from gpt2train.devices import autocast
+from gpt2train.files import first_line
 from gpt2train.parallel import any_rank, gathered
 from gpt2train.scoring import Suite
 from gpt2train.step import in_micro_batches, to_device
@@ -26,10 +30,11 @@ class Evaluator:
     """The run's evaluations, built once in run(). run(model, raw_model, step, last, stop) does those due at `step`
     (an interval's multiples, and the last step), logs them and returns the val loss (None when not due).
 
-    The run's tokenizer (`tokenizer`: its record, bpe.tokenizer_record) is loaded at the first call, and only when
-    HellaSwag, the suite or samples are on: a run without them trains without it (offline, GPT-2's may not be had),
-    and one with them stops before it trains when it cannot be loaded. HellaSwag's and the suite's examples of this
-    rank are read and tokenized at their first evaluation and kept."""
+    The run's tokenizer (`tokenizer`: its record, bpe.tokenizer_record) is loaded at the first call where HellaSwag,
+    the suite or samples are on: a run with them stops before it trains when it cannot be loaded. val_bpb needs only
+    its byte lengths (bpe.token_bytes), asked at the first validation: a tokenizer that cannot be had (GPT-2's,
+    offline with an empty cache) leaves val_bpb out of the run, with one note. HellaSwag's and the suite's examples
+    of this rank are read and tokenized at their first evaluation and kept."""
 
     def __init__(self, train_loader, val_loader, tracker, cfg, env, tokenizer):
         self.train_loader = train_loader  # its B is the live micro-batch (an out-of-memory halves it): validation's too
@@ -39,6 +44,7 @@ class Evaluator:
         self.env = env
         self.tokenizer = tokenizer
         self.enc = None
+        self.bytes = None  # val_bpb's token_bytes as a CPU tensor once asked for; False where it cannot be had
         tokenized = ("hellaswag_interval", "eval_tasks_interval", "sample_interval")
         self.tokenized_on = [key for key in tokenized if getattr(cfg, key) > 0]  # the evaluations that need `enc`
         self.suites = {}  # 'hellaswag', 'eval_tasks' -> Suite, made at their first evaluation
@@ -53,10 +59,10 @@ class Evaluator:
             self.enc = self.load_tokenizer()
         val = None
         if due(cfg.eval_interval):
-            micro = self.train_loader.B
-            val = val_loss(model, self.val_loader, cfg.eval_steps, micro, env, lambda: any_rank(stop.signal, env), step)
-            self.tracker.log({"step": step, "val_loss": val})
-            log(f"step {step}: val loss {val:.4f}")
+            record = self.validate(model, step, stop)
+            val = record["val_loss"]
+            self.tracker.log(record)
+            log(f"step {step}: {val_line(record)}")
         if due(cfg.hellaswag_interval):
             hs = self.score("hellaswag", raw_model, stop)["tasks"][tasks.HELLASWAG_LLMC.name]
             self.tracker.log(
@@ -70,6 +76,44 @@ class Evaluator:
         if step > 0 and due(cfg.sample_interval):
             log(f"step {step}: sample: {sample_preview(raw_model, cfg, env, self.enc)!r}")
         return val
+
+    def validate(self, model, step, stop):
+        """The val record of `step`: val_loss and val_bpb (bits per UTF-8 byte of the targets' text, val_loss's
+        nats over the same targets / ln 2 / their bytes; left out without the tokenizer). Of a mixture (data.Mixture)
+        each source's split alone, val/<name>_loss and val/<name>_bpb, and val_loss and val_bpb those of the mixture:
+        the sources' losses weighted by the mixture's weights, and the weighted nats per target over the weighted
+        bytes per target."""
+        if self.bytes is None:
+            try:
+                enc = self.enc or tokenizer_from_record(self.tokenizer)
+                self.bytes = torch.tensor(token_bytes(enc, self.cfg.vocab_size))
+            except (RuntimeError, OSError, ImportError, ValueError) as e:
+                self.bytes = False
+                log(
+                    f"val_bpb is left out of this run: the run's tokenizer cannot be loaded ({first_line(e)})",
+                    note=True,
+                )
+            if any_rank(self.bytes is False, self.env):  # every rank counts bytes, or none does
+                self.bytes = False
+        table = None if self.bytes is False else self.bytes
+        sources = getattr(self.val_loader, "loaders", {None: self.val_loader})
+        weights = [float(w) for w in getattr(self.val_loader, "weights", [1.0])]  # plain floats: checkpoint values
+        micro = self.train_loader.B  # the live micro-batch
+        stopped = lambda: any_rank(stop.signal, self.env)  # noqa: E731
+        scored = {
+            name: val_loss(model, loader, self.cfg.eval_steps, micro, self.env, stopped, step, table)
+            for name, loader in sources.items()
+        }
+        mixed = lambda per: sum(w * per(r) for w, r in zip(weights, scored.values()))  # noqa: E731
+        record = {"step": step, "val_loss": mixed(lambda r: r.loss)}
+        if table is not None:  # nats per target over bytes per target, each weighted by the mixture
+            record["val_bpb"] = mixed(lambda r: r.nats / r.targets) / math.log(2) / mixed(lambda r: r.bytes / r.targets)
+        for name, r in scored.items():
+            if name is not None:
+                record[f"val/{name}_loss"] = r.loss
+                if table is not None:
+                    record[f"val/{name}_bpb"] = r.nats / math.log(2) / r.bytes
+        return record
 
     def load_tokenizer(self):
         """The run's tokenizer; one that cannot be had is a ConfigError that says how to provide it."""
@@ -111,30 +155,53 @@ class Evaluator:
         return Suite(docs, enc, self.env.rank, self.env.world_size)
 
 
+class ValScore(NamedTuple):
+    """val_loss()'s result, of all ranks."""
+
+    loss: float  # the mean of the micro-batches' mean losses: the val_loss a run logs
+    nats: float  # the summed loss of the targets (y != -1)
+    targets: float  # how many
+    bytes: float | None  # the UTF-8 bytes they decode to; None without a byte table
+
+
 @torch.no_grad()
-def val_loss(model, loader, eval_steps, micro, env, stop=lambda: False, step=0):
-    """Mean loss over the same eval_steps val micro-batches every time, averaged over ranks. Their rows (read at
-    once, on the CPU) go through the model `micro` at a time, the training micro-batch: an out-of-memory halves
-    it as in a step (a Halt under torchrun or at 1). Abandoned as soon as stop() (agreed by all ranks)."""
+def val_loss(model, loader, eval_steps, micro, env, stop=lambda: False, step=0, token_bytes=None):
+    """The ValScore of the same eval_steps val micro-batches every time, of all ranks: the mean loss, the summed loss
+    of their targets and the UTF-8 bytes those decode to (token_bytes: each id's, bpe.token_bytes). Their rows
+    (read at once, on the CPU) go through the model `micro` at a time, the training micro-batch: an out-of-memory
+    halves it as in a step (a Halt under torchrun or at 1). Abandoned as soon as stop() (agreed by all ranks)."""
     model.eval()
     loader.reset()
     x, y = (torch.cat(t) for t in zip(*(loader.next_batch() for _ in range(eval_steps))))  # (rows, T) each
-    total = torch.zeros((), device=env.device)
+    targets = (y != -1).sum(dim=1)  # (rows,) on the host: no sync
+    size = 0 if token_bytes is None else int((token_bytes[y.clamp(min=0)] * (y != -1)).sum())
+    sums = torch.zeros(2, device=env.device)  # the micro-batches' mean losses x their rows; the summed loss
 
     def rows(a, b):
         if stop():
             raise Abandoned
         xb, yb = to_device((x[a:b], y[a:b]), env.device)
         with autocast(env.device, env.dtype):
-            total.add_(model(xb, yb, return_logits=False)[1].float() * (b - a))
+            loss = model(xb, yb, return_logits=False)[1].float()
+        sums.add_(torch.stack([loss * (b - a), loss * int(targets[a:b].sum())]))
 
     try:
         in_micro_batches(rows, len(x), micro, env, f"step {step}")
     finally:
         model.train()
+    totals = torch.cat([sums, torch.tensor([float(targets.sum()), float(size)], device=env.device)])
     if env.distributed:
-        dist.all_reduce(total)  # SUM: gloo has no AVG
-    return total.item() / len(x) / env.world_size
+        dist.all_reduce(totals)  # SUM: gloo has no AVG
+    loss_sum, nats, count, size = totals.tolist()
+    return ValScore(loss_sum / len(x) / env.world_size, nats, count, None if token_bytes is None else size)
+
+
+def val_line(record):
+    """'val loss 5.6400 (2.4101 bits/byte)', and each source's of a mixture: '; a 5.1 (2.2), b 6.3 (2.9)'."""
+    bpb = lambda key: f" ({record[key]:.4f} bits/byte)" if key in record else ""  # noqa: E731
+    line = f"val loss {record['val_loss']:.4f}{bpb('val_bpb')}"
+    names = [key[4 : -len("_loss")] for key in record if key.startswith("val/") and key.endswith("_loss")]
+    return line + "".join(f"; {n} {record[f'val/{n}_loss']:.4f}{bpb(f'val/{n}_bpb')}" for n in names)
 
 
 def sample_preview(raw_model, cfg, env, enc):

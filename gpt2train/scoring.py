@@ -1,5 +1,6 @@
 """The one evaluation path of hellaswag.py, evaluate.py and train.py: a batched log-likelihood scorer
-(score_requests), and the Suite that renders the tasks' examples of a rank once and scores them with it.
+(score_requests), the Suite that renders the tasks' examples of a rank once and scores them with it, and bits per
+byte of whole documents (bits_per_byte: evaluate.py --bpb).
 
 A request is (context tokens, continuation tokens); its score is the summed log-probability of the
 continuation's tokens given everything before them, as the lm-evaluation-harness computes it: a row longer
@@ -17,6 +18,8 @@ the choice's length (`acc_norm`): in characters as the harness, in scored tokens
 torch.distributed each rank holds its share of the examples and the counts are all-reduced, so the results equal
 one process's; a stop request between batches abandons the evaluation on every rank (train.py's SIGTERM).
 """
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -122,6 +125,42 @@ def score_requests(
     finally:
         model.train(was_training)
     return -sum_loss, count
+
+
+def bits_per_byte(model, enc, documents, device, rows_per_forward=64, dtype=None, progress=False):
+    """{"bpb", "nats", "tokens", "bytes", "documents"} of `model` on texts (evaluate.py --bpb): each document
+    scored alone as <|endoftext|> followed by its tokens (encode_ordinary: special-token text is text), cut into
+    consecutive non-overlapping windows of at most block_size predicted tokens, each window conditioned only on its
+    own tokens (the first reads the <|endoftext|>, a later one the token before its first prediction), the
+    softmax over the tokenizer's n_vocab ids (score_requests); bpb = the summed negative log-likelihood (nats) /
+    ln 2 / the documents' UTF-8 bytes. Every byte of the text is predicted once, whatever the tokenizer, so models
+    with different tokenizers compare on the same text."""
+    if enc.eot_token is None:
+        raise ValueError("the model's tokenizer has no <|endoftext|> to start each document with")
+    if model.config.vocab_size < enc.n_vocab:
+        raise ValueError(
+            f"the model's vocabulary ({model.config.vocab_size} ids) cannot read its tokenizer's {enc.n_vocab}"
+        )
+    T = model.config.block_size
+    requests, size, count = [], 0, 0
+    for doc in documents:
+        ids = [enc.eot_token, *enc.encode_ordinary(doc)]
+        requests += [([ids[i]], ids[i + 1 : i + T + 1]) for i in range(0, len(ids) - 1, T)]
+        size += len(doc.encode("utf-8"))
+        count += 1
+    if not size:
+        raise ValueError(f"no text to score: {count} document(s), 0 bytes")
+    log_likelihood, scored = score_requests(
+        model, requests, device, rows_per_forward, dtype, enc.n_vocab, progress=progress, desc="bits per byte"
+    )
+    nats = -float(log_likelihood.double().sum())
+    return {
+        "bpb": nats / math.log(2) / size,
+        "nats": nats,
+        "tokens": int(scored.sum()),
+        "bytes": size,
+        "documents": count,
+    }
 
 
 class Suite:

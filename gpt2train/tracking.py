@@ -278,6 +278,7 @@ class Tracker:
             "mean_mfu": self.mfu_s / self.timed_s if timed and self.mfu_s is not None else None,
             "final_train_loss": losses[-1] if losses else None,
             "final_val_loss": val[-1]["val_loss"] if val else None,
+            "final_val_bpb": val[-1].get("val_bpb") if val else None,
             "best_val_loss": best["val_loss"] if best else None,
             "best_val_step": best["step"] if best else None,
             "skipped_steps": sum(1 for r in train if r.get("skipped")),
@@ -291,6 +292,9 @@ class Tracker:
                 hellaswag_acc_norm=h["hellaswag_acc_norm"],
                 hellaswag_n=h["hellaswag_n"],
             )
+        # a mixture's sources: the last validation's val/<name>_loss and _bpb, and the tokens each supplied
+        out.update({k: v for k, v in (val[-1] if val else {}).items() if k.startswith("val/")})
+        out.update({k: v for k, v in (train[-1] if train else {}).items() if k.startswith("tokens/")})
         suite = [r for r in records if "mc_centered" in r]
         if suite:  # evaluate.py's task suite: the last evaluation's summary
             out.update(mc_centered_step=suite[-1]["step"], mc_centered=suite[-1]["mc_centered"])
@@ -362,6 +366,8 @@ def summary_text(s, path):
     loss = f"  train loss {fmt(s['final_train_loss'], '.4f')}"
     if s["final_val_loss"] is not None:
         loss += f" | val loss {s['final_val_loss']:.4f} (best {s['best_val_loss']:.4f} at step {s['best_val_step']})"
+    if s["final_val_bpb"] is not None:
+        loss += f" | val {s['final_val_bpb']:.4f} bits/byte"
     if "hellaswag_acc_norm" in s:
         loss += f" | hellaswag acc_norm {s['hellaswag_acc_norm']:.4f} ({s['hellaswag_n']} examples)"
     if "mc_centered" in s:
@@ -369,6 +375,15 @@ def summary_text(s, path):
     if s["skipped_steps"]:
         loss += f" | {s['skipped_steps']} skipped steps"
     lines.append(loss)
+    names = [k[len("tokens/") :] for k in s if k.startswith("tokens/")]
+    if names:  # a mixture
+        per = [
+            f"{n}: {s[f'tokens/{n}']:,} tokens"
+            + (f", val loss {s[f'val/{n}_loss']:.4f}" if f"val/{n}_loss" in s else "")
+            + (f" ({s[f'val/{n}_bpb']:.4f} bits/byte)" if f"val/{n}_bpb" in s else "")
+            for n in names
+        ]
+        lines.append("  " + " | ".join(per))
     if "cost_usd" in s:
         lines.append(
             f"  cost ${s['cost_usd']:,.4f} at ${s['cost_per_hour']:,.2f}/h: "

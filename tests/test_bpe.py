@@ -6,6 +6,7 @@ import pytest
 import tiktoken
 
 from gpt2train import bpe
+from gpt2train.assets import get_tokenizer
 from test_assets import varied_text
 
 
@@ -60,3 +61,17 @@ def test_missing_tokenizers_package_is_a_one_line_instruction(byte_level_tokeniz
         bpe.load_tokenizer(byte_level_tokenizer_json.parent)
     message = str(info.value)
     assert "\n" not in message and "pip install tokenizers" in message and str(byte_level_tokenizer_json) in message
+
+
+def test_token_bytes_are_each_ids_utf8_bytes_and_none_for_special_tokens(byte_level_tokenizer_json):
+    """val_bpb's denominator: an id's bytes (part of a character counts its part), 0 for <|endoftext|> and for the ids
+    of a padded vocabulary."""
+    gpt2 = get_tokenizer()
+    table = bpe.token_bytes(gpt2, 50304)
+    assert len(table) == 50304 and table[50256] == 0 and not table[50257:].any()
+    text = "Hello naïve café 😀 日本語"
+    assert sum(table[i] for i in gpt2.encode_ordinary(text)) == len(text.encode("utf-8"))
+    own = bpe.HFTokenizer(byte_level_tokenizer_json)
+    table = bpe.token_bytes(own)
+    assert len(table) == own.n_vocab and table[own.eot_token] == 0
+    assert sum(table[i] for i in own.encode_ordinary(text)) == len(text.encode("utf-8"))

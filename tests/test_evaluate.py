@@ -3,6 +3,7 @@ config; scores equal a plain transformers reference and (where lm_eval is instal
 example; ranks add up."""
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -732,3 +733,71 @@ def test_a_model_too_small_for_the_tokenizer_is_refused(model, suite_docs):
     small = GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_embd=16))
     with pytest.raises(ValueError, match="vocabulary"):
         Suite({"copa": docs_of("copa")}, get_tokenizer()).score(small, "cpu")
+
+
+# ----------------------------------------------------------------------------- --bpb: bits per byte of any text
+
+BPB_DOCS = [
+    "Once upon a time there was a naïve café owner 😀 who said hello to the world. " * 12,  # windows of 96
+    "",  # no bytes, nothing predicted
+    "Text that spells <|endoftext|> is text; 日本語 and ünïcödé too.",
+    "A man is sitting on a roof.",
+]
+
+
+@pytest.fixture(scope="module")
+def own_hf_dir(tmp_path_factory, byte_level_tokenizer_json):
+    """A small random GPT with the conftest's own tokenizer (<|endoftext|> id 0), exported with it."""
+    torch.manual_seed(1)
+    model = GPT(GPTConfig(block_size=BLOCK_SIZE, vocab_size=320, n_layer=2, n_head=2, n_embd=32))
+    path = tmp_path_factory.mktemp("own")
+    save_pretrained(model, path, tokenizer_json=Path(byte_level_tokenizer_json).read_text(encoding="utf-8"))
+    return path
+
+
+@pytest.mark.parametrize("which", ["gpt2", "own"])
+def test_bpb_is_the_summed_loss_of_each_document_alone_over_its_utf8_bytes(
+    which, hf_dir, own_hf_dir, byte_level_tokenizer_json, tmp_path, capsys
+):
+    from tokenizers import Tokenizer
+
+    directory = hf_dir if which == "gpt2" else own_hf_dir
+    if which == "gpt2":
+        ids, eot = get_tokenizer().encode_ordinary, 50256
+    else:
+        tok = Tokenizer.from_file(str(byte_level_tokenizer_json))
+        tok.encode_special_tokens = True  # text that spells a special token is text
+        ids, eot = (lambda text: tok.encode(text, add_special_tokens=False).ids), 0
+    (tmp_path / "one.txt").write_text(BPB_DOCS[0], encoding="utf-8")
+    (tmp_path / "rest.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in BPB_DOCS[1:]))
+    argv = ["--init_from", str(directory), "--bpb", str(tmp_path / "one.txt"), str(tmp_path / "rest.jsonl")]
+    assert evaluate.main([*argv, "--dtype", "float32", "--batch_size", "3", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out.splitlines()[-1])
+
+    model = from_pretrained(str(directory)).eval()  # each document alone, window by window, by hand
+    n_vocab = 50257 if which == "gpt2" else tok.get_vocab_size()
+    nats, predicted = 0.0, 0
+    for doc in BPB_DOCS:
+        row = [eot, *ids(doc)]
+        for i in range(0, len(row) - 1, BLOCK_SIZE):
+            y = torch.tensor([row[i + 1 : i + BLOCK_SIZE + 1]])  # the window's predictions, from its own tokens
+            x = torch.tensor([row[i : i + y.size(1)]])
+            with torch.no_grad():
+                logits = model(x, y)[0][0, :, :n_vocab]
+            nats += F.cross_entropy(logits.float(), y[0], reduction="sum").item()
+            predicted += y.numel()
+    size = sum(len(d.encode("utf-8")) for d in BPB_DOCS)
+    assert predicted > 2 * BLOCK_SIZE  # the long document took several windows
+    assert printed["bytes"] == size and printed["tokens"] == predicted and printed["documents"] == len(BPB_DOCS)
+    assert abs(printed["bpb"] - nats / math.log(2) / size) <= 1e-4 * printed["bpb"]
+
+
+def test_bpb_files_that_are_not_text_or_jsonl_are_one_line_errors_before_any_model(
+    hf_dir, tmp_path, capsys, monkeypatch
+):
+    (tmp_path / "notes.md").write_text("# notes")
+    err = one_line_error(capsys, ["--init_from", str(hf_dir), "--bpb", str(tmp_path / "notes.md")], monkeypatch)
+    assert "notes.md: --bpb reads .txt files (one document) and .jsonl files (a 'text' field a line)" in err
+    (tmp_path / "rows.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
+    err = one_line_error(capsys, ["--init_from", str(hf_dir), "--bpb", str(tmp_path / "rows.jsonl")], monkeypatch)
+    assert "rows.jsonl:2: no 'text' field" in err

@@ -95,3 +95,34 @@ def test_plot_metrics_reads_runs_and_explains_missing_matplotlib(tmp_path, monke
         plot_metrics.main([str(tmp_path)])
     assert plot_metrics.main([str(tmp_path / "nope")]) == 2
     assert "no such metrics file" in capsys.readouterr().err
+
+
+def test_a_mixtures_val_bpb_and_sources_are_plotted_and_compared(tmp_path, capsys):
+    from test_tracking import mixture_records
+
+    a = write_metrics(tmp_path / "mix", mixture_records())
+    b_records = [
+        {**r, "val/b_bpb": r["val/b_bpb"] + 0.05} if "val/b_bpb" in r else r for r in mixture_records()
+    ]  # source b 0.05 bits/byte worse
+    b = write_metrics(tmp_path / "other", b_records)
+    saved = {}
+    import matplotlib.figure
+
+    def savefig(fig, path, **kwargs):
+        saved["titles"] = [ax.get_title() for ax in fig.axes]
+        saved["labels"] = [[t.get_text() for t in ax.get_legend().get_texts()] for ax in fig.axes]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(matplotlib.figure.Figure, "savefig", savefig)
+        assert plot_metrics.main([str(a), str(b), "-o", str(tmp_path / "cmp.png")]) == 0
+    assert saved["titles"] == ["loss", "gradient norm", "learning rate", "tokens / s", "val bits / byte", "evaluations"]
+    assert saved["labels"][0][:4] == ["mix train", "mix val", "mix val a", "mix val b"]
+    assert saved["labels"][4] == ["mix", "mix a", "mix b", "other", "other a", "other b"]
+
+    result = plot_metrics.compare(a, b)
+    assert result["val/b_bpb"]["max_abs_diff"] == pytest.approx(0.05) and result["val/a_bpb"]["max_abs_diff"] == 0
+    assert result["val_bpb"]["last"] == [2.1, 2.1] and result["val/a_loss"]["steps"] == [8, 8]
+    capsys.readouterr()
+    plot_metrics.main(["--compare", str(a), str(b)])
+    printed = capsys.readouterr().out
+    assert "val/b_bpb               a 2.3333 (step 8), b 2.3833 (step 8), max |a-b| at common steps 0.0500" in printed

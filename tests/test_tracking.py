@@ -376,6 +376,7 @@ def test_summary_json_and_console_summary(tmp_path):
         "tokens": 8 * TOKENS,
         "final_train_loss": 4.2 - 8 / 20,
         "final_val_loss": 4.0 - 0.8 + 1,
+        "final_val_bpb": None,  # the records have none
         "best_val_loss": 4.0 - 0.4,
         "best_val_step": 4,
         "skipped_steps": 1,
@@ -443,3 +444,38 @@ def test_metrics_log_resume_drops_the_steps_after_the_checkpoint(tmp_path):
     ]
     MetricsLog(path).file.close()  # a fresh run starts empty
     assert path.read_text() == ""
+
+
+def mixture_records():
+    """loop_records of a run on a 0.75/0.25 mixture of sources a and b: val_bpb and each source's val loss and
+    bits per byte beside val_loss, and the tokens each source supplied so far in every step's line."""
+    out = []
+    for r in loop_records(0, 8):
+        if "val_loss" in r:
+            r = {**r, "val_bpb": r["val_loss"] / 2, "val/a_loss": r["val_loss"] - 0.1, "val/a_bpb": r["val_loss"] / 2.1}
+            r.update({"val/b_loss": r["val_loss"] + 0.3, "val/b_bpb": r["val_loss"] / 1.8})
+        if "train_loss" in r:
+            r = {**r, "tokens/a": 768 * r["step"], "tokens/b": 256 * r["step"]}
+        out.append(r)
+    return out
+
+
+def test_a_mixtures_per_source_metrics_reach_every_sink_and_the_summary(tmp_path):
+    out, tb = tmp_path / "run", tmp_path / "tb"
+    records = mixture_records()
+    tracker = Tracker(out, CONFIG, TOKENS, wandb_log=True, wandb_project="test", tensorboard_dir=str(tb))
+    for record in records:
+        tracker.log(record)
+    text = tracker.close()
+    assert read_jsonl(out / "metrics.jsonl") == json_form(records)
+    [(_, _, history)] = wandb_segments(out)
+    assert_wandb_holds(history, records)
+    assert_tensorboard_holds(*tensorboard_events(tb), records)
+    summary = json.loads((out / "summary.json").read_text())
+    last = [r for r in records if "val_loss" in r][-1]
+    assert summary["final_val_bpb"] == last["val_bpb"] and summary["tokens/a"] == 768 * 8
+    assert {k: summary[k] for k in summary if k.startswith("val/")} == {k: last[k] for k in last if "/" in k}
+    assert f"val {last['val_bpb']:.4f} bits/byte" in text
+    assert (
+        f"  a: 6,144 tokens, val loss {last['val/a_loss']:.4f} ({last['val/a_bpb']:.4f} bits/byte) | b: 2,048" in text
+    )

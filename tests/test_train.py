@@ -1205,10 +1205,14 @@ def offline_without_gpt2s_tokenizer(monkeypatch, tmp_path):
         assets.get_tokenizer()
 
 
-def test_a_run_without_hellaswag_suite_or_samples_trains_without_the_tokenizer(data_dir, tmp_path, monkeypatch):
+def test_a_run_without_hellaswag_suite_or_samples_trains_without_the_tokenizer(data_dir, tmp_path, monkeypatch, capsys):
     offline_without_gpt2s_tokenizer(monkeypatch, tmp_path)
-    assert run(data_dir, tmp_path / "out", "--max_steps=4") == 0  # val loss only: no tokenizer needed
+    assert run(data_dir, tmp_path / "out", "--max_steps=4") == 0  # val loss only: val_bpb is left out
     assert sorted(train_losses(tmp_path / "out")) == [1, 2, 3, 4]
+    val = [m for m in metrics(tmp_path / "out") if "val_loss" in m]
+    assert [m["step"] for m in val] == [0, 4] and not any("val_bpb" in m for m in val)
+    err = capsys.readouterr().err
+    assert err.count("note: val_bpb is left out of this run: the run's tokenizer cannot be loaded (") == 1, err
 
 
 def test_samples_without_the_tokenizer_stop_the_run_before_step_1_with_one_line(
@@ -1243,3 +1247,49 @@ def test_hellaswag_during_training_logs_what_hellaswag_py_prints(data_dir, tmp_p
         "acc": logged[1]["hellaswag_acc"],
         "acc_norm": logged[1]["hellaswag_acc_norm"],
     }
+
+
+# ----------------------------------------------------------------------------- val_bpb
+
+
+@pytest.mark.parametrize("tokenizer", ["gpt2", "own"])
+def test_val_bpb_is_the_summed_loss_of_the_val_targets_over_the_bytes_of_their_text(
+    tokenizer, byte_level_tokenizer_json, tmp_path
+):
+    """Document rows read once each (batch 1 x eval_steps = the val split's rows) predict every token of the val
+    split but its first <|endoftext|>: val_bpb is their summed loss / ln 2 / the val documents' UTF-8 bytes."""
+    import torch.nn.functional as F
+    from tokenizers import Tokenizer
+
+    import prepare_data
+    from gpt2train.assets import get_tokenizer
+    from test_mixture import documents
+
+    docs = documents(60, seed=4) + ["a long one: " + " ".join(documents(30, seed=5))]
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[::-1]), encoding="utf-8")  # long one first
+    spec = "gpt2" if tokenizer == "gpt2" else str(byte_level_tokenizer_json)
+    prep = ["--input", str(src), "--out_dir", str(tmp_path / "data"), "--val_tokens", "800", "--num_proc", "1"]
+    prepare_data.main([*prep, "--no_progress", "--tokenizer", spec])
+    rows = DataLoader(tmp_path / "data", "val", 1, 16, packing="document").num_samples
+    args = [*TINY, f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}", "--max_steps=1"]
+    args = [a for a in args if not a.startswith(("--vocab_size", "--batch_size", "--eval"))]  # vocab from the data
+    assert train.main([*args, "--batch_size=1", "--packing=document", "--eval_interval=1", f"--eval_steps={rows}"]) == 0
+    logged = [m for m in metrics(tmp_path / "out") if "val_loss" in m][-1]
+
+    model, _ = loading.load_model(ckpt=str(tmp_path / "out"))  # step 1's weights, those of the last validation
+    x, y = DataLoader(tmp_path / "data", "val", rows, 16, packing="document").next_batch()
+    with torch.no_grad():
+        logits, _ = model(x, y)
+    nats = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum").item()
+    val = np.fromfile(next((tmp_path / "data").glob("*_val_*.bin")), dtype="<u2", offset=1024).astype(np.int64)
+    eot = 50256 if tokenizer == "gpt2" else 0
+    starts = np.flatnonzero(val == eot).tolist() + [len(val)]
+    ids = [val[a + 1 : b].tolist() for a, b in zip(starts, starts[1:])]
+    decode = (
+        get_tokenizer().decode if tokenizer == "gpt2" else Tokenizer.from_file(str(byte_level_tokenizer_json)).decode
+    )
+    text = [decode(d) for d in ids]
+    assert text == docs[::-1][: len(text)] and len(ids[0]) > 16  # whole documents, the first longer than a row
+    expected = nats / math.log(2) / sum(len(d.encode("utf-8")) for d in text)
+    assert abs(logged["val_bpb"] - expected) <= 1e-4 * expected, (logged, expected)
