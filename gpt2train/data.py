@@ -1,4 +1,5 @@
-"""Token shards on disk and the loader that turns them into (x, y) training batches.
+"""Token shards on disk and the loader that turns them into (x, y) training batches; a Mixture draws rows from
+several prepared datasets by weight (data_dir "a:0.75,b:0.25", parse_mixture), one loader per source.
 
 Shard format (llm.c's): a header of 256 little-endian int32 (magic 20240520, version 1, token
 count, then zeros), followed by the tokens as little-endian uint16. Every document is preceded

@@ -967,8 +967,9 @@ def test_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tmp_pat
     assert list(ddp) == list(range(1, 7))  # only rank 0 wrote, one line per step
     for step in single:
         assert abs(ddp[step] - single[step]) < 1e-5, (step, ddp[step], single[step])
-    val = lambda out: [m["val_loss"] for m in metrics(out) if "val_loss" in m]
-    assert np.allclose(val(tmp_path / "ddp"), val(tmp_path / "single"), atol=1e-5)
+    val = lambda out, key: [m[key] for m in metrics(out) if "val_loss" in m]
+    for key in ("val_loss", "val_bpb"):  # the bytes of both ranks' targets, added up
+        assert np.allclose(val(tmp_path / "ddp", key), val(tmp_path / "single", key), atol=1e-5), key
     assert len(load_checkpoint(tmp_path / "ddp")["rng"]) == 2  # each rank's RNG state
 
 
