@@ -189,7 +189,8 @@ def val_loss(model, loader, eval_steps, micro, env, stop=lambda: False, step=0, 
         in_micro_batches(rows, len(x), micro, env, f"step {step}")
     finally:
         model.train()
-    totals = torch.cat([sums, torch.tensor([float(targets.sum()), float(size)], device=env.device)])
+    counts = to_device((torch.tensor([float(targets.sum()), float(size)]),), env.device)[0]  # pinned: no wait
+    totals = torch.cat([sums, counts])
     if env.distributed:
         dist.all_reduce(totals)  # SUM: gloo has no AVG
     loss_sum, nats, count, size = totals.tolist()
