@@ -3,6 +3,7 @@ chunked loss, MFU, KV-cache generation. Parameter names follow OpenAI / Hugging 
 transformer.h.N.attn.c_attn, ...); hf.py moves weights to and from Hugging Face's GPT-2 and GPT-NeoX.
 """
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -224,6 +225,86 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def _chunk_loss(logits, targets, need_grad: bool):
+    """Summed cross entropy of one chunk's logits (n, V) against targets (n,) (-1 = ignored), in fp32. With
+    need_grad the logits are overwritten, in their dtype, by its gradient: softmax - onehot(target), zero on
+    ignored rows."""
+    x = logits.float()  # logits itself when fp32
+    valid = targets != -1
+    tgt = targets.clamp(min=0).unsqueeze(1)  # (n, 1)
+    target_logit = x.gather(1, tgt).squeeze(1)
+    top = x.amax(dim=1, keepdim=True)
+    if torch.compiler.is_compiling():
+        # pure expressions: Inductor sums each row in one pass and writes g in a second, exp recomputed and the
+        # one-hot a comparison, with no (n, V) intermediate in memory
+        lse = (x - top).exp().sum(dim=1, keepdim=True).log() + top
+        g = (x - lse).exp() - (torch.arange(x.size(1), device=x.device) == tgt).to(x.dtype)
+    else:  # eager: in place in the fp32 logits, the one-hot one element per row
+        e = x.sub_(top).exp_()  # exp(logits - max)
+        total = e.sum(dim=1, keepdim=True)
+        lse = total.log() + top
+        g = e.div_(total).scatter_add_(1, tgt, -torch.ones_like(tgt, dtype=x.dtype)) if need_grad else None
+    if need_grad:
+        logits.copy_(g.mul_(valid.unsqueeze(1)))
+    return ((lse.squeeze(1) - target_logit) * valid).sum()
+
+
+@functools.cache
+def _compiled_chunk_loss():
+    """_chunk_loss compiled on first use: one graph that every chunk of every step reuses."""
+    return torch.compile(_chunk_loss)
+
+
+@torch.library.custom_op("gpt::chunked_lm_head_loss", mutates_args=())
+def _chunked_lm_head_loss(
+    h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype, need_grad: bool, compiled: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ChunkedLMHeadLoss's work: (loss, grad_h, grad_w), the gradients of the mean (empty without need_grad).
+    One opaque op, so torch.compile neither unrolls the chunk loop nor keeps each chunk's (V, C) weight-gradient
+    product alive until a fused sum; compiled, only the per-chunk softmax and gradient (_chunk_loss) is."""
+    with torch.autocast(h.device.type, enabled=False):  # dtypes are explicit below
+        wc = w.to(dtype)
+        # the weight gradient sums over every chunk: in fp32 even for low-precision weights (FSDP's bf16
+        # all-gathered parameters), as the fp32 path does, then rounded once (autograd casts it to w's dtype)
+        grad_h = torch.empty_like(h) if need_grad else h.new_empty(0)
+        grad_w = torch.zeros_like(w, dtype=torch.float32) if need_grad else w.new_empty(0, dtype=torch.float32)
+        loss_sum = torch.zeros((), device=h.device, dtype=torch.float32)
+        # one chunk's logits in dtype, turned in place into their gradient; eager under autocast also their fp32
+        # copy. Buffers reused by every chunk: freeing and reallocating per chunk leaves holes in a CPU heap
+        # that later requests cannot reuse
+        rows = min(h.size(0), LOSS_CHUNK_ROWS)
+        low = torch.empty((rows, w.size(0)), device=h.device, dtype=dtype)
+        buf = low if compiled or dtype == torch.float32 else torch.empty_like(low, dtype=torch.float32)
+        step = _compiled_chunk_loss() if compiled else _chunk_loss
+        for i in range(0, h.size(0), LOSS_CHUNK_ROWS):
+            hc, tc = h[i : i + LOSS_CHUNK_ROWS].to(dtype), targets[i : i + LOSS_CHUNK_ROWS]
+            logits = torch.matmul(hc, wc.t(), out=low[: hc.size(0)])  # (n, V)
+            x = logits if buf is low else buf[: hc.size(0)].copy_(logits)  # eager under autocast: fp32
+            loss_sum += step(x, tc, need_grad)
+            if not need_grad:
+                continue
+            g = logits if x is logits else logits.copy_(x)  # d(sum CE)/d logits, in dtype
+            grad_h[i : i + LOSS_CHUNK_ROWS] = g @ wc
+            if grad_w.dtype == dtype:
+                grad_w.addmm_(g.t(), hc)  # accumulate in place, no (V, C) temporary
+            else:
+                grad_w += g.t() @ hc  # low-precision chunk product, fp32 accumulation
+        # at least 1: a micro-batch with no trained target (SFT's loss masks) has loss 0 and zero gradients,
+        # not F.cross_entropy's 0/0 = nan, which no weight of 0 in the step's mean could cancel
+        n_valid = (targets != -1).sum().clamp(min=1)
+        if need_grad:
+            grad_h.div_(n_valid)
+            grad_w.div_(n_valid)
+    return loss_sum / n_valid, grad_h, grad_w
+
+
+@_chunked_lm_head_loss.register_fake
+def _(h, w, targets, dtype, need_grad, compiled):
+    if not need_grad:
+        return h.new_empty((), dtype=torch.float32), h.new_empty(0), w.new_empty(0, dtype=torch.float32)
+    return h.new_empty((), dtype=torch.float32), torch.empty_like(h), torch.empty_like(w, dtype=torch.float32)
+
+
 class ChunkedLMHeadLoss(torch.autograd.Function):
     """Mean cross entropy of logits = h @ w.T, computed LOSS_CHUNK_ROWS rows at a time.
 
@@ -236,54 +317,10 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
     def forward(ctx, h, w, targets, need_grad: bool):  # h (N, C), w (V, C), targets (N,) with -1 = ignore
         dev = h.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
-        with torch.autocast(dev, enabled=False):  # dtypes are explicit below
-            wc = w.to(dtype)
-            # the weight gradient sums over every chunk: in fp32 even for low-precision weights (FSDP's bf16
-            # all-gathered parameters), as the fp32 path does, then rounded once (autograd casts it to w's dtype)
-            grad_h, grad_w = (
-                (None, None) if not need_grad else (torch.empty_like(h), torch.zeros_like(w, dtype=torch.float32))
-            )
-            loss_sum = torch.zeros((), device=h.device, dtype=torch.float32)
-            # one chunk's fp32 logits, turned in place into their gradient, in one buffer reused by every chunk
-            # (plus the low-precision product's buffer under autocast): freeing and reallocating per chunk
-            # leaves holes in a CPU heap that later requests cannot reuse
-            rows = min(h.size(0), LOSS_CHUNK_ROWS)
-            buf = torch.empty((rows, w.size(0)), device=h.device, dtype=torch.float32)
-            low = None if dtype == torch.float32 else torch.empty_like(buf, dtype=dtype)
-            for i in range(0, h.size(0), LOSS_CHUNK_ROWS):
-                hc, tc = h[i : i + LOSS_CHUNK_ROWS].to(dtype), targets[i : i + LOSS_CHUNK_ROWS]
-                logits = buf[: hc.size(0)]  # (n, V)
-                if low is None:
-                    torch.matmul(hc, wc.t(), out=logits)
-                else:
-                    logits.copy_(torch.matmul(hc, wc.t(), out=low[: hc.size(0)]))
-                valid = tc != -1
-                tgt = tc.clamp(min=0).unsqueeze(1)  # (n, 1)
-                target_logit = logits.gather(1, tgt).squeeze(1)
-                top = logits.amax(dim=1, keepdim=True)
-                e = logits.sub_(top).exp_()  # in place: exp(logits - max)
-                total = e.sum(dim=1, keepdim=True)
-                lse = (total.log() + top).squeeze(1)
-                loss_sum += ((lse - target_logit) * valid).sum()
-                if not need_grad:
-                    continue
-                # d(sum CE)/d logits = softmax - onehot(target), zero on ignored rows
-                g = e.div_(total)
-                g.scatter_add_(1, tgt, -torch.ones_like(tgt, dtype=g.dtype))
-                g.mul_(valid.unsqueeze(1))
-                if low is not None:
-                    g = low[: hc.size(0)].copy_(g)
-                grad_h[i : i + LOSS_CHUNK_ROWS] = g @ wc
-                if grad_w.dtype == dtype:
-                    grad_w.addmm_(g.t(), hc)  # accumulate in place, no (V, C) temporary
-                else:
-                    grad_w += g.t() @ hc  # low-precision chunk product, fp32 accumulation
-            # at least 1: a micro-batch with no trained target (SFT's loss masks) has loss 0 and zero gradients,
-            # not F.cross_entropy's 0/0 = nan, which no weight of 0 in the step's mean could cancel
-            n_valid = (targets != -1).sum().clamp(min=1)
-            if need_grad:
-                ctx.save_for_backward(grad_h.div_(n_valid), grad_w.div_(n_valid))
-        return loss_sum / n_valid
+        compiled = torch.compiler.is_compiling()  # traced by torch.compile: the per-chunk kernel is compiled too
+        loss, grad_h, grad_w = _chunked_lm_head_loss(h, w, targets, dtype, need_grad, compiled)
+        ctx.save_for_backward(grad_h, grad_w)
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss):

@@ -6,12 +6,14 @@
     python -m bench.eval_vs_harness   # evaluate.py vs lm-evaluation-harness's hf backend: examples/s, same predictions
     python -m bench.eval_cost         # an evaluation's (val loss, HellaSwag, the suite) share of a run's training time
     python -m bench.recipes           # learning speed: the GPT-2 recipe vs configs/modern.py (steps, time to a loss)
+    python -m bench.compiled_loss     # the chunked loss's memory and time compiled vs eager, as the chunks grow
 
 They import only library modules and their public names, never train.py. A run that needs an optional
 package (transformers for `bench.scoreboard --compare`) checks it with require() before measuring anything.
 """
 
 import importlib
+import importlib.util
 import os
 import platform
 
@@ -38,6 +40,30 @@ def machine_line(device):
         f"{name} ({bf16} AVX512-BF16/AMX), {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; "
         f"torch {torch.__version__}"
     )
+
+
+def model_at(rev, folder):
+    """model.py as it was at git revision `rev` (written into `folder`), imported as its own module beside the
+    current one, so a bench can run old and new code interleaved in one process."""
+    import subprocess
+    from pathlib import Path
+    from unittest import mock
+
+    import torch
+
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(["git", "show", f"{rev}:model.py"], cwd=root, capture_output=True, text=True, check=True)
+    path = Path(folder, f"model_{rev.replace('/', '_').replace('~', '_').replace('^', '_')}.py")
+    path.write_text(source.stdout)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    # the torch.library ops it defines (gpt::...) are registered already by the current model.py: its copies
+    # take their own namespace
+    custom_op = torch.library.custom_op
+    with mock.patch.object(torch.library, "custom_op", lambda name, *a, **kw: custom_op(f"old_{name}", *a, **kw)):
+        spec.loader.exec_module(module)
+    module.rev = rev
+    return module
 
 
 def require(what, *packages):

@@ -1,9 +1,11 @@
 """model.py specification: Hugging Face parity, chunked loss, KV-cache generation, rotary, optimizer, presets."""
 
 import math
+from collections import Counter
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import model as M
@@ -236,6 +238,63 @@ def test_chunked_loss_accumulates_a_bf16_weights_gradient_in_fp32(monkeypatch):
         grads.append(weight.grad)
     fp32_path, bf16_weight = grads
     assert bf16_weight.dtype == torch.bfloat16 and torch.equal(bf16_weight, fp32_path.bfloat16())
+
+
+def test_compiled_chunked_loss_is_one_op_whatever_the_chunks_with_the_reference_gradients(monkeypatch):
+    """torch.compile must not unroll the chunk loop: traced whole, every chunk's (V, C) weight-gradient product
+    stayed alive until one fused sum, and the compiled forward's peak grew with the number of chunks. Compiled,
+    the forward graph holds the blocks' matmuls and one loss op at one chunk and at five, and the gradients (the
+    per-chunk kernel compiled too) and the evaluation loss equal the full-logits reference."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    model = perturb_(small_gpt())
+    idx = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    targets = shifted_targets(idx)
+    targets[0, 3] = -1  # an ignored position inside a chunk
+
+    def loss_and_grads(fn, return_logits):
+        model.zero_grad()
+        loss = fn(idx, targets, return_logits=return_logits)[1]
+        (0.5 * loss).backward()  # the incoming gradient must be applied, not assumed to be 1
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ref_loss, ref_grads = loss_and_grads(model, True)
+    for rows in (32, 7):  # one chunk; five, the last one partial
+        monkeypatch.setattr(M, "LOSS_CHUNK_ROWS", rows)
+        forward_ops = []
+
+        def forward_compiler(gm, example_inputs):
+            forward_ops.append(Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function"))
+            return make_boxed_func(gm.forward)
+
+        torch._dynamo.reset()
+        backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: make_boxed_func(gm.forward))
+        compiled = torch.compile(model, backend=backend)
+        loss, grads = loss_and_grads(compiled, False)
+        assert abs(loss - ref_loss) <= 1e-6
+        assert max((grads[n] - ref_grads[n]).abs().max().item() for n in grads) <= 1e-6
+        (ops,) = forward_ops
+        assert ops["gpt.chunked_lm_head_loss.default"] == 1
+        assert ops["aten.mm.default"] + ops["aten.addmm.default"] == 2 * 4  # 2 blocks x 4 linears, no head
+        with torch.no_grad():  # evaluation, compiled: the loss alone
+            assert abs(compiled(idx, targets, return_logits=False)[1].item() - ref_loss) <= 1e-6
+
+
+def test_compiled_chunk_kernel_writes_softmax_minus_onehot_in_bf16():
+    """The per-chunk kernel as torch.compile builds it (the one-hot a comparison, the gradient written over the
+    bf16 logits in one pass) gives the summed cross entropy and softmax - onehot(target), zero on ignored rows."""
+    logits = (torch.randn(6, 96, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
+    targets = torch.tensor([5, -1, 0, 95, 17, 17])
+    valid = (targets != -1).double().unsqueeze(1)
+    logp = logits.double().log_softmax(dim=1)
+    expected_loss = -(logp.gather(1, targets.clamp(min=0).unsqueeze(1)) * valid).sum()
+    expected_grad = (logp.exp() - F.one_hot(targets.clamp(min=0), 96)) * valid
+    g = logits.clone()
+    loss = M._compiled_chunk_loss()(g, targets, True)
+    assert loss.dtype == torch.float32 and abs(loss.item() - expected_loss.item()) <= 1e-4
+    assert g.dtype == torch.bfloat16 and (g.double() - expected_grad).abs().max() <= 2**-8
+    assert torch.equal(g[1], torch.zeros(96, dtype=torch.bfloat16))
 
 
 def test_activation_checkpointing_gives_identical_gradients(monkeypatch):
