@@ -255,13 +255,13 @@ def _compiled_chunk_loss():
     return torch.compile(_chunk_loss)
 
 
-@torch.library.custom_op("gpt::chunked_lm_head_loss", mutates_args=())
-def _chunked_lm_head_loss(
+def _chunked_loss(
     h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype, need_grad: bool, compiled: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ChunkedLMHeadLoss's work: (loss, grad_h, grad_w), the gradients of the mean (empty without need_grad).
-    One opaque op, so torch.compile neither unrolls the chunk loop nor keeps each chunk's (V, C) weight-gradient
-    product alive until a fused sum; compiled, only the per-chunk softmax and gradient (_chunk_loss) is."""
+    Under torch.compile it runs as one opaque op (_chunked_lm_head_loss), so compile neither unrolls the chunk
+    loop nor keeps each chunk's (V, C) weight-gradient product alive until a fused sum; compiled, only the
+    per-chunk softmax and gradient (_chunk_loss) is."""
     with torch.autocast(h.device.type, enabled=False):  # dtypes are explicit below
         wc = w.to(dtype)
         # the weight gradient sums over every chunk: in fp32 even for low-precision weights (FSDP's bf16
@@ -298,6 +298,9 @@ def _chunked_lm_head_loss(
     return loss_sum / n_valid, grad_h, grad_w
 
 
+_chunked_lm_head_loss = torch.library.custom_op("gpt::chunked_lm_head_loss", _chunked_loss, mutates_args=())
+
+
 @_chunked_lm_head_loss.register_fake
 def _(h, w, targets, dtype, need_grad, compiled):
     if not need_grad:
@@ -317,8 +320,10 @@ class ChunkedLMHeadLoss(torch.autograd.Function):
     def forward(ctx, h, w, targets, need_grad: bool):  # h (N, C), w (V, C), targets (N,) with -1 = ignore
         dev = h.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
-        compiled = torch.compiler.is_compiling()  # traced by torch.compile: the per-chunk kernel is compiled too
-        loss, grad_h, grad_w = _chunked_lm_head_loss(h, w, targets, dtype, need_grad, compiled)
+        if torch.compiler.is_compiling():  # one opaque op to the graph; its per-chunk kernel compiled on its own
+            loss, grad_h, grad_w = _chunked_lm_head_loss(h, w, targets, dtype, need_grad, True)
+        else:  # the op's body: what a memory tracker on fake tensors (dryrun.py) sees op by op
+            loss, grad_h, grad_w = _chunked_loss(h, w, targets, dtype, need_grad, False)
         ctx.save_for_backward(grad_h, grad_w)
         return loss
 
