@@ -6,6 +6,7 @@
     python -m bench.eval_vs_harness   # evaluate.py vs lm-evaluation-harness's hf backend: examples/s, same predictions
     python -m bench.eval_cost         # an evaluation's (val loss, HellaSwag, the suite) share of a run's training time
     python -m bench.recipes           # learning speed: the GPT-2 recipe vs configs/modern.py (steps, time to a loss)
+    python -m bench.decode            # KV-cache decoding: this model.py vs one at a git revision, interleaved
     python -m bench.compiled_loss     # the chunked loss's memory and time compiled vs eager, as the chunks grow
 
 They import only library modules and their public names, never train.py. A run that needs an optional

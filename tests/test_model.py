@@ -6,6 +6,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import model as M
@@ -408,6 +409,30 @@ def test_greedy_generate_equals_argmax_of_full_forward():
             logits, _ = model(ref)  # (B, 1, V): last position
             ref = torch.cat((ref, logits[:, -1].argmax(-1, keepdim=True)), dim=1)
     assert torch.equal(model.generate(idx, 10, temperature=0.0), ref)
+
+
+def test_fp32_cpu_decoding_reads_in_out_contiguous_weights_and_restores_the_layout():
+    """A decode step reads every weight once. At batch 1 in fp32 a CPU reads an (in, out)-contiguous matrix faster
+    than nn.Linear's (out, in) rows (docs/speed.md: 2-2.5x for the head; reading rows was last round's 1.5x decode
+    regression): every product of a step reads one, and a stream closed early leaves the weights as they were."""
+    model = perturb_(small_gpt(), scale=0.2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    contiguous = []
+
+    class RecordProducts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                contiguous.append(args[-1].is_contiguous())  # the weight, (in, out)
+            return func(*args, **(kwargs or {}))
+
+    stream = model.generate_stream(torch.zeros(1, 3, dtype=torch.long), 5, temperature=0.0)
+    with RecordProducts():
+        next(stream)  # the prompt
+        next(stream)  # one token from the cache
+    assert len(contiguous) == 2 * (2 * 4 + 1) and all(contiguous)  # 2 steps x (2 blocks x 4 linears + the head)
+    stream.close()
+    assert all(p.is_contiguous() for p in model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_stream_yields_one_token_per_row_per_step():
