@@ -56,7 +56,7 @@ def measure(name, fields, dtype, old, rounds, new_tokens, with_hf):
     if with_hf:
         from transformers import GPT2LMHeadModel
 
-        from hf import save_pretrained
+        from gpt2train.hf import save_pretrained
 
         with tempfile.TemporaryDirectory() as tmp:
             save_pretrained(ours, tmp)
