@@ -19,6 +19,7 @@ LOSS_CHUNK_ROWS = 2048  # rows of (B*T) per lm_head+CE chunk when the full logit
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 ACTIVATIONS = ("gelu_tanh", "gelu", "relu2")
 CHECKPOINTING = ("selective", "auto")  # activation_checkpointing besides True/False
+SMEAR_CHANNELS = 16  # smear: the gate reads this many leading channels of each token's embedding
 
 # GPT-2 sizes (Radford et al. 2019) and the GPT-3 family sizes of the MosaicML GPT-3 recipes (context 2048;
 # 760m/1.3b/2.7b use head_dim 128 as MosaicML does, rather than the GPT-3 paper's head counts).
@@ -69,6 +70,8 @@ class GPTConfig:
     activation: str = "gelu_tanh"  # MLP nonlinearity: 'gelu_tanh' (GPT-2), 'gelu' (exact, GPT-NeoX), 'relu2'
     qk_norm: bool = False  # RMS-normalise each head's queries and keys before attention (no learned scale)
     zero_init_proj: bool = False  # the attention and MLP output projections start at zero
+    value_embeds: bool = False  # a second token embedding added to every layer's attention values, gated per head
+    smear: bool = False  # each token's embedding also gets a learned, gated share of the previous token's
     layer_norm_eps: float = 1e-5  # LayerNorm epsilon
     activation_checkpointing: bool | str = False  # recompute in backward: True, 'selective', False or 'auto'
 
@@ -83,7 +86,15 @@ class GPTConfig:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "a positive integer")
-        for name in ("bias", "parallel_residual", "tie_embeddings", "qk_norm", "zero_init_proj"):
+        for name in (
+            "bias",
+            "parallel_residual",
+            "tie_embeddings",
+            "qk_norm",
+            "zero_init_proj",
+            "value_embeds",
+            "smear",
+        ):
             need(isinstance(getattr(self, name), bool), name, "True or False")
         need(
             isinstance(self.activation_checkpointing, bool) or self.activation_checkpointing in CHECKPOINTING,
@@ -94,6 +105,8 @@ class GPTConfig:
         need(number(self.rotary_base) and self.rotary_base > 0, "rotary_base", "a number > 0")
         need(number(self.layer_norm_eps) and self.layer_norm_eps > 0, "layer_norm_eps", "a number > 0")
         need(self.activation in ACTIVATIONS, "activation", f"one of {', '.join(map(repr, ACTIVATIONS))}")
+        if self.smear and self.n_embd < SMEAR_CHANNELS:
+            raise ValueError(f"GPTConfig: smear=True reads {SMEAR_CHANNELS} channels; n_embd={self.n_embd} has fewer")
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig: n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if self.rotary_pct is not None:
@@ -163,10 +176,14 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v for all heads
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        if config.value_embeds:  # how much of the value embedding each head mixes into its values
+            self.ve_gate = nn.Parameter(torch.ones(config.n_head))
 
-    def forward(self, x, rope=None, cache: KVCache | None = None, pos: int = 0):
+    def forward(self, x, rope=None, cache: KVCache | None = None, pos: int = 0, ve=None):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
+        if ve is not None:  # (B, T, C): the value embedding of each token, in v's dtype (autocast's, not fp32)
+            v = v + (ve * self.ve_gate.repeat_interleave(C // self.n_head)).to(v.dtype)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
@@ -219,10 +236,10 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.parallel_residual = config.parallel_residual
 
-    def forward(self, x, rope=None, cache=None, pos=0):
+    def forward(self, x, rope=None, cache=None, pos=0, ve=None):
         if self.parallel_residual:  # GPT-NeoX / GPT-J: both branches read the block's input
-            return x + self.attn(self.ln_1(x), rope, cache, pos) + self.mlp(self.ln_2(x))
-        x = x + self.attn(self.ln_1(x), rope, cache, pos)
+            return x + self.attn(self.ln_1(x), rope, cache, pos, ve) + self.mlp(self.ln_2(x))
+        x = x + self.attn(self.ln_1(x), rope, cache, pos, ve)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -355,10 +372,15 @@ class GPT(nn.Module):
             cos, sin = rotary_cos_sin(config.rot_dim, config.block_size, config.rotary_base)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
+        if config.value_embeds:  # value embeddings (nanochat): each token's own vector, straight into attention
+            self.transformer.vte = nn.Embedding(config.vocab_size, config.n_embd)
+        if config.smear:  # the previous token's share: smear_lambda * sigmoid(smear_gate(the token's first channels))
+            self.smear_gate = nn.Linear(SMEAR_CHANNELS, 1, bias=False)
+            self.smear_lambda = nn.Parameter(torch.ones(()))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight  # weight tying (GPT-2)
-        self.apply(self._init_weights)
+        self.apply(self._init_weights)  # (ve_gate and smear_lambda, not modules, keep their ones)
         for name, p in self.named_parameters():  # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer)
             if name.endswith("c_proj.weight"):
                 if config.zero_init_proj:  # each block starts as the identity (modded-nanogpt)
@@ -375,32 +397,39 @@ class GPT(nn.Module):
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count, tied wte/lm_head counted once. non_embedding drops the lookup tables, which cost
-        no matmul FLOPs: wpe, and wte when it is untied (tied, it is also the output head's matmul)."""
+        no matmul FLOPs: wpe, vte, and wte when it is untied (tied, it is also the output head's matmul)."""
         n = sum(p.numel() for p in self.parameters())
-        if non_embedding and "wpe" in self.transformer:
-            n -= self.transformer.wpe.weight.numel()
+        for table in ("wpe", "vte"):
+            if non_embedding and table in self.transformer:
+                n -= self.transformer[table].weight.numel()
         if non_embedding and not self.config.tie_embeddings:
             n -= self.transformer.wte.weight.numel()
         return n
 
-    def hidden_states(self, idx, caches: list[KVCache] | None = None, pos: int = 0, final_norm: bool = True):
+    def hidden_states(self, idx, caches: list[KVCache] | None = None, pos: int = 0, final_norm: bool = True, prev=None):
         """Final (ln_f) hidden states (B, T, C) for tokens idx (B, T) at positions pos..pos+T-1 (final_norm=False:
-        the last block's output, before ln_f)."""
+        the last block's output, before ln_f). prev (B, 1): the token before idx[:, 0] where idx continues a
+        cached sequence (smear reads it; None: idx starts the sequence)."""
         B, T = idx.shape
         if pos + T > self.config.block_size:
             raise ValueError(f"GPT: positions up to {pos + T} exceed block_size {self.config.block_size}")
         x = self.transformer.wte(idx)  # (B, T, C)
+        if self.config.smear:  # modded-nanogpt's smear: a cheap path to the previous token before any attention
+            first = self.transformer.wte(prev) if prev is not None else torch.zeros_like(x[:, :1])
+            before = torch.cat((first, x[:, :-1]), dim=1)  # (B, T, C): each position's previous embedding
+            x = x + self.smear_lambda * torch.sigmoid(self.smear_gate(x[..., :SMEAR_CHANNELS])) * before
         rope = None
         if self.config.rotary_pct is None:
             x = x + self.transformer.wpe(torch.arange(pos, pos + T, device=idx.device))
         else:
             rope = (self.rope_cos[pos : pos + T], self.rope_sin[pos : pos + T])  # (T, rot_dim) each
         x = self.transformer.drop(x)
+        ve = self.transformer.vte(idx) if self.config.value_embeds else None  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
             if self.config.recomputes(i) and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, rope, use_reentrant=False)
+                x = checkpoint(block, x, rope, None, 0, ve, use_reentrant=False)
             else:
-                x = block(x, rope, caches[i] if caches is not None else None, pos)
+                x = block(x, rope, caches[i] if caches is not None else None, pos, ve)
         return self.transformer.ln_f(x) if final_norm else x
 
     def forward(self, idx, targets=None, return_logits: bool = True):
@@ -495,7 +524,7 @@ class GPT(nn.Module):
         with self._column_major_linears(fp32_cpu):
             for _ in range(max_new_tokens):
                 if caches is not None and pos + feed.size(1) <= bs:
-                    h = self.hidden_states(feed, caches, pos)
+                    h = self.hidden_states(feed, caches, pos, prev=ctx[:, pos - 1 : pos] if pos else None)
                     pos += feed.size(1)
                 else:  # no cache, or the window is full: recompute on the last block_size tokens
                     h = self.hidden_states(ctx)

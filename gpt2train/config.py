@@ -59,6 +59,8 @@ class TrainConfig(GPTConfig):
     muon_lr: float = 0.02  # optimizer='muon': peak learning rate of the Muon matrices (the schedule scales it alike)
     muon_momentum: float = 0.95  # optimizer='muon': Muon's Nesterov momentum
     muon_weight_decay: float = 0.0  # optimizer='muon': decoupled weight decay of the Muon matrices (lr * this per step)
+    embedding_lr: float | None = None  # peak AdamW rate of the embedding tables (None: learning_rate)
+    head_lr: float | None = None  # peak AdamW rate of an untied output head (None: learning_rate)
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables clipping
     nonfinite: str = "skip"  # a NaN/inf loss or gradient norm: 'skip' the update or 'halt' the run (exit 1)
     max_skipped_steps: int = 10  # halt (exit 1) after this many consecutive skipped updates; 0: no limit
@@ -146,6 +148,10 @@ class TrainConfig(GPTConfig):
                 parse_tasks(self.eval_tasks)
             except ValueError as e:
                 raise ConfigError(f"config key 'eval_tasks': {e}") from None
+        if self.head_lr is not None and self.tie_embeddings:
+            raise ConfigError(
+                "config key 'head_lr' needs tie_embeddings=False: a tied head is the token embedding (set embedding_lr)"
+            )
         if self.min_lr > self.learning_rate:
             raise ConfigError(f"config key 'min_lr' must be <= learning_rate={self.learning_rate}; got {self.min_lr}")
         try:
@@ -197,6 +203,8 @@ RANGES = {  # key: (check, what the message says); None passes where the key all
     "learning_rate": (lambda v: v > 0, "> 0"),
     "max_seconds": (lambda v: v > 0, "> 0"),
     "muon_lr": (lambda v: v > 0, "> 0"),
+    "embedding_lr": (lambda v: v > 0, "> 0"),
+    "head_lr": (lambda v: v > 0, "> 0"),
     "muon_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "dist_timeout_minutes": (lambda v: v > 0, "> 0"),
     "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),

@@ -23,6 +23,11 @@ from gpt2train.files import atomic_write, first_line
 from model import GPT, GPT2_VOCAB, HUB_NAMES, TRAINING_ONLY_MODEL_KEYS, GPTConfig
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# the modern recipe's options neither GPT2LMHeadModel nor GPTNeoXForCausalLM has: what each would need
+NO_HF_EQUIVALENT = {
+    "value_embeds": "a second token embedding added to the attention values",
+    "smear": "the previous token's embedding mixed into each token's",
+}
 HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu2": "relu2"}
 NEOX_LAYER_NAMES = {
     "ln_1": "input_layernorm",
@@ -108,17 +113,23 @@ def save_pretrained(
 ) -> None:
     """Write config.json + model.safetensors that transformers loads: a GPT2LMHeadModel for learned positions
     (rotary_pct=None), a GPTNeoXForCausalLM (Pythia layout) for rotary ones. bias=False is written as zero
-    biases; zero_init_proj and dropout need nothing. qk_norm, and a parallel residual with learned positions,
-    exist in neither (ValueError). With them the tokenizer (bpe.save_tokenizer: tokenizer_dir's own
-    tokenizer.json if it has one, else GPT-2's; skipped, with a note, for a vocabulary too small for GPT-2's;
-    `tokenizer_json`, a checkpoint's own tokenizer.json text, wins over both) and generation_config.json with its
-    <|endoftext|> id as eos."""
+    biases; zero_init_proj and dropout need nothing. qk_norm, value_embeds, smear, and a parallel
+    residual with learned positions, exist in neither (ValueError). With them the tokenizer (bpe.save_tokenizer:
+    tokenizer_dir's own tokenizer.json if it has one, else GPT-2's; skipped, with a note, for a vocabulary too
+    small for GPT-2's; `tokenizer_json`, a checkpoint's own tokenizer.json text, wins over both) and
+    generation_config.json with its <|endoftext|> id as eos."""
     cfg = model.config
     if cfg.qk_norm:
         raise ValueError(
             "save_pretrained: qk_norm=True has no Hugging Face GPT-2 or GPT-NeoX equivalent "
             "(neither normalises queries and keys); export needs qk_norm=False"
         )
+    for key, what in NO_HF_EQUIVALENT.items():
+        if getattr(cfg, key):
+            raise ValueError(
+                f"save_pretrained: {key}=True has no Hugging Face GPT-2 or GPT-NeoX equivalent ({what}); "
+                f"export needs {key}=False"
+            )
     if cfg.rotary_pct is None and cfg.parallel_residual:
         raise ValueError(
             "save_pretrained: parallel_residual=True with learned positions (rotary_pct=None) "

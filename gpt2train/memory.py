@@ -31,7 +31,7 @@ import torch.distributed as dist
 from gpt2train.config import CHOICES, ConfigError, batch_layout
 from gpt2train.console import distributed, log
 from gpt2train.devices import autocast, is_oom, resolve_compile, rng_state, set_rng_state
-from model import GPT, LOSS_CHUNK_ROWS
+from model import GPT, LOSS_CHUNK_ROWS, SMEAR_CHANNELS
 
 GiB = 2**30
 # batch_size='auto' from the plan (CPU/MPS): use at most this share of the available memory. On a CPU the peak
@@ -121,7 +121,8 @@ def saved_bytes_per_token(cfg, dtype="float32", low_params: bool = False) -> tup
     Per block: the residual stream x and x + attn (fp32 under autocast too: r bytes each), the ln_1/ln_2
     outputs as the matmuls read them, q/k/v in one (B, T, 3C) buffer, the attention output and the MLP's pre-
     and post-activation (hidden each), all in the compute dtype (a bytes), plus LayerNorm statistics and SDPA's
-    log-sum-exp. Outside: token ids, ln_f's input and statistics."""
+    log-sum-exp. Outside: token ids, ln_f's input and statistics; the recipe's value embeddings and smear add their
+    own."""
     C, nh = cfg.n_embd, cfg.n_head
     H, a = param_stats(cfg)["hidden"], _bytes_per_element(dtype)
     r = a if low_params else 4  # FSDP's low-precision parameters make the residual stream low-precision too
@@ -134,7 +135,14 @@ def saved_bytes_per_token(cfg, dtype="float32", low_params: bool = False) -> tup
         block += 2 * 4 * C
     if cfg.dropout > 0:  # rough: dropout masks, and attention's (T, T) math path
         block += 2 * a * C + nh * cfg.block_size * (2 * a + 1)
-    return block, 8 + r * C + 8
+    outside = 8 + r * C + 8
+    if cfg.value_embeds:  # the fp32 table lookup; per block v becomes its own tensor, and the q/k/v buffer is
+        # freed where nothing else keeps a view of it (rotated q and k are copies, except fp32 QK-norm's input)
+        outside += 4 * C
+        block += a * C if not rotated or (cfg.qk_norm and a == 4) else -2 * a * C
+    if cfg.smear:  # the previous embeddings (fp32), the gate's input (fp32: all of x; autocast: a copy), its output
+        outside += 4 * C + (4 * C if a == 4 else a * SMEAR_CHANNELS) + 8
+    return block, outside
 
 
 def _activation_parts(cfg, batch_size, dtype, activation_checkpointing, seq_len, low_params) -> tuple[int, int]:

@@ -1,8 +1,10 @@
 """The optimizers, built in one place: AdamW for every parameter (optimizer='adamw', GPT-2's recipe), or Muon for
 the blocks' weight matrices with AdamW for the rest (optimizer='muon', the modern recipe). Both decay only the
-2-D tensors (matmul weights, embeddings), never biases or norms."""
+2-D tensors (matmul weights, embeddings), never biases or norms. The embedding tables and an untied output head
+can have AdamW rates of their own (embedding_lr, head_lr); the schedule scales every rate alike."""
 
 import torch
+import torch.nn as nn
 
 
 def adamw(params, weight_decay, lr, betas, fused=False):
@@ -52,13 +54,35 @@ def hidden_matrices(model):
     ]
 
 
+def own_rate_groups(model, cfg):
+    """{'embedding': [...], 'head': [...]}: the parameters at embedding_lr (every nn.Embedding table) and head_lr
+    (an untied output head), for the keys that are set; a key left None keeps its tensors at learning_rate."""
+    groups = {}
+    if cfg.embedding_lr is not None:
+        groups["embedding"] = [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
+    if cfg.head_lr is not None:  # untied: config.py refuses head_lr for a tied head, which is the embedding
+        groups["head"] = [model.lm_head.weight]
+    return groups
+
+
+def peak_lr(cfg, role):
+    """Peak rate of an AdamW group by its role (None: the default group at learning_rate)."""
+    return {"embedding": cfg.embedding_lr, "head": cfg.head_lr}.get(role) or cfg.learning_rate
+
+
 def build_optimizer(model, cfg, fused=False):
     """The configured optimizer over the model's parameters (after sharding: fully_shard replaces them)."""
     betas = (cfg.beta1, cfg.beta2)
-    if cfg.optimizer == "adamw":
-        return adamw(model.parameters(), cfg.weight_decay, cfg.learning_rate, betas, fused)
-    hidden = set(hidden_matrices(model))
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}  # a tied head is wte, listed once
+    hidden = set(hidden_matrices(model)) if cfg.optimizer == "muon" else set()
+    own = own_rate_groups(model, cfg)
+    apart = {id(p) for ps in own.values() for p in ps}
+    rest = [p for n, p in params.items() if n not in hidden and id(p) not in apart]
+    opt = adamw(rest, cfg.weight_decay, cfg.learning_rate, betas, fused)
+    for role, ps in own.items():  # matrices all: decayed like wte and lm_head in the default group
+        opt.add_param_group({"params": ps, "lr": peak_lr(cfg, role), "weight_decay": cfg.weight_decay, "role": role})
+    if cfg.optimizer == "adamw":
+        return opt
     # adjust_lr_fn='original' (Keller Jordan's Muon): the update is scaled by sqrt(max(1, rows/cols))
     muon = torch.optim.Muon(
         [params[n] for n in hidden],
@@ -68,14 +92,13 @@ def build_optimizer(model, cfg, fused=False):
         weight_decay=cfg.muon_weight_decay,
         adjust_lr_fn="original",
     )
-    rest = [p for n, p in params.items() if n not in hidden]
-    return MuonAdamW(muon, adamw(rest, cfg.weight_decay, cfg.learning_rate, betas, fused))
+    return MuonAdamW(muon, opt)
 
 
 def set_lr(optimizer, lr, cfg):
     """Every group at the schedule's fraction lr / learning_rate of its own peak: learning_rate for AdamW's
-    groups, muon_lr for Muon's."""
+    default groups, embedding_lr and head_lr for theirs, muon_lr for Muon's."""
+    muon = optimizer.muon.param_groups if isinstance(optimizer, MuonAdamW) else []
     for group in optimizer.param_groups:
-        group["lr"] = lr
-    for group in optimizer.muon.param_groups if isinstance(optimizer, MuonAdamW) else []:
-        group["lr"] = lr / cfg.learning_rate * cfg.muon_lr
+        peak = cfg.muon_lr if any(group is g for g in muon) else peak_lr(cfg, group.get("role"))
+        group["lr"] = lr * (peak / cfg.learning_rate)  # exactly lr at peak learning_rate

@@ -218,8 +218,8 @@ def run_tokenizer(cfg, user, source):
 
 def resumed_config(user, out_dir, ckpt, data_tokenizer):
     """(cfg, ckpt) of a run resuming from ckpt: the user's keys over the checkpoint's config; the architecture, the
-    optimizer and the budget (max_seconds) cannot change, nor the tokenizer of the data (data_tokenizer: its record,
-    or None)."""
+    optimizer, its groups and the budget (max_seconds) cannot change, nor the tokenizer of the data (data_tokenizer:
+    its record, or None)."""
     path = ckpt["path"]
     # the run stays in the out_dir it found the checkpoint in (the checkpoint's own may be another, if moved)
     cfg = make_config({**user, "out_dir": out_dir}, base=ckpt["config"])
@@ -228,6 +228,13 @@ def resumed_config(user, out_dir, ckpt, data_tokenizer):
             f"cannot change optimizer when resuming: the checkpoint {path} has "
             f"{ckpt['config']['optimizer']!r}, the config {cfg.optimizer!r}"
         )
+    for key in ("embedding_lr", "head_lr"):  # set or not, they decide the saved optimizer's groups; values may change
+        if (getattr(cfg, key) is None) != (ckpt["config"].get(key) is None):
+            raise ConfigError(
+                f"cannot set or unset {key} when resuming: the checkpoint {path} has "
+                f"{ckpt['config'].get(key)!r}, the config {getattr(cfg, key)!r} (its value may change, not whether "
+                "it is set: the saved optimizer state has its groups)"
+            )
     budget = ckpt["config"].get("max_seconds")
     if cfg.max_seconds is not None and cfg.max_seconds != budget:  # its max_steps was fixed by (or without) a budget
         raise ConfigError(

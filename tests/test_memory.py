@@ -86,7 +86,18 @@ def saved_tensor_bytes(cfg, batch_size, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("extra", [{}, {"rotary_pct": 1.0}, {"qk_norm": True, "rotary_pct": 1.0}])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"rotary_pct": 1.0},
+        {"qk_norm": True, "rotary_pct": 1.0},
+        {"value_embeds": True},
+        {"value_embeds": True, "rotary_pct": 1.0},
+        {"value_embeds": True, "smear": True, "qk_norm": True, "rotary_pct": 1.0},
+    ],
+    ids=str,
+)
 def test_activation_model_matches_what_autograd_saves(dtype, extra):
     cfg = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=24, vocab_size=96, **extra)
     B, T = 3, cfg.block_size

@@ -14,6 +14,8 @@ import train
 from gpt2train import loading
 from gpt2train.checkpoint import load_checkpoint
 from gpt2train.config import ConfigError, TrainConfig, parse_args
+from gpt2train.hf import save_pretrained
+from test_model import perturb_, small_gpt
 from test_train import ROOT, TINY, data_dir, metrics, run, subprocess_env, torchrun, train_losses  # noqa: F401 (fixture)
 
 MUON = ["--optimizer=muon", "--muon_lr=0.03"]
@@ -40,6 +42,9 @@ def test_resume_cannot_change_the_optimizer(data_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.main(["--init_from=resume", f"--out_dir={tmp_path}", "--optimizer=muon"])
     assert "cannot change optimizer when resuming" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a group of its own that the saved optimizer state lacks
+        train.main(["--init_from=resume", f"--out_dir={tmp_path}", "--embedding_lr=0.01"])
+    assert "cannot set or unset embedding_lr when resuming" in capsys.readouterr().err
 
 
 @dataclass
@@ -126,3 +131,97 @@ def test_modern_config_trains_resumes_and_samples(data_dir, tmp_path):
     prompt = torch.tensor([[1, 2, 3]])
     cached, uncached = (model.generate(prompt, 12, temperature=0, use_kv_cache=c) for c in (True, False))
     assert torch.equal(cached, uncached) and cached.shape == (1, 15)
+
+
+# ----------------------------------------------------------------------------- the recipe's model options
+
+RECIPE_OPTIONS = dict(value_embeds=True, smear=True, qk_norm=True, rotary_pct=1.0, tie_embeddings=False)
+
+
+def without(model, **off):
+    """A model with `off` switched off and every weight `model` shares with it copied over."""
+    plain = small_gpt(**{**vars(model.config), **off})
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if k in plain.state_dict()})
+    return plain
+
+
+@pytest.mark.parametrize(
+    "option, gates",
+    [("value_embeds", "ve_gate"), ("smear", "smear_lambda")],
+)
+def test_each_option_at_a_zero_gate_is_the_model_without_it(option, gates):
+    """With its learned gates at zero an option changes nothing (the rest of the model is the plain one); open,
+    it changes the output and its gate and table get gradients."""
+    model = perturb_(small_gpt(n_layer=4, **{**RECIPE_OPTIONS, option: True}))
+    idx = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits, loss = model(idx, idx)
+    loss.backward()
+    opened = [p for n, p in model.named_parameters() if n.endswith(gates) or n.startswith(("transformer.vte", "smear"))]
+    assert opened and all(p.grad is not None and p.grad.abs().sum() > 0 for p in opened)
+    plain = without(model, **{option: False})
+    assert (logits - plain(idx, idx)[0]).abs().max() > 1e-3
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(gates):
+                p.zero_()
+    assert torch.allclose(model(idx, idx)[0], plain(idx, idx)[0], atol=1e-6)
+
+
+def test_value_embeddings_are_added_to_each_heads_values():
+    """The second table is looked up per token and added to attention's values, head h scaled by ve_gate[h]:
+    with every query attending to itself only (one position), attention's output is exactly v + gate * vte."""
+    model = perturb_(small_gpt(value_embeds=True))
+    attn, idx = model.transformer.h[0].attn, torch.tensor([[5]])
+    with torch.no_grad():
+        attn.ve_gate.copy_(torch.tensor([0.0, 2.0]))
+        x = torch.randn(1, 1, 32)
+        ve = model.transformer.vte(idx)  # (1, 1, 32)
+        v = attn.c_attn(x)[..., 64:]
+        expected = attn.c_proj(v + torch.cat((0 * ve[..., :16], 2 * ve[..., 16:]), dim=-1))
+        assert torch.allclose(attn(x, ve=ve), expected, atol=1e-6)
+    # wpe and vte are lookups, no matmul FLOPs (the tied wte is also the head's matmul)
+    assert model.num_params(non_embedding=True) == model.num_params() - 32 * 32 - 96 * 32
+
+
+def test_smear_mixes_in_the_previous_tokens_embedding():
+    """Position t's input is wte[t] + smear_lambda * sigmoid(gate(wte[t][:16])) * wte[t-1]; the first token of a
+    sequence has no previous one, and one continuing a cached sequence gets it from `prev`."""
+    model = perturb_(small_gpt(smear=True, n_layer=1, rotary_pct=1.0))  # rotary: no wpe added
+    model.transformer.h = torch.nn.ModuleList()  # no blocks: hidden_states is ln_f of the embedding
+    idx = torch.tensor([[3, 7, 11]])
+    with torch.no_grad():
+        e = model.transformer.wte(idx)[0]
+        share = model.smear_lambda * torch.sigmoid(model.smear_gate(e[:, :16]))  # (3, 1)
+        expected = torch.stack([e[0], e[1] + share[1] * e[0], e[2] + share[2] * e[1]])
+        assert torch.allclose(model.hidden_states(idx, final_norm=False)[0], expected, atol=1e-6)
+        last = model.hidden_states(idx[:, 2:], pos=2, final_norm=False, prev=idx[:, 1:2])
+        assert torch.allclose(last[0, 0], expected[2], atol=1e-6)
+
+
+@pytest.mark.parametrize("prompt_len", [1, 17])
+def test_kv_cache_equals_recompute_with_the_recipes_options(prompt_len):
+    model = perturb_(small_gpt(n_layer=3, **RECIPE_OPTIONS), scale=0.2)
+    idx = torch.randint(0, 96, (2, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
+    cached = model.generate(idx, 40 - prompt_len, temperature=0.0, use_kv_cache=True)
+    assert torch.equal(cached, model.generate(idx, 40 - prompt_len, temperature=0.0, use_kv_cache=False))
+
+
+def test_activation_checkpointing_recomputes_the_recipes_options_alike():
+    """The recomputed blocks get the value embeddings too: the same loss and gradients as without recompute."""
+    model = perturb_(small_gpt(n_layer=3, **RECIPE_OPTIONS)).train()
+    idx = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for mode in (False, True):
+        model.config.activation_checkpointing = mode
+        model.zero_grad()
+        model(idx, idx)[1].backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("option", ["value_embeds", "smear"])
+def test_export_refuses_what_hugging_face_cannot_load(tmp_path, option):
+    with pytest.raises(ValueError) as err:
+        save_pretrained(small_gpt(**{option: True}), str(tmp_path))
+    assert f"save_pretrained: {option}=True has no Hugging Face" in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "config.json").exists()

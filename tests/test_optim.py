@@ -91,6 +91,31 @@ def test_muon_grouping_with_the_modern_model_options():
     assert sorted(ids) == sorted(id(p) for p in model.parameters()) and len(ids) == len(set(ids))
 
 
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_embedding_and_head_rates_have_groups_of_their_own(optimizer):
+    """embedding_lr: every embedding table (token, value); head_lr: the untied head. Both decay like the other
+    matrices, and the schedule scales them as it scales the rest."""
+    model, opt, cfg = tiny_setup(
+        optimizer=optimizer, tie_embeddings=False, value_embeds=True, embedding_lr=0.05, head_lr=1e-3, weight_decay=0.1
+    )
+    names = {id(p): n for n, p in model.named_parameters()}
+    adamw = opt.adamw if optimizer == "muon" else opt
+    roles = {g.get("role"): g for g in adamw.param_groups if g.get("role")}
+    assert sorted(names[id(p)] for p in roles["embedding"]["params"]) == [
+        "transformer.vte.weight",
+        "transformer.wpe.weight",
+        "transformer.wte.weight",
+    ]
+    assert [names[id(p)] for p in roles["head"]["params"]] == ["lm_head.weight"]
+    assert [(g["lr"], g["weight_decay"]) for g in roles.values()] == [(0.05, 0.1), (1e-3, 0.1)]
+    ids = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters()) and len(ids) == len(set(ids))
+    optim.set_lr(opt, 1e-3, cfg)  # a third of learning_rate's peak: every group at a third of its own
+    assert roles["embedding"]["lr"] == pytest.approx(0.05 / 3) and roles["head"]["lr"] == pytest.approx(1e-3 / 3)
+    assert all(g["lr"] == 1e-3 for g in adamw.param_groups if not g.get("role"))
+    assert optimizer == "adamw" or opt.muon.param_groups[0]["lr"] == pytest.approx(0.01)
+
+
 def test_grad_scaler_unscales_and_steps_both_optimizers():
     """fp16's GradScaler drives MuonAdamW as one optimizer: true gradients after unscale_, one update each."""
     model, opt, _ = tiny_setup()
