@@ -5,16 +5,23 @@ size and token budget. Not a test: a measurement, printed as Markdown and writte
     python -m bench.recipes --corpora shakespeare --steps 60 --gpt2_sweep 1e-3 --modern_sweep 1   # a quick look
 
 Every run is `python train.py [configs/modern.py] --key=value ...` in a subprocess (train.py is a script, not
-an API), evaluated every --eval_interval steps on the same val batches. Per corpus:
-  1. a learning-rate sweep: learning_rate in --gpt2_sweep for the GPT-2 recipe (cosine to lr/10 after
-     --gpt2_warmup steps); for the modern recipe both of its rates (muon_lr and learning_rate, as
-     configs/modern.py sets them) times each of --modern_sweep. Each recipe keeps the rate with the lowest
-     final val loss; corpora after the first reuse the first corpus's winners (a check the recipe was not
-     tuned to one dataset) unless --sweep_every_corpus.
-  2. the target: the GPT-2 winner's final val loss. Steps to target: the first evaluation at or below it
-     (so to within --eval_interval). Time to target: the summed step_ms (forward, backward, optimizer; no
-     evaluation, no compile trial) of the steps up to it in each run.
-  3. per-step cost (first corpus only): --knob_steps steps each, median step_ms after the first 5, of the
+an API), evaluated every --eval_interval steps (the modern recipe: every --modern_eval_interval) on the same
+val batches. Per corpus:
+  1. a learning-rate sweep on the first of --seeds: learning_rate in --gpt2_sweep for the GPT-2 recipe (cosine
+     to lr/10 after --gpt2_warmup steps); for the modern recipe all of its rates (muon_lr, learning_rate,
+     embedding_lr, head_lr, as configs/modern.py sets them) times each of --modern_sweep. Each recipe keeps the
+     rate with the lowest final val loss and runs it again with the other seeds (weights and data order);
+     corpora after the first reuse the first corpus's winners (a check the recipe was not tuned to one
+     dataset) unless --sweep_every_corpus.
+  2. the target: the GPT-2 winner's final val loss, the mean over the seeds (its steps to target: --steps, by
+     definition). The modern recipe's steps to target: in each run, the first evaluation at or below it (so to
+     within --modern_eval_interval); the mean over the seeds and their spread (min-max). Time to target: the
+     summed step_ms (forward, backward, optimizer; no evaluation, no compile trial) of the steps up to it.
+  3. ablations (first corpus only): the modern recipe without each of its ABLATIONS, every seed, the first
+     --ablation_steps steps of the same --steps-step schedule (lr_decay_steps=--steps, so each run follows
+     the full recipe's schedule and the full runs' first steps are its reference): steps to target and val
+     loss at step --ablation_steps, at equal tokens.
+  4. per-step cost (first corpus only): --knob_steps steps each, median step_ms after the first 5, of the
      GPT-2 recipe, it with each of the modern recipe's knobs alone, the modern recipe, the GPT-2 recipe again,
      back to back, --knob_rounds times (the lowest median of each counts). On a shared machine the sweep's
      runs see different loads, so the time ratio is also given at these back-to-back costs:
@@ -42,6 +49,7 @@ from gpt2train.config import read_config_file
 
 ROOT = Path(__file__).resolve().parent.parent
 MODERN = ROOT / "configs" / "modern.py"
+MODERN_RATES = ("learning_rate", "muon_lr", "embedding_lr", "head_lr")  # --modern_sweep scales them together
 # the modern recipe's knobs, each added alone to the GPT-2 recipe for its per-step cost
 KNOBS = {
     "muon": ["--optimizer=muon"],
@@ -50,6 +58,16 @@ KNOBS = {
     "rotary": ["--rotary_pct=1.0"],
     "untied head": ["--tie_embeddings=False"],
     "no biases": ["--bias=False"],
+    "value embeddings": ["--value_embeds=True"],
+    "smear": ["--smear=True"],
+}
+# the ingredients this recipe was built from, each ablated: configs/modern.py's keys that turn it off ('-'), or
+# on ('+' for one measured and left off); rates are scaled by the sweep's factor like the recipe's own
+ABLATIONS = {
+    "- value embeddings": {"value_embeds": False},
+    "- smear": {"smear": False},
+    "- embedding_lr, head_lr (both at learning_rate)": {"embedding_lr": None, "head_lr": None},
+    "- muon_lr 0.01 (0.02, as before)": {"muon_lr": 0.02},
 }
 
 
@@ -122,18 +140,26 @@ def median_ms(run, skip=5):
     return statistics.median([ms for s, ms in run["step_ms"].items() if s > skip] or run["step_ms"].values())
 
 
-def recipe_args(recipe, lr, common, steps):
-    """train.py arguments of one recipe at one learning rate (GPT-2: its rate; modern: a scale of both rates)."""
+def spread(xs):
+    """{mean, min, max} of the seeds' values; None where a run never got there (then no mean)."""
+    done = [x for x in xs if x is not None]
+    return {
+        "values": xs,
+        "mean": statistics.mean(xs) if xs and len(done) == len(xs) else None,
+        "min": min(done, default=None),
+        "max": max(done, default=None),
+    }
+
+
+def recipe_args(recipe, lr, common, steps, seed, changes=None):
+    """train.py arguments of one recipe at one learning rate (GPT-2: its rate; modern: a scale of all its rates)
+    and seed; `changes` replace configs/modern.py's keys (an ablation), before the scaling."""
     if recipe == "gpt2":
-        return [*common, f"--learning_rate={lr}", f"--min_lr={lr / 10}", f"--max_steps={steps}"]
-    keys = read_config_file(MODERN)
-    return [
-        str(MODERN),
-        *common,
-        f"--learning_rate={keys['learning_rate'] * lr}",
-        f"--muon_lr={keys['muon_lr'] * lr}",
-        f"--max_steps={steps}",
-    ]
+        return [*common, f"--learning_rate={lr}", f"--min_lr={lr / 10}", f"--max_steps={steps}", f"--seed={seed}"]
+    keys = {**read_config_file(MODERN), **(changes or {})}
+    scaled = {k: keys[k] * lr for k in MODERN_RATES if keys.get(k) is not None}
+    flags = [f"--{k}={v}" for k, v in {**(changes or {}), **scaled}.items()]
+    return [str(MODERN), *common, *flags, f"--max_steps={steps}", f"--seed={seed}"]
 
 
 def fmt(x, spec):
@@ -146,17 +172,21 @@ def parse_args(argv=None):
     p.add_argument("--data_root", default="data", help="corpora are prepared under DATA_ROOT/<corpus>")
     p.add_argument("--out_dir", default="out/bench_recipes", help="runs (reused when re-run) and recipes.json")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps per run (the token budget)")
+    p.add_argument("--seeds", default="1337,1338,1339", help="seeds of every comparison; the sweep uses the first")
+    p.add_argument("--check_seeds", type=int, default=None, help="corpora after the first: the first N seeds only")
     p.add_argument("--gpt2_sweep", default="1e-3,2e-3,4e-3", help="GPT-2 recipe: learning rates swept")
     p.add_argument("--gpt2_warmup", type=int, default=20, help="GPT-2 recipe: warmup steps")
-    p.add_argument("--modern_sweep", default="0.5,1,2", help="modern recipe: factors on both of its rates")
+    p.add_argument("--modern_sweep", default="0.5,1,2", help="modern recipe: factors on all of its rates")
     p.add_argument("--sweep_every_corpus", action="store_true", help="sweep on every corpus, not the first only")
     p.add_argument(
         "--model",
         default="--n_layer=4 --n_head=4 --n_embd=256 --block_size=128 --batch_size=16",
         help="model size and batch, as train.py flags",
     )
-    p.add_argument("--eval_interval", type=int, default=20)
+    p.add_argument("--eval_interval", type=int, default=20, help="GPT-2 recipe: steps between evaluations")
+    p.add_argument("--modern_eval_interval", type=int, default=5, help="modern recipe: steps between evaluations")
     p.add_argument("--eval_steps", type=int, default=8, help="val micro-batches per evaluation")
+    p.add_argument("--ablation_steps", type=int, default=60, help="steps per ablation run (0: skip them)")
     p.add_argument("--knob_steps", type=int, default=30, help="steps per knob-cost run (0: skip them)")
     p.add_argument("--knob_rounds", type=int, default=2, help="rounds of the back-to-back per-step cost runs")
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the runs (default: torch's)")
@@ -178,55 +208,111 @@ def common_args(data, a):
     ]
 
 
-def compare(corpus, a, out_root, best):
-    """Sweep (or reuse `best`), then the comparison at the GPT-2 winner's final val loss; fills `best`."""
+def seed_runs(recipe, corpus, a, out_root, common, best, seeds):
+    """{(lr, seed): run} of one recipe: its sweep on seeds[0] (or `best`'s rate), then the winner on the other
+    seeds; fills best[recipe]."""
+    runs = {}
+    lrs = [best[recipe]] if recipe in best else [float(x) for x in getattr(a, f"{recipe}_sweep").split(",")]
+    for lr in lrs:
+        runs[(lr, seeds[0])] = one_run(recipe, corpus, a, out_root, common, lr, seeds[0])
+    best[recipe] = min(lrs, key=lambda lr: runs[(lr, seeds[0])]["val"][a.steps])
+    for seed in seeds[1:]:
+        runs[(best[recipe], seed)] = one_run(recipe, corpus, a, out_root, common, best[recipe], seed)
+    return runs
+
+
+def one_run(recipe, corpus, a, out_root, common, lr, seed):
+    t0 = time.time()
+    args = recipe_args(recipe, lr, common, a.steps, seed)
+    run = summarize(train_run(out_root / corpus / f"{recipe}_{lr:g}_seed{seed}", args, a.threads))
+    print(
+        f"{corpus} {recipe} {'lr' if recipe == 'gpt2' else 'scale'} {lr:g} seed {seed}: final val "
+        f"{run['val'][a.steps]:.4f}, {median_ms(run):.0f} ms/step ({time.time() - t0:.0f} s)",
+        flush=True,
+    )
+    return run
+
+
+def compare(corpus, a, out_root, best, seeds):
+    """Sweep (or reuse `best`), the winners on every seed, then the comparison at the GPT-2 winner's final val
+    loss (mean over the seeds); fills `best`. Returns (result, the modern winner's runs, the target, the args
+    each recipe's runs share)."""
     data = prepare_corpus(corpus, a.data_root)
     common = common_args(data, a)
     gpt2_common = [*common, f"--warmup_steps={a.gpt2_warmup}"]
-    runs = {}
-    for recipe in ("gpt2", "modern"):
-        lrs = [best[recipe]] if recipe in best else [float(x) for x in getattr(a, f"{recipe}_sweep").split(",")]
-        for lr in lrs:
-            args = recipe_args(recipe, lr, gpt2_common if recipe == "gpt2" else common, a.steps)
-            t0 = time.time()
-            run = runs[(recipe, lr)] = summarize(train_run(out_root / corpus / f"{recipe}_{lr:g}", args, a.threads))
-            print(
-                f"{corpus} {recipe} {'lr' if recipe == 'gpt2' else 'scale'} {lr:g}: final val "
-                f"{run['val'][a.steps]:.4f}, {median_ms(run):.0f} ms/step ({time.time() - t0:.0f} s)",
-                flush=True,
-            )
-        best[recipe] = min(lrs, key=lambda lr: runs[(recipe, lr)]["val"][a.steps])
-    g, m = runs[("gpt2", best["gpt2"])], runs[("modern", best["modern"])]
-    target = g["val"][a.steps]
-    (gs, gt), (ms, mt) = to_target(g, target), to_target(m, target)
-    return (
-        {
-            "sweep": {f"{r} {lr:g}": run["val"][a.steps] for (r, lr), run in runs.items()},
-            "best": dict(best),
-            "target": target,
-            "val_at_equal_steps": {s: {"gpt2": v, "modern": m["val"].get(s)} for s, v in sorted(g["val"].items())},
-            "gpt2": {"steps_to_target": gs, "seconds_to_target": gt, "ms_per_step": median_ms(g)},
-            "modern": {"steps_to_target": ms, "seconds_to_target": mt, "ms_per_step": median_ms(m)},
-            "step_ratio": ms / gs if ms else None,
-            "time_ratio": mt / gt if mt else None,
+    modern_common = [*common, f"--eval_interval={a.modern_eval_interval}"]
+    gpt2 = seed_runs("gpt2", corpus, a, out_root, gpt2_common, best, seeds)
+    modern = seed_runs("modern", corpus, a, out_root, modern_common, best, seeds)
+    g = [gpt2[(best["gpt2"], s)] for s in seeds]
+    m = [modern[(best["modern"], s)] for s in seeds]
+    target = statistics.mean(r["val"][a.steps] for r in g)
+    steps = {  # the GPT-2 recipe's: its whole runs, which define the target
+        "gpt2": [(a.steps, sum(r["step_ms"].values()) / 1000) for r in g],
+        "modern": [to_target(r, target) for r in m],
+    }
+    result = {
+        "seeds": seeds,
+        "sweep": {
+            f"{r} {lr:g}": run["val"][a.steps]
+            for r, sw in (("gpt2", gpt2), ("modern", modern))
+            for (lr, seed), run in sw.items()
+            if seed == seeds[0]
         },
-        gpt2_common,
-        common,
-    )
+        "best": dict(best),
+        "target": target,
+        "val_at_equal_steps": {
+            s: {"gpt2": statistics.mean(r["val"][s] for r in g), "modern": mean_at(m, s)} for s in sorted(g[0]["val"])
+        },
+    }
+    for name, runs in (("gpt2", g), ("modern", m)):
+        result[name] = {
+            "final_val": spread([r["val"][a.steps] for r in runs]),
+            "steps_to_target": spread([st for st, _ in steps[name]]),
+            "seconds_to_target": spread([sec for _, sec in steps[name]]),
+            "ms_per_step": statistics.mean(median_ms(r) for r in runs),
+        }
+    gs, ms = result["gpt2"]["steps_to_target"]["mean"], result["modern"]["steps_to_target"]["mean"]
+    gt, mt = result["gpt2"]["seconds_to_target"]["mean"], result["modern"]["seconds_to_target"]["mean"]
+    result["step_ratio"] = ms / gs if ms and gs else None
+    result["time_ratio"] = mt / gt if mt and gt else None
+    return result, m, target, gpt2_common, modern_common
 
 
-def knob_costs(corpus, a, out_root, best, gpt2_common, common):
+def mean_at(runs, step):
+    """Mean val loss of runs at an evaluation step, or None where a run did not evaluate there."""
+    vals = [r["val"].get(step) for r in runs]
+    return None if None in vals else statistics.mean(vals)
+
+
+def ablations(corpus, a, out_root, best, seeds, modern_runs, target, common):
+    """{name: {steps_to_target, val}}: the modern recipe without each ingredient, every seed, the first
+    --ablation_steps steps of the --steps schedule; 'modern recipe' is the full runs' own first steps."""
+    n = a.ablation_steps
+    first = [{k: {s: v for s, v in r[k].items() if s <= n} for k in ("val", "step_ms")} for r in modern_runs]
+    rows = {"modern recipe": first}
+    for i, (name, changes) in enumerate(ABLATIONS.items()):
+        rows[name] = []
+        for seed in seeds:
+            args = [*recipe_args("modern", best["modern"], common, n, seed, changes), f"--lr_decay_steps={a.steps}"]
+            out = out_root / corpus / f"ablation{i}_seed{seed}"
+            rows[name].append(summarize(train_run(out, args, a.threads)))
+            print(f"ablation {name} seed {seed}: val at step {n} {rows[name][-1]['val'][n]:.4f}", flush=True)
+    return {
+        name: {
+            "steps_to_target": spread([to_target(r, target)[0] for r in runs]),
+            "val": spread([r["val"][n] for r in runs]),
+        }
+        for name, runs in rows.items()
+    }
+
+
+def knob_costs(corpus, a, out_root, best, gpt2_common, modern_common):
     """{name: ms/step}: the GPT-2 recipe, it with each knob alone, the modern recipe, and the GPT-2 recipe again,
     run back to back so they share the machine's load (the two GPT-2 runs show its drift), --knob_rounds times;
     each the lowest of its rounds' medians (the least disturbed by other processes)."""
-    base = [
-        *gpt2_common,
-        f"--learning_rate={best['gpt2']}",
-        f"--min_lr={best['gpt2'] / 10}",
-        f"--max_steps={a.knob_steps}",
-        "--eval_interval=0",
-    ]
-    modern = [*recipe_args("modern", best["modern"], common, a.knob_steps), "--eval_interval=0"]
+    seed = int(a.seeds.split(",")[0])
+    base = [*recipe_args("gpt2", best["gpt2"], gpt2_common, a.knob_steps, seed), "--eval_interval=0"]
+    modern = [*recipe_args("modern", best["modern"], modern_common, a.knob_steps, seed), "--eval_interval=0"]
     runs = [
         ("gpt2", base),
         *((k, [*base, *flags]) for k, flags in KNOBS.items()),
@@ -254,50 +340,71 @@ def main(argv=None):
         "steps": a.steps,
         "model": a.model,
         "corpora": {},
+        "ablations": None,
         "ms_per_step": None,
     }
     print(f"bench.recipes on {report['machine']}, OMP_NUM_THREADS={a.threads or 'default'}", flush=True)
-    best = {}
+    best, seeds = {}, [int(x) for x in a.seeds.split(",")]
     for i, corpus in enumerate(a.corpora.split(",")):
         if a.sweep_every_corpus:
             best = {}
-        result, gpt2_common, common = compare(corpus, a, out_root, best)
+        check = seeds if i == 0 else seeds[: a.check_seeds]
+        result, modern_runs, target, gpt2_common, modern_common = compare(corpus, a, out_root, best, check)
+        if i == 0 and a.ablation_steps:
+            report["ablations"] = ablations(corpus, a, out_root, best, seeds, modern_runs, target, modern_common)
         if i == 0 and a.knob_steps:
-            report["ms_per_step"] = knob_costs(corpus, a, out_root, best, gpt2_common, common)
+            report["ms_per_step"] = knob_costs(corpus, a, out_root, best, gpt2_common, modern_common)
         report["corpora"][corpus] = result
     cost = report["ms_per_step"]
     for corpus, r in report["corpora"].items():
-        if cost and r["modern"]["steps_to_target"]:  # time to target at the back-to-back per-step costs
+        if cost and r["step_ratio"]:  # time to target at the back-to-back per-step costs
             gpt2_ms = (cost["gpt2"] + cost["gpt2 again"]) / 2
-            r["time_ratio_back_to_back"] = (
-                r["modern"]["steps_to_target"] * cost["modern recipe"] / (r["gpt2"]["steps_to_target"] * gpt2_ms)
-            )
+            r["time_ratio_back_to_back"] = r["step_ratio"] * cost["modern recipe"] / gpt2_ms
         print_corpus(corpus, r, a.steps)
+    if report["ablations"]:
+        print_ablations(report["ablations"], a.ablation_steps)
     if cost:
         print_costs(cost)
     (out_root / "recipes.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out_root / 'recipes.json'}")
 
 
+def pm(x, spec):
+    """'mean [min-max]' of a spread(), or the values where some run never got there."""
+    if x["mean"] is None:
+        return ", ".join(fmt(v, spec) for v in x["values"])
+    return f"{format(x['mean'], spec)} [{format(x['min'], spec)}-{format(x['max'], spec)}]"
+
+
 def print_corpus(corpus, r, steps):
-    print(f"\n### {corpus}: GPT-2 recipe (lr {r['best']['gpt2']:g}) vs modern recipe (rates x{r['best']['modern']:g})")
-    print("sweep (final val loss): " + ", ".join(f"{k}: {v:.4f}" for k, v in r["sweep"].items()))
-    print("\n| step | GPT-2 recipe val | modern recipe val |\n|---|---|---|")
+    print(
+        f"\n### {corpus}: GPT-2 recipe (lr {r['best']['gpt2']:g}) vs modern recipe (rates x{r['best']['modern']:g}),"
+        f" seeds {', '.join(map(str, r['seeds']))}"
+    )
+    print("sweep (final val loss, first seed): " + ", ".join(f"{k}: {v:.4f}" for k, v in r["sweep"].items()))
+    print("\n| step | GPT-2 recipe val (mean) | modern recipe val (mean) |\n|---|---|---|")
     for s, v in r["val_at_equal_steps"].items():
         print(f"| {s} | {v['gpt2']:.4f} | {fmt(v['modern'], '.4f')} |")
     g, m = r["gpt2"], r["modern"]
-    print(f"\ntarget (GPT-2 recipe's val loss at step {steps}): {r['target']:.4f}")
-    print("| recipe | steps to target | training time to target (in its run) | ms/step (median in its run) |")
-    print("|---|---|---|---|")
+    print(f"\ntarget (GPT-2 recipe's val loss at step {steps}, mean of the seeds): {r['target']:.4f}")
+    print("mean [min-max] over the seeds:")
+    print("| recipe | final val | steps to target | training time to target (in its run) | ms/step (in its run) |")
+    print("|---|---|---|---|---|")
     for name, x in (("GPT-2", g), ("modern", m)):
         print(
-            f"| {name} | {fmt(x['steps_to_target'], 'd')} | {fmt(x['seconds_to_target'], '.0f')} s | "
-            f"{x['ms_per_step']:.0f} |"
+            f"| {name} | {pm(x['final_val'], '.4f')} | {pm(x['steps_to_target'], '.0f')} | "
+            f"{pm(x['seconds_to_target'], '.0f')} s | {x['ms_per_step']:.0f} |"
         )
     print(
         f"steps ratio {fmt(r['step_ratio'], '.2f')}, time ratio {fmt(r['time_ratio'], '.2f')} (runs at different "
         f"times), {fmt(r.get('time_ratio_back_to_back'), '.2f')} (at the back-to-back per-step costs)"
     )
+
+
+def print_ablations(rows, n):
+    print(f"\n| modern recipe, first {n} steps | steps to target | val at step {n} |\n|---|---|---|")
+    for name, x in rows.items():
+        print(f"| {name} | {pm(x['steps_to_target'], '.0f')} | {pm(x['val'], '.4f')} |")
 
 
 def print_costs(cost):
