@@ -1,5 +1,6 @@
 # GPT-2 124M on 10B tokens of FineWeb-Edu (configs/gpt2_124m.py) trained with the modern recipe
-# (configs/modern.py: Muon, QK-norm, ReLU^2, full rotary, untied head, zero-init projections, no biases, WSD;
+# (configs/modern.py: Muon, QK-norm, ReLU^2, full rotary, untied head, zero-init projections, no biases, value
+# embeddings, smear, per-group rates, WSD;
 # see its header for where each choice comes from). The same run as
 #   torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_124m.py configs/modern.py
 # written out as one file (tests/test_modern.py checks the two stay equal). The learning rates are the small
@@ -28,10 +29,12 @@ compile = True
 
 # the modern recipe (configs/modern.py)
 optimizer = "muon"
-muon_lr = 0.02
+muon_lr = 0.01
 muon_momentum = 0.95
 muon_weight_decay = 0.0
 learning_rate = 0.006
+embedding_lr = 0.03
+head_lr = 0.003
 min_lr = 0.0
 beta1 = 0.8
 beta2 = 0.95
@@ -45,3 +48,5 @@ rotary_pct = 1.0
 tie_embeddings = False
 zero_init_proj = True
 bias = False
+value_embeds = True
+smear = True

@@ -5,24 +5,31 @@
 # Where each choice comes from:
 # - Muon for the blocks' 2-D weight matrices, AdamW for embeddings, head, biases and norms: Keller Jordan,
 #   "Muon: An optimizer for hidden layers in neural networks" (2024), https://kellerjordan.github.io/posts/muon/
-#   (torch.optim.Muon; Nesterov momentum 0.95 and lr 0.02 are its defaults there and nanochat's matrix_lr).
+#   (torch.optim.Muon, Nesterov momentum 0.95 as there).
 # - QK-norm, ReLU^2, rotary positions on every head dim, an untied output head, zero-initialised output
 #   projections, no biases: the modded-nanogpt speedrun (Keller Jordan et al., "NanoGPT speedrun",
 #   https://github.com/KellerJordan/modded-nanogpt) and Andrej Karpathy's nanochat
 #   (https://github.com/karpathy/nanochat), whose gpt.py lists the same features. ReLU^2 is from So et al.,
 #   "Primer: Searching for Efficient Transformers for Language Modeling" (2021, arXiv:2109.08668); rotary from
 #   Su et al., "RoFormer" (2021, arXiv:2104.09864).
+# - Value embeddings (a second token table added to the attention values; nanochat's, where each layer has its
+#   own, here one table shared by all layers with a gate per head) and the smear (each token's embedding gets a
+#   gated share of the previous token's; modded-nanogpt and nanochat).
+# - Per-group AdamW rates, higher for the embeddings and lower for the untied head than for the rest, as both
+#   anchors set them (nanochat: embedding_lr, unembedding_lr; modded-nanogpt: per-parameter-group Adam rates).
 # - Warmup-stable-decay: constant rate, then a linear decay to zero over the last part of the run (nanochat:
 #   no warmup, the last 20% decayed to 0; modded-nanogpt: a linear cooldown); AdamW betas (0.8, 0.95) and no
 #   weight decay on the AdamW tensors, as both.
-# - The rates: the best of a 3-point sweep (x0.5, x1, x2 of both) on Tiny Shakespeare, 4 layers x 256 wide,
-#   block 128, batch 16, 300 steps (python -m bench.recipes; the README's "Modern recipe" section). Rates are
-#   size dependent: re-sweep muon_lr and learning_rate for much larger models.
+# - The rates and what is switched on: measured on Tiny Shakespeare, 4 layers x 256 wide, block 128, batch 16,
+#   300 steps, 3 seeds (python -m bench.recipes; docs/modern-recipe.md has the ablations and what was measured
+#   and left off). Rates are size dependent: re-sweep them for much larger models.
 optimizer = "muon"
-muon_lr = 0.02  # Muon: the blocks' attention and MLP matrices
+muon_lr = 0.01  # Muon: the blocks' attention and MLP matrices
 muon_momentum = 0.95
 muon_weight_decay = 0.0
-learning_rate = 0.006  # AdamW: embeddings, output head, norms
+learning_rate = 0.006  # AdamW: norms and the learned gates and weights
+embedding_lr = 0.03  # AdamW: the token and value embeddings
+head_lr = 0.003  # AdamW: the untied output head
 min_lr = 0.0
 beta1 = 0.8
 beta2 = 0.95
@@ -37,3 +44,5 @@ rotary_pct = 1.0
 tie_embeddings = False
 zero_init_proj = True
 bias = False
+value_embeds = True
+smear = True
