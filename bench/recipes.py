@@ -26,6 +26,9 @@ val batches. Per corpus:
      back to back, --knob_rounds times (the lowest median of each counts). On a shared machine the sweep's
      runs see different loads, so the time ratio is also given at these back-to-back costs:
      (modern steps x modern ms/step) / (GPT-2 steps x GPT-2 ms/step).
+--jobs N runs the independent runs of each stage (the sweeps, the other seeds, the ablations) N at a time, for
+a machine with the cores or the GPU to spare (then set --threads to cores/N, and the in-run ms/step of those
+runs share the machine: only the per-step cost runs, always one at a time, time the recipes fairly).
 Corpora: 'shakespeare' (prepare_data.py's preset) and 'stdlib' (this Python's standard library: the .py files
 of its top directory, each top-level function/class/block a document, in a seeded random order so validation
 is a random sample of them).
@@ -41,6 +44,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import prepare_data
@@ -92,27 +96,35 @@ def prepare_corpus(name, data_root):
     return out
 
 
-def train_run(out_dir, args, threads):
-    """Run train.py; returns its metrics lines. A finished run in out_dir with the same arguments and config
-    file values is reused (so an interrupted bench continues where it stopped)."""
-    out_dir = Path(out_dir)
-    done = out_dir / "bench_args.json"
-    key = {"args": args, "configs": {a: read_config_file(a) for a in args if not a.startswith("--")}}
-    if done.exists() and json.loads(done.read_text()) == key:
-        return read_metrics(out_dir)
-    if out_dir.exists():
-        for f in out_dir.iterdir():
-            f.unlink()
+def train_runs(runs, threads, jobs=1):
+    """Run train.py once per (out_dir, args), `jobs` at a time (each a subprocess: threads suffice to wait on
+    them); returns their metrics lines in the order given. The commands are printed in that order before any
+    starts, so the output does not depend on which finishes first. A finished run in out_dir with the same
+    arguments and config file values is reused (so an interrupted bench continues where it stopped)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    cmd = [sys.executable, str(ROOT / "train.py"), *args, f"--out_dir={out_dir}"]
-    print("  $ " + " ".join(cmd[1:]), flush=True)
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if result.returncode:
-        raise SystemExit(f"bench.recipes: train.py failed:\n{result.stderr[-3000:]}")
-    done.write_text(json.dumps(key))
-    return read_metrics(out_dir)
+    todo = []
+    for out_dir, args in runs:
+        done = Path(out_dir) / "bench_args.json"
+        key = {"args": args, "configs": {a: read_config_file(a) for a in args if not a.startswith("--")}}
+        if done.exists() and json.loads(done.read_text()) == key:
+            continue
+        if done.parent.exists():
+            for f in done.parent.iterdir():
+                f.unlink()
+        cmd = [sys.executable, str(ROOT / "train.py"), *args, f"--out_dir={out_dir}"]
+        print("  $ " + " ".join(cmd[1:]), flush=True)
+        todo.append((cmd, done, key))
+    with ThreadPoolExecutor(jobs) as pool:
+        results = list(
+            pool.map(lambda t: subprocess.run(t[0], cwd=ROOT, env=env, capture_output=True, text=True), todo)
+        )
+    for (cmd, done, key), result in zip(todo, results):
+        if result.returncode:
+            raise SystemExit(f"bench.recipes: {' '.join(cmd[1:])} failed:\n{result.stderr[-3000:]}")
+        done.write_text(json.dumps(key))
+    return [read_metrics(out_dir) for out_dir, _ in runs]
 
 
 def read_metrics(out_dir):
@@ -190,6 +202,7 @@ def parse_args(argv=None):
     p.add_argument("--knob_steps", type=int, default=30, help="steps per knob-cost run (0: skip them)")
     p.add_argument("--knob_rounds", type=int, default=2, help="rounds of the back-to-back per-step cost runs")
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the runs (default: torch's)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time within a stage (the per-step costs: 1)")
     return p.parse_args(argv)
 
 
@@ -208,29 +221,38 @@ def common_args(data, a):
     ]
 
 
-def seed_runs(recipe, corpus, a, out_root, common, best, seeds):
-    """{(lr, seed): run} of one recipe: its sweep on seeds[0] (or `best`'s rate), then the winner on the other
-    seeds; fills best[recipe]."""
-    runs = {}
-    lrs = [best[recipe]] if recipe in best else [float(x) for x in getattr(a, f"{recipe}_sweep").split(",")]
-    for lr in lrs:
-        runs[(lr, seeds[0])] = one_run(recipe, corpus, a, out_root, common, lr, seeds[0])
-    best[recipe] = min(lrs, key=lambda lr: runs[(lr, seeds[0])]["val"][a.steps])
-    for seed in seeds[1:]:
-        runs[(best[recipe], seed)] = one_run(recipe, corpus, a, out_root, common, best[recipe], seed)
+def seed_runs(corpus, a, out_root, commons, best, seeds):
+    """{(recipe, lr, seed): run} of the recipes in `commons` (their shared args): the sweeps on seeds[0] (or
+    `best`'s rates), then each winner on the other seeds; fills best."""
+    lrs = {r: [best[r]] if r in best else [float(x) for x in getattr(a, f"{r}_sweep").split(",")] for r in commons}
+    runs = recipe_runs([(r, lr, seeds[0]) for r in commons for lr in lrs[r]], corpus, a, out_root, commons)
+    for r in commons:
+        best[r] = min(lrs[r], key=lambda lr: runs[(r, lr, seeds[0])]["val"][a.steps])
+    runs.update(recipe_runs([(r, best[r], s) for r in commons for s in seeds[1:]], corpus, a, out_root, commons))
     return runs
 
 
-def one_run(recipe, corpus, a, out_root, common, lr, seed):
+def recipe_runs(specs, corpus, a, out_root, commons):
+    """{(recipe, lr, seed): run} of each spec, --jobs at a time."""
     t0 = time.time()
-    args = recipe_args(recipe, lr, common, a.steps, seed)
-    run = summarize(train_run(out_root / corpus / f"{recipe}_{lr:g}_seed{seed}", args, a.threads))
-    print(
-        f"{corpus} {recipe} {'lr' if recipe == 'gpt2' else 'scale'} {lr:g} seed {seed}: final val "
-        f"{run['val'][a.steps]:.4f}, {median_ms(run):.0f} ms/step ({time.time() - t0:.0f} s)",
-        flush=True,
+    runs = train_runs(
+        [
+            (out_root / corpus / f"{r}_{lr:g}_seed{seed}", recipe_args(r, lr, commons[r], a.steps, seed))
+            for r, lr, seed in specs
+        ],
+        a.threads,
+        a.jobs,
     )
-    return run
+    runs = [summarize(m) for m in runs]
+    for (r, lr, seed), run in zip(specs, runs):
+        print(
+            f"{corpus} {r} {'lr' if r == 'gpt2' else 'scale'} {lr:g} seed {seed}: final val "
+            f"{run['val'][a.steps]:.4f}, {median_ms(run):.0f} ms/step",
+            flush=True,
+        )
+    if specs:
+        print(f"({len(specs)} runs, {time.time() - t0:.0f} s)", flush=True)
+    return dict(zip(specs, runs))
 
 
 def compare(corpus, a, out_root, best, seeds):
@@ -241,10 +263,9 @@ def compare(corpus, a, out_root, best, seeds):
     common = common_args(data, a)
     gpt2_common = [*common, f"--warmup_steps={a.gpt2_warmup}"]
     modern_common = [*common, f"--eval_interval={a.modern_eval_interval}"]
-    gpt2 = seed_runs("gpt2", corpus, a, out_root, gpt2_common, best, seeds)
-    modern = seed_runs("modern", corpus, a, out_root, modern_common, best, seeds)
-    g = [gpt2[(best["gpt2"], s)] for s in seeds]
-    m = [modern[(best["modern"], s)] for s in seeds]
+    runs = seed_runs(corpus, a, out_root, {"gpt2": gpt2_common, "modern": modern_common}, best, seeds)
+    g = [runs[("gpt2", best["gpt2"], s)] for s in seeds]
+    m = [runs[("modern", best["modern"], s)] for s in seeds]
     target = statistics.mean(r["val"][a.steps] for r in g)
     steps = {  # the GPT-2 recipe's: its whole runs, which define the target
         "gpt2": [(a.steps, sum(r["step_ms"].values()) / 1000) for r in g],
@@ -252,12 +273,7 @@ def compare(corpus, a, out_root, best, seeds):
     }
     result = {
         "seeds": seeds,
-        "sweep": {
-            f"{r} {lr:g}": run["val"][a.steps]
-            for r, sw in (("gpt2", gpt2), ("modern", modern))
-            for (lr, seed), run in sw.items()
-            if seed == seeds[0]
-        },
+        "sweep": {f"{r} {lr:g}": run["val"][a.steps] for (r, lr, seed), run in runs.items() if seed == seeds[0]},
         "best": dict(best),
         "target": target,
         "val_at_equal_steps": {
@@ -289,14 +305,25 @@ def ablations(corpus, a, out_root, best, seeds, modern_runs, target, common):
     --ablation_steps steps of the --steps schedule; 'modern recipe' is the full runs' own first steps."""
     n = a.ablation_steps
     first = [{k: {s: v for s, v in r[k].items() if s <= n} for k in ("val", "step_ms")} for r in modern_runs]
-    rows = {"modern recipe": first}
-    for i, (name, changes) in enumerate(ABLATIONS.items()):
-        rows[name] = []
-        for seed in seeds:
-            args = [*recipe_args("modern", best["modern"], common, n, seed, changes), f"--lr_decay_steps={a.steps}"]
-            out = out_root / corpus / f"ablation{i}_seed{seed}"
-            rows[name].append(summarize(train_run(out, args, a.threads)))
-            print(f"ablation {name} seed {seed}: val at step {n} {rows[name][-1]['val'][n]:.4f}", flush=True)
+    specs = [(i, name, seed) for i, name in enumerate(ABLATIONS) for seed in seeds]
+    runs = train_runs(
+        [
+            (
+                out_root / corpus / f"ablation{i}_seed{seed}",
+                [
+                    *recipe_args("modern", best["modern"], common, n, seed, ABLATIONS[name]),
+                    f"--lr_decay_steps={a.steps}",
+                ],
+            )
+            for i, name, seed in specs
+        ],
+        a.threads,
+        a.jobs,
+    )
+    rows = {"modern recipe": first, **{name: [] for name in ABLATIONS}}
+    for (i, name, seed), metrics in zip(specs, runs):
+        rows[name].append(summarize(metrics))
+        print(f"ablation {name} seed {seed}: val at step {n} {rows[name][-1]['val'][n]:.4f}", flush=True)
     return {
         name: {
             "steps_to_target": spread([to_target(r, target)[0] for r in runs]),
@@ -323,7 +350,7 @@ def knob_costs(corpus, a, out_root, best, gpt2_common, modern_common):
     for r in range(a.knob_rounds):
         for name, args in runs:
             out = out_root / corpus / (f"knob_{name.replace(' ', '_')}" + (f"_r{r}" if r else ""))
-            ms = median_ms(summarize(train_run(out, args, a.threads)))
+            ms = median_ms(summarize(train_runs([(out, args)], a.threads)[0]))  # one at a time: a timing
             cost[name] = min(cost.get(name, ms), ms)
             print(f"round {r}: {name}: {ms:.0f} ms/step", flush=True)
     return cost
@@ -333,17 +360,21 @@ def main(argv=None):
     a = parse_args(argv)
     out_root = Path(a.out_dir)
     out_root.mkdir(parents=True, exist_ok=True)
+    device = next((f.split("=", 1)[1] for f in a.model.split() if f.startswith("--device=")), "cpu")
     report = {
-        "machine": machine_line("cpu"),
+        "machine": machine_line(device),
         "python": sys.version.split()[0],
         "threads": a.threads,
+        "jobs": a.jobs,
         "steps": a.steps,
         "model": a.model,
         "corpora": {},
         "ablations": None,
         "ms_per_step": None,
     }
-    print(f"bench.recipes on {report['machine']}, OMP_NUM_THREADS={a.threads or 'default'}", flush=True)
+    print(
+        f"bench.recipes on {report['machine']}, OMP_NUM_THREADS={a.threads or 'default'}, --jobs {a.jobs}", flush=True
+    )
     best, seeds = {}, [int(x) for x in a.seeds.split(",")]
     for i, corpus in enumerate(a.corpora.split(",")):
         if a.sweep_every_corpus:
