@@ -116,10 +116,15 @@ def train_runs(runs, threads, jobs=1):
         cmd = [sys.executable, str(ROOT / "train.py"), *args, f"--out_dir={out_dir}"]
         print("  $ " + " ".join(cmd[1:]), flush=True)
         todo.append((cmd, done, key))
+
+    def run(cmd, done, key):
+        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        for f in done.parent.glob("ckpt_*"):  # the final checkpoint (~0.5 GB at the default size): unused here
+            f.unlink()
+        return result
+
     with ThreadPoolExecutor(jobs) as pool:
-        results = list(
-            pool.map(lambda t: subprocess.run(t[0], cwd=ROOT, env=env, capture_output=True, text=True), todo)
-        )
+        results = list(pool.map(lambda t: run(*t), todo))
     for (cmd, done, key), result in zip(todo, results):
         if result.returncode:
             raise SystemExit(f"bench.recipes: {' '.join(cmd[1:])} failed:\n{result.stderr[-3000:]}")
