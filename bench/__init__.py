@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import os
 import platform
+import sys
 
 
 def machine_line(device):
@@ -61,7 +62,12 @@ def model_at(rev, folder):
     # the torch.library ops it defines (gpt::...) are registered already by the current model.py: its copies
     # take their own namespace
     custom_op = torch.library.custom_op
-    with mock.patch.object(torch.library, "custom_op", lambda name, *a, **kw: custom_op(f"old_{name}", *a, **kw)):
+    # revisions before the package move import the root optim.py (only for configure_optimizer, which no bench
+    # calls): they get today's
+    with (
+        mock.patch.object(torch.library, "custom_op", lambda name, *a, **kw: custom_op(f"old_{name}", *a, **kw)),
+        mock.patch.dict(sys.modules, {"optim": importlib.import_module("gpt2train.optim")}),
+    ):
         spec.loader.exec_module(module)
     module.rev = rev
     return module
