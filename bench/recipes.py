@@ -72,6 +72,12 @@ ABLATIONS = {
     "- smear": {"smear": False},
     "- embedding_lr, head_lr (both at learning_rate)": {"embedding_lr": None, "head_lr": None},
     "- muon_lr 0.01 (0.02, as before)": {"muon_lr": 0.02},
+    "- betas (0.7, 0.99), Muon momentum 0.9, embedding_lr 0.05 (0.8, 0.95; 0.95; 0.03)": {
+        "beta1": 0.8,
+        "beta2": 0.95,
+        "muon_momentum": 0.95,
+        "embedding_lr": 0.03,
+    },
 }
 
 

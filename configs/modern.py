@@ -25,14 +25,14 @@
 #   and left off). Rates are size dependent: re-sweep them for much larger models.
 optimizer = "muon"
 muon_lr = 0.01  # Muon: the blocks' attention and MLP matrices
-muon_momentum = 0.95
+muon_momentum = 0.9
 muon_weight_decay = 0.0
 learning_rate = 0.006  # AdamW: norms and the learned gates and weights
-embedding_lr = 0.03  # AdamW: the token and value embeddings
+embedding_lr = 0.05  # AdamW: the token and value embeddings
 head_lr = 0.003  # AdamW: the untied output head
 min_lr = 0.0
-beta1 = 0.8
-beta2 = 0.95
+beta1 = 0.7
+beta2 = 0.99
 weight_decay = 0.0
 lr_schedule = "wsd"
 warmup_steps = 0
