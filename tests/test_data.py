@@ -1026,7 +1026,16 @@ def test_ctrl_c_while_tokenizing_stops_the_prep_at_once_with_one_line(tmp_path):
     root = Path(__file__).resolve().parent.parent
     cmd = [sys.executable, str(root / "prepare_data.py"), "--input", str(src), "--out_dir", str(tmp_path / "out")]
     cmd += ["--num_proc", "2", "--shard_tokens", "100000", "--val_tokens", "1000", "--batch_chars", "20000"]
-    prep = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # SIGINT at its default, as in a terminal's foreground job: a shell starts background jobs (`make test &`)
+    # with SIGINT ignored, the child would inherit that, and Python installs no KeyboardInterrupt handler then
+    prep = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         while not (tmp_path / "out" / "docs_train_000001.bin").exists():  # the workers are busy
             assert prep.poll() is None, prep.communicate()
