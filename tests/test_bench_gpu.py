@@ -29,6 +29,15 @@ def table_rows(stdout):
     return rows
 
 
+def bench_gpu(args, env):
+    """Run `python -m bench.gpu ARGS`; it must exit 0. Returns its table's rows."""
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.gpu", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    return table_rows(result.stdout)
+
+
 def test_memory_plan_may_be_loose_but_must_not_underestimate():
     assert gpu.memory_verdict(predicted_bytes=10 << 30, measured_bytes=6 << 30) == ("PASS", 0.6)
     assert gpu.memory_verdict(predicted_bytes=10 << 30, measured_bytes=11 << 30)[0] == "PASS"  # within 10%
@@ -54,16 +63,7 @@ def test_without_a_gpu_it_asks_for_tiny(capsys):
 @pytest.mark.slow
 def test_tiny_cpu_run_passes_every_check_it_can_run_and_prints_one_table():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.gpu", "--device=cpu", "--tiny", "--nproc=2"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    rows = table_rows(result.stdout)
+    rows = bench_gpu(["--device=cpu", "--tiny", "--nproc=2"], env)
     assert {check: status for check, (_, status) in rows.items()} == {
         "train": "INFO",
         "compile": "SKIP",
@@ -199,16 +199,7 @@ def test_the_slot_runs_offline_on_the_cpu_and_writes_one_table_and_one_json(tmp_
         "PIP_NO_INDEX": "1",
     }
     out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.gpu", "--slot", "--tiny", "--device=cpu", f"--out={out}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    rows = table_rows(result.stdout)
+    rows = bench_gpu(["--slot", "--tiny", "--device=cpu", f"--out={out}"], env)
     assert {check: status for check, (_, status) in rows.items()} == {
         "environment": "INFO",
         "124m compiled": "INFO",
