@@ -177,7 +177,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         if config.value_embeds:  # how much of the value embedding each head mixes into its values
-            self.ve_gate = nn.Parameter(torch.ones(config.n_head))
+            self.ve_gate = nn.Parameter(torch.empty(config.n_head))
 
     def forward(self, x, rope=None, cache: KVCache | None = None, pos: int = 0, ve=None):
         B, T, C = x.shape
@@ -376,17 +376,19 @@ class GPT(nn.Module):
             self.transformer.vte = nn.Embedding(config.vocab_size, config.n_embd)
         if config.smear:  # the previous token's share: smear_lambda * sigmoid(smear_gate(the token's first channels))
             self.smear_gate = nn.Linear(SMEAR_CHANNELS, 1, bias=False)
-            self.smear_lambda = nn.Parameter(torch.ones(()))
+            self.smear_lambda = nn.Parameter(torch.empty(1))  # 1-D: fully_shard refuses scalars
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.transformer.wte.weight = self.lm_head.weight  # weight tying (GPT-2)
-        self.apply(self._init_weights)  # (ve_gate and smear_lambda, not modules, keep their ones)
+        self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer)
             if name.endswith("c_proj.weight"):
                 if config.zero_init_proj:  # each block starts as the identity (modded-nanogpt)
                     nn.init.zeros_(p)
                 else:
                     nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+            elif name.endswith(("ve_gate", "smear_lambda")):  # in place, so a meta-device build records it
+                nn.init.ones_(p)
 
     @staticmethod
     def _init_weights(module):

@@ -26,6 +26,18 @@ ARCHS = {  # sizes that do not divide by 4: uneven shards
         tie_embeddings=False,
         activation="gelu",
     ),
+    "modern (value embeddings, smear)": dict(
+        n_layer=2,
+        n_head=2,
+        n_embd=16,
+        block_size=8,
+        vocab_size=30,
+        rotary_pct=1.0,
+        tie_embeddings=False,
+        zero_init_proj=True,
+        value_embeds=True,
+        smear=True,
+    ),
 }
 
 
