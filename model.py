@@ -72,6 +72,7 @@ class GPTConfig:
     zero_init_proj: bool = False  # the attention and MLP output projections start at zero
     value_embeds: bool = False  # a second token embedding added to every layer's attention values, gated per head
     smear: bool = False  # each token's embedding also gets a learned, gated share of the previous token's
+    bigram_embeds: int = 0  # rows of a table of hashed (previous, current) token pairs added before each block; 0: none
     layer_norm_eps: float = 1e-5  # LayerNorm epsilon
     activation_checkpointing: bool | str = False  # recompute in backward: True, 'selective', False or 'auto'
 
@@ -100,6 +101,12 @@ class GPTConfig:
             isinstance(self.activation_checkpointing, bool) or self.activation_checkpointing in CHECKPOINTING,
             "activation_checkpointing",
             f"True, False, {' or '.join(map(repr, CHECKPOINTING))}",
+        )
+        rows = self.bigram_embeds
+        need(
+            isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0 and rows != 1,
+            "bigram_embeds",
+            "0 or >= 2",
         )
         need(number(self.dropout) and 0 <= self.dropout < 1, "dropout", "a number in [0, 1)")
         need(number(self.rotary_base) and self.rotary_base > 0, "rotary_base", "a number > 0")
@@ -150,6 +157,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 # ----------------------------------------------------------------------------- modules
+
+
+def bigram_rows(idx, prev, rows: int):
+    """The bigram table's row for each position of idx (B, T): its (previous token, token) pair hashed into the
+    first rows - 1 rows (odd multipliers spread the pairs; distinct pairs may share a row), and the last row for a
+    first token with no previous one (prev None; prev (B, 1): the token before idx[:, 0] in a cached sequence)."""
+    first = prev if prev is not None else torch.full_like(idx[:, :1], -1)
+    before, now = torch.cat((first, idx[:, :-1]), dim=1).long(), idx.long()
+    pair = torch.bitwise_xor(before * 1_000_003, now * 19_260_817) % (rows - 1)
+    return torch.where(before < 0, rows - 1, pair)
 
 
 class KVCache:
@@ -389,6 +406,11 @@ class GPT(nn.Module):
                     nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
             elif name.endswith(("ve_gate", "smear_lambda")):  # in place, so a meta-device build records it
                 nn.init.ones_(p)
+        if config.bigram_embeds:  # hashed token pairs (modded-nanogpt), a zero table added before every block
+            self.transformer.bte = nn.Embedding(config.bigram_embeds, config.n_embd)
+            self.bigram_lambdas = nn.Parameter(torch.empty(config.n_layer))  # each block's share of it
+            nn.init.zeros_(self.transformer.bte.weight)
+            nn.init.constant_(self.bigram_lambdas, 0.1)
 
     @staticmethod
     def _init_weights(module):
@@ -399,9 +421,9 @@ class GPT(nn.Module):
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameter count, tied wte/lm_head counted once. non_embedding drops the lookup tables, which cost
-        no matmul FLOPs: wpe, vte, and wte when it is untied (tied, it is also the output head's matmul)."""
+        no matmul FLOPs: wpe, vte, bte, and wte when it is untied (tied, it is also the output head's matmul)."""
         n = sum(p.numel() for p in self.parameters())
-        for table in ("wpe", "vte"):
+        for table in ("wpe", "vte", "bte"):
             if non_embedding and table in self.transformer:
                 n -= self.transformer[table].weight.numel()
         if non_embedding and not self.config.tie_embeddings:
@@ -411,7 +433,7 @@ class GPT(nn.Module):
     def hidden_states(self, idx, caches: list[KVCache] | None = None, pos: int = 0, final_norm: bool = True, prev=None):
         """Final (ln_f) hidden states (B, T, C) for tokens idx (B, T) at positions pos..pos+T-1 (final_norm=False:
         the last block's output, before ln_f). prev (B, 1): the token before idx[:, 0] where idx continues a
-        cached sequence (smear reads it; None: idx starts the sequence)."""
+        cached sequence (smear and the bigram table read it; None: idx starts the sequence)."""
         B, T = idx.shape
         if pos + T > self.config.block_size:
             raise ValueError(f"GPT: positions up to {pos + T} exceed block_size {self.config.block_size}")
@@ -427,7 +449,11 @@ class GPT(nn.Module):
             rope = (self.rope_cos[pos : pos + T], self.rope_sin[pos : pos + T])  # (T, rot_dim) each
         x = self.transformer.drop(x)
         ve = self.transformer.vte(idx) if self.config.value_embeds else None  # (B, T, C)
+        rows = self.config.bigram_embeds
+        bigram = self.transformer.bte(bigram_rows(idx, prev, rows)) if rows else None  # (B, T, C)
         for i, block in enumerate(self.transformer.h):
+            if bigram is not None:
+                x = x + self.bigram_lambdas[i] * bigram
             if self.config.recomputes(i) and self.training and torch.is_grad_enabled():
                 x = checkpoint(block, x, rope, None, 0, ve, use_reentrant=False)
             else:

@@ -64,12 +64,14 @@ KNOBS = {
     "no biases": ["--bias=False"],
     "value embeddings": ["--value_embeds=True"],
     "smear": ["--smear=True"],
+    "bigram table": ["--bigram_embeds=100000"],
 }
 # the ingredients this recipe was built from, each ablated: configs/modern.py's keys that turn it off ('-'), or
 # on ('+' for one measured and left off); rates are scaled by the sweep's factor like the recipe's own
 ABLATIONS = {
     "- value embeddings": {"value_embeds": False},
     "- smear": {"smear": False},
+    "- bigram table": {"bigram_embeds": 0},
     "- embedding_lr, head_lr (both at learning_rate)": {"embedding_lr": None, "head_lr": None},
     "- muon_lr 0.01 (0.02, as before)": {"muon_lr": 0.02},
     "- betas (0.7, 0.99), Muon momentum 0.9, embedding_lr 0.05 (0.8, 0.95; 0.95; 0.03)": {

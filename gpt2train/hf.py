@@ -27,6 +27,7 @@ CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
 NO_HF_EQUIVALENT = {
     "value_embeds": "a second token embedding added to the attention values",
     "smear": "the previous token's embedding mixed into each token's",
+    "bigram_embeds": "a table of hashed token pairs added before every block",
 }
 HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu2": "relu2"}
 NEOX_LAYER_NAMES = {
@@ -113,7 +114,7 @@ def save_pretrained(
 ) -> None:
     """Write config.json + model.safetensors that transformers loads: a GPT2LMHeadModel for learned positions
     (rotary_pct=None), a GPTNeoXForCausalLM (Pythia layout) for rotary ones. bias=False is written as zero
-    biases; zero_init_proj and dropout need nothing. qk_norm, value_embeds, smear, and a parallel
+    biases; zero_init_proj and dropout need nothing. qk_norm, value_embeds, smear, bigram_embeds, and a parallel
     residual with learned positions, exist in neither (ValueError). With them the tokenizer (bpe.save_tokenizer:
     tokenizer_dir's own tokenizer.json if it has one, else GPT-2's; skipped, with a note, for a vocabulary too
     small for GPT-2's; `tokenizer_json`, a checkpoint's own tokenizer.json text, wins over both) and
@@ -125,10 +126,11 @@ def save_pretrained(
             "(neither normalises queries and keys); export needs qk_norm=False"
         )
     for key, what in NO_HF_EQUIVALENT.items():
-        if getattr(cfg, key):
+        value, off = getattr(cfg, key), GPTConfig.__dataclass_fields__[key].default  # False, or 0 rows
+        if value != off:
             raise ValueError(
-                f"save_pretrained: {key}=True has no Hugging Face GPT-2 or GPT-NeoX equivalent ({what}); "
-                f"export needs {key}=False"
+                f"save_pretrained: {key}={value!r} has no Hugging Face GPT-2 or GPT-NeoX equivalent ({what}); "
+                f"export needs {key}={off!r}"
             )
     if cfg.rotary_pct is None and cfg.parallel_residual:
         raise ValueError(

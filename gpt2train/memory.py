@@ -98,7 +98,8 @@ def _count_params(cfg) -> dict:
     matmul = (
         sum(mod.weight.numel() for mod in blocks[0].modules() if isinstance(mod, torch.nn.Linear)) if len(blocks) else 0
     )
-    total = sum(p.numel() for p in m.parameters()) + (cfg.n_layer - len(blocks)) * block_params
+    per_layer = block_params + (1 if cfg.bigram_embeds else 0)  # and bigram_lambdas' entry, outside the blocks
+    total = sum(p.numel() for p in m.parameters()) + (cfg.n_layer - len(blocks)) * per_layer
     return {
         "total": total,
         "block": block_params,
@@ -121,8 +122,8 @@ def saved_bytes_per_token(cfg, dtype="float32", low_params: bool = False) -> tup
     Per block: the residual stream x and x + attn (fp32 under autocast too: r bytes each), the ln_1/ln_2
     outputs as the matmuls read them, q/k/v in one (B, T, 3C) buffer, the attention output and the MLP's pre-
     and post-activation (hidden each), all in the compute dtype (a bytes), plus LayerNorm statistics and SDPA's
-    log-sum-exp. Outside: token ids, ln_f's input and statistics; the recipe's value embeddings and smear add their
-    own."""
+    log-sum-exp. Outside: token ids, ln_f's input and statistics; the recipe's value embeddings, smear and bigram
+    table add their own."""
     C, nh = cfg.n_embd, cfg.n_head
     H, a = param_stats(cfg)["hidden"], _bytes_per_element(dtype)
     r = a if low_params else 4  # FSDP's low-precision parameters make the residual stream low-precision too
@@ -142,6 +143,8 @@ def saved_bytes_per_token(cfg, dtype="float32", low_params: bool = False) -> tup
         block += a * C if not rotated or (cfg.qk_norm and a == 4) else -2 * a * C
     if cfg.smear:  # the previous embeddings (fp32), the gate's input (fp32: all of x; autocast: a copy), its output
         outside += 4 * C + (4 * C if a == 4 else a * SMEAR_CHANNELS) + 8
+    if cfg.bigram_embeds:  # the table's rows (int64) and its fp32 lookup, which every block's share reads
+        outside += 8 + 4 * C
     return block, outside
 
 

@@ -80,6 +80,7 @@ def test_max_steps_and_max_seconds_set_later_replace_each_other_and_together_are
         (["--head_lr=1e-3"], "config key 'head_lr' needs tie_embeddings=False: a tied head is the token embedding"),
         (["--embedding_lr=0.0"], "config key 'embedding_lr' must be > 0; got 0.0"),
         (["--smear=True", "--n_embd=8", "--n_head=2"], "smear=True reads 16 channels; n_embd=8 has fewer"),
+        (["--bigram_embeds=1"], "GPTConfig: bigram_embeds=1, expected 0 or >= 2"),
         (["--max_steps"], "write overrides as --key=value"),
         (["--max_seconds=0"], "config key 'max_seconds' must be > 0; got 0.0"),
         (["no/such/config.py"], "config file 'no/such/config.py' not found"),

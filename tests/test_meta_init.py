@@ -26,7 +26,7 @@ ARCHS = {  # sizes that do not divide by 4: uneven shards
         tie_embeddings=False,
         activation="gelu",
     ),
-    "modern (value embeddings, smear)": dict(
+    "modern (value embeddings, smear, bigram table)": dict(
         n_layer=2,
         n_head=2,
         n_embd=16,
@@ -37,6 +37,7 @@ ARCHS = {  # sizes that do not divide by 4: uneven shards
         zero_init_proj=True,
         value_embeds=True,
         smear=True,
+        bigram_embeds=37,
     ),
 }
 

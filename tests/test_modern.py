@@ -15,6 +15,7 @@ from gpt2train import loading
 from gpt2train.checkpoint import load_checkpoint
 from gpt2train.config import ConfigError, TrainConfig, parse_args
 from gpt2train.hf import save_pretrained
+from model import bigram_rows
 from test_model import perturb_, small_gpt
 from test_train import ROOT, TINY, data_dir, metrics, run, subprocess_env, torchrun, train_losses  # noqa: F401 (fixture)
 
@@ -135,7 +136,9 @@ def test_modern_config_trains_resumes_and_samples(data_dir, tmp_path):
 
 # ----------------------------------------------------------------------------- the recipe's model options
 
-RECIPE_OPTIONS = dict(value_embeds=True, smear=True, qk_norm=True, rotary_pct=1.0, tie_embeddings=False)
+RECIPE_OPTIONS = dict(
+    value_embeds=True, smear=True, bigram_embeds=37, qk_norm=True, rotary_pct=1.0, tie_embeddings=False
+)
 
 
 def without(model, **off):
@@ -146,19 +149,23 @@ def without(model, **off):
 
 
 @pytest.mark.parametrize(
-    "option, gates",
-    [("value_embeds", "ve_gate"), ("smear", "smear_lambda")],
+    "option, off, gates, table",
+    [
+        ("value_embeds", False, "ve_gate", "transformer.vte"),
+        ("smear", False, "smear_lambda", "smear_gate"),
+        ("bigram_embeds", 0, "bigram_lambdas", "transformer.bte"),
+    ],
 )
-def test_each_option_at_a_zero_gate_is_the_model_without_it(option, gates):
+def test_each_option_at_a_zero_gate_is_the_model_without_it(option, off, gates, table):
     """With its learned gates at zero an option changes nothing (the rest of the model is the plain one); open,
     it changes the output and its gate and table get gradients."""
-    model = perturb_(small_gpt(n_layer=4, **{**RECIPE_OPTIONS, option: True}))
+    model = perturb_(small_gpt(n_layer=4, **RECIPE_OPTIONS))
     idx = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
     logits, loss = model(idx, idx)
     loss.backward()
-    opened = [p for n, p in model.named_parameters() if n.endswith(gates) or n.startswith(("transformer.vte", "smear"))]
-    assert opened and all(p.grad is not None and p.grad.abs().sum() > 0 for p in opened)
-    plain = without(model, **{option: False})
+    opened = [p for n, p in model.named_parameters() if n.endswith(gates) or n.startswith(table)]
+    assert len(opened) >= 2 and all(p.grad is not None and p.grad.abs().sum() > 0 for p in opened)
+    plain = without(model, **{option: off})
     assert (logits - plain(idx, idx)[0]).abs().max() > 1e-3
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -198,6 +205,26 @@ def test_smear_mixes_in_the_previous_tokens_embedding():
         assert torch.allclose(last[0, 0], expected[2], atol=1e-6)
 
 
+def test_the_bigram_table_adds_each_tokens_pair_row_before_every_block():
+    """Block i's input gains bigram_lambdas[i] * bte[row(previous token, token)]: the same pair always reads the
+    same row, the first token (no previous one) the last row, and a token continuing a cached sequence the row
+    its pair with `prev` reads in the whole sequence. The table starts at zero: a new model is the one without."""
+    rows = 37
+    idx = torch.tensor([[3, 7, 3, 7, 11]])
+    r = bigram_rows(idx, None, rows)[0].tolist()
+    assert r[0] == rows - 1 and r[1] == r[3] != r[2] and all(0 <= x < rows - 1 for x in r[1:])
+    assert bigram_rows(idx[:, 3:], idx[:, 2:3], rows)[0].tolist() == r[3:]
+    fresh = small_gpt(n_layer=2, bigram_embeds=rows)
+    assert torch.allclose(fresh(idx)[0], without(fresh, bigram_embeds=0)(idx)[0])
+    model = perturb_(small_gpt(n_layer=1, bigram_embeds=rows, rotary_pct=1.0))
+    seen = []
+    model.transformer.h[0].register_forward_pre_hook(lambda _, args: seen.append(args[0]))
+    with torch.no_grad():
+        model(idx)
+        expected = model.transformer.wte(idx) + model.bigram_lambdas[0] * model.transformer.bte.weight[r]
+    assert torch.allclose(seen[0], expected, atol=1e-6)
+
+
 @pytest.mark.parametrize("prompt_len", [1, 17])
 def test_kv_cache_equals_recompute_with_the_recipes_options(prompt_len):
     model = perturb_(small_gpt(n_layer=3, **RECIPE_OPTIONS), scale=0.2)
@@ -219,9 +246,11 @@ def test_activation_checkpointing_recomputes_the_recipes_options_alike():
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
 
 
-@pytest.mark.parametrize("option", ["value_embeds", "smear"])
-def test_export_refuses_what_hugging_face_cannot_load(tmp_path, option):
+@pytest.mark.parametrize("option, value", [("value_embeds", True), ("smear", True), ("bigram_embeds", 37)])
+def test_export_refuses_what_hugging_face_cannot_load(tmp_path, option, value):
     with pytest.raises(ValueError) as err:
-        save_pretrained(small_gpt(**{option: True}), str(tmp_path))
-    assert f"save_pretrained: {option}=True has no Hugging Face" in str(err.value) and "\n" not in str(err.value)
+        save_pretrained(small_gpt(**{option: value}), str(tmp_path))
+    msg = str(err.value)
+    assert f"save_pretrained: {option}={value} has no Hugging Face" in msg and "\n" not in msg
+    assert msg.endswith(f"export needs {option}={type(value)()}")  # False, or 0 rows
     assert not (tmp_path / "config.json").exists()
