@@ -64,7 +64,7 @@ KNOBS = {
     "no biases": ["--bias=False"],
     "value embeddings": ["--value_embeds=True"],
     "smear": ["--smear=True"],
-    "bigram table": ["--bigram_embeds=100000"],
+    "bigram table": [f"--bigram_embeds={read_config_file(MODERN)['bigram_embeds']}"],  # the recipe's rows
 }
 # the ingredients this recipe was built from, each ablated: configs/modern.py's keys that turn it off ('-'), or
 # on ('+' for one measured and left off); rates are scaled by the sweep's factor like the recipe's own
