@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 GPT2_VOCAB = 50257  # real GPT-2 vocabulary; ids >= this in a padded vocab are never generated
 LOSS_CHUNK_ROWS = 2048  # rows of (B*T) per lm_head+CE chunk when the full logits are not needed
+GRAD_W_SLICE_ROWS = 1024  # rows of the lm_head's fp32 gradient per add of a chunk's low-precision product
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 ACTIVATIONS = ("gelu_tanh", "gelu", "relu2")
 CHECKPOINTING = ("selective", "auto")  # activation_checkpointing besides True/False
@@ -311,6 +312,8 @@ def _chunked_loss(
         low = torch.empty((rows, w.size(0)), device=h.device, dtype=dtype)
         buf = low if compiled or dtype == torch.float32 else torch.empty_like(low, dtype=torch.float32)
         step = _compiled_chunk_loss() if compiled else _chunk_loss
+        prod = torch.empty_like(w, dtype=dtype) if need_grad and dtype != torch.float32 else None  # reused too
+        slice_rows = GRAD_W_SLICE_ROWS if h.device.type == "cpu" else w.size(0)
         for i in range(0, h.size(0), LOSS_CHUNK_ROWS):
             hc, tc = h[i : i + LOSS_CHUNK_ROWS].to(dtype), targets[i : i + LOSS_CHUNK_ROWS]
             logits = torch.matmul(hc, wc.t(), out=low[: hc.size(0)])  # (n, V)
@@ -320,10 +323,12 @@ def _chunked_loss(
                 continue
             g = logits if x is logits else logits.copy_(x)  # d(sum CE)/d logits, in dtype
             grad_h[i : i + LOSS_CHUNK_ROWS] = g @ wc
-            if grad_w.dtype == dtype:
+            if prod is None:
                 grad_w.addmm_(g.t(), hc)  # accumulate in place, no (V, C) temporary
-            else:
-                grad_w += g.t() @ hc  # low-precision chunk product, fp32 accumulation
+            else:  # the chunk's low-precision product, added in fp32: on a CPU a slice at a time, as a mixed-dtype
+                torch.mm(g.t(), hc, out=prod)  # add there first casts its whole input to a fp32 temporary
+                for j in range(0, prod.size(0), slice_rows):
+                    grad_w[j : j + slice_rows] += prod[j : j + slice_rows]
         # at least 1: a micro-batch with no trained target (SFT's loss masks) has loss 0 and zero gradients,
         # not F.cross_entropy's 0/0 = nan, which no weight of 0 in the step's mean could cancel
         n_valid = (targets != -1).sum().clamp(min=1)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from gpt2train.config import CHOICES, ConfigError, batch_layout
 from gpt2train.console import distributed, log
 from gpt2train.devices import autocast, is_oom, resolve_compile, rng_state, set_rng_state
-from model import GPT, LOSS_CHUNK_ROWS, SMEAR_CHANNELS
+from model import GPT, GRAD_W_SLICE_ROWS, LOSS_CHUNK_ROWS, SMEAR_CHANNELS
 
 GiB = 2**30
 # batch_size='auto' from the plan (CPU/MPS): use at most this share of the available memory. On a CPU the peak
@@ -179,16 +179,18 @@ def recomputed_blocks(n_layer: int, activation_checkpointing) -> int:
 def loss_bytes(cfg, batch_size: int, dtype="float32", seq_len: int | None = None, low_params: bool = False) -> int:
     """Peak bytes of ChunkedLMHeadLoss's forward: its (V, C) weight-gradient and (N, C) input-gradient
     buffers, its input, and the one chunk of fp32 logits it reuses (under autocast also the chunk's
-    low-precision product, the weight's low-precision copy, and a (V, C) chunk product with its fp32 conversion
-    while it is added to the fp32 gradient). low_params (FSDP's bf16 weight and input): no copy of the weight, and
-    the input and its gradient in bf16; the weight gradient is still accumulated in fp32."""
+    low-precision logits, the weight's low-precision copy, the (V, C) buffer of a chunk's low-precision weight
+    product and the fp32 conversion of the slice of it being added to the fp32 gradient). low_params (FSDP's bf16
+    weight and input): no copy of the weight, and the input and its gradient in bf16; the weight gradient is still
+    accumulated in fp32."""
     N = batch_size * (seq_len or cfg.block_size)
     n, V, C = min(N, LOSS_CHUNK_ROWS), cfg.vocab_size, cfg.n_embd
     if _bytes_per_element(dtype) == 4:
         return n * V * 4 + V * C * 4 + 2 * N * C * 4
+    added = min(V, GRAD_W_SLICE_ROWS) * C * 4
     if low_params:
-        return n * V * (4 + 2) + V * C * (4 + 2 + 4) + 2 * N * C * 2
-    return n * V * (4 + 2) + V * C * (4 + 2 + 2 + 4) + 2 * N * C * 4 + n * C * 2
+        return n * V * (4 + 2) + V * C * (4 + 2) + added + 2 * N * C * 2
+    return n * V * (4 + 2) + V * C * (4 + 2 + 2) + added + 2 * N * C * 4 + n * C * 2
 
 
 def estimate_memory(
