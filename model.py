@@ -547,12 +547,10 @@ class GPT(nn.Module):
         caches = [KVCache(bs) for _ in self.transformer.h] if use_kv_cache else None
         done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
         # each step multiplies one row per sequence by every weight matrix, a memory-bound read. On a CPU in fp32
-        # an (in, out)-contiguous matrix reads faster than nn.Linear's (out, in) rows (docs/speed.md: 2-2.5x for the
-        # head; the blocks' 1.15x at GPT-2 124M, even on a small model), so decoding reads a (C, V) copy of the head
-        # and column-major block weights; in bf16 the (out, in) layout is as fast, and it stays
+        # BLAS reads the head's (V, C) rows on one core (_head_rows spreads them over all) and the blocks' matrices
+        # faster column-major (docs/speed.md); in bf16 BLAS reads the (out, in) rows as fast, and they stay
         w = self.lm_head.weight
         fp32_cpu = w.device.type == "cpu" and w.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
-        w_out = w.t().contiguous() if fp32_cpu else w.t()  # (C, V)
         pos, feed = 0, ctx  # tokens already in the cache, tokens to run next
         with self._column_major_linears(fp32_cpu):
             for _ in range(max_new_tokens):
@@ -561,7 +559,8 @@ class GPT(nn.Module):
                     pos += feed.size(1)
                 else:  # no cache, or the window is full: recompute on the last block_size tokens
                     h = self.hidden_states(ctx)
-                logits = (h[:, -1, :] @ w_out).float()  # (B, V), last position only
+                x = h[:, -1, :]  # (B, C): the logits of the last position only
+                logits = (_head_rows(x, w) if fp32_cpu else x @ w.t()).float()  # (B, V)
                 nxt = _sample(logits, temperature, top_k, top_p, generator, n_vocab)  # (B,)
                 if eos_token is not None:
                     nxt = torch.where(done, torch.full_like(nxt, eos_token), nxt)
@@ -592,6 +591,16 @@ class GPT(nn.Module):
             )
         )
         return torch.cat([idx] + [t.unsqueeze(1) for t in new], dim=1)
+
+
+def _head_rows(x, w):
+    """x (B, C) @ w.T for the head's w (V, C), as one bmm over torch.get_num_threads() blocks of w's rows: in fp32
+    on a CPU, BLAS's product with nn.Linear's (out, in) rows reads them on one core, the blocks on every core, at
+    the speed of memory (docs/speed.md)."""
+    k = torch.get_num_threads()
+    n = w.size(0) // k * k
+    y = torch.bmm(w[:n].view(k, n // k, w.size(1)), x.t().expand(k, -1, -1)).view(n, x.size(0)).t()
+    return y if n == w.size(0) else torch.cat((y, x @ w[n:].t()), dim=1)
 
 
 def _sample(logits, temperature, top_k, top_p, generator, n_vocab=GPT2_VOCAB):

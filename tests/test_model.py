@@ -400,7 +400,7 @@ def test_kv_cache_greedy_equals_recompute_greedy(prompt_len, rotary_pct):
 
 
 def test_greedy_generate_equals_argmax_of_full_forward():
-    """The decode path's own lm_head (a transposed weight copy on CPU) picks what model(idx) logits pick."""
+    """The decode path's own lm_head (row blocks in one bmm on CPU) picks what model(idx) logits pick."""
     model = perturb_(small_gpt(), scale=0.2)
     idx = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(3))
     ref = idx
@@ -411,25 +411,47 @@ def test_greedy_generate_equals_argmax_of_full_forward():
     assert torch.equal(model.generate(idx, 10, temperature=0.0), ref)
 
 
-def test_fp32_cpu_decoding_reads_in_out_contiguous_weights_and_restores_the_layout():
-    """A decode step reads every weight once. At batch 1 in fp32 a CPU reads an (in, out)-contiguous matrix faster
-    than nn.Linear's (out, in) rows (docs/speed.md: 2-2.5x for the head; reading rows was last round's 1.5x decode
-    regression): every product of a step reads one, and a stream closed early leaves the weights as they were."""
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("vocab, rows", [(96, 1), (97, 3), (2, 1)])  # 97 and 2: a remainder past the blocks
+def test_head_rows_is_the_head_product_over_any_thread_count(threads, vocab, rows):
+    w, x = torch.randn(vocab, 16), torch.randn(rows, 16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = M._head_rows(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert y.shape == (rows, vocab)
+    torch.testing.assert_close(y, x @ w.t())
+
+
+def test_fp32_cpu_decoding_reads_the_head_on_every_thread_and_in_out_contiguous_block_weights():
+    """A decode step reads every weight once. At batch 1 in fp32 a CPU's BLAS reads nn.Linear's (out, in) rows on
+    one core, and the blocks' matrices faster (in, out)-contiguous (docs/speed.md; reading the head's rows on one
+    core was last round's 1.5x decode regression): the head is one bmm over a block of its rows per thread, the
+    blocks' products read (in, out)-contiguous weights, and a stream closed early leaves the weights as they were."""
     model = perturb_(small_gpt(), scale=0.2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    contiguous = []
+    products = []
 
     class RecordProducts(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
-                contiguous.append(args[-1].is_contiguous())  # the weight, (in, out)
+                products.append(("mm", args[-1].is_contiguous()))  # the weight, (in, out)
+            elif func == torch.ops.aten.bmm.default:
+                products.append(("bmm", args[0].size(0)))  # the head's row blocks
             return func(*args, **(kwargs or {}))
 
     stream = model.generate_stream(torch.zeros(1, 3, dtype=torch.long), 5, temperature=0.0)
-    with RecordProducts():
-        next(stream)  # the prompt
-        next(stream)  # one token from the cache
-    assert len(contiguous) == 2 * (2 * 4 + 1) and all(contiguous)  # 2 steps x (2 blocks x 4 linears + the head)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the vocabulary, 96, splits evenly: no remainder product
+    try:
+        with RecordProducts():
+            next(stream)  # the prompt
+            next(stream)  # one token from the cache
+    finally:
+        torch.set_num_threads(threads)
+    assert products == 2 * ([("mm", True)] * (2 * 4) + [("bmm", 2)])  # 2 blocks x 4 linears, then the head
     stream.close()
     assert all(p.is_contiguous() for p in model.parameters())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
