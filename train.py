@@ -40,17 +40,17 @@ from gpt2train.config import (
 )
 from gpt2train.console import distributed, log, progress_bar
 from gpt2train.data import DataLoader, Mixture, NoShardsError, ShardError, parse_mixture
-from gpt2train.devices import fused_adamw_supported, peak_flops, peak_memory
+from gpt2train.devices import fused_adamw_supported, is_oom, peak_flops, peak_memory
 from gpt2train.documents import prepare_command
 from gpt2train.evaluation import Abandoned, Evaluator
-from gpt2train.files import Halt, LockError, atomic_write, report_error
+from gpt2train.files import Halt, LockError, atomic_write, check_writable, first_line, report_error
 from gpt2train.hf import from_pretrained, pad_vocab
 from gpt2train.memory import probe_batch_size
 from gpt2train.optim import build_optimizer, set_lr
 from gpt2train.parallel import build_on_meta, is_compiled, keeps_grads, lock_out_dir, parallelize
 from gpt2train.resume import Checkpointer, Progress, restore, restore_rngs, resume_hint, start
 from gpt2train.step import clip_gradients, forward_backward
-from gpt2train.tracking import TRACKING_KEYS, NoTracker, Tracker, TrackingError
+from gpt2train.tracking import EXIT_CODES, TRACKING_KEYS, NoTracker, Tracker, TrackingError, append_ledger
 from model import GPT, TRAINING_ONLY_MODEL_KEYS
 
 
@@ -314,6 +314,9 @@ def start_tracking(cfg, resumed, total_batch_size, env):
         return NoTracker()
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.ledger:  # one line at the end of the run: an unwritable ledger is refused now
+        Path(cfg.ledger).parent.mkdir(parents=True, exist_ok=True)
+        check_writable(cfg.ledger)
     write_config(cfg)
     return Tracker(
         out_dir,
@@ -346,9 +349,9 @@ def run_summary(raw_model, model, cfg, env, resumed_step):
     return line if resumed_step is None else f"{line} | resumed from step {resumed_step}"
 
 
-def run(user):
-    """The recipe, for the keys the user set (parse_args). Config: defaults < checkpoint (on resume) < preset <
-    config files < --key=value."""
+def run(user, argv=()):
+    """The recipe, for the keys the user set (parse_args; argv: the command line, for the ledger). Config: defaults <
+    checkpoint (on resume) < preset < config files < --key=value."""
     cfg, source, env = start(user)  # config, process group, what the run starts from: alike on every rank
     train_loader, val_loader = make_loaders(cfg, env, source.manifests)
 
@@ -387,7 +390,7 @@ def run(user):
     start_step = progress.step
     saved_step = start_step
     stopping = False
-    finished = False
+    status, final_loss = "error", None  # how the run ended (tracking.EXIT_CODES); the last step's train loss
     bar = progress_bar(total=None if budget else cfg.max_steps, initial=start_step, show=env.master, unit="step")
     try:
         while True:
@@ -438,11 +441,22 @@ def run(user):
             if budget and budget.add(stats.dt):
                 bar.total = cfg.max_steps
             report_step(step_record(stats, train_loader, total_batch_size, raw_model, peak, env), tracker, bar, cfg)
-        finished = True
+            final_loss = stats.train_loss
+        # a run that ends on a non-finite loss (the guard off: max_skipped_steps=0) diverged too
+        status = "interrupted" if stopping else "ok" if final_loss is None or math.isfinite(final_loss) else "diverged"
     except Halt as e:
-        raise Halt(f"{e}; {resume_hint(out_dir)}") from None
+        status = e.status
+        raise Halt(f"{e}; {resume_hint(out_dir)}", e.status) from None
     except KeyboardInterrupt:  # a second Ctrl-C: at once, even in the middle of a save
+        status = "interrupted"
         raise KeyboardInterrupt(resume_hint(out_dir)) from None
+    except Exception as e:  # an out-of-memory where no micro-batch can halve (the optimizer step): one line, exit 4
+        if not is_oom(e):
+            raise
+        status = "oom"
+        raise Halt(
+            f"step {progress.step + 1}: out of memory ({first_line(e)}); {resume_hint(out_dir)}", "oom"
+        ) from None
     except ShardError as e:  # a shard changed under the run: first keep the steps done since the last save
         # in a single process only: under torchrun the other ranks would wait in a collective
         if not env.distributed and progress.step > saved_step:
@@ -456,9 +470,12 @@ def run(user):
         bar.close()
         for s, handler in old_handlers.items():
             signal.signal(s, handler)
-        summary = tracker.close(exit_code=0 if finished else 1)
-        if finished and summary:
+        params, lookup = raw_model.num_params(), raw_model.num_params() - raw_model.num_params(non_embedding=True)
+        summary = tracker.close(status, {"params": params, "params_lookup": lookup, "max_seconds": cfg.max_seconds})
+        if summary:
             log(summary)
+        if cfg.ledger and tracker.result is not None:  # rank 0
+            append_ledger(cfg.ledger, tracker.result, argv, out_dir)
     if stopping:
         log(
             f"stopped by {signal.Signals(stop.signal).name if stop.signal else 'a signal on another rank'} at step "
@@ -466,13 +483,14 @@ def run(user):
         )
     if env.distributed:  # no rank tears its process group down (main) while rank 0 still writes
         dist.barrier()
-    return 0
+    return EXIT_CODES[status]
 
 
 def main(argv=None):
-    """Command-line entry point: returns 0, or exits 2 on a config error and 1 on any other expected error (bad
-    checkpoint or data, a halt, out_dir in use, an unwritable or full disk): one line on stderr from rank 0,
-    no traceback. A traceback is for bugs, or for everything with GPT2_TRACEBACK=1 in the environment."""
+    """Command-line entry point: returns the run's status's exit code (tracking.EXIT_CODES: 0 ok, 5 interrupted: saved
+    and stopped), or exits 2 on a config error, 3 diverged and 4 out of memory (a Halt), 1 on any other expected
+    error (bad checkpoint or data, out_dir in use, an unwritable or full disk), 130 on a second Ctrl-C: one line on
+    stderr from rank 0, no traceback. A traceback is for bugs, or for everything with GPT2_TRACEBACK=1 set."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if "-h" in argv or "--help" in argv:
         print(help_text(__doc__))
@@ -480,10 +498,11 @@ def main(argv=None):
     try:
         user = parse_args(argv)
         with lock_out_dir(make_config(user).out_dir):  # one run per out_dir, for the whole run
-            return run(user)
+            return run(user, argv)
     except (ConfigError, TrackingError, CheckpointError, Halt, ShardError, LockError, TokenizerError, OSError) as e:
         report_error("train.py", e)
-        raise SystemExit(2 if isinstance(e, (ConfigError, TrackingError)) else 1) from None
+        bad_input = isinstance(e, (ConfigError, TrackingError))
+        raise SystemExit(2 if bad_input else EXIT_CODES[e.status] if isinstance(e, Halt) else 1) from None
     except KeyboardInterrupt as e:  # 130, as a shell reports a Ctrl-C
         report_error("train.py", KeyboardInterrupt(f"interrupted{'; ' if str(e) else ''}{e}"))
         raise SystemExit(130) from None

@@ -89,6 +89,7 @@ class TrainConfig(GPTConfig):
     wandb_run_name: str | None = None  # W&B run name (None: out_dir's name)
     tensorboard_dir: str | None = None  # write TensorBoard event files here (None: no TensorBoard)
     cost_per_hour: float | None = None  # USD per hour for the whole job: metrics gain cost_usd, tokens_per_dollar
+    ledger: str | None = None  # append one JSON line per run (its result and status, commit, argv) to this file
     memory_check: bool = True  # refuse at start a batch_size whose memory plan exceeds the device's available memory
     dist_timeout_minutes: float = 30.0  # torchrun: how long a rank waits in a collective (rank 0 saving) before failing
     # several processes (torchrun only; a plain `python train.py` ignores these)

@@ -158,8 +158,12 @@ class LockError(Exception):
 
 
 class Halt(Exception):
-    """Stop the run with exit code 1 (nonfinite='halt', too many skipped steps, non-finite weights, an
-    out-of-memory that cannot be recovered from)."""
+    """Stop the run: status 'diverged' (nonfinite='halt', too many skipped steps, non-finite weights) or 'oom' (an
+    out-of-memory that cannot be recovered from); train.py exits with the status's code (tracking.EXIT_CODES)."""
+
+    def __init__(self, message, status="diverged"):
+        super().__init__(message)
+        self.status = status
 
 
 @contextlib.contextmanager

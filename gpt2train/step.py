@@ -78,7 +78,8 @@ def halve_or_halt(rows, b, env, what, halvable=True):
         )
         raise Halt(
             f"{what}: out of memory at micro-batch {b}{torchrun}; try {hint}"
-            f"activation_checkpointing=True, parallel='fsdp' or a smaller block_size"
+            f"activation_checkpointing=True, parallel='fsdp' or a smaller block_size",
+            "oom",
         )
     return smaller
 
@@ -154,7 +155,8 @@ def in_micro_batches(run, rows, micro, env, what):
         smaller = smaller_micro_batch(rows, micro)
         if env.distributed or smaller is None:
             raise Halt(
-                f"{what}: out of memory in validation at micro-batch {micro}; try a smaller batch_size, or eval_steps"
+                f"{what}: out of memory in validation at micro-batch {micro}; try a smaller batch_size, or eval_steps",
+                "oom",
             )
         log(f"{what}: out of memory in validation at micro-batch {micro}: evaluating at {smaller}")
         micro = smaller

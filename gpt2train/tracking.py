@@ -9,10 +9,13 @@ cost per token and the end-of-run summary. train.py makes one Tracker, on rank 0
 Both sinks are optional packages (`pip install wandb tensorboard`); the library runs without them.
 """
 
+import datetime
+import fcntl
 import json
 import math
 import os
 import secrets
+import subprocess
 import time
 from pathlib import Path
 
@@ -20,6 +23,9 @@ from gpt2train.console import log
 from gpt2train.files import atomic_write, first_line
 
 TRACKING_KEYS = ("wandb_log", "wandb_project", "wandb_run_name", "tensorboard_dir", "cost_per_hour")
+# how a run ended (its result's 'status') and the exit code train.py returns for it. Bad input (a config error) is
+# exit 2 and never becomes a run; 130: a second Ctrl-C that quit at once, without saving (status 'interrupted')
+EXIT_CODES = {"ok": 0, "error": 1, "diverged": 3, "oom": 4, "interrupted": 5}
 
 
 class TrackingError(ValueError):
@@ -255,8 +261,9 @@ class Tracker:
             "mfu_s": self.mfu_s,
         }
 
-    def summary(self):
-        """The run so far, from metrics.jsonl (the whole run, across resumes) and the tracker's counters."""
+    def summary(self, status="ok", extra=None):
+        """The run so far, from metrics.jsonl (the whole run, across resumes) and the tracker's counters; its result
+        has `status` (EXIT_CODES) and `extra` (train.py's params, params_lookup, max_seconds)."""
         records = []
         for line in Path(self.metrics.file.name).read_text().splitlines():
             try:
@@ -264,11 +271,11 @@ class Tracker:
             except ValueError:
                 pass
         train = [r for r in records if "train_loss" in r]
-        val = [r for r in records if r.get("val_loss") is not None]
+        val = [r for r in records if "val_loss" in r]  # the last one's loss is None where it was non-finite
+        finite_val = [r for r in val if r["val_loss"] is not None]
         hellaswag = [r for r in records if "hellaswag_acc_norm" in r]
-        losses = [r["train_loss"] for r in train if r["train_loss"] is not None]
         mem = [r["peak_mem_mb"] for r in records if r.get("peak_mem_mb") is not None]
-        best = min(val, key=lambda r: r["val_loss"]) if val else None
+        best = min(finite_val, key=lambda r: r["val_loss"]) if finite_val else None
         timed = self.timed_s > 0
         out = {
             "steps": max((r["step"] for r in records), default=0),
@@ -276,7 +283,7 @@ class Tracker:
             "wall_s": self.wall_s(),
             "mean_tokens_per_s": self.timed_tokens / self.timed_s if timed else None,
             "mean_mfu": self.mfu_s / self.timed_s if timed and self.mfu_s is not None else None,
-            "final_train_loss": losses[-1] if losses else None,
+            "final_train_loss": train[-1]["train_loss"] if train else None,  # the last step's: None if non-finite
             "final_val_loss": val[-1]["val_loss"] if val else None,
             "final_val_bpb": val[-1].get("val_bpb") if val else None,
             "best_val_loss": best["val_loss"] if best else None,
@@ -305,16 +312,17 @@ class Tracker:
                 cost_usd=cost,
                 tokens_per_dollar=self.tokens / cost if cost > 0 else None,
             )
-        out["result"] = run_result(out, records)
+        out["result"] = run_result(out, records, status, extra or {})
         return out
 
-    def close(self, exit_code=0):
-        """Write out_dir/summary.json, finish the sinks (exit_code != 0 marks a failed W&B run), close
+    def close(self, status="ok", extra=None):
+        """Write out_dir/summary.json, finish the sinks (a status other than 'ok' marks a failed W&B run), close
         metrics.jsonl; returns the console summary."""
-        s = self.summary()
+        s = self.summary(status, extra)
+        self.result = s["result"]
         path = self.out_dir / "summary.json"
         atomic_write(path, json.dumps({k: json_safe(v) for k, v in s.items()}, indent=2) + "\n")
-        self._each_sink("close", exit_code)
+        self._each_sink("close", EXIT_CODES[status])
         self.sinks = []
         self.metrics.file.close()
         return summary_text(s, path)
@@ -323,43 +331,93 @@ class Tracker:
 class NoTracker:
     """What the ranks other than 0 track: nothing (rank 0's Tracker has the same three calls)."""
 
+    result = None  # the result close() made: rank 0's alone
+
     def log(self, record):
         pass
 
     def state_dict(self):
         return None
 
-    def close(self, exit_code=0):
+    def close(self, status="ok", extra=None):
         return None
 
 
-def run_result(summary, records):
-    """The run in one flat dict (the `result:` line, summary.json's 'result'), for sweeps to compare: the numbers of
-    the last val record (val_loss, and val_bpb where it has one; val_loss None without one), the final train loss,
-    steps, tokens, mean tokens/s and MFU, peak memory, wall seconds, and the last HellaSwag acc_norm and suite
-    scores (mc_centered, mc/<task>_acc) where the run evaluated them."""
+def run_result(summary, records, status="ok", extra=()):
+    """The run in one flat dict (the `result:` line, summary.json's 'result'), for sweeps to compare: how it ended
+    (`status`, EXIT_CODES), the numbers of the last val record (val_loss, and val_bpb where it has one; val_loss None
+    without one), the last step's train loss, steps, skipped steps, tokens, mean tokens/s and MFU, peak memory, wall
+    seconds and the steps' own seconds (train_s: what a max_seconds budget counts), the last HellaSwag acc_norm and
+    suite scores (mc_centered, mc/<task>_acc) where the run evaluated them, and `extra` (train.py: params,
+    params_lookup, max_seconds). A diverged run (or one halted out of memory) has no final losses: they are None,
+    never an earlier finite value."""
     last = lambda key: next((r for r in reversed(records) if key in r), {})  # noqa: E731
-    result = {"val_loss": None, **last("val_loss")}
+    result = {"status": status, "val_loss": None, **last("val_loss")}
     result.update(
         train_loss=summary["final_train_loss"],
         steps=summary["steps"],
+        skipped_steps=summary["skipped_steps"],
         tokens=summary["tokens"],
         tokens_per_s=summary["mean_tokens_per_s"],
         mfu=summary["mean_mfu"],
         peak_mem_mb=summary["peak_mem_mb"],
         wall_s=summary["wall_s"],
+        train_s=sum(r.get("step_ms") or 0 for r in records if "train_loss" in r) / 1000,
+        **dict(extra),
     )
     if "hellaswag_acc_norm" in summary:
         result["hellaswag_acc_norm"] = summary["hellaswag_acc_norm"]
     result.update(last("mc_centered"))
     result.pop("step", None)
+    if status in ("diverged", "oom"):
+        result.update({k: None for k in result if k == "train_loss" or k.startswith("val")})
     return {k: json_safe(v) for k, v in result.items()}
+
+
+def project_commit(root=Path(__file__).resolve().parent.parent):
+    """(git HEAD, whether tracked files differ from it) of the project's checkout; (None, None) when it is not one."""
+    if not (root / ".git").exists():
+        return None, None
+    git = lambda *args: subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+    try:
+        head, changes = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):  # no git installed
+        return None, None
+    return (head.stdout.strip(), bool(changes.stdout.strip())) if head.returncode == 0 else (None, None)
+
+
+def append_ledger(path, result, argv, out_dir):
+    """Append one JSON line for a run that ended to the ledger at `path` (the `ledger` key): its result (status
+    included), the project's commit and whether the checkout had changes (`dirty`), argv, out_dir and when it ended.
+    One write under flock(2): lines of concurrent runs never interleave; a line a killed writer left half-written is
+    ended first. A ledger that cannot be written is a note, not an error: the run itself is done."""
+    commit, dirty = project_commit()
+    ended = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    record = {
+        **result,
+        "commit": commit,
+        "dirty": dirty,
+        "argv": list(argv),
+        "out_dir": str(out_dir),
+        "ended_at": ended,
+    }
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a+b") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            size = f.seek(0, os.SEEK_END)
+            torn = size > 0 and f.seek(size - 1) >= 0 and f.read(1) != b"\n"  # "a" mode: writes go to the end
+            f.write((("\n" if torn else "") + json.dumps(record) + "\n").encode())
+    except OSError as e:
+        log(f"ledger {path} not written: {first_line(e)}", note=True)
 
 
 def summary_text(s, path):
     fmt = lambda v, spec: "n/a" if v is None else format(v, spec)
+    status = s["result"]["status"]
     lines = [
-        f"summary ({path}): {s['steps']} steps, {s['tokens']:,} tokens in {s['wall_s']:.1f} s | "
+        f"summary ({path}){'' if status == 'ok' else f', {status}'}: {s['steps']} steps, {s['tokens']:,} tokens in "
+        f"{s['wall_s']:.1f} s | "
         f"{fmt(s['mean_tokens_per_s'], ',.0f')} tokens/s, mfu {fmt(s['mean_mfu'], '.1%')} | "
         f"peak memory {fmt(s['peak_mem_mb'], ',.0f')} MiB"
     ]
