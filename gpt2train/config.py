@@ -62,8 +62,8 @@ class TrainConfig(GPTConfig):
     embedding_lr: float | None = None  # peak AdamW rate of the embedding tables (None: learning_rate)
     head_lr: float | None = None  # peak AdamW rate of an untied output head (None: learning_rate)
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables clipping
-    nonfinite: str = "skip"  # a NaN/inf loss or gradient norm: 'skip' the update or 'halt' the run (exit 1)
-    max_skipped_steps: int = 10  # halt (exit 1) after this many consecutive skipped updates; 0: no limit
+    nonfinite: str = "skip"  # a NaN/inf loss or gradient norm: 'skip' the update or 'halt' the run (exit 3)
+    max_skipped_steps: int = 10  # halt (exit 3) after this many consecutive skipped updates; 0: no limit
     # evaluation, logging, checkpoints (an interval of 0 disables that activity)
     eval_interval: int = 250  # steps between validation-loss evaluations (also at step 0 and the last step)
     eval_steps: int = 20  # val micro-batches per process per evaluation (the same fixed batches every time)

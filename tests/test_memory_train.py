@@ -168,7 +168,7 @@ def test_oom_at_micro_batch_1_stops_with_one_line_naming_settings(data_dir, tmp_
     oom_above(monkeypatch, 0)
     with pytest.raises(SystemExit) as exit_:
         run(data_dir, tmp_path, *STEPS, "--batch_size=2")
-    assert exit_.value.code == 1
+    assert exit_.value.code == 4  # status 'oom'
     err = capsys.readouterr().err
     [line] = [line for line in err.splitlines() if "train.py: error:" in line]  # the progress bar is on stderr too
     assert line.startswith("train.py: error: ") and "Traceback" not in err

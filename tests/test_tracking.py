@@ -8,6 +8,7 @@ HellaSwag line at step 4, a train line per step, one of them skipped (NaN loss) 
 import json
 import math
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 from gpt2train import tracking
 from gpt2train.tracking import MetricsLog, Tracker, TrackingError, check_tracking_available
 
+ROOT = Path(__file__).resolve().parent.parent
 CONFIG = {"n_layer": 2, "learning_rate": 3e-3, "out_dir": "out/x", "lr_decay_steps": None}
 TOKENS = 1024  # tokens per step
 
@@ -404,17 +406,64 @@ def test_the_result_is_the_summarys_last_line_and_in_summary_json(tmp_path):
     assert text.splitlines()[-1] == f"result: {json.dumps(result)}"
     wall_s, tokens_per_s, mfu = result.pop("wall_s"), result.pop("tokens_per_s"), result.pop("mfu")
     assert wall_s > 0 and tokens_per_s == pytest.approx(TOKENS / 0.064) and 0.3 < mfu < 0.4
+    assert result.pop("train_s") == pytest.approx(8 * 0.064)  # every step's own seconds, the first one's too
     assert result == {
+        "status": "ok",
         "val_loss": 4.0 - 0.8 + 1,  # the final one, not the best
         "val_bpb": 1.25,
         "train_loss": 4.2 - 8 / 20,
         "steps": 8,
+        "skipped_steps": 1,
         "tokens": 8 * TOKENS,
         "peak_mem_mb": 308.0,
         "hellaswag_acc_norm": 0.26,
         "mc_centered": 0.1,
         "mc/piqa_acc": 0.55,
     }
+
+
+@pytest.mark.parametrize("status", ["diverged", "oom", "interrupted"])
+def test_a_run_that_did_not_finish_says_how_it_ended_and_a_diverged_one_has_no_final_losses(tmp_path, status):
+    """A halt (diverged, out of memory) reports its final losses as None, never the last finite ones (step 0's val
+    loss, step 1's train loss); an interrupted run keeps what it measured (it resumes); `extra` joins the result."""
+    tracker = Tracker(tmp_path, CONFIG, TOKENS)
+    for record in [*loop_records(0, 4), {**train_record(5), "train_loss": None, "skipped": "non-finite loss"}]:
+        tracker.log(record)
+    text = tracker.close(status, {"params": 1000, "params_lookup": 600})
+    result = json.loads((tmp_path / "summary.json").read_text())["result"]
+    assert result["status"] == status and result["skipped_steps"] == 1 and result["steps"] == 5
+    assert result["params"] == 1000 and result["params_lookup"] == 600
+    assert result["train_loss"] is None  # the last step's, never step 4's finite one
+    assert (result["val_loss"] is None) == (status != "interrupted")
+    assert text.startswith(f"summary ({tmp_path / 'summary.json'}), {status}: 5 steps")
+
+
+def test_the_ledger_gets_one_whole_line_per_run_even_from_concurrent_writers(tmp_path):
+    """8 processes append 25 long lines each at once: 200 lines, each whole JSON; a line a killed writer left
+    half-written is ended first, so it spoils only itself."""
+    ledger = tmp_path / "sub" / "ledger.jsonl"
+    ledger.parent.mkdir()
+    ledger.write_text('{"half": ')  # a torn line
+    code = (
+        "import sys; from gpt2train.tracking import append_ledger\n"
+        "for i in range(25):\n"
+        "    append_ledger(sys.argv[1], {'status': 'ok', 'pad': 'x' * 20000, 'i': i}, [sys.argv[2]], 'o')"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(ledger), str(w)], cwd=ROOT) for w in range(8)]
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    lines = ledger.read_text().splitlines()
+    assert lines[0] == '{"half": ' and len(lines) == 201
+    records = [json.loads(line) for line in lines[1:]]
+    assert sorted((r["argv"][0], r["i"]) for r in records) == sorted((str(w), i) for w in range(8) for i in range(25))
+    commit, dirty = tracking.project_commit()
+    assert {r["commit"] for r in records} == {commit} and {r["dirty"] for r in records} == {dirty}
+    assert all(r["out_dir"] == "o" and r["ended_at"].endswith("+00:00") for r in records)
+
+
+def test_the_commit_is_none_outside_a_checkout(tmp_path):
+    assert tracking.project_commit(tmp_path) == (None, None)
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert tracking.project_commit()[0] == (head.stdout.strip() if head.returncode == 0 else None)
 
 
 def test_summary_of_a_cpu_run_has_no_mfu(tmp_path):

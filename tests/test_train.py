@@ -363,7 +363,7 @@ def test_max_seconds_fixes_max_steps_from_steps_3_to_10_and_a_resume_continues_b
 
     for stop in (14, 4):
         split = tmp_path / f"split{stop}"
-        assert budgeted(split, *budget, sigterm_at=stop) == 0
+        assert budgeted(split, *budget, sigterm_at=stop) == 5  # interrupted
         assert load_checkpoint(split)["step"] == stop and load_checkpoint(split)["config"]["max_steps"] == 26
         # the resume times nothing: re-timed on this clock, it would fix max_steps at stop + 10 + 16
         assert budgeted(split, "--init_from=resume") == 0
@@ -524,7 +524,7 @@ def test_nan_loss_halts_when_asked(data_dir, tmp_path, monkeypatch, capsys):
     inject_nan_loss(monkeypatch, at_call=6)
     with pytest.raises(SystemExit) as exit_:
         run(data_dir, tmp_path, "--max_steps=8", "--nonfinite=halt")
-    assert exit_.value.code == 1 and "step 6: non-finite loss" in capsys.readouterr().err
+    assert exit_.value.code == 3 and "step 6: non-finite loss" in capsys.readouterr().err  # diverged
     assert load_checkpoint(tmp_path)["step"] == 4  # the last good checkpoint is untouched
 
 
@@ -549,7 +549,7 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(data_dir, tmp_p
 
 
 def test_signal_saves_at_the_end_of_the_step(data_dir, tmp_path, monkeypatch):
-    """In-process: a SIGTERM arriving during step 3 -> checkpoint at step 3, exit code 0."""
+    """In-process: a SIGTERM arriving during step 3 -> checkpoint at step 3, status 'interrupted' (exit code 5)."""
     real_forward, calls = model_module.GPT.forward, [0]
 
     def forward(self, *args, **kwargs):
@@ -561,8 +561,9 @@ def test_signal_saves_at_the_end_of_the_step(data_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(model_module.GPT, "forward", forward)
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
-    assert run(data_dir, tmp_path, "--max_steps=100") == 0
+    assert run(data_dir, tmp_path, "--max_steps=100") == 5
     assert load_checkpoint(tmp_path)["step"] == 3
+    assert json.loads((tmp_path / "summary.json").read_text())["result"]["status"] == "interrupted"
     assert max(train_losses(tmp_path)) == 3
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before  # handlers restored
 
@@ -613,9 +614,9 @@ def test_bad_float_settings_are_one_line_errors_before_any_step(
 
 def test_too_many_skipped_updates_halt_and_keep_the_last_checkpoint(data_dir, tmp_path, monkeypatch, capsys):
     """Every update from step 6 on is NaN (as with an absurd learning rate): 3 skips in a row halt the run
-    with exit 1, and the checkpoint of step 4 is untouched and resumable."""
+    with exit 3 (diverged), and the checkpoint of step 4 is untouched and resumable."""
     inject_nan_loss(monkeypatch, at_call=lambda call: call >= 6)
-    expect_exit(1, run, data_dir, tmp_path, "--max_steps=20", "--max_skipped_steps=3")
+    expect_exit(3, run, data_dir, tmp_path, "--max_steps=20", "--max_skipped_steps=3")
     line = one_line_error(capsys)
     assert "step 8: 3 updates in a row skipped (non-finite loss" in line
     assert f"the last checkpoint, {tmp_path / 'ckpt_000004.pt'}, is kept (continue with --init_from=resume)" in line
@@ -627,7 +628,7 @@ def test_too_many_skipped_updates_halt_and_keep_the_last_checkpoint(data_dir, tm
 
 def test_a_halt_before_any_checkpoint_says_so(data_dir, tmp_path, monkeypatch, capsys):
     inject_nan_loss(monkeypatch, at_call=lambda call: True)
-    expect_exit(1, run, data_dir, tmp_path, "--max_steps=20", "--max_skipped_steps=2")
+    expect_exit(3, run, data_dir, tmp_path, "--max_steps=20", "--max_skipped_steps=2")
     assert one_line_error(capsys).endswith(
         "halting (max_skipped_steps=2): lower learning_rate?; no checkpoint was written yet"
     )
@@ -908,8 +909,9 @@ def test_sigterm_mid_run_then_resume_matches_uninterrupted(data_dir, tmp_path):
             break
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 0, stderr
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 5, stderr  # interrupted: saved and stopped
+    assert json.loads(stdout.splitlines()[-1].removeprefix("result: "))["status"] == "interrupted"
     stopped_at = load_checkpoint(out)["step"]
     assert 5 <= stopped_at < 150, "the signal should have arrived mid-run"
     assert "received SIGTERM" in stderr
@@ -1028,7 +1030,7 @@ def test_out_dir_not_shared_by_every_node_is_a_one_line_error_on_each_node(data_
 @pytest.mark.slow
 def test_two_concurrent_runs_on_one_out_dir(data_dir, tmp_path):
     """The second train.py on an out_dir in use exits 1 with one line naming the first; the first is untouched
-    and finishes normally (here: stopped by SIGTERM, which saves and exits 0)."""
+    and finishes normally (here: stopped by SIGTERM, which saves and exits 5, 'interrupted')."""
     train_py = [
         sys.executable,
         str(ROOT / "train.py"),
@@ -1063,7 +1065,7 @@ def test_two_concurrent_runs_on_one_out_dir(data_dir, tmp_path):
         f"or use another directory\n"
     ), second.stderr
     assert second.stderr.count("\n") == 1
-    assert first.returncode == 0, first_err[-2000:]
+    assert first.returncode == 5, first_err[-2000:]
     steps = [m["step"] for m in metrics(tmp_path) if "train_loss" in m]
     assert steps == list(range(1, len(steps) + 1)) and load_checkpoint(tmp_path)["step"] == steps[-1]
 
@@ -1140,9 +1142,9 @@ def test_a_file_where_a_directory_belongs_is_named_as_such(data_dir, tmp_path, c
     assert f"train.py: error: {expected.format(path=path)}" in one_line_error(capsys)
 
 
-def test_sigterm_during_validation_abandons_it_saves_and_exits_0(data_dir, tmp_path, monkeypatch):
+def test_sigterm_during_validation_abandons_it_saves_and_exits_5(data_dir, tmp_path, monkeypatch):
     """A 40-batch validation at step 4 gets SIGTERM at its second batch: no further batch runs, step 4 is saved,
-    exit 0 (the seconds before SIGKILL are for the checkpoint, not the evaluation)."""
+    exit 5, interrupted (the seconds before SIGKILL are for the checkpoint, not the evaluation)."""
     forward, evals = model_module.GPT.forward, []
 
     def forward_then_signal(self, idx, *a, **k):
@@ -1153,7 +1155,7 @@ def test_sigterm_during_validation_abandons_it_saves_and_exits_0(data_dir, tmp_p
         return forward(self, idx, *a, **k)
 
     monkeypatch.setattr(model_module.GPT, "forward", forward_then_signal)
-    assert run(data_dir, tmp_path, "--max_steps=8", "--eval_interval=4", "--eval_steps=40", "--save_interval=0") == 0
+    assert run(data_dir, tmp_path, "--max_steps=8", "--eval_interval=4", "--eval_steps=40", "--save_interval=0") == 5
     assert len(evals) == 42
     assert load_checkpoint(tmp_path)["step"] == 4 and load_checkpoint(tmp_path)["val_loss"] is None
     assert [m["step"] for m in metrics(tmp_path) if "val_loss" in m] == [0]
