@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpt2train.console import log
 from gpt2train.files import atomic_write, report_error
 from gpt2train.tracking import EXIT_CODES
 
@@ -300,25 +301,28 @@ def main(argv=None):
         out = Path(args.out_dir)
         if (out / "compare.json").exists():
             raise CompareError(f"{out} holds an earlier comparison (compare.json): choose another --out_dir")
-        return compare(arms, out, args.metric, [1337 + i for i in range(args.seeds)], args.repeat)
+        report = compare(arms, out, args.metric, [1337 + i for i in range(args.seeds)], args.repeat)
     except (CompareError, OSError) as e:
         report_error("compare.py", e)
         return 2
+    print(table(report))
+    brief = {k: report[k] for k in ("metric", "seeds", "comparisons")}
+    brief["noise"] = {k: v for k, v in report["noise"].items() if k != "repeat"}
+    print(f"compare: {json.dumps(brief)}")  # the last line, as train.py's result
+    return 0
 
 
 def compare(arms, out, metric, seeds, repeat):
-    """Make every run, seed by seed, arm by arm; rewrite compare.json after each; print the table and the line."""
+    """Make every run, seed by seed, arm by arm, rewriting compare.json after each; returns its final content."""
     total, made, repeat_run = len(seeds) * len(arms) + repeat, [], None
     direction = "higher" if HIGHER_IS_BETTER.search(metric) else "lower"
-    print(f"compare: {len(arms)} arms x {len(seeds)} seeds, {metric} ({direction} is better) -> {out}", flush=True)
+    log(f"compare: {len(arms)} arms x {len(seeds)} seeds, {metric} ({direction} is better) -> {out}")
 
     def make(arm, seed, suffix=""):
         run = run_once(arm, seed, out / arm.name / f"seed{seed}{suffix}", out / "ledger.jsonl", metric)
         made.append(run)
         took = f"{run['seconds']:.0f} s"
-        print(
-            f"[{len(made)}/{total}] {arm.name} seed {seed}{suffix}: {run['status']}, {metric} {run['value']} ({took})"
-        )
+        log(f"[{len(made)}/{total}] {arm.name} seed {seed}{suffix}: {run['status']}, {metric} {run['value']} ({took})")
         return run
 
     for seed in seeds:
@@ -327,12 +331,7 @@ def compare(arms, out, metric, seeds, repeat):
             if repeat and arm is arms[0] and seed == seeds[0]:
                 repeat_run = make(arm, seed, "_repeat")
             atomic_write(out / "compare.json", json.dumps(summarize(arms, metric, seeds, repeat_run), indent=2) + "\n")
-    report = summarize(arms, metric, seeds, repeat_run)
-    print(table(report))
-    brief = {k: report[k] for k in ("metric", "seeds", "comparisons")}
-    brief["noise"] = {k: v for k, v in report["noise"].items() if k != "repeat"}
-    print(f"compare: {json.dumps(brief)}")
-    return 0
+    return summarize(arms, metric, seeds, repeat_run)
 
 
 if __name__ == "__main__":
