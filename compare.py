@@ -20,7 +20,9 @@ difference exactly 0), better or worse (p < 0.05), no detectable difference, or 
 status ok); the speed ratio (geometric mean of the per-seed tokens/s ratios) and the first step whose train loss
 differs from the baseline's (None: none did, the arm trains exactly as the baseline). --repeat runs the baseline's
 first seed twice: whether the machine repeats a run bit for bit. Exit 0 when every run was made (whatever their
-status), 2 on bad arguments (one line). AGENTS.md describes the loop; docs/experiments.md has measured examples.
+status), 2 on bad arguments (one line). Run again into the same --out_dir with the same arms, compare.py goes on
+from where it stopped (a crash, Ctrl-C), or adds seeds (--seeds 5 after 3). AGENTS.md describes the loop;
+docs/experiments.md has measured examples.
 """
 
 import argparse
@@ -29,6 +31,7 @@ import json
 import math
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -215,6 +218,27 @@ def compare_arm(arm, base, metric):
     }
 
 
+def arm_text(arm):
+    """An arm's arguments as compare.json records them."""
+    return shlex.join(arm.args) + (f" --nproc_per_node {arm.nproc}" if arm.nproc else "")
+
+
+def earlier_runs(out, arms, metric):
+    """{out_dir: run} of the runs an earlier compare.py into `out` made, when it compared the same arms (names and
+    arguments, in order) on the same metric, so a comparison that stopped (a crash, Ctrl-C) or is given more seeds
+    goes on from where it was; CompareError if `out` holds another comparison."""
+    path = out / "compare.json"
+    if not path.exists():
+        return {}
+    earlier = json.loads(path.read_text())
+    if earlier["metric"] != metric or [(a["name"], a["args"]) for a in earlier["arms"]] != [
+        (arm.name, arm_text(arm)) for arm in arms
+    ]:
+        raise CompareError(f"{out} holds a comparison of other arms or another metric: choose another --out_dir")
+    runs = [run for arm in earlier["arms"] for run in arm["runs"]] + [earlier["noise"]["repeat"]]
+    return {run["out_dir"]: run for run in runs if run is not None}
+
+
 def summarize(arms, metric, seeds, repeat):
     """compare.json's content so far."""
     values = lambda arm: [r["value"] for r in arm.runs if r["status"] == "ok" and r["value"] is not None]  # noqa: E731
@@ -224,7 +248,7 @@ def summarize(arms, metric, seeds, repeat):
         out_arms.append(
             {
                 "name": arm.name,
-                "args": shlex.join(arm.args) + (f" --nproc_per_node {arm.nproc}" if arm.nproc else ""),
+                "args": arm_text(arm),
                 "runs": arm.runs,
                 "mean": statistics.fmean(v) if v else None,
                 "std": statistics.stdev(v) if len(v) > 1 else None,
@@ -298,10 +322,7 @@ def main(argv=None):
         names = [arm.name for arm in arms]
         if len(set(names)) < len(names):
             raise CompareError(f"two arms are named alike ({', '.join(names)}): give each its own name=...")
-        out = Path(args.out_dir)
-        if (out / "compare.json").exists():
-            raise CompareError(f"{out} holds an earlier comparison (compare.json): choose another --out_dir")
-        report = compare(arms, out, args.metric, [1337 + i for i in range(args.seeds)], args.repeat)
+        report = compare(arms, Path(args.out_dir), args.metric, [1337 + i for i in range(args.seeds)], args.repeat)
     except (CompareError, OSError) as e:
         report_error("compare.py", e)
         return 2
@@ -315,13 +336,22 @@ def main(argv=None):
 def compare(arms, out, metric, seeds, repeat):
     """Make every run, seed by seed, arm by arm, rewriting compare.json after each; returns its final content."""
     total, made, repeat_run = len(seeds) * len(arms) + repeat, [], None
+    done = earlier_runs(out, arms, metric)
     direction = "higher" if HIGHER_IS_BETTER.search(metric) else "lower"
     log(f"compare: {len(arms)} arms x {len(seeds)} seeds, {metric} ({direction} is better) -> {out}")
 
     def make(arm, seed, suffix=""):
-        run = run_once(arm, seed, out / arm.name / f"seed{seed}{suffix}", out / "ledger.jsonl", metric)
+        out_dir = out / arm.name / f"seed{seed}{suffix}"
+        if str(out_dir) in done:
+            run, took = done[str(out_dir)], "made before"
+        else:
+            if out_dir.exists():  # started by an earlier compare.py that stopped before it ended: made again
+                unfinished = out_dir.with_name(out_dir.name + ".unfinished")
+                shutil.rmtree(unfinished, ignore_errors=True)
+                out_dir.rename(unfinished)
+            run = run_once(arm, seed, out_dir, out / "ledger.jsonl", metric)
+            took = f"{run['seconds']:.0f} s"
         made.append(run)
-        took = f"{run['seconds']:.0f} s"
         log(f"[{len(made)}/{total}] {arm.name} seed {seed}{suffix}: {run['status']}, {metric} {run['value']} ({took})")
         return run
 

@@ -118,3 +118,29 @@ def test_a_metric_the_result_does_not_have_is_one_line(data_dir, tmp_path, capsy
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--metric 'val_accuracy' is not in the result of" in err
     assert "its fields: status, val_loss" in err
+
+
+def test_a_comparison_goes_on_where_it_stopped_and_takes_more_seeds(data_dir, tmp_path, capsys):  # noqa: F811
+    """A comparison killed in its second run: run again, the first run is reused, the unfinished one is moved aside
+    and made again; then --seeds 2 adds the second seed's runs only. Other arms into the same directory: refused."""
+    base = " ".join([*TINY, f"--data_dir={data_dir}", "--max_steps=2", "--eval_interval=2"])
+    arms = [base, f"name=b {base} --learning_rate=1e-3"]
+    assert compare.main([*arms, "--out_dir", str(tmp_path), "--seeds", "1"]) == 0
+    first = json.loads((tmp_path / "compare.json").read_text())
+    # as if killed while b's run was training: compare.json had only the baseline's run, b's directory half made
+    partial = json.loads(json.dumps(first))
+    partial["arms"][1]["runs"] = []
+    (tmp_path / "compare.json").write_text(json.dumps(partial))
+    (tmp_path / "b" / "seed1337" / "stale").write_text("")
+    capsys.readouterr()
+    assert compare.main([*arms, "--out_dir", str(tmp_path), "--seeds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "[1/4] baseline seed 1337: ok" in out and "(made before)" in out.splitlines()[1]
+    assert (tmp_path / "b" / "seed1337.unfinished" / "stale").exists()
+    report = json.loads((tmp_path / "compare.json").read_text())
+    assert report["arms"][0]["runs"][0] == first["arms"][0]["runs"][0]  # reused, not made again
+    assert [r["value"] for r in report["arms"][1]["runs"]][:1] == [r["value"] for r in first["arms"][1]["runs"]]
+    assert [len(a["runs"]) for a in report["arms"]] == [2, 2]
+    assert len((tmp_path / "ledger.jsonl").read_text().splitlines()) == 2 + 1 + 2  # one line per run made
+    assert compare.main([base, f"name=c {base}", "--out_dir", str(tmp_path)]) == 2
+    assert "holds a comparison of other arms or another metric" in capsys.readouterr().err
