@@ -47,9 +47,16 @@ from gpt2train.files import Halt, LockError, atomic_write, check_writable, first
 from gpt2train.hf import from_pretrained, pad_vocab
 from gpt2train.memory import probe_batch_size
 from gpt2train.optim import build_optimizer, set_lr
-from gpt2train.parallel import build_on_meta, is_compiled, keeps_grads, lock_out_dir, parallelize
+from gpt2train.parallel import (
+    after_compile_trial,
+    build_on_meta,
+    is_compiled,
+    keeps_grads,
+    lock_out_dir,
+    parallelize,
+)
 from gpt2train.resume import Checkpointer, Progress, restore, restore_rngs, resume_hint, start
-from gpt2train.step import clip_gradients, forward_backward
+from gpt2train.step import clip_gradients, compile_works, forward_backward
 from gpt2train.tracking import EXIT_CODES, TRACKING_KEYS, NoTracker, Tracker, TrackingError, append_ledger
 from model import GPT, TRAINING_ONLY_MODEL_KEYS
 
@@ -364,7 +371,9 @@ def run(user, argv=()):
     # out-of-memory: train_loader.B is the live one
     total_batch_size, grad_accum = batch_layout(cfg, env.world_size)
     rows = cfg.batch_size * grad_accum  # sequences per rank per optimizer step
-    model = parallelize(raw_model, cfg, env, train_loader)  # what the loop calls
+    model = parallelize(raw_model, cfg, env)  # what the loop calls: compiled, or eager where the trial fails
+    if is_compiled(model):
+        model = after_compile_trial(model, compile_works(model, cfg, env, train_loader))
     optimizer = build_optimizer(raw_model, cfg, fused_adamw_supported(env.kind))  # after sharding
     scaler = torch.amp.GradScaler(env.kind, enabled=env.dtype == "float16")  # loss scaling for fp16 only
     resumed = source.resumed

@@ -516,7 +516,7 @@ NCCL_RESERVE = GiB
 # bf16 autocast): the compiled graph saves 332.2 MiB per 1024 tokens for the backward against eager's 330.7 (+0.5%,
 # here rounded up to 1%), and peaks lower at one loss chunk. Left out: the compiled chunked loss keeping every chunk's
 # (vocab x n_embd) weight-gradient product alive until the loss ends (review D4), which its fix removes; if a
-# compiled step still does not fit, the compile trial halves the micro-batch (one process: parallel.compile_works).
+# compiled step still does not fit, the compile trial halves the micro-batch (one process: step.compile_works).
 COMPILE_RESERVE_FRACTION = 0.01
 
 

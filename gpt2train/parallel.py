@@ -22,26 +22,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gpt2train.config import ConfigError, batch_layout
+from gpt2train.config import ConfigError
 from gpt2train.console import is_rank0, launched_by_torchrun, log
 from gpt2train.devices import (
     DTYPES,
-    autocast,
     device_type,
-    is_compile_error,
-    is_oom,
-    make_compile_deterministic,
     resolve_compile,
     resolve_device,
     resolve_dtype,
-    rng_state,
-    set_rng_state,
     tune_cpu_allocator,
     use_cuda_device,
 )
-from gpt2train.files import directory_lock, first_line
-from gpt2train.memory import free_cached_memory
-from gpt2train.step import halve_or_halt
+from gpt2train.files import directory_lock
 from model import GPT, rotary_cos_sin
 
 
@@ -216,12 +208,10 @@ def mesh_shape(parallel, shard_size, world_size, local_world_size):
 # ----------------------------------------------------------------------------- how the model is spread over them
 
 
-def parallelize(model, cfg, env, loader=None):
+def parallelize(model, cfg, env):
     """The one place the bare model is wrapped for training: DDP across ranks, then torch.compile (which
-    understands DDP's gradient buckets); or, with parallel='fsdp'/'hsdp', shard() in place. Compile is decided
-    here, once: a compile error surfaces in a trial forward/backward on dummy tokens (train and eval mode),
-    and then the run goes on eagerly. loader: the training loader, whose micro-batch (loader.B) the trial runs
-    at and, in one process, halves on an out-of-memory (compile_works)."""
+    understands DDP's gradient buckets); or, with parallel='fsdp'/'hsdp', shard() in place. It runs nothing: the
+    compile trial (step.compile_works, then after_compile_trial) decides whether the compiled model is kept."""
     if env.sharded:
         return shard(model, cfg, env)
     if env.distributed:
@@ -232,11 +222,33 @@ def parallelize(model, cfg, env, loader=None):
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         model = DDP(model, device_ids=[env.local_rank] if env.kind == "cuda" else None, gradient_as_bucket_view=True)
-    if not resolve_compile(cfg.compile, env.device, env.dtype):
-        return model
-    compiled = torch.compile(model)
-    if compile_works(compiled, cfg, env, loader):
-        return compiled
+    return torch.compile(model) if resolve_compile(cfg.compile, env.device, env.dtype) else model
+
+
+def after_compile_trial(model, works):
+    """What the loop calls once the compile trial (step.compile_works) has run on parallelize()'s compiled model:
+    that model, or where compiling failed (works False) the eager one, so a compile error means eager from the
+    start, never a swap mid-run. A sharded model is also left as the optimizer must find it: every unit resharded
+    (the trial's evaluation forward left the root gathered, as FSDP keeps the root for a backward) and no gradient
+    (the trial's, on the root's shards, unseen while it was gathered)."""
+    if not hasattr(model, "reshard"):  # DDP or one process: the trial left no gradient
+        return model if works else model._orig_mod
+    from torch.distributed.fsdp import FSDPModule
+
+    if not works:
+        if not hasattr(model, "reset_iter_state"):  # newer than the torch floor
+            raise ConfigError(
+                f"torch {torch.__version__} cannot recover FSDP from the failed torch.compile trial "
+                "(no FSDPModule.reset_iter_state): set compile=False, or upgrade torch"
+            )
+        model.reset_iter_state()  # the failed forward left FSDP mid-iteration
+        for block in model.transformer.h:
+            del block.forward  # back to Block.forward, eager
+        del model.head_loss
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+    model.zero_grad(set_to_none=True)
     return model
 
 
@@ -256,7 +268,7 @@ def shard(model, cfg, env):
     reduce-scattered and accumulated in fp32 (reduce_dtype) and AdamW updates the fp32 shards. An fp32 run
     casts nothing."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(env.kind, env.mesh_shape, mesh_dim_names=("replicate", "shard")[-len(env.mesh_shape) :])
     compile_blocks = resolve_compile(cfg.compile, env.device, env.dtype)
@@ -271,22 +283,6 @@ def shard(model, cfg, env):
     fully_shard(model, mesh=mesh, mp_policy=policy)
     if "deferred_init" in model.__dict__:  # built on meta: this rank's shards only, initialised as one process would
         materialise(model, env)
-    if compile_blocks and not compile_works(model, cfg, env):
-        if not hasattr(model, "reset_iter_state"):  # newer than the torch floor
-            raise ConfigError(
-                f"torch {torch.__version__} cannot recover FSDP from the failed torch.compile trial "
-                "(no FSDPModule.reset_iter_state): set compile=False, or upgrade torch"
-            )
-        model.reset_iter_state()  # the failed forward left FSDP mid-iteration
-        for block in model.transformer.h:
-            del block.forward  # back to Block.forward, eager
-        del model.head_loss
-    # the trial's eval forward left the root unit gathered (FSDP keeps the root for a backward): the optimizer
-    # must be built over the shards
-    for unit in model.modules():
-        if isinstance(unit, FSDPModule):
-            unit.reshard()
-    model.zero_grad(set_to_none=True)  # the trial's gradients on the root's shards, unseen while it was gathered
     return model
 
 
@@ -366,62 +362,6 @@ def local_slice(whole, shards, index):
 def is_compiled(model):
     """Whether parallelize() kept torch.compile: of the whole model (DDP, one process) or of each block (FSDP)."""
     return hasattr(model, "_orig_mod") or any("forward" in vars(m) for m in model.modules())
-
-
-def compile_works(compiled, cfg, env, loader=None):
-    """Run the compiled model once as training and once as evaluation, leaving weights, gradients and RNGs as
-    they were. False (with a note) on a compile error; any other error but an out-of-memory propagates. The
-    trial's calls are the loop's (distinct inputs and targets: dynamo guards on `idx is targets`), so the graphs
-    compiled here are the ones the steps and evaluations run, not compiled a second time.
-    An out-of-memory is not a compile error: in one process with the run's loader the trial goes on as a step
-    does (step.halve_or_halt), the loader's micro-batch halves and the trial runs again, compiled afresh at the
-    new size (the loop then runs that graph, never one compiled for two sizes); under torchrun, without a
-    loader or at micro-batch 1, a Halt naming settings that help."""
-    log("compiling the model (torch.compile): the first step waits for it; compile=False skips it")
-    make_compile_deterministic(env.device)  # graphs are built by the calls below
-    rows = cfg.batch_size * batch_layout(cfg, env.world_size)[1]  # sequences per rank per step
-    rngs = rng_state()
-    while True:
-        b = loader.B if loader is not None else cfg.batch_size
-        error, oom = None, False
-        try:
-            trial(compiled, b, cfg, env)
-        except Exception as e:
-            if is_compile_error(e):
-                error = first_line(e)
-            elif is_oom(e):
-                oom = True
-            else:
-                raise
-        compiled.train()
-        compiled.zero_grad(set_to_none=not keeps_grads(compiled))
-        set_rng_state(rngs)
-        if not oom:
-            break
-        # outside the except block from here: the failed attempt's tensors are freed
-        what = "the torch.compile trial"
-        smaller = halve_or_halt(rows, b, env, what, halvable=loader is not None)
-        free_cached_memory(env.device)
-        torch._dynamo.reset()  # else the next size is compiled as a dynamic-shape graph
-        log(
-            f"{what}: out of memory at micro-batch {b}: trying micro-batch {smaller} (batch_size={smaller} from now on)"
-        )
-        loader.set_batch_size(smaller)
-    if error is None:
-        return True
-    log(f"torch.compile failed ({error}); training eagerly (compile=False skips the attempt)")
-    return False
-
-
-def trial(compiled, b, cfg, env):
-    """The compile trial's calls: a training forward+backward at micro-batch b, and an evaluation forward."""
-    x, y = (torch.zeros(b, cfg.block_size, dtype=torch.long, device=env.device) for _ in range(2))
-    with autocast(env.device, env.dtype):
-        compiled(x, y, return_logits=False)[1].backward()
-        if cfg.eval_interval > 0:  # evaluation compiles a graph of its own
-            compiled.eval()
-            with torch.no_grad():
-                compiled(x, y, return_logits=False)
 
 
 def keeps_grads(model):

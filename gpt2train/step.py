@@ -1,7 +1,8 @@
 """One optimizer step's micro-batches on whatever parallel.parallelize() returned: batches to the device, gradient
-sync only where an accumulation needs it, the loss weighted by each micro-batch's trained tokens, the micro-batch
-halved on an out-of-memory, the global gradient norm clipped. train.py's loop and dryrun.py's simulation run this
-same code; validation's micro-batches (in_micro_batches) halve alike.
+sync only where an accumulation needs it, the loss weighted by each micro-batch's trained tokens, the global
+gradient norm clipped; and the one out-of-memory loop (halving: the micro-batch halves) that the step, validation's
+micro-batches (in_micro_batches) and the compile trial before step 1 (compile_works) run through. train.py's loop
+and dryrun.py's simulation run this same code.
 """
 
 import math
@@ -9,10 +10,20 @@ import math
 import torch
 import torch.distributed as dist
 
+from gpt2train.config import batch_layout
 from gpt2train.console import log
-from gpt2train.devices import autocast, device_type, is_oom
-from gpt2train.files import Halt
+from gpt2train.devices import (
+    autocast,
+    device_type,
+    is_compile_error,
+    is_oom,
+    make_compile_deterministic,
+    rng_state,
+    set_rng_state,
+)
+from gpt2train.files import Halt, first_line
 from gpt2train.memory import free_cached_memory, smaller_micro_batch
+from gpt2train.parallel import keeps_grads
 
 
 def to_device(tensors, device):
@@ -41,22 +52,15 @@ def set_grad_sync(model, enabled):
 
 def forward_backward(model, loader, rows, scaler, env, step=0):
     """Gradients of one optimizer step: `rows` sequences per rank, loader.B (the live micro-batch) at a time;
-    returns micro_batches()'s (loss sum, counts). On an out-of-memory in a single process: the micro-batch halves
-    for the rest of the run (the largest divisor of rows at most half), the partial step's gradients are dropped,
-    the loader rewinds to the step's start and the same step re-runs on the same data. Under torchrun, or at
+    returns micro_batches()'s (loss sum, counts). On an out-of-memory in a single process (halving): the micro-batch
+    halves for the rest of the run (the largest divisor of rows at most half), the partial step's gradients are
+    dropped, the loader rewinds to the step's start and the same step re-runs on the same data. Under torchrun, or at
     micro-batch 1, an out-of-memory is a Halt naming settings that would help (ranks cannot switch together: the
     others may be waiting in a gradient all-reduce). `step`: the step done so far, for the messages."""
     start = loader.state_dict()
-    while True:
-        b = loader.B
-        try:
-            return micro_batches(model, loader, rows // b, scaler, env)
-        except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled
-            if not is_oom(e):
-                raise
-        smaller = halve_or_halt(rows, b, env, f"step {step + 1}")
+
+    def recover(b, smaller):
         model.zero_grad(set_to_none=True)  # the partial step's gradients; the scaler has not stepped yet
-        free_cached_memory(env.device)
         loader.load_state_dict(start)
         loader.set_batch_size(smaller)
         log(
@@ -64,14 +68,35 @@ def forward_backward(model, loader, rows, scaler, env, step=0):
             f"{rows // smaller} accumulation steps (batch_size={smaller} from now on)"
         )
 
+    run = lambda b: micro_batches(model, loader, rows // b, scaler, env)  # noqa: E731
+    return halving(run, recover, rows, loader.B, env, f"step {step + 1}")
 
-def halve_or_halt(rows, b, env, what, halvable=True):
+
+def halving(attempt, recover, rows, b, env, what):
+    """The one out-of-memory loop of a run: attempt(b), and after an out-of-memory recover(b, smaller) (drop what the
+    attempt left, say so, take the new micro-batch) and attempt(smaller), with smaller the largest divisor of rows
+    (sequences per rank per step) at most half of b; returns what attempt returned. The step, validation and the
+    compile trial run through it. Under torchrun, or at micro-batch 1, a Halt instead (halve_or_halt)."""
+    while True:
+        try:
+            return attempt(b)
+        except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled
+            if not is_oom(e):
+                raise
+        # outside the except block from here: the failed attempt's tensors are freed
+        smaller = halve_or_halt(rows, b, env, what)
+        recover(b, smaller)
+        free_cached_memory(env.device)
+        b = smaller
+
+
+def halve_or_halt(rows, b, env, what):
     """After an out-of-memory at micro-batch b: the micro-batch to go on at, the largest divisor of rows (sequences
-    per rank per step) at most half of b. Under torchrun, at micro-batch 1, or where the caller cannot change the
-    micro-batch (halvable False), a Halt naming settings that would help instead (ranks cannot change micro-batch
-    together: the others may be waiting in a collective). `what` starts the message ('step 3')."""
+    per rank per step) at most half of b. Under torchrun or at micro-batch 1 a Halt naming settings that would help
+    instead (ranks cannot change micro-batch together: the others may be waiting in a collective). `what` starts the
+    message ('step 3')."""
     smaller = smaller_micro_batch(rows, b)
-    if env.distributed or not halvable or smaller is None:
+    if env.distributed or smaller is None:
         hint = f"batch_size={smaller} with {rows // smaller} accumulation steps, " if smaller else ""
         torchrun = (
             " under torchrun (ranks cannot change micro-batch together mid-run)" if smaller and env.distributed else ""
@@ -141,23 +166,68 @@ def clip_gradients(model, max_norm):
 
 def in_micro_batches(run, rows, micro, env, what):
     """Validation's rows: run(a, b) over rows [0, rows) `micro` at a time (micro divides rows); an out-of-memory
-    halves micro (the largest divisor of rows at most half) and retries that slice; under torchrun, or at
-    micro-batch 1, a Halt. `what` starts the messages ('step 100')."""
+    halves micro (halving) and retries that slice; under torchrun, or at micro-batch 1, a Halt. `what` starts the
+    messages ('step 100')."""
     at = 0
+
+    def attempt(b):  # the slice from row `at`; returns the micro-batch it ran at
+        run(at, at + b)
+        return b
+
+    def recover(b, smaller):
+        log(f"{what}: out of memory in validation at micro-batch {b}: evaluating at {smaller}")
+
     while at < rows:
+        micro = halving(attempt, recover, rows, micro, env, f"{what}, validation")
+        at += micro
+
+
+def compile_works(compiled, cfg, env, loader):
+    """The compile trial, before step 1: run parallelize()'s compiled model once as training and once as evaluation,
+    leaving weights, gradients and RNGs as they were; False (with a note) on a compile error, where the run goes on
+    eagerly (parallel.after_compile_trial). Any other error but an out-of-memory propagates. The trial's calls are
+    the loop's (distinct inputs and targets: dynamo guards on `idx is targets`), so the graphs compiled here are the
+    ones the steps and evaluations run, not compiled a second time. An out-of-memory is not a compile error: the
+    loader's micro-batch halves as a step's does (halving) and the trial runs again, compiled afresh at the new size
+    (the loop then runs that graph, never one compiled for two sizes)."""
+    log("compiling the model (torch.compile): the first step waits for it; compile=False skips it")
+    make_compile_deterministic(env.device)  # graphs are built by the calls below
+    rngs = rng_state()
+
+    def attempt(b):  # the compile error's first line, or None
         try:
-            run(at, at + micro)
-            at += micro
-            continue
-        except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled
-            if not is_oom(e):
+            trial(compiled, b, cfg, env)
+        except Exception as e:  # noqa: BLE001 -- a compile error is an answer; the rest propagates
+            if not is_compile_error(e):
                 raise
-        smaller = smaller_micro_batch(rows, micro)
-        if env.distributed or smaller is None:
-            raise Halt(
-                f"{what}: out of memory in validation at micro-batch {micro}; try a smaller batch_size, or eval_steps",
-                "oom",
-            )
-        log(f"{what}: out of memory in validation at micro-batch {micro}: evaluating at {smaller}")
-        micro = smaller
-        free_cached_memory(env.device)
+            return first_line(e)
+        finally:
+            compiled.train()
+            compiled.zero_grad(set_to_none=not keeps_grads(compiled))
+            set_rng_state(rngs)
+        return None
+
+    def recover(b, smaller):
+        torch._dynamo.reset()  # else the next size is compiled as a dynamic-shape graph
+        log(
+            f"the torch.compile trial: out of memory at micro-batch {b}: trying micro-batch {smaller} "
+            f"(batch_size={smaller} from now on)"
+        )
+        loader.set_batch_size(smaller)
+
+    rows = cfg.batch_size * batch_layout(cfg, env.world_size)[1]  # sequences per rank per step
+    error = halving(attempt, recover, rows, loader.B, env, "the torch.compile trial")
+    if error is not None:
+        log(f"torch.compile failed ({error}); training eagerly (compile=False skips the attempt)")
+    return error is None
+
+
+def trial(compiled, b, cfg, env):
+    """The compile trial's calls: a training forward+backward at micro-batch b, and an evaluation forward."""
+    x, y = (torch.zeros(b, cfg.block_size, dtype=torch.long, device=env.device) for _ in range(2))
+    with autocast(env.device, env.dtype):
+        compiled(x, y, return_logits=False)[1].backward()
+        if cfg.eval_interval > 0:  # evaluation compiles a graph of its own
+            compiled.eval()
+            with torch.no_grad():
+                compiled(x, y, return_logits=False)

@@ -2,6 +2,7 @@
 to the device. Sharded and DDP training end to end are in test_fsdp.py and test_train.py."""
 
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -85,7 +86,7 @@ def test_out_of_memory_in_the_compile_trial_under_torchrun_is_a_one_line_halt(mo
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with pytest.raises(Halt) as halt:
-            parallel.parallelize(GPT(model_config(cfg)), cfg, env)
+            compiled_by_trial(GPT(model_config(cfg)), cfg, env)
     finally:
         dist.destroy_process_group()
     assert str(halt.value) == (
@@ -93,6 +94,13 @@ def test_out_of_memory_in_the_compile_trial_under_torchrun_is_a_one_line_halt(mo
         "together mid-run); try batch_size=2 with 4 accumulation steps, activation_checkpointing=True, "
         "parallel='fsdp' or a smaller block_size"
     )
+
+
+def compiled_by_trial(model, cfg, env):
+    """What run() makes of the bare model: parallelize(), then the compile trial at micro-batch cfg.batch_size."""
+    compiled = parallel.parallelize(model, cfg, env)
+    loader = SimpleNamespace(B=cfg.batch_size, set_batch_size=None)  # a trial that must halve it fails
+    return parallel.after_compile_trial(compiled, step.compile_works(compiled, cfg, env, loader))
 
 
 @pytest.fixture
@@ -119,6 +127,6 @@ def test_a_compiled_cpu_run_adds_no_gradient_with_atomic_adds(process_modes, mon
         dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64, batch_size=2, compile=True, eval_interval=0)
     )
     env = parallel.Env(0, 0, 1, False, "cpu", "bfloat16")
-    model, code = run_and_get_code(parallel.parallelize, GPT(model_config(cfg)), cfg, env)
+    model, code = run_and_get_code(compiled_by_trial, GPT(model_config(cfg)), cfg, env)
     assert parallel.is_compiled(model) and code
     assert not [c for c in code if "atomic_add" in c]
