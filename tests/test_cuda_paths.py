@@ -6,13 +6,14 @@ newer than the torch floor (devices.MIN_TORCH), each gated: tested by deleting t
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from bench import gpu
-from gpt2train import devices, memory, parallel
+from gpt2train import devices, memory, parallel, step
 from gpt2train.checkpoint import load_checkpoint
 from gpt2train.config import ConfigError, make_config, model_config, parse_args
 from gpt2train.devices import peak_flops
@@ -111,8 +112,10 @@ def test_fsdp_compile_failure_on_a_torch_without_reset_iter_state_is_a_one_line_
         }
     )
     env = parallel.Env(0, 0, 1, True, "cpu", "float32", "fsdp", (1,))
+    model = parallel.shard(GPT(model_config(cfg)), cfg, env)
+    loader = SimpleNamespace(B=1)
     with pytest.raises(ConfigError) as error:
-        parallel.shard(GPT(model_config(cfg)), cfg, env)
+        parallel.after_compile_trial(model, step.compile_works(model, cfg, env, loader))
     assert str(error.value) == (
         f"torch {torch.__version__} cannot recover FSDP from the failed torch.compile trial "
         "(no FSDPModule.reset_iter_state): set compile=False, or upgrade torch"
