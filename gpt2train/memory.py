@@ -512,11 +512,11 @@ NCCL_RESERVE = GiB
 
 
 # batch_size='auto' probes the eager bare model while the run trains compiled: held aside for what compile adds,
-# this share of the plan's activations. Measured (gpu-review-4, E1: Inductor's CPU backend, GPT-2 124M's shape,
-# bf16 autocast): the compiled graph saves 332.2 MiB per 1024 tokens for the backward against eager's 330.7 (+0.5%,
-# here rounded up to 1%), and peaks lower at one loss chunk. Left out: the compiled chunked loss keeping every chunk's
-# (vocab x n_embd) weight-gradient product alive until the loss ends (review D4), which its fix removes; if a
-# compiled step still does not fit, the compile trial halves the micro-batch (one process: step.compile_works).
+# this share of the plan's activations. Measured on Inductor's CPU backend at GPT-2 124M's shape, bf16 autocast: the
+# compiled graph saves 332.2 MiB per 1024 tokens for the backward against eager's 330.7 (+0.5%, here rounded up to
+# 1%), and peaks lower at one loss chunk (the loss is a custom op, so the compiled graph no longer keeps every chunk's
+# (vocab x n_embd) weight-gradient product alive until the loss ends); if a compiled step still does not fit, the
+# compile trial halves the micro-batch (one process: step.compile_works).
 COMPILE_RESERVE_FRACTION = 0.01
 
 
