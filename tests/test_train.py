@@ -227,7 +227,7 @@ def test_the_compile_trial_says_so_and_calls_the_model_as_the_loop_does(data_dir
 def test_out_of_memory_under_compile_is_not_called_a_compile_failure(data_dir, tmp_path, monkeypatch, capsys):
     """Out of memory in the compile trial at every micro-batch: halved down to 1 (as a step does), then one line."""
     fake_compile(monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"))
-    expect_exit(1, run, data_dir, tmp_path, "--max_steps=4", "--compile=True")
+    expect_exit(4, run, data_dir, tmp_path, "--max_steps=4", "--compile=True")
     out, err = capsys.readouterr()
     assert "torch.compile failed" not in out and "Traceback" not in err
     assert "the torch.compile trial: out of memory at micro-batch 2: trying micro-batch 1" in out
