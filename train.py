@@ -450,13 +450,6 @@ def run(user, argv=()):
     except KeyboardInterrupt:  # a second Ctrl-C: at once, even in the middle of a save
         status = "interrupted"
         raise KeyboardInterrupt(resume_hint(out_dir)) from None
-    except Exception as e:  # an out-of-memory where no micro-batch can halve (the optimizer step): one line, exit 4
-        if not is_oom(e):
-            raise
-        status = "oom"
-        raise Halt(
-            f"step {progress.step + 1}: out of memory ({first_line(e)}); {resume_hint(out_dir)}", "oom"
-        ) from None
     except ShardError as e:  # a shard changed under the run: first keep the steps done since the last save
         # in a single process only: under torchrun the other ranks would wait in a collective
         if not env.distributed and progress.step > saved_step:
@@ -466,6 +459,13 @@ def run(user, argv=()):
                 budget.fix()
             checkpointer.save(progress)
         raise ShardError(f"{e}; {resume_hint(out_dir)}") from None
+    except Exception as e:  # an out-of-memory where no micro-batch can halve (the optimizer step): one line, exit 4
+        if not is_oom(e):
+            raise
+        status = "oom"
+        raise Halt(
+            f"step {progress.step + 1}: out of memory ({first_line(e)}); {resume_hint(out_dir)}", "oom"
+        ) from None
     finally:
         bar.close()
         for s, handler in old_handlers.items():
