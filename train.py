@@ -442,6 +442,11 @@ def run(user, argv=()):
                 bar.total = cfg.max_steps
             report_step(step_record(stats, train_loader, total_batch_size, raw_model, peak, env), tracker, bar, cfg)
             final_loss = stats.train_loss
+        if stopping:  # said before the summary: the result stays the last line
+            log(
+                f"stopped by {signal.Signals(stop.signal).name if stop.signal else 'a signal on another rank'} at "
+                f"step {progress.step}; continue with --init_from=resume"
+            )
         # a run that ends on a non-finite loss (the guard off: max_skipped_steps=0) diverged too
         status = "interrupted" if stopping else "ok" if final_loss is None or math.isfinite(final_loss) else "diverged"
     except Halt as e:
@@ -476,11 +481,6 @@ def run(user, argv=()):
             log(summary)
         if cfg.ledger and tracker.result is not None:  # rank 0
             append_ledger(cfg.ledger, tracker.result, argv, out_dir)
-    if stopping:
-        log(
-            f"stopped by {signal.Signals(stop.signal).name if stop.signal else 'a signal on another rank'} at step "
-            f"{progress.step}; continue with --init_from=resume"
-        )
     if env.distributed:  # no rank tears its process group down (main) while rank 0 still writes
         dist.barrier()
     return EXIT_CODES[status]
