@@ -52,6 +52,8 @@ def prepare_command(data_dir):
     """The command that writes shards to data_dir, quoted for a message: a preset's when data_dir is named after
     one, else the one for your own files, and its form for conversations (SFT data)."""
     data_dir = Path(data_dir)
+    if any(c in data_dir.name for c in "*?["):  # a glob of shards: they are prepared into its directory
+        data_dir = data_dir.parent
     if data_dir.name in PRESETS:
         default = Path("data") / data_dir.name
         return f"`python prepare_data.py --dataset {data_dir.name}" + (
