@@ -262,6 +262,19 @@ def test_a_resume_with_other_weights_continues_each_source_where_it_was(tmp_path
         DataLoader(a, "train", 8, T, seed=3).load_state_dict(after.state_dict())
 
 
+def test_a_val_split_of_end_of_text_tokens_only_has_a_loss_but_no_bits_per_byte(tmp_path):
+    eot, other = numbered_source(tmp_path / "eot", 0), numbered_source(tmp_path / "other", 100)
+    write_shard(eot / "n_val_000000.bin", np.full(T * 20 + 1, 50256))  # targets that decode to 0 bytes
+    write_shard(other / "n_val_000000.bin", 100 + np.arange(T * 20 + 1))
+    for data_dir, out in ((eot, "one"), (f"{eot}:0.5,{other}:0.5", "mix")):
+        args = [f"--data_dir={data_dir}", f"--out_dir={tmp_path / out}", "--max_steps=1", "--eval_interval=1"]
+        assert train.main([*TINY, *args, "--eval_steps=1"]) == 0
+    one = [m for m in metrics(tmp_path / "one") if "val_loss" in m]
+    mix = [m for m in metrics(tmp_path / "mix") if "val_loss" in m]
+    assert len(one) == len(mix) == 2 and not any("val_bpb" in m for m in one)
+    assert all({"val_bpb", "val/eot_loss", "val/other_bpb"} <= set(m) and "val/eot_bpb" not in m for m in mix)
+
+
 def test_sources_tokenized_with_two_tokenizers_are_one_line(sources, tmp_path, capsys):
     gpt2 = prepare(tmp_path / "gpt2", documents(40, seed=3), "gpt2")
     with pytest.raises(SystemExit) as exit_:
