@@ -115,7 +115,10 @@ def _jsonl_documents(path, text_key):
                 raise PrepError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict) or text_key not in row:
                 raise PrepError(f"{path}:{lineno}: no {text_key!r} field (choose it with --text_key)")
-            yield row[text_key]
+            text = row[text_key]
+            if text is not None and not isinstance(text, str):
+                raise PrepError(f"{path}:{lineno}: {text_key!r} is a {type(text).__name__}, not a string")
+            yield text
 
 
 def _parquet_documents(path, text_key):

@@ -4,6 +4,7 @@ example; ranks add up."""
 
 import json
 import math
+import os
 import sys
 import tracemalloc
 from pathlib import Path
@@ -856,3 +857,46 @@ def test_bpb_files_that_are_not_text_or_jsonl_are_one_line_errors_before_any_mod
     (tmp_path / "rows.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
     err = one_line_error(capsys, ["--init_from", str(hf_dir), "--bpb", str(tmp_path / "rows.jsonl")], monkeypatch)
     assert "rows.jsonl:2: no 'text' field" in err
+
+
+def test_bpb_says_what_a_path_is_when_it_is_not_a_text_file(hf_dir, tmp_path, capsys, monkeypatch):
+    (tmp_path / "adir.txt").mkdir()
+    os.mkfifo(tmp_path / "fifo.txt")
+    (tmp_path / "zero.txt").symlink_to("/dev/zero")
+    for name, said in [
+        ("adir.txt", "is a directory, where a text file is expected"),
+        ("fifo.txt", "not a regular file (a FIFO, device or socket)"),
+        ("zero.txt", "not a regular file (a FIFO, device or socket)"),
+        ("nope.txt", "no such file"),
+    ]:
+        err = one_line_error(capsys, ["--init_from", str(hf_dir), "--bpb", str(tmp_path / name)], monkeypatch)
+        assert f"{tmp_path / name}: {said}" in err
+
+
+def test_bpb_text_that_is_not_a_string_is_one_line_naming_the_line_before_any_model(
+    hf_dir, tmp_path, capsys, monkeypatch
+):
+    for value in (5, ["a", "b"], {"text": "nested"}):
+        (tmp_path / "rows.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": value}) + "\n")
+        err = one_line_error(capsys, ["--init_from", str(hf_dir), "--bpb", str(tmp_path / "rows.jsonl")], monkeypatch)
+        assert f"rows.jsonl:2: 'text' is a {type(value).__name__}, not a string" in err
+
+
+def test_bpb_reads_a_null_text_as_empty_and_a_lone_surrogate_as_a_replacement_character(own_hf_dir, tmp_path, capsys):
+    (tmp_path / "rows.jsonl").write_text('{"text": null}\n{"text": "a\\ud800b"}\n')
+    assert evaluate.main(["--init_from", str(own_hf_dir), "--bpb", str(tmp_path / "rows.jsonl"), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert printed["documents"] == 2 and printed["bytes"] == len("a\ufffdb".encode("utf-8"))
+
+
+def test_bpb_json_of_a_model_with_non_finite_weights_is_strict_json_with_nulls(tmp_path, capsys):
+    model = GPT(GPTConfig(block_size=BLOCK_SIZE, vocab_size=50257, n_layer=1, n_head=2, n_embd=32))
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("nan")
+    save_pretrained(model, tmp_path / "nan")
+    (tmp_path / "short.txt").write_text(BPB_DOCS[3])
+    assert evaluate.main(["--init_from", str(tmp_path / "nan"), "--bpb", str(tmp_path / "short.txt"), "--json"]) == 0
+    out, err = capsys.readouterr()
+    printed = json.loads(out.splitlines()[-1], parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    assert printed["bpb"] is None and printed["nats"] is None and printed["bytes"] == len(BPB_DOCS[3])
+    assert "note: the model's log-likelihoods are not finite (NaN or inf)" in err
