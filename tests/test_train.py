@@ -687,6 +687,17 @@ def test_resume_falls_back_past_a_damaged_checkpoint(data_dir, tmp_path, capsys,
     assert load_checkpoint(newest)["step"] == 8  # rewritten, and verifies
 
 
+def test_a_resume_where_no_checkpoint_verifies_is_refused_never_a_fresh_start(data_dir, tmp_path, capsys):
+    assert run(data_dir, tmp_path, "--max_steps=8") == 0  # checkpoints at 4 and 8
+    for step in (4, 8):
+        damage_tensor_data(tmp_path / f"ckpt_{step:06d}.pt")
+    steps_logged = len(metrics(tmp_path))
+    capsys.readouterr()
+    expect_exit(1, train.main, ["--init_from=resume", f"--out_dir={tmp_path}", "--max_steps=12"])
+    assert "none of its 2 checkpoints loads" in one_line_error(capsys)
+    assert len(metrics(tmp_path)) == steps_logged  # nothing trained, nothing logged: no run from random weights
+
+
 def test_disk_full_at_a_save_is_one_line_and_the_run_resumes(data_dir, tmp_path, monkeypatch, capsys):
     real = checkpoint.shutil.disk_usage
     saves = []
