@@ -29,11 +29,19 @@ $(VENV)/.dev-installed: $(VENV)/.installed requirements-dev.txt
 	$(PIP) -r requirements-dev.txt
 	@touch $@
 
+# A second `make demo` starts over: the earlier demo run is kept as out/shakespeare.prev (the one before it goes)
 demo: $(VENV)/.installed
 	$(PY) prepare_data.py --dataset shakespeare --out_dir data/shakespeare
+	@if [ -d out/shakespeare ]; then rm -rf out/shakespeare.prev && mv out/shakespeare out/shakespeare.prev && \
+		echo "make demo: starting over; the earlier demo run is now out/shakespeare.prev"; fi
 	$(PY) train.py configs/shakespeare_cpu.py
 	$(PY) sample.py --ckpt out/shakespeare --prompt "ROMEO:" --max_new_tokens 200
 	@echo "next, in each new shell: source $(VENV)/bin/activate (then README.md's python/torchrun commands work)"
+	@echo "your own text (docs/data.md): make venv (adds tokenizers, matplotlib, transformers), then"
+	@echo "  python tokenizer.py --input YOUR_FILES --vocab_size 8192 --out tok/mine"
+	@echo "  python prepare_data.py --input YOUR_FILES --tokenizer tok/mine --out_dir data/mine"
+	@echo "  python train.py configs/shakespeare_cpu.py --data_dir=data/mine --out_dir=out/mine"
+	@echo "  python sample.py --ckpt out/mine"
 
 # docs/sft.md#the-chat-demo; chat interactively afterwards: .venv/bin/python sample.py --ckpt out/chat_demo --chat
 chat-demo: $(VENV)/.installed

@@ -20,6 +20,7 @@ different tokenizers compare on the same text.
 import argparse
 import importlib.util
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -27,9 +28,12 @@ from pathlib import Path
 import torch
 
 from gpt2train import tasks
+from gpt2train.bpe import replace_surrogates
+from gpt2train.console import log
 from gpt2train.documents import PrepError, file_documents
 from gpt2train.files import atomic_write, check_writable, report_error
 from gpt2train.scoring import Suite, bits_per_byte
+from gpt2train.tracking import json_safe
 
 BPB_PROTOCOL = (
     "a .txt file is one document, a .jsonl file's `text` fields are documents; each document is scored alone as "
@@ -165,8 +169,10 @@ def main(argv=None):
             f"{result['bytes']:,} bytes, {result['tokens']:,} tokens ({result['bytes'] / result['tokens']:.3f} "
             f"bytes/token), {result['nats'] / result['tokens']:.4f} nats/token ({device}, {dtype})"
         )
+        if not math.isfinite(result["nats"]):
+            log("the model's log-likelihoods are not finite (NaN or inf): its weights are not, or overflow", note=True)
         if args.json:
-            print(json.dumps({**result, "files": args.bpb}))
+            print(json.dumps(strict({**result, "files": args.bpb})))
         return 0
     try:  # bad input is one line on stderr and exit status 2, all checked before a model is loaded
         names = tasks.parse_tasks(args.tasks)
@@ -216,21 +222,34 @@ def main(argv=None):
         f"({n / elapsed:.1f} examples/s, {device}, {dtype})"
     )
     if args.json:
-        print(json.dumps({k: v for k, v in result.items() if k != "preds"}))
+        print(json.dumps(strict({k: v for k, v in result.items() if k != "preds"})))
     return 0
 
 
+def strict(value):
+    """value with each non-finite float as None, for --json: JSON has no NaN (train.py's result line does alike)."""
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [strict(v) for v in value]
+    return json_safe(value)
+
+
 def read_documents(paths, limit=None):
-    """The documents of --bpb's files (BPB_PROTOCOL), the first `limit` of them; ValueError (one line naming the
-    file) for another kind of file or one that cannot be read."""
+    """The documents of --bpb's files (BPB_PROTOCOL), the first `limit` of them (a null `text` is an empty one,
+    lone surrogates U+FFFD, as prepare_data.py reads them); ValueError (one line naming the file, and the line of
+    a jsonl) for another kind of file, a `text` that is not a string, or a file that cannot be read."""
     docs = []
     for path in map(Path, paths):
         if path.suffix not in (".txt", ".jsonl"):
             raise ValueError(f"{path}: --bpb reads .txt files (one document) and .jsonl files (a 'text' field a line)")
+        if path.is_dir():
+            raise ValueError(f"{path}: is a directory, where a text file is expected")
         if not path.is_file():
-            raise ValueError(f"{path}: no such file")
+            kind = "not a regular file (a FIFO, device or socket)" if path.exists() else "no such file"
+            raise ValueError(f"{path}: {kind}")
         try:
-            docs += file_documents([path], "text")
+            docs += (replace_surrogates(doc or "") for doc in file_documents([path], "text"))
         except PrepError as e:
             raise ValueError(str(e)) from None
     return docs[:limit]

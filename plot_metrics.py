@@ -32,6 +32,8 @@ def read_metrics(path):
             record = json.loads(line)
         except ValueError:
             continue  # a half-written last line of a killed run
+        if not isinstance(record, dict):
+            continue  # JSON, but not a record (a stray 5, null or list)
         if "train_loss" in record:
             steps.append(record)
         elif "val_loss" in record:

@@ -177,6 +177,9 @@ def main(argv=None):
         parser.error(f"--top_p must be in (0, 1], got {args.top_p}")
 
     model, enc, device, dtype = load_model_from_args(parser, args)  # fails fast, before reading stdin
+    nonfinite = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+    if nonfinite is not None:  # its logits would be too, and torch.multinomial a traceback
+        parser.exit(2, f"{parser.prog}: error: the model's weights are not finite ({nonfinite} holds NaN or inf)\n")
     try:
         prompt = read_prompt(args.prompt)
     except (OSError, UnicodeDecodeError) as e:

@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -168,6 +168,40 @@ def get_lr(step, cfg):
         return cfg.learning_rate
     progress = (step - decay_start) / max(1, decay_steps - decay_start)
     return cfg.learning_rate + progress * (cfg.min_lr - cfg.learning_rate)
+
+
+SCHEDULE_KEYS = (
+    "learning_rate",
+    "min_lr",
+    "warmup_steps",
+    "max_steps",
+    "lr_decay_steps",
+    "lr_schedule",
+    "wsd_decay_frac",
+)
+
+
+def schedule_note(cfg, saved, step):
+    """One note when a resume's settings (saved: the checkpoint's config) give its next step another learning rate
+    than the checkpoint's run would have (a new max_steps stretches the decay): which keys changed, the rate before
+    and after, and how to keep the old decay."""
+    was = replace(cfg, **{key: saved[key] for key in SCHEDULE_KEYS if key in saved})
+    before, after = get_lr(step, was), get_lr(step, cfg)
+    if before == after:
+        return
+    changed = ", ".join(
+        f"{k} {getattr(was, k)} -> {getattr(cfg, k)}" for k in SCHEDULE_KEYS if getattr(was, k) != getattr(cfg, k)
+    )
+    keep = (
+        f"; --lr_decay_steps={was.max_steps} keeps the old decay"
+        if was.max_steps != cfg.max_steps and was.lr_decay_steps is None and cfg.lr_decay_steps is None
+        else ""
+    )
+    log(
+        f"the learning-rate schedule changed since the checkpoint ({changed}): step {step + 1}'s lr is "
+        f"{after:.2e}, not {before:.2e}{keep}",
+        note=True,
+    )
 
 
 class Budget:
@@ -387,6 +421,7 @@ def run(user, argv=()):
     log(run_summary(raw_model, model, cfg, env, resumed and resumed["step"]))
     if resumed is not None:
         restore_rngs(resumed, env)
+        schedule_note(cfg, resumed["config"], resumed["step"])
     source.state = resumed = None  # free the checkpoint's copy of the weights and optimizer state
 
     stop = StopRequest()

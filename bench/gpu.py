@@ -48,6 +48,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -62,6 +63,7 @@ import torch
 
 from gpt2train.config import TrainConfig, make_config, model_config, parse_args
 from gpt2train.devices import autocast, device_type, resolve_device, resolve_dtype, use_cuda_device
+from gpt2train.files import atomic_write, error_message, report_error
 from model import GPT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -868,7 +870,7 @@ def slot(opts):
     def save():
         found["seconds"] = round(time.perf_counter() - t0, 1)
         found["rows"] = [dict(zip(("check", "result", "reference", "status"), row)) for row in report.rows]
-        (out / "slot.json").write_text(json.dumps(found, indent=1) + "\n")
+        atomic_write(out / "slot.json", json.dumps(found, indent=1) + "\n")
 
     model = opts.train_args  # gpt2_124m's config, or --tiny's model
     micro, block = (4, TINY["block_size"]) if opts.tiny else (64, 1024)
@@ -946,7 +948,10 @@ def slot_train(report, opts, tmp, data_dir, out, name, args, timeout):
         return {**kept, "timed_out_s": timeout, "steps": run_train_records(run)}
     kept.update(exit=rc, steps=records)
     if rc or not records:
-        report.add(name, f"train.py failed: {tail.strip().splitlines()[-1:] or rc} ({log})", "exit 0", "FAIL")
+        why = tail.strip().splitlines()[-1:] or rc
+        if not tail.strip() and shutil.disk_usage(out).free < 1 << 20:  # the log itself could not be written
+            why = f"{rc}; {log} is empty: no space left on its device"
+        report.add(name, f"train.py failed: {why} ({log})", "exit 0", "FAIL")
         return kept
     kept["summary"] = json.loads((run / "summary.json").read_text())
     cfg = make_config(parse_args(args))
@@ -1078,7 +1083,13 @@ def main(argv=None):
     opts = parse(sys.argv[1:] if argv is None else argv)
     device = opts.device = use_cuda_device(opts.device) if device_type(opts.device) == "cuda" else opts.device
     if opts.slot:
-        return slot(opts)
+        try:
+            return slot(opts)
+        except OSError as e:  # --out cannot be made or written: one line naming the path
+            sys.exit(error_message("bench.gpu", e))
+        except KeyboardInterrupt:  # the rows measured so far are in slot.json, written after each
+            report_error("bench.gpu", KeyboardInterrupt(f"interrupted; the rows measured are in {opts.out}/slot.json"))
+            return 130
     report = Report()
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:

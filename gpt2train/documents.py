@@ -52,6 +52,8 @@ def prepare_command(data_dir):
     """The command that writes shards to data_dir, quoted for a message: a preset's when data_dir is named after
     one, else the one for your own files, and its form for conversations (SFT data)."""
     data_dir = Path(data_dir)
+    if any(c in data_dir.name for c in "*?["):  # a glob of shards: they are prepared into its directory
+        data_dir = data_dir.parent
     if data_dir.name in PRESETS:
         default = Path("data") / data_dir.name
         return f"`python prepare_data.py --dataset {data_dir.name}" + (
@@ -113,7 +115,10 @@ def _jsonl_documents(path, text_key):
                 raise PrepError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict) or text_key not in row:
                 raise PrepError(f"{path}:{lineno}: no {text_key!r} field (choose it with --text_key)")
-            yield row[text_key]
+            text = row[text_key]
+            if text is not None and not isinstance(text, str):
+                raise PrepError(f"{path}:{lineno}: {text_key!r} is a {type(text).__name__}, not a string")
+            yield text
 
 
 def _parquet_documents(path, text_key):

@@ -79,10 +79,10 @@ class Evaluator:
 
     def validate(self, model, step, stop):
         """The val record of `step`: val_loss and val_bpb (bits per UTF-8 byte of the targets' text, val_loss's
-        nats over the same targets / ln 2 / their bytes; left out without the tokenizer). Of a mixture (data.Mixture)
-        each source's split alone, val/<name>_loss and val/<name>_bpb, and val_loss and val_bpb those of the mixture:
-        the sources' losses weighted by the mixture's weights, and the weighted nats per target over the weighted
-        bytes per target."""
+        nats over the same targets / ln 2 / their bytes; left out without the tokenizer, or where the targets decode
+        to 0 bytes). Of a mixture (data.Mixture) each source's split alone, val/<name>_loss and val/<name>_bpb, and
+        val_loss and val_bpb those of the mixture: the sources' losses weighted by the mixture's weights, and the
+        weighted nats per target over the weighted bytes per target."""
         if self.bytes is None:
             try:
                 enc = self.enc or tokenizer_from_record(self.tokenizer)
@@ -106,12 +106,14 @@ class Evaluator:
         }
         mixed = lambda per: sum(w * per(r) for w, r in zip(weights, scored.values()))  # noqa: E731
         record = {"step": step, "val_loss": mixed(lambda r: r.loss)}
-        if table is not None:  # nats per target over bytes per target, each weighted by the mixture
+        # nats per target over bytes per target, each weighted by the mixture; none where the targets are no bytes
+        # (a split of <|endoftext|> only)
+        if table is not None and mixed(lambda r: r.bytes / r.targets) > 0:
             record["val_bpb"] = mixed(lambda r: r.nats / r.targets) / math.log(2) / mixed(lambda r: r.bytes / r.targets)
         for name, r in scored.items():
             if name is not None:
                 record[f"val/{name}_loss"] = r.loss
-                if table is not None:
+                if table is not None and r.bytes > 0:
                     record[f"val/{name}_bpb"] = r.nats / math.log(2) / r.bytes
         return record
 

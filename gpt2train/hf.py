@@ -24,7 +24,8 @@ from model import GPT, GPT2_VOCAB, HUB_NAMES, TRAINING_ONLY_MODEL_KEYS, GPTConfi
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # the modern recipe's options neither GPT2LMHeadModel nor GPTNeoXForCausalLM has: what each would need
-NO_HF_EQUIVALENT = {
+NO_HF_EQUIVALENT = {  # the model's options that neither loads, each with what it is
+    "qk_norm": "neither normalises queries and keys",
     "value_embeds": "a second token embedding added to the attention values",
     "smear": "the previous token's embedding mixed into each token's",
     "bigram_embeds": "a table of hashed token pairs added before every block",
@@ -120,18 +121,15 @@ def save_pretrained(
     small for GPT-2's; `tokenizer_json`, a checkpoint's own tokenizer.json text, wins over both) and
     generation_config.json with its <|endoftext|> id as eos."""
     cfg = model.config
-    if cfg.qk_norm:
+    off = {key: GPTConfig.__dataclass_fields__[key].default for key in NO_HF_EQUIVALENT}  # False, or 0 rows
+    refused = [key for key in NO_HF_EQUIVALENT if getattr(cfg, key) != off[key]]
+    if refused:  # all of them in one line: a retraining for each would be the alternative
         raise ValueError(
-            "save_pretrained: qk_norm=True has no Hugging Face GPT-2 or GPT-NeoX equivalent "
-            "(neither normalises queries and keys); export needs qk_norm=False"
+            f"save_pretrained: {', '.join(f'{key}={getattr(cfg, key)!r}' for key in refused)} "
+            f"{'has' if len(refused) == 1 else 'have'} no Hugging Face GPT-2 or GPT-NeoX equivalent "
+            f"({'; '.join(NO_HF_EQUIVALENT[key] for key in refused)}); "
+            f"export needs {', '.join(f'{key}={off[key]!r}' for key in refused)}"
         )
-    for key, what in NO_HF_EQUIVALENT.items():
-        value, off = getattr(cfg, key), GPTConfig.__dataclass_fields__[key].default  # False, or 0 rows
-        if value != off:
-            raise ValueError(
-                f"save_pretrained: {key}={value!r} has no Hugging Face GPT-2 or GPT-NeoX equivalent ({what}); "
-                f"export needs {key}={off!r}"
-            )
     if cfg.rotary_pct is None and cfg.parallel_residual:
         raise ValueError(
             "save_pretrained: parallel_residual=True with learned positions (rotary_pct=None) "

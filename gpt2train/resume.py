@@ -164,13 +164,14 @@ def data_manifests(data_dir):
     try:
         return read_manifests(data_dir)
     except NoShardsError as e:
-        path = Path(data_dir)
+        missing = e.data_dir or data_dir  # of a mixture, the source that is missing
+        path = Path(missing)
         near = (
             [] if path.exists() or not path.parent.is_dir() else [p.name for p in path.parent.iterdir() if p.is_dir()]
         )
         close = difflib.get_close_matches(path.name, near, n=1)
         hint = f" (did you mean '{path.parent / close[0]}'?)" if close else ""
-        raise NoShardsError(f"{e}{hint}; prepare it with {prepare_command(data_dir)}") from None
+        raise NoShardsError(f"{e}{hint}; prepare it with {prepare_command(missing)}", missing) from None
 
 
 def pretrained_tokenizer(init_from):

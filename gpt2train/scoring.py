@@ -20,7 +20,9 @@ one process's; a stop request between batches abandons the evaluation on every r
 """
 
 import math
+import re
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -30,6 +32,9 @@ from gpt2train.console import progress_bar
 from gpt2train.devices import autocast
 
 PAD_MULTIPLE = 8  # rows are padded to a multiple of this length (aligned shapes for matmul kernels)
+# the scored positions go through lm_head and the softmax about this many logits at a time: a batch of 64 rows of
+# 128 positions is 1.6 GB of fp32 logits over GPT-2's vocabulary, and as much again for the softmax
+LOGITS_AT_ONCE = 1 << 25
 
 
 def _crop(row, row_mask, block_size):
@@ -67,11 +72,16 @@ def score_rows(model, rows, masks, device, block_size, dtype=None, n_vocab=None)
         owner.extend([r] * len(scored))
     where, targets, owner = (torch.tensor(x, dtype=torch.long) for x in (where, targets, owner))
     with autocast(device, dtype):
-        h = model.hidden_states(idx.to(device))  # (U, T, C)
-        logits = model.lm_head(h.flatten(0, 1)[where.to(device)])  # (N, V): only the scored positions
-    if n_vocab is not None:
-        logits = logits[:, :n_vocab]
-    token_loss = F.cross_entropy(logits.float(), targets.to(logits.device), reduction="none").cpu()  # (N,) fp32
+        h = model.hidden_states(idx.to(device)).flatten(0, 1)[where.to(device)]  # (N, C): only the scored positions
+    step = max(256, LOGITS_AT_ONCE // model.config.vocab_size)
+    token_loss = []
+    for i in range(0, len(where), step):
+        with autocast(device, dtype):
+            logits = model.lm_head(h[i : i + step])  # (n, V)
+        if n_vocab is not None:
+            logits = logits[:, :n_vocab]
+        token_loss.append(F.cross_entropy(logits.float(), targets[i : i + step].to(logits.device), reduction="none"))
+    token_loss = torch.cat(token_loss).cpu()  # (N,) fp32
     sum_loss = torch.zeros(len(rows)).index_add_(0, owner, token_loss)
     count = torch.zeros(len(rows)).index_add_(0, owner, torch.ones_like(token_loss))
     return sum_loss, sum_loss / count.clamp(min=1)
@@ -127,39 +137,93 @@ def score_requests(
     return -sum_loss, count
 
 
+# a document is encoded a piece of about this many characters at a time (encode_in_pieces): the tokenizers' own
+# buffers grow with the text they are given (a 200 MB document asked the Rust one for 4 GB at once)
+PIECE_CHARS = 1 << 20
+_LINE_BREAK = re.compile(r"(?<=\S)\n(?=\S)")  # a line break between two non-space characters
+_CUT_PROBES = [("Hello world.\n", "It's 2024"), ("naïve  café:\n", "日本語 42"), ("x = f(1);\n", "'tis\n\n  end")]
+
+
+def encode_in_pieces(enc, text, piece=None):
+    """enc.encode_ordinary(text) as a uint32 array, encoded about `piece` characters at a time. Each piece ends
+    at a line break between two non-space characters, which GPT-2's and tokenizer.py's pre-tokenizers never join
+    to a neighbour, so the ids are the whole text's; a tokenizer that encodes _CUT_PROBES otherwise (a prefix
+    space, say), or a text with no such break, is encoded whole."""
+    piece = piece or PIECE_CHARS
+    cuts = []
+    if len(text) > piece and all(
+        enc.encode_ordinary(a + b) == enc.encode_ordinary(a) + enc.encode_ordinary(b) for a, b in _CUT_PROBES
+    ):
+        start = 0
+        while (m := _LINE_BREAK.search(text, start + piece)) is not None:
+            cuts.append(m.end())
+            start = m.end()
+    bounds = [0, *cuts, len(text)]
+    parts = [np.asarray(enc.encode_ordinary(text[a:b]), dtype=np.uint32) for a, b in zip(bounds, bounds[1:])]
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint32)
+
+
 def bits_per_byte(model, enc, documents, device, rows_per_forward=64, dtype=None, progress=False):
     """{"bpb", "nats", "tokens", "bytes", "documents"} of `model` on texts (evaluate.py --bpb): each document
     scored alone as <|endoftext|> followed by its tokens (encode_ordinary: special-token text is text), cut into
     consecutive non-overlapping windows of at most block_size predicted tokens, each window conditioned only on its
     own tokens (the first reads the <|endoftext|>, a later one the token before its first prediction), the
-    softmax over the tokenizer's n_vocab ids (score_requests); bpb = the summed negative log-likelihood (nats) /
+    softmax over the tokenizer's n_vocab ids (score_rows); bpb = the summed negative log-likelihood (nats) /
     ln 2 / the documents' UTF-8 bytes. Every byte of the text is predicted once, whatever the tokenizer, so models
-    with different tokenizers compare on the same text."""
+    with different tokenizers compare on the same text.
+
+    In memory of the order of the text: a document's ids are one array (encode_in_pieces), and its full windows
+    are scored rows_per_forward at a time as they come; its last, shorter window waits for the end, where the
+    short ones go longest first (score_requests' batches, so the same numbers)."""
     if enc.eot_token is None:
         raise ValueError("the model's tokenizer has no <|endoftext|> to start each document with")
     if model.config.vocab_size < enc.n_vocab:
         raise ValueError(
             f"the model's vocabulary ({model.config.vocab_size} ids) cannot read its tokenizer's {enc.n_vocab}"
         )
-    T = model.config.block_size
-    requests, size, count = [], 0, 0
-    for doc in documents:
-        ids = [enc.eot_token, *enc.encode_ordinary(doc)]
-        requests += [([ids[i]], ids[i + 1 : i + T + 1]) for i in range(0, len(ids) - 1, T)]
-        size += len(doc.encode("utf-8"))
-        count += 1
+    sizes = [len(doc.encode("utf-8")) for doc in documents]
+    size = sum(sizes)
     if not size:
-        raise ValueError(f"no text to score: {count} document(s), 0 bytes")
-    log_likelihood, scored = score_requests(
-        model, requests, device, rows_per_forward, dtype, enc.n_vocab, progress=progress, desc="bits per byte"
-    )
-    nats = -float(log_likelihood.double().sum())
+        raise ValueError(f"no text to score: {len(documents)} document(s), 0 bytes")
+    T = model.config.block_size
+    losses, full, short, tokens = [], [], [], 0  # losses: each window's summed loss, in the windows' order
+
+    def score(windows):  # [(window number, ids)]
+        rows = [w.tolist() for _, w in windows]
+        s, _ = score_rows(model, rows, [[0] + [1] * (len(r) - 1) for r in rows], device, T, dtype, enc.n_vocab)
+        for (n, _), loss in zip(windows, s.tolist()):
+            losses[n] = loss
+
+    was_training = model.training
+    model.eval()
+    try:
+        with progress_bar(total=size, show=progress, desc="bits per byte", unit="B", unit_scale=True) as bar:
+            for doc, doc_bytes in zip(documents, sizes):
+                ids = np.concatenate([np.array([enc.eot_token], np.uint32), encode_in_pieces(enc, doc)])
+                for i in range(0, len(ids) - 1, T):
+                    window = ids[i : i + T + 1]
+                    if len(window) == T + 1:
+                        full.append((len(losses), window))
+                    else:
+                        short.append((len(losses), window.copy()))
+                    losses.append(0.0)
+                    tokens += len(window) - 1
+                    if len(full) == rows_per_forward:
+                        score(full)
+                        full = []
+                bar.update(doc_bytes)
+            rest = full + sorted(short, key=lambda w: -len(w[1]))
+            for i in range(0, len(rest), rows_per_forward):
+                score(rest[i : i + rows_per_forward])
+    finally:
+        model.train(was_training)
+    nats = float(torch.tensor(losses, dtype=torch.float32).double().sum())
     return {
         "bpb": nats / math.log(2) / size,
         "nats": nats,
-        "tokens": int(scored.sum()),
+        "tokens": tokens,
         "bytes": size,
-        "documents": count,
+        "documents": len(documents),
     }
 
 

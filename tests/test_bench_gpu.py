@@ -184,6 +184,43 @@ def test_the_slot_needs_a_directory_for_its_results(capsys):
     assert exit_.value.code == 2 and "--slot needs --out DIR" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("out", ["a_file", "a_file/sub"])
+def test_a_slot_out_that_cannot_be_a_directory_is_one_line_naming_it(out, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        gpu.main(["--slot", "--tiny", "--device=cpu", f"--out={tmp_path / out}"])
+    said = "is a file, where a directory is expected" if out == "a_file" else "a part of this path is a file, not a"
+    assert exit_.value.code.startswith(f"bench.gpu: error: {tmp_path / out}: {said}"), exit_.value.code
+
+
+def slot_without_runs(monkeypatch, **fakes):
+    """gpu.slot's rows with no train.py run: each row's work replaced by `fakes` (name -> function)."""
+    monkeypatch.setattr(gpu, "slot_phases", lambda *a: {})
+    for name, fake in fakes.items():
+        monkeypatch.setattr(gpu, name, fake)
+
+
+def test_a_ctrl_c_in_the_slot_is_one_line_and_exit_130_keeping_the_rows_measured(tmp_path, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    slot_without_runs(monkeypatch, slot_train=interrupted)
+    assert gpu.main(["--slot", "--tiny", "--device=cpu", f"--out={tmp_path}"]) == 130
+    err = capsys.readouterr().err
+    assert err.endswith(f"\nbench.gpu: error: interrupted; the rows measured are in {tmp_path}/slot.json\n")
+    assert "Traceback" not in err
+    assert [row["check"] for row in json.loads((tmp_path / "slot.json").read_text())["rows"]] == ["environment"]
+    assert [p.name for p in tmp_path.iterdir()] == ["slot.json"]  # written whole: no temporary file left
+
+
+def test_a_row_whose_log_found_the_disk_full_says_so(tmp_path, monkeypatch, capsys):
+    slot_without_runs(monkeypatch, run_train=lambda *a, **k: (1, "", []))
+    monkeypatch.setattr(gpu.shutil, "disk_usage", lambda path: SimpleNamespace(total=1 << 20, used=1 << 20, free=0))
+    assert gpu.main(["--slot", "--tiny", "--device=cpu", f"--out={tmp_path}"]) == 1
+    result, status = table_rows(capsys.readouterr().out)["124m eager"]
+    assert status == "FAIL" and "124m_eager.log is empty: no space left on its device" in result
+
+
 @pytest.mark.slow
 def test_the_slot_runs_offline_on_the_cpu_and_writes_one_table_and_one_json(tmp_path):
     """python -m bench.gpu --slot --tiny: every row the slot runs on a GPU, on a tiny model on the CPU, with no

@@ -4,7 +4,9 @@ example; ranks add up."""
 
 import json
 import math
+import os
 import sys
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -12,10 +14,11 @@ import torch
 import torch.nn.functional as F
 
 import evaluate
-from gpt2train import assets, tasks
+from gpt2train import assets, scoring, tasks
 from gpt2train.assets import get_tokenizer
+from gpt2train.bpe import HFTokenizer
 from gpt2train.hf import from_pretrained, save_pretrained
-from gpt2train.scoring import Suite, encode_pair
+from gpt2train.scoring import Suite, bits_per_byte, encode_in_pieces, encode_pair, score_requests
 from model import GPT, GPTConfig
 from test_hellaswag import run_two_ranks
 
@@ -792,6 +795,59 @@ def test_bpb_is_the_summed_loss_of_each_document_alone_over_its_utf8_bytes(
     assert abs(printed["bpb"] - nats / math.log(2) / size) <= 1e-4 * printed["bpb"]
 
 
+def test_bpb_scores_window_by_window_exactly_as_the_batched_scorer_did_all_windows_at_once(model):
+    enc, T = get_tokenizer(), BLOCK_SIZE
+    docs = [BPB_DOCS[0] * 3, *BPB_DOCS[1:], "Short and sweet.", BPB_DOCS[0][: 3 * T]]
+    requests = []  # every window of every document, in one call (the scorer's batches: groups, longest first)
+    for doc in docs:
+        ids = [enc.eot_token, *enc.encode_ordinary(doc)]
+        requests += [([ids[i]], ids[i + 1 : i + T + 1]) for i in range(0, len(ids) - 1, T)]
+    log_likelihood, count = score_requests(model, requests, "cpu", rows_per_forward=3, n_vocab=enc.n_vocab)
+    result = bits_per_byte(model, enc, docs, "cpu", rows_per_forward=3)
+    assert result["nats"] == -float(log_likelihood.double().sum()) and result["tokens"] == int(count.sum())
+    assert result["bpb"] == result["nats"] / math.log(2) / sum(len(d.encode("utf-8")) for d in docs)
+
+
+@pytest.mark.parametrize("which", ["gpt2", "own"])
+def test_a_long_text_is_encoded_in_pieces_cut_at_line_breaks_into_the_same_ids(
+    which, byte_level_tokenizer_json, monkeypatch
+):
+    enc = get_tokenizer() if which == "gpt2" else HFTokenizer(byte_level_tokenizer_json)
+    text = "".join(f"{d}\n{'' if i % 3 else chr(10)}" for i, d in enumerate(BPB_DOCS[::-1] * 40))  # 1 or 2 breaks
+    seen = []
+    encode = enc.encode_ordinary
+
+    def recorded(piece):
+        seen.append(len(piece))
+        return encode(piece)
+
+    monkeypatch.setattr(enc, "encode_ordinary", recorded)
+    ids = encode_in_pieces(enc, text, piece=300)
+    assert ids.tolist() == encode(text) and max(seen) < 300 + 2 * len(BPB_DOCS[0]) and len(seen) > 20
+
+
+def test_bpb_holds_a_few_bytes_a_token_not_python_lists_of_every_window(model, monkeypatch):
+    text = "".join(f"{i}: {BPB_DOCS[i % 4]}\n" for i in range(400))  # ~18k tokens
+    monkeypatch.setattr(scoring, "PIECE_CHARS", 2000)
+    bits_per_byte(model, get_tokenizer(), [text[:3000]], "cpu")  # what a first call sets up once
+    tracemalloc.start()
+    try:
+        tokens = bits_per_byte(model, get_tokenizer(), [text], "cpu")["tokens"]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 60 * tokens, peak / tokens  # the ids as uint32 and a copy, the text's bytes, a piece's list
+
+
+def test_the_scored_logits_go_through_the_softmax_a_chunk_at_a_time_alike(model, monkeypatch):
+    rows = [get_tokenizer().encode_ordinary(BPB_DOCS[0])[i : i + BLOCK_SIZE + 1] for i in (0, 40)]
+    masks = [[0] + [1] * (len(r) - 1) for r in rows]
+    whole = scoring.score_rows(model, rows, masks, "cpu", BLOCK_SIZE)
+    monkeypatch.setattr(scoring, "LOGITS_AT_ONCE", 1)  # 256 positions at a time: this batch's 192 in one, then 2
+    chunked = scoring.score_rows(model, rows * 2, masks * 2, "cpu", BLOCK_SIZE)
+    torch.testing.assert_close(chunked[0], torch.cat([whole[0], whole[0]]), rtol=1e-6, atol=0)
+
+
 def test_bpb_files_that_are_not_text_or_jsonl_are_one_line_errors_before_any_model(
     hf_dir, tmp_path, capsys, monkeypatch
 ):
@@ -801,3 +857,46 @@ def test_bpb_files_that_are_not_text_or_jsonl_are_one_line_errors_before_any_mod
     (tmp_path / "rows.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
     err = one_line_error(capsys, ["--init_from", str(hf_dir), "--bpb", str(tmp_path / "rows.jsonl")], monkeypatch)
     assert "rows.jsonl:2: no 'text' field" in err
+
+
+def test_bpb_says_what_a_path_is_when_it_is_not_a_text_file(hf_dir, tmp_path, capsys, monkeypatch):
+    (tmp_path / "adir.txt").mkdir()
+    os.mkfifo(tmp_path / "fifo.txt")
+    (tmp_path / "zero.txt").symlink_to("/dev/zero")
+    for name, said in [
+        ("adir.txt", "is a directory, where a text file is expected"),
+        ("fifo.txt", "not a regular file (a FIFO, device or socket)"),
+        ("zero.txt", "not a regular file (a FIFO, device or socket)"),
+        ("nope.txt", "no such file"),
+    ]:
+        err = one_line_error(capsys, ["--init_from", str(hf_dir), "--bpb", str(tmp_path / name)], monkeypatch)
+        assert f"{tmp_path / name}: {said}" in err
+
+
+def test_bpb_text_that_is_not_a_string_is_one_line_naming_the_line_before_any_model(
+    hf_dir, tmp_path, capsys, monkeypatch
+):
+    for value in (5, ["a", "b"], {"text": "nested"}):
+        (tmp_path / "rows.jsonl").write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": value}) + "\n")
+        err = one_line_error(capsys, ["--init_from", str(hf_dir), "--bpb", str(tmp_path / "rows.jsonl")], monkeypatch)
+        assert f"rows.jsonl:2: 'text' is a {type(value).__name__}, not a string" in err
+
+
+def test_bpb_reads_a_null_text_as_empty_and_a_lone_surrogate_as_a_replacement_character(own_hf_dir, tmp_path, capsys):
+    (tmp_path / "rows.jsonl").write_text('{"text": null}\n{"text": "a\\ud800b"}\n')
+    assert evaluate.main(["--init_from", str(own_hf_dir), "--bpb", str(tmp_path / "rows.jsonl"), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert printed["documents"] == 2 and printed["bytes"] == len("a\ufffdb".encode("utf-8"))
+
+
+def test_bpb_json_of_a_model_with_non_finite_weights_is_strict_json_with_nulls(tmp_path, capsys):
+    model = GPT(GPTConfig(block_size=BLOCK_SIZE, vocab_size=50257, n_layer=1, n_head=2, n_embd=32))
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("nan")
+    save_pretrained(model, tmp_path / "nan")
+    (tmp_path / "short.txt").write_text(BPB_DOCS[3])
+    assert evaluate.main(["--init_from", str(tmp_path / "nan"), "--bpb", str(tmp_path / "short.txt"), "--json"]) == 0
+    out, err = capsys.readouterr()
+    printed = json.loads(out.splitlines()[-1], parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    assert printed["bpb"] is None and printed["nats"] is None and printed["bytes"] == len(BPB_DOCS[3])
+    assert "note: the model's log-likelihoods are not finite (NaN or inf)" in err

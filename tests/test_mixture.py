@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,39 @@ def test_a_mixture_is_path_weight_pairs_on_the_command_line_or_a_dict_in_a_confi
     ]:
         with pytest.raises(ConfigError, match=f"^config key 'data_dir': .*{message}"):
             make_config({"data_dir": bad})
+
+
+def test_a_directory_whose_name_holds_a_colon_or_a_comma_is_that_one_directory(tmp_path):
+    numbered_source(tmp_path / "run", 0)  # the sibling that `run:1` read as a mixture would train on
+    for name in ("run:1", "2026-11-28T10:30", "a:1,b:1"):
+        directory = numbered_source(tmp_path / name, 5000)
+        assert parse_mixture(str(directory)) is None and make_config({"data_dir": str(directory)})
+        assert DataLoader(directory, "train", 2, T, shuffle=False).next_batch()[0][0, 0] == 5000
+    numbered_source(tmp_path / "x:2", 0)
+    assert parse_mixture(f"{tmp_path}/x:2/n_*") is None  # a glob that matches shards, as written
+    assert parse_mixture(f"{tmp_path}/run:1:1") == {"run:1": (f"{tmp_path}/run:1", 1.0)}  # a mixture of it
+
+
+def test_one_directory_named_twice_in_two_spellings_is_one_line(tmp_path):
+    a = numbered_source(tmp_path / "a", 0)
+    (tmp_path / "link").symlink_to(a)
+    for other in (f"{a}/", f"{tmp_path}/./a", f"{tmp_path}/link"):
+        with pytest.raises(ConfigError, match=re.escape(f"data_dir: {other} and {a} are one directory, named twice")):
+            make_config({"data_dir": f"{a}:0.5,{other}:0.5"})
+
+
+def test_weights_too_large_to_add_up_are_scaled_before_they_are_summed():
+    assert parse_mixture("a:1e308,b:1e308,c:0") == {"a": ("a", 0.5), "b": ("b", 0.5), "c": ("c", 0.0)}
+    assert parse_mixture({"a": 1.5e308, "b": 0.5e308}) == {"a": ("a", 0.75), "b": ("b", 0.25)}
+
+
+def test_a_missing_source_of_a_mixture_is_named_alone_in_the_advice(sources, tmp_path, capsys):
+    for missing in (tmp_path / "nope", sources[0] / "zzz_*"):
+        with pytest.raises(SystemExit):
+            train.main([*TINY, f"--data_dir={missing}:0.5,{sources[1]}:0.5", f"--out_dir={tmp_path / 'out'}"])
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{missing}: no " in err, err
+        assert f"--out_dir {missing if missing.name == 'nope' else sources[0]}` (conversations" in err, err
 
 
 # ----------------------------------------------------------------------------- what is drawn, and from where
@@ -219,8 +253,26 @@ def test_a_resume_with_other_weights_continues_each_source_where_it_was(tmp_path
     again.load_state_dict(after.state_dict())
     assert capsys.readouterr().err == ""
     assert [after.next_batch()[0].tolist() for _ in range(3)] == [again.next_batch()[0].tolist() for _ in range(3)]
-    with pytest.raises(ValueError, match="loader state is of a mixture, but data_dir now names one data directory"):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"one data directory (to go on with this source alone, name it as a mixture of one: data_dir='{a}:1')"
+        ),
+    ):
         DataLoader(a, "train", 8, T, seed=3).load_state_dict(after.state_dict())
+
+
+def test_a_val_split_of_end_of_text_tokens_only_has_a_loss_but_no_bits_per_byte(tmp_path):
+    eot, other = numbered_source(tmp_path / "eot", 0), numbered_source(tmp_path / "other", 100)
+    write_shard(eot / "n_val_000000.bin", np.full(T * 20 + 1, 50256))  # targets that decode to 0 bytes
+    write_shard(other / "n_val_000000.bin", 100 + np.arange(T * 20 + 1))
+    for data_dir, out in ((eot, "one"), (f"{eot}:0.5,{other}:0.5", "mix")):
+        args = [f"--data_dir={data_dir}", f"--out_dir={tmp_path / out}", "--max_steps=1", "--eval_interval=1"]
+        assert train.main([*TINY, *args, "--eval_steps=1"]) == 0
+    one = [m for m in metrics(tmp_path / "one") if "val_loss" in m]
+    mix = [m for m in metrics(tmp_path / "mix") if "val_loss" in m]
+    assert len(one) == len(mix) == 2 and not any("val_bpb" in m for m in one)
+    assert all({"val_bpb", "val/eot_loss", "val/other_bpb"} <= set(m) and "val/eot_bpb" not in m for m in mix)
 
 
 def test_sources_tokenized_with_two_tokenizers_are_one_line(sources, tmp_path, capsys):

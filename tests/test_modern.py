@@ -254,3 +254,13 @@ def test_export_refuses_what_hugging_face_cannot_load(tmp_path, option, value):
     assert f"save_pretrained: {option}={value} has no Hugging Face" in msg and "\n" not in msg
     assert msg.endswith(f"export needs {option}={type(value)()}")  # False, or 0 rows
     assert not (tmp_path / "config.json").exists()
+
+
+def test_export_of_the_whole_recipe_names_every_setting_it_needs_changed_in_one_line(tmp_path):
+    options = dict(qk_norm=True, value_embeds=True, smear=True, bigram_embeds=37)
+    with pytest.raises(ValueError) as err:
+        save_pretrained(small_gpt(**options), str(tmp_path))
+    assert str(err.value).startswith(
+        "save_pretrained: qk_norm=True, value_embeds=True, smear=True, bigram_embeds=37 have no Hugging Face GPT-2 "
+        "or GPT-NeoX equivalent (neither normalises queries and keys; a second token embedding"
+    ) and str(err.value).endswith("export needs qk_norm=False, value_embeds=False, smear=False, bigram_embeds=0")

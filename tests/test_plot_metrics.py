@@ -28,6 +28,16 @@ def test_compare_identical_runs_is_zero(tmp_path, capsys):
     assert "hellaswag_acc_norm      a 0.2600 (step 4), b 0.2600 (step 4), max |a-b| at common steps 0.0000" in printed
 
 
+def test_lines_that_are_json_but_not_records_are_skipped_like_half_written_ones(tmp_path, capsys):
+    a = write_metrics(tmp_path / "a", loop_records(0, 8))
+    b = write_metrics(tmp_path / "b", loop_records(0, 8))
+    with open(b / "metrics.jsonl", "a") as f:
+        f.write('5\nnull\n[1, 2]\n"text"\n{"step": 9, "train_lo')
+    assert plot_metrics.read_metrics(b) == plot_metrics.read_metrics(a)
+    assert plot_metrics.main(["--compare", str(a), str(b)]) == 0
+    assert "max |a-b| 0.000e+00" in capsys.readouterr().out
+
+
 def test_compare_different_runs_over_their_common_steps(tmp_path, capsys):
     a = write_metrics(tmp_path / "a", loop_records(0, 8))
     b_records = loop_records(0, 6, offset=0.5)  # shorter, and its losses 0.5 higher

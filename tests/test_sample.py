@@ -380,3 +380,25 @@ def test_a_sample_runs_on_past_endoftext_unless_stop_at_eot(enc, ckpt, capsys, m
     for flags in ([], ["--stop_at_eot"]):
         run_main(capsys, "--ckpt", str(ckpt), "--prompt", "Hi", "--device", "cpu", *flags)
     assert seen == [False, True]
+
+
+def test_a_model_with_non_finite_weights_is_a_one_line_error(model, tmp_path, capsys):
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["transformer.h.1.mlp.c_fc.weight"][0, 0] = float("nan")  # a diverged run's checkpoint
+    save_checkpoint(
+        tmp_path / "ckpt_000020.pt",
+        {
+            "model": state,
+            "model_args": asdict(model.config),
+            "config": {},
+            "step": 20,
+            "optimizer": None,
+            "scaler": None,
+            "loader": {},
+            "rng": {},
+            "val_loss": None,
+            "format": "gpt2-train-ckpt-v1",
+        },
+    )
+    err = error_of(capsys, "--ckpt", str(tmp_path))
+    assert "error: the model's weights are not finite (transformer.h.1.mlp.c_fc.weight holds NaN or inf)" in err

@@ -277,6 +277,20 @@ def test_resume_is_bit_exact(data_dir, tmp_path):
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
+def test_a_resume_that_changes_the_learning_rate_schedule_says_so_once(data_dir, tmp_path, capsys):
+    assert run(data_dir, tmp_path, "--max_steps=4", "--warmup_steps=1", "--min_lr=1e-4") == 0
+    capsys.readouterr()
+    assert train.main(["--init_from=resume", f"--out_dir={tmp_path}", "--max_steps=8"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if "learning-rate schedule" in line]
+    lr = {m["step"]: m["lr"] for m in metrics(tmp_path) if "lr" in m}
+    assert notes == [
+        f"note: the learning-rate schedule changed since the checkpoint (max_steps 4 -> 8): step 5's lr is "
+        f"{lr[5]:.2e}, not 1.00e-04; --lr_decay_steps=4 keeps the old decay"
+    ]
+    assert train.main(["--init_from=resume", f"--out_dir={tmp_path}", "--max_steps=10", "--lr_decay_steps=8"]) == 0
+    assert "learning-rate schedule" not in capsys.readouterr().err  # the same rate at step 9: no note
+
+
 def test_resume_drops_metrics_after_the_checkpoint(data_dir, tmp_path):
     out = tmp_path / "out"
     assert run(data_dir, out, "--max_steps=6") == 0  # checkpoints at 4 and 6
@@ -672,6 +686,17 @@ def test_resume_falls_back_past_a_damaged_checkpoint(data_dir, tmp_path, capsys,
     assert f"note: skipping {newest}: damaged: its sha256 is " in err
     assert train_losses(tmp_path) == losses  # resumed from step 4 and redid 5..8 exactly
     assert load_checkpoint(newest)["step"] == 8  # rewritten, and verifies
+
+
+def test_a_resume_where_no_checkpoint_verifies_is_refused_never_a_fresh_start(data_dir, tmp_path, capsys):
+    assert run(data_dir, tmp_path, "--max_steps=8") == 0  # checkpoints at 4 and 8
+    for step in (4, 8):
+        damage_tensor_data(tmp_path / f"ckpt_{step:06d}.pt")
+    steps_logged = len(metrics(tmp_path))
+    capsys.readouterr()
+    expect_exit(1, train.main, ["--init_from=resume", f"--out_dir={tmp_path}", "--max_steps=12"])
+    assert "none of its 2 checkpoints loads" in one_line_error(capsys)
+    assert len(metrics(tmp_path)) == steps_logged  # nothing trained, nothing logged: no run from random weights
 
 
 def test_disk_full_at_a_save_is_one_line_and_the_run_resumes(data_dir, tmp_path, monkeypatch, capsys):
