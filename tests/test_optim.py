@@ -2,6 +2,8 @@
 the rest as one optimizer, and the per-group learning rate. Parity with torch + transformers is in test_model.py;
 Muon runs end to end in test_modern.py."""
 
+import copy
+
 import pytest
 import torch
 
@@ -132,3 +134,99 @@ def test_grad_scaler_unscales_and_steps_both_optimizers():
     scaler.update()
     assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))  # every parameter moved
     assert len(opt.state_dict()["muon"]["state"]) == 8 and len(opt.state_dict()["adamw"]["state"]) > 0
+
+
+# ----------------------------------------------------------------------------- Muon, batched
+
+SHAPES = [(96, 32), (32, 32), (32, 128), (96, 32), (32, 32), (32, 128)]  # tall, square, wide; two of each
+
+
+def muon_pair(shapes=SHAPES, **keys):
+    """torch.optim.Muon and optim.Muon over two copies of the same matrices, with the same arguments."""
+    keys = {"lr": 0.02, "momentum": 0.9, "nesterov": True, "weight_decay": 0.0, "adjust_lr_fn": "original", **keys}
+    torch.manual_seed(0)
+    start = [torch.randn(s) * 0.02 for s in shapes]
+    theirs, ours = ([torch.nn.Parameter(w.clone()) for w in start] for _ in range(2))
+    return (theirs, torch.optim.Muon(theirs, **keys)), (ours, optim.Muon(ours, **keys))
+
+
+def step_both(pairs, step):
+    g = torch.Generator().manual_seed(step)
+    grads = [torch.randn(p.shape, generator=g) for p in pairs[0][0]]
+    for params, opt in pairs:
+        for p, grad in zip(params, grads):
+            p.grad = grad.clone()
+        opt.step()
+
+
+def worst_relative(a, b):
+    return max(((p - q).norm() / q.norm()).item() for p, q in zip(a, b))
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [{}, {"nesterov": False}, {"weight_decay": 0.1}, {"adjust_lr_fn": "match_rms_adamw", "momentum": 0.95}],
+)
+def test_batched_muon_equals_torch_muon_after_three_steps(keys):
+    pairs = muon_pair(**keys)
+    for step in range(3):
+        step_both(pairs, step)
+    (theirs, _), (ours, _) = pairs
+    assert worst_relative(ours, theirs) < 1e-4
+    assert all(not torch.equal(p, q) for p, q in zip(ours, muon_pair()[1][0]))  # every matrix moved
+
+
+def test_batched_muon_state_dict_is_torch_muons():
+    """The same param_groups keys and one 'momentum_buffer' per matrix: torch.optim.Muon's state loads into it and
+    the next steps match (a checkpoint of a run before it resumes), and its state loads into torch.optim.Muon."""
+    pairs = muon_pair()
+    step_both(pairs, 0)
+    (theirs, torch_muon), (ours, our_muon) = pairs
+    saved, mine = copy.deepcopy(torch_muon.state_dict()), our_muon.state_dict()  # as a checkpoint holds it
+    assert saved["param_groups"] == mine["param_groups"]
+    assert [sorted(s) for s in mine["state"].values()] == [["momentum_buffer"]] * len(SHAPES)
+    fresh = optim.Muon([torch.nn.Parameter(p.detach().clone()) for p in theirs])  # other defaults: the state's win
+    fresh.load_state_dict(saved)
+    resumed = [p for g in fresh.param_groups for p in g["params"]]
+    pairs = [pairs[0], (resumed, fresh)]
+    for step in (1, 2):
+        step_both(pairs, step)
+    assert worst_relative(resumed, theirs) < 1e-4
+    back = torch.optim.Muon([torch.nn.Parameter(torch.zeros(s)) for s in SHAPES])
+    back.load_state_dict(fresh.state_dict())  # and back: the state is torch's layout
+    momentum = [back.state[p]["momentum_buffer"] for p in back.param_groups[0]["params"]]
+    assert all(torch.equal(m, torch_muon.state[p]["momentum_buffer"]) for m, p in zip(momentum, theirs))
+
+
+def test_batched_muon_skips_matrices_without_a_gradient():
+    """As torch.optim.Muon: a matrix without a gradient is left alone, its momentum with it, while its shape's others
+    step."""
+    pairs = muon_pair()
+    step_both(pairs, 0)
+    for params, _ in pairs:
+        params[1].grad = None
+    for params, opt in pairs:
+        opt.step()
+    (theirs, torch_muon), (ours, our_muon) = pairs
+    assert worst_relative(ours, theirs) < 1e-4
+    assert torch.equal(our_muon.state[ours[1]]["momentum_buffer"], torch_muon.state[theirs[1]]["momentum_buffer"])
+
+
+def test_the_modern_optimizer_step_at_gpt2_124m_shapes_dispatches_few_ops():
+    """GPT-2 124M's modern recipe (48 block matrices in 4 shapes): the whole step (Muon and AdamW) dispatches at most
+    600 ops on the meta device (torch.optim.Muon's: ~1,500), a few per shape for Muon instead of ~30 per matrix."""
+    from bench.muon import dispatched_ops
+    from gpt2train.config import parse_args
+    from test_train import ROOT
+
+    cfg = make_config(parse_args([str(ROOT / "configs" / "gpt2_124m_modern.py")]))
+    with torch.device("meta"):
+        model = GPT(model_config(cfg))
+    opt = optim.build_optimizer(model, cfg)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()  # the state, made at the first step
+    ops = dispatched_ops(opt.step)
+    assert sum(ops.values()) <= 600, ops.most_common(10)
+    assert ops["aten.bmm.default"] == 4 * 5 and ops["aten.baddbmm.default"] == 4 * 5 * 2  # 4 shapes x 5 iterations
+    assert "aten.mul_.Scalar" not in ops  # muon_weight_decay = 0: no pass over the matrices
