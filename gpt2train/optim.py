@@ -9,6 +9,7 @@ matrices of GPT-2 124M are 4 shapes, so a step is a few dozen launches instead o
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 # torch.optim.Muon's defaults (Keller Jordan's Newton-Schulz coefficients, its epsilon and step count)
@@ -33,8 +34,8 @@ class Muon(torch.optim.Optimizer):
     so either loads the other's state_dict), but the matrices of one shape, dtype and device stepped as one stack:
     momentum as two lerps over the stack, Newton-Schulz as batched matmuls (bmm, baddbmm) in bf16, the update as one
     foreach add. Each matrix's momentum buffer is a view of its stack, made at the first step (and again after a
-    load_state_dict), so the state stays per matrix at no copy per step. Under DDP every rank orthogonalises every
-    matrix (its gradients are all-reduced first), as torch.optim.Muon does."""
+    load_state_dict), so the state stays per matrix at no copy per step. Under DDP the ranks share the
+    orthogonalisation (orthogonalised), where torch.optim.Muon has every rank do all of it."""
 
     def __init__(
         self,
@@ -80,6 +81,23 @@ class Muon(torch.optim.Optimizer):
                 self.step_stack(params, group)
         return loss
 
+    def load_state_dict(self, state_dict):
+        """torch.optim.Muon's state_dict (or this one's), refused in one line (ValueError) where a momentum buffer's
+        shape is not its matrix's: checkpoints written before the matrices were listed in the model's order (a set of
+        names: its order was each process's own) cannot be matched to them."""
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in enumerate(params):
+            buf = self.state[p].get("momentum_buffer")
+            if buf is not None and buf.shape != p.shape:
+                self.state.clear()
+                raise ValueError(
+                    f"Muon's saved momentum does not fit the matrices (buffer {i} is {tuple(buf.shape)}, matrix {i} "
+                    f"{tuple(p.shape)}): a checkpoint from before Muon listed its matrices in the model's order, in "
+                    "an order of its own process; resume is not possible, init_from=<the checkpoint> trains on "
+                    "from its weights with a fresh optimizer"
+                )
+
     def momentum_stack(self, params):
         """The (n, rows, cols) momentum of `params`, whose views are their state's momentum buffers."""
         key = tuple(id(p) for p in params)
@@ -101,7 +119,7 @@ class Muon(torch.optim.Optimizer):
         grad = torch.stack([p.grad for p in params])
         buf.lerp_(grad, 1 - momentum)
         update = grad.lerp_(buf, momentum) if group["nesterov"] else buf
-        ortho = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        ortho = orthogonalised(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
         if group["weight_decay"] != 0:  # torch's mul_(1 - lr * 0) is a pass over every matrix that changes nothing
             torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
         rows, cols = params[0].shape
@@ -109,6 +127,24 @@ class Muon(torch.optim.Optimizer):
             group["adjust_lr_fn"], math.sqrt(max(1, rows / cols))
         )
         torch._foreach_add_(params, ortho.to(params[0].dtype).unbind(0), alpha=-lr * scale)
+
+
+def orthogonalised(stack, *args):
+    """newton_schulz(stack, *args), the work shared among torch.distributed's ranks where there are several: under
+    DDP every rank holds the same all-reduced gradients, so the same stack; rank r orthogonalises its consecutive
+    share of the matrices (the r-th of world_size, rounded up) and all-gathers the others' shares, in bf16 (what
+    newton_schulz returns), as modded-nanogpt shares it. The same numbers as one rank's, a world_size-th the work."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world == 1:
+        return newton_schulz(stack, *args)
+    share = math.ceil(len(stack) / world)
+    first = dist.get_rank() * share
+    mine = stack.new_empty((share, *stack.shape[1:]), dtype=torch.bfloat16)  # rows past the stack: never read
+    if first < len(stack):
+        mine[: len(stack) - first] = newton_schulz(stack[first : first + share], *args)
+    everyone = mine.new_empty((share * world, *stack.shape[1:]))
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(everyone, mine)  # the new name from torch 2.13
+    return everyone[: len(stack)]
 
 
 def newton_schulz(stack, coefficients, steps, eps):
@@ -195,7 +231,7 @@ def build_optimizer(model, cfg, fused=False):
         return opt
     # adjust_lr_fn='original' (Keller Jordan's Muon): the update is scaled by sqrt(max(1, rows/cols))
     muon = Muon(
-        [params[n] for n in hidden],
+        [p for n, p in params.items() if n in hidden],  # the model's order: the same in every process and rank
         lr=cfg.muon_lr,
         momentum=cfg.muon_momentum,
         nesterov=True,

@@ -212,6 +212,30 @@ def test_batched_muon_skips_matrices_without_a_gradient():
     assert torch.equal(our_muon.state[ours[1]]["momentum_buffer"], torch_muon.state[theirs[1]]["momentum_buffer"])
 
 
+def test_batched_muon_refuses_momentum_that_does_not_fit_its_matrices_in_one_line():
+    """A checkpoint whose Muon matrices were listed in another order (before they followed the model's: each process
+    had its own) cannot be matched to the matrices: one line, not a shape error at the next step."""
+    (theirs, torch_muon), (ours, our_muon) = muon_pair()
+    for p in theirs:
+        p.grad = torch.ones_like(p)
+    torch_muon.step()
+    saved = copy.deepcopy(torch_muon.state_dict())
+    saved["state"] = {i: saved["state"][(i + 1) % len(SHAPES)] for i in saved["state"]}  # listed one place on
+    with pytest.raises(ValueError, match=r"^Muon's saved momentum does not fit the matrices \(buffer 0 is \(32, 32\)"):
+        our_muon.load_state_dict(saved)
+    assert "\n" not in str(pytest.raises(ValueError, our_muon.load_state_dict, saved).value)
+
+
+def test_muons_matrices_follow_the_models_order():
+    """Not a set's order, which differs between processes: a resumed run's momentum buffers meet their matrices, and
+    the DDP ranks that share the orthogonalisation stack the same matrices."""
+    model, opt, _ = tiny_setup()
+    hidden = set(optim.hidden_matrices(model))
+    assert [id(p) for p in opt.muon.param_groups[0]["params"]] == [
+        id(p) for n, p in model.named_parameters() if n in hidden
+    ]
+
+
 def test_the_modern_optimizer_step_at_gpt2_124m_shapes_dispatches_few_ops():
     """GPT-2 124M's modern recipe (48 block matrices in 4 shapes): the whole step (Muon and AdamW) dispatches at most
     600 ops on the meta device (torch.optim.Muon's: ~1,500), a few per shape for Muon instead of ~30 per matrix."""
@@ -230,3 +254,50 @@ def test_the_modern_optimizer_step_at_gpt2_124m_shapes_dispatches_few_ops():
     assert sum(ops.values()) <= 600, ops.most_common(10)
     assert ops["aten.bmm.default"] == 4 * 5 and ops["aten.baddbmm.default"] == 4 * 5 * 2  # 4 shapes x 5 iterations
     assert "aten.mul_.Scalar" not in ops  # muon_weight_decay = 0: no pass over the matrices
+
+
+SHARED = """
+import sys
+import torch
+import torch.distributed as dist
+from gpt2train import optim
+
+dist.init_process_group("gloo")
+done = []
+orthogonalise = optim.newton_schulz
+optim.newton_schulz = lambda stack, *args: done.append(len(stack)) or orthogonalise(stack, *args)
+params = [torch.nn.Parameter(w) for w in torch.load(sys.argv[1])]
+opt = optim.Muon(params, lr=0.02, momentum=0.9, weight_decay=0.1, adjust_lr_fn="original")
+for step in range(3):
+    for p, g in zip(params, torch.load(sys.argv[2])[step]):
+        p.grad = g.clone()
+    opt.step()
+torch.save({"params": [p.detach() for p in params], "done": done}, f"{sys.argv[3]}.{dist.get_rank()}")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_ddp_ranks_share_the_orthogonalisation_and_get_one_processs_matrices(tmp_path):
+    """3 gloo ranks with the same gradients (as DDP's all-reduce leaves them), 4 matrices of each shape: each rank
+    orthogonalises its share (2, 2, 0 of each shape) and gathers the rest, and every rank's matrices after 3 steps
+    equal one process's, bit for bit."""
+    from test_train import torchrun
+
+    shapes = SHAPES[:3] * 4
+    torch.manual_seed(0)
+    start = [torch.randn(s) * 0.02 for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(3)]
+    torch.save(start, tmp_path / "start.pt")
+    torch.save(grads, tmp_path / "grads.pt")
+    (tmp_path / "shared.py").write_text(SHARED)
+    torchrun(tmp_path / "start.pt", tmp_path / "grads.pt", tmp_path / "out", nproc=3, script=tmp_path / "shared.py")
+    alone = [torch.nn.Parameter(w.clone()) for w in start]
+    opt = optim.Muon(alone, lr=0.02, momentum=0.9, weight_decay=0.1, adjust_lr_fn="original")
+    for step in range(3):
+        for p, g in zip(alone, grads[step]):
+            p.grad = g.clone()
+        opt.step()
+    ranks = [torch.load(f"{tmp_path / 'out'}.{r}") for r in range(3)]
+    assert [r["done"] for r in ranks] == [[2, 2, 2] * 3, [2, 2, 2] * 3, []]  # 3 shapes x 3 steps; rank 2: none left
+    assert all(torch.equal(p, q) for r in ranks for p, q in zip(r["params"], alone))
