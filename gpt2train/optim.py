@@ -93,8 +93,8 @@ class Muon(torch.optim.Optimizer):
                 self.state.clear()
                 raise ValueError(
                     f"Muon's saved momentum does not fit the matrices (buffer {i} is {tuple(buf.shape)}, matrix {i} "
-                    f"{tuple(p.shape)}): a checkpoint from before Muon listed its matrices in the model's order, in "
-                    "an order of its own process; resume is not possible, init_from=<the checkpoint> trains on "
+                    f"{tuple(p.shape)}): the checkpoint lists them in another order (before they followed the "
+                    "model's, each process had its own), so it cannot resume; init_from=<the checkpoint> trains on "
                     "from its weights with a fresh optimizer"
                 )
 
