@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from gpt2train.console import distributed
+
 # torch.optim.Muon's defaults (Keller Jordan's Newton-Schulz coefficients, its epsilon and step count)
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
@@ -134,7 +136,7 @@ def orthogonalised(stack, *args):
     DDP every rank holds the same all-reduced gradients, so the same stack; rank r orthogonalises its consecutive
     share of the matrices (the r-th of world_size, rounded up) and all-gathers the others' shares, in bf16 (what
     newton_schulz returns), as modded-nanogpt shares it. The same numbers as one rank's, a world_size-th the work."""
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    world = dist.get_world_size() if distributed() else 1
     if world == 1:
         return newton_schulz(stack, *args)
     share = math.ceil(len(stack) / world)
