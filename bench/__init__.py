@@ -8,6 +8,7 @@
     python -m bench.recipes           # learning speed: the GPT-2 recipe vs configs/modern.py (steps, time to a loss)
     python -m bench.decode            # KV-cache decoding: this model.py vs one at a git revision, interleaved
     python -m bench.compiled_loss     # the chunked loss's memory and time compiled vs eager, as the chunks grow
+    python -m bench.muon              # the modern recipe's optimizer step: torch.optim.Muon vs optim.Muon (batched)
 
 They import only library modules and their public names, never train.py. A run that needs an optional
 package (transformers for `bench.scoreboard --compare`) checks it with require() before measuring anything.

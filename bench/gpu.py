@@ -4,6 +4,7 @@
     python -m bench.gpu --steps 100 --hellaswag 1000 --hellaswag_model path/to/gpt2_hf_dir
     python -m bench.gpu --device=cpu --tiny    # the same checks on a tiny model on the CPU (what CI runs)
     python -m bench.gpu --slot --out DIR       # what fits one GPU in 8 minutes, offline (docs/gpu-checklist.md)
+    python -m bench.gpu --slot --tiny --device=cpu --out DIR   # the slot's rows on a tiny model (the test suite's)
 
 It prints one table, check | result | reference or limit | status, and exits 1 if any check FAILs:
 
@@ -844,6 +845,9 @@ def check_1558m_memory(report, opts, tmp, data_dir):
 
 SLOT_SECONDS = 480  # a 15-minute GPU loan, less the machine's start and room to run it again
 GPT2_1558M = ROOT / "configs" / "gpt2_1558m.py"
+GPT2_124M_MODERN = ROOT / "configs" / "gpt2_124m_modern.py"
+MODERN = ROOT / "configs" / "modern.py"
+MUON_TOL = 1e-3  # the batched Muon's matrices after 3 steps against torch.optim.Muon's: max relative difference
 QUIET = ["--eval_interval=0", "--hellaswag_interval=0", "--sample_interval=0", "--save_interval=0"]  # no tokenizer
 # train.py as the slot runs it: without the checkpoint it writes at the last step (18.7 GB at 1.5B: a minute or more
 # of the slot's 8, and nothing it measures)
@@ -858,8 +862,10 @@ sys.exit(train.main(sys.argv[1:]))
 def slot(opts):
     """python -m bench.gpu --slot --out DIR: the rows that fit one GPU in SLOT_SECONDS of work, offline (random
     shards, no evaluation: no tokenizer and nothing to download), in this order: environment; gpt2_124m compiled
-    at micro-batch 64, 40 steps; the same eager, 6 steps; memory by phase, compiled against eager; the sync debug
-    rows; gpt2_1558m eager, micro-batch 16 x 2 accumulation steps, 3 steps. A row that would start with less
+    at micro-batch 64, 40 steps; gpt2_124m_modern (the modern recipe) the same, 20 steps; the modern recipe's
+    optimizer step, torch.optim.Muon against the batched Muon (slot_optimizer); gpt2_124m eager, 6 steps; memory
+    by phase, compiled against eager; the sync debug rows; gpt2_1558m eager, micro-batch 16 x 2 accumulation
+    steps, 3 steps. A row that would start with less
     than a minute left is skipped, and each runs under the time left. One table on stdout; DIR/slot.json holds
     everything measured (each run's per-step records and summary.json) and DIR/<row>.log each run's output, both
     written as the rows finish, so a run cut short keeps what it did. --tiny: the same rows on a tiny model on
@@ -874,6 +880,7 @@ def slot(opts):
         atomic_write(out / "slot.json", json.dumps(found, indent=1) + "\n")
 
     model = opts.train_args  # gpt2_124m's config, or --tiny's model
+    modern = [str(MODERN), *model] if opts.tiny else [str(GPT2_124M_MODERN)]
     micro, block = (4, TINY["block_size"]) if opts.tiny else (64, 1024)
     steps = (6, 4) if opts.tiny else (40, 6)
     batch = [f"--batch_size={micro}", f"--total_batch_size={micro * block}"]
@@ -882,6 +889,8 @@ def slot(opts):
         xl = [*model, "--batch_size=2", f"--total_batch_size={2 * 2 * block}"]
     rows = [  # (row, seconds it may take at most, train.py's arguments)
         ("124m compiled", 240, [*model, *batch, f"--max_steps={steps[0]}"]),
+        ("124m modern compiled", 200, [*modern, *batch, f"--max_steps={steps[0] // 2}"]),
+        ("optimizer step", None, None),
         ("124m eager", 100, [*model, *batch, f"--max_steps={steps[1]}", "--compile=False"]),
         ("memory by phase", None, None),
         ("sync debug", 300, None),
@@ -898,6 +907,8 @@ def slot(opts):
                 report.add(name, f"not started: {left:.0f} s of the slot's {SLOT_SECONDS} s left", "-", "SKIP")
             elif name == "memory by phase":
                 found[name] = slot_phases(report, opts, tmp)
+            elif name == "optimizer step":
+                found[name] = slot_optimizer(report, opts)
             elif name == "sync debug":
                 found[name] = check_sync_debug(report, opts, tmp, data_dir, timeout=min(seconds, left) / 2)
             else:
@@ -956,7 +967,8 @@ def slot_train(report, opts, tmp, data_dir, out, name, args, timeout):
         return kept
     kept["summary"] = json.loads((run / "summary.json").read_text())
     cfg = make_config(parse_args(args))
-    status, memory_result, _ = plan_vs_peaks(records, model_config(cfg), resolve_dtype(cfg.dtype, opts.device))
+    dtype = resolve_dtype(cfg.dtype, opts.device)
+    status, memory_result, _ = plan_vs_peaks(records, model_config(cfg), dtype, cfg.optimizer)
     reference = f"steps >= 3 <= {MEMORY_SLACK:.2f}x planned"
     if device_type(opts.device) != "cuda":
         status, memory_result, reference = "INFO", "not compared to the plan (a CPU's peak RSS is the process's)", "-"
@@ -967,9 +979,34 @@ def slot_train(report, opts, tmp, data_dir, out, name, args, timeout):
     )
     if name == "124m compiled" and not opts.tiny:
         reference = f"~{REFERENCE_TOKENS_PER_S / 1e3:.0f}K tokens/s; {reference}"
+    if name == "124m modern compiled" and not opts.tiny:
+        reference = f"MFU >= 40% (issue 51; review 5 estimated ~400K tokens/s); {reference}"
     finite = all(math.isfinite(r["train_loss"]) for r in records)
     report.add(name, result if finite else f"non-finite loss: {result}", reference, status if finite else "FAIL")
     return kept
+
+
+def slot_optimizer(report, opts):
+    """The modern recipe's optimizer step (Muon for the 48 block matrices, AdamW for the rest) at GPT-2 124M's size
+    (--tiny: the 48 matrices at 96 wide), torch.optim.Muon against the batched Muon (bench.muon.compare): ms per
+    step, Muon alone and whole; GPU kernels per step (CUDA; elsewhere the ops dispatched); and the matrices after
+    3 steps from the same start, which must agree within MUON_TOL."""
+    from bench.muon import compare
+
+    found = compare(opts.device, tiny=opts.tiny, reps=5 if opts.tiny else 20)
+    gc.collect()
+    if device_type(opts.device) == "cuda":
+        torch.cuda.empty_cache()  # its model and optimizers: the GPU's memory back for the rows after this one
+    parts = []
+    for name in ("torch.optim.Muon", "batched"):
+        r = found[name]
+        launches = f"{r['kernels']} kernels" if r["kernels"] is not None else f"{r['ops']} ops dispatched"
+        parts.append(f"{name} {r['muon_ms']:.2f} ms (whole step {r['whole_ms']:.2f}), {launches}")
+    diff = found["max_rel_diff"]
+    status = "PASS" if diff <= MUON_TOL else "FAIL"
+    result = "; ".join(parts) + f"; matrices after 3 steps max rel diff {diff:.1e}"
+    report.add("optimizer step", result, f"diff <= {MUON_TOL:g}; review 5: ~8-10 ms vs ~2-3.5 ms", status)
+    return found
 
 
 def slot_phases(report, opts, tmp):

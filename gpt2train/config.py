@@ -66,7 +66,7 @@ class TrainConfig(GPTConfig):
     max_skipped_steps: int = 10  # halt (exit 3) after this many consecutive skipped updates; 0: no limit
     # evaluation, logging, checkpoints (an interval of 0 disables that activity)
     eval_interval: int = 250  # steps between validation-loss evaluations (also at step 0 and the last step)
-    eval_steps: int = 20  # val micro-batches per process per evaluation (the same fixed batches every time)
+    eval_steps: int = 20  # val micro-batches per process per evaluation (the same ones; a mixture's sources share them)
     hellaswag_interval: int = 0  # steps between HellaSwag evaluations
     hellaswag_limit: int | None = None  # evaluate only the first N HellaSwag examples; None: all 10,042
     eval_tasks: str = "default"  # evaluate.py's tasks at eval_tasks_interval: comma-separated names, 'default', 'all'

@@ -82,7 +82,8 @@ class Evaluator:
         nats over the same targets / ln 2 / their bytes; left out without the tokenizer, or where the targets decode
         to 0 bytes). Of a mixture (data.Mixture) each source's split alone, val/<name>_loss and val/<name>_bpb, and
         val_loss and val_bpb those of the mixture: the sources' losses weighted by the mixture's weights, and the
-        weighted nats per target over the weighted bytes per target."""
+        weighted nats per target over the weighted bytes per target. The sources share eval_steps (shared_steps), so
+        a mixture validates what one source does."""
         if self.bytes is None:
             try:
                 enc = self.enc or tokenizer_from_record(self.tokenizer)
@@ -100,9 +101,10 @@ class Evaluator:
         weights = [float(w) for w in getattr(self.val_loader, "weights", [1.0])]  # plain floats: checkpoint values
         micro = self.train_loader.B  # the live micro-batch
         stopped = lambda: any_rank(stop.signal, self.env)  # noqa: E731
+        steps = shared_steps(self.cfg.eval_steps, weights)
         scored = {
-            name: val_loss(model, loader, self.cfg.eval_steps, micro, self.env, stopped, step, table)
-            for name, loader in sources.items()
+            name: val_loss(model, loader, n, micro, self.env, stopped, step, table)
+            for (name, loader), n in zip(sources.items(), steps)
         }
         mixed = lambda per: sum(w * per(r) for w, r in zip(weights, scored.values()))  # noqa: E731
         record = {"step": step, "val_loss": mixed(lambda r: r.loss)}
@@ -155,6 +157,21 @@ class Evaluator:
         except (OSError, ValueError, RuntimeError) as e:
             raise ConfigError(f"{name}: {e}") from None
         return Suite(docs, enc, self.env.rank, self.env.world_size)
+
+
+def shared_steps(eval_steps, weights):
+    """eval_steps val micro-batches shared among a mixture's sources: one each (a source of weight 0 is still
+    validated), the rest in proportion to the weights (the largest remainders rounded up). [20] for one source;
+    [15, 5] for weights 0.75, 0.25; [9, 5, 3, 3] for 0.5, 0.25, 0.15, 0.1. The total is eval_steps, or one per
+    source when there are more sources than that."""
+    total = sum(weights)
+    rest = max(0, eval_steps - len(weights))
+    shares = [rest * w / total if total > 0 else rest / len(weights) for w in weights]
+    steps = [1 + math.floor(share) for share in shares]
+    by_remainder = sorted(range(len(shares)), key=lambda i: math.floor(shares[i]) - shares[i])
+    for i in by_remainder[: rest + len(weights) - sum(steps)]:
+        steps[i] += 1
+    return steps
 
 
 class ValScore(NamedTuple):

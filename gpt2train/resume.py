@@ -356,7 +356,10 @@ def restore(ckpt, raw_model, optimizer, scaler, loader):
     if "shards" in ckpt:
         load_sharded_checkpoint(ckpt["shards"], raw_model, optimizer)
     else:
-        load_optimizer_state(raw_model, optimizer, ckpt["optimizer"])
+        try:
+            load_optimizer_state(raw_model, optimizer, ckpt["optimizer"])
+        except ValueError as e:  # a saved state this optimizer cannot take (optim.Muon's says why)
+            raise ConfigError(f"init_from=resume: {e}") from None
     if ckpt["scaler"] is not None:
         scaler.load_state_dict(ckpt["scaler"])
     try:

@@ -240,6 +240,8 @@ def test_the_slot_runs_offline_on_the_cpu_and_writes_one_table_and_one_json(tmp_
     assert {check: status for check, (_, status) in rows.items()} == {
         "environment": "INFO",
         "124m compiled": "INFO",
+        "124m modern compiled": "INFO",
+        "optimizer step": "PASS",
         "124m eager": "INFO",
         "memory by phase": "INFO",
         "sync debug": "SKIP",
@@ -247,10 +249,19 @@ def test_the_slot_runs_offline_on_the_cpu_and_writes_one_table_and_one_json(tmp_
     }
     found = json.loads((out / "slot.json").read_text())
     assert [row["check"] for row in found["rows"]] == list(rows)
-    for name, n, tokens in (("124m compiled", 6, 256), ("124m eager", 4, 256), ("1558m eager", 3, 256)):
+    runs = (
+        ("124m compiled", 6, 256),
+        ("124m modern compiled", 3, 256),
+        ("124m eager", 4, 256),
+        ("1558m eager", 3, 256),
+    )
+    for name, n, tokens in runs:
         assert [r["step"] for r in found[name]["steps"]] == list(range(1, n + 1)), name
         log = (out / f"{name.replace(' ', '_')}.log").read_text()
         assert found[name]["summary"]["tokens"] == n * tokens and ": saved " not in log  # no checkpoint: no time
     assert {r["micro_batch"] for r in found["1558m eager"]["steps"]} == {2}  # 2 x 2 accumulation steps
     assert set(found["memory by phase"]) == {"eager first", "eager", "compiled first", "compiled"}
     assert "compile False" in rows["124m compiled"][0]  # --tiny: no compile; said so
+    assert found["124m modern compiled"]["args"][0].endswith("modern.py")  # the modern recipe on the tiny model
+    optimizer = found["optimizer step"]  # the batched Muon dispatches a few ops per shape, torch's ~30 per matrix
+    assert optimizer["batched"]["ops"] < optimizer["torch.optim.Muon"]["ops"] / 4 and optimizer["max_rel_diff"] < 1e-3

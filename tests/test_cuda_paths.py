@@ -205,12 +205,19 @@ def test_the_slot_on_a_gpu_runs_its_rows_in_order_and_writes_one_table_and_one_j
     monkeypatch.setattr(
         gpu, "run_sync_debug", lambda opts, tmp, data, name, *a: (None, {**found, "async_all_reduces": issued[name]})
     )
+    import bench.muon
+
+    measured = {"muon_ms": 9.0, "whole_ms": 11.0, "ops": 1520, "aten_events": 6380, "kernels": 1100}
+    optimizers = {"torch.optim.Muon": measured, "batched": {**measured, "muon_ms": 2.5, "kernels": 100}}
+    monkeypatch.setattr(bench.muon, "compare", lambda device, tiny, reps: {**optimizers, "max_rel_diff": 2e-6})
     assert gpu.main(["--slot", "--device=cuda", f"--out={tmp_path / 'out'}"]) == 0
     out = capsys.readouterr().out
     rows = [line.split("  ")[0] for line in out[out.index("check ") :].splitlines()[2:]]
     assert rows == [
         "environment",
         "124m compiled",
+        "124m modern compiled",
+        "optimizer step",
         "124m eager",
         "memory by phase",
         "sync debug plain",
@@ -223,6 +230,9 @@ def test_the_slot_on_a_gpu_runs_its_rows_in_order_and_writes_one_table_and_one_j
     assert all(quiet <= set(args) and "--device=cuda:0" in args for args in runs.values())
     assert {"--batch_size=64", "--total_batch_size=65536", "--max_steps=40"} <= set(compiled)
     assert "--compile=False" not in compiled and {"--max_steps=6", "--compile=False"} <= set(eager)
+    modern = runs["124m_modern_compiled"]
+    assert modern[0].endswith("gpt2_124m_modern.py") and "--compile=False" not in modern
+    assert {"--batch_size=64", "--total_batch_size=65536", "--max_steps=20"} <= set(modern)
     assert xl[0].endswith("gpt2_1558m.py") and "--memory_check=False" in xl
     assert {"--batch_size=16", "--total_batch_size=32768", "--max_steps=3", "--compile=False"} <= set(xl)
     result = json.loads((tmp_path / "out" / "slot.json").read_text())
@@ -230,6 +240,8 @@ def test_the_slot_on_a_gpu_runs_its_rows_in_order_and_writes_one_table_and_one_j
     assert statuses == {
         "environment": "INFO",
         "124m compiled": "PASS",
+        "124m modern compiled": "PASS",
+        "optimizer step": "PASS",
         "124m eager": "PASS",
         "memory by phase": "INFO",
         "sync debug plain": "PASS",
@@ -238,6 +250,8 @@ def test_the_slot_on_a_gpu_runs_its_rows_in_order_and_writes_one_table_and_one_j
     }
     rows = {row["check"]: row["result"] for row in result["rows"]}
     assert "compile True" in rows["124m compiled"] and "compile False" in rows["124m eager"]
+    assert "torch.optim.Muon 9.00 ms (whole step 11.00), 1100 kernels; batched 2.50 ms" in rows["optimizer step"]
+    assert "planned 31.90 GiB at micro-batch 64" in rows["124m modern compiled"]  # Muon+AdamW's plan, not AdamW's
     assert "at micro-batch 8; measured step 1 " in rows["1558m eager"] and "(1.50x), steps >= 3 " in rows["1558m eager"]
     assert set(result["memory by phase"]) == {"eager first", "eager", "compiled first", "compiled"}
     assert {k: v for k, v in result["memory by phase"]["compiled"].items() if not k.endswith("_s")} == {

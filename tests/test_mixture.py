@@ -304,3 +304,34 @@ def test_each_source_is_validated_alone_beside_the_mixture(sources, tmp_path, ca
     printed = capsys.readouterr().out
     assert f"step 2: val loss {val[-1]['val_loss']:.4f} ({val[-1]['val_bpb']:.4f} bits/byte); big " in printed
     assert f"small: {summary['tokens/small']:,} tokens, val loss {val[-1]['val/small_loss']:.4f}" in printed
+
+
+def test_the_sources_share_eval_steps(sources, tmp_path, monkeypatch):
+    """A 4-source mixture validates eval_steps micro-batches in all, as one source does (not 4 x eval_steps): one per
+    source, the rest by weight; each source's val loss is still logged."""
+    from gpt2train.evaluation import shared_steps
+    from model import GPT
+
+    assert shared_steps(20, [1.0]) == [20] and shared_steps(20, [0.75, 0.25]) == [15, 5]
+    assert shared_steps(20, [0.4, 0.3, 0.2, 0.1]) == [7, 6, 4, 3] and shared_steps(20, [0.5, 0.5, 0.0]) == [10, 9, 1]
+    assert shared_steps(2, [0.25] * 4) == [1, 1, 1, 1]  # more sources than eval_steps: one each
+    links = [tmp_path / name for name in "abcd"]  # four sources: each prepared dataset under two names
+    for link, target in zip(links, sources * 2):
+        link.symlink_to(target)
+    data_dir = ",".join(f"{link}:{w}" for link, w in zip(links, (0.4, 0.3, 0.2, 0.1)))
+    forward, val_batches = GPT.forward, []
+
+    def counted(self, *args, **kwargs):
+        val_batches.extend([] if self.training else [1])
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "forward", counted)
+    out = tmp_path / "out"
+    args = [f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=2", "--eval_interval=2", "--eval_steps=8"]
+    assert train.main([*TINY, *args]) == 0
+    val = [m for m in metrics(out) if "val_loss" in m]
+    assert len(val) == 2 and len(val_batches) == 2 * 8  # steps 0 and 2, 8 micro-batches (batch_size rows) each
+    assert all({f"val/{n}_loss" for n in "abcd"} <= set(m) for m in val)
+    assert val[-1]["val_loss"] == pytest.approx(
+        sum(w * val[-1][f"val/{n}_loss"] for n, w in zip("abcd", (0.4, 0.3, 0.2, 0.1)))
+    )

@@ -48,6 +48,25 @@ def test_resume_cannot_change_the_optimizer(data_dir, tmp_path, capsys):
     assert "cannot set or unset embedding_lr when resuming" in capsys.readouterr().err
 
 
+def test_a_checkpoint_with_muons_matrices_in_another_order_is_refused_in_one_line(data_dir, tmp_path, capsys):
+    """Before Muon's matrices followed the model's order each process listed them in its own (a set of names): such
+    a checkpoint's momentum cannot be matched to the matrices, and resuming from it says so (exit 2), where it
+    failed at the first step with a shape error."""
+    from gpt2train.checkpoint import list_checkpoints, save_checkpoint
+
+    assert run(data_dir, tmp_path, *MUON, "--max_steps=2", "--save_interval=2") == 0
+    [(_, path)] = list_checkpoints(tmp_path)
+    ckpt = load_checkpoint(path)
+    state = ckpt["optimizer"]["muon"]["state"]
+    ckpt["optimizer"]["muon"]["state"] = {i: state[(i + 1) % len(state)] for i in state}  # as another process's
+    save_checkpoint(path, ckpt)
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["--init_from=resume", f"--out_dir={tmp_path}", "--max_steps=4"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "init_from=resume: Muon's saved momentum does not fit the matrices" in err
+    assert "init_from=<the checkpoint> trains on from its weights with a fresh optimizer" in err
+
+
 @dataclass
 class WithParallel(TrainConfig):  # the `parallel` key as the sharding issue adds it, whether or not it has landed
     parallel: str = "ddp"
