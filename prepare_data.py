@@ -4,10 +4,12 @@
     python prepare_data.py --dataset fineweb-edu --num_proc 16
     python prepare_data.py --input books/ notes/*.jsonl --out_dir data/mine --val_tokens 100000
     python prepare_data.py --input books/ --tokenizer tok/mine --out_dir data/mine   # your tokenizer (tokenizer.py)
+    python prepare_data.py --input train.jsonl --val_input heldout.jsonl --out_dir data/mine   # your own val split
 
 Writes out_dir/<name>_val_000000.bin (the start of the input: the fewest whole documents holding
 --val_tokens tokens, by default 10% of the input and at most 1M; a document that would more than
-double that is cut at --val_tokens, so one long text splits 90/10 as in nanoGPT), then
+double that is cut at --val_tokens, so one long text splits 90/10 as in nanoGPT; with --val_input, exactly the
+documents of those files, and --input all goes to train), then
 <name>_train_000000.bin, <name>_train_000001.bin, ... of --shard_tokens tokens each (the last one
 shorter; a document may continue into the next shard), and <name>_manifest.json, which records the
 input, the settings and every finished shard (its size, sha256 and where in the document stream it
@@ -46,7 +48,7 @@ import numpy as np
 from gpt2train.bpe import open_tokenizer, tokenizer_record
 from gpt2train.console import log, progress_bar
 from gpt2train.data import HEADER_BYTES, MASK_SUFFIX, SHARD_SUFFIXES, write_mask, write_shard
-from gpt2train.documents import PRESETS, PrepError, expand_inputs, non_empty, resolve_source
+from gpt2train.documents import PRESETS, PrepError, expand_inputs, non_empty, resolve_source, val_files, val_first
 from gpt2train.files import (
     LockError,
     atomic_write,
@@ -175,12 +177,13 @@ class ShardWriter:
     record keeps where it starts and ends, so a re-run can resume right after the last good shard.
     The val shard is the start of the stream (split_val); val_tokens None means VAL_SHARE of the
     input, at most DEFAULT_VAL_TOKENS, so the writer holds up to DEFAULT_VAL_TOKENS / VAL_SHARE
-    tokens before it knows whether the input is smaller than that.
+    tokens before it knows whether the input is smaller than that. val_docs (--val_input): the val shard is exactly
+    the stream's first val_docs documents, whatever their size.
     """
 
-    def __init__(self, out_dir, name, shard_tokens, val_tokens, manifest):
+    def __init__(self, out_dir, name, shard_tokens, val_tokens, manifest, val_docs=None):
         self.out_dir, self.name = out_dir, name
-        self.shard_tokens, self.val_tokens = shard_tokens, val_tokens
+        self.shard_tokens, self.val_tokens, self.val_docs = shard_tokens, val_tokens, val_docs
         self.manifest = manifest
         self.records = manifest["shards"]  # finished shards, val first
         self.held, self.held_count = [], 0  # (first document, tokens, lengths) batches before the val split
@@ -203,7 +206,9 @@ class ShardWriter:
             return
         self.held.append((first_doc, tokens, lengths))  # a val split starts at [0, 0]: nothing to skip
         self.held_count += len(tokens)
-        if self.held_count >= (self.val_tokens or DEFAULT_VAL_TOKENS / VAL_SHARE):
+        if self.val_docs and first_doc + len(lengths) >= self.val_docs:
+            self._split_val(None)
+        elif not self.val_docs and self.held_count >= (self.val_tokens or DEFAULT_VAL_TOKENS / VAL_SHARE):
             self._split_val(self.val_tokens or DEFAULT_VAL_TOKENS)
 
     def _split_val(self, target):
@@ -214,6 +219,7 @@ class ShardWriter:
         tokens = np.concatenate([t for _, t, _ in self.held])
         lengths = np.concatenate([n for _, _, n in self.held])
         self.held = []
+        target = int(lengths[: self.val_docs].sum()) if self.val_docs else target  # --val_input's, whole
         ends = np.cumsum(lengths)
         k = int(np.searchsorted(ends, target, side="left"))  # the document in which the target-th token lies
         if ends[k] <= 2 * target:
@@ -251,7 +257,8 @@ class ShardWriter:
         if len(self.records) < 2:
             raise PrepError(
                 f"no tokens left for training: the validation split took all {self.records[0]['tokens']} "
-                f"tokens of the input" + ("; lower --val_tokens" if self.val_tokens else "; add text")
+                f"tokens of the input"
+                + ("; lower --val_tokens" if self.val_tokens else "; add text" + " to --input" * bool(self.val_docs))
             )
 
     def _write_train(self, end):
@@ -348,17 +355,22 @@ def prepare(
     batch_chars=1 << 18,
     progress=True,
     tokenizer="gpt2",
+    val_input=None,
 ):
     """Tokenize the input into shards (see the module docstring); returns a summary dict."""
     tokenizer, record = resolve_tokenizer(tokenizer)  # a bad --tokenizer fails before anything is read
     describe, texts, count, preset, default_name = resolve_source(
         inputs, dataset, text_key, dataset_config, split, revision, streaming
     )
+    if val_input:  # the val documents first in the stream; ShardWriter cuts the val shard after them
+        if val_tokens is not None:
+            raise PrepError("give --val_input or --val_tokens, not both: the validation split is --val_input's")
+        val_describe, texts, count, val_docs = val_first(val_input, text_key, describe, texts, count)
     t0 = time.time()  # after fetching the shakespeare file, if that was needed
     name = re.sub(r"[^A-Za-z0-9]+", "_", name or default_name).strip("_") or "data"
     out_dir = Path(out_dir or Path("data") / (dataset if dataset in PRESETS else name))  # e.g. data/fineweb-edu
     shard_tokens = preset.get("shard_tokens", DEFAULT_SHARD_TOKENS) if shard_tokens is None else shard_tokens
-    val_tokens = preset.get("val_tokens") if val_tokens is None else val_tokens  # None: a share of the input
+    val_tokens = preset.get("val_tokens") if val_tokens is None and not val_input else val_tokens  # None: a share
     num_proc = (os.cpu_count() or 1) if num_proc is None else num_proc
     if min(shard_tokens, 1 if val_tokens is None else val_tokens, num_proc, batch_chars) < 1 or shard_tokens >= 2**31:
         raise PrepError(
@@ -372,6 +384,8 @@ def prepare(
         "shard_tokens": shard_tokens,
         "val_tokens": val_tokens or {"share": VAL_SHARE, "max": DEFAULT_VAL_TOKENS},
     }
+    if val_input:  # recorded only then: the settings (fingerprint) of a run without it are unchanged
+        settings.update(val_tokens={"documents": val_docs}, val_input=val_describe)
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
     with locked(out_dir):
@@ -379,7 +393,7 @@ def prepare(
         manifest_path = out_dir / f"{name}_manifest.json"
         manifest, existing = resumable_manifest(out_dir, name, manifest_path, fingerprint, settings)
         manifest["tokenizer"] = keep_tokenizer(out_dir, name, record)
-        writer = ShardWriter(out_dir, name, shard_tokens, val_tokens, manifest)
+        writer = ShardWriter(out_dir, name, shard_tokens, val_tokens, manifest, val_docs if val_input else None)
         num_docs = writer.start[0]
         if not manifest["complete"]:
             if manifest["shards"]:
@@ -482,20 +496,24 @@ def write_sft_shard(path, split, conversations):
     }
 
 
-def prepare_sft(inputs, out_dir=None, name=None, block_size=None, shard_tokens=None, val_tokens=None):
+def prepare_sft(inputs, out_dir=None, name=None, block_size=None, shard_tokens=None, val_tokens=None, val_input=None):
     """--format sft: jsonl conversations (chat.parse: {"prompt", "completion"} or {"messages"}) rendered with the
     chat template (chat.py), written in input order as token shards plus aligned loss-mask shards
     (data.write_mask): <name>_val_000000.bin/.mask (the first conversations, at least val_tokens tokens),
     <name>_train_NNNNNN.bin/.mask (up to shard_tokens tokens of whole conversations each). Rows are built at load
     time for the run's block_size (data.DocumentRows), so the data trains at any block_size; block_size here
-    only reports the conversations a run at that block_size would leave out. A bad line is a PrepError naming
+    only reports the conversations a run at that block_size would leave out. val_input: the val shard is those
+    files' conversations, the train shards the input's (not with val_tokens). A bad line is a PrepError naming
     file:line. A re-run with the same input and settings verifies the shards and stops; anything else rewrites
     them all (one pass, no resume mid-way: SFT sets are small)."""
     from gpt2train import chat
 
     files = expand_inputs(inputs)
-    if any(f.suffix != ".jsonl" for f in files):
-        raise PrepError(f"{next(f for f in files if f.suffix != '.jsonl')}: --format sft reads .jsonl files")
+    val = val_files(val_input, [[str(p.resolve())] for p in files]) if val_input else []
+    if any(f.suffix != ".jsonl" for f in files + val):
+        raise PrepError(f"{next(f for f in files + val if f.suffix != '.jsonl')}: --format sft reads .jsonl files")
+    if val and val_tokens is not None:
+        raise PrepError("give --val_input or --val_tokens, not both: the validation split is --val_input's")
     shard_tokens = shard_tokens or DEFAULT_SHARD_TOKENS
     val_tokens = 1024 if val_tokens is None else val_tokens  # default: about a row of GPT-2's block_size
     if min(val_tokens, shard_tokens, block_size or 1) < 1:
@@ -513,6 +531,11 @@ def prepare_sft(inputs, out_dir=None, name=None, block_size=None, shard_tokens=N
         "val_tokens": val_tokens,
         "input": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files],
     }
+    if val:  # recorded only then: the settings (fingerprint) of a run without it are unchanged
+        settings.update(
+            val_tokens="--val_input",
+            val_input=[[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in val],
+        )
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     manifest_path = out_dir / f"{name}_manifest.json"
     with locked(out_dir):
@@ -530,7 +553,7 @@ def prepare_sft(inputs, out_dir=None, name=None, block_size=None, shard_tokens=N
         ):
             manifest, reused = old, True
         else:
-            manifest = write_sft_shards(files, out_dir, name, old, shard_tokens, val_tokens, fingerprint, settings)
+            manifest = write_sft_shards(files, out_dir, name, old, shard_tokens, val_tokens, fingerprint, settings, val)
         summary = dict(manifest["summary"])
         longest = summary.pop("longest")  # [where, tokens] of the longest conversations, longest first
         too_long = [f"{where} ({n} tokens)" for where, n in longest if block_size and n > block_size + 1]
@@ -548,7 +571,7 @@ def prepare_sft(inputs, out_dir=None, name=None, block_size=None, shard_tokens=N
         }
 
 
-def write_sft_shards(files, out_dir, name, old, shard_tokens, val_tokens, fingerprint, settings):
+def write_sft_shards(files, out_dir, name, old, shard_tokens, val_tokens, fingerprint, settings, val=()):
     """prepare_sft's writing: the shards, then the complete manifest (returned)."""
     from gpt2train import chat
 
@@ -561,8 +584,9 @@ def write_sft_shards(files, out_dir, name, old, shard_tokens, val_tokens, finger
         )
     for stale in (p for p in out_dir.iterdir() if ours.fullmatch(p.name)):
         stale.unlink()  # ours from other settings or an interrupted run: rewritten below
-    enc, conversations, lengths = chat.tokenizer(open_tokenizer("gpt2")), [], []
-    for path in files:
+    enc, conversations, lengths, given = chat.tokenizer(open_tokenizer("gpt2")), [], [], 0
+    for i, path in enumerate([*val, *files]):
+        given = len(conversations) if i == len(val) else given  # --val_input's conversations (val: its files)
         try:
             for lineno, messages in chat.read_conversations(path):
                 conversations.append(chat.encode(enc, messages))
@@ -573,6 +597,10 @@ def write_sft_shards(files, out_dir, name, old, shard_tokens, val_tokens, finger
         raise PrepError(f"{len(conversations)} conversation(s) in the input: need 2 or more (one for validation)")
     ends = np.cumsum([n for _, n in lengths])
     n_val = min(int(np.searchsorted(ends, val_tokens)) + 1, len(conversations) - 1)  # whole conversations
+    if val and not 0 < (n_val := given) < len(conversations):
+        raise PrepError(
+            f"--val_input holds {given} of the {len(conversations)} conversations: val and train need 1 or more"
+        )
     parts, part, size = [("val", conversations[:n_val])], [], 0
     for c in conversations[n_val:]:
         if part and size + len(c[0]) > shard_tokens:
@@ -630,6 +658,13 @@ def arg_parser():
         help=f"validation tokens, taken from the start in whole documents (a long one is cut) "
         f"(default {VAL_SHARE:.0%}% of the input, at most {DEFAULT_VAL_TOKENS:,}; presets differ)",
     )
+    p.add_argument(
+        "--val_input",
+        nargs="+",
+        metavar="PATH",
+        help="the validation split is exactly these files' documents (as --input takes them), "
+        "the train shards --input's; instead of --val_tokens (give tokenizer.py the same --val_input)",
+    )
     p.add_argument("--num_proc", type=int, help="tokenizer processes (default: all CPUs)")
     p.add_argument(
         "--start_method",
@@ -682,6 +717,7 @@ def main(argv=None):
                 block_size=args.block_size,
                 shard_tokens=args.shard_tokens,
                 val_tokens=args.val_tokens,
+                val_input=args.val_input,
             )
         except (PrepError, OSError) as e:
             sys.exit(error_message("prepare_data.py", e))
@@ -721,6 +757,7 @@ def main(argv=None):
             batch_chars=args.batch_chars,
             progress=not args.no_progress,
             tokenizer=args.tokenizer,
+            val_input=args.val_input,
         )
     except (PrepError, OSError) as e:  # bad input or environment: one line (GPT2_TRACEBACK=1: the traceback)
         sys.exit(error_message("prepare_data.py", e))

@@ -6,7 +6,9 @@
 
 --input takes what prepare_data.py --input takes (.txt, .jsonl, .parquet files, directories, globs; --text_key),
 or --dataset shakespeare. The first --held_out_bytes of the text (as prepare_data.py's validation split, the start of
-the input; by default 10% of it, at most 200,000 bytes) are held out; the tokenizer learns from the rest. It locks
+the input; by default 10% of it, at most 200,000 bytes) are held out; the tokenizer learns from the rest. With
+--val_input (files as --input takes them) the held-out text is their documents instead, the ones prepare_data.py
+--val_input makes the validation split, and the tokenizer learns from all of --input. It locks
 DIR, then writes DIR/tokenizer.json (a standard Hugging Face file: tokenizers.Tokenizer.from_file and transformers'
 PreTrainedTokenizerFast / AutoTokenizer load it) and DIR/tokenizer_config.json, each whole or not at all, then
 reports bytes per token on the held-out text next to GPT-2's, and its speed.
@@ -30,7 +32,7 @@ from pathlib import Path
 from gpt2train import assets, bpe
 from gpt2train.bpe import TokenizerError
 from gpt2train.console import log
-from gpt2train.documents import PrepError, non_empty, resolve_source
+from gpt2train.documents import PrepError, non_empty, resolve_source, val_source
 from gpt2train.files import LockError, atomic_write, directory_lock, error_message
 
 GPT4_SPLIT_PATTERN = (
@@ -171,6 +173,13 @@ def main(argv=None):
         help=f"bytes at the start of the input kept out of training and used for the report (default "
         f"{HELD_OUT_SHARE:.0%}% of the input, at most {DEFAULT_HELD_OUT_BYTES:,})",
     )
+    p.add_argument(
+        "--val_input",
+        nargs="+",
+        metavar="PATH",
+        help="hold out exactly these files' documents (prepare_data.py --val_input's validation split) instead of "
+        "the start of the input, and learn from all of --input",
+    )
     p.add_argument("--max_bytes", type=int, default=None, help="learn from at most this many bytes (default: all)")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -188,6 +197,8 @@ def check_flags(args):
         train([], args.vocab_size)  # its one-line error
     if args.held_out_bytes is not None and args.held_out_bytes < 0:
         raise TokenizerError(f"--held_out_bytes must be >= 0, got {args.held_out_bytes:,}")
+    if args.held_out_bytes is not None and args.val_input:
+        raise TokenizerError("give --val_input or --held_out_bytes, not both: the held-out text is --val_input's")
     if args.max_bytes is not None and args.max_bytes < 1:
         raise TokenizerError(f"--max_bytes must be >= 1, got {args.max_bytes:,}")
 
@@ -208,9 +219,13 @@ def learn(args):
     """(the trained tokenizers.Tokenizer, the held-out text, {"bytes", "docs", "seconds", ...}: what it learned from
     and how long it took); TokenizerError where the input is unreadable or leaves nothing to learn from."""
     try:
-        _, texts, _, _, _ = resolve_source(args.input, args.dataset, args.text_key, None, None, None, None)
+        describe, texts, _, _, _ = resolve_source(args.input, args.dataset, args.text_key, None, None, None, None)
         valid = (bpe.replace_surrogates(text) for text in non_empty(texts()))  # as prepare_data.py's encoders do
-        held_out, rest = split_held_out(valid, args.held_out_bytes)
+        if args.val_input:  # its documents, as prepare_data.py --val_input's val shard; all of the input learned
+            _, val_texts, _ = val_source(args.val_input, args.text_key, describe.get("files"))
+            held_out, rest = "\n".join(map(bpe.replace_surrogates, val_texts())), valid
+        else:
+            held_out, rest = split_held_out(valid, args.held_out_bytes)
         learned = {"bytes": 0, "docs": 0, "runs_cut": 0, "stopped": None}
 
         def limited():
@@ -286,7 +301,7 @@ def nothing_learned(args, held_out, stopped):
             f"--max_bytes {args.max_bytes:,} is smaller than the first document after the held-out text "
             f"({stopped:,} bytes): nothing to learn from; raise --max_bytes"
         )
-    if not held_out:
+    if not held_out or args.val_input:
         return "the input holds no text"
     return (
         f"no text left to learn from after the first {len(held_out.encode('utf-8')):,} bytes, held out "

@@ -4,10 +4,13 @@ ready-made dataset presets; and the command that prepares a data directory (trai
 resolve_source(inputs, dataset, ...) is the one entry: local files (expand_inputs: a .txt file is one document, a
 .jsonl file one per line, a .parquet file one per row; directories are searched recursively) or a dataset (a preset
 of PRESETS or any Hugging Face dataset path), as an iterator of texts beside what a manifest records of the input.
+val_source and val_first read --val_input, a validation split of the user's own files (prepare_data.py's val shard,
+tokenizer.py's held-out text).
 Reading texts needs no torch and no tokenizer, so neither is imported here.
 """
 
 import glob
+import itertools
 import json
 import os
 import re
@@ -199,16 +202,58 @@ def non_empty(texts):
         yield text
 
 
+def describe_files(files, text_key):
+    """What a manifest records of input files: each one's resolved path, size and modification time."""
+    return {"files": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files], "text_key": text_key}
+
+
+def val_files(val_input, input_files=None):
+    """--val_input's files (files, directories or globs, as --input takes them); a one-line PrepError naming
+    --val_input where they match nothing or hold a file of --input (input_files: describe_files' "files" of
+    --input), which would then be trained on too."""
+    try:
+        files = expand_inputs(val_input)
+    except PrepError as e:
+        raise PrepError(f"--val_input: {e}") from None
+    both = {str(p.resolve()) for p in files} & {p for p, *_ in input_files or []}
+    if both:
+        raise PrepError(f"--val_input {min(both)} is also an --input file; hold it out of --input")
+    return files
+
+
+def val_source(val_input, text_key, input_files=None):
+    """--val_input's documents: (what a manifest records of its files, a factory of their documents with text, how
+    many there are); a one-line PrepError naming --val_input for files that hold no text (and as val_files)."""
+    files = val_files(val_input, input_files)
+    try:
+        count = sum(1 for _ in non_empty(file_documents(files, text_key)))
+    except PrepError as e:
+        raise PrepError(f"--val_input: {e}") from None
+    if not count:
+        raise PrepError(f"--val_input {' '.join(val_input)}: no documents with text (validation needs at least one)")
+    return describe_files(files, text_key), lambda: non_empty(file_documents(files, text_key)), count
+
+
+def val_first(val_input, text_key, describe, texts, count):
+    """prepare_data.py's stream with --val_input (val_source's documents first, then the input's: describe, texts
+    and count as resolve_source gives them): (what a manifest records of --val_input, the stream's texts and count
+    factories (None where the input's count is unknown), the number of --val_input's documents)."""
+    val_describe, val_texts, val_docs = val_source(val_input, text_key, describe.get("files"))
+
+    def total():
+        n = count()
+        return None if n is None else n + val_docs
+
+    return val_describe, (lambda: itertools.chain(val_texts(), texts())), total, val_docs
+
+
 def resolve_source(inputs, dataset, text_key, hf_config, split, revision, streaming):
     """-> (description for the manifest, texts iterator factory, documents total or None, preset dict, default name)."""
     if bool(inputs) == bool(dataset):
         raise PrepError("give exactly one of --input PATH [PATH ...] or --dataset NAME")
     if inputs:
         files = expand_inputs(inputs)
-        describe = {
-            "files": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files],
-            "text_key": text_key,
-        }
+        describe = describe_files(files, text_key)
         single = len(inputs) == 1 and not any(c in inputs[0] for c in "*?[")
         name = Path(inputs[0]).stem if single else "data"
         return describe, lambda: file_documents(files, text_key), lambda: count_documents(files), {}, name

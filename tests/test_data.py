@@ -316,6 +316,98 @@ def test_interrupted_run_resumes_to_identical_output(tmp_path, monkeypatch):
         assert (tmp_path / "clean" / name).read_bytes() == (tmp_path / "crashed" / name).read_bytes(), name
 
 
+def val_input_corpus(tmp_path):
+    """(input file, val files, the val documents with text): a jsonl input, and a val split in a .txt and a .jsonl
+    (with an empty line, which is no document) whose documents never occur in the input."""
+    train = write_jsonl(tmp_path / "train.jsonl", make_docs(120, seed=11))
+    val = ["held out: " + d for d in make_docs(25, seed=12)]
+    (tmp_path / "val_a.txt").write_text(val[0], encoding="utf-8")
+    write_jsonl(tmp_path / "val_b.jsonl", [val[1], "", *val[2:]])
+    return train, [tmp_path / "val_a.txt", tmp_path / "val_b.jsonl"], val
+
+
+def test_val_input_is_exactly_the_val_shard_and_the_input_exactly_the_train_shards(tmp_path, enc):
+    """--val_input (a sorted corpus's held-out file): the val shard is its documents, tokenized as prep tokenizes
+    (an EOT before each), whatever their size; the train shards hold every input document and none of them."""
+    train, val_files, val = val_input_corpus(tmp_path)
+    args = ["--input", train, "--val_input", *val_files, "--shard_tokens", 300, "--batch_chars", 400, "--num_proc", 1]
+    s = run_prep(*args, "--out_dir", tmp_path / "out")
+    (val_shard,) = shard_tokens(tmp_path / "out", "train", "val")
+    assert val_shard.tolist() == [t for d in val for t in [EOT, *enc.encode_ordinary(d)]] and s["val_tokens"] > 0
+    train_docs = split_docs(np.concatenate(shard_tokens(tmp_path / "out", "train", "train")), enc)
+    assert train_docs == make_docs(120, seed=11) and not set(train_docs) & set(val)
+    manifest = json.loads((tmp_path / "out" / "train_manifest.json").read_text())
+    assert [f for f, *_ in manifest["settings"]["val_input"]["files"]] == [str(p.resolve()) for p in val_files]
+    assert manifest["shards"][0]["end"] == [len(val), 0] and s["documents"] == len(val) + 120
+
+
+def test_a_rerun_with_another_val_input_is_refused_and_the_same_one_is_already_prepared(tmp_path):
+    train, val_files, _ = val_input_corpus(tmp_path)
+    args = ["--input", train, "--out_dir", tmp_path / "out", "--num_proc", 1]
+    run_prep(*args, "--val_input", *val_files)
+    assert run_prep(*args, "--val_input", *val_files)["tokenized"] == 0  # verified, nothing to do
+    for other in ([val_files[1]], [write_jsonl(tmp_path / "other.jsonl", ["another held-out text"])]):
+        with pytest.raises(SystemExit, match="^prepare_data.py: error: .* from a different input or settings"):
+            run_prep(*args, "--val_input", *other)
+    with pytest.raises(SystemExit, match="from a different input or settings"):
+        run_prep(*args)  # without --val_input: another split
+
+
+@pytest.mark.parametrize("crash_at", [0, 2])  # the val shard's write, a train shard's
+def test_an_interrupted_run_with_val_input_resumes_to_identical_output(tmp_path, monkeypatch, crash_at):
+    train, val_files, _ = val_input_corpus(tmp_path)
+    args = ["--input", train, "--val_input", *val_files, "--shard_tokens", 250, "--batch_chars", 400, "--num_proc", 1]
+    run_prep(*args, "--out_dir", tmp_path / "clean")
+    real_write, count = prepare_data.write_shard, []
+
+    def crashing_write(path, tokens):
+        if len(count) == crash_at:
+            raise KeyboardInterrupt
+        count.append(path)
+        real_write(path, tokens)
+
+    monkeypatch.setattr(prepare_data, "write_shard", crashing_write)
+    with pytest.raises(SystemExit, match="^130$"):
+        run_prep(*args, "--out_dir", tmp_path / "crashed")
+    monkeypatch.setattr(prepare_data, "write_shard", real_write)
+    resumed = run_prep(*args, "--out_dir", tmp_path / "crashed")
+    assert (0 < resumed["tokenized"] < resumed["tokens"]) == (crash_at > 0)
+    names = sorted(p.name for p in (tmp_path / "clean").iterdir())
+    assert len(names) >= 5 and names == sorted(p.name for p in (tmp_path / "crashed").iterdir())
+    for name in names:
+        assert (tmp_path / "clean" / name).read_bytes() == (tmp_path / "crashed" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("with_val_tokens", "give --val_input or --val_tokens, not both"),
+        ("no_match", "--val_input: no input files matched"),
+        ("no_text", "--val_input {tmp}/empty.jsonl: no documents with text"),
+        ("also_input", "--val_input {tmp}/train.jsonl is also an --input file"),
+        ("bad_json", "--val_input: {tmp}/bad.jsonl:1: not valid JSON"),
+        ("no_train_text", "tokens of the input; add text to --input"),
+    ],
+)
+def test_val_input_errors_are_one_line_naming_the_flag(tmp_path, case, expected):
+    train, val_files, _ = val_input_corpus(tmp_path)
+    val = {
+        "with_val_tokens": [*val_files, "--val_tokens", 100],
+        "no_match": [tmp_path / "missing.jsonl"],
+        "no_text": [write_jsonl(tmp_path / "empty.jsonl", ["", ""])],
+        "also_input": [tmp_path / "train.jsonl"],
+        "bad_json": [tmp_path / "bad.jsonl"],
+        "no_train_text": val_files,
+    }[case]
+    (tmp_path / "bad.jsonl").write_text("{oops\n")
+    if case == "no_train_text":
+        write_jsonl(train, ["", ""])
+    with pytest.raises(SystemExit) as e:
+        run_prep("--input", train, "--val_input", *val, "--out_dir", tmp_path / "out", "--num_proc", 1)
+    message = str(e.value.code)
+    assert expected.format(tmp=tmp_path) in message and "\n" not in message and message.startswith("prepare_data.py")
+
+
 @pytest.mark.parametrize(
     "case",
     [

@@ -92,6 +92,29 @@ def test_prep_round_trips_both_formats(sft_dir):
     assert manifest["summary"]["conversations"] == len(ROWS)
 
 
+def test_val_input_conversations_are_the_val_shard_and_the_input_the_train_shards(tmp_path):
+    """--format sft --val_input: the val shard is exactly those files' conversations, the train shards the input's;
+    with --val_tokens, or without a conversation on either side, it is one line."""
+    val_rows, train_rows = ROWS[-2:], ROWS[:-2]
+    args = ["--input", write_jsonl(tmp_path / "chat.jsonl", train_rows), "--format", "sft"]
+    args += ["--val_input", write_jsonl(tmp_path / "held.jsonl", val_rows), "--shard_tokens", 4 * BLOCK]
+    s = prepare_data.main([*map(str, args), "--out_dir", str(tmp_path / "data")])
+    enc = chat.tokenizer()
+    for split, rows in (("val", val_rows), ("train", train_rows)):
+        files = sorted((tmp_path / "data").glob(f"chat_{split}_*.bin"))
+        text = "".join(enc.decode(np.fromfile(f, dtype="<u2", offset=1024).tolist()) for f in files)
+        assert text == "".join(render(messages_of(r)) for r in rows)
+    assert s["val_conversations"] == len(val_rows) and s["conversations"] == len(ROWS)
+    for extra, expected in [
+        (["--val_tokens", "40"], "give --val_input or --val_tokens, not both"),
+        (["--val_input", str(write_jsonl(tmp_path / "none.jsonl", []))], "--val_input holds 0 of the"),
+        (["--val_input", str(tmp_path / "chat.jsonl")], f"--val_input {tmp_path / 'chat.jsonl'} is also an --input"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            prepare_data.main([*map(str, args), *extra, "--out_dir", str(tmp_path / "other")])
+        assert expected in str(e.value.code) and "\n" not in str(e.value.code)
+
+
 def test_rows_hold_whole_conversations_at_any_block_size(sft_dir):
     """Rows are built at load time: each starts at a conversation start and holds whole conversations; y is -1
     where the mask is off and on the padding; every trained token of the split is a target once per epoch."""

@@ -473,6 +473,67 @@ def test_held_out_and_max_bytes_flags_are_checked_and_the_error_names_the_flag_t
     assert "the input holds no text" in run_tokenizer(*flags[2:], "--input", tmp_path / "empty.txt")
 
 
+def test_val_input_is_the_held_out_text_all_of_the_input_is_learned_and_prep_holds_out_the_same(tmp_path, monkeypatch):
+    """tokenizer.py and prepare_data.py given the same --val_input hold out the same documents: the tokenizer's
+    held-out text is exactly those documents, it learns from every input document and none of them, and
+    prepare_data.py's val shard is those documents tokenized with the tokenizer (an <|endoftext|> before each)."""
+    import numpy as np
+
+    import prepare_data
+
+    src = tmp_path / "train.jsonl"
+    src.write_text("".join(json.dumps({"text": f"{i}: {t}"}) + "\n" for i, t in enumerate(CORPUS)))
+    val = [f"held out {i}: {t}" for i, t in enumerate(CORPUS[:6])]
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in [val[0], "", *val[1:]]))
+    learned, held = [], []
+    real_train, real_report = tokenizer.train, tokenizer.report
+    monkeypatch.setattr(
+        tokenizer, "train", lambda texts, *a, **k: real_train(learned.extend(texts) or learned, *a, **k)
+    )
+    monkeypatch.setattr(tokenizer, "report", lambda *a: held.append(a[3]) or real_report(*a))
+    flags = ["--input", src, "--val_input", tmp_path / "val.jsonl"]
+    assert run_tokenizer(*flags, "--vocab_size", 300, "--out", tmp_path / "tok") == 0
+    assert learned == [f"{i}: {t}" for i, t in enumerate(CORPUS)] and held == ["\n".join(val)]
+    report = json.loads((tmp_path / "tok" / "report.json").read_text())
+    assert report["held_out_bytes"] == len("\n".join(val).encode()) and report["train_bytes"] == sum(
+        len(t.encode()) for t in learned
+    )
+    prepare_data.main(
+        [
+            *map(str, flags),
+            "--tokenizer",
+            str(tmp_path / "tok"),
+            "--out_dir",
+            str(tmp_path / "data"),
+            "--num_proc",
+            "1",
+            "--no_progress",
+        ]
+    )
+    enc = bpe.open_tokenizer(tmp_path / "tok")
+    shard = np.fromfile(tmp_path / "data" / "train_val_000000.bin", dtype="<u2", offset=1024)
+    assert shard.tolist() == [t for d in val for t in [enc.eot_token, *enc.encode_to_numpy(d).tolist()]]
+
+
+def test_val_input_errors_are_one_line_naming_the_flag(tmp_path):
+    src, val = tmp_path / "a.txt", tmp_path / "val.txt"
+    src.write_text("hello world " * 100)
+    val.write_text("held out")
+    (tmp_path / "empty.txt").write_text("")
+    flags = ["--vocab_size", 300, "--out", tmp_path / "tok", "--input", src]
+    message = run_tokenizer(*flags, "--val_input", val, "--held_out_bytes", 10)
+    assert (
+        message
+        == "tokenizer.py: error: give --val_input or --held_out_bytes, not both: the held-out text is --val_input's"
+    )
+    assert "--val_input: no input files matched" in run_tokenizer(*flags, "--val_input", tmp_path / "missing.txt")
+    assert f"--val_input {src} is also an --input file" in run_tokenizer(*flags, "--val_input", src)
+    assert "--val_input " + f"{tmp_path / 'empty.txt'}: no documents with text" in run_tokenizer(
+        *flags, "--val_input", tmp_path / "empty.txt"
+    )
+    assert "the input holds no text" in run_tokenizer(*flags[:4], "--input", tmp_path / "empty.txt", "--val_input", val)
+
+
 def test_long_runs_without_whitespace_are_cut_for_training_and_counted(tmp_path, capsys):
     """The trainer's time grows with the square of a pre-token's length (1 MB of 'a': not done in 300 s)."""
     text = "start " + "ab" * 1500 + " middle " + " " * 2500 + "end"
