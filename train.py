@@ -39,7 +39,7 @@ from gpt2train.config import (
     parse_args,
 )
 from gpt2train.console import distributed, log, progress_bar
-from gpt2train.data import DataLoader, Mixture, NoShardsError, ShardError, parse_mixture
+from gpt2train.data import NoShardsError, ShardError, open_loader
 from gpt2train.devices import fused_adamw_supported, is_oom, peak_flops, peak_memory
 from gpt2train.documents import prepare_command
 from gpt2train.evaluation import Abandoned, Evaluator
@@ -83,25 +83,9 @@ def make_loaders(cfg, env, manifests):
     mixture (data_dir names several datasets), a data.Mixture of one loader per source. Every shard is validated
     here, token ids included, before step 1. manifests: the data's, as the run's start read them
     (resume.Source.manifests)."""
-    sources = parse_mixture(cfg.data_dir)
-
-    def loader(split):  # batch_size='auto': 1 until probe_batch_size sets it
-        return (Mixture if sources else DataLoader)(
-            sources or cfg.data_dir,
-            split,
-            1 if cfg.batch_size == "auto" else cfg.batch_size,
-            cfg.block_size,
-            rank=env.rank,
-            world_size=env.world_size,
-            seed=cfg.seed,
-            vocab_size=cfg.vocab_size,
-            packing=cfg.packing,
-            manifests=manifests,
-        )
-
     try:
-        train_loader = loader("train")
-        val_loader = loader("val") if cfg.eval_interval > 0 else None
+        train_loader = open_loader(cfg, "train", env.rank, env.world_size, manifests)
+        val_loader = open_loader(cfg, "val", env.rank, env.world_size, manifests) if cfg.eval_interval > 0 else None
     except NoShardsError as e:
         raise NoShardsError(f"{e}; prepare it with {prepare_command(e.data_dir or cfg.data_dir)}") from None
     log(
@@ -324,8 +308,7 @@ def step_record(stats, loader, total_batch_size, raw_model, peak, env):
         "micro_batch": loader.B,
         "trained_tokens": stats.trained_tokens,
     }
-    if isinstance(loader, Mixture):
-        record.update(loader.tokens())
+    record.update(loader.tokens())  # of a mixture, each source's
     if reserved is not None:
         record["peak_reserved_mb"] = reserved
     if stats.skipped:

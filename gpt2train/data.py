@@ -25,6 +25,7 @@ import math
 import os
 import re
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -629,6 +630,32 @@ class DocumentRows:
         keep[np.flatnonzero(pad), fill[pad]] = 1
 
 
+@runtime_checkable
+class Loader(Protocol):
+    """What the step, the evaluator, the checkpoint and train.py may call of a loader, whichever it is: DataLoader
+    (one prepared dataset) or Mixture (several), so that none of them asks which one it holds."""
+
+    B: int  # the live micro-batch: rows per next_batch
+    masked: bool  # some targets are -1 (SFT loss masks, document padding)
+    masks: list | None  # SFT data's loss-mask arrays, or None
+
+    def next_batch(self) -> tuple: ...  # (x, y), (B, T) token ids each, on the CPU
+
+    def reset(self) -> None: ...  # back to the start of the stream (validation: the same batches again)
+
+    def set_batch_size(self, batch_size: int) -> None: ...  # batch_size='auto', halving on an out-of-memory
+
+    def summary(self) -> str: ...  # the start-up line's description
+
+    def tokens(self) -> dict: ...  # {'tokens/<name>': ...} of each source of a mixture so far; {} for one dataset
+
+    def sources(self) -> dict: ...  # {name: (that source's loader, weight)}; one dataset: {None: (itself, 1.0)}
+
+    def state_dict(self) -> dict: ...  # the stream position, for a checkpoint
+
+    def load_state_dict(self, state: dict) -> None: ...  # continue that stream exactly
+
+
 class DataLoader:
     """(x, y) batches of B x T token ids from the shards of one split.
 
@@ -757,6 +784,12 @@ class DataLoader:
     @property
     def epoch(self):
         return self.position // self.num_samples
+
+    def tokens(self):
+        return {}  # one dataset: its tokens are the run's
+
+    def sources(self):
+        return {None: (self, 1.0)}
 
     def reset(self):
         """Back to the start of the stream (validation: the same fixed batches again)."""
@@ -968,6 +1001,10 @@ class Mixture:
         self._sync()
         return {f"tokens/{name}": loader.position * self.T for name, loader in self.loaders.items()}
 
+    def sources(self):
+        """{name: (its loader, its weight)}, in source order."""
+        return {name: (loader, float(w)) for (name, loader), w in zip(self.loaders.items(), self.weights)}
+
     def reset(self):
         """Back to the start of every source and of the schedule."""
         for loader in self.loaders.values():
@@ -1102,6 +1139,25 @@ class Mixture:
             + " and the new weights apply from here",
             note=True,
         )
+
+
+def open_loader(cfg, split, rank=0, world_size=1, manifests=None):
+    """The run's Loader of `split`: a DataLoader of cfg.data_dir, or a Mixture where it names several datasets
+    (parse_mixture). cfg: a TrainConfig (data_dir, batch_size, block_size, seed, vocab_size, packing); batch_size
+    'auto' reads 1 row until batch_size='auto' is resolved (memory.probe_batch_size)."""
+    sources = parse_mixture(cfg.data_dir)
+    batch_size = 1 if cfg.batch_size == "auto" else cfg.batch_size
+    options = dict(
+        rank=rank,
+        world_size=world_size,
+        seed=cfg.seed,
+        vocab_size=cfg.vocab_size,
+        packing=cfg.packing,
+        manifests=manifests,
+    )
+    if sources:
+        return Mixture(sources, split, batch_size, cfg.block_size, **options)
+    return DataLoader(cfg.data_dir, split, batch_size, cfg.block_size, **options)
 
 
 def runs(values):

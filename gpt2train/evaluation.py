@@ -97,14 +97,14 @@ class Evaluator:
             if any_rank(self.bytes is False, self.env):  # every rank counts bytes, or none does
                 self.bytes = False
         table = None if self.bytes is False else self.bytes
-        sources = getattr(self.val_loader, "loaders", {None: self.val_loader})
-        weights = [float(w) for w in getattr(self.val_loader, "weights", [1.0])]  # plain floats: checkpoint values
+        sources = self.val_loader.sources()
+        weights = [weight for _, weight in sources.values()]
         micro = self.train_loader.B  # the live micro-batch
         stopped = lambda: any_rank(stop.signal, self.env)  # noqa: E731
         steps = shared_steps(self.cfg.eval_steps, weights)
         scored = {
             name: val_loss(model, loader, n, micro, self.env, stopped, step, table)
-            for (name, loader), n in zip(sources.items(), steps)
+            for (name, (loader, _)), n in zip(sources.items(), steps)
         }
         mixed = lambda per: sum(w * per(r) for w, r in zip(weights, scored.values()))  # noqa: E731
         record = {"step": step, "val_loss": mixed(lambda r: r.loss)}

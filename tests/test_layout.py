@@ -220,6 +220,24 @@ def test_each_file_keeps_its_one_job():
     assert {"train", "dryrun"} <= set(step_users), step_users
 
 
+def test_wrapping_runs_nothing_and_no_caller_asks_which_loader_it_holds():
+    """parallel.py wraps the model (parallelize takes no loader) and runs no training code (no import of the step
+    module); only the data module knows a loader's class: everyone else calls data.Loader's methods."""
+    assert "gpt2train.step" not in imports_by_module()["gpt2train.parallel"]
+    parallelize = next(f for f in parsed()["gpt2train.parallel"].body if getattr(f, "name", None) == "parallelize")
+    assert [a.arg for a in parallelize.args.args] == ["model", "cfg", "env"]
+    asks = [
+        f"{name}.py:{n.lineno}"
+        for name, tree in parsed().items()
+        if name != "gpt2train.data"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and ast.unparse(n.func) == "isinstance"
+        and re.search(r"Loader|Mixture", ast.unparse(n))
+    ]
+    assert not asks, f"a caller asks which loader it holds: {asks}"
+
+
 def test_no_call_in_the_training_loop_takes_more_than_six_arguments():
     """train.run() binds the loop's companions once (the Checkpointer, the Evaluator, a step's StepStats): no call in
     it passes a dozen values along."""

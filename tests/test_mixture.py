@@ -18,7 +18,7 @@ import torch
 import prepare_data
 import train
 from gpt2train.config import ConfigError, make_config, parse_args, read_config_file
-from gpt2train.data import DataLoader, Mixture, parse_mixture, write_shard
+from gpt2train.data import DataLoader, Loader, Mixture, parse_mixture, write_shard
 
 ROOT = Path(__file__).resolve().parent.parent
 T = 16
@@ -148,6 +148,19 @@ def test_a_075_025_mixture_trains_each_source_its_share_over_the_first_epoch_of_
         summary["tokens/big"] == train_records[-1]["tokens/big"]
         and summary["tokens"] == total + (steps - end["step"]) * 32 * T
     )
+
+
+def test_both_loaders_are_a_loader_and_name_their_sources(sources):
+    """DataLoader and Mixture meet data.Loader, what the step, the evaluator, the checkpoint and train.py call."""
+    one = DataLoader(sources[0], "val", 2, T)
+    mixed = Mixture(parse_mixture(f"{sources[0]}:0.75,{sources[1]}:0.25"), "val", 2, T)
+    assert isinstance(one, Loader) and isinstance(mixed, Loader)
+    assert one.sources() == {None: (one, 1.0)} and one.tokens() == {}
+    assert [(n, w) for n, (_, w) in mixed.sources().items()] == [
+        (Path(sources[0]).name, 0.75),
+        (Path(sources[1]).name, 0.25),
+    ]
+    assert [loader for loader, _ in mixed.sources().values()] == list(mixed.loaders.values())
 
 
 def mixture_rows(spec, world_size, batch, steps, packing, state=None):
