@@ -54,6 +54,7 @@ from gpt2train.config import read_config_file
 ROOT = Path(__file__).resolve().parent.parent
 MODERN = ROOT / "configs" / "modern.py"
 MODERN_RATES = ("learning_rate", "muon_lr", "embedding_lr", "head_lr")  # --modern_sweep scales them together
+BIGRAM_ROWS = 100_000  # the bigram table measured with the recipe (configs/modern.py leaves it off)
 # the modern recipe's knobs, each added alone to the GPT-2 recipe for its per-step cost
 KNOBS = {
     "muon": ["--optimizer=muon"],
@@ -64,14 +65,14 @@ KNOBS = {
     "no biases": ["--bias=False"],
     "value embeddings": ["--value_embeds=True"],
     "smear": ["--smear=True"],
-    "bigram table": [f"--bigram_embeds={read_config_file(MODERN)['bigram_embeds']}"],  # the recipe's rows
+    "bigram table": [f"--bigram_embeds={BIGRAM_ROWS}"],
 }
 # the ingredients this recipe was built from, each ablated: configs/modern.py's keys that turn it off ('-'), or
 # on ('+' for one measured and left off); rates are scaled by the sweep's factor like the recipe's own
 ABLATIONS = {
     "- value embeddings": {"value_embeds": False},
     "- smear": {"smear": False},
-    "- bigram table": {"bigram_embeds": 0},
+    f"+ bigram table ({BIGRAM_ROWS:,} rows)": {"bigram_embeds": BIGRAM_ROWS},
     "- embedding_lr, head_lr (both at learning_rate)": {"embedding_lr": None, "head_lr": None},
     "- muon_lr 0.01 (0.02, as before)": {"muon_lr": 0.02},
     "- betas (0.7, 0.99), Muon momentum 0.9, embedding_lr 0.05 (0.8, 0.95; 0.95; 0.03)": {

@@ -15,9 +15,11 @@
 # - Value embeddings (a second token table added to the attention values; nanochat's, where each layer has its
 #   own, here one table shared by all layers with a gate per head) and the smear (each token's embedding gets a
 #   gated share of the previous token's; modded-nanogpt and nanochat).
-# - A bigram table (modded-nanogpt's bigram hash embedding): each (previous, current) token pair hashed to one of
-#   bigram_embeds rows, zero at the start, added before every block with a learned share per block (measured:
-#   100,000 rows 0.013 lower in val loss at step 45 than 50,000 on the hardest seed, 250,000 only 0.001 more).
+# - No bigram table (modded-nanogpt's bigram hash embedding: bigram_embeds rows of hashed (previous, current) token
+#   pairs added before every block). Measured with compare.py on the bench model, Tiny Shakespeare, 3 seeds: 100,000
+#   rows were 0.062 lower in val loss at 45 steps (p 0.03) but 0.33 higher at 180 (p 0.001): a table of 25.6M
+#   parameters (the blocks have 3.2M) learns a small corpus's pairs by heart (docs/experiments.md). Turn it on with
+#   --bigram_embeds=100000 where the data is large enough for that not to happen, and compare.
 # - Per-group AdamW rates, higher for the embeddings and lower for the untied head than for the rest, as both
 #   anchors set them (nanochat: embedding_lr, unembedding_lr; modded-nanogpt: per-parameter-group Adam rates).
 # - Warmup-stable-decay: constant rate, then a linear decay to zero over the last part of the run (nanochat:
@@ -49,4 +51,4 @@ zero_init_proj = True
 bias = False
 value_embeds = True
 smear = True
-bigram_embeds = 100_000
+bigram_embeds = 0
