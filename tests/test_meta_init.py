@@ -4,12 +4,14 @@ holding exactly its slice of the weights one process draws from the same seed, a
 The ranks are simulated one after another in this process with torch's fake process group (collectives are
 no-ops; initialisation needs none): fast enough for any world size."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from gpt2train import parallel
+from gpt2train import parallel, step
 from gpt2train.config import make_config, model_config
 from model import GPT
 
@@ -131,7 +133,9 @@ def test_under_fsdp_the_blocks_and_the_head_with_its_loss_are_compiled(monkeypat
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         model = parallel.build_on_meta(model_config(cfg))
-        parallel.shard(model, cfg, parallel.Env(0, 0, 2, True, "cpu", "float32", "fsdp", (2,)))
+        env = parallel.Env(0, 0, 2, True, "cpu", "float32", "fsdp", (2,))
+        parallel.shard(model, cfg, env)  # as run() calls them: parallelize, then the compile trial
+        parallel.after_compile_trial(model, step.compile_works(model, cfg, env, SimpleNamespace(B=2)))
     finally:
         dist.destroy_process_group()
     assert compiled == ["Block.forward", "Block.forward", "GPT.head_loss"]

@@ -7,6 +7,7 @@ import math
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -328,9 +329,9 @@ def test_the_sources_share_eval_steps(sources, tmp_path, monkeypatch):
     assert shared_steps(20, [1.0]) == [20] and shared_steps(20, [0.75, 0.25]) == [15, 5]
     assert shared_steps(20, [0.4, 0.3, 0.2, 0.1]) == [7, 6, 4, 3] and shared_steps(20, [0.5, 0.5, 0.0]) == [10, 9, 1]
     assert shared_steps(2, [0.25] * 4) == [1, 1, 1, 1]  # more sources than eval_steps: one each
-    links = [tmp_path / name for name in "abcd"]  # four sources: each prepared dataset under two names
+    links = [tmp_path / name for name in "abcd"]  # four sources: two copies of each prepared dataset
     for link, target in zip(links, sources * 2):
-        link.symlink_to(target)
+        shutil.copytree(target, link)  # a copy: a link to it would be one directory named twice
     data_dir = ",".join(f"{link}:{w}" for link, w in zip(links, (0.4, 0.3, 0.2, 0.1)))
     forward, val_batches = GPT.forward, []
 
