@@ -648,6 +648,28 @@ def test_a_halt_before_any_checkpoint_says_so(data_dir, tmp_path, monkeypatch, c
     )
 
 
+def test_an_out_of_memory_no_micro_batch_can_halve_is_one_line_exit_4_and_status_oom(
+    data_dir, tmp_path, monkeypatch, capsys
+):
+    """Out of memory in the optimizer step (outside the step's micro-batches): one line, exit 4, and the result says
+    oom with no final losses; it used to be a traceback."""
+    real_step, calls = torch.optim.AdamW.step, []
+
+    def step(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # the first call is devices.fused_adamw_supported's probe: this is step 2's
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    expect_exit(4, run, data_dir, tmp_path, "--max_steps=8")
+    line = one_line_error(capsys)
+    assert "step 2: out of memory (OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB)" in line
+    assert [m["step"] for m in metrics(tmp_path) if "train_loss" in m] == [1]
+    result = json.loads((tmp_path / "summary.json").read_text())["result"]
+    assert result["status"] == "oom" and result["train_loss"] is None and result["val_loss"] is None
+
+
 def test_a_second_run_on_a_locked_out_dir_is_refused(data_dir, tmp_path, capsys):
     from gpt2train.files import directory_lock
 
