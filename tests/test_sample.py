@@ -32,26 +32,19 @@ def model():
     return GPT(GPTConfig(block_size=64, vocab_size=50257, n_layer=2, n_head=2, n_embd=32)).eval()
 
 
+def write_checkpoint(path, model, state, step):
+    """A training checkpoint in the project's format (CONTRACTS: checkpoint dict keys) of `state`, model's weights or
+    others, with its sha256 sidecar."""
+    record = {"model": state, "model_args": asdict(model.config), "config": {}, "step": step, "optimizer": None}
+    record.update(scaler=None, loader={}, rng={}, val_loss=None, format="gpt2-train-ckpt-v1")
+    save_checkpoint(path, record)
+    return path
+
+
 @pytest.fixture(scope="module")
 def ckpt(model, tmp_path_factory):
-    """A training checkpoint in the project's format (CONTRACTS: checkpoint dict keys), with its sha256 sidecar."""
-    path = tmp_path_factory.mktemp("run") / "ckpt_000010.pt"
-    save_checkpoint(
-        path,
-        {
-            "model": model.state_dict(),
-            "model_args": asdict(model.config),
-            "config": {},
-            "step": 10,
-            "optimizer": None,
-            "scaler": None,
-            "loader": {},
-            "rng": {},
-            "val_loss": None,
-            "format": "gpt2-train-ckpt-v1",
-        },
-    )
-    return path
+    """A training checkpoint of `model`."""
+    return write_checkpoint(tmp_path_factory.mktemp("run") / "ckpt_000010.pt", model, model.state_dict(), 10)
 
 
 def run_main(capsys, *argv):
@@ -385,20 +378,6 @@ def test_a_sample_runs_on_past_endoftext_unless_stop_at_eot(enc, ckpt, capsys, m
 def test_a_model_with_non_finite_weights_is_a_one_line_error(model, tmp_path, capsys):
     state = {k: v.clone() for k, v in model.state_dict().items()}
     state["transformer.h.1.mlp.c_fc.weight"][0, 0] = float("nan")  # a diverged run's checkpoint
-    save_checkpoint(
-        tmp_path / "ckpt_000020.pt",
-        {
-            "model": state,
-            "model_args": asdict(model.config),
-            "config": {},
-            "step": 20,
-            "optimizer": None,
-            "scaler": None,
-            "loader": {},
-            "rng": {},
-            "val_loss": None,
-            "format": "gpt2-train-ckpt-v1",
-        },
-    )
+    write_checkpoint(tmp_path / "ckpt_000020.pt", model, state, 20)
     err = error_of(capsys, "--ckpt", str(tmp_path))
     assert "error: the model's weights are not finite (transformer.h.1.mlp.c_fc.weight holds NaN or inf)" in err
