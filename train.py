@@ -13,19 +13,22 @@ setup, data, model, optimizer, parallelize, then the loop; each step of it is a 
 into the module named for its job. Expected errors are one line on stderr (main(); docs/failure-modes.md).
 """
 
+import contextlib
 import json
 import math
 import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from gpt2train.bpe import TokenizerError
+from gpt2train.budget import Budget
 from gpt2train.chat import CHAT_VOCAB
 from gpt2train.checkpoint import CheckpointError, load_sharded_checkpoint
 from gpt2train.config import (
@@ -45,18 +48,18 @@ from gpt2train.documents import prepare_command
 from gpt2train.evaluation import Abandoned, Evaluator
 from gpt2train.files import Halt, LockError, atomic_write, check_writable, first_line, report_error
 from gpt2train.hf import from_pretrained, pad_vocab
-from gpt2train.memory import probe_batch_size
+from gpt2train.memory import resolve_batch_size
 from gpt2train.optim import build_optimizer, set_lr
 from gpt2train.parallel import (
     after_compile_trial,
     build_on_meta,
     is_compiled,
     keeps_grads,
-    lock_out_dir,
     parallelize,
 )
-from gpt2train.resume import Checkpointer, Progress, restore, restore_rngs, resume_hint, start
-from gpt2train.step import clip_gradients, compile_works, forward_backward
+from gpt2train.resume import Checkpointer, Progress, restore, restore_rngs, resume_hint
+from gpt2train.start import lock_out_dir, setting, start
+from gpt2train.step import clip_gradients, compile_works, forward_backward, probe_batch_size
 from gpt2train.tracking import EXIT_CODES, TRACKING_KEYS, NoTracker, Tracker, TrackingError, append_ledger
 from model import GPT, TRAINING_ONLY_MODEL_KEYS
 
@@ -82,7 +85,7 @@ def make_loaders(cfg, env, manifests):
     """Train and val loaders: every rank reads its own slice of one global, world-size-invariant stream; of a
     mixture (data_dir names several datasets), a data.Mixture of one loader per source. Every shard is validated
     here, token ids included, before step 1. manifests: the data's, as the run's start read them
-    (resume.Source.manifests)."""
+    (start.Source.manifests)."""
     try:
         train_loader = open_loader(cfg, "train", env.rank, env.world_size, manifests)
         val_loader = open_loader(cfg, "val", env.rank, env.world_size, manifests) if cfg.eval_interval > 0 else None
@@ -96,7 +99,7 @@ def make_loaders(cfg, env, manifests):
 
 
 def build_model(cfg, source, env, min_vocab=0):
-    """(the bare GPT, cfg with the model's real shape) from what the run starts from (resume.Source): scratch, the
+    """(the bare GPT, cfg with the model's real shape) from what the run starts from (start.Source): scratch, the
     checkpoint it resumes from, a checkpoint to fine-tune (its weights only: resolve_config took its architecture)
     or pretrained weights; pretrained weights with fewer than min_vocab rows (GPT-2's 50257, for SFT data's chat
     tokens) are padded to a multiple of 64. Where: an unsharded run's on its device. A sharded run's from scratch
@@ -131,12 +134,12 @@ def build_model(cfg, source, env, min_vocab=0):
 # ----------------------------------------------------------------------------- the step
 
 
-def get_lr(step, cfg):
-    """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine or WSD decay to min_lr. Under a
-    budget (max_seconds) the decay starts after step Budget.FIXED_AT at the soonest: the steps before it run before
-    max_steps is known (they get the peak), and every step's lr is the same function of the fixed max_steps, whenever
-    it was fixed (a resume's is the uninterrupted run's)."""
-    decay_steps = cfg.lr_decay_steps or cfg.max_steps
+def get_lr(step, cfg, max_steps):
+    """Learning rate of optimizer step `step` (0-based) of a run of max_steps (its Budget's): linear warmup, then
+    cosine or WSD decay to min_lr. Under a budget (max_seconds) the decay starts after step Budget.FIXED_AT at the
+    soonest: the steps before it run before max_steps is known (they get the peak), and every step's lr is the same
+    function of the fixed max_steps, whenever it was fixed (a resume's is the uninterrupted run's)."""
+    decay_steps = cfg.lr_decay_steps or max_steps
     if step < cfg.warmup_steps:
         return cfg.learning_rate * (step + 1) / cfg.warmup_steps
     stable = max(cfg.warmup_steps, Budget.FIXED_AT if cfg.max_seconds else 0)  # the steps before the decay
@@ -169,8 +172,8 @@ def schedule_note(cfg, saved, step):
     """One note when a resume's settings (saved: the checkpoint's config) give its next step another learning rate
     than the checkpoint's run would have (a new max_steps stretches the decay): which keys changed, the rate before
     and after, and how to keep the old decay."""
-    was = replace(cfg, **{key: saved[key] for key in SCHEDULE_KEYS if key in saved})
-    before, after = get_lr(step, was), get_lr(step, cfg)
+    was = SimpleNamespace(**{**asdict(cfg), **{key: saved[key] for key in SCHEDULE_KEYS if key in saved}})
+    before, after = get_lr(step, was, was.max_steps), get_lr(step, cfg, cfg.max_steps)
     if before == after:
         return
     changed = ", ".join(
@@ -186,56 +189,6 @@ def schedule_note(cfg, saved, step):
         f"{after:.2e}, not {before:.2e}{keep}",
         note=True,
     )
-
-
-class Budget:
-    """max_seconds, a wall-clock budget for training (evaluation and checkpoints excluded), turned into max_steps once
-    so that the schedule's decay fits it. A fresh run times its steps SKIPPED+1 .. FIXED_AT (the first ones are
-    torch.compile's and the caches' warm-up: not timed, but spent from the budget), then fixes max_steps = the steps
-    done + as many as the rest of the budget holds at their mean time (FIXED_AT at least), into cfg (every holder of
-    it sees the change) and config.json. A checkpoint written sooner (a signal, a short save_interval) first fixes it
-    from the steps done so far: every checkpoint of the run holds its fixed max_steps, and a resumed run continues on
-    it, never re-timed, exactly as the uninterrupted run would (get_lr starts the decay after FIXED_AT either way)."""
-
-    SKIPPED = 2
-    FIXED_AT = 10  # steps 3-10 timed
-
-    def __init__(self, cfg, env):
-        self.cfg, self.env = cfg, env
-        self.seconds = []  # of each step so far, until fixed
-        self.fixed = False
-        log(f"max_seconds={cfg.max_seconds:g}: max_steps is fixed after step {self.FIXED_AT}, from the steps' times")
-
-    def add(self, seconds):
-        """Count one step's seconds; fix max_steps when enough steps are timed. Returns whether it did now."""
-        if self.fixed:
-            return False
-        self.seconds.append(seconds)
-        if len(self.seconds) < self.FIXED_AT:
-            return False
-        self.fix()
-        return True
-
-    def fix(self):
-        """Fix cfg.max_steps from the steps done (at least one), now; once. Every rank calls it alike."""
-        if self.fixed:
-            return
-        done, spent = len(self.seconds), sum(self.seconds)
-        timed = self.seconds[self.SKIPPED :] or self.seconds  # fewer steps done: their mean, warm-up included
-        per_step = sum(timed) / len(timed)
-        # at least FIXED_AT: never the step a save fixes it at, and the same floor wherever it was fixed
-        steps = max(self.FIXED_AT, done + int((self.cfg.max_seconds - spent) / per_step))
-        if self.env.distributed:  # each rank timed its own steps: rank 0's count is the run's
-            agreed = torch.tensor(steps, device=self.env.device)
-            dist.broadcast(agreed, 0)
-            steps = int(agreed)
-        self.cfg.max_steps, self.fixed = steps, True
-        log(
-            f"max_seconds={self.cfg.max_seconds:g}: the first {done} steps took {spent:.1f} s, steps "
-            f"{done - len(timed) + 1}-{done} {per_step * 1000:,.0f} ms each: max_steps fixed at {steps}"
-        )
-        if self.env.master:
-            write_config(self.cfg)
 
 
 @dataclass
@@ -318,14 +271,14 @@ def step_record(stats, loader, total_batch_size, raw_model, peak, env):
     return record
 
 
-def report_step(record, tracker, bar, cfg):
+def report_step(record, tracker, bar, log_interval, max_steps):
     """One step's record to metrics.jsonl (and W&B/TensorBoard), the progress bar, and every log_interval a line."""
     tracker.log(record)
     bar.update(1)
     step = record["step"]
-    if cfg.log_interval and (step % cfg.log_interval == 0 or step == cfg.max_steps):
+    if log_interval and (step % log_interval == 0 or step == max_steps):
         log(
-            f"step {step:>6}/{cfg.max_steps} | loss {record['train_loss']:.4f} | lr {record['lr']:.2e} | norm "
+            f"step {step:>6}/{max_steps} | loss {record['train_loss']:.4f} | lr {record['lr']:.2e} | norm "
             f"{record['grad_norm']:.3f} | {record['step_ms']:.0f} ms | {record['tokens_per_s']:,.0f} tok/s"
             + (f" | mfu {record['mfu']:.1%}" if record["mfu"] else "")
         )
@@ -352,9 +305,10 @@ def start_tracking(cfg, resumed, total_batch_size, env):
     )
 
 
-def write_config(cfg):
-    """out_dir/config.json: the run's resolved config (rank 0)."""
-    atomic_write(Path(cfg.out_dir) / "config.json", json.dumps(asdict(cfg), indent=2) + "\n")
+def write_config(cfg, max_steps=None):
+    """out_dir/config.json: the run's resolved config (rank 0); max_steps: once a budget has fixed it."""
+    config = {**asdict(cfg), **({"max_steps": max_steps} if max_steps is not None else {})}
+    atomic_write(Path(cfg.out_dir) / "config.json", json.dumps(config, indent=2) + "\n")
 
 
 # ----------------------------------------------------------------------------- the recipe
@@ -373,21 +327,43 @@ def run_summary(raw_model, model, cfg, env, resumed_step):
     return line if resumed_step is None else f"{line} | resumed from step {resumed_step}"
 
 
+@dataclass
+class Training:
+    """What the loop works with, built once by run() (torchtitan's Trainer): the model as the loop calls it (model:
+    compiled or wrapped) and bare (raw_model: checkpoints, samples, evaluation), what steps it, the data, the
+    trackers; and what the loop's handlers need of where it stopped."""
+
+    cfg: object
+    env: object
+    model: object
+    raw_model: object
+    optimizer: object
+    scaler: object
+    train_loader: object
+    tracker: object
+    checkpointer: object
+    evaluator: object
+    budget: Budget
+    progress: Progress
+    stop: StopRequest
+    peak: float | None = None  # the device's peak FLOP/s, for MFU
+    saved_step: int = 0  # the last step a checkpoint holds
+    step_start: dict | None = None  # the train loader's position at the current step's start
+    final_loss: float | None = None  # the last step's train loss
+
+
 def run(user, argv=()):
     """The recipe, for the keys the user set (parse_args; argv: the command line, for the ledger). Config: defaults <
     checkpoint (on resume) < preset < config files < --key=value."""
     cfg, source, env = start(user)  # config, process group, what the run starts from: alike on every rank
+    # the memory plan, before anything big is allocated: logged; a batch that cannot fit refused; 'auto' resolved
+    cfg = resolve_batch_size(cfg, env, source.model)
     train_loader, val_loader = make_loaders(cfg, env, source.manifests)
-
     # the bare GPT (checkpoints, samples, HellaSwag); SFT data's chat tokens need GPT-2's vocabulary padded
-    min_vocab = CHAT_VOCAB if train_loader.masks is not None else 0
-    raw_model, cfg = build_model(cfg, source, env, min_vocab)
+    raw_model, cfg = build_model(cfg, source, env, CHAT_VOCAB if train_loader.masks is not None else 0)
     if cfg.batch_size == "auto":  # a probed device (CUDA)
         cfg = probe_batch_size(raw_model, cfg, env, [train_loader, val_loader])
-    # cfg is final from here on but for a budget's max_steps (Budget.fix); the micro-batch may still halve on an
-    # out-of-memory: train_loader.B is the live one
-    total_batch_size, grad_accum = batch_layout(cfg, env.world_size)
-    rows = cfg.batch_size * grad_accum  # sequences per rank per optimizer step
+    # cfg is final from here on; the micro-batch may still halve on an out-of-memory: train_loader.B is the live one
     model = parallelize(raw_model, cfg, env)  # what the loop calls: compiled, or eager where the trial fails
     if is_compiled(model):
         model = after_compile_trial(model, compile_works(model, cfg, env, train_loader))
@@ -395,87 +371,49 @@ def run(user, argv=()):
     scaler = torch.amp.GradScaler(env.kind, enabled=env.dtype == "float16")  # loss scaling for fp16 only
     resumed = source.resumed
     progress = restore(resumed, raw_model, optimizer, scaler, train_loader) if resumed else Progress()
-
-    out_dir = Path(cfg.out_dir)
-    tracker = start_tracking(cfg, resumed, total_batch_size, env)
+    tracker = start_tracking(cfg, resumed, batch_layout(cfg, env.world_size)[0], env)
+    # a resume's max_steps was fixed by the run it continues; rank 0 rewrites config.json when a budget fixes it
+    on_fix = (lambda steps: write_config(cfg, steps)) if env.master else None
+    budget = Budget(cfg, env, source.kind == "resume", on_fix)
     states = {"model": raw_model, "optimizer": optimizer, "scaler": scaler, "loader": train_loader, "tracker": tracker}
-    checkpointer = Checkpointer(cfg, env, states, source.tokenizer)
+    checkpointer = Checkpointer(cfg, env, states, source.tokenizer, budget)
+    evaluator = Evaluator(train_loader, val_loader, tracker, cfg, env, source.tokenizer)
     log(config_table(cfg, user))
     log(run_summary(raw_model, model, cfg, env, resumed and resumed["step"]))
     if resumed is not None:
         restore_rngs(resumed, env)
         schedule_note(cfg, resumed["config"], resumed["step"])
-    source.state = resumed = None  # free the checkpoint's copy of the weights and optimizer state
-
-    stop = StopRequest()
-    stop_flag = torch.zeros((), device=env.device)
-    main_thread = threading.current_thread() is threading.main_thread()
-    old_handlers = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
+    del source, resumed  # the checkpoint's copy of the weights and optimizer state goes
     peak = peak_flops(torch.cuda.get_device_name(env.device) if env.kind == "cuda" else env.kind, env.dtype)
-    evaluator = Evaluator(train_loader, val_loader, tracker, cfg, env, source.tokenizer)
-    budget = Budget(cfg, env) if cfg.max_seconds and source.kind != "resume" else None  # a resume's is fixed
-    start_step = progress.step
-    saved_step = start_step
-    stopping = False
-    status, final_loss = "error", None  # how the run ended (tracking.EXIT_CODES); the last step's train loss
-    bar = progress_bar(total=None if budget else cfg.max_steps, initial=start_step, show=env.master, unit="step")
-    try:
-        while True:
-            step = progress.step
-            last = step >= cfg.max_steps
-            step_start = train_loader.state_dict()
-            val = None
-            # a resumed run's first step was evaluated before it stopped
-            if (step > start_step or start_step == 0) and not stopping:
-                try:
-                    val = evaluator.run(model, raw_model, step, last, stop)
-                except Abandoned:  # a signal: save now rather than after a whole evaluation
-                    stopping = True
-            if step > start_step and (last or stopping or cfg.save_interval and step % cfg.save_interval == 0):
-                if budget:  # before its timing is done (a signal, a short save_interval): from the steps so far
-                    budget.fix()
-                checkpointer.save(progress, val)
-                saved_step = step
-            if last or stopping:
-                break
+    t = Training(
+        cfg,
+        env,
+        model,
+        raw_model,
+        optimizer,
+        scaler,
+        train_loader,
+        tracker,
+        checkpointer,
+        evaluator,
+        budget,
+        progress,
+        StopRequest(),
+        peak,
+        saved_step=progress.step,
+    )
+    return train(t, argv)
 
-            # one optimizer step: the step's micro-batches, then clip, check and update
-            t0 = time.perf_counter()
-            lr = get_lr(step, cfg)
-            set_lr(optimizer, lr, cfg)
-            loss_sum, counts = forward_backward(model, train_loader, rows, scaler, env, step)
-            if stop.signal is not None:
-                stop_flag.fill_(1.0)
-            scaler.unscale_(optimizer)  # true gradients before clipping (no-op without fp16)
-            grad_norm = clip_gradients(raw_model, cfg.grad_clip)
-            stats = reduce_step_stats(loss_sum, stop_flag, grad_norm, counts, env)
-            stats.step, stats.lr, stopping = step + 1, lr, stats.stop
-            stats.skipped = skip_reason(stats, scaler, cfg, progress)
-            if stats.empty_micro_batches and stats.trained_tokens:  # they ran (every rank runs every backward)
-                log(
-                    f"step {step + 1}: {stats.empty_micro_batches} micro-batch(es) with no trained target (loss "
-                    "masks) skipped: loss and gradients 0, the step's mean is over the others' tokens",
-                    note=True,
-                )
-            if stats.skipped:
-                log(f"step {step + 1}: {stats.skipped}: update skipped")
-            else:
-                scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=not keeps_grads(model))  # also drops the gradients of a skipped step
-            stats.dt = time.perf_counter() - t0
-            progress.step = step + 1
-            if budget and budget.add(stats.dt):
-                bar.total = cfg.max_steps
-            report_step(step_record(stats, train_loader, total_batch_size, raw_model, peak, env), tracker, bar, cfg)
-            final_loss = stats.train_loss
-        if stopping:  # said before the summary: the result stays the last line
-            log(
-                f"stopped by {signal.Signals(stop.signal).name if stop.signal else 'a signal on another rank'} at "
-                f"step {progress.step}; continue with --init_from=resume"
-            )
-        # a run that ends on a non-finite loss (the guard off: max_skipped_steps=0) diverged too
-        status = "interrupted" if stopping else "ok" if final_loss is None or math.isfinite(final_loss) else "diverged"
+
+def train(t, argv):
+    """Run the loop with SIGTERM/SIGINT caught (StopRequest); returns the exit code of how it ended
+    (tracking.EXIT_CODES). Whatever the ending, the result line and the ledger's line are written."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    old_handlers = {s: signal.signal(s, t.stop) for s in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
+    out_dir = Path(t.cfg.out_dir)
+    status = "error"  # how the run ended (tracking.EXIT_CODES)
+    try:
+        status = loop(t)
     except Halt as e:
         status = e.status
         raise Halt(f"{e}; {resume_hint(out_dir)}", e.status) from None
@@ -484,33 +422,103 @@ def run(user, argv=()):
         raise KeyboardInterrupt(resume_hint(out_dir)) from None
     except ShardError as e:  # a shard changed under the run: first keep the steps done since the last save
         # in a single process only: under torchrun the other ranks would wait in a collective
-        if not env.distributed and progress.step > saved_step:
-            optimizer.zero_grad(set_to_none=True)
-            train_loader.load_state_dict(step_start)
-            if budget:
-                budget.fix()
-            checkpointer.save(progress)
+        if not t.env.distributed and t.progress.step > t.saved_step:
+            t.optimizer.zero_grad(set_to_none=True)
+            t.train_loader.load_state_dict(t.step_start)
+            t.checkpointer.save(t.progress)
         raise ShardError(f"{e}; {resume_hint(out_dir)}") from None
     except Exception as e:  # an out-of-memory where no micro-batch can halve (the optimizer step): one line, exit 4
         if not is_oom(e):
             raise
         status = "oom"
         raise Halt(
-            f"step {progress.step + 1}: out of memory ({first_line(e)}); {resume_hint(out_dir)}", "oom"
+            f"step {t.progress.step + 1}: out of memory ({first_line(e)}); {resume_hint(out_dir)}", "oom"
         ) from None
     finally:
-        bar.close()
         for s, handler in old_handlers.items():
             signal.signal(s, handler)
-        params, lookup = raw_model.num_params(), raw_model.num_params() - raw_model.num_params(non_embedding=True)
-        summary = tracker.close(status, {"params": params, "params_lookup": lookup, "max_seconds": cfg.max_seconds})
+        raw = t.raw_model
+        params, lookup = raw.num_params(), raw.num_params() - raw.num_params(non_embedding=True)
+        summary = t.tracker.close(status, {"params": params, "params_lookup": lookup, "max_seconds": t.cfg.max_seconds})
         if summary:
             log(summary)
-        if cfg.ledger and tracker.result is not None:  # rank 0
-            append_ledger(cfg.ledger, tracker.result, argv, out_dir)
-    if env.distributed:  # no rank tears its process group down (main) while rank 0 still writes
+        if t.cfg.ledger and t.tracker.result is not None:  # rank 0
+            append_ledger(t.cfg.ledger, t.tracker.result, argv, out_dir)
+    if t.env.distributed:  # no rank tears its process group down (main) while rank 0 still writes
         dist.barrier()
     return EXIT_CODES[status]
+
+
+def loop(t):
+    """Evaluate, save, step, until the budget's max_steps or a signal; returns the status it ended with: 'ok',
+    'interrupted' (a signal: saved and stopped) or 'diverged' (it ended on a non-finite loss, the guard off)."""
+    start_step, stopping = t.progress.step, False
+    bar = progress_bar(
+        total=t.budget.max_steps if t.budget.fixed else None, initial=start_step, show=t.env.master, unit="step"
+    )
+    with contextlib.closing(bar):
+        while True:
+            step = t.progress.step
+            last = step >= t.budget.max_steps
+            t.step_start = t.train_loader.state_dict()
+            val = None
+            # a resumed run's first step was evaluated before it stopped
+            if (step > start_step or start_step == 0) and not stopping:
+                try:
+                    val = t.evaluator.run(t.model, t.raw_model, step, last, t.stop)
+                except Abandoned:  # a signal: save now rather than after a whole evaluation
+                    stopping = True
+            if step > start_step and (last or stopping or t.cfg.save_interval and step % t.cfg.save_interval == 0):
+                t.checkpointer.save(t.progress, val)
+                t.saved_step = step
+            if last or stopping:
+                break
+            stats = optimizer_step(t, step)
+            stopping = stats.stop
+            if t.budget.add(stats.dt):
+                bar.total = t.budget.max_steps
+            record = step_record(
+                stats, t.train_loader, batch_layout(t.cfg, t.env.world_size)[0], t.raw_model, t.peak, t.env
+            )
+            report_step(record, t.tracker, bar, t.cfg.log_interval, t.budget.max_steps)
+            t.final_loss = stats.train_loss
+    if stopping:  # said before the summary: the result stays the last line
+        signame = signal.Signals(t.stop.signal).name if t.stop.signal else "a signal on another rank"
+        log(f"stopped by {signame} at step {t.progress.step}; continue with --init_from=resume")
+        return "interrupted"
+    # a run that ends on a non-finite loss (the guard off: max_skipped_steps=0) diverged too
+    return "ok" if t.final_loss is None or math.isfinite(t.final_loss) else "diverged"
+
+
+def optimizer_step(t, step):
+    """One optimizer step after `step` done: the step's micro-batches, then clip, check and update. Returns its
+    StepStats; t.progress.step moves on."""
+    t0 = time.perf_counter()
+    lr = get_lr(step, t.cfg, t.budget.max_steps)
+    set_lr(t.optimizer, lr, t.cfg)
+    rows = t.cfg.batch_size * batch_layout(t.cfg, t.env.world_size)[1]  # sequences per rank per optimizer step
+    loss_sum, counts = forward_backward(t.model, t.train_loader, rows, t.scaler, t.env, step)
+    stop_flag = torch.full((), float(t.stop.signal is not None), device=t.env.device)
+    t.scaler.unscale_(t.optimizer)  # true gradients before clipping (no-op without fp16)
+    grad_norm = clip_gradients(t.raw_model, t.cfg.grad_clip)
+    stats = reduce_step_stats(loss_sum, stop_flag, grad_norm, counts, t.env)
+    stats.step, stats.lr = step + 1, lr
+    stats.skipped = skip_reason(stats, t.scaler, t.cfg, t.progress)
+    if stats.empty_micro_batches and stats.trained_tokens:  # they ran (every rank runs every backward)
+        log(
+            f"step {step + 1}: {stats.empty_micro_batches} micro-batch(es) with no trained target (loss "
+            "masks) skipped: loss and gradients 0, the step's mean is over the others' tokens",
+            note=True,
+        )
+    if stats.skipped:
+        log(f"step {step + 1}: {stats.skipped}: update skipped")
+    else:
+        t.scaler.step(t.optimizer)
+    t.scaler.update()
+    t.optimizer.zero_grad(set_to_none=not keeps_grads(t.model))  # also drops the gradients of a skipped step
+    stats.dt = time.perf_counter() - t0
+    t.progress.step = step + 1
+    return stats
 
 
 def main(argv=None):
@@ -524,7 +532,7 @@ def main(argv=None):
         return 0
     try:
         user = parse_args(argv)
-        with lock_out_dir(make_config(user).out_dir):  # one run per out_dir, for the whole run
+        with lock_out_dir(setting(user, "out_dir")):  # one run per out_dir, for the whole run
             return run(user, argv)
     except (ConfigError, TrackingError, CheckpointError, Halt, ShardError, LockError, TokenizerError, OSError) as e:
         report_error("train.py", e)

@@ -7,7 +7,7 @@ and the chunked loss's buffers (the loss and the backward's peak are never live 
 MemoryPlan.line() is the one line train.py prints before step 1.
 available_memory(device) says what the device has; check_fits() refuses a plan that cannot fit, naming the
 settings that would. batch_size='auto' uses plan_micro_batch() (CPU/MPS: from the plan) or
-probe_micro_batch() (CUDA: real forward+backward, halving on out-of-memory; devices.is_oom classifies errors).
+step.probe_batch_size() (CUDA: real forward+backward, halving on out-of-memory; devices.is_oom classifies errors).
 
 The activation model follows what eager PyTorch saves per block (dropout 0, SDPA's fused kernel): the block
 input and the residual after attention (fp32 under autocast too), the LayerNorm outputs as the next matmul
@@ -16,7 +16,7 @@ and, under autocast, the low-precision copies of the block's matmul weights. tor
 plan is an upper bound there.
 
 A run calls resolve_batch_size() before anything is built (the plan line, a refusal, batch_size='auto' from the
-plan) and probe_batch_size() once the bare model exists (batch_size='auto' on CUDA); step.py halves the
+plan) and step.probe_batch_size() once the bare model exists (batch_size='auto' on CUDA); step.py halves the
 micro-batch on an out-of-memory mid-run (smaller_micro_batch). dryrun.py proves a plan at the real size and
 world size on fake tensors.
 """
@@ -26,11 +26,9 @@ import os
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 
 from gpt2train.config import CHOICES, ConfigError, batch_layout
-from gpt2train.console import distributed, log
-from gpt2train.devices import autocast, is_oom, resolve_compile, rng_state, set_rng_state
+from gpt2train.console import log
 from model import GPT, GRAD_W_SLICE_ROWS, LOSS_CHUNK_ROWS, SMEAR_CHANNELS
 
 GiB = 2**30
@@ -442,60 +440,6 @@ def smaller_micro_batch(rows: int, batch_size: int) -> int | None:
     return next((d for d in divisors(rows) if d <= batch_size // 2), None)
 
 
-def probe_micro_batch(try_step, candidates, reserve_bytes=0, device=None) -> tuple[int, str]:
-    """CUDA batch_size='auto': try_step(b) runs one real forward+backward at micro-batch b and raises
-    torch.OutOfMemoryError if it does not fit. Starts at the largest candidate (divisors of the per-rank
-    batch) and on out-of-memory moves to the largest candidate at most half the size. reserve_bytes (bytes, or
-    a function of b giving them) are held on `device` during each try (what the real step has and the bare
-    model's try does not: optimizer state, resident gradients, NCCL's buffers). try_step should run the
-    bare model (no DDP collectives: ranks may fail at different sizes). All ranks then agree on the smallest
-    choice (one all-reduce MIN). Returns (micro_batch, why)."""
-    candidates = sorted(set(candidates), reverse=True)
-    b, failed = candidates[0], []
-    while b is not None:
-        oom = reserve = None
-        try:
-            held = reserve_bytes(b) if callable(reserve_bytes) else reserve_bytes
-            if held:  # held while try_step runs
-                reserve = torch.empty(held, dtype=torch.uint8, device=device)
-            try_step(b)
-        except Exception as e:  # noqa: BLE001 -- only out-of-memory is handled; the rest is re-raised
-            if not is_oom(e):
-                raise
-            oom = e
-        del reserve
-        if oom is None:
-            break
-        failed.append(b)
-        del oom  # its traceback holds the failed step's tensors
-        free_cached_memory(device)
-        b = next((c for c in candidates if c <= b // 2), None)
-    free_cached_memory(device)
-    chosen = agree_micro_batch(b or 0, device)  # every rank takes part, also one that found nothing
-    if not chosen:
-        where = (
-            f"out of memory even at micro-batch {failed[-1]} (tried {', '.join(map(str, failed))})"
-            if b is None
-            else "another rank ran out of memory even at micro-batch 1"
-        )
-        raise MemoryPlanError(f"batch_size='auto': {where}; try activation_checkpointing=True or parallel='fsdp'")
-    why = (
-        f"micro-batch {chosen}: the largest that ran forward+backward"
-        + (f" (out of memory at {', '.join(map(str, failed))})" if failed else "")
-        + (f"; {b} here, {chosen} on the smallest rank" if chosen != b else "")
-    )
-    return chosen, why
-
-
-def agree_micro_batch(batch_size: int, device=None) -> int:
-    """The smallest batch_size over all ranks (an all-reduce MIN) when torch.distributed is initialized."""
-    if not distributed():
-        return batch_size
-    t = torch.tensor([batch_size], device=device if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
-
-
 def free_cached_memory(device) -> None:
     """What an out-of-memory left behind, back to the device: unreachable tensors, CUDA's cached blocks."""
     gc.collect()
@@ -594,46 +538,3 @@ def resolve_batch_size(cfg, env, shape):
         msg = check_fits(shape, cfg.batch_size, available, what, rows, **plan_kwargs(cfg, env))
         raise ConfigError(f"{msg} (memory_check=False skips this check)")
     return cfg
-
-
-def probe_batch_size(raw_model, cfg, env, loaders):
-    """batch_size='auto' on a probed device: the largest divisor of the per-rank rows that runs one forward+
-    backward of the bare model (memory.probe_micro_batch; all ranks agree) with what the real step has beside it
-    held aside (reserve below), leaving its RNGs and gradients as they were. Returns cfg with the resolved
-    batch_size; the loaders take it too."""
-    rows = rows_per_rank(cfg.total_batch_size, cfg.block_size, env.world_size)
-    plan = estimate_memory(raw_model.config, 1, **plan_kwargs(cfg, env))
-    rngs = rng_state()
-
-    def try_step(b):
-        x = torch.randint(0, cfg.vocab_size, (b, cfg.block_size), device=env.device)  # (b, T)
-        try:
-            with autocast(env.device, env.dtype):
-                raw_model(x, x, return_logits=False)[1].backward()
-        finally:
-            raw_model.zero_grad(set_to_none=True)
-
-    compiled = resolve_compile(cfg.compile, env.device, env.dtype)
-
-    def reserve(b):  # what the probe's bare forward+backward lacks: optimizer state; under torchrun NCCL's
-        # buffers; the fp32 gradients where they are resident from the step's first forward on: DDP's bucket
-        # views (kept across steps) or accumulation's (micro-batch b below the rows), 4 bytes/param; what compile
-        # adds to the activations
-        resident = plan.grads if env.distributed or b < rows else 0
-        planned = estimate_memory(raw_model.config, b, **plan_kwargs(cfg, env))
-        margin = with_margin(planned.total) - planned.total  # what neither the plan nor this probe sees (MARGIN)
-        extra = int(planned.activations * COMPILE_RESERVE_FRACTION) if compiled else 0
-        return plan.optimizer + resident + (NCCL_RESERVE if env.distributed else 0) + margin + extra
-
-    try:
-        b, why = probe_micro_batch(try_step, divisors(rows), device=env.device, reserve_bytes=reserve)
-    except MemoryPlanError as e:
-        raise ConfigError(str(e)) from None
-    set_rng_state(rngs)
-    if env.kind == "cuda":  # step 1's peak_mem_mb is then the step's, not the probe's
-        torch.cuda.reset_peak_memory_stats(env.device)
-    log(f"batch_size='auto': {why} ({rows // b} accumulation steps)")
-    for loader in loaders:
-        if loader is not None:
-            loader.set_batch_size(b)
-    return replace(cfg, batch_size=b)

@@ -7,15 +7,11 @@ tokens so a compile error means eager from the start, never a swap mid-run. gath
 evaluations a whole copy of a sharded model; step.py runs the step's micro-batches on what parallelize() returned.
 """
 
-import contextlib
 import os
 import random
-import socket
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from gpt2train.config import ConfigError
-from gpt2train.console import is_rank0, launched_by_torchrun, log
+from gpt2train.console import launched_by_torchrun, log
 from gpt2train.devices import (
     DTYPES,
     device_type,
@@ -33,7 +29,6 @@ from gpt2train.devices import (
     tune_cpu_allocator,
     use_cuda_device,
 )
-from gpt2train.files import directory_lock
 from model import GPT, rotary_cos_sin
 
 
@@ -64,66 +59,6 @@ class Env:
 
 
 # ----------------------------------------------------------------------------- how the processes are arranged
-
-
-def lock_out_dir(out_dir):
-    """One run per out_dir: rank 0 holds an exclusive lock on it (files.directory_lock) for the whole run;
-    a second run there is a one-line error naming the holder. The other ranks of a torchrun job don't lock."""
-    if not is_rank0():
-        return contextlib.nullcontext()
-    return directory_lock(out_dir, "train.py")
-
-
-def check_shared_out_dir(out_dir, resumed_step, problem, env):
-    """The rule for torchrun runs: out_dir is one directory every rank sees (storage shared by all nodes), since
-    rank 0 alone writes the checkpoints that every rank reads on resume. Rank 0 writes a marker file there and
-    each rank looks for it; then ranks compare what they resumed from and any error they deferred. Raises the
-    same one-line ConfigError on every rank on a mismatch. Nothing to check outside torchrun."""
-    if not env.distributed:
-        return
-    token = [f"{socket.gethostname()}.{os.getpid()}.{time.time_ns()}"]  # unique: two runs never mix markers
-    dist.broadcast_object_list(token, src=0)
-    marker = Path(out_dir) / f".out_dir_check.{token[0]}"
-    if env.master:
-        try:
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(token[0])
-        except OSError as e:
-            problem = problem or f"cannot write to out_dir {out_dir}: {e.strerror}"
-    dist.barrier()
-    sees = False
-    for _ in range(10):  # a shared filesystem may show a new file a moment late
-        try:
-            sees = marker.read_text() == token[0]
-        except OSError:
-            pass
-        if sees or env.master:
-            break
-        time.sleep(0.5)
-    ranks = [None] * env.world_size
-    dist.all_gather_object(
-        ranks, {"host": socket.gethostname(), "sees": sees, "problem": problem, "resumed_step": resumed_step}
-    )
-    if env.master:
-        marker.unlink(missing_ok=True)
-    blind = [r for r, info in enumerate(ranks) if not info["sees"]]
-    if blind and not ranks[0]["problem"]:
-        hosts = sorted({ranks[r]["host"] for r in blind})
-        raise ConfigError(
-            f"out_dir {out_dir} must be storage shared by every node: rank(s) {rank_ranges(blind)} on "
-            f"{', '.join(hosts)} do not see the file rank 0 ({ranks[0]['host']}) wrote there "
-            f"(node-local disk?); use a path on a shared filesystem"
-        )
-    failed = [(r, info) for r, info in enumerate(ranks) if info["problem"]]
-    if failed:
-        r, info = failed[0]
-        raise ConfigError(f"rank {r} ({info['host']}): {info['problem']}")
-    resumed = sorted({str(info["resumed_step"]) for info in ranks})
-    if len(resumed) > 1:
-        raise ConfigError(
-            f"ranks resumed from checkpoints of different steps ({', '.join(resumed)}) in out_dir "
-            f"{out_dir}: every node must see the same shared directory"
-        )
 
 
 def any_rank(flag, env):

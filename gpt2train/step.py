@@ -1,16 +1,18 @@
 """One optimizer step's micro-batches on whatever parallel.parallelize() returned: batches to the device, gradient
 sync only where an accumulation needs it, the loss weighted by each micro-batch's trained tokens, the global
 gradient norm clipped; and the one out-of-memory loop (halving: the micro-batch halves) that the step, validation's
-micro-batches (in_micro_batches) and the compile trial before step 1 (compile_works) run through. train.py's loop
+micro-batches (in_micro_batches), the compile trial before step 1 (compile_works) and batch_size='auto''s probe of
+the bare model (probe_batch_size) run through. train.py's loop
 and dryrun.py's simulation run this same code.
 """
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from gpt2train.config import batch_layout
+from gpt2train.config import ConfigError, batch_layout
 from gpt2train.console import log
 from gpt2train.devices import (
     autocast,
@@ -18,11 +20,22 @@ from gpt2train.devices import (
     is_compile_error,
     is_oom,
     make_compile_deterministic,
+    resolve_compile,
     rng_state,
     set_rng_state,
 )
 from gpt2train.files import Halt, first_line
-from gpt2train.memory import free_cached_memory, smaller_micro_batch
+from gpt2train.memory import (
+    COMPILE_RESERVE_FRACTION,
+    NCCL_RESERVE,
+    MemoryPlanError,
+    estimate_memory,
+    free_cached_memory,
+    plan_kwargs,
+    rows_per_rank,
+    smaller_micro_batch,
+    with_margin,
+)
 from gpt2train.parallel import keeps_grads
 
 
@@ -231,3 +244,93 @@ def trial(compiled, b, cfg, env):
             compiled.eval()
             with torch.no_grad():
                 compiled(x, y, return_logits=False)
+
+
+def probe_batch_size(raw_model, cfg, env, loaders):
+    """batch_size='auto' on a probed device: the largest divisor of the per-rank rows that runs one forward+
+    backward of the bare model (probe_micro_batch; all ranks agree) with what the real step has beside it
+    held aside (reserve below), leaving its RNGs and gradients as they were. Returns cfg with the resolved
+    batch_size; the loaders take it too."""
+    rows = rows_per_rank(cfg.total_batch_size, cfg.block_size, env.world_size)
+    plan = estimate_memory(raw_model.config, 1, **plan_kwargs(cfg, env))
+    rngs = rng_state()
+
+    def try_step(b):
+        x = torch.randint(0, cfg.vocab_size, (b, cfg.block_size), device=env.device)  # (b, T)
+        try:
+            with autocast(env.device, env.dtype):
+                raw_model(x, x, return_logits=False)[1].backward()
+        finally:
+            raw_model.zero_grad(set_to_none=True)
+
+    compiled = resolve_compile(cfg.compile, env.device, env.dtype)
+
+    def reserve(b):  # what the probe's bare forward+backward lacks: optimizer state; under torchrun NCCL's
+        # buffers; the fp32 gradients where they are resident from the step's first forward on: DDP's bucket
+        # views (kept across steps) or accumulation's (micro-batch b below the rows), 4 bytes/param; what compile
+        # adds to the activations
+        resident = plan.grads if env.distributed or b < rows else 0
+        planned = estimate_memory(raw_model.config, b, **plan_kwargs(cfg, env))
+        margin = with_margin(planned.total) - planned.total  # what neither the plan nor this probe sees (MARGIN)
+        extra = int(planned.activations * COMPILE_RESERVE_FRACTION) if compiled else 0
+        return plan.optimizer + resident + (NCCL_RESERVE if env.distributed else 0) + margin + extra
+
+    try:
+        b, why = probe_micro_batch(try_step, rows, env, reserve_bytes=reserve)
+    except MemoryPlanError as e:
+        raise ConfigError(str(e)) from None
+    set_rng_state(rngs)
+    if env.kind == "cuda":  # step 1's peak_mem_mb is then the step's, not the probe's
+        torch.cuda.reset_peak_memory_stats(env.device)
+    log(f"batch_size='auto': {why} ({rows // b} accumulation steps)")
+    for loader in loaders:
+        if loader is not None:
+            loader.set_batch_size(b)
+    return replace(cfg, batch_size=b)
+
+
+def probe_micro_batch(try_step, rows, env, reserve_bytes=0):
+    """CUDA batch_size='auto': try_step(b) runs one real forward+backward at micro-batch b and raises
+    torch.OutOfMemoryError if it does not fit. From micro-batch `rows` (sequences per rank per step) down, halving
+    as a step does (halving). reserve_bytes (bytes, or a function of b giving them) are held on env.device during
+    each try (what the real step has and the bare model's try does not: optimizer state, resident gradients,
+    NCCL's buffers). try_step runs the bare model (no collectives), so each rank halves alone; then all ranks agree
+    on the smallest choice (one all-reduce MIN). Returns (micro_batch, why)."""
+    tried = []
+
+    def attempt(b):
+        tried.append(b)
+        held = reserve_bytes(b) if callable(reserve_bytes) else reserve_bytes
+        reserve = torch.empty(held, dtype=torch.uint8, device=env.device) if held else None  # noqa: F841
+        try_step(b)
+        return b
+
+    try:
+        b = halving(attempt, lambda b, smaller: None, rows, rows, replace(env, distributed=False), "the probe")
+    except Halt:  # out of memory at micro-batch 1
+        b = 0
+    free_cached_memory(env.device)
+    failed = tried[:-1] if b else tried
+    chosen = agree_micro_batch(b, env)  # every rank takes part, also one that found nothing
+    if not chosen:
+        where = (
+            f"out of memory even at micro-batch {failed[-1]} (tried {', '.join(map(str, failed))})"
+            if not b
+            else "another rank ran out of memory even at micro-batch 1"
+        )
+        raise MemoryPlanError(f"batch_size='auto': {where}; try activation_checkpointing=True or parallel='fsdp'")
+    why = (
+        f"micro-batch {chosen}: the largest that ran forward+backward"
+        + (f" (out of memory at {', '.join(map(str, failed))})" if failed else "")
+        + (f"; {b} here, {chosen} on the smallest rank" if chosen != b else "")
+    )
+    return chosen, why
+
+
+def agree_micro_batch(batch_size, env):
+    """The smallest batch_size over all ranks (an all-reduce MIN) under torchrun."""
+    if not env.distributed:
+        return batch_size
+    t = torch.tensor([batch_size], device=env.device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())

@@ -187,16 +187,16 @@ def test_probe_reserves_optimizer_state_resident_gradients_nccl_buffers_and_comp
     graph saves beyond eager (COMPILE_RESERVE_FRACTION of the activations). Then the peak stats are reset."""
     seen = {}
 
-    def probe(try_step, candidates, device=None, reserve_bytes=0):
-        seen["reserve"] = {b: reserve_bytes(b) for b in candidates}
+    def probe(try_step, rows, env, reserve_bytes=0):
+        seen["reserve"] = {b: reserve_bytes(b) for b in memory.divisors(rows)}
         return 2, "probed"
 
-    monkeypatch.setattr(memory, "probe_micro_batch", probe)
+    monkeypatch.setattr(step, "probe_micro_batch", probe)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: seen.update(reset=device))
     world = 2 if torchrun else 1
     cfg = make_config({**DEEP, "batch_size": "auto", "total_batch_size": 4 * 32 * world, "compile": compiled})
     env = parallel.Env(0, 0, world, torchrun, "cuda:0", "bfloat16")
-    out = memory.probe_batch_size(GPT(model_config(cfg)), cfg, env, [])
+    out = step.probe_batch_size(GPT(model_config(cfg)), cfg, env, [])
     plan = estimate_memory(model_config(cfg), 1, **memory.plan_kwargs(cfg, env))
     assert plan.grads == 4 * GPT(model_config(cfg)).num_params()
     nccl = memory.NCCL_RESERVE if torchrun else 0
@@ -217,9 +217,10 @@ def test_probe_reserves_optimizer_state_resident_gradients_nccl_buffers_and_comp
 
 def test_probe_holds_each_candidates_reservation_while_it_runs():
     held = []
-    b, _ = memory.probe_micro_batch(
+    b, _ = step.probe_micro_batch(
         lambda b: None if b <= 2 else (_ for _ in ()).throw(torch.OutOfMemoryError()),
-        [8, 4, 2, 1],
+        8,
+        parallel.Env(0, 0, 1, False, "cpu", "float32"),
         reserve_bytes=lambda b: held.append(b) or 1024,
     )
     assert b == 2 and held == [8, 4, 2]

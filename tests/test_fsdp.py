@@ -23,7 +23,7 @@ import checkpoint as checkpoint_command
 import hellaswag
 import sample
 import train
-from gpt2train import checkpoint, loading, optim, parallel, resume
+from gpt2train import checkpoint, loading, optim, parallel, start
 from gpt2train.checkpoint import load_checkpoint, load_latest_checkpoint, save_sharded_checkpoint
 from gpt2train.config import make_config
 from gpt2train.data import write_shard
@@ -319,7 +319,7 @@ def test_under_torchrun_a_rank_other_than_0_hashes_nothing(data_dir, tmp_path, m
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("WORLD_SIZE", "2")
         hashed.clear()
-        cfg, source, problem = resume.resolve_config_or_defer(user)
+        cfg, source, problem = start.resolve_config_or_defer(user)
         assert hashed == expected, rank
         assert source.state["path"] == str(tmp_path / "ckpt_000002.pt") and problem is None
 
@@ -337,7 +337,7 @@ def test_a_sharded_resume_hashes_the_metadata_first_and_then_each_rank_its_share
     )
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    cfg, source, problem = resume.resolve_config_or_defer(
+    cfg, source, problem = start.resolve_config_or_defer(
         train.parse_args(["--init_from=resume", f"--out_dir={tmp_path}", f"--data_dir={data_dir}"])
     )
     ckpt = source.resumed
@@ -347,19 +347,19 @@ def test_a_sharded_resume_hashes_the_metadata_first_and_then_each_rank_its_share
     assert shards  # DCP's __0_0.distcp
     gathered = []  # the ranks' results, as all_gather_object hands them to each rank (here: this rank's, twice)
     monkeypatch.setattr(
-        resume.dist,
+        start.dist,
         "all_gather_object",
         lambda out, mine: (gathered.append(mine), out.__setitem__(slice(None), [mine] * 2)),
     )
     for rank in (0, 1):
         hashed.clear()
-        resume.verify_shards(ckpt, parallel.Env(rank, rank, 2, True, "cpu", "float32", "fsdp", (2,)))
+        start.verify_shards(ckpt, parallel.Env(rank, rank, 2, True, "cpu", "float32", "fsdp", (2,)))
         assert hashed == shards[rank::2]
     damaged = tmp_path / "ckpt_000005" / shards[0]
     data = bytearray(damaged.read_bytes())
     data[len(data) // 2] ^= 1
     damaged.write_bytes(bytes(data))
-    reason = resume.verify_shards(ckpt, parallel.Env(0, 0, 2, True, "cpu", "float32", "fsdp", (2,)))
+    reason = start.verify_shards(ckpt, parallel.Env(0, 0, 2, True, "cpu", "float32", "fsdp", (2,)))
     assert reason.startswith(f"{tmp_path / 'ckpt_000005'}: damaged: its sha256 is ")
 
 
@@ -387,7 +387,7 @@ SHARDED_EVAL = """
 import json, sys
 import torch
 import train
-from gpt2train import assets, parallel, resume
+from gpt2train import assets, parallel, start
 from gpt2train.config import make_config, model_config
 from gpt2train.evaluation import Evaluator, sample_preview
 from model import GPT
@@ -403,7 +403,7 @@ env = parallel.setup(cfg)
 evaluator = Evaluator(None, None, NoTracker(), cfg, env, None)
 evaluator.enc = enc
 evaluator.suites["hellaswag"] = Suite({"hellaswag_llmc": examples}, enc, env.rank, env.world_size)  # as it keeps them
-raw, cfg = train.build_model(cfg, resume.Source("scratch"), env)  # as train.py builds a sharded run: on meta
+raw, cfg = train.build_model(cfg, start.Source("scratch"), env)  # as train.py builds a sharded run: on meta
 model = train.parallelize(raw, cfg, env)
 torch.manual_seed(cfg.seed)
 alone = GPT(model_config(cfg))  # what one process starts from with the same seed

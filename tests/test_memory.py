@@ -8,11 +8,12 @@ import torch
 
 import model as M
 from bench.memory import peak_of_live_tensors
-from gpt2train import devices, memory
+from gpt2train import devices, memory, parallel, step
 from gpt2train.memory import GiB, MemoryPlanError, estimate_memory
 from model import GPT, PRESETS, GPTConfig
 
 TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+CPU = parallel.Env(0, 0, 1, False, "cpu", "float32")  # one process: the probe's halving never halts for torchrun
 LINE = re.compile(
     r"^estimated peak memory per rank: (\d+\.\d+) GiB \(params (\d+\.\d+) \+ grads (\d+\.\d+) \+ "
     r"AdamW (\d+\.\d+) \+ activations (\d+\.\d+) at micro-batch (\d+) \+ logits (\d+\.\d+)\)$"
@@ -201,15 +202,15 @@ def test_probe_halves_on_simulated_oom_and_ends_at_the_right_size():
         ran.append(b)
 
     limit = 4
-    b, why = memory.probe_micro_batch(try_step, memory.divisors(12))
+    b, why = step.probe_micro_batch(try_step, 12, CPU)
     assert (b, ran) == (3, [3]) and "out of memory at 12, 6" in why  # 12 -> 6 -> 3: halving, largest divisor
     ran.clear()
-    assert memory.probe_micro_batch(try_step, memory.divisors(16))[0] == 4 and ran == [4]
+    assert step.probe_micro_batch(try_step, 16, CPU)[0] == 4 and ran == [4]
     limit = 0
     with pytest.raises(MemoryPlanError, match="even at micro-batch 1"):
-        memory.probe_micro_batch(try_step, [4, 2, 1])
+        step.probe_micro_batch(try_step, 4, CPU)
     with pytest.raises(ValueError, match="not an oom"):  # other errors are not swallowed
-        memory.probe_micro_batch(lambda b: (_ for _ in ()).throw(ValueError("not an oom")), [2, 1])
+        step.probe_micro_batch(lambda b: (_ for _ in ()).throw(ValueError("not an oom")), 2, CPU)
 
 
 def test_is_oom_tells_out_of_memory_from_other_errors():

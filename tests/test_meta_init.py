@@ -89,12 +89,12 @@ def test_a_model_that_a_sharded_checkpoint_will_fill_is_allocated_without_replay
     """Resuming a sharded checkpoint: the shards are allocated and the rotary tables computed, but the random
     initialisation the load overwrites is not replayed (it draws every whole parameter once: minutes at 6.7B)."""
     import train
-    from gpt2train import resume
+    from gpt2train import start
     from model import rotary_cos_sin
 
     cfg = make_config({**ARCHS["neox (untied, rotary)"], "compile": False})
     env = parallel.Env(0, 0, 2, True, "cpu", "float32", "fsdp", (2,))
-    resumed = resume.Source("resume", {"model_args": model_config(cfg).__dict__, "shards": "unused"})
+    resumed = start.Source("resume", {"model_args": model_config(cfg).__dict__, "shards": "unused"})
     model, _ = train.build_model(cfg, resumed, env)
     assert model.deferred_init is None  # nothing recorded to replay
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)

@@ -25,6 +25,7 @@ import torch
 import model as model_module
 import train
 from gpt2train import checkpoint, loading, optim
+from gpt2train.budget import Budget
 from gpt2train.checkpoint import load_checkpoint, load_latest_checkpoint
 from gpt2train.config import TrainConfig
 from gpt2train.data import DataLoader, ShardError, write_shard
@@ -104,19 +105,21 @@ def test_total_batch_size_must_divide(data_dir, tmp_path, capsys):
 
 def test_lr_schedules():
     cfg = TrainConfig(learning_rate=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
-    lrs = [get_lr(s, cfg) for s in range(110)]
+    lrs = [get_lr(s, cfg, cfg.max_steps) for s in range(110)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)  # linear warmup to the peak
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))  # then non-increasing
     assert lrs[60] == pytest.approx(0.55)  # cosine: halfway between peak and floor at mid-decay
-    assert lrs[-1] == pytest.approx(0.1, abs=1e-3) and get_lr(500, cfg) == 0.1
+    assert lrs[-1] == pytest.approx(0.1, abs=1e-3) and get_lr(500, cfg, cfg.max_steps) == 0.1
     longer = TrainConfig(learning_rate=1.0, min_lr=0.1, warmup_steps=10, max_steps=110, lr_decay_steps=210)
-    assert get_lr(60, longer) > lrs[60]  # the schedule follows lr_decay_steps, not max_steps
+    assert get_lr(60, longer, longer.max_steps) > lrs[60]  # the schedule follows lr_decay_steps, not max_steps
     wsd = TrainConfig(
         learning_rate=1.0, min_lr=0.0, warmup_steps=10, max_steps=110, lr_schedule="wsd", wsd_decay_frac=0.5
     )
-    assert [get_lr(s, wsd) for s in (10, 54)] == [1.0, 1.0]  # stable phase
-    assert get_lr(55, wsd) == 1.0 and get_lr(82, wsd) == pytest.approx(0.5, abs=0.02)  # linear decay over the last half
-    assert get_lr(109, wsd) == pytest.approx(0.0, abs=0.02)
+    assert [get_lr(s, wsd, wsd.max_steps) for s in (10, 54)] == [1.0, 1.0]  # stable phase
+    assert get_lr(55, wsd, wsd.max_steps) == 1.0 and get_lr(82, wsd, wsd.max_steps) == pytest.approx(
+        0.5, abs=0.02
+    )  # linear decay over the last half
+    assert get_lr(109, wsd, wsd.max_steps) == pytest.approx(0.0, abs=0.02)
 
 
 # ----------------------------------------------------------------------------- the loop's outputs
@@ -337,11 +340,11 @@ def test_a_budget_times_steps_3_to_10_or_those_done_before_a_save_and_trains_10_
     def fixed(max_seconds, seconds):
         """max_steps as a budget fixes it from these steps' seconds: itself after 10 steps, or as a save forces it."""
         cfg = TrainConfig(max_seconds=max_seconds)
-        budget = train.Budget(cfg, SimpleNamespace(distributed=False, master=False, device="cpu"))
+        budget = Budget(cfg, SimpleNamespace(distributed=False, master=False, device="cpu"), fixed=False)
         fixed_now = [budget.add(s) for s in seconds]
         assert fixed_now == [False] * 9 + [True] if len(seconds) == 10 else not any(fixed_now)
         budget.fix()  # before a checkpoint; nothing once fixed
-        return cfg.max_steps
+        return budget.max_steps
 
     assert fixed(30, [5.0, 5.0] + [1.0] * 8) == 22  # 18 s spent, 12 s left at 1 s a step (not at 1.8 s)
     assert fixed(10, [5.0, 5.0] + [1.0] * 8) == 10  # over budget: the 10 steps timed
@@ -373,7 +376,7 @@ def test_max_seconds_fixes_max_steps_from_steps_3_to_10_and_a_resume_continues_b
     full_lrs = lrs(tmp_path / "full")
     assert [full_lrs[s] for s in range(3, 12)] == [3e-3] * 9 and full_lrs[12] < 3e-3  # the decay after step 10
     fixed = TrainConfig(learning_rate=3e-3, min_lr=3e-4, warmup_steps=2, max_seconds=12, max_steps=26)
-    assert full_lrs == {s: get_lr(s - 1, fixed) for s in range(1, 27)}  # the timed steps' too: the fixed schedule's
+    assert full_lrs == {s: get_lr(s - 1, fixed, 26) for s in range(1, 27)}  # the timed steps' too: the fixed schedule's
 
     for stop in (14, 4):
         split = tmp_path / f"split{stop}"
@@ -453,8 +456,21 @@ def test_fine_tune_starts_from_the_checkpoints_weights_with_a_fresh_run(pretrain
     assert ft["step"] == 2 and ft["model_args"] == load_checkpoint(pretrained / "run")["model_args"]
 
 
+def test_a_fresh_start_builds_its_config_once_and_a_resume_twice(data_dir, tmp_path, monkeypatch):
+    """The start resolves the config once (start.resolve_config): a fresh run builds its TrainConfig once, a resume
+    twice (the user's keys checked alone, then over the checkpoint's config); the lock, the schedule note and the
+    budget build none. Every TrainConfig built runs __post_init__, which this counts."""
+    built, real = [], TrainConfig.__post_init__
+    monkeypatch.setattr(TrainConfig, "__post_init__", lambda self: built.append(self) or real(self))
+    assert run(data_dir, tmp_path, "--max_steps=2") == 0
+    assert len(built) == 1
+    built.clear()
+    assert run(data_dir, tmp_path, "--max_steps=3", "--init_from=resume", "--learning_rate=1e-3") == 0
+    assert len(built) == 2 and built[-1].max_steps == 3 and built[-1].learning_rate == 1e-3
+
+
 def test_a_fine_tune_reads_its_checkpoint_file_once_and_each_data_manifest_once(pretrained, tmp_path, monkeypatch):
-    """What a run starts from is decided once (resume.Source): the checkpoint to fine-tune is read from disk once
+    """What a run starts from is decided once (start.Source): the checkpoint to fine-tune is read from disk once
     (not once for its architecture and again for its weights), the data's manifest parsed once (not once for the
     tokenizer check and again by each loader)."""
     other = tmp_path / "other"

@@ -1,0 +1,63 @@
+"""How many optimizer steps a run trains: the Budget owns max_steps, which the loop, the schedule and every
+checkpoint read from it (the config is never rewritten mid-run).
+
+max_steps is the config's, or under max_seconds (a wall-clock budget for training; evaluation and checkpoints
+excluded) fixed once so that the schedule's decay fits the budget. A fresh run times its steps SKIPPED+1 .. FIXED_AT
+(the first ones are torch.compile's and the caches' warm-up: not timed, but spent from the budget), then fixes
+max_steps = the steps done + as many as the rest of the budget holds at their mean time (FIXED_AT at least). A
+checkpoint written sooner (a signal, a short save_interval) first fixes it from the steps done so far: every
+checkpoint of the run holds its fixed max_steps, and a resumed run continues on it, never re-timed, exactly as the
+uninterrupted run would (train.get_lr starts the decay after FIXED_AT either way).
+"""
+
+import torch
+import torch.distributed as dist
+
+from gpt2train.console import log
+
+
+class Budget:
+    """max_steps of a run (cfg: its config; env: parallel.Env). fixed: already known (no max_seconds, or a resume,
+    whose checkpoint's config holds the fixed count). on_fix(max_steps) is called once, when a budget fixes it."""
+
+    SKIPPED = 2
+    FIXED_AT = 10  # steps 3-10 timed
+
+    def __init__(self, cfg, env, fixed, on_fix=None):
+        self.max_steps, self.max_seconds, self.env, self.on_fix = cfg.max_steps, cfg.max_seconds, env, on_fix
+        self.seconds = []  # of each step so far, until fixed
+        self.fixed = fixed or not cfg.max_seconds
+        if not self.fixed:
+            log(
+                f"max_seconds={cfg.max_seconds:g}: max_steps is fixed after step {self.FIXED_AT}, from the steps' times"
+            )
+
+    def add(self, seconds):
+        """Count one step's seconds; fix max_steps when enough steps are timed. Returns whether it did now."""
+        if self.fixed:
+            return False
+        self.seconds.append(seconds)
+        return len(self.seconds) >= self.FIXED_AT and self.fix()
+
+    def fix(self):
+        """Fix max_steps from the steps done (at least one), now, if not fixed yet; returns whether it did now. Every
+        rank calls it alike."""
+        if self.fixed:
+            return False
+        done, spent = len(self.seconds), sum(self.seconds)
+        timed = self.seconds[self.SKIPPED :] or self.seconds  # fewer steps done: their mean, warm-up included
+        per_step = sum(timed) / len(timed)
+        # at least FIXED_AT: never the step a save fixes it at, and the same floor wherever it was fixed
+        steps = max(self.FIXED_AT, done + int((self.max_seconds - spent) / per_step))
+        if self.env.distributed:  # each rank timed its own steps: rank 0's count is the run's
+            agreed = torch.tensor(steps, device=self.env.device)
+            dist.broadcast(agreed, 0)
+            steps = int(agreed)
+        self.max_steps, self.fixed = steps, True
+        log(
+            f"max_seconds={self.max_seconds:g}: the first {done} steps took {spent:.1f} s, steps "
+            f"{done - len(timed) + 1}-{done} {per_step * 1000:,.0f} ms each: max_steps fixed at {steps}"
+        )
+        if self.on_fix:
+            self.on_fix(steps)
+        return True
