@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -329,9 +329,9 @@ def run_summary(raw_model, model, cfg, env, resumed_step):
 
 @dataclass
 class Training:
-    """What the loop works with, built once by run() (torchtitan's Trainer): the model as the loop calls it (model:
-    compiled or wrapped) and bare (raw_model: checkpoints, samples, evaluation), what steps it, the data, the
-    trackers; and what the loop's handlers need of where it stopped."""
+    """What the loop works with, put together once by run() (torchtitan's Trainer): the model as the loop calls it
+    (model: compiled or wrapped) and bare (raw_model: checkpoints, samples, evaluation), what steps it, the data,
+    the run's companions; and what the loop's handlers need of where it stopped."""
 
     cfg: object
     env: object
@@ -339,13 +339,13 @@ class Training:
     raw_model: object
     optimizer: object
     scaler: object
-    train_loader: object
-    tracker: object
-    checkpointer: object
-    evaluator: object
-    budget: Budget
-    progress: Progress
-    stop: StopRequest
+    train_loader: object = None
+    progress: Progress = field(default_factory=Progress)
+    tracker: object = None
+    budget: Budget | None = None
+    checkpointer: Checkpointer | None = None
+    evaluator: Evaluator | None = None
+    stop: StopRequest = field(default_factory=StopRequest)
     peak: float | None = None  # the device's peak FLOP/s, for MFU
     saved_step: int = 0  # the last step a checkpoint holds
     step_start: dict | None = None  # the train loader's position at the current step's start
@@ -369,39 +369,33 @@ def run(user, argv=()):
         model = after_compile_trial(model, compile_works(model, cfg, env, train_loader))
     optimizer = build_optimizer(raw_model, cfg, fused_adamw_supported(env.kind))  # after sharding
     scaler = torch.amp.GradScaler(env.kind, enabled=env.dtype == "float16")  # loss scaling for fp16 only
+    t = Training(cfg, env, model, raw_model, optimizer, scaler)
+    t.train_loader = train_loader
     resumed = source.resumed
-    progress = restore(resumed, raw_model, optimizer, scaler, train_loader) if resumed else Progress()
-    tracker = start_tracking(cfg, resumed, batch_layout(cfg, env.world_size)[0], env)
+    if resumed is not None:
+        t.progress = restore(resumed, raw_model, optimizer, scaler, train_loader)
+        t.saved_step = t.progress.step
+    t.tracker = start_tracking(cfg, resumed, batch_layout(cfg, env.world_size)[0], env)
     # a resume's max_steps was fixed by the run it continues; rank 0 rewrites config.json when a budget fixes it
-    on_fix = (lambda steps: write_config(cfg, steps)) if env.master else None
-    budget = Budget(cfg, env, source.kind == "resume", on_fix)
-    states = {"model": raw_model, "optimizer": optimizer, "scaler": scaler, "loader": train_loader, "tracker": tracker}
-    checkpointer = Checkpointer(cfg, env, states, source.tokenizer, budget)
-    evaluator = Evaluator(train_loader, val_loader, tracker, cfg, env, source.tokenizer)
+    t.budget = Budget(
+        cfg, env, source.kind == "resume", (lambda steps: write_config(cfg, steps)) if env.master else None
+    )
+    states = {
+        "model": raw_model,
+        "optimizer": optimizer,
+        "scaler": scaler,
+        "loader": train_loader,
+        "tracker": t.tracker,
+    }
+    t.checkpointer = Checkpointer(cfg, env, states, source.tokenizer, t.budget)
+    t.evaluator = Evaluator(train_loader, val_loader, t.tracker, cfg, env, source.tokenizer)
     log(config_table(cfg, user))
     log(run_summary(raw_model, model, cfg, env, resumed and resumed["step"]))
     if resumed is not None:
         restore_rngs(resumed, env)
         schedule_note(cfg, resumed["config"], resumed["step"])
     del source, resumed  # the checkpoint's copy of the weights and optimizer state goes
-    peak = peak_flops(torch.cuda.get_device_name(env.device) if env.kind == "cuda" else env.kind, env.dtype)
-    t = Training(
-        cfg,
-        env,
-        model,
-        raw_model,
-        optimizer,
-        scaler,
-        train_loader,
-        tracker,
-        checkpointer,
-        evaluator,
-        budget,
-        progress,
-        StopRequest(),
-        peak,
-        saved_step=progress.step,
-    )
+    t.peak = peak_flops(torch.cuda.get_device_name(env.device) if env.kind == "cuda" else env.kind, env.dtype)
     return train(t, argv)
 
 

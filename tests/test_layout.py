@@ -250,6 +250,76 @@ def test_no_call_in_the_training_loop_takes_more_than_six_arguments():
     assert not wide, wide
 
 
+MODULE_LINES, FUNCTION_LINES, CALL_ARGS = 600, 80, 6  # the library's size budgets
+
+
+def over_budget(root):
+    """What in the library under `root` (its root .py files and the package) breaks a size budget: a module over
+    MODULE_LINES lines, a function over FUNCTION_LINES (def to last line, docstring included), a call passing more
+    than CALL_ARGS arguments, unless it builds a record (a dataclass or NamedTuple of the library)."""
+    files = [*sorted(root.glob("*.py")), *sorted((root / PACKAGE).glob("*.py"))]
+    trees = {path.relative_to(root).as_posix(): (path.read_text(), ast.parse(path.read_text())) for path in files}
+    records = {
+        node.name
+        for _, tree in trees.values()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+        and (
+            any("dataclass" in ast.unparse(d) for d in node.decorator_list)
+            or any("NamedTuple" in ast.unparse(b) for b in node.bases)
+        )
+    }
+    found = []
+    for name, (text, tree) in trees.items():
+        if len(text.splitlines()) > MODULE_LINES:
+            found.append(f"{name}: {len(text.splitlines())} lines")
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > FUNCTION_LINES:
+                    found.append(f"{name}:{node.lineno} {node.name}(): {length} lines")
+            elif isinstance(node, ast.Call) and len(node.args) + len(node.keywords) > CALL_ARGS:
+                callee = ast.unparse(node.func)
+                if callee.split(".")[-1] not in records:
+                    found.append(f"{name}:{node.lineno} {callee}(...): {len(node.args) + len(node.keywords)} arguments")
+    return found
+
+
+def test_the_library_keeps_its_size_budgets():
+    """No module over 600 lines, no function over 80, no call with more than 6 arguments (a record's aside): a file
+    a newcomer reads in one sitting, a function on one screen, a call whose arguments can be told apart."""
+    assert not over_budget(ROOT), "\n".join(over_budget(ROOT))
+
+
+def test_the_size_budgets_catch_a_601_line_module_an_81_line_function_and_a_7_argument_call(tmp_path):
+    """In a copy of the library: one line more than a budget allows is caught, and a record with 7 fields is not."""
+    for path in code_files():
+        (tmp_path / path.relative_to(ROOT)).parent.mkdir(exist_ok=True)
+        shutil.copy(path, tmp_path / path.relative_to(ROOT))
+    before = over_budget(tmp_path)  # the library as it is (test_the_library_keeps_its_size_budgets)
+
+    def new():
+        return [found for found in over_budget(tmp_path) if found not in before]
+
+    padded = "\n".join(["x = 0"] * MODULE_LINES) + "\n"
+    (tmp_path / "padded.py").write_text(padded)
+    assert new() == []
+    (tmp_path / "padded.py").write_text(padded + "x = 1\n")
+    assert new() == ["padded.py: 601 lines"]
+    (tmp_path / "padded.py").unlink()
+    body = "".join(f"    x{i} = {i}\n" for i in range(FUNCTION_LINES - 1))
+    (tmp_path / PACKAGE / "long.py").write_text(f"def f():\n{body}")
+    assert new() == []
+    (tmp_path / PACKAGE / "long.py").write_text(f"def f():\n{body}    return 0\n")
+    assert new() == [f"{PACKAGE}/long.py:1 f(): 81 lines"]
+    record = "from dataclasses import dataclass\n\n\n@dataclass\nclass R:\n" + "".join(
+        f"    f{i}: int\n" for i in range(7)
+    )
+    calls = "R(1, 2, 3, 4, 5, 6, 7)\nprint(1, 2, 3, 4, 5, 6)\nprint(1, 2, 3, 4, 5, 6, sep='')\n"
+    (tmp_path / PACKAGE / "long.py").write_text(record + calls)
+    assert new() == [f"{PACKAGE}/long.py:15 print(...): 7 arguments"]
+
+
 def test_every_note_goes_through_console_log():
     """print(), tqdm.write and sys.stdout/stderr.write only in console.py, and print() in a script's main()
     (its result: a sample, a --json line, a report); "is there a process group?" is asked of console.distributed()."""

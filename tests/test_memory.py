@@ -215,9 +215,9 @@ def test_probe_halves_on_simulated_oom_and_ends_at_the_right_size():
 
 def test_is_oom_tells_out_of_memory_from_other_errors():
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    assert memory.is_oom(oom) and memory.is_oom(MemoryError())
-    assert memory.is_oom(RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"))
-    assert memory.is_oom(
+    assert devices.is_oom(oom) and devices.is_oom(MemoryError())
+    assert devices.is_oom(RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)"))
+    assert devices.is_oom(
         RuntimeError(
             "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate "
             "memory: you tried to allocate 4096 bytes"
@@ -229,9 +229,9 @@ def test_is_oom_tells_out_of_memory_from_other_errors():
         except RuntimeError as e:
             raise RuntimeError("backend compiler failed") from e
     except RuntimeError as wrapped:
-        assert memory.is_oom(wrapped)
-    assert not memory.is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
-    assert not memory.is_oom(ValueError("out of memory"))  # a config error that mentions memory
+        assert devices.is_oom(wrapped)
+    assert not devices.is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not devices.is_oom(ValueError("out of memory"))  # a config error that mentions memory
 
 
 def test_smaller_micro_batch_halves_to_a_divisor():
