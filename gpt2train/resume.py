@@ -22,21 +22,19 @@ import torch.distributed as dist
 
 from gpt2train import assets, bpe
 from gpt2train.checkpoint import (
-    FORMAT,
-    META_FILES,
-    CheckpointError,
-    checkpoint_path,
-    checksum_path,
     is_checkpoint,
     list_checkpoints,
     load_checkpoint,
     load_latest_checkpoint,
-    load_optimizer_state,
-    load_sharded_checkpoint,
     prune_checkpoints,
+)
+from gpt2train.checkpoint_file import (
+    FORMAT,
+    CheckpointError,
+    checkpoint_path,
+    checksum_path,
     read_checksums,
     save_checkpoint,
-    save_sharded_checkpoint,
     verify_checkpoint,
 )
 from gpt2train.config import ARCH_KEYS, ConfigError, make_config, model_config
@@ -47,6 +45,7 @@ from gpt2train.documents import prepare_command
 from gpt2train.files import Halt
 from gpt2train.memory import resolve_batch_size
 from gpt2train.parallel import check_shared_out_dir, setup, weights_finite
+from gpt2train.sharded import META_FILES, load_optimizer_state, load_sharded_checkpoint, save_sharded_checkpoint
 from gpt2train.tracking import check_tracking_available
 from model import PRESETS, GPTConfig
 
