@@ -5,13 +5,14 @@ that transformers, the lm-evaluation-harness and llama.cpp load as they are (doc
     python checkpoint.py export out/run hf_out            # an out_dir means its newest good checkpoint
     python checkpoint.py export out/chat hf_chat --chat   # a chat model: its chat tokens and template too
 
-The checkpoint format itself is gpt2train/checkpoint.py's.
+The checkpoint format itself is gpt2train/checkpoint.py's (checkpoint_file.py: a file; sharded.py: a DCP directory).
 """
 
 import argparse
 
 from gpt2train.chat import CHAT_TEMPLATE
-from gpt2train.checkpoint import CheckpointError, consolidate, model_from_checkpoint
+from gpt2train.checkpoint import consolidate, model_from_checkpoint
+from gpt2train.checkpoint_file import CheckpointError
 from gpt2train.files import report_error
 from gpt2train.hf import save_pretrained
 

@@ -26,13 +26,12 @@ the tokenizer (tokenizer_record: its content hash and size) and a copy of its fi
 <name>_tokenizer.json, so that train.py takes the vocabulary from the data and puts the tokenizer in its checkpoints.
 
 --format sft: supervised fine-tuning data (jsonl of prompt/completion or chat messages) -> token shards
-plus loss-mask shards of whole conversations (rows built at load time, for any block_size); see prepare_sft()
-and docs/sft.md.
+plus loss-mask shards of whole conversations (rows built at load time, for any block_size); see
+gpt2train/sft_shards.py and docs/sft.md.
 """
 
 import argparse
 import contextlib
-import hashlib
 import json
 import multiprocessing
 import os
@@ -41,26 +40,28 @@ import signal
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from gpt2train.bpe import open_tokenizer, tokenizer_record
 from gpt2train.console import log, progress_bar
-from gpt2train.data import HEADER_BYTES, MASK_SUFFIX, SHARD_SUFFIXES, write_mask, write_shard
-from gpt2train.documents import PRESETS, PrepError, expand_inputs, non_empty, resolve_source, val_files, val_first
-from gpt2train.files import (
-    LockError,
-    atomic_write,
-    directory_lock,
-    error_line,
-    error_message,
-    file_sha256,
-    first_line,
-    report_error,
+from gpt2train.data import SHARD_SUFFIXES, write_shard
+from gpt2train.documents import PRESETS, Corpus, PrepError, non_empty, resolve_source, val_first
+from gpt2train.files import atomic_write, error_message, file_sha256, report_error
+from gpt2train.prep_output import (
+    DEFAULT_SHARD_TOKENS,
+    as_uint16,
+    fingerprint,
+    locked,
+    remove_stale_temp_files,
+    shard_is_complete,
+    write_manifest,
 )
+from gpt2train.sft_shards import prepare_sft
 
-DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c / build-nanogpt: 100M tokens (200 MB) per shard
 VAL_SHARE = 0.1  # default validation split: the first 10% of the input, like nanoGPT's 90/10 ...
 DEFAULT_VAL_TOKENS = 1_000_000  # ... and at most this many tokens (1M tokens estimate a val loss well enough)
 
@@ -89,14 +90,6 @@ def tokenize_batch(texts, tokenizer="gpt2"):
         parts += (eot, ids)
         lengths[i] = len(ids) + 1
     return as_uint16(np.concatenate(parts), f"tokenizer {tokenizer}"), lengths
-
-
-def as_uint16(ids, source):
-    """ids as the uint16 array a shard holds; PrepError naming `source` (what made them) for an id of 65,536 or
-    more, which a cast would wrap silently into another id."""
-    if ids.size and int(ids.max()) >= 2**16:
-        raise PrepError(f"{source}: token id {int(ids.max()):,} does not fit the shards' uint16 (0 to 65,535)")
-    return ids.astype(np.uint16)
 
 
 def ignore_interrupts():
@@ -143,31 +136,7 @@ def tokenized(batches, pool, max_pending, tokenizer="gpt2"):
         yield (first, *result.get())
 
 
-# ---------------------------------------------------------------------------- shards and manifest
-
-
-def shard_is_complete(out_dir, record):
-    path = out_dir / record["file"]
-    return (
-        path.is_file()
-        and path.stat().st_size == HEADER_BYTES + 2 * record["tokens"]
-        and file_sha256(path) == record["sha256"]
-    )
-
-
-def remove_stale_temp_files(out_dir, name):
-    """Delete the temporary shard and manifest files (files.atomic_write's `.<file>.<pid>.tmp`) a killed run
-    left in out_dir; the caller holds out_dir's lock, so no other prep is writing them."""
-    stale = list(out_dir.glob(f".{name}_*.tmp"))
-    if stale:
-        size = sum(p.stat().st_size for p in stale)
-        for p in stale:
-            p.unlink(missing_ok=True)
-        log(f"prepare_data: removed {len(stale)} temporary file(s) ({size / 2**20:,.1f} MiB) of an interrupted run")
-
-
-def write_manifest(path, manifest):
-    atomic_write(path, json.dumps(manifest, indent=1) + "\n")
+# ---------------------------------------------------------------------------- shards
 
 
 class ShardWriter:
@@ -287,21 +256,7 @@ class ShardWriter:
 # ---------------------------------------------------------------------------- main
 
 
-def locked(out_dir):
-    """One prep per output directory (files.directory_lock), held while the returned context is: the lock makes
-    any temporary file of ours found there a killed run's. Taking it is the first write, so an output directory
-    that cannot be written fails now, before any work."""
-    held = contextlib.ExitStack()
-    try:
-        held.enter_context(directory_lock(out_dir, "prepare_data.py"))
-    except LockError as e:
-        raise PrepError(str(e)) from None
-    except OSError as e:
-        raise PrepError(f"cannot write to the output directory {out_dir} ({error_line(e)})") from None
-    return held
-
-
-def resumable_manifest(out_dir, name, manifest_path, fingerprint, settings):
+def resumable_manifest(out_dir, name, manifest_path, settings):
     """(the manifest to continue, the names of our shards found in out_dir): the earlier run's finished shards
     that verify (all of them, and complete, if it finished), or a fresh manifest. Somebody else's token files
     there, our shards without a manifest, or a manifest of another input are a PrepError."""
@@ -313,13 +268,13 @@ def resumable_manifest(out_dir, name, manifest_path, fingerprint, settings):
             f"{out_dir} holds other token files ({others[0]}, ...) that a loader reading the directory "
             f"would mix with the {name} shards; use another --out_dir"
         )
-    manifest = {"fingerprint": fingerprint, "settings": settings, "complete": False, "shards": []}
+    manifest = {"fingerprint": fingerprint(settings), "settings": settings, "complete": False, "shards": []}
     if manifest_path.exists():
         try:
             old = json.loads(manifest_path.read_text())
         except (OSError, ValueError) as e:
             raise PrepError(f"{manifest_path}: unreadable manifest ({e}); delete it and the {name}_* shards") from None
-        if old.get("fingerprint") != fingerprint:
+        if old.get("fingerprint") != manifest["fingerprint"]:
             raise PrepError(
                 f"{out_dir} holds {name} shards from a different input or settings ({manifest_path.name}); "
                 f"use another --out_dir or --name, or delete them"
@@ -338,40 +293,44 @@ def resumable_manifest(out_dir, name, manifest_path, fingerprint, settings):
     return manifest, existing
 
 
-def prepare(
-    inputs=None,
-    dataset=None,
-    out_dir=None,
-    name=None,
-    shard_tokens=None,
-    val_tokens=None,
-    num_proc=None,
-    text_key="text",
-    dataset_config=None,
-    split=None,
-    revision=None,
-    streaming=None,
-    start_method=None,
-    batch_chars=1 << 18,
-    progress=True,
-    tokenizer="gpt2",
-    val_input=None,
-):
-    """Tokenize the input into shards (see the module docstring); returns a summary dict."""
-    tokenizer, record = resolve_tokenizer(tokenizer)  # a bad --tokenizer fails before anything is read
-    describe, texts, count, preset, default_name = resolve_source(
-        inputs, dataset, text_key, dataset_config, split, revision, streaming
+@dataclass(frozen=True)
+class TextPrep:
+    """What prepare() writes, resolved once from the flags, the preset and the input."""
+
+    tokenizer: str  # what tokenize_batch takes: 'gpt2' or a tokenizer.json path
+    record: dict  # bpe.tokenizer_record of it
+    texts: Callable  # () -> the stream's texts (--val_input's documents first)
+    count: Callable  # () -> how many documents the stream holds, or None where unknown
+    out_dir: Path
+    name: str  # the shards' name prefix
+    shard_tokens: int
+    val_tokens: int | None  # None: VAL_SHARE of the input, at most DEFAULT_VAL_TOKENS
+    val_docs: int | None  # --val_input's documents, the val shard's whole; None without it
+    num_proc: int
+    settings: dict  # what the manifest records: a re-run with the same fingerprint continues the shards
+
+
+def plan(args):
+    """The TextPrep of prepare_data.py's flags; PrepError for a bad --tokenizer (before anything is read), input or
+    setting."""
+    tokenizer, record = resolve_tokenizer(args.tokenizer)  # a bad --tokenizer fails before anything is read
+    corpus = Corpus(
+        args.input, args.dataset, args.text_key, args.dataset_config, args.split, args.revision, args.streaming
     )
-    if val_input:  # the val documents first in the stream; ShardWriter cuts the val shard after them
-        if val_tokens is not None:
+    describe, texts, count, preset, default_name = resolve_source(corpus)
+    val_docs = None
+    if args.val_input:  # the val documents first in the stream; ShardWriter cuts the val shard after them
+        if args.val_tokens is not None:
             raise PrepError("give --val_input or --val_tokens, not both: the validation split is --val_input's")
-        val_describe, texts, count, val_docs = val_first(val_input, text_key, describe, texts, count)
-    t0 = time.time()  # after fetching the shakespeare file, if that was needed
-    name = re.sub(r"[^A-Za-z0-9]+", "_", name or default_name).strip("_") or "data"
-    out_dir = Path(out_dir or Path("data") / (dataset if dataset in PRESETS else name))  # e.g. data/fineweb-edu
-    shard_tokens = preset.get("shard_tokens", DEFAULT_SHARD_TOKENS) if shard_tokens is None else shard_tokens
-    val_tokens = preset.get("val_tokens") if val_tokens is None and not val_input else val_tokens  # None: a share
-    num_proc = (os.cpu_count() or 1) if num_proc is None else num_proc
+        val_describe, texts, count, val_docs = val_first(args.val_input, args.text_key, describe, texts, count)
+    name = re.sub(r"[^A-Za-z0-9]+", "_", args.name or default_name).strip("_") or "data"
+    out_dir = Path(
+        args.out_dir or Path("data") / (args.dataset if args.dataset in PRESETS else name)
+    )  # data/fineweb-edu
+    shard_tokens = preset.get("shard_tokens", DEFAULT_SHARD_TOKENS) if args.shard_tokens is None else args.shard_tokens
+    val_tokens = preset.get("val_tokens") if args.val_tokens is None and not args.val_input else args.val_tokens
+    num_proc = (os.cpu_count() or 1) if args.num_proc is None else args.num_proc
+    batch_chars = args.batch_chars
     if min(shard_tokens, 1 if val_tokens is None else val_tokens, num_proc, batch_chars) < 1 or shard_tokens >= 2**31:
         raise PrepError(
             f"--shard_tokens (below 2^31), --val_tokens, --num_proc and --batch_chars must be >= 1, got "
@@ -384,39 +343,27 @@ def prepare(
         "shard_tokens": shard_tokens,
         "val_tokens": val_tokens or {"share": VAL_SHARE, "max": DEFAULT_VAL_TOKENS},
     }
-    if val_input:  # recorded only then: the settings (fingerprint) of a run without it are unchanged
+    if args.val_input:  # recorded only then: the settings (fingerprint) of a run without it are unchanged
         settings.update(val_tokens={"documents": val_docs}, val_input=val_describe)
-    fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    return TextPrep(
+        tokenizer, record, texts, count, out_dir, name, shard_tokens, val_tokens, val_docs, num_proc, settings
+    )
 
+
+def prepare(args):
+    """Tokenize the input into shards (see the module docstring); args: prepare_data.py's flags for --format text
+    (arg_parser().parse_args([...])). Returns a summary dict."""
+    job = plan(args)
+    t0 = time.time()  # after fetching the shakespeare file, if that was needed
+    out_dir, name = job.out_dir, job.name
     with locked(out_dir):
         remove_stale_temp_files(out_dir, name)
         manifest_path = out_dir / f"{name}_manifest.json"
-        manifest, existing = resumable_manifest(out_dir, name, manifest_path, fingerprint, settings)
-        manifest["tokenizer"] = keep_tokenizer(out_dir, name, record)
-        writer = ShardWriter(out_dir, name, shard_tokens, val_tokens, manifest, val_docs if val_input else None)
-        num_docs = writer.start[0]
+        manifest, existing = resumable_manifest(out_dir, name, manifest_path, job.settings)
+        manifest["tokenizer"] = keep_tokenizer(out_dir, name, job.record)
+        writer = ShardWriter(out_dir, name, job.shard_tokens, job.val_tokens, manifest, job.val_docs)
         if not manifest["complete"]:
-            if manifest["shards"]:
-                log(
-                    f"prepare_data: {len(manifest['shards'])} finished shards verified; resuming at document {num_docs}"
-                )
-            open_tokenizer(tokenizer).encode_to_numpy("")  # fails early; forked workers inherit it ready-made
-            # The pool starts before anything else starts threads (tqdm's monitor, datasets' downloads):
-            # fork + threads can deadlock.
-            pool = multiprocessing.get_context(start_method).Pool(num_proc, ignore_interrupts) if num_proc > 1 else None
-            with pool or contextlib.nullcontext():
-                batches = document_batches(non_empty(texts()), batch_chars, start_doc=writer.start[0])
-                bar = progress_bar(
-                    total=count(), initial=num_docs, unit="doc", show=progress, desc=f"tokenizing ({num_proc} proc)"
-                )
-                for first, tokens, lengths in tokenized(batches, pool, max_pending=4 * num_proc, tokenizer=tokenizer):
-                    writer.add(first, tokens, lengths)
-                    num_docs = first + len(lengths)
-                    bar.update(len(lengths))
-                    bar.set_postfix_str(
-                        f"{writer.tokens_added / max(time.time() - t0, 1e-9) / 1e6:.2f}M tok/s", refresh=False
-                    )
-                bar.close()
+            num_docs = tokenize_into(writer, job, args, t0)
             if num_docs == 0:
                 raise PrepError("no documents with text in the input (all empty)")
             writer.finish(num_docs)
@@ -439,8 +386,37 @@ def prepare(
             "tokenized": writer.tokens_added,
             "seconds": seconds,
             "tokens_per_s": writer.tokens_added / seconds,
-            "tokenizer": record["id"],
+            "tokenizer": job.record["id"],
         }
+
+
+def tokenize_into(writer, job, args, t0):
+    """Tokenize the documents the writer still needs (a resumed run skips those of its finished shards) in
+    job.num_proc processes (args: --start_method, --batch_chars, --no_progress), adding them to the writer in input
+    order; returns the number of documents in the stream."""
+    num_docs, num_proc = writer.start[0], job.num_proc
+    if writer.records:
+        log(f"prepare_data: {len(writer.records)} finished shards verified; resuming at document {num_docs}")
+    open_tokenizer(job.tokenizer).encode_to_numpy("")  # fails early; forked workers inherit it ready-made
+    # The pool starts before anything else starts threads (tqdm's monitor, datasets' downloads):
+    # fork + threads can deadlock.
+    pool = multiprocessing.get_context(args.start_method).Pool(num_proc, ignore_interrupts) if num_proc > 1 else None
+    with pool or contextlib.nullcontext():
+        batches = document_batches(non_empty(job.texts()), args.batch_chars, start_doc=writer.start[0])
+        bar = progress_bar(
+            total=job.count(),
+            initial=num_docs,
+            unit="doc",
+            show=not args.no_progress,
+            desc=f"tokenizing ({num_proc} proc)",
+        )
+        for first, tokens, lengths in tokenized(batches, pool, max_pending=4 * num_proc, tokenizer=job.tokenizer):
+            writer.add(first, tokens, lengths)
+            num_docs = first + len(lengths)
+            bar.update(len(lengths))
+            bar.set_postfix_str(f"{writer.tokens_added / max(time.time() - t0, 1e-9) / 1e6:.2f}M tok/s", refresh=False)
+        bar.close()
+    return num_docs
 
 
 def resolve_tokenizer(spec):
@@ -471,165 +447,6 @@ def keep_tokenizer(out_dir, name, record):
         entry["file"] = f"{name}_tokenizer.json"
         atomic_write(Path(out_dir) / entry["file"], record["json"])
     return entry
-
-
-# ---------------------------------------------------------------------------- supervised fine-tuning data
-
-
-def write_sft_shard(path, split, conversations):
-    """One shard of whole (tokens, mask) conversations, back to back, and its loss-mask file; returns its manifest
-    record."""
-    tokens = as_uint16(np.array([t for c, _ in conversations for t in c], dtype=np.int64), path)
-    mask = np.array([m for _, k in conversations for m in k], dtype=np.uint8)
-    write_shard(path, tokens)
-    write_mask(path.with_suffix(MASK_SUFFIX), mask)
-    return {
-        "file": path.name,
-        "split": split,
-        "tokens": len(tokens),
-        "conversations": len(conversations),
-        "max_token": int(tokens.max()),
-        "sha256": file_sha256(path),
-        "mask": path.with_suffix(MASK_SUFFIX).name,
-        "trained_tokens": int(mask.sum()),
-        "mask_sha256": file_sha256(path.with_suffix(MASK_SUFFIX)),
-    }
-
-
-def prepare_sft(inputs, out_dir=None, name=None, block_size=None, shard_tokens=None, val_tokens=None, val_input=None):
-    """--format sft: jsonl conversations (chat.parse: {"prompt", "completion"} or {"messages"}) rendered with the
-    chat template (chat.py), written in input order as token shards plus aligned loss-mask shards
-    (data.write_mask): <name>_val_000000.bin/.mask (the first conversations, at least val_tokens tokens),
-    <name>_train_NNNNNN.bin/.mask (up to shard_tokens tokens of whole conversations each). Rows are built at load
-    time for the run's block_size (data.DocumentRows), so the data trains at any block_size; block_size here
-    only reports the conversations a run at that block_size would leave out. val_input: the val shard is those
-    files' conversations, the train shards the input's (not with val_tokens). A bad line is a PrepError naming
-    file:line. A re-run with the same input and settings verifies the shards and stops; anything else rewrites
-    them all (one pass, no resume mid-way: SFT sets are small)."""
-    from gpt2train import chat
-
-    files = expand_inputs(inputs)
-    val = val_files(val_input, [[str(p.resolve())] for p in files]) if val_input else []
-    if any(f.suffix != ".jsonl" for f in files + val):
-        raise PrepError(f"{next(f for f in files + val if f.suffix != '.jsonl')}: --format sft reads .jsonl files")
-    if val and val_tokens is not None:
-        raise PrepError("give --val_input or --val_tokens, not both: the validation split is --val_input's")
-    shard_tokens = shard_tokens or DEFAULT_SHARD_TOKENS
-    val_tokens = 1024 if val_tokens is None else val_tokens  # default: about a row of GPT-2's block_size
-    if min(val_tokens, shard_tokens, block_size or 1) < 1:
-        raise PrepError(
-            f"--val_tokens, --shard_tokens and --block_size must be >= 1, got "
-            f"{val_tokens}, {shard_tokens}, {block_size}"
-        )
-    name = re.sub(r"[^A-Za-z0-9]+", "_", name or (files[0].stem if len(files) == 1 else "sft")).strip("_") or "sft"
-    out_dir = Path(out_dir or Path("data") / name)
-    settings = {
-        "format": "llm.c uint16 shards v1 + uint8 loss masks, whole conversations (rows at load time)",
-        "tokenizer": "gpt2+chat",
-        "template": chat.CHAT_TEMPLATE,
-        "shard_tokens": shard_tokens,
-        "val_tokens": val_tokens,
-        "input": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files],
-    }
-    if val:  # recorded only then: the settings (fingerprint) of a run without it are unchanged
-        settings.update(
-            val_tokens="--val_input",
-            val_input=[[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in val],
-        )
-    fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-    manifest_path = out_dir / f"{name}_manifest.json"
-    with locked(out_dir):
-        remove_stale_temp_files(out_dir, name)
-        old = json.loads(manifest_path.read_text()) if manifest_path.exists() else None
-        t0, reused = time.time(), False
-        if (
-            old
-            and old.get("fingerprint") == fingerprint
-            and old.get("complete")
-            and all(
-                shard_is_complete(out_dir, r) and file_sha256(out_dir / r["mask"]) == r["mask_sha256"]
-                for r in old["shards"]
-            )
-        ):
-            manifest, reused = old, True
-        else:
-            manifest = write_sft_shards(files, out_dir, name, old, shard_tokens, val_tokens, fingerprint, settings, val)
-        summary = dict(manifest["summary"])
-        longest = summary.pop("longest")  # [where, tokens] of the longest conversations, longest first
-        too_long = [f"{where} ({n} tokens)" for where, n in longest if block_size and n > block_size + 1]
-        return {
-            **summary,
-            "too_long": len(too_long),
-            "too_long_lines": too_long[:10],
-            "too_long_at_least": len(too_long) == len(longest) < summary["conversations"],
-            "longest": longest[0][1],
-            "block_size": block_size,
-            "out_dir": str(out_dir),
-            "name": name,
-            "seconds": time.time() - t0,
-            "reused": reused,
-        }
-
-
-def write_sft_shards(files, out_dir, name, old, shard_tokens, val_tokens, fingerprint, settings, val=()):
-    """prepare_sft's writing: the shards, then the complete manifest (returned)."""
-    from gpt2train import chat
-
-    ours = re.compile(rf"{re.escape(name)}_(train|val)_\d{{6}}\.(bin|mask)")
-    others = sorted(p.name for p in out_dir.iterdir() if p.suffix in SHARD_SUFFIXES and not ours.fullmatch(p.name))
-    if others or (old is None and any(ours.fullmatch(p.name) for p in out_dir.iterdir())):
-        raise PrepError(
-            f"{out_dir} holds token files ({(others or ['<name> shards without a manifest'])[0]}, ...) "
-            f"from another run or tool; use another --out_dir or --name, or delete them"
-        )
-    for stale in (p for p in out_dir.iterdir() if ours.fullmatch(p.name)):
-        stale.unlink()  # ours from other settings or an interrupted run: rewritten below
-    enc, conversations, lengths, given = chat.tokenizer(open_tokenizer("gpt2")), [], [], 0
-    for i, path in enumerate([*val, *files]):
-        given = len(conversations) if i == len(val) else given  # --val_input's conversations (val: its files)
-        try:
-            for lineno, messages in chat.read_conversations(path):
-                conversations.append(chat.encode(enc, messages))
-                lengths.append((f"{path}:{lineno}", len(conversations[-1][0])))
-        except (ValueError, OSError) as e:
-            raise PrepError(str(e) if isinstance(e, ValueError) else f"{path}: cannot read ({first_line(e)})") from None
-    if len(conversations) < 2:
-        raise PrepError(f"{len(conversations)} conversation(s) in the input: need 2 or more (one for validation)")
-    ends = np.cumsum([n for _, n in lengths])
-    n_val = min(int(np.searchsorted(ends, val_tokens)) + 1, len(conversations) - 1)  # whole conversations
-    if val and not 0 < (n_val := given) < len(conversations):
-        raise PrepError(
-            f"--val_input holds {given} of the {len(conversations)} conversations: val and train need 1 or more"
-        )
-    parts, part, size = [("val", conversations[:n_val])], [], 0
-    for c in conversations[n_val:]:
-        if part and size + len(c[0]) > shard_tokens:
-            parts.append(("train", part))
-            part, size = [], 0
-        part.append(c)
-        size += len(c[0])
-    parts.append(("train", part))
-    records = [
-        write_sft_shard(out_dir / f"{name}_{split}_{max(0, i - 1):06d}.bin", split, part)
-        for i, (split, part) in enumerate(parts)
-    ]
-    summary = {
-        "conversations": len(conversations),
-        "val_conversations": n_val,
-        "tokens": sum(r["tokens"] for r in records),
-        "trained_tokens": sum(r["trained_tokens"] for r in records),
-        "shards": len(records),
-        "longest": sorted(lengths, key=lambda c: -c[1])[:1000],
-    }
-    manifest = {
-        "fingerprint": fingerprint,
-        "settings": settings,
-        "complete": True,
-        "shards": records,
-        "summary": summary,
-    }
-    write_manifest(out_dir / f"{name}_manifest.json", manifest)
-    return manifest
 
 
 def arg_parser():
@@ -704,72 +521,49 @@ def interrupted():
 def main(argv=None):
     p = arg_parser()
     args = p.parse_args(argv)
-    if args.format == "sft":
-        if args.dataset or not args.input:
-            p.error("--format sft reads --input FILE.jsonl [...] (prompt/completion or messages lines)")
-        if args.tokenizer != "gpt2":
-            p.error("--format sft uses GPT-2's tokenizer and its chat tokens; --tokenizer is for --format text")
-        try:
-            s = prepare_sft(
-                args.input,
-                out_dir=args.out_dir,
-                name=args.name,
-                block_size=args.block_size,
-                shard_tokens=args.shard_tokens,
-                val_tokens=args.val_tokens,
-                val_input=args.val_input,
-            )
-        except (PrepError, OSError) as e:
-            sys.exit(error_message("prepare_data.py", e))
-        except KeyboardInterrupt:
-            interrupted()
-        if s["too_long"]:
-            print(
-                f"prepare_data: {'at least ' * s['too_long_at_least']}{s['too_long']} conversation(s) longer than "
-                f"block_size+1 = {s['block_size'] + 1} tokens, "
-                f"which training at block_size {s['block_size']} leaves out: "
-                + ", ".join(s["too_long_lines"])
-                + (", ..." if s["too_long"] > len(s["too_long_lines"]) else "")
-                + f"; block_size >= {s['longest'] - 1} keeps them all"
-            )
-        print(
-            f"{s['conversations']:,} conversations ({s['val_conversations']:,} val, the longest {s['longest']:,} "
-            f"tokens), {s['tokens']:,} tokens of which {s['trained_tokens']:,} trained, {s['shards']} shards"
-            + (" (already prepared, verified)" if s["reused"] else f", {s['seconds']:.1f} s")
-            + f" -> {s['out_dir']}/{s['name']}_*; rows are built at load time, for any block_size"
-        )
-        return s
+    sft = args.format == "sft"
+    if sft and (args.dataset or not args.input):
+        p.error("--format sft reads --input FILE.jsonl [...] (prompt/completion or messages lines)")
+    if sft and args.tokenizer != "gpt2":
+        p.error("--format sft uses GPT-2's tokenizer and its chat tokens; --tokenizer is for --format text")
     try:
-        s = prepare(
-            inputs=args.input,
-            dataset=args.dataset,
-            out_dir=args.out_dir,
-            name=args.name,
-            shard_tokens=args.shard_tokens,
-            val_tokens=args.val_tokens,
-            num_proc=args.num_proc,
-            text_key=args.text_key,
-            dataset_config=args.dataset_config,
-            split=args.split,
-            revision=args.revision,
-            streaming=args.streaming,
-            start_method=args.start_method,
-            batch_chars=args.batch_chars,
-            progress=not args.no_progress,
-            tokenizer=args.tokenizer,
-            val_input=args.val_input,
-        )
+        s = prepare_sft(args) if sft else prepare(args)
     except (PrepError, OSError) as e:  # bad input or environment: one line (GPT2_TRACEBACK=1: the traceback)
         sys.exit(error_message("prepare_data.py", e))
     except KeyboardInterrupt:
         interrupted()
-    print(
+    print(sft_report(s) if sft else text_report(s))
+    return s
+
+
+def text_report(s):
+    """prepare()'s summary in a line."""
+    return (
         f"{s['documents']:,} documents, {s['tokens']:,} tokens ({s['val_tokens']:,} val + {s['train_tokens']:,} train) "
         f"in {s['shards']} shards"
         + (f", {s['seconds']:.1f} s, {s['tokens_per_s']:,.0f} tokens/s" if s["tokenized"] else ": already prepared")
         + f" -> {s['out_dir']}/{s['name']}_*.bin"
     )
-    return s
+
+
+def sft_report(s):
+    """prepare_sft()'s summary in a line, after one naming the conversations too long for --block_size, if any."""
+    line = (
+        f"{s['conversations']:,} conversations ({s['val_conversations']:,} val, the longest {s['longest']:,} "
+        f"tokens), {s['tokens']:,} tokens of which {s['trained_tokens']:,} trained, {s['shards']} shards"
+        + (" (already prepared, verified)" if s["reused"] else f", {s['seconds']:.1f} s")
+        + f" -> {s['out_dir']}/{s['name']}_*; rows are built at load time, for any block_size"
+    )
+    if not s["too_long"]:
+        return line
+    return (
+        f"prepare_data: {'at least ' * s['too_long_at_least']}{s['too_long']} conversation(s) longer than "
+        f"block_size+1 = {s['block_size'] + 1} tokens, "
+        f"which training at block_size {s['block_size']} leaves out: "
+        + ", ".join(s["too_long_lines"])
+        + (", ..." if s["too_long"] > len(s["too_long_lines"]) else "")
+        + f"; block_size >= {s['longest'] - 1} keeps them all\n{line}"
+    )
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from pathlib import Path
 from gpt2train import assets, bpe
 from gpt2train.bpe import TokenizerError
 from gpt2train.console import log
-from gpt2train.documents import PrepError, non_empty, resolve_source, val_source
+from gpt2train.documents import Corpus, PrepError, non_empty, resolve_source, val_source
 from gpt2train.files import LockError, atomic_write, directory_lock, error_message
 
 GPT4_SPLIT_PATTERN = (
@@ -219,7 +219,7 @@ def learn(args):
     """(the trained tokenizers.Tokenizer, the held-out text, {"bytes", "docs", "seconds", ...}: what it learned from
     and how long it took); TokenizerError where the input is unreadable or leaves nothing to learn from."""
     try:
-        describe, texts, _, _, _ = resolve_source(args.input, args.dataset, args.text_key, None, None, None, None)
+        describe, texts, _, _, _ = resolve_source(Corpus(args.input, args.dataset, args.text_key))
         valid = (bpe.replace_surrogates(text) for text in non_empty(texts()))  # as prepare_data.py's encoders do
         if args.val_input:  # its documents, as prepare_data.py --val_input's val shard; all of the input learned
             _, val_texts, _ = val_source(args.val_input, args.text_key, describe.get("files"))

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from gpt2train.bpe import TokenizerError
 from gpt2train.budget import Budget
 from gpt2train.chat import CHAT_VOCAB
-from gpt2train.checkpoint import CheckpointError, load_sharded_checkpoint
+from gpt2train.checkpoint_file import CheckpointError
 from gpt2train.config import (
     ARCH_KEYS,
     ConfigError,
@@ -58,6 +58,7 @@ from gpt2train.parallel import (
     parallelize,
 )
 from gpt2train.resume import Checkpointer, Progress, restore, restore_rngs, resume_hint
+from gpt2train.sharded import load_sharded_checkpoint
 from gpt2train.start import lock_out_dir, setting, start
 from gpt2train.step import clip_gradients, compile_works, forward_backward, probe_batch_size
 from gpt2train.tracking import EXIT_CODES, TRACKING_KEYS, NoTracker, Tracker, TrackingError, append_ledger

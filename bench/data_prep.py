@@ -31,7 +31,13 @@ from bench import machine_line
 from gpt2train.assets import fetch_shakespeare, get_tokenizer
 from gpt2train.data import AHEAD_STEPS, DataLoader, Mixture, parse_mixture, write_shard
 from gpt2train.documents import split_speeches
-from prepare_data import prepare
+from prepare_data import arg_parser, prepare
+
+
+def prep(src, out_dir, name, num_proc, *flags):
+    """prepare_data.prepare of one input, 10,000 val tokens, no progress bar; returns its summary."""
+    args = [src, "--out_dir", out_dir, "--name", name, "--num_proc", num_proc, "--val_tokens", 10_000, *flags]
+    return prepare(arg_parser().parse_args(["--input", *map(str, args), "--no_progress"]))
 
 
 def best_seconds(fn, repeats):
@@ -93,14 +99,7 @@ def bench_prep(docs, label, num_proc, repeats, tmp):
         for r in range(repeats):
             threads.append(tokens / best_seconds(lambda: enc.encode_ordinary_batch(docs, num_threads=num_proc), 1))
             procs.append(tokens / best_seconds(lambda: sum(pool.map(_count_tokens, batches, chunksize=1)), 1))
-            s = prepare(
-                inputs=[str(src)],
-                out_dir=Path(tmp) / f"{label}_out{r}",
-                name=label,
-                num_proc=num_proc,
-                val_tokens=10_000,
-                progress=False,
-            )
+            s = prep(src, Path(tmp) / f"{label}_out{r}", label, num_proc)
             prep.append(s["tokens"] / s["seconds"])  # everything: pool start, reading, EOTs, writing, sha256
     threads, procs, prep = max(threads), max(procs), max(prep)
     print(
@@ -118,19 +117,7 @@ def bench_prep(docs, label, num_proc, repeats, tmp):
             pool.join()  # reaped, so their CPU time shows in RUSAGE_CHILDREN
 
     raw_cpu = min(cpu_seconds(raw_pool)[0] for _ in range(repeats))
-    runs = [
-        cpu_seconds(
-            lambda: prepare(
-                inputs=[str(src)],
-                out_dir=Path(tmp) / f"{label}_cpu{r}",
-                name=label,
-                num_proc=num_proc,
-                val_tokens=10_000,
-                progress=False,
-            )
-        )
-        for r in range(repeats)
-    ]
+    runs = [cpu_seconds(lambda: prep(src, Path(tmp) / f"{label}_cpu{r}", label, num_proc)) for r in range(repeats)]
     prep_cpu, main_cpu = min(runs)
     print(
         f"prep  {label:9s} CPU time per token, all processes: encode_ordinary_batch {raw_cpu / tokens * 1e9:5.0f} ns, "
@@ -166,17 +153,7 @@ def bench_tokenizers(docs, label, num_proc, repeats, tmp, tokenizer_path):
             summary = {}
 
             def run(out=out, tok=tok, summary=summary):
-                summary.update(
-                    prepare(
-                        inputs=[str(src)],
-                        out_dir=out,
-                        name=label,
-                        num_proc=num_proc,
-                        val_tokens=10_000,
-                        progress=False,
-                        tokenizer=str(tok),
-                    )
-                )
+                summary.update(prep(src, out, label, num_proc, "--tokenizer", tok))
 
             seconds = cpu_seconds(run)[0]
             wall[k].append(size / summary["seconds"] / 1e6)

@@ -88,7 +88,7 @@ def prepare_corpus(name, data_root):
     """Token shards of a corpus under data_root/name (prepared once; prepare_data.py verifies and skips)."""
     out = Path(data_root) / name
     if name == "shakespeare":
-        prepare_data.prepare(dataset="shakespeare", out_dir=out, num_proc=1, progress=False)
+        flags = ["--dataset", "shakespeare"]
     elif name == "stdlib":
         files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
         # documents: the top-level units of each module (PEP 8 puts two blank lines between them), shuffled
@@ -99,9 +99,12 @@ def prepare_corpus(name, data_root):
         text = "".join(json.dumps({"text": u}) + "\n" for u in units if u.strip())
         if not src.exists() or src.read_text() != text:
             src.write_text(text)
-        prepare_data.prepare(inputs=[str(src)], out_dir=out, val_tokens=32_768, num_proc=1, progress=False)
+        flags = ["--input", str(src), "--val_tokens", "32768"]
     else:
         raise SystemExit(f"bench.recipes: unknown corpus {name!r}; expected 'shakespeare' or 'stdlib'")
+    prepare_data.prepare(
+        prepare_data.arg_parser().parse_args([*flags, "--out_dir", str(out), "--num_proc", "1", "--no_progress"])
+    )
     return out
 
 

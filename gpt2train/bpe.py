@@ -345,30 +345,26 @@ def gpt2_tokenizer_json(cache_dir=None):
 
 def save_tokenizer(
     out_dir,
-    model_dir=None,
+    tokenizer_json=None,
     chat_template=None,
     model_max_length=None,
     cache_dir=None,
     special_tokens=None,
-    tokenizer_json=None,
     eos_token=None,
 ):
     """Write the tokenizer files transformers' AutoTokenizer reads into out_dir and return the id of
-    <|endoftext|> (None if the tokenizer has none): `model_dir`/tokenizer.json copied when that file exists
-    (a model imported with its own tokenizer, e.g. Pythia), else GPT-2's built offline (gpt2_tokenizer_json);
+    <|endoftext|> (None if the tokenizer has none): `tokenizer_json` (the text of a tokenizer.json: a model's own,
+    e.g. Pythia's, or a checkpoint's) when given, else GPT-2's built offline (gpt2_tokenizer_json);
     tokenizer_config.json and special_tokens_map.json with <|endoftext|> as bos, eos and unk token, and
     `chat_template` (a Jinja string) when given; `special_tokens` ({text: id}, e.g. chat.SPECIAL) are added to
-    tokenizer.json as special tokens. `tokenizer_json` (a checkpoint's own tokenizer.json text) wins over
-    model_dir's. `eos_token` (one of them, e.g. a chat model's <|end|>) replaces <|endoftext|> as the eos
-    token: the end of generation that llama.cpp's converter reads from here."""
-    own = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
-    if tokenizer_json is not None or (own is not None and own.is_file()):
-        tokenizer_json = own.read_text(encoding="utf-8") if tokenizer_json is None else tokenizer_json
+    tokenizer.json as special tokens. `eos_token` (one of them, e.g. a chat model's <|end|>) replaces
+    <|endoftext|> as the eos token: the end of generation that llama.cpp's converter reads from here."""
+    if tokenizer_json is not None:
         try:
             tok = json.loads(tokenizer_json)
             eot = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}.get("<|endoftext|>")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{own}: not a Hugging Face tokenizer.json ({e})") from None
+            raise ValueError(f"the tokenizer.json to write is not a Hugging Face tokenizer.json ({e})") from None
     else:
         tokenizer_json, eot = gpt2_tokenizer_json(cache_dir), EOT
     if special_tokens:

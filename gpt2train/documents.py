@@ -1,9 +1,10 @@
 """The texts prepare_data.py and tokenizer.py read: files (.txt, .jsonl, .parquet), Hugging Face datasets and the
 ready-made dataset presets; and the command that prepares a data directory (train.py names it when data is missing).
 
-resolve_source(inputs, dataset, ...) is the one entry: local files (expand_inputs: a .txt file is one document, a
-.jsonl file one per line, a .parquet file one per row; directories are searched recursively) or a dataset (a preset
-of PRESETS or any Hugging Face dataset path), as an iterator of texts beside what a manifest records of the input.
+resolve_source(Corpus(inputs, dataset, ...)) is the one entry: local files (expand_inputs: a .txt file is one
+document, a .jsonl file one per line, a .parquet file one per row; directories are searched recursively) or a dataset
+(a preset of PRESETS or any Hugging Face dataset path), as an iterator of texts beside what a manifest records of the
+input.
 val_source and val_first read --val_input, a validation split of the user's own files (prepare_data.py's val shard,
 tokenizer.py's held-out text).
 Reading texts needs no torch and no tokenizer, so neither is imported here.
@@ -14,6 +15,7 @@ import itertools
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from gpt2train.assets import fetch_shakespeare
@@ -49,6 +51,21 @@ PRESETS = {
 
 class PrepError(Exception):
     """A one-line problem with the input or output that the user must fix."""
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """What to read, as prepare_data.py's and tokenizer.py's flags name it: --input paths or a --dataset (a preset or
+    a Hugging Face dataset path: its --dataset_config, --split, --revision and --streaming; None: the preset's or
+    the dataset's default), and the --text_key of its jsonl fields / parquet or dataset columns."""
+
+    inputs: list | None = None
+    dataset: str | None = None
+    text_key: str = "text"
+    hf_config: str | None = None
+    split: str | None = None
+    revision: str | None = None
+    streaming: bool | None = None
 
 
 def prepare_command(data_dir):
@@ -247,8 +264,10 @@ def val_first(val_input, text_key, describe, texts, count):
     return val_describe, (lambda: itertools.chain(val_texts(), texts())), total, val_docs
 
 
-def resolve_source(inputs, dataset, text_key, hf_config, split, revision, streaming):
-    """-> (description for the manifest, texts iterator factory, documents total or None, preset dict, default name)."""
+def resolve_source(corpus):
+    """-> (description for the manifest, texts iterator factory, documents total or None, preset dict, default name)
+    of the Corpus to read."""
+    inputs, dataset, text_key = corpus.inputs, corpus.dataset, corpus.text_key
     if bool(inputs) == bool(dataset):
         raise PrepError("give exactly one of --input PATH [PATH ...] or --dataset NAME")
     if inputs:
@@ -265,10 +284,10 @@ def resolve_source(inputs, dataset, text_key, hf_config, split, revision, stream
         return describe, lambda: iter(docs), lambda: len(docs), preset, "shakespeare"
     hf = dict(
         hf_path=preset.get("hf_path", dataset),
-        config=hf_config or preset.get("hf_config"),
-        split=split or preset.get("split", "train"),
-        revision=revision or preset.get("revision"),
-        streaming=preset.get("streaming", True) if streaming is None else streaming,
+        config=corpus.hf_config or preset.get("hf_config"),
+        split=corpus.split or preset.get("split", "train"),
+        revision=corpus.revision or preset.get("revision"),
+        streaming=preset.get("streaming", True) if corpus.streaming is None else corpus.streaming,
     )
     describe = {
         "hf": hf["hf_path"],

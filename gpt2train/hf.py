@@ -121,20 +121,7 @@ def save_pretrained(
     small for GPT-2's; `tokenizer_json`, a checkpoint's own tokenizer.json text, wins over both) and
     generation_config.json with its <|endoftext|> id as eos."""
     cfg = model.config
-    off = {key: GPTConfig.__dataclass_fields__[key].default for key in NO_HF_EQUIVALENT}  # False, or 0 rows
-    refused = [key for key in NO_HF_EQUIVALENT if getattr(cfg, key) != off[key]]
-    if refused:  # all of them in one line: a retraining for each would be the alternative
-        raise ValueError(
-            f"save_pretrained: {', '.join(f'{key}={getattr(cfg, key)!r}' for key in refused)} "
-            f"{'has' if len(refused) == 1 else 'have'} no Hugging Face GPT-2 or GPT-NeoX equivalent "
-            f"({'; '.join(NO_HF_EQUIVALENT[key] for key in refused)}); "
-            f"export needs {', '.join(f'{key}={off[key]!r}' for key in refused)}"
-        )
-    if cfg.rotary_pct is None and cfg.parallel_residual:
-        raise ValueError(
-            "save_pretrained: parallel_residual=True with learned positions (rotary_pct=None) "
-            "fits neither GPT-2 (sequential residual) nor GPT-NeoX (rotary only)"
-        )
+    check_exportable(cfg)
     try:
         from safetensors.torch import save_file
     except ImportError as e:
@@ -149,6 +136,60 @@ def save_pretrained(
 
         chat_tokens = chat.SPECIAL
         vocab = max(vocab, max(chat_tokens.values()) + 1)
+    tensors = _hf_tensors(model, vocab, neox)
+    out = Path(out_dir)
+    dir_json = Path(tokenizer_dir) / "tokenizer.json" if tokenizer_dir is not None else None
+    if not own and dir_json is not None and dir_json.is_file():  # a model imported with its own (e.g. Pythia's)
+        tokenizer_json = dir_json.read_text(encoding="utf-8")
+    if tokenizer_json is not None or vocab > EOT:
+        # a chat model's generation ends at <|end|>: the eos token of its tokenizer_config.json too, where
+        # llama.cpp's converter looks (generation_config.json below lists both stops for transformers)
+        eos = bpe.save_tokenizer(
+            out,
+            tokenizer_json,
+            chat_template,
+            model_max_length=cfg.block_size,
+            special_tokens=chat_tokens,
+            eos_token="<|end|>" if chat_tokens else None,
+        )
+    else:
+        eos = None
+        log(f"{out}: no tokenizer written: vocab_size {vocab} is smaller than GPT-2's {GPT2_VOCAB}", note=True)
+    eos = vocab - 1 if eos is None else eos
+    hf_config = _hf_config(cfg, vocab, eos, neox)
+    atomic_write(out / "config.json", json.dumps(hf_config, indent=2) + "\n")  # a full disk's error names the file
+    stop = [eos, chat_tokens["<|end|>"]] if chat_tokens else eos  # a chat model's reply ends at <|end|>
+    atomic_write(out / "generation_config.json", json.dumps({"bos_token_id": eos, "eos_token_id": stop}) + "\n")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    umask = os.umask(0o022)  # safetensors creates the file 0600: give it the mode its siblings have
+    os.umask(umask)
+    os.chmod(out / "model.safetensors", 0o666 & ~umask)
+
+
+def check_exportable(cfg) -> None:
+    """ValueError naming every option of this GPTConfig that neither GPT-2 nor GPT-NeoX has (NO_HF_EQUIVALENT, and
+    a parallel residual with learned positions), in one line."""
+    off = {key: GPTConfig.__dataclass_fields__[key].default for key in NO_HF_EQUIVALENT}  # False, or 0 rows
+    refused = [key for key in NO_HF_EQUIVALENT if getattr(cfg, key) != off[key]]
+    if refused:  # all of them in one line: a retraining for each would be the alternative
+        raise ValueError(
+            f"save_pretrained: {', '.join(f'{key}={getattr(cfg, key)!r}' for key in refused)} "
+            f"{'has' if len(refused) == 1 else 'have'} no Hugging Face GPT-2 or GPT-NeoX equivalent "
+            f"({'; '.join(NO_HF_EQUIVALENT[key] for key in refused)}); "
+            f"export needs {', '.join(f'{key}={off[key]!r}' for key in refused)}"
+        )
+    if cfg.rotary_pct is None and cfg.parallel_residual:
+        raise ValueError(
+            "save_pretrained: parallel_residual=True with learned positions (rotary_pct=None) "
+            "fits neither GPT-2 (sequential residual) nor GPT-NeoX (rotary only)"
+        )
+
+
+def _hf_tensors(model: GPT, vocab: int, neox: bool) -> dict:
+    """{Hugging Face name: contiguous CPU tensor} of the model's weights: GPT-2's Conv1D weights transposed or
+    GPT-NeoX's fused qkv reordered, the embedding and head cut to `vocab` rows, zero biases for bias=False, a
+    tied head left to transformers to re-tie."""
+    cfg = model.config
     sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight")  # transformers re-ties it to the input embedding
@@ -166,31 +207,7 @@ def save_pretrained(
             v = v[:vocab]
         # safetensors needs contiguous tensors that share no memory
         tensors[_hf_name(k, neox)] = v.clone(memory_format=torch.contiguous_format)
-    out = Path(out_dir)
-    if own or vocab > EOT or (tokenizer_dir is not None and (Path(tokenizer_dir) / "tokenizer.json").is_file()):
-        # a chat model's generation ends at <|end|>: the eos token of its tokenizer_config.json too, where
-        # llama.cpp's converter looks (generation_config.json below lists both stops for transformers)
-        eos = bpe.save_tokenizer(
-            out,
-            tokenizer_dir,
-            chat_template,
-            model_max_length=cfg.block_size,
-            special_tokens=chat_tokens,
-            tokenizer_json=tokenizer_json,
-            eos_token="<|end|>" if chat_tokens else None,
-        )
-    else:
-        eos = None
-        log(f"{out}: no tokenizer written: vocab_size {vocab} is smaller than GPT-2's {GPT2_VOCAB}", note=True)
-    eos = vocab - 1 if eos is None else eos
-    hf_config = _hf_config(cfg, vocab, eos, neox)
-    atomic_write(out / "config.json", json.dumps(hf_config, indent=2) + "\n")  # a full disk's error names the file
-    stop = [eos, chat_tokens["<|end|>"]] if chat_tokens else eos  # a chat model's reply ends at <|end|>
-    atomic_write(out / "generation_config.json", json.dumps({"bos_token_id": eos, "eos_token_id": stop}) + "\n")
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    umask = os.umask(0o022)  # safetensors creates the file 0600: give it the mode its siblings have
-    os.umask(umask)
-    os.chmod(out / "model.safetensors", 0o666 & ~umask)
+    return tensors
 
 
 def _hf_config(cfg, vocab: int, eos: int, neox: bool) -> dict:
@@ -341,17 +358,17 @@ def _gpt2_config(hf: dict, file: Path) -> dict:
         ("reorder_and_upcast_attn", False),
     ):
         _hf_get(hf, file, key, want, (want,))
-    return dict(
-        block_size=_hf_get(hf, file, "n_positions"),
-        vocab_size=_hf_get(hf, file, "vocab_size"),
-        n_layer=_hf_get(hf, file, "n_layer"),
-        n_head=_hf_get(hf, file, "n_head"),
-        n_embd=n_embd,
-        bias=True,
-        activation=HF_ACTIVATIONS[_hf_get(hf, file, "activation_function", "gelu_new", HF_ACTIVATIONS)],
-        layer_norm_eps=float(_hf_get(hf, file, "layer_norm_epsilon", 1e-5)),
-        tie_embeddings=_hf_get(hf, file, "tie_word_embeddings", True, (True, False)),
-    )
+    return {
+        "block_size": _hf_get(hf, file, "n_positions"),
+        "vocab_size": _hf_get(hf, file, "vocab_size"),
+        "n_layer": _hf_get(hf, file, "n_layer"),
+        "n_head": _hf_get(hf, file, "n_head"),
+        "n_embd": n_embd,
+        "bias": True,
+        "activation": HF_ACTIVATIONS[_hf_get(hf, file, "activation_function", "gelu_new", HF_ACTIVATIONS)],
+        "layer_norm_eps": float(_hf_get(hf, file, "layer_norm_epsilon", 1e-5)),
+        "tie_embeddings": _hf_get(hf, file, "tie_word_embeddings", True, (True, False)),
+    }
 
 
 def _neox_config(hf: dict, file: Path) -> dict:
@@ -365,20 +382,20 @@ def _neox_config(hf: dict, file: Path) -> dict:
     _hf_get(rope, file, "rope_type", rope.get("type", "default"), ("default",))
     pct = rope.get("partial_rotary_factor", hf.get("rotary_pct", 0.25))
     base = rope.get("rope_theta", hf.get("rotary_emb_base", 10000.0))
-    return dict(
-        block_size=_hf_get(hf, file, "max_position_embeddings"),
-        vocab_size=_hf_get(hf, file, "vocab_size"),
-        n_layer=_hf_get(hf, file, "num_hidden_layers"),
-        n_head=_hf_get(hf, file, "num_attention_heads"),
-        n_embd=n_embd,
-        bias=True,
-        rotary_pct=float(pct),
-        rotary_base=float(base),
-        parallel_residual=_hf_get(hf, file, "use_parallel_residual", True, (True, False)),
-        tie_embeddings=_hf_get(hf, file, "tie_word_embeddings", False, (True, False)),
-        activation=HF_ACTIVATIONS[_hf_get(hf, file, "hidden_act", "gelu", HF_ACTIVATIONS)],
-        layer_norm_eps=float(_hf_get(hf, file, "layer_norm_eps", 1e-5)),
-    )
+    return {
+        "block_size": _hf_get(hf, file, "max_position_embeddings"),
+        "vocab_size": _hf_get(hf, file, "vocab_size"),
+        "n_layer": _hf_get(hf, file, "num_hidden_layers"),
+        "n_head": _hf_get(hf, file, "num_attention_heads"),
+        "n_embd": n_embd,
+        "bias": True,
+        "rotary_pct": float(pct),
+        "rotary_base": float(base),
+        "parallel_residual": _hf_get(hf, file, "use_parallel_residual", True, (True, False)),
+        "tie_embeddings": _hf_get(hf, file, "tie_word_embeddings", False, (True, False)),
+        "activation": HF_ACTIVATIONS[_hf_get(hf, file, "hidden_act", "gelu", HF_ACTIVATIONS)],
+        "layer_norm_eps": float(_hf_get(hf, file, "layer_norm_eps", 1e-5)),
+    }
 
 
 def _read_hf_weights(path: Path) -> dict:

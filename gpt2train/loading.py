@@ -5,7 +5,8 @@ pretrained weights, with its tokenizer, and the flags that choose it (--ckpt/--i
 from pathlib import Path
 
 from gpt2train import bpe
-from gpt2train.checkpoint import CheckpointError, model_from_checkpoint
+from gpt2train.checkpoint import model_from_checkpoint
+from gpt2train.checkpoint_file import CheckpointError
 from gpt2train.devices import DTYPES, resolve_device, resolve_dtype
 from gpt2train.files import report_error
 from gpt2train.hf import from_pretrained

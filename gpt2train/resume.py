@@ -8,21 +8,14 @@ from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
-from gpt2train.checkpoint import (
-    FORMAT,
-    checkpoint_path,
-    list_checkpoints,
-    load_optimizer_state,
-    load_sharded_checkpoint,
-    prune_checkpoints,
-    save_checkpoint,
-    save_sharded_checkpoint,
-)
+from gpt2train.checkpoint import list_checkpoints, prune_checkpoints
+from gpt2train.checkpoint_file import FORMAT, checkpoint_path, save_checkpoint
 from gpt2train.config import ConfigError
 from gpt2train.console import log
 from gpt2train.devices import rng_state, set_rng_state
 from gpt2train.files import Halt
 from gpt2train.parallel import weights_finite
+from gpt2train.sharded import load_optimizer_state, load_sharded_checkpoint, save_sharded_checkpoint
 
 
 @dataclass

@@ -10,17 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt2train import checkpoint
-from gpt2train.checkpoint import (
-    FORMAT,
-    CheckpointError,
-    checkpoint_path,
-    checksum_path,
-    load_checkpoint,
-    load_latest_checkpoint,
-    prune_checkpoints,
-    save_checkpoint,
-)
+from gpt2train import checkpoint, checkpoint_file
+from gpt2train.checkpoint import load_checkpoint, load_latest_checkpoint, prune_checkpoints
+from gpt2train.checkpoint_file import FORMAT, CheckpointError, checkpoint_path, checksum_path, save_checkpoint
 from gpt2train.files import file_sha256
 from model import GPT, GPTConfig
 
@@ -202,17 +194,17 @@ def test_storage_bytes_counts_shared_storage_once_and_bounds_the_file(tmp_path):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY))  # lm_head.weight is wte.weight: one storage
     obj = {"model": model.state_dict(), "format": FORMAT, "step": 1, "model_args": {}, "config": {}}
-    assert checkpoint.storage_bytes(obj) == sum(p.numel() * 4 for p in model.parameters())  # lists it once
+    assert checkpoint_file.storage_bytes(obj) == sum(p.numel() * 4 for p in model.parameters())  # lists it once
     save_checkpoint(checkpoint_path(tmp_path, 1), obj)
     size = checkpoint_path(tmp_path, 1).stat().st_size
-    assert checkpoint.storage_bytes(obj) <= size <= checkpoint.storage_bytes(obj) * 1.01 + 2**20
+    assert checkpoint_file.storage_bytes(obj) <= size <= checkpoint_file.storage_bytes(obj) * 1.01 + 2**20
 
 
 def test_full_disk_is_refused_before_writing(tmp_path, monkeypatch):
     save_checkpoint(checkpoint_path(tmp_path, 1), fake_ckpt(1))
     big = fake_ckpt(2, big=torch.zeros(3 * 2**20 // 4))  # 3 MiB of tensor data
     monkeypatch.setattr(
-        checkpoint.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 2**20, 2**20)
+        checkpoint_file.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 2**20, 2**20)
     )
     with pytest.raises(CheckpointError) as err:
         save_checkpoint(checkpoint_path(tmp_path, 2), big)

@@ -9,7 +9,7 @@ import torch
 
 import checkpoint as checkpoint_command
 import sample
-from gpt2train import checkpoint
+from gpt2train import checkpoint_file
 from gpt2train.assets import EOT, get_tokenizer
 from gpt2train.bpe import load_tokenizer
 from gpt2train.hf import save_pretrained
@@ -31,7 +31,7 @@ def network_off(monkeypatch):
 
 def write_checkpoint(path, model, config=None, step=3):
     """`model`'s weights as a checkpoint of this library (no optimizer state), written by save_checkpoint."""
-    checkpoint.save_checkpoint(
+    checkpoint_file.save_checkpoint(
         path,
         {
             "model": model.state_dict(),
@@ -43,7 +43,7 @@ def write_checkpoint(path, model, config=None, step=3):
             "loader": {},
             "rng": {},
             "val_loss": None,
-            "format": checkpoint.FORMAT,
+            "format": checkpoint_file.FORMAT,
         },
     )
     return path

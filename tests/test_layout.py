@@ -199,8 +199,9 @@ def test_every_progress_bar_is_consoles():
 
 def test_each_file_keeps_its_one_job():
     graph = imports_by_module()
-    checkpoint_deps = graph["gpt2train.checkpoint"] & {"gpt2train.config", "gpt2train.parallel"}
-    assert not checkpoint_deps, "gpt2train/checkpoint.py is the file layer: no run config, no ranks"
+    for layer in ("gpt2train.checkpoint", "gpt2train.checkpoint_file", "gpt2train.sharded"):
+        checkpoint_deps = graph[layer] & {"gpt2train.config", "gpt2train.parallel"}
+        assert not checkpoint_deps, f"{layer} is the checkpoint file layer: no run config, no ranks"
     assert graph["model"] == set(), "model.py imports no project module"
     importers = sorted(m for m, deps in graph.items() if "gpt2train.resume" in deps)
     assert importers == ["train"], f"the resume policy is train.py's alone, imported by {importers}"

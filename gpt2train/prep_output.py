@@ -1,0 +1,68 @@
+"""The output directory of a data prep (prepare_data.py's text shards and SFT shards alike): one prep at a time
+(its lock), a killed run's temporary files removed, the manifest written whole or not at all, finished shards
+verified against it, and token ids checked to fit the shards' uint16 before they are written."""
+
+import contextlib
+import hashlib
+import json
+
+import numpy as np
+
+from gpt2train.console import log
+from gpt2train.data import HEADER_BYTES
+from gpt2train.documents import PrepError
+from gpt2train.files import LockError, atomic_write, directory_lock, error_line, file_sha256
+
+DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c / build-nanogpt: 100M tokens (200 MB) per shard
+
+
+def as_uint16(ids, source):
+    """ids as the uint16 array a shard holds; PrepError naming `source` (what made them) for an id of 65,536 or
+    more, which a cast would wrap silently into another id."""
+    if ids.size and int(ids.max()) >= 2**16:
+        raise PrepError(f"{source}: token id {int(ids.max()):,} does not fit the shards' uint16 (0 to 65,535)")
+    return ids.astype(np.uint16)
+
+
+def shard_is_complete(out_dir, record):
+    path = out_dir / record["file"]
+    return (
+        path.is_file()
+        and path.stat().st_size == HEADER_BYTES + 2 * record["tokens"]
+        and file_sha256(path) == record["sha256"]
+    )
+
+
+def remove_stale_temp_files(out_dir, name):
+    """Delete the temporary shard and manifest files (files.atomic_write's `.<file>.<pid>.tmp`) a killed run
+    left in out_dir; the caller holds out_dir's lock, so no other prep is writing them."""
+    stale = list(out_dir.glob(f".{name}_*.tmp"))
+    if stale:
+        size = sum(p.stat().st_size for p in stale)
+        for p in stale:
+            p.unlink(missing_ok=True)
+        log(f"prepare_data: removed {len(stale)} temporary file(s) ({size / 2**20:,.1f} MiB) of an interrupted run")
+
+
+def write_manifest(path, manifest):
+    atomic_write(path, json.dumps(manifest, indent=1) + "\n")
+
+
+def locked(out_dir):
+    """One prep per output directory (files.directory_lock), held while the returned context is: the lock makes
+    any temporary file of ours found there a killed run's. Taking it is the first write, so an output directory
+    that cannot be written fails now, before any work."""
+    held = contextlib.ExitStack()
+    try:
+        held.enter_context(directory_lock(out_dir, "prepare_data.py"))
+    except LockError as e:
+        raise PrepError(str(e)) from None
+    except OSError as e:
+        raise PrepError(f"cannot write to the output directory {out_dir} ({error_line(e)})") from None
+    return held
+
+
+def fingerprint(settings):
+    """The manifest's fingerprint of a prep's settings: a re-run whose settings hash alike continues (or reuses) the
+    shards there; any other is refused or rewrites them."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
