@@ -1,4 +1,4 @@
-"""Tokenize text into llm.c-format shards for training (format: see data.py).
+"""Tokenize text into llm.c-format shards for training (format: see gpt2train/shards.py).
 
     python prepare_data.py --dataset shakespeare
     python prepare_data.py --dataset fineweb-edu --num_proc 16
@@ -47,7 +47,6 @@ import numpy as np
 
 from gpt2train.bpe import open_tokenizer, tokenizer_record
 from gpt2train.console import log, progress_bar
-from gpt2train.data import HEADER_BYTES, MASK_SUFFIX, SHARD_SUFFIXES, write_mask, write_shard
 from gpt2train.documents import PRESETS, PrepError, expand_inputs, non_empty, resolve_source, val_files, val_first
 from gpt2train.files import (
     LockError,
@@ -59,6 +58,7 @@ from gpt2train.files import (
     first_line,
     report_error,
 )
+from gpt2train.shards import HEADER_BYTES, MASK_SUFFIX, SHARD_SUFFIXES, write_mask, write_shard
 
 DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c / build-nanogpt: 100M tokens (200 MB) per shard
 VAL_SHARE = 0.1  # default validation split: the first 10% of the input, like nanoGPT's 90/10 ...
@@ -465,7 +465,7 @@ def resolve_tokenizer(spec):
 
 def keep_tokenizer(out_dir, name, record):
     """The manifest's "tokenizer" entry: the record without the file's text, which goes beside the shards as
-    <name>_tokenizer.json (data.data_tokenizer reads it back; GPT-2's needs no file)."""
+    <name>_tokenizer.json (manifests.data_tokenizer reads it back; GPT-2's needs no file)."""
     entry = {k: v for k, v in record.items() if k != "json"}
     if record["json"] is not None:
         entry["file"] = f"{name}_tokenizer.json"
@@ -499,7 +499,7 @@ def write_sft_shard(path, split, conversations):
 def prepare_sft(inputs, out_dir=None, name=None, block_size=None, shard_tokens=None, val_tokens=None, val_input=None):
     """--format sft: jsonl conversations (chat.parse: {"prompt", "completion"} or {"messages"}) rendered with the
     chat template (chat.py), written in input order as token shards plus aligned loss-mask shards
-    (data.write_mask): <name>_val_000000.bin/.mask (the first conversations, at least val_tokens tokens),
+    (shards.write_mask): <name>_val_000000.bin/.mask (the first conversations, at least val_tokens tokens),
     <name>_train_NNNNNN.bin/.mask (up to shard_tokens tokens of whole conversations each). Rows are built at load
     time for the run's block_size (data.DocumentRows), so the data trains at any block_size; block_size here
     only reports the conversations a run at that block_size would leave out. val_input: the val shard is those

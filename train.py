@@ -39,7 +39,7 @@ from gpt2train.config import (
     parse_args,
 )
 from gpt2train.console import distributed, log, progress_bar
-from gpt2train.data import NoShardsError, ShardError, open_loader
+from gpt2train.data import open_loader
 from gpt2train.devices import fused_adamw_supported, is_oom, peak_flops, peak_memory
 from gpt2train.documents import prepare_command
 from gpt2train.evaluation import Abandoned, Evaluator
@@ -56,6 +56,7 @@ from gpt2train.parallel import (
     parallelize,
 )
 from gpt2train.resume import Checkpointer, Progress, restore, restore_rngs, resume_hint, start
+from gpt2train.shards import NoShardsError, ShardError
 from gpt2train.step import clip_gradients, compile_works, forward_backward
 from gpt2train.tracking import EXIT_CODES, TRACKING_KEYS, NoTracker, Tracker, TrackingError, append_ledger
 from model import GPT, TRAINING_ONLY_MODEL_KEYS
@@ -80,7 +81,7 @@ class StopRequest:
 
 def make_loaders(cfg, env, manifests):
     """Train and val loaders: every rank reads its own slice of one global, world-size-invariant stream; of a
-    mixture (data_dir names several datasets), a data.Mixture of one loader per source. Every shard is validated
+    mixture (data_dir names several datasets), a mixture.Mixture of one loader per source. Every shard is validated
     here, token ids included, before step 1. manifests: the data's, as the run's start read them
     (resume.Source.manifests)."""
     try:

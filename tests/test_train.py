@@ -27,7 +27,8 @@ import train
 from gpt2train import checkpoint, loading, optim
 from gpt2train.checkpoint import load_checkpoint, load_latest_checkpoint
 from gpt2train.config import TrainConfig
-from gpt2train.data import DataLoader, ShardError, write_shard
+from gpt2train.data import DataLoader
+from gpt2train.shards import ShardError, write_shard
 from train import get_lr
 
 ROOT = Path(__file__).resolve().parent.parent
