@@ -467,11 +467,12 @@ def open_loader(cfg, split, rank=0, world_size=1, manifests=None):
     return DataLoader(cfg.data_dir, split, batch_size, cfg.block_size, **options)
 
 
-def open_mixture(sources, split, batch_size, block_size, **options):
+def open_mixture(sources, split, batch_size, block_size, rank=0, world_size=1, **options):
     """A Mixture of sources (mixture.parse_mixture's {name: (path, weight)}): a DataLoader of each source's `split`,
-    all with these settings (options: DataLoader's keywords)."""
+    all with these settings (options: DataLoader's other keywords)."""
     from gpt2train.mixture import Mixture
 
+    options = {"rank": rank, "world_size": world_size, **options}
     loaders = {name: DataLoader(path, split, batch_size, block_size, **options) for name, (path, _) in sources.items()}
     return Mixture({name: (loaders[name], weight) for name, (_, weight) in sources.items()})
 
