@@ -226,7 +226,7 @@ def check_vocab(tokens, vocab_size, path, top=None):
 
 def check_shards_vocab(paths, shards, vocab_size, progress=True, chunk=1 << 26, records=None):
     """Every token id of every shard < vocab_size, before training starts (ShardError naming the shard and
-    the id otherwise). A shard's max id comes from its manifest record (manifest_records) if the shard was not
+    the id otherwise). A shard's max id comes from its manifest record (manifests.manifest_records) if the shard was not
     modified after the manifest was written (free); other shards are scanned once (at disk speed, a progress
     bar when there is over 1 GiB to read)."""
     todo = []
