@@ -1,4 +1,4 @@
-"""Tokenize text into llm.c-format shards for training (format: see data.py).
+"""Tokenize text into llm.c-format shards for training (format: see gpt2train/shards.py).
 
     python prepare_data.py --dataset shakespeare
     python prepare_data.py --dataset fineweb-edu --num_proc 16
@@ -48,7 +48,6 @@ import numpy as np
 
 from gpt2train.bpe import open_tokenizer, tokenizer_record
 from gpt2train.console import log, progress_bar
-from gpt2train.data import SHARD_SUFFIXES, write_shard
 from gpt2train.documents import PRESETS, Corpus, PrepError, non_empty, resolve_source, val_first
 from gpt2train.files import atomic_write, error_message, file_sha256, report_error
 from gpt2train.prep_output import (
@@ -61,6 +60,7 @@ from gpt2train.prep_output import (
     write_manifest,
 )
 from gpt2train.sft_shards import prepare_sft
+from gpt2train.shards import SHARD_SUFFIXES, write_shard
 
 VAL_SHARE = 0.1  # default validation split: the first 10% of the input, like nanoGPT's 90/10 ...
 DEFAULT_VAL_TOKENS = 1_000_000  # ... and at most this many tokens (1M tokens estimate a val loss well enough)
@@ -441,7 +441,7 @@ def resolve_tokenizer(spec):
 
 def keep_tokenizer(out_dir, name, record):
     """The manifest's "tokenizer" entry: the record without the file's text, which goes beside the shards as
-    <name>_tokenizer.json (data.data_tokenizer reads it back; GPT-2's needs no file)."""
+    <name>_tokenizer.json (manifests.data_tokenizer reads it back; GPT-2's needs no file)."""
     entry = {k: v for k, v in record.items() if k != "json"}
     if record["json"] is not None:
         entry["file"] = f"{name}_tokenizer.json"

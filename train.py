@@ -42,7 +42,7 @@ from gpt2train.config import (
     parse_args,
 )
 from gpt2train.console import distributed, log, progress_bar
-from gpt2train.data import NoShardsError, ShardError, open_loader
+from gpt2train.data import open_loader
 from gpt2train.devices import fused_adamw_supported, is_oom, peak_flops, peak_memory
 from gpt2train.documents import prepare_command
 from gpt2train.evaluation import Abandoned, Evaluator
@@ -59,6 +59,7 @@ from gpt2train.parallel import (
 )
 from gpt2train.resume import Checkpointer, Progress, restore, restore_rngs, resume_hint
 from gpt2train.sharded import load_sharded_checkpoint
+from gpt2train.shards import NoShardsError, ShardError
 from gpt2train.start import lock_out_dir, setting, start
 from gpt2train.step import clip_gradients, compile_works, forward_backward, probe_batch_size
 from gpt2train.tracking import EXIT_CODES, TRACKING_KEYS, NoTracker, Tracker, TrackingError, append_ledger
@@ -84,7 +85,7 @@ class StopRequest:
 
 def make_loaders(cfg, env, manifests):
     """Train and val loaders: every rank reads its own slice of one global, world-size-invariant stream; of a
-    mixture (data_dir names several datasets), a data.Mixture of one loader per source. Every shard is validated
+    mixture (data_dir names several datasets), a mixture.Mixture of one loader per source. Every shard is validated
     here, token ids included, before step 1. manifests: the data's, as the run's start read them
     (start.Source.manifests)."""
     try:

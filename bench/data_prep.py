@@ -6,7 +6,7 @@ against one source's. Run from the repository root:
     python -m bench.data_prep                      # all CPUs, Tiny Shakespeare x4, B=16 T=1024
     python -m bench.data_prep --num_proc 8 --copies 16 --batch_size 64
     python -m bench.data_prep --only tokenizers --tokenizer tok/mine   # just the tokenizer comparison
-    python -m bench.data_prep --only mixture --repeats 30              # data.Mixture of 4 vs one DataLoader
+    python -m bench.data_prep --only mixture --repeats 30              # a mixture.Mixture of 4 vs one DataLoader
 
 Text: Tiny Shakespeare (the assets fetcher), repeated --copies times, cut two ways: one document
 per speech (~45 tokens, the worst case for per-document overhead) and ~4 KB pages (~1,000 tokens,
@@ -29,8 +29,10 @@ import numpy as np
 
 from bench import machine_line
 from gpt2train.assets import fetch_shakespeare, get_tokenizer
-from gpt2train.data import AHEAD_STEPS, DataLoader, Mixture, parse_mixture, write_shard
+from gpt2train.data import DataLoader, open_mixture
 from gpt2train.documents import split_speeches
+from gpt2train.mixture import AHEAD_STEPS, parse_mixture
+from gpt2train.shards import write_shard
 from prepare_data import arg_parser, prepare
 
 
@@ -193,7 +195,7 @@ def bench_loader(batch_size, block_size, world_size, steps, tmp):
 
 
 def bench_mixture(batch_size, block_size, world_size, steps, repeats, tmp):
-    """CPU time per batch of a data.Mixture of 4 sources (equal weights; each 2 shards of 5M random tokens) against
+    """CPU time per batch of a mixture.Mixture of 4 sources (equal weights; each 2 shards of 5M random tokens) against
     one DataLoader over the same 8 shards (a glob), so both read rows at random from the same 80 MB. The two take
     turns batch by batch, so a busy machine disturbs both alike; each batch is timed in CPU time (time.process_time:
     time the process was not running is not counted). The mixture's batches are cheap but every AHEAD_STEPS-th
@@ -206,7 +208,7 @@ def bench_mixture(batch_size, block_size, world_size, steps, repeats, tmp):
             write_shard(root / f"s{s}" / f"bench_train_{i:06d}.bin", tokens)
     args = ("train", batch_size, block_size, 0, world_size)
     one = DataLoader(str(root / "s*" / "bench_train_*"), *args, vocab_size=50257)
-    mixture = Mixture(parse_mixture({str(root / f"s{s}"): 1 for s in range(4)}), *args, vocab_size=50257)
+    mixture = open_mixture(parse_mixture({str(root / f"s{s}"): 1 for s in range(4)}), *args, vocab_size=50257)
     batches = repeats * max(steps, 20 * AHEAD_STEPS)
     seconds = {one: 0.0, mixture: 0.0}
     for i in range(batches + 2 * AHEAD_STEPS):  # the first ones warm up

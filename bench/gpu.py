@@ -143,7 +143,7 @@ def sync(device):
 
 def write_random_shards(data_dir, tokens, vocab, seed=0):
     """Train and val shards of uniformly random token ids: throughput and equivalence need no real text."""
-    from gpt2train.data import write_shard
+    from gpt2train.shards import write_shard
 
     rng = np.random.default_rng(seed)
     write_shard(Path(data_dir) / "random_train_000000.bin", rng.integers(0, min(vocab, 50257), tokens))

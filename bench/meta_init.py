@@ -80,7 +80,7 @@ def main(argv=None):
     import numpy as np
 
     from bench import machine_line
-    from gpt2train.data import write_shard
+    from gpt2train.shards import write_shard
 
     with tempfile.TemporaryDirectory(prefix="meta_init_") as tmp:
         rng = np.random.default_rng(0)

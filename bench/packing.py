@@ -27,8 +27,9 @@ import torch
 import prepare_data
 from bench import machine_line
 from gpt2train.assets import EOT
-from gpt2train.data import DataLoader, find_shards, load_shard
+from gpt2train.data import DataLoader
 from gpt2train.loading import load_model
+from gpt2train.shards import find_shards, load_shard
 
 
 def train_run(data, out_dir, packing, seed, args):

@@ -136,12 +136,15 @@ class TrainConfig(GPTConfig):
                 f"optimizer='muon' needs torch.optim.Muon (torch >= 2.9), which torch "
                 f"{torch.__version__} lacks: upgrade torch, or use optimizer='adamw'"
             )
-        from gpt2train.data import parse_mixture  # no torch: the shard format and the loaders
+        from gpt2train.shards import names_mixture  # no torch: the shard format
 
-        try:
-            parse_mixture(self.data_dir)
-        except ValueError as e:
-            raise ConfigError(f"config key 'data_dir': {e}") from None
+        if names_mixture(self.data_dir):
+            from gpt2train.mixture import parse_mixture  # only for a mixture
+
+            try:
+                parse_mixture(self.data_dir)
+            except ValueError as e:
+                raise ConfigError(f"config key 'data_dir': {e}") from None
         if self.eval_tasks_interval:
             from gpt2train.tasks import parse_tasks  # no torch: the task catalogue
 

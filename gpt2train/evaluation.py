@@ -80,7 +80,7 @@ class Evaluator:
     def validate(self, model, step, stop):
         """The val record of `step`: val_loss and val_bpb (bits per UTF-8 byte of the targets' text, val_loss's
         nats over the same targets / ln 2 / their bytes; left out without the tokenizer, or where the targets decode
-        to 0 bytes). Of a mixture (data.Mixture) each source's split alone, val/<name>_loss and val/<name>_bpb, and
+        to 0 bytes). Of a mixture (mixture.Mixture) each source's split alone, val/<name>_loss and val/<name>_bpb, and
         val_loss and val_bpb those of the mixture: the sources' losses weighted by the mixture's weights, and the
         weighted nats per target over the weighted bytes per target. The sources share eval_steps (shared_steps), so
         a mixture validates what one source does."""

@@ -9,9 +9,9 @@ import json
 import numpy as np
 
 from gpt2train.console import log
-from gpt2train.data import HEADER_BYTES
 from gpt2train.documents import PrepError
 from gpt2train.files import LockError, atomic_write, directory_lock, error_line, file_sha256
+from gpt2train.shards import HEADER_BYTES
 
 DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c / build-nanogpt: 100M tokens (200 MB) per shard
 

@@ -1,6 +1,6 @@
 """prepare_data.py --format sft: supervised fine-tuning data (jsonl conversations, chat.parse: {"prompt",
 "completion"} or {"messages"}) rendered with the chat template (chat.py) and written in input order as token shards
-plus aligned loss-mask shards (data.write_mask) of whole conversations, and their manifest.
+plus aligned loss-mask shards (shards.write_mask) of whole conversations, and their manifest.
 
 <name>_val_000000.bin/.mask holds the first conversations (at least val_tokens tokens), or exactly --val_input's;
 <name>_train_NNNNNN.bin/.mask up to shard_tokens tokens of whole conversations each. Rows are built at load time for
@@ -19,7 +19,6 @@ import numpy as np
 
 from gpt2train import chat
 from gpt2train.bpe import open_tokenizer
-from gpt2train.data import MASK_SUFFIX, SHARD_SUFFIXES, write_mask, write_shard
 from gpt2train.documents import PrepError, expand_inputs, val_files
 from gpt2train.files import file_sha256, first_line
 from gpt2train.prep_output import (
@@ -31,6 +30,7 @@ from gpt2train.prep_output import (
     shard_is_complete,
     write_manifest,
 )
+from gpt2train.shards import MASK_SUFFIX, SHARD_SUFFIXES, write_mask, write_shard
 
 
 @dataclass(frozen=True)

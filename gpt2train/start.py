@@ -27,11 +27,12 @@ from gpt2train.checkpoint import is_checkpoint, list_checkpoints, load_checkpoin
 from gpt2train.checkpoint_file import CheckpointError, checksum_path, read_checksums, verify_checkpoint
 from gpt2train.config import ARCH_KEYS, ConfigError, TrainConfig, make_config, model_config
 from gpt2train.console import is_rank0, launched_by_torchrun, log
-from gpt2train.data import NoShardsError, data_tokenizer, read_manifests
 from gpt2train.documents import prepare_command
 from gpt2train.files import directory_lock
+from gpt2train.manifests import data_tokenizer, read_manifests
 from gpt2train.parallel import rank_ranges, setup
 from gpt2train.sharded import META_FILES
+from gpt2train.shards import NoShardsError
 from gpt2train.tracking import check_tracking_available
 from model import PRESETS, GPTConfig
 
@@ -46,7 +47,7 @@ class Source:
     read once, its optimizer state dropped); 'pretrained' (a Hugging Face directory or hub name, loaded when the
     model is built). model: the GPTConfig the model will have, known before it is built (None for a Hugging Face
     directory: only loading it tells). tokenizer: the run's tokenizer record (bpe.tokenizer_record), which every
-    checkpoint keeps. manifests: the data's prep manifests (data.read_manifests), read once; the loaders take them."""
+    checkpoint keeps. manifests: the data's prep manifests (manifests.read_manifests), read once; the loaders take them."""
 
     kind: str
     state: dict | None = None
@@ -157,7 +158,7 @@ def data_vocab(user, record):
 
 
 def data_manifests(data_dir):
-    """data.read_manifests of data_dir. No train shards there (no such directory, or not prepared yet) is a
+    """manifests.read_manifests of data_dir. No train shards there (no such directory, or not prepared yet) is a
     NoShardsError saying how to prepare it, and naming a sibling directory of a near name: found before anything
     else of the run is planned or printed."""
     try:

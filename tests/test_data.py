@@ -13,7 +13,8 @@ import torch
 import prepare_data
 from gpt2train import documents
 from gpt2train.assets import get_tokenizer
-from gpt2train.data import DataLoader, ShardError, find_shards, load_shard, write_shard
+from gpt2train.data import DataLoader
+from gpt2train.shards import ShardError, find_shards, load_shard, write_shard
 
 EOT = 50256
 
@@ -591,7 +592,7 @@ def test_out_of_vocab_token_is_reported(tmp_path):
 
 
 def test_shards_without_a_manifest_are_scanned_in_chunks_to_the_last_token(tmp_path):
-    from gpt2train.data import check_shards_vocab
+    from gpt2train.shards import check_shards_vocab
 
     paths = [tmp_path / f"x_train_{i:06d}.bin" for i in range(2)]
     write_shard(paths[0], np.arange(5000) % 64)
@@ -1064,7 +1065,7 @@ def edit_tokenizer_entry(prepped, **entry):
 )
 def test_a_manifests_tokenizer_entry_is_checked_key_by_key(prepped, entry, message):
     """A manifest is a text file: a malformed entry is one ShardError naming it and the key, in every reader."""
-    from gpt2train.data import data_tokenizer, read_manifests
+    from gpt2train.manifests import data_tokenizer, read_manifests
 
     path = edit_tokenizer_entry(prepped, **entry)
     for read in (
@@ -1082,7 +1083,7 @@ def test_a_manifest_or_tokenizer_file_that_is_not_a_regular_file_is_refused_unre
     import hashlib
     import os
 
-    from gpt2train.data import data_tokenizer, read_manifests
+    from gpt2train.manifests import data_tokenizer, read_manifests
 
     tokenizer_file, broken = prepped / "docs_tokenizer.json", '{"model": '
     tokenizer_file.write_text(broken)

@@ -678,7 +678,7 @@ def test_training_logs_the_suite_and_resumes_bit_exactly(tmp_path, monkeypatch):
     import numpy as np
 
     import train
-    from gpt2train.data import write_shard
+    from gpt2train.shards import write_shard
 
     monkeypatch.setattr(tasks, "load_docs", lambda name, limit=None, cache_dir=None, path=None: docs_of(name)[:limit])
     data = tmp_path / "data"

@@ -15,8 +15,8 @@ import torch
 import prepare_data
 from gpt2train import assets, files
 from gpt2train.checkpoint_file import save_checkpoint
-from gpt2train.data import write_shard
 from gpt2train.files import atomic_write, file_sha256
+from gpt2train.shards import write_shard
 
 
 def test_writes_bytes_text_or_through_a_function(tmp_path):

@@ -26,9 +26,9 @@ import train
 from gpt2train import checkpoint, checkpoint_file, loading, optim, parallel, start
 from gpt2train.checkpoint import load_checkpoint, load_latest_checkpoint
 from gpt2train.config import make_config
-from gpt2train.data import write_shard
 from gpt2train.hf import from_pretrained
 from gpt2train.sharded import save_sharded_checkpoint
+from gpt2train.shards import write_shard
 from model import GPT, GPTConfig
 from test_hellaswag import EXAMPLES
 from test_train import TINY, markov_tokens, metrics, subprocess_env, torchrun, train_losses

@@ -1,4 +1,4 @@
-"""Mixtures of prepared datasets (data_dir "a:0.75,b:0.25", data.Mixture, issue 39): rows drawn in proportion to the
+"""Mixtures of prepared datasets (data_dir "a:0.75,b:0.25", mixture.Mixture, issue 39): rows drawn in proportion to the
 weights, each source with its own position and epochs, exact resume and world-size invariance with both packings, a
 resume with other weights, one tokenizer for all sources, and each source validated alone beside the mixture."""
 
@@ -19,7 +19,9 @@ import torch
 import prepare_data
 import train
 from gpt2train.config import ConfigError, make_config, parse_args, read_config_file
-from gpt2train.data import DataLoader, Loader, Mixture, parse_mixture, write_shard
+from gpt2train.data import DataLoader, Loader, open_mixture
+from gpt2train.mixture import parse_mixture
+from gpt2train.shards import write_shard
 
 ROOT = Path(__file__).resolve().parent.parent
 T = 16
@@ -154,7 +156,7 @@ def test_a_075_025_mixture_trains_each_source_its_share_over_the_first_epoch_of_
 def test_both_loaders_are_a_loader_and_name_their_sources(sources):
     """DataLoader and Mixture meet data.Loader, what the step, the evaluator, the checkpoint and train.py call."""
     one = DataLoader(sources[0], "val", 2, T)
-    mixed = Mixture(parse_mixture(f"{sources[0]}:0.75,{sources[1]}:0.25"), "val", 2, T)
+    mixed = open_mixture(parse_mixture(f"{sources[0]}:0.75,{sources[1]}:0.25"), "val", 2, T)
     assert isinstance(one, Loader) and isinstance(mixed, Loader)
     assert one.sources() == {None: (one, 1.0)} and one.tokens() == {}
     assert [(n, w) for n, (_, w) in mixed.sources().items()] == [
@@ -166,7 +168,7 @@ def test_both_loaders_are_a_loader_and_name_their_sources(sources):
 
 def mixture_rows(spec, world_size, batch, steps, packing, state=None):
     """(every rank's (x, y) rows of `steps` micro-steps in global order, rank 0's loader)."""
-    loaders = [Mixture(spec, "train", batch, T, r, world_size, seed=5, packing=packing) for r in range(world_size)]
+    loaders = [open_mixture(spec, "train", batch, T, r, world_size, seed=5, packing=packing) for r in range(world_size)]
     for loader in loaders:
         if state is not None:
             loader.load_state_dict(state)
@@ -249,7 +251,7 @@ def test_a_resume_with_other_weights_continues_each_source_where_it_was(tmp_path
 
     def mixture(weights):
         spec = parse_mixture({str(a): weights[0], str(b): weights[1]})
-        return Mixture(spec, "train", 8, T, seed=3, shuffle=False)
+        return open_mixture(spec, "train", 8, T, seed=3, shuffle=False)
 
     before = mixture((0.75, 0.25))
     for _ in range(5):
@@ -274,6 +276,25 @@ def test_a_resume_with_other_weights_continues_each_source_where_it_was(tmp_path
         ),
     ):
         DataLoader(a, "train", 8, T, seed=3).load_state_dict(after.state_dict())
+
+
+def test_the_mixture_module_is_imported_only_when_data_dir_names_a_mixture(tmp_path):
+    """A run on one dataset (its config, manifests, loader and steps) never imports gpt2train/mixture.py, so the
+    feature costs it nothing; a run on a mixture does."""
+    one, other = numbered_source(tmp_path / "one", 0), numbered_source(tmp_path / "other", 100)
+    code = (
+        "import sys, train; status = train.main(sys.argv[1:]); print('gpt2train.mixture' in sys.modules); exit(status)"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    imported = {}
+    for data_dir, out in ((one, "one"), (f"{one}:0.5,{other}:0.5", "mix")):
+        args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / out}", "--max_steps=1"]
+        result = subprocess.run(
+            [sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        imported[out] = result.stdout.splitlines()[-1]
+    assert imported == {"one": "False", "mix": "True"}
 
 
 def test_a_val_split_of_end_of_text_tokens_only_has_a_loss_but_no_bits_per_byte(tmp_path):

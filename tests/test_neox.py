@@ -486,7 +486,7 @@ def test_neox_hf_dir_fine_tunes_resumes_exactly_and_samples(tmp_path):
     checkpoint loads in sample.py's loader and generates."""
     import train
     from gpt2train import loading
-    from gpt2train.data import write_shard
+    from gpt2train.shards import write_shard
     from test_train import markov_tokens
 
     data = tmp_path / "data"

@@ -16,7 +16,8 @@ import prepare_data
 import train
 from gpt2train import chat, parallel, step
 from gpt2train.config import TrainConfig
-from gpt2train.data import DataLoader, ShardError
+from gpt2train.data import DataLoader
+from gpt2train.shards import ShardError
 from model import GPT, ChunkedLMHeadLoss, GPTConfig
 from sample import stream_samples
 from test_chat import ROWS, render

@@ -215,13 +215,13 @@ def test_prep_train_sample_export_autotokenizer_with_its_own_tokenizer(tokenizer
     import checkpoint as checkpoint_command
     import sample
     import train
-    from gpt2train import data, loading
+    from gpt2train import loading, shards
 
     enc = bpe.open_tokenizer(tokenizer_file)
     data_dir = prepare(tmp_path, tokenizer_file, "corpus")
     manifest = json.loads((data_dir / "corpus_manifest.json").read_text())
     assert manifest["tokenizer"]["id"] == enc.id == manifest["settings"]["tokenizer"]
-    val = data.load_shard(data_dir / "corpus_val_000000.bin")  # <|endoftext|> (the tokenizer's) before each document
+    val = shards.load_shard(data_dir / "corpus_val_000000.bin")  # <|endoftext|> (the tokenizer's) before each document
     first = [enc.eot_token, *enc.encode_ordinary(f"0: {CORPUS[0]}"), enc.eot_token]
     assert list(val[: len(first)]) == first
 

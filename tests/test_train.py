@@ -28,7 +28,8 @@ from gpt2train import checkpoint, checkpoint_file, loading, optim, sharded
 from gpt2train.budget import Budget
 from gpt2train.checkpoint import load_checkpoint, load_latest_checkpoint
 from gpt2train.config import TrainConfig
-from gpt2train.data import DataLoader, ShardError, write_shard
+from gpt2train.data import DataLoader
+from gpt2train.shards import ShardError, write_shard
 from train import get_lr
 
 ROOT = Path(__file__).resolve().parent.parent
