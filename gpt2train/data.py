@@ -450,7 +450,7 @@ def open_loader(cfg, split, rank=0, world_size=1, manifests=None):
     """The run's Loader of `split`: a DataLoader of cfg.data_dir, or a Mixture where it names several datasets
     (shards.names_mixture; only then is mixture.py imported). cfg: a TrainConfig (data_dir, batch_size, block_size,
     seed, vocab_size, packing); batch_size 'auto' reads 1 row until batch_size='auto' is resolved
-    (memory.probe_batch_size)."""
+    (step.probe_batch_size)."""
     batch_size = 1 if cfg.batch_size == "auto" else cfg.batch_size
     options = {
         "rank": rank,
