@@ -17,6 +17,7 @@ from gpt2train.config import ConfigError
 from gpt2train.console import log
 from gpt2train.devices import autocast
 from gpt2train.files import first_line
+from gpt2train.generation import Sampling, generate
 from gpt2train.parallel import any_rank, gathered
 from gpt2train.scoring import Suite
 from gpt2train.step import in_micro_batches, to_device
@@ -233,13 +234,8 @@ def sample_preview(raw_model, cfg, env, enc):
         generator = torch.Generator(device=env.device).manual_seed(cfg.seed)  # leaves the training RNG alone
         model.eval()
         with autocast(env.device, env.dtype):
-            out = model.generate(
-                torch.tensor([prompt], device=env.device),
-                cfg.sample_tokens,
-                top_k=200,
-                generator=generator,
-                n_vocab=enc.n_vocab,
-            )
+            sampling = Sampling(top_k=200, n_vocab=enc.n_vocab)
+            out = generate(model, torch.tensor([prompt], device=env.device), cfg.sample_tokens, sampling, generator)
         model.train()
     return enc.decode([t for t in out[0].tolist() if t < enc.n_vocab])
 
