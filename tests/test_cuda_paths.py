@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from bench import gpu
-from gpt2train import devices, memory, parallel, step
+from gpt2train import devices, headroom, memory, parallel, step
 from gpt2train.checkpoint import load_checkpoint
 from gpt2train.config import ConfigError, make_config, model_config, parse_args
 from gpt2train.devices import peak_flops
@@ -47,7 +47,7 @@ def test_setup_makes_an_indexed_gpu_current_and_the_run_can_query_it(
     assert groups == (["nccl"] if torchrun else []) and env.dtype == "bfloat16"
     # what run() and the memory plan then ask of that device
     assert peak_flops(torch.cuda.get_device_name(env.device), env.dtype) == 989e12
-    assert memory.available_memory(env.device) == (70 << 30, f"cuda:{expected}: 70.0 GiB free of 80.0 GiB")
+    assert headroom.available_memory(env.device) == (70 << 30, f"cuda:{expected}: 70.0 GiB free of 80.0 GiB")
     assert devices.peak_memory(env.kind)[0] == 0
 
 
