@@ -153,7 +153,8 @@ def test_validation_under_torchrun_waits_for_the_gpu_once_per_micro_batch(fake_d
             return tuple(torch.randint(0, 32, (2, 8), generator=self.rng) for _ in range(2))
 
     with fake_device("cuda:0") as cuda:
-        loss = evaluation.val_loss(model, Val(), 4, 2, env, lambda: parallel.any_rank(False, env)).loss
+        rows = evaluation.read_val_rows(Val(), 4)
+        loss = evaluation.val_loss(model, rows, 2, env, lambda: parallel.any_rank(False, env)).loss
     assert math.isfinite(loss)
     assert cuda.syncs == 4 + 1  # each micro-batch's agreement, then the mean's read
 
