@@ -16,16 +16,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from gpt2train.config import ConfigError, batch_layout, make_config, model_config, parse_args
 from gpt2train.files import report_error
-from gpt2train.memory import (
-    MARGIN,
-    GiB,
-    MemoryPlan,
-    choose_checkpointing,
-    estimate_memory,
-    gib,
-    with_margin,
-    within_margin,
-)
+from gpt2train.headroom import MARGIN, GiB, gib, with_margin, within_margin
+from gpt2train.memory import MemoryPlan, choose_checkpointing, estimate_memory
 from gpt2train.optim import build_optimizer
 from gpt2train.parallel import Env, keeps_grads, mesh_shape, parallelize
 from gpt2train.step import clip_gradients, micro_batches

@@ -32,7 +32,7 @@ from gpt2train.bpe import replace_surrogates
 from gpt2train.console import log
 from gpt2train.documents import PrepError, file_documents
 from gpt2train.files import atomic_write, check_writable, report_error
-from gpt2train.scoring import Suite, bits_per_byte
+from gpt2train.scoring import Forwards, Suite, bits_per_byte
 from gpt2train.tracking import json_safe
 
 BPB_PROTOCOL = (
@@ -271,7 +271,8 @@ def score_bpb(parser, args):
     model, enc, device, dtype = load_model_from_args(parser, args)
     tune_cpu_allocator(device)
     try:
-        result = bits_per_byte(model, enc, docs, device, args.batch_size, dtype, progress=sys.stderr.isatty())
+        forwards = Forwards(device, args.batch_size, dtype)
+        result = bits_per_byte(model, enc, docs, forwards, progress=sys.stderr.isatty())
     except ValueError as e:  # no text, a tokenizer without <|endoftext|> or with more ids than the model
         report_error(parser.prog, e)
         parser.exit(2)

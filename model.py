@@ -1,12 +1,11 @@
 """GPT-2 in one file, with the GPT-NeoX / Pythia family and a few modern options: config, modules, the
-chunked loss, MFU, KV-cache generation. Parameter names follow OpenAI / Hugging Face GPT-2 (transformer.wte,
-transformer.h.N.attn.c_attn, ...); hf.py moves weights to and from Hugging Face's GPT-2 and GPT-NeoX.
+chunked loss, MFU and the KV cache (gpt2train/generation.py decodes with it). Parameter names follow OpenAI /
+Hugging Face GPT-2 (transformer.wte, transformer.h.N.attn.c_attn, ...); hf.py moves weights to and from Hugging
+Face's GPT-2 and GPT-NeoX.
 """
 
 import functools
 import math
-import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -460,7 +459,7 @@ class GPT(nn.Module):
             if bigram is not None:
                 x = x + self.bigram_lambdas[i] * bigram
             if self.config.recomputes(i) and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, rope, None, 0, ve, use_reentrant=False)
+                x = checkpoint(block, x, rope, ve=ve, use_reentrant=False)
             else:
                 x = block(x, rope, caches[i] if caches is not None else None, pos, ve)
         return self.transformer.ln_f(x) if final_norm else x
@@ -498,126 +497,3 @@ class GPT(nn.Module):
     def estimate_mfu(self, tokens_per_s: float, peak_flops: float | None) -> float | None:
         """Model FLOPs utilisation: achieved training FLOP/s over the device peak (None if peak unknown)."""
         return None if not peak_flops else tokens_per_s * self.flops_per_token() / peak_flops
-
-    # ------------------------------------------------------------------------- generation
-
-    @contextmanager
-    def _column_major_linears(self, enabled: bool):
-        """While decoding in fp32 on a CPU, store the blocks' Linear weights column-major: same values and
-        shapes, but x @ W.t() then reads an (in, out)-contiguous matrix. Restored to nn.Linear's layout after."""
-        linears = [m for m in self.transformer.h.modules() if isinstance(m, nn.Linear)] if enabled else []
-        for m in linears:
-            m.weight.data = m.weight.data.t().contiguous().t()
-        try:
-            yield
-        finally:
-            for m in linears:
-                m.weight.data = m.weight.data.contiguous()
-
-    @torch.no_grad()
-    def generate_stream(
-        self,
-        idx,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_token: int | None = None,
-        generator=None,
-        use_kv_cache: bool = True,
-        n_vocab: int = GPT2_VOCAB,
-    ):
-        """Yield the next token of every row, (B,) LongTensor, for up to max_new_tokens steps.
-        Ids >= n_vocab (the tokenizer's size; the rest of a padded vocabulary) are never produced.
-
-        temperature 0 = greedy. Rows that produced eos_token keep emitting it; stops once all rows have.
-        The KV cache is filled by one forward over the prompt, then each step feeds only the new token;
-        once the context exceeds block_size every step recomputes on the last block_size tokens."""
-        if temperature < 0 or (top_k is not None and top_k < 1) or (top_p is not None and not 0 < top_p <= 1):
-            raise ValueError(
-                f"generate: need temperature >= 0, top_k >= 1, 0 < top_p <= 1; "
-                f"got temperature={temperature}, top_k={top_k}, top_p={top_p}"
-            )
-        bs = self.config.block_size
-        if idx.size(1) > bs:
-            warnings.warn(
-                f"generate: prompt of {idx.size(1)} tokens is longer than block_size {bs}; using its last {bs} tokens"
-            )
-        ctx = idx[:, -bs:]  # (B, <=bs) the model's view of the sequence
-        caches = [KVCache(bs) for _ in self.transformer.h] if use_kv_cache else None
-        done = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
-        # each step multiplies one row per sequence by every weight matrix, a memory-bound read. On a CPU in fp32
-        # BLAS reads the head's (V, C) rows on one core (_head_rows spreads them over all) and the blocks' matrices
-        # faster column-major (docs/speed.md); in bf16 BLAS reads the (out, in) rows as fast, and they stay
-        w = self.lm_head.weight
-        fp32_cpu = w.device.type == "cpu" and w.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
-        pos, feed = 0, ctx  # tokens already in the cache, tokens to run next
-        with self._column_major_linears(fp32_cpu):
-            for _ in range(max_new_tokens):
-                if caches is not None and pos + feed.size(1) <= bs:
-                    h = self.hidden_states(feed, caches, pos, prev=ctx[:, pos - 1 : pos] if pos else None)
-                    pos += feed.size(1)
-                else:  # no cache, or the window is full: recompute on the last block_size tokens
-                    h = self.hidden_states(ctx)
-                x = h[:, -1, :]  # (B, C): the logits of the last position only
-                logits = (_head_rows(x, w) if fp32_cpu else x @ w.t()).float()  # (B, V)
-                nxt = _sample(logits, temperature, top_k, top_p, generator, n_vocab)  # (B,)
-                if eos_token is not None:
-                    nxt = torch.where(done, torch.full_like(nxt, eos_token), nxt)
-                    done |= nxt == eos_token
-                yield nxt
-                if eos_token is not None and bool(done.all()):
-                    return
-                feed = nxt.unsqueeze(1)  # (B, 1)
-                ctx = torch.cat((ctx, feed), dim=1)[:, -bs:]
-
-    @torch.no_grad()
-    def generate(
-        self,
-        idx,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_token: int | None = None,
-        generator=None,
-        use_kv_cache: bool = True,
-        n_vocab: int = GPT2_VOCAB,
-    ) -> torch.Tensor:
-        """Continue idx (B, T); returns (B, T + n_new) with the full original prompt in front."""
-        new = list(
-            self.generate_stream(
-                idx, max_new_tokens, temperature, top_k, top_p, eos_token, generator, use_kv_cache, n_vocab
-            )
-        )
-        return torch.cat([idx] + [t.unsqueeze(1) for t in new], dim=1)
-
-
-def _head_rows(x, w):
-    """x (B, C) @ w.T for the head's w (V, C), as one bmm over torch.get_num_threads() blocks of w's rows: in fp32
-    on a CPU, BLAS's product with nn.Linear's (out, in) rows reads them on one core, the blocks on every core, at
-    the speed of memory (docs/speed.md)."""
-    k = torch.get_num_threads()
-    n = w.size(0) // k * k
-    y = torch.bmm(w[:n].view(k, n // k, w.size(1)), x.t().expand(k, -1, -1)).view(n, x.size(0)).t()
-    return y if n == w.size(0) else torch.cat((y, x @ w[n:].t()), dim=1)
-
-
-def _sample(logits, temperature, top_k, top_p, generator, n_vocab=GPT2_VOCAB):
-    """Pick one id per row from logits (B, V) fp32, never an id >= n_vocab."""
-    if logits.size(-1) > n_vocab:
-        logits[:, n_vocab:] = float("-inf")  # padding rows of the vocabulary are not real tokens
-    if temperature == 0.0:
-        return logits.argmax(dim=-1)
-    logits = logits / temperature
-    if top_k is not None and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # drop a token once the mass of the tokens ranked above it already reaches top_p (the top one stays)
-        drop = probs.cumsum(dim=-1) - probs >= top_p
-        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)

@@ -27,6 +27,7 @@ import torch
 
 from gpt2train import chat
 from gpt2train.devices import autocast
+from gpt2train.generation import Sampling, generate_stream
 from gpt2train.loading import add_model_args, load_model_from_args
 
 SEPARATOR = "-" * 40
@@ -88,6 +89,7 @@ def stream_samples(
         stop = (chat.special_ids(enc)["<|end|>"], enc.eot_token)
     else:
         tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [enc.eot_token]
+    sampling = Sampling(temperature, top_k, top_p, n_vocab=enc.n_vocab)
     generator = torch.Generator(device=device).manual_seed(seed)
     model.eval()
     texts = []
@@ -99,15 +101,7 @@ def stream_samples(
         out.write(prompt)
         out.flush()
         with autocast(device, dtype):
-            for new in model.generate_stream(
-                idx,
-                max_new_tokens,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                generator=generator,
-                n_vocab=enc.n_vocab,
-            ):  # new: (1,)
+            for new in generate_stream(model, idx, max_new_tokens, sampling, generator):  # new: (1,)
                 if int(new[0]) in stop:
                     break
                 piece = decoder.decode(token_bytes(enc, int(new[0])))
@@ -196,16 +190,16 @@ def main(argv=None):
         )
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")  # a terminal that can't show a character gets '?', not a crash
-    options = dict(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        device=device,
-        dtype=dtype,
-        stop_at_eot=args.stop_at_eot,
-    )
+    options = {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "device": device,
+        "dtype": dtype,
+        "stop_at_eot": args.stop_at_eot,
+    }
     try:
         if args.chat and messages is None:  # interactive: each reply joins the conversation
             messages = []

@@ -6,7 +6,7 @@
     python -m bench.eval_vs_harness   # evaluate.py vs lm-evaluation-harness's hf backend: examples/s, same predictions
     python -m bench.eval_cost         # an evaluation's (val loss, HellaSwag, the suite) share of a run's training time
     python -m bench.recipes           # learning speed: the GPT-2 recipe vs configs/modern.py (steps, time to a loss)
-    python -m bench.decode            # KV-cache decoding: this model.py vs one at a git revision, interleaved
+    python -m bench.decode            # KV-cache decoding: this checkout vs a git revision, interleaved
     python -m bench.compiled_loss     # the chunked loss's memory and time compiled vs eager, as the chunks grow
     python -m bench.muon              # the modern recipe's optimizer step: torch.optim.Muon vs optim.Muon (batched)
 
@@ -48,27 +48,34 @@ def machine_line(device):
 def model_at(rev, folder):
     """model.py as it was at git revision `rev` (written into `folder`), imported as its own module beside the
     current one, so a bench can run old and new code interleaved in one process."""
-    import subprocess
-    from pathlib import Path
     from unittest import mock
 
     import torch
 
-    root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(["git", "show", f"{rev}:model.py"], cwd=root, capture_output=True, text=True, check=True)
-    path = Path(folder, f"model_{rev.replace('/', '_').replace('~', '_').replace('^', '_')}.py")
-    path.write_text(source.stdout)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
     # the torch.library ops it defines (gpt::...) are registered already by the current model.py: its copies
     # take their own namespace
     custom_op = torch.library.custom_op
     # revisions before the package move import the root optim.py (only for configure_optimizer, which no bench
     # calls): they get today's
-    with (
-        mock.patch.object(torch.library, "custom_op", lambda name, *a, **kw: custom_op(f"old_{name}", *a, **kw)),
-        mock.patch.dict(sys.modules, {"optim": importlib.import_module("gpt2train.optim")}),
-    ):
+    with mock.patch.object(torch.library, "custom_op", lambda name, *a, **kw: custom_op(f"old_{name}", *a, **kw)):
+        return module_at(rev, "model.py", folder, {"optim": importlib.import_module("gpt2train.optim")})
+
+
+def module_at(rev, path, folder, imports=None):
+    """The file `path` as it was at git revision `rev` (written into `folder`), imported as its own module beside the
+    current one; `imports` ({name: module}) stand in for what it imports by those names (e.g. model.py at `rev`)."""
+    import subprocess
+    from pathlib import Path
+    from unittest import mock
+
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True, text=True, check=True)
+    name = f"{Path(path).stem}_{rev.replace('/', '_').replace('~', '_').replace('^', '_')}"
+    file = Path(folder, f"{name}.py")
+    file.write_text(source.stdout)
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    with mock.patch.dict(sys.modules, imports or {}):
         spec.loader.exec_module(module)
     module.rev = rev
     return module

@@ -18,7 +18,7 @@ from bench import machine_line
 from gpt2train.assets import fetch_shakespeare
 from gpt2train.documents import split_speeches
 from gpt2train.loading import load_model, model_tokenizer
-from gpt2train.scoring import bits_per_byte
+from gpt2train.scoring import Forwards, bits_per_byte
 
 
 def documents_held_out(config):
@@ -43,7 +43,7 @@ def main():
         model, info = load_model(ckpt=ckpt)
         enc = model_tokenizer(info)
         held = documents_held_out(info["config"])
-        scored = bits_per_byte(model, enc, docs, "cpu")
+        scored = bits_per_byte(model, enc, docs, Forwards("cpu"))
         result = {
             "ckpt": ckpt,
             "step": info["step"],

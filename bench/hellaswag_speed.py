@@ -12,7 +12,7 @@ import torch
 from bench import machine_line
 from gpt2train.assets import fetch_hellaswag, get_tokenizer
 from gpt2train.devices import resolve_device, resolve_dtype, tune_cpu_allocator
-from gpt2train.scoring import Suite, score_requests
+from gpt2train.scoring import Forwards, Suite, score_requests
 from gpt2train.tasks import HELLASWAG_LLMC, load_hellaswag
 from model import GPT, GPTConfig
 
@@ -35,7 +35,7 @@ def one_example_per_forward(model, examples, device, dtype=None, enc=None):
     suite = Suite({HELLASWAG_LLMC.name: examples}, enc or get_tokenizer())
     preds = []
     for _, pairs, *_ in suite.examples[HELLASWAG_LLMC.name]:
-        log_likelihood, count = score_requests(model, pairs, device, 4, dtype, suite.n_vocab)
+        log_likelihood, count = score_requests(model, pairs, Forwards(device, 4, dtype), suite.n_vocab)
         preds.append((int(log_likelihood.argmax()), int((log_likelihood / count.clamp(min=1)).argmax())))
     return preds
 

@@ -48,6 +48,7 @@ from gpt2train import devices, optim
 from gpt2train.assets import fetch_hellaswag
 from gpt2train.config import TrainConfig
 from gpt2train.devices import autocast, device_type, glibc, malloc_tuned, resolve_device, set_malloc_tuned
+from gpt2train.generation import Sampling, generate
 from gpt2train.hf import CONV1D_WEIGHTS, save_pretrained
 from gpt2train.tasks import load_hellaswag
 from model import GPT, GPT2_VOCAB, PRESETS, GPTConfig
@@ -498,8 +499,10 @@ def compare_generation(cfg, device, rounds, dtypes, slow_dtypes=()):
             hf.generation_config.eos_token_id = None  # never stop early: GEN_NEW tokens, as ours
             hf.generation_config.pad_token_id = 0
             runs = {
-                "ours, KV cache": partial(ours.generate, prompt, GEN_NEW, temperature=0.0, use_kv_cache=True),
-                "ours, no cache": partial(ours.generate, prompt, GEN_NEW, temperature=0.0, use_kv_cache=False),
+                "ours, KV cache": partial(generate, ours, prompt, GEN_NEW, Sampling(temperature=0.0)),
+                "ours, no cache": partial(
+                    generate, ours, prompt, GEN_NEW, Sampling(temperature=0.0), use_kv_cache=False
+                ),
                 "transformers generate": partial(hf.generate, prompt, max_new_tokens=GEN_NEW, do_sample=False),
             }
             if dtype in slow_dtypes:

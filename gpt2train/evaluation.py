@@ -17,6 +17,7 @@ from gpt2train.config import ConfigError
 from gpt2train.console import log
 from gpt2train.devices import autocast
 from gpt2train.files import first_line
+from gpt2train.generation import Sampling, generate
 from gpt2train.parallel import any_rank, gathered
 from gpt2train.scoring import Suite
 from gpt2train.step import in_micro_batches, to_device
@@ -103,7 +104,7 @@ class Evaluator:
         stopped = lambda: any_rank(stop.signal, self.env)  # noqa: E731
         steps = shared_steps(self.cfg.eval_steps, weights)
         scored = {
-            name: val_loss(model, loader, n, micro, self.env, stopped, step, table)
+            name: val_loss(model, read_val_rows(loader, n, table), micro, self.env, stopped, step)
             for (name, (loader, _)), n in zip(sources.items(), steps)
         }
         mixed = lambda per: sum(w * per(r) for w, r in zip(weights, scored.values()))  # noqa: E731
@@ -183,20 +184,35 @@ class ValScore(NamedTuple):
     bytes: float | None  # the UTF-8 bytes they decode to; None without a byte table
 
 
-@torch.no_grad()
-def val_loss(model, loader, eval_steps, micro, env, stop=lambda: False, step=0, token_bytes=None):
-    """The ValScore of the same eval_steps val micro-batches every time, of all ranks: the mean loss, the summed loss
-    of their targets and the UTF-8 bytes those decode to (token_bytes: each id's, bpe.token_bytes). Their rows
-    (read at once, on the CPU) go through the model `micro` at a time, the training micro-batch: an out-of-memory
-    halves it as in a step (a Halt under torchrun or at 1). Abandoned as soon as stop() (agreed by all ranks)."""
-    model.eval()
+class ValRows(NamedTuple):
+    """The val micro-batches every validation scores, read at once on the host (read_val_rows)."""
+
+    x: torch.Tensor  # (rows, T) inputs
+    y: torch.Tensor  # (rows, T) targets, -1 where there is none
+    bytes: int | None  # the UTF-8 bytes the targets decode to; None without a byte table
+
+
+def read_val_rows(loader, eval_steps, token_bytes=None) -> ValRows:
+    """The loader's first eval_steps micro-batches (the same every time: it is reset first), and with token_bytes
+    (each id's UTF-8 bytes, bpe.token_bytes) the bytes their targets decode to."""
     loader.reset()
     x, y = (torch.cat(t) for t in zip(*(loader.next_batch() for _ in range(eval_steps))))  # (rows, T) each
+    size = None if token_bytes is None else int((token_bytes[y.clamp(min=0)] * (y != -1)).sum())
+    return ValRows(x, y, size)
+
+
+@torch.no_grad()
+def val_loss(model, rows: ValRows, micro, env, stop=lambda: False, step=0):
+    """The ValScore of the val rows, of all ranks: the mean loss, the summed loss of their targets and the UTF-8
+    bytes those decode to. The rows go through the model `micro` at a time, the training micro-batch: an
+    out-of-memory halves it as in a step (a Halt under torchrun or at 1). Abandoned as soon as stop() (agreed by all
+    ranks)."""
+    model.eval()
+    x, y = rows.x, rows.y
     targets = (y != -1).sum(dim=1)  # (rows,) on the host: no sync
-    size = 0 if token_bytes is None else int((token_bytes[y.clamp(min=0)] * (y != -1)).sum())
     sums = torch.zeros(2, device=env.device)  # the micro-batches' mean losses x their rows; the summed loss
 
-    def rows(a, b):
+    def score(a, b):
         if stop():
             raise Abandoned
         xb, yb = to_device((x[a:b], y[a:b]), env.device)
@@ -205,15 +221,16 @@ def val_loss(model, loader, eval_steps, micro, env, stop=lambda: False, step=0, 
         sums.add_(torch.stack([loss * (b - a), loss * int(targets[a:b].sum())]))
 
     try:
-        in_micro_batches(rows, len(x), micro, env, f"step {step}")
+        in_micro_batches(score, len(x), micro, env, f"step {step}")
     finally:
         model.train()
-    counts = to_device((torch.tensor([float(targets.sum()), float(size)]),), env.device)[0]  # pinned: no wait
+    size = float(rows.bytes or 0)
+    counts = to_device((torch.tensor([float(targets.sum()), size]),), env.device)[0]  # pinned: no wait
     totals = torch.cat([sums, counts])
     if env.distributed:
         dist.all_reduce(totals)  # SUM: gloo has no AVG
     loss_sum, nats, count, size = totals.tolist()
-    return ValScore(loss_sum / len(x) / env.world_size, nats, count, None if token_bytes is None else size)
+    return ValScore(loss_sum / len(x) / env.world_size, nats, count, None if rows.bytes is None else size)
 
 
 def val_line(record):
@@ -233,13 +250,8 @@ def sample_preview(raw_model, cfg, env, enc):
         generator = torch.Generator(device=env.device).manual_seed(cfg.seed)  # leaves the training RNG alone
         model.eval()
         with autocast(env.device, env.dtype):
-            out = model.generate(
-                torch.tensor([prompt], device=env.device),
-                cfg.sample_tokens,
-                top_k=200,
-                generator=generator,
-                n_vocab=enc.n_vocab,
-            )
+            sampling = Sampling(top_k=200, n_vocab=enc.n_vocab)
+            out = generate(model, torch.tensor([prompt], device=env.device), cfg.sample_tokens, sampling, generator)
         model.train()
     return enc.decode([t for t in out[0].tolist() if t < enc.n_vocab])
 

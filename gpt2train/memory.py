@@ -1,12 +1,12 @@
-"""Know before you start: predicted peak memory per rank, what the device has, and the micro-batch that fits.
+"""Know before you start: predicted peak memory per rank, whether it fits the device, and the micro-batch that fits.
 
 estimate_memory(cfg, batch_size, ...) -> MemoryPlan adds up, per rank and in bytes: parameters, gradients and
 optimizer state (fp32 under autocast; divided by the shard size under FSDP/HSDP), the tensors autograd saves
 for backward in one micro-batch (with or without activation checkpointing) plus the backward's working set,
 and the chunked loss's buffers (the loss and the backward's peak are never live together: the larger counts).
 MemoryPlan.line() is the one line train.py prints before step 1.
-available_memory(device) says what the device has; check_fits() refuses a plan that cannot fit, naming the
-settings that would. batch_size='auto' uses plan_micro_batch() (CPU/MPS: from the plan) or
+headroom.device_memory(env) says what a rank's plan may use of its device; check_fits() refuses a plan that cannot
+fit, naming the settings that would. batch_size='auto' uses plan_micro_batch() (CPU/MPS: from the plan) or
 step.probe_batch_size() (CUDA: real forward+backward, halving on out-of-memory; devices.is_oom classifies errors).
 
 The activation model follows what eager PyTorch saves per block (dropout 0, SDPA's fused kernel): the block
@@ -22,16 +22,15 @@ world size on fake tensors.
 """
 
 import gc
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
 from gpt2train.config import CHOICES, ConfigError, batch_layout
 from gpt2train.console import log
+from gpt2train.headroom import GiB, device_memory, gib
 from model import GPT, GRAD_W_SLICE_ROWS, LOSS_CHUNK_ROWS, SMEAR_CHANNELS
 
-GiB = 2**30
 # batch_size='auto' from the plan (CPU/MPS): use at most this share of the available memory. On a CPU the peak
 # RSS runs above the plan (docs/memory.md): glibc's heap keeps freed blocks as holes larger requests cannot reuse
 AUTO_FIT_FRACTION = 0.5
@@ -66,12 +65,6 @@ class MemoryPlan:
         parts += [f"all-gathered {gib(self.gathered)}"] if self.gathered else []
         parts += [f"activations {gib(self.activations)} at micro-batch {self.batch_size}", f"logits {gib(self.logits)}"]
         return f"estimated peak memory per rank: {gib(self.total)} GiB ({' + '.join(parts)})"
-
-
-def gib(n_bytes: int) -> str:
-    """Bytes as GiB: one decimal from 1 GiB up (the contract's '21.3'), three below it."""
-    v = n_bytes / GiB
-    return f"{v:.1f}" if v >= 1 else f"{v:.3f}"
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -251,45 +244,6 @@ def estimate_memory(
     )
 
 
-# ----------------------------------------------------------------------------- what the device has
-
-
-def available_memory(device) -> tuple[int, str]:
-    """(bytes this process can still use, a description). CUDA: free memory (of total); CPU: MemAvailable
-    (and a cgroup v2 limit if lower); MPS: the recommended working-set size."""
-    kind = str(device).split(":")[0]
-    if kind == "cuda":
-        free, total = torch.cuda.mem_get_info(torch.device(device))
-        return free, f"{str(device)}: {gib(free)} GiB free of {gib(total)} GiB"
-    if kind == "mps":
-        rec = torch.mps.recommended_max_memory()
-        return rec, f"mps: recommended max {gib(rec)} GiB"
-    avail, what = _cpu_available()
-    return avail, f"{kind}: {gib(avail)} GiB {what}"
-
-
-def _cpu_available() -> tuple[int, str]:
-    avail, what = None, "available RAM"
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if avail is None:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        what = "free RAM"
-    try:  # a container's limit is invisible to /proc/meminfo
-        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
-            limit, used = f.read().strip(), int(g.read())
-        if limit != "max" and int(limit) - used < avail:
-            avail, what = int(limit) - used, "left under the cgroup limit"
-    except (OSError, ValueError):
-        pass
-    return avail, what
-
-
 # ----------------------------------------------------------------------------- does it fit, and what would
 
 
@@ -363,35 +317,13 @@ def check_fits(
     )
 
 
-# ----------------------------------------------------------------------------- the margin on a GPU
-
-# What neither the plan nor the dry run sees on a real GPU: the CUDA context and kernels' workspaces, NCCL's
-# buffers (more with NVLS), the caching allocator's fragmentation, compile's fallback to eager: a real H100 adds
-# 3-9 GiB. On CUDA a plan fits when plan x MARGIN_FACTOR + MARGIN_BYTES <= free memory (memory_check, batch_size
-# and activation_checkpointing 'auto'), and the probe holds the margin aside too.
-MARGIN_FACTOR = 1.05
-MARGIN_BYTES = 3 * GiB // 2
-MARGIN = "plan x 1.05 + 1.5 GiB"
-
-
-def with_margin(plan_bytes: int) -> int:
-    """What a plan of plan_bytes needs free on a GPU, the margin included."""
-    return int(plan_bytes * MARGIN_FACTOR) + MARGIN_BYTES
-
-
-def within_margin(available: int) -> int:
-    """The largest plan that fits `available` bytes of a GPU with the margin (with_margin's inverse)."""
-    plan = max(0, int((available - MARGIN_BYTES) / MARGIN_FACTOR))
-    return plan + 1 if with_margin(plan + 1) <= available else plan  # float rounding
-
-
 CHECKPOINTING_ORDER = (False, "selective", True)  # least recomputation first
 
 
 def choose_checkpointing(model_cfg, batch_size: int, available: int, **plan_kwargs) -> tuple[object, str]:
     """activation_checkpointing='auto': the least recomputation (none, every other block, every block) whose plan
-    at batch_size fits in `available` bytes (what a plan may use: within_margin on a GPU); every block when none
-    does (the memory check then names what would fit). Returns (the choice, a line saying why)."""
+    at batch_size fits in `available` bytes (what a plan may use: headroom.within_margin on a GPU); every block when
+    none does (the memory check then names what would fit). Returns (the choice, a line saying why)."""
     tried = []
     for mode in CHECKPOINTING_ORDER:
         plan = estimate_memory(model_cfg, batch_size, activation_checkpointing=mode, **plan_kwargs)
@@ -479,16 +411,6 @@ def plan_kwargs(cfg, env):
         "shard_size": cfg.shard_size,
         "optimizer": cfg.optimizer,
     }
-
-
-def device_memory(env):
-    """(bytes one rank's plan may use, description): the device's available memory; on a CPU/MPS shared by this
-    node's ranks, their share of it; on CUDA, less the margin (within_margin: what the plan cannot see)."""
-    available, what = available_memory(env.device)
-    if env.kind == "cuda":
-        return within_margin(available), f"{what}; a plan may use {gib(within_margin(available))} GiB: {MARGIN} <= free"
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    return (available // local, f"{what} / {local} ranks") if local > 1 else (available, what)
 
 
 def resolve_batch_size(cfg, env, shape):

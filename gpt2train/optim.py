@@ -53,16 +53,16 @@ class Muon(torch.optim.Optimizer):
     ):
         if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
             raise ValueError(f"Muon's adjust_lr_fn must be None, 'original' or 'match_rms_adamw'; got {adjust_lr_fn!r}")
-        defaults = dict(
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_coefficients=tuple(ns_coefficients),
-            eps=eps,
-            ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn,
-        )
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": tuple(ns_coefficients),
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+        }
         super().__init__(params, defaults)
         if any(p.dim() != 2 for g in self.param_groups for p in g["params"]):
             raise ValueError("Muon steps 2-D matrices only")

@@ -21,6 +21,7 @@ one process's; a stop request between batches abandons the evaluation on every r
 
 import math
 import re
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -37,18 +38,30 @@ PAD_MULTIPLE = 8  # rows are padded to a multiple of this length (aligned shapes
 LOGITS_AT_ONCE = 1 << 25
 
 
+class Forwards(NamedTuple):
+    """How the scorer runs the model: on `device`, rows_per_forward rows per forward, under autocast to dtype (None:
+    devices.autocast's default for the device)."""
+
+    device: object
+    rows_per_forward: int = 64
+    dtype: object = None
+
+
 def _crop(row, row_mask, block_size):
     """The harness's window: the last block_size + 1 tokens, the model reading all but the last."""
     return row[-(block_size + 1) :], row_mask[-(block_size + 1) :]
 
 
 @torch.no_grad()
-def score_rows(model, rows, masks, device, block_size, dtype=None, n_vocab=None):
+def score_rows(model, rows, masks, forwards: Forwards, n_vocab=None):
     """Summed and mean cross-entropy over the masked (continuation) tokens of each row, in one forward.
 
     model: a bare GPT. rows, masks: lists of R token lists / 0-1 lists (1 on the scored tokens). Rows whose
-    inputs (all tokens but the last) are equal share one row of the forward. Returns two float32 CPU tensors (R,).
+    inputs (all tokens but the last) are equal share one row of the forward (forwards.rows_per_forward is the
+    caller's). The softmax runs over the first n_vocab ids (None: all). Returns two float32 CPU tensors (R,).
     """
+    device, dtype = forwards.device, forwards.dtype
+    block_size = model.config.block_size
     rows, masks = zip(*(_crop(r, m, block_size) for r, m in zip(rows, masks)))
     unique = {}  # model input -> its row in the forward
     for row in rows:
@@ -102,17 +115,17 @@ def encode_pair(enc, context, continuation):
     return ctx, whole[len(ctx) :]
 
 
-def score_requests(
-    model, requests, device, rows_per_forward=64, dtype=None, n_vocab=None, stop=None, progress=False, desc="scoring"
-):
+def score_requests(model, requests, forwards: Forwards, n_vocab=None, stop=None, progress=None):
     """(summed log-likelihood, number of scored tokens) of each (context ids, continuation ids) request, as two
-    float32 CPU tensors (R,); None once stop() (asked between batches) returns True.
+    float32 CPU tensors (R,); None once stop() (asked between batches) returns True. progress: a progress bar's
+    label (None: no bar).
 
-    Requests are grouped by model input (equal inputs share a row) and batched rows_per_forward rows at a time,
-    longest first: little padding, and an out-of-memory shows at once. The model is put in eval mode and its
+    Requests are grouped by model input (equal inputs share a row) and batched forwards.rows_per_forward rows at a
+    time, longest first: little padding, and an out-of-memory shows at once. The model is put in eval mode and its
     train/eval mode restored afterwards.
     """
     block_size = model.config.block_size
+    rows_per_forward = forwards.rows_per_forward
     rows = [ctx + cont for ctx, cont in requests]
     masks = [[0] * len(ctx) + [1] * len(cont) for ctx, cont in requests]
     groups = {}
@@ -125,13 +138,12 @@ def score_requests(
     was_training = model.training
     model.eval()
     try:
-        for batch in progress_bar(batches, show=progress, desc=desc, unit="batch"):
+        for batch in progress_bar(batches, show=progress is not None, desc=progress, unit="batch"):
             if stop is not None and stop():
                 return None
-            s, _ = score_rows(
-                model, [rows[r] for r in batch], [masks[r] for r in batch], device, block_size, dtype, n_vocab
-            )
-            sum_loss[batch] = s
+            sum_loss[batch] = score_rows(model, [rows[r] for r in batch], [masks[r] for r in batch], forwards, n_vocab)[
+                0
+            ]
     finally:
         model.train(was_training)
     return -sum_loss, count
@@ -163,7 +175,7 @@ def encode_in_pieces(enc, text, piece=None):
     return np.concatenate(parts) if parts else np.zeros(0, np.uint32)
 
 
-def bits_per_byte(model, enc, documents, device, rows_per_forward=64, dtype=None, progress=False):
+def bits_per_byte(model, enc, documents, forwards: Forwards, progress=False):
     """{"bpb", "nats", "tokens", "bytes", "documents"} of `model` on texts (evaluate.py --bpb): each document
     scored alone as <|endoftext|> followed by its tokens (encode_ordinary: special-token text is text), cut into
     consecutive non-overlapping windows of at most block_size predicted tokens, each window conditioned only on its
@@ -173,7 +185,7 @@ def bits_per_byte(model, enc, documents, device, rows_per_forward=64, dtype=None
     with different tokenizers compare on the same text.
 
     In memory of the order of the text: a document's ids are one array (encode_in_pieces), and its full windows
-    are scored rows_per_forward at a time as they come; its last, shorter window waits for the end, where the
+    are scored forwards.rows_per_forward at a time as they come; its last, shorter window waits for the end, where the
     short ones go longest first (score_requests' batches, so the same numbers)."""
     if enc.eot_token is None:
         raise ValueError("the model's tokenizer has no <|endoftext|> to start each document with")
@@ -186,11 +198,12 @@ def bits_per_byte(model, enc, documents, device, rows_per_forward=64, dtype=None
     if not size:
         raise ValueError(f"no text to score: {len(documents)} document(s), 0 bytes")
     T = model.config.block_size
+    rows_per_forward = forwards.rows_per_forward
     losses, full, short, tokens = [], [], [], 0  # losses: each window's summed loss, in the windows' order
 
     def score(windows):  # [(window number, ids)]
         rows = [w.tolist() for _, w in windows]
-        s, _ = score_rows(model, rows, [[0] + [1] * (len(r) - 1) for r in rows], device, T, dtype, enc.n_vocab)
+        s, _ = score_rows(model, rows, [[0] + [1] * (len(r) - 1) for r in rows], forwards, enc.n_vocab)
         for (n, _), loss in zip(windows, s.tolist()):
             losses[n] = loss
 
@@ -261,8 +274,9 @@ class Suite:
             raise ValueError(f"the model's vocabulary ({vocab} ids) cannot read its tokenizer's {self.n_vocab} ids")
         flat = [(name, ex) for name in self.names for ex in self.examples[name]]
         requests = [pair for _, ex in flat for pair in ex[1]]
-        desc = self.names[0] if len(self.names) == 1 else "tasks"  # the progress bar's label
-        scored = score_requests(model, requests, device, rows_per_forward, dtype, self.n_vocab, stop, progress, desc)
+        bar = self.names[0] if len(self.names) == 1 else "tasks"  # the progress bar's label
+        forwards = Forwards(device, rows_per_forward, dtype)
+        scored = score_requests(model, requests, forwards, self.n_vocab, stop, bar if progress else None)
         abandoned = scored is None  # counted like a result, so that every rank takes part in the all-reduce
         log_likelihood, count = (torch.zeros(len(requests)), torch.ones(len(requests))) if abandoned else scored
         per_token = (log_likelihood / count.clamp(min=1)).tolist()  # llm.c's acc_norm, in float32 as llm.c's
@@ -304,6 +318,10 @@ class Suite:
             counts = counts.cpu()
         if counts[-1] > 0:
             return None
+        return self._results(counts, subjects, preds)
+
+    def _results(self, counts, subjects, preds):
+        """score's result from the counts of every rank and this rank's preds."""
         results = {}
         for i, name in enumerate(self.names):
             n, correct, correct_norm, sixtieths = counts[4 * i : 4 * i + 4].tolist()

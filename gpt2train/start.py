@@ -47,7 +47,8 @@ class Source:
     read once, its optimizer state dropped); 'pretrained' (a Hugging Face directory or hub name, loaded when the
     model is built). model: the GPTConfig the model will have, known before it is built (None for a Hugging Face
     directory: only loading it tells). tokenizer: the run's tokenizer record (bpe.tokenizer_record), which every
-    checkpoint keeps. manifests: the data's prep manifests (manifests.read_manifests), read once; the loaders take them."""
+    checkpoint keeps. manifests: the data's prep manifests (manifests.read_manifests), read once; the loaders take
+    them."""
 
     kind: str
     state: dict | None = None

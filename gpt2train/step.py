@@ -25,6 +25,7 @@ from gpt2train.devices import (
     set_rng_state,
 )
 from gpt2train.files import Halt, first_line
+from gpt2train.headroom import with_margin
 from gpt2train.memory import (
     COMPILE_RESERVE_FRACTION,
     NCCL_RESERVE,
@@ -34,7 +35,6 @@ from gpt2train.memory import (
     plan_kwargs,
     rows_per_rank,
     smaller_micro_batch,
-    with_margin,
 )
 from gpt2train.parallel import keeps_grads
 
@@ -271,7 +271,9 @@ def probe_batch_size(raw_model, cfg, env, loaders):
         # adds to the activations
         resident = plan.grads if env.distributed or b < rows else 0
         planned = estimate_memory(raw_model.config, b, **plan_kwargs(cfg, env))
-        margin = with_margin(planned.total) - planned.total  # what neither the plan nor this probe sees (MARGIN)
+        margin = (
+            with_margin(planned.total) - planned.total
+        )  # what neither the plan nor this probe sees (headroom.MARGIN)
         extra = int(planned.activations * COMPILE_RESERVE_FRACTION) if compiled else 0
         return plan.optimizer + resident + (NCCL_RESERVE if env.distributed else 0) + margin + extra
 

@@ -352,19 +352,21 @@ def run_result(summary, records, status="ok", extra=()):
     params_lookup, max_seconds). A diverged run (or one halted out of memory) has no final losses: they are None,
     never an earlier finite value."""
     last = lambda key: next((r for r in reversed(records) if key in r), {})  # noqa: E731
-    result = {"status": status, "val_loss": None, **last("val_loss")}
-    result.update(
-        train_loss=summary["final_train_loss"],
-        steps=summary["steps"],
-        skipped_steps=summary["skipped_steps"],
-        tokens=summary["tokens"],
-        tokens_per_s=summary["mean_tokens_per_s"],
-        mfu=summary["mean_mfu"],
-        peak_mem_mb=summary["peak_mem_mb"],
-        wall_s=summary["wall_s"],
-        train_s=sum(r.get("step_ms") or 0 for r in records if "train_loss" in r) / 1000,
+    result = {
+        "status": status,
+        "val_loss": None,
+        **last("val_loss"),
+        "train_loss": summary["final_train_loss"],
+        "steps": summary["steps"],
+        "skipped_steps": summary["skipped_steps"],
+        "tokens": summary["tokens"],
+        "tokens_per_s": summary["mean_tokens_per_s"],
+        "mfu": summary["mean_mfu"],
+        "peak_mem_mb": summary["peak_mem_mb"],
+        "wall_s": summary["wall_s"],
+        "train_s": sum(r.get("step_ms") or 0 for r in records if "train_loss" in r) / 1000,
         **dict(extra),
-    )
+    }
     if "hellaswag_acc_norm" in summary:
         result["hellaswag_acc_norm"] = summary["hellaswag_acc_norm"]
     result.update(last("mc_centered"))

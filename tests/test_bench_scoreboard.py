@@ -25,6 +25,7 @@ def test_peak_memory_sees_a_temporary_allocation():
 def test_explicit_attention_of_the_baseline_rows_equals_sdpa(monkeypatch):
     """The scoreboard's pre-SDPA rows swap model.py's F.scaled_dot_product_attention for the written-out softmax;
     same model, same logits, in training (causal) and in KV-cache decoding (an explicit mask)."""
+    from gpt2train.generation import Sampling, generate
     from model import GPT, GPTConfig
 
     calls, explicit = [], scoreboard.explicit_attention
@@ -34,10 +35,10 @@ def test_explicit_attention_of_the_baseline_rows_equals_sdpa(monkeypatch):
     idx = torch.randint(0, 96, (2, 16))
     with torch.no_grad():
         ref = model(idx, idx)[0]
-        sampled = model.generate(idx[:, :4], 6, temperature=0.0)
+        sampled = generate(model, idx[:, :4], 6, Sampling(temperature=0.0))
         with scoreboard.attention(False):
             assert (model(idx, idx)[0] - ref).abs().max() <= 1e-5
-            assert torch.equal(model.generate(idx[:, :4], 6, temperature=0.0), sampled)
+            assert torch.equal(generate(model, idx[:, :4], 6, Sampling(temperature=0.0)), sampled)
     assert len(calls) >= 2 * (1 + 6)  # 2 blocks, every forward: the swap really took effect
     assert torch.nn.functional.scaled_dot_product_attention is not scoreboard.explicit_attention  # restored
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from bench import gpu
-from gpt2train import devices, memory, parallel, step
+from gpt2train import devices, headroom, memory, parallel, step
 from gpt2train.checkpoint import load_checkpoint
 from gpt2train.config import ConfigError, make_config, model_config, parse_args
 from gpt2train.devices import peak_flops
@@ -47,7 +47,7 @@ def test_setup_makes_an_indexed_gpu_current_and_the_run_can_query_it(
     assert groups == (["nccl"] if torchrun else []) and env.dtype == "bfloat16"
     # what run() and the memory plan then ask of that device
     assert peak_flops(torch.cuda.get_device_name(env.device), env.dtype) == 989e12
-    assert memory.available_memory(env.device) == (70 << 30, f"cuda:{expected}: 70.0 GiB free of 80.0 GiB")
+    assert headroom.available_memory(env.device) == (70 << 30, f"cuda:{expected}: 70.0 GiB free of 80.0 GiB")
     assert devices.peak_memory(env.kind)[0] == 0
 
 
@@ -153,7 +153,8 @@ def test_validation_under_torchrun_waits_for_the_gpu_once_per_micro_batch(fake_d
             return tuple(torch.randint(0, 32, (2, 8), generator=self.rng) for _ in range(2))
 
     with fake_device("cuda:0") as cuda:
-        loss = evaluation.val_loss(model, Val(), 4, 2, env, lambda: parallel.any_rank(False, env)).loss
+        rows = evaluation.read_val_rows(Val(), 4)
+        loss = evaluation.val_loss(model, rows, 2, env, lambda: parallel.any_rank(False, env)).loss
     assert math.isfinite(loss)
     assert cuda.syncs == 4 + 1  # each micro-batch's agreement, then the mean's read
 

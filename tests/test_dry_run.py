@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import dryrun
 from dryrun import dry_run
-from gpt2train import memory, optim, parallel, step
+from gpt2train import headroom, memory, optim, parallel, step
 from gpt2train.config import ConfigError, make_config, model_config, parse_args
 from gpt2train.memory import GiB, estimate_memory
 from model import GPT
@@ -124,7 +124,7 @@ def test_shipped_config_dry_runs_at_its_world_size_within_15_percent_of_the_plan
     80 GiB."""
     cfg = make_config(parse_args([str(ROOT / "configs" / f"{name}.py")]))
     cfg, _ = dryrun.resolve_checkpointing(cfg, WORLD[name])  # 'auto': as the whole model's plan chooses on 80 GiB
-    assert memory.with_margin(dryrun.dry_run_plan(cfg, WORLD[name]).total) < 80 * GiB
+    assert headroom.with_margin(dryrun.dry_run_plan(cfg, WORLD[name]).total) < 80 * GiB
     short = make_config({**vars(cfg), "n_layer": 2})
     plan, sim, _ = dryrun.report(short, WORLD[name])
     assert plan.total == pytest.approx(sim.total, rel=0.15)
@@ -136,11 +136,11 @@ def test_memory_check_on_a_gpu_keeps_the_margin(monkeypatch):
     cfg = make_config({**DEEP, "batch_size": 2})
     env = parallel.Env(0, 0, 1, False, "cuda:0", "bfloat16")
     plan = estimate_memory(model_config(cfg), 2, **memory.plan_kwargs(cfg, env)).total
-    need = memory.with_margin(plan)
+    need = headroom.with_margin(plan)
     assert need == int(plan * 1.05) + 3 * GiB // 2
-    monkeypatch.setattr(memory, "available_memory", lambda device: (need, f"{device}: free"))
+    monkeypatch.setattr(headroom, "available_memory", lambda device: (need, f"{device}: free"))
     assert memory.resolve_batch_size(cfg, env, model_config(cfg)).batch_size == 2
-    monkeypatch.setattr(memory, "available_memory", lambda device: (need - 1, f"{device}: free"))
+    monkeypatch.setattr(headroom, "available_memory", lambda device: (need - 1, f"{device}: free"))
     with pytest.raises(ConfigError, match=r"a plan may use .* GiB: plan x 1.05 \+ 1.5 GiB <= free"):
         memory.resolve_batch_size(cfg, env, model_config(cfg))
 
@@ -153,7 +153,7 @@ def test_the_6b_presets_recompute_nothing_where_the_plan_with_its_margin_fits(na
     assert cfg.activation_checkpointing == "auto"
     chosen, why = dryrun.resolve_checkpointing(cfg, 8)
     assert chosen.activation_checkpointing is False and "'auto': none" in why
-    assert memory.with_margin(dryrun.dry_run_plan(chosen, 8).total) < 80 * GiB
+    assert headroom.with_margin(dryrun.dry_run_plan(chosen, 8).total) < 80 * GiB
     on_40, _ = dryrun.resolve_checkpointing(cfg, 8, device_memory_gib=40)  # an A100 40GB: every other block
     on_24, _ = dryrun.resolve_checkpointing(cfg, 8, device_memory_gib=24)
     assert (on_40.activation_checkpointing, on_24.activation_checkpointing) == ("selective", True)
@@ -204,7 +204,7 @@ def test_probe_reserves_optimizer_state_resident_gradients_nccl_buffers_and_comp
     def margin(b):  # item 4's margin, held aside too: plan x 1.05 + 1.5 GiB; and compile's share
         planned = estimate_memory(model_config(cfg), b, **memory.plan_kwargs(cfg, env))
         extra = int(planned.activations * memory.COMPILE_RESERVE_FRACTION) if compiled else 0
-        return memory.with_margin(planned.total) - planned.total + extra
+        return headroom.with_margin(planned.total) - planned.total + extra
 
     alone = plan.optimizer + (plan.grads if torchrun else 0) + nccl  # micro-batch 4: no accumulation
     assert out.batch_size == 2 and seen["reset"] == "cuda:0"

@@ -18,7 +18,7 @@ from gpt2train import assets, scoring, tasks
 from gpt2train.assets import get_tokenizer
 from gpt2train.bpe import HFTokenizer
 from gpt2train.hf import from_pretrained, save_pretrained
-from gpt2train.scoring import Suite, bits_per_byte, encode_in_pieces, encode_pair, score_requests
+from gpt2train.scoring import Forwards, Suite, bits_per_byte, encode_in_pieces, encode_pair, score_requests
 from model import GPT, GPTConfig
 from test_hellaswag import run_two_ranks
 
@@ -637,7 +637,9 @@ def test_the_harness_scores_every_task_as_this_suite(hf_dir, model, suite_docs, 
 def reference_log_likelihoods_model(model, enc, pairs):
     from gpt2train.scoring import score_requests
 
-    return score_requests(model, [encode_pair(enc, c, x) for c, x in pairs], "cpu", n_vocab=enc.n_vocab)[0].tolist()
+    return score_requests(model, [encode_pair(enc, c, x) for c, x in pairs], Forwards("cpu"), n_vocab=enc.n_vocab)[
+        0
+    ].tolist()
 
 
 DDP_SCRIPT = """
@@ -802,8 +804,8 @@ def test_bpb_scores_window_by_window_exactly_as_the_batched_scorer_did_all_windo
     for doc in docs:
         ids = [enc.eot_token, *enc.encode_ordinary(doc)]
         requests += [([ids[i]], ids[i + 1 : i + T + 1]) for i in range(0, len(ids) - 1, T)]
-    log_likelihood, count = score_requests(model, requests, "cpu", rows_per_forward=3, n_vocab=enc.n_vocab)
-    result = bits_per_byte(model, enc, docs, "cpu", rows_per_forward=3)
+    log_likelihood, count = score_requests(model, requests, Forwards("cpu", rows_per_forward=3), n_vocab=enc.n_vocab)
+    result = bits_per_byte(model, enc, docs, Forwards("cpu", rows_per_forward=3))
     assert result["nats"] == -float(log_likelihood.double().sum()) and result["tokens"] == int(count.sum())
     assert result["bpb"] == result["nats"] / math.log(2) / sum(len(d.encode("utf-8")) for d in docs)
 
@@ -829,10 +831,10 @@ def test_a_long_text_is_encoded_in_pieces_cut_at_line_breaks_into_the_same_ids(
 def test_bpb_holds_a_few_bytes_a_token_not_python_lists_of_every_window(model, monkeypatch):
     text = "".join(f"{i}: {BPB_DOCS[i % 4]}\n" for i in range(400))  # ~18k tokens
     monkeypatch.setattr(scoring, "PIECE_CHARS", 2000)
-    bits_per_byte(model, get_tokenizer(), [text[:3000]], "cpu")  # what a first call sets up once
+    bits_per_byte(model, get_tokenizer(), [text[:3000]], Forwards("cpu"))  # what a first call sets up once
     tracemalloc.start()
     try:
-        tokens = bits_per_byte(model, get_tokenizer(), [text], "cpu")["tokens"]
+        tokens = bits_per_byte(model, get_tokenizer(), [text], Forwards("cpu"))["tokens"]
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -842,9 +844,9 @@ def test_bpb_holds_a_few_bytes_a_token_not_python_lists_of_every_window(model, m
 def test_the_scored_logits_go_through_the_softmax_a_chunk_at_a_time_alike(model, monkeypatch):
     rows = [get_tokenizer().encode_ordinary(BPB_DOCS[0])[i : i + BLOCK_SIZE + 1] for i in (0, 40)]
     masks = [[0] + [1] * (len(r) - 1) for r in rows]
-    whole = scoring.score_rows(model, rows, masks, "cpu", BLOCK_SIZE)
+    whole = scoring.score_rows(model, rows, masks, Forwards("cpu"))
     monkeypatch.setattr(scoring, "LOGITS_AT_ONCE", 1)  # 256 positions at a time: this batch's 192 in one, then 2
-    chunked = scoring.score_rows(model, rows * 2, masks * 2, "cpu", BLOCK_SIZE)
+    chunked = scoring.score_rows(model, rows * 2, masks * 2, Forwards("cpu"))
     torch.testing.assert_close(chunked[0], torch.cat([whole[0], whole[0]]), rtol=1e-6, atol=0)
 
 

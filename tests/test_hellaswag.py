@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from gpt2train.assets import get_tokenizer
 from gpt2train.bpe import HFTokenizer, load_tokenizer
 from gpt2train.hf import from_pretrained, save_pretrained
-from gpt2train.scoring import Suite, score_requests, score_rows
+from gpt2train.scoring import Forwards, Suite, score_requests, score_rows
 from gpt2train.tasks import HELLASWAG_LLMC, load_hellaswag
 from hellaswag import main
 from model import GPT, GPTConfig
@@ -170,7 +170,7 @@ def predictions_before(model, examples, enc, batch_size):
     for ex in examples:
         for row, mask in zip(*render_before(ex, enc)):
             requests.append((row[: mask.index(1)], row[mask.index(1) :]))
-    log_likelihood, count = score_requests(model, requests, "cpu", 4 * batch_size, n_vocab=enc.n_vocab)
+    log_likelihood, count = score_requests(model, requests, Forwards("cpu", 4 * batch_size), n_vocab=enc.n_vocab)
     sum_loss, mean_loss = (-log_likelihood).view(-1, 4), (-log_likelihood / count.clamp(min=1)).view(-1, 4)
     preds = [(int(s.argmin()), int(m.argmin())) for s, m in zip(sum_loss, mean_loss)]
     n = len(examples)
@@ -256,7 +256,7 @@ def test_batched_predictions_equal_one_example_per_forward(model, enc, data_file
     single = []  # the plain way: each example's 4 rows alone in one forward
     for ex in examples:
         rows, masks = render_before(ex, enc)
-        single.append(score_rows(model, rows, masks, "cpu", BLOCK_SIZE))
+        single.append(score_rows(model, rows, masks, Forwards("cpu")))
     for batch_size in (1, 3, 8):
         batched = evaluate(model, examples, enc, batch_size=batch_size)
         for p, (sum_loss, mean_loss) in zip(batched["preds"], single):

@@ -8,7 +8,7 @@ import torch
 
 import model as M
 from bench.memory import peak_of_live_tensors
-from gpt2train import devices, memory, parallel, step
+from gpt2train import devices, headroom, memory, parallel, step
 from gpt2train.memory import GiB, MemoryPlanError, estimate_memory
 from model import GPT, PRESETS, GPTConfig
 
@@ -242,7 +242,7 @@ def test_smaller_micro_batch_halves_to_a_divisor():
 
 
 def test_available_memory_on_cpu_is_at_most_the_machine_ram():
-    avail, what = memory.available_memory("cpu")
+    avail, what = headroom.available_memory("cpu")
     assert 0 < avail <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert what.startswith("cpu: ") and "GiB" in what
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import train
-from gpt2train import memory
+from gpt2train import headroom, memory
 from gpt2train.checkpoint import load_checkpoint
 from gpt2train.config import ConfigError, make_config, model_config, parse_args
 from model import GPT
@@ -49,7 +49,7 @@ def test_plan_line_is_printed_before_the_model_is_built(data_dir, tmp_path, caps
 
 def test_a_config_that_cannot_fit_is_refused_before_anything_is_allocated(data_dir, tmp_path, monkeypatch, capsys):
     available = (tiny_plan(2).total + tiny_plan(4).total) // 2  # micro-batch 2 fits, 4 (TINY's) does not
-    monkeypatch.setattr(memory, "available_memory", lambda device: (available, "fake: tiny"))
+    monkeypatch.setattr(headroom, "available_memory", lambda device: (available, "fake: tiny"))
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("allocated before the refusal")

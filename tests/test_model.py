@@ -10,8 +10,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import model as M
+from gpt2train import generation, optim
 from gpt2train import hf as hf_io
-from gpt2train import optim
+from gpt2train.generation import Sampling, generate, generate_stream
 from gpt2train.hf import from_pretrained
 from model import GPT, PRESETS, GPTConfig
 
@@ -392,8 +393,8 @@ def test_kv_cache_greedy_equals_recompute_greedy(prompt_len, rotary_pct):
     model = perturb_(small_gpt(rotary_pct=rotary_pct), scale=0.2)  # larger weights: decisive argmaxes
     idx = torch.randint(0, 96, (2, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
     n_new = 40 - prompt_len  # always runs past block_size 32, exercising the full-window fallback
-    cached = model.generate(idx, n_new, temperature=0.0, use_kv_cache=True)
-    plain = model.generate(idx, n_new, temperature=0.0, use_kv_cache=False)
+    cached = generate(model, idx, n_new, Sampling(temperature=0.0), use_kv_cache=True)
+    plain = generate(model, idx, n_new, Sampling(temperature=0.0), use_kv_cache=False)
     assert cached.shape == (2, 40)
     assert torch.equal(cached, plain)
     assert torch.equal(cached[:, :prompt_len], idx)
@@ -408,7 +409,7 @@ def test_greedy_generate_equals_argmax_of_full_forward():
         for _ in range(10):
             logits, _ = model(ref)  # (B, 1, V): last position
             ref = torch.cat((ref, logits[:, -1].argmax(-1, keepdim=True)), dim=1)
-    assert torch.equal(model.generate(idx, 10, temperature=0.0), ref)
+    assert torch.equal(generate(model, idx, 10, Sampling(temperature=0.0)), ref)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -418,7 +419,7 @@ def test_head_rows_is_the_head_product_over_any_thread_count(threads, vocab, row
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        y = M._head_rows(x, w)
+        y = generation.head_rows(x, w)
     finally:
         torch.set_num_threads(before)
     assert y.shape == (rows, vocab)
@@ -442,7 +443,7 @@ def test_fp32_cpu_decoding_reads_the_head_on_every_thread_and_in_out_contiguous_
                 products.append(("bmm", args[0].size(0)))  # the head's row blocks
             return func(*args, **(kwargs or {}))
 
-    stream = model.generate_stream(torch.zeros(1, 3, dtype=torch.long), 5, temperature=0.0)
+    stream = generate_stream(model, torch.zeros(1, 3, dtype=torch.long), 5, Sampling(temperature=0.0))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the vocabulary, 96, splits evenly: no remainder product
     try:
@@ -459,9 +460,9 @@ def test_fp32_cpu_decoding_reads_the_head_on_every_thread_and_in_out_contiguous_
 
 def test_stream_yields_one_token_per_row_per_step():
     model = small_gpt()
-    steps = list(model.generate_stream(torch.zeros(3, 2, dtype=torch.long), 5, temperature=0.0))
+    steps = list(generate_stream(model, torch.zeros(3, 2, dtype=torch.long), 5, Sampling(temperature=0.0)))
     assert len(steps) == 5 and all(s.shape == (3,) and s.dtype == torch.long for s in steps)
-    out = model.generate(torch.zeros(3, 2, dtype=torch.long), 5, temperature=0.0)
+    out = generate(model, torch.zeros(3, 2, dtype=torch.long), 5, Sampling(temperature=0.0))
     assert torch.equal(out[:, 2:], torch.stack(steps, dim=1))
 
 
@@ -470,7 +471,7 @@ def test_eos_finishes_rows_and_stops_when_all_are_done():
     idx = torch.randint(0, 96, (2, 3), generator=torch.Generator().manual_seed(0))
 
     def sample(**kw):  # same seed: the same random draws step by step, with or without eos
-        return model.generate(idx, 12, generator=torch.Generator().manual_seed(0), **kw)[:, 3:]
+        return generate(model, idx, 12, Sampling(**kw), generator=torch.Generator().manual_seed(0))[:, 3:]
 
     ref = sample()  # (2, 12) without eos
     eos = ref[0, 2].item()
@@ -484,9 +485,12 @@ def test_eos_finishes_rows_and_stops_when_all_are_done():
             assert torch.equal(out[row], ref[row, :expected_len])
         else:  # identical up to eos, then eos forever
             assert torch.equal(out[row, : f + 1], ref[row, : f + 1]) and (out[row, f:] == eos).all()
-    greedy = model.generate(idx[:1], 12, temperature=0.0)[0, 3:]
+    greedy = generate(model, idx[:1], 12, Sampling(temperature=0.0))[0, 3:]
     stop = (greedy == greedy[1]).nonzero()[0].item()  # first time the greedy row emits its 2nd token
-    assert model.generate(idx[:1], 12, temperature=0.0, eos_token=greedy[1].item()).shape == (1, 3 + stop + 1)
+    assert generate(model, idx[:1], 12, Sampling(temperature=0.0, eos_token=greedy[1].item())).shape == (
+        1,
+        3 + stop + 1,
+    )
 
 
 def test_sampling_is_reproducible_and_top_k_1_is_greedy():
@@ -494,11 +498,11 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy():
     idx = torch.randint(0, 96, (2, 4))
 
     def sample(seed, **kw):
-        return model.generate(idx, 10, generator=torch.Generator().manual_seed(seed), **kw)
+        return generate(model, idx, 10, Sampling(**kw), generator=torch.Generator().manual_seed(seed))
 
     assert torch.equal(sample(1, temperature=1.0), sample(1, temperature=1.0))
     assert not torch.equal(sample(1, temperature=1.0), sample(2, temperature=1.0))
-    greedy = model.generate(idx, 10, temperature=0.0)
+    greedy = generate(model, idx, 10, Sampling(temperature=0.0))
     assert torch.equal(sample(3, top_k=1), greedy)
     assert torch.equal(sample(3, top_p=1e-6), greedy)
 
@@ -508,7 +512,7 @@ def test_top_k_and_top_p_restrict_the_candidates():
     gen = torch.Generator().manual_seed(0)
 
     def draws(top_k=None, top_p=None):  # the set of ids seen in 2000 draws
-        return set(M._sample(probs.log().repeat(2000, 1), 1.0, top_k, top_p, gen).tolist())
+        return set(generation.next_token(probs.log().repeat(2000, 1), Sampling(1.0, top_k, top_p), gen).tolist())
 
     assert draws() == {0, 1, 2, 3}
     assert draws(top_k=2) == {0, 1}
@@ -525,14 +529,14 @@ def test_padded_vocab_ids_are_never_generated():
         model.lm_head.weight[M.GPT2_VOCAB :] = 1.0
     idx = torch.zeros(2, 3, dtype=torch.long)
     gen = torch.Generator().manual_seed(0)
-    for kw in (
-        dict(temperature=0.0),
-        dict(temperature=1.0),
-        dict(top_k=60),
-        dict(top_p=0.9),
-        dict(temperature=0.0, use_kv_cache=False),
+    for kw, cached in (
+        (dict(temperature=0.0), True),
+        (dict(temperature=1.0), True),
+        (dict(top_k=60), True),
+        (dict(top_p=0.9), True),
+        (dict(temperature=0.0), False),
     ):
-        out = model.generate(idx, 8, generator=gen, **kw)
+        out = generate(model, idx, 8, Sampling(**kw), generator=gen, use_kv_cache=cached)
         assert out.max().item() < M.GPT2_VOCAB, kw
 
 
@@ -540,9 +544,9 @@ def test_long_prompt_is_cropped_with_a_warning():
     model = perturb_(small_gpt(), scale=0.2)
     idx = torch.randint(0, 96, (2, 40))
     with pytest.warns(UserWarning, match="40 tokens.*block_size 32"):
-        out = model.generate(idx, 3, temperature=0.0)
+        out = generate(model, idx, 3, Sampling(temperature=0.0))
     assert out.shape == (2, 43) and torch.equal(out[:, :40], idx)
-    assert torch.equal(out[:, 40:], model.generate(idx[:, -32:], 3, temperature=0.0)[:, 32:])
+    assert torch.equal(out[:, 40:], generate(model, idx[:, -32:], 3, Sampling(temperature=0.0))[:, 32:])
 
 
 def test_generate_rejects_bad_sampling_arguments():
@@ -550,7 +554,7 @@ def test_generate_rejects_bad_sampling_arguments():
     idx = torch.zeros(1, 1, dtype=torch.long)
     for kw in (dict(temperature=-1.0), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5)):
         with pytest.raises(ValueError, match="generate"):
-            model.generate(idx, 2, **kw)
+            generate(model, idx, 2, Sampling(**kw))
 
 
 # ----------------------------------------------------------------------------- presets, FLOPs, MFU

@@ -14,6 +14,7 @@ import train
 from gpt2train import loading
 from gpt2train.checkpoint import load_checkpoint
 from gpt2train.config import ConfigError, TrainConfig, parse_args
+from gpt2train.generation import Sampling, generate
 from gpt2train.hf import save_pretrained
 from model import bigram_rows
 from test_model import perturb_, small_gpt
@@ -150,7 +151,7 @@ def test_modern_config_trains_resumes_and_samples(data_dir, tmp_path):
     assert info["step"] == 12 and model.config.qk_norm and model.config.activation == "relu2"
     assert not model.config.tie_embeddings and info["config"]["optimizer"] == "muon"
     prompt = torch.tensor([[1, 2, 3]])
-    cached, uncached = (model.generate(prompt, 12, temperature=0, use_kv_cache=c) for c in (True, False))
+    cached, uncached = (generate(model, prompt, 12, Sampling(temperature=0), use_kv_cache=c) for c in (True, False))
     assert torch.equal(cached, uncached) and cached.shape == (1, 15)
 
 
@@ -249,8 +250,8 @@ def test_the_bigram_table_adds_each_tokens_pair_row_before_every_block():
 def test_kv_cache_equals_recompute_with_the_recipes_options(prompt_len):
     model = perturb_(small_gpt(n_layer=3, **RECIPE_OPTIONS), scale=0.2)
     idx = torch.randint(0, 96, (2, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
-    cached = model.generate(idx, 40 - prompt_len, temperature=0.0, use_kv_cache=True)
-    assert torch.equal(cached, model.generate(idx, 40 - prompt_len, temperature=0.0, use_kv_cache=False))
+    cached = generate(model, idx, 40 - prompt_len, Sampling(temperature=0.0), use_kv_cache=True)
+    assert torch.equal(cached, generate(model, idx, 40 - prompt_len, Sampling(temperature=0.0), use_kv_cache=False))
 
 
 def test_activation_checkpointing_recomputes_the_recipes_options_alike():

@@ -13,6 +13,7 @@ from transformers import GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 import model as M
 from gpt2train import hf as hf_io
 from gpt2train import optim
+from gpt2train.generation import Sampling, generate
 from gpt2train.hf import from_pretrained, save_pretrained
 from model import GPT, PRESETS, GPTConfig
 from test_model import perturb_, shifted_targets, single_thread, small_gpt  # noqa: F401  (autouse fixture)
@@ -365,8 +366,8 @@ def test_untied_model_state_dict_round_trips_and_resumes_exactly():
 def test_kv_cache_greedy_equals_recompute_for_the_options(options, prompt_len):
     model = perturb_(small_gpt(**options), scale=0.2)
     idx = torch.randint(0, 96, (2, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
-    cached = model.generate(idx, 40 - prompt_len, temperature=0.0, use_kv_cache=True)
-    plain = model.generate(idx, 40 - prompt_len, temperature=0.0, use_kv_cache=False)
+    cached = generate(model, idx, 40 - prompt_len, Sampling(temperature=0.0), use_kv_cache=True)
+    plain = generate(model, idx, 40 - prompt_len, Sampling(temperature=0.0), use_kv_cache=False)
     assert torch.equal(cached, plain)
     seq = cached[:, :12]
     with torch.no_grad():  # and the cached hidden states equal the full forward's
@@ -524,5 +525,5 @@ def test_neox_hf_dir_fine_tunes_resumes_exactly_and_samples(tmp_path):
     assert losses(tmp_path / "split") == full
     model, _ = loading.load_model(ckpt=tmp_path / "split")
     assert model.config.parallel_residual and not model.config.tie_embeddings and model.config.activation == "gelu"
-    out = model.generate(torch.zeros(1, 1, dtype=torch.long), 8, temperature=0.0)
+    out = generate(model, torch.zeros(1, 1, dtype=torch.long), 8, Sampling(temperature=0.0))
     assert out.shape == (1, 9)

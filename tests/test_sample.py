@@ -13,6 +13,7 @@ import torch
 from gpt2train.assets import get_tokenizer
 from gpt2train.bpe import HFTokenizer, load_tokenizer
 from gpt2train.checkpoint_file import save_checkpoint
+from gpt2train.generation import Sampling, generate
 from gpt2train.hf import from_pretrained, save_pretrained
 from model import GPT, GPTConfig
 from sample import SEPARATOR, main, read_prompt, stream_samples
@@ -84,7 +85,7 @@ def test_out_dir_means_its_latest_checkpoint(ckpt, capsys):
 def test_greedy_equals_model_generate(model, enc, ckpt, capsys):
     prompt = "The meaning of life is"
     idx = torch.tensor([enc.encode(prompt)])
-    expected = prompt + enc.decode(model.generate(idx, 20, temperature=0)[0, idx.shape[1] :].tolist())
+    expected = prompt + enc.decode(generate(model, idx, 20, Sampling(temperature=0))[0, idx.shape[1] :].tolist())
     texts = stream_samples(model, enc, prompt, max_new_tokens=20, temperature=0, out=io.StringIO())
     assert texts == [expected]
     out = run_main(
@@ -115,6 +116,21 @@ class ScriptedModel:
     def generate_stream(self, idx, max_new_tokens, **kwargs):
         for t in self.tokens[:max_new_tokens]:
             yield torch.tensor([t])
+
+
+@pytest.fixture(autouse=True)
+def scripted_models_stream_their_own_tokens(monkeypatch):
+    """sample.py decodes with generation.generate_stream(model, ...); a ScriptedModel yields its tokens instead."""
+    import sample
+
+    real = sample.generate_stream
+
+    def stream(model, idx, max_new_tokens, *args):
+        if isinstance(model, ScriptedModel):
+            return model.generate_stream(idx, max_new_tokens)
+        return real(model, idx, max_new_tokens, *args)
+
+    monkeypatch.setattr(sample, "generate_stream", stream)
 
 
 def test_streams_token_by_token_and_joins_split_utf8(enc):
@@ -238,7 +254,7 @@ def test_model_dir_with_tokenizer_json_samples_with_that_tokenizer(hf_dir_with_t
     model = from_pretrained(str(hf_dir_with_tokenizer)).eval()
     prompt = "Once upon a time, naïve 😀"
     idx = torch.tensor([enc.encode(prompt)])
-    expected = prompt + enc.decode(model.generate(idx, 20, temperature=0)[0, idx.shape[1] :].tolist())
+    expected = prompt + enc.decode(generate(model, idx, 20, Sampling(temperature=0))[0, idx.shape[1] :].tolist())
     args = ["--prompt", prompt, "--max_new_tokens", "20", "--temperature", "0", "--device", "cpu"]
     assert run_main(capsys, "--init_from", str(hf_dir_with_tokenizer), *args) == expected + "\n" + SEPARATOR + "\n"
     # a checkpoint fine-tuned from that directory samples with the same tokenizer

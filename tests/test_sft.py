@@ -446,8 +446,12 @@ class ScriptedModel:
             yield torch.tensor([t])
 
 
-def test_sample_chat_renders_the_template_and_stops_at_the_end_of_turn():
+def test_sample_chat_renders_the_template_and_stops_at_the_end_of_turn(monkeypatch):
     from transformers.utils.chat_template_utils import render_jinja_template
+
+    import sample
+
+    monkeypatch.setattr(sample, "generate_stream", lambda model, idx, n, *args: model.generate_stream(idx, n))
 
     enc = chat.tokenizer()
     messages = chat.conversation(json.dumps({"messages": messages_of(ROWS[1])[:-1]}))
