@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gpt2train import pipeline
 from gpt2train.bpe import TokenizerError
 from gpt2train.chat import CHAT_VOCAB
 from gpt2train.checkpoint import CheckpointError, load_sharded_checkpoint
@@ -80,12 +81,13 @@ class StopRequest:
 
 def make_loaders(cfg, env, manifests):
     """Train and val loaders: every rank reads its own slice of one global, world-size-invariant stream; of a
-    mixture (data_dir names several datasets), a data.Mixture of one loader per source. Every shard is validated
+    mixture (data_dir names several datasets), a data.Mixture of one loader per source. The stages of a pipeline
+    are one data-parallel rank: they read the same rows. Every shard is validated
     here, token ids included, before step 1. manifests: the data's, as the run's start read them
     (resume.Source.manifests)."""
     try:
-        train_loader = open_loader(cfg, "train", env.rank, env.world_size, manifests)
-        val_loader = open_loader(cfg, "val", env.rank, env.world_size, manifests) if cfg.eval_interval > 0 else None
+        train_loader = open_loader(cfg, "train", env.dp_rank, env.dp_size, manifests)
+        val_loader = open_loader(cfg, "val", env.dp_rank, env.dp_size, manifests) if cfg.eval_interval > 0 else None
     except NoShardsError as e:
         raise NoShardsError(f"{e}; prepare it with {prepare_command(e.data_dir or cfg.data_dir)}") from None
     log(
@@ -362,12 +364,13 @@ def write_config(cfg):
 
 def run_summary(raw_model, model, cfg, env, resumed_step):
     """The one line that says what this run is: size, device, precision, world, batch layout."""
-    total_batch_size, grad_accum = batch_layout(cfg, env.world_size)
+    total_batch_size, grad_accum = batch_layout(cfg, env.dp_size)
     line = (
         f"{raw_model.num_params() / 1e6:.2f}M parameters | device {env.device} | dtype {env.dtype} | compile "
         f"{is_compiled(model)} | world size {env.world_size}"
-        + (f" ({env.parallel})" if env.distributed else "")
-        + f" | {total_batch_size:,} tokens/step = {env.world_size} ranks"
+        + (f" ({env.pipeline} pipeline stages x {env.dp_size} {env.parallel})" if env.pipeline > 1 else "")
+        + (f" ({env.parallel})" if env.distributed and env.pipeline == 1 else "")
+        + f" | {total_batch_size:,} tokens/step = {env.dp_size} {'data-parallel ' if env.pipeline > 1 else ''}ranks"
         f" x {grad_accum} accumulation steps x {cfg.batch_size} x {cfg.block_size}"
     )
     return line if resumed_step is None else f"{line} | resumed from step {resumed_step}"
@@ -386,9 +389,10 @@ def run(user, argv=()):
         cfg = probe_batch_size(raw_model, cfg, env, [train_loader, val_loader])
     # cfg is final from here on but for a budget's max_steps (Budget.fix); the micro-batch may still halve on an
     # out-of-memory: train_loader.B is the live one
-    total_batch_size, grad_accum = batch_layout(cfg, env.world_size)
-    rows = cfg.batch_size * grad_accum  # sequences per rank per optimizer step
-    model = parallelize(raw_model, cfg, env)  # what the loop calls: compiled, or eager where the trial fails
+    total_batch_size, grad_accum = batch_layout(cfg, env.dp_size)
+    rows = cfg.batch_size * grad_accum  # sequences per data-parallel rank per optimizer step
+    # what the loop calls: compiled, or eager where the trial fails; a pipeline: this rank's stage, scheduled
+    model = pipeline.parallelize(raw_model, cfg, env) if env.pipeline > 1 else parallelize(raw_model, cfg, env)
     if is_compiled(model):
         model = after_compile_trial(model, compile_works(model, cfg, env, train_loader))
     optimizer = build_optimizer(raw_model, cfg, fused_adamw_supported(env.kind))  # after sharding

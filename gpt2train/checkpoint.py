@@ -67,7 +67,7 @@ CKPT_NAME = re.compile(r"^ckpt_(\d{6,})(\.pt)?$")  # a file ckpt_000100.pt or a 
 META = "meta.pt"  # a sharded checkpoint's everything-but-the-tensors file
 META_FILES = frozenset({META, ".metadata"})  # what rank 0 verifies of a sharded checkpoint before the group starts
 SUMS = "SHA256SUMS"  # a sharded checkpoint's sidecar: the sha256 of each of its files (`sha256sum -c SHA256SUMS`)
-TIED = "lm_head.weight"  # the same tensor as transformer.wte.weight: stored once in sharded checkpoints
+TIED = "lm_head.weight"  # tied (GPT-2), the same tensor as transformer.wte.weight: stored once in sharded checkpoints
 
 
 class CheckpointError(Exception):
@@ -484,7 +484,8 @@ def save_sharded_checkpoint(path, meta, model, optimizer):
     if collective:
         dist.barrier()
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    model_state.pop(TIED, None)
+    if model.config.tie_embeddings:  # an untied head (GPT-NeoX) is a tensor of its own
+        model_state.pop(TIED, None)
     # returns on every rank only after rank 0 has written .metadata, which it does once all ranks report
     # their shards written (and fsync'ed)
     with warnings.catch_warnings():  # DCP warns whenever it runs without a process group, as asked here
@@ -529,7 +530,8 @@ def load_sharded_checkpoint(path, model, optimizer=None, collective=None):
     )
 
     state = {"model": get_model_state_dict(model)}
-    state["model"].pop(TIED, None)
+    if model.config.tie_embeddings:
+        state["model"].pop(TIED, None)
     # DCP creates the optimizer's state (a zero-lr step) only where no parameter has a gradient yet; DDP's are its
     # bucket views from the start (parallel.keeps_grads): set aside while it does, then put back
     grads = {p: p.grad for p in model.parameters()}
