@@ -392,7 +392,7 @@ def run(user, argv=()):
     total_batch_size, grad_accum = batch_layout(cfg, env.dp_size)
     rows = cfg.batch_size * grad_accum  # sequences per data-parallel rank per optimizer step
     # what the loop calls: compiled, or eager where the trial fails; a pipeline: this rank's stage, scheduled
-    model = pipeline.parallelize(raw_model, cfg, env) if env.pipeline > 1 else parallelize(raw_model, cfg, env)
+    model = pipeline.build(raw_model, cfg, env) if env.pipeline > 1 else parallelize(raw_model, cfg, env)
     if is_compiled(model):
         model = after_compile_trial(model, compile_works(model, cfg, env, train_loader))
     optimizer = build_optimizer(raw_model, cfg, fused_adamw_supported(env.kind))  # after sharding

@@ -472,7 +472,7 @@ def save_sharded_checkpoint(path, meta, model, optimizer):
     and DCP's index are on disk. A rank killed midway leaves only the temporary directory behind."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     collective = distributed()
     first = not collective or dist.get_rank() == 0
@@ -483,7 +483,10 @@ def save_sharded_checkpoint(path, meta, model, optimizer):
         tmp.mkdir(parents=True)
     if collective:
         dist.barrier()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    # a pipeline stage's optimizer groups list its own parameters only: each name then carries its group's settings
+    # (flattened), where one list per group would be written by one stage for all
+    options = StateDictOptions(flatten_optimizer_state_dict=hasattr(model, "pipeline_group"))
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     if model.config.tie_embeddings:  # an untied head (GPT-NeoX) is a tensor of its own
         model_state.pop(TIED, None)
     # returns on every rank only after rank 0 has written .metadata, which it does once all ranks report
@@ -537,8 +540,9 @@ def load_sharded_checkpoint(path, model, optimizer=None, collective=None):
     grads = {p: p.grad for p in model.parameters()}
     for p in grads:
         p.grad = None
+    flat = StateDictOptions(flatten_optimizer_state_dict=optimizer is not None and flattened_optimizer(path))
     if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=flat)
     for p, g in grads.items():
         p.grad = g
     try:
@@ -553,7 +557,14 @@ def load_sharded_checkpoint(path, model, optimizer=None, collective=None):
         raise CheckpointError(f"{path}: cannot read the sharded checkpoint ({_dcp_reason(e)})") from None
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))  # lm_head is wte
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=flat)
+
+
+def flattened_optimizer(path):
+    """Whether the sharded checkpoint `path` keys its optimizer groups' settings by parameter name (a pipeline's,
+    save_sharded_checkpoint), not by group index."""
+    keys = read_metadata(path).state_dict_metadata
+    return any(k.startswith("optimizer.param_groups.") and not k.split(".")[2].isdigit() for k in keys)
 
 
 def _dcp_reason(e):

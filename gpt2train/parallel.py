@@ -437,7 +437,7 @@ def gathered(raw_model):
 
 
 def whole_pipeline(raw_model):
-    """A whole GPT, on every rank of raw_model's pipeline (a stage: pipeline.parallelize sets its pipeline_group),
+    """A whole GPT, on every rank of raw_model's pipeline (a stage: pipeline.build sets its pipeline_group),
     from the stages' parameters: each stage's rank broadcasts its own. Every rank of the pipeline must call it."""
     group = raw_model.pipeline_group
     stages, config = dist.get_world_size(group), raw_model.config

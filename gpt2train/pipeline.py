@@ -1,6 +1,6 @@
 """Pipeline parallelism (pipeline_parallel > 1) on torch.distributed.pipelining: the GPT's blocks split into stages
 over ranks, the step's rows per data-parallel rank cut into micro-batches that a schedule (1F1B or GPipe) runs
-through the stages. train.py calls parallelize() instead of parallel.parallelize(); the loop then runs each step
+through the stages. train.py calls build() instead of parallel.parallelize(); the loop then runs each step
 through Pipeline.train_step (step.forward_backward) and validation through Pipeline's forward.
 
 Each rank builds only its stage (keep_stage: the whole GPT on the meta device or the CPU, the rest dropped), with the
@@ -75,7 +75,7 @@ class StageModule(nn.Module):
         return gpt.head_loss(x, targets) if self.last else x
 
 
-def parallelize(model, cfg, env):
+def build(model, cfg, env):
     """The Pipeline of this rank's stage of model (the bare GPT, whole, on the meta device or the CPU; cut down here
     in place, so the caller's raw model is the stage's): placed on the device (built on meta: initialised as one
     process would, parallel.materialise), replicated over the data-parallel ranks (DDP), scheduled."""
@@ -115,7 +115,7 @@ class Pipeline(nn.Module):
         self.module, self.env = module, env  # module: the StageModule, or its DDP wrapper
         self.first, self.last = env.stage == 0, env.stage == env.pipeline - 1
         self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp_replicate"].get_group()
-        self.schedule = None  # set by parallelize()
+        self.schedule = None  # set by build()
         self.scale = None  # the step's dp_size / trained tokens of all data-parallel ranks (train_step)
 
     def weighted(self, loss, targets):

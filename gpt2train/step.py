@@ -164,7 +164,7 @@ def clip_gradients(model, max_norm):
     """Clip the global gradient norm to max_norm (0: only measure it); returns the norm before clipping, a
     plain scalar tensor. Under FSDP the gradients are DTensor shards: clip_grad_norm_ reduces the norm over
     ranks, so it is the whole gradient's norm, the number DDP gets, and the clip factor is the same. A pipeline
-    stage (its pipeline_group set by pipeline.parallelize) holds its own gradients: their squared norms are summed
+    stage (its pipeline_group set by pipeline.build) holds its own gradients: their squared norms are summed
     over the stages."""
     group = getattr(model, "pipeline_group", None)
     if group is not None:
