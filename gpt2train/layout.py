@@ -73,7 +73,7 @@ def microbatches(cfg, dp_size):
 
 def device_mesh(env):
     """The run's DeviceMesh: dims ("pp", "dp_replicate", "dp_shard", "tp"), sizes (stages, data-parallel ranks, 1,
-    1): the data-parallel ranks replicate each stage (DDP)."""
+    1): the data-parallel ranks replicate each stage (parallel='ddp')."""
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = (env.pipeline, env.dp_size, 1, 1)

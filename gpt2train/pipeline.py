@@ -6,7 +6,8 @@ through Pipeline.train_step (step.forward_backward) and validation through Pipel
 Each rank builds only its stage (keep_stage: the whole GPT on the meta device or the CPU, the rest dropped), with the
 parameters' global names, so a checkpoint (DCP, every rank its stage's tensors) loads at any layout. The split is
 torchtitan's: blocks as even as the division allows (the first stages take the remainder), the embeddings in the
-first stage, ln_f, the output head and the loss in the last; the data-parallel ranks replicate each stage (DDP).
+first stage, ln_f, the output head and the loss in the last; the data-parallel ranks replicate each stage and
+average its gradients after the schedule (average_gradients).
 The gradient is the one a single process computes: each micro-batch's mean loss is weighted by its share of the
 step's trained tokens (as step.micro_batches weights them), and the schedule does not rescale (scale_grads=False).
 """
@@ -78,7 +79,7 @@ class StageModule(nn.Module):
 def build(model, cfg, env):
     """The Pipeline of this rank's stage of model (the bare GPT, whole, on the meta device or the CPU; cut down here
     in place, so the caller's raw model is the stage's): placed on the device (built on meta: initialised as one
-    process would, parallel.materialise), replicated over the data-parallel ranks (DDP), scheduled."""
+    process would, parallel.materialise), scheduled."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     if resolve_compile(cfg.compile, env.device, env.dtype):
@@ -90,13 +91,6 @@ def build(model, cfg, env):
     model.to(env.device)
     model.pipeline_group = mesh["pp"].get_group()  # step.clip_gradients sums the stages' squared norms over it
     module = StageModule(model, env.stage, env.pipeline)
-    if env.dp_size > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        # the rotary tables are computed alike everywhere: no broadcast of buffers at every forward
-        ids = [env.local_rank] if env.kind == "cuda" else None
-        group = mesh["dp_replicate"].get_group()
-        module = DDP(module, device_ids=ids, process_group=group, broadcast_buffers=False)
     pieces = microbatches(cfg, env.dp_size)[0]
     stage = PipelineStage(module, env.stage, env.pipeline, torch.device(env.device), group=model.pipeline_group)
     pipeline = Pipeline(module, env, mesh)
@@ -112,7 +106,7 @@ class Pipeline(nn.Module):
 
     def __init__(self, module, env, mesh):
         super().__init__()
-        self.module, self.env = module, env  # module: the StageModule, or its DDP wrapper
+        self.module, self.env = module, env  # module: the StageModule
         self.first, self.last = env.stage == 0, env.stage == env.pipeline - 1
         self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp_replicate"].get_group()
         self.schedule = None  # set by build()
@@ -120,8 +114,8 @@ class Pipeline(nn.Module):
 
     def weighted(self, loss, targets):
         """The schedule's loss_fn: one micro-batch's mean loss weighted by its share of the step's trained tokens (x
-        the data-parallel size: DDP averages over ranks), so the summed gradients are those of the step's mean, as
-        step.micro_batches gives them."""
+        the data-parallel size, over which average_gradients averages), so the summed gradients are those of the
+        step's mean, as step.micro_batches gives them."""
         return loss * (targets != -1).sum() * self.scale
 
     def train_step(self, loader, rows, env):
@@ -150,9 +144,22 @@ class Pipeline(nn.Module):
                 self.schedule.step(targets=y, target=y, losses=losses, return_outputs=False)
             else:
                 self.schedule.step()
+        if env.dp_size > 1:
+            self.average_gradients()
         loss = torch.stack(losses).sum().detach().float() if losses else torch.zeros((), device=env.device)
         # train.py sums every rank's loss and divides by world_size; only the last stage holds one
         return loss * env.pipeline, stats
+
+    @torch.no_grad()
+    def average_gradients(self):
+        """The stage's gradients averaged over the data-parallel ranks that replicate it, in one all-reduce of a flat
+        buffer once the schedule has run (DDP's reducer cannot follow a schedule's micro-batch backwards)."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.dp_group)  # SUM: gloo has no AVG
+        flat /= self.env.dp_size
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
 
     @torch.no_grad()
     def forward(self, idx, targets, return_logits=False):
@@ -161,7 +168,7 @@ class Pipeline(nn.Module):
         env = self.env
         x = idx
         if not self.first:
-            x = torch.empty(*idx.shape, self.stage_module.gpt.config.n_embd, device=env.device)
+            x = torch.empty(*idx.shape, self.module.gpt.config.n_embd, device=env.device)
             dist.recv(x, src=env.rank - env.dp_size)
         out = self.module(x, targets) if self.last else self.module(x)
         if not self.last:
@@ -169,7 +176,3 @@ class Pipeline(nn.Module):
         loss = out.float() if self.last else torch.zeros((), device=env.device)
         dist.broadcast(loss, src=env.dp_rank + (env.pipeline - 1) * env.dp_size, group=self.pp_group)
         return None, loss
-
-    @property
-    def stage_module(self):
-        return getattr(self.module, "module", self.module)  # under DDP, the StageModule it wraps

@@ -69,6 +69,17 @@ def test_two_stages_train_neox_to_one_process_losses(data_dir, pipeline_run, tmp
         assert max_diff(by_step(pipeline_run, key), by_step(tmp_path, key)) <= 1e-4, key
 
 
+@pytest.mark.slow
+def test_two_stages_times_two_replicas_train_to_one_process_losses(data_dir, pipeline_run, tmp_path):
+    # 4 ranks: 2 stages x 2 data-parallel replicas, each 4 rows per step in 2 micro-batches of 2; eval_steps is per
+    # data-parallel rank: 1 x 2 replicas = the 2 micro-batches one process validates
+    torchrun(
+        *NEOX, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--pipeline_parallel=2", "--eval_steps=1", nproc=4
+    )
+    for key in ("train_loss", "grad_norm", "val_loss"):
+        assert max_diff(by_step(tmp_path, key), by_step(pipeline_run, key)) <= 1e-4, key
+
+
 # ----------------------------------------------------------------------------- checkpoints at any layout
 
 
