@@ -9,10 +9,11 @@ import pytest
 import torch
 
 import checkpoint as checkpoint_command
+import dryrun
 import train
-from gpt2train import layout, pipeline
+from gpt2train import layout, memory, pipeline
 from gpt2train.checkpoint import load_checkpoint
-from gpt2train.config import ConfigError, make_config
+from gpt2train.config import ConfigError, make_config, model_config
 from gpt2train.data import write_shard
 from model import GPT, GPTConfig
 from test_fsdp import one_rank_torchrun  # noqa: F401 -- a fixture
@@ -178,3 +179,28 @@ def test_pipeline_parallel_is_ignored_without_torchrun(data_dir, tmp_path, capsy
         == 0
     )
     assert "note: pipeline_parallel=2 ignored: not launched by torchrun" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the memory plan of a stage
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_each_stages_plan_is_within_15_percent_of_its_dry_run(schedule):
+    cfg = make_config(
+        {
+            **NEOX_KEYS,
+            "n_embd": 64,
+            "block_size": 64,
+            "vocab_size": 256,
+            "total_batch_size": 64 * 64 * 2,
+            "pipeline_parallel": 2,
+            "pipeline_schedule": schedule,
+            "dtype": "bfloat16",
+        }
+    )
+    pieces, rows = layout.microbatches(cfg, 2)  # 4 ranks: 2 replicas of 2 stages; 32 rows each, 8 pieces of 4
+    kwargs = {"dtype": "bfloat16", "activation_checkpointing": None, "seq_len": None}
+    for stage in range(2):
+        plan = memory.stage_plan(model_config(cfg), rows, stage, (2, schedule, pieces), kwargs)
+        sim = dryrun.dry_run_stage(cfg, 4, stage)
+        assert 0.85 <= plan.total / sim.total <= 1.15, (stage, plan.total, sim.total)
