@@ -14,10 +14,13 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from gpt2train import pipeline
 from gpt2train.config import ConfigError, batch_layout, make_config, model_config, parse_args
+from gpt2train.devices import autocast
 from gpt2train.files import report_error
 from gpt2train.headroom import MARGIN, GiB, gib, with_margin, within_margin
-from gpt2train.memory import MemoryPlan, choose_checkpointing, estimate_memory
+from gpt2train.layout import check_pipeline, microbatches, stage_blocks
+from gpt2train.memory import MemoryPlan, choose_checkpointing, estimate_memory, stage_plan
 from gpt2train.optim import build_optimizer
 from gpt2train.parallel import Env, keeps_grads, mesh_shape, parallelize
 from gpt2train.step import clip_gradients, micro_batches
@@ -151,6 +154,83 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
         dist.destroy_process_group()
 
 
+def dry_run_stage(cfg, world_size: int, stage: int) -> DryRun:
+    """Simulate one optimizer step of a rank of pipeline stage `stage` (cfg.pipeline_parallel stages, each replicated
+    over the data-parallel ranks) on fake tensors: the stage's own modules (pipeline.keep_stage), its optimizer, the
+    forwards of the micro-batches its schedule keeps in flight (1F1B: stages - stage, GPipe: all), then their
+    backwards (the stage's input a fake activation, its output's gradient fake ones), clip and update, tracked by
+    torch's MemTracker. The sends and receives between stages and the replicas' all-reduce are not simulated."""
+    stages, dp = cfg.pipeline_parallel, world_size // cfg.pipeline_parallel
+    pieces, rows = microbatches(cfg, dp)
+    in_flight = pieces if cfg.pipeline_schedule == "GPipe" else min(pieces, stages - stage)
+    with torch.device("meta"):
+        raw = pipeline.keep_stage(GPT(model_config(cfg)), stage, stages)
+    module = pipeline.StageModule(raw, stage, stages)
+    tokens = torch.zeros(rows, cfg.block_size, dtype=torch.long)  # a real batch, as the loader's
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        raw.to_empty(device="cpu")
+        optimizer = build_optimizer(raw, cfg, fused=True)  # as on a GPU
+        for p in raw.parameters():  # a first update, untracked, makes the optimizer state
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        # the gradients stay: from a schedule's first backward on they are resident while its forwards run
+        optimizer.zero_grad(set_to_none=False)
+        tracker = MemTracker()
+        tracker.track_external(module, optimizer)
+        with tracker:
+            outputs = []
+            for _ in range(in_flight):
+                x = tokens if stage == 0 else torch.zeros(rows, cfg.block_size, cfg.n_embd, requires_grad=True)
+                tracker.reset_mod_stats()  # its per-module stats take one forward each; the peak is the step's
+                with autocast("cpu", cfg.dtype):
+                    outputs.append(module(x, tokens) if stage == stages - 1 else module(x))
+            for out in outputs:
+                out.backward(None if out.dim() == 0 else torch.ones_like(out))
+                del out
+            outputs.clear()
+            clip_gradients(raw, cfg.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return DryRun(_categories(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]), [])
+
+
+def report_pipeline(cfg, world_size: int):
+    """(the heaviest stage's plan, its simulation, the printed table: plan and simulation of every stage) of a
+    pipeline config (cfg.pipeline_parallel > 1, a checked layout) at world_size."""
+    stages, dp = cfg.pipeline_parallel, world_size // cfg.pipeline_parallel
+    pieces, rows = microbatches(cfg, dp)
+    args = {**plan_args(cfg, world_size), "pipeline": (stages, cfg.pipeline_schedule, pieces)}
+    kwargs = {"dtype": args["dtype"], "activation_checkpointing": None, "seq_len": None}
+    plans = [stage_plan(model_config(cfg), rows, s, args["pipeline"], kwargs) for s in range(stages)]
+    sims = [dry_run_stage(replace(cfg, dtype=args["dtype"]), world_size, s) for s in range(stages)]
+    head = (
+        f"dry run: {stages} pipeline stages ({cfg.pipeline_schedule}) x {dp} data-parallel replicas = {world_size} "
+        f"ranks, {args['dtype']}, {pieces} micro-batches of {rows} x {cfg.block_size} per step"
+        + CHECKPOINTING[cfg.activation_checkpointing]
+        + ": a rank of every stage simulated on fake tensors"
+    )
+    names = "".join(f"{f'stage {s}':>20}" for s in range(stages))
+    lines = [head, f"  {'GiB per rank':<26}{names}", f"  {'':<26}" + f"{'plan':>10}{'simulated':>10}" * stages]
+    for k, name in PARTS.items():
+        planned = [getattr(p, k) + (p.logits if k == "activations" else 0) for p in plans]
+        cells = "".join(f"{a / GiB:>10.2f}{sim.parts[k] / GiB:>10.2f}" for a, sim in zip(planned, sims))
+        lines.append(f"  {name:<26}{cells}")
+    lines.append(
+        f"  {'peak':<26}" + "".join(f"{p.total / GiB:>10.2f}{m.total / GiB:>10.2f}" for p, m in zip(plans, sims))
+    )
+    blocks = [pipeline_blocks(cfg.n_layer, stages, s) for s in range(stages)]
+    lines.append("note: blocks per stage " + ", ".join(blocks) + "; the embeddings in stage 0, ln_f and the head last")
+    lines.append("note: " + NOT_SIMULATED + "; nor the stages' sends and receives, nor the replicas' all-reduce")
+    heaviest = max(range(stages), key=lambda s: sims[s].total)
+    return plans[heaviest], sims[heaviest], "\n".join([plans[heaviest].line(), *lines])
+
+
+def pipeline_blocks(n_layer, stages, stage):
+    """'0-10': the blocks of a stage, for the table's note."""
+    blocks = stage_blocks(n_layer, stages, stage)
+    return f"{blocks[0]}-{blocks[-1]}" if len(blocks) > 1 else str(blocks[0])
+
+
 PARTS = {
     "params": "parameters",
     "grads": "gradients",
@@ -167,12 +247,14 @@ def plan_args(cfg, world_size: int, gpus_per_node: int = 8) -> dict:
         if cfg.parallel != "ddp"
         else None
     )
+    stages = cfg.pipeline_parallel
     return {
         "dtype": GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype,
         "parallel": cfg.parallel,
         "world_size": world_size,
         "optimizer": cfg.optimizer,
         "shard_size": shard,
+        "pipeline": (stages, cfg.pipeline_schedule, microbatches(cfg, world_size // stages)[0]) if stages > 1 else None,
     }
 
 
@@ -193,7 +275,8 @@ def resolve_checkpointing(cfg, world_size: int, gpus_per_node: int = 8, device_m
 def dry_run_plan(cfg, world_size: int, gpus_per_node: int = 8, device_memory_gib: float = 80.0) -> MemoryPlan:
     """The memory plan of TrainConfig cfg at world_size, on a GPU (dtype 'auto' as bf16), as the dry run sees it."""
     cfg, _ = resolve_checkpointing(cfg, world_size, gpus_per_node, device_memory_gib)
-    return estimate_memory(model_config(cfg), cfg.batch_size, **plan_args(cfg, world_size, gpus_per_node))
+    micro = microbatches(cfg, world_size // cfg.pipeline_parallel)[1] if cfg.pipeline_parallel > 1 else cfg.batch_size
+    return estimate_memory(model_config(cfg), micro, **plan_args(cfg, world_size, gpus_per_node))
 
 
 CHECKPOINTING = {
@@ -207,6 +290,9 @@ def report(cfg, world_size: int, gpus_per_node: int = 8, device_memory_gib: floa
     """(plan, dry run, the printed comparison) of TrainConfig cfg at world_size; activation_checkpointing='auto' is
     chosen first, as on a GPU with device_memory_gib free."""
     cfg, why = resolve_checkpointing(cfg, world_size, gpus_per_node, device_memory_gib)
+    if cfg.pipeline_parallel > 1:
+        plan, sim, text = report_pipeline(cfg, world_size)
+        return plan, sim, "\n".join([*([why] if why else []), text])
     dtype = GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype
     plan = dry_run_plan(cfg, world_size, gpus_per_node)
     sim = dry_run(cfg, world_size, gpus_per_node)
@@ -266,6 +352,8 @@ def main(argv=None) -> int:
         if not 0 < flags["device_memory_gib"] < float("inf"):  # nan fails this too
             raise ConfigError(f"--device_memory_gib={flags['device_memory_gib']}: expected a number of GiB > 0")
         cfg = make_config(parse_args(rest))
+        if cfg.pipeline_parallel > 1:
+            check_pipeline(cfg, flags["world_size"])
         if cfg.batch_size == "auto":
             raise ConfigError("the dry run needs batch_size set (it simulates a given micro-batch), not 'auto'")
         plan = dry_run_plan(cfg, flags["world_size"], flags["gpus_per_node"])

@@ -434,11 +434,11 @@ class GPT(nn.Module):
             n -= self.transformer.wte.weight.numel()
         return n
 
-    def hidden_states(self, idx, caches: list[KVCache] | None = None, pos: int = 0, final_norm: bool = True, prev=None):
-        """Final (ln_f) hidden states (B, T, C) for tokens idx (B, T) at positions pos..pos+T-1 (final_norm=False:
-        the last block's output, before ln_f). prev (B, 1): the token before idx[:, 0] where idx continues a
-        cached sequence (smear and the bigram table read it; None: idx starts the sequence)."""
-        B, T = idx.shape
+    def embed(self, idx, pos: int = 0, prev=None):
+        """The first block's input (B, T, C) for tokens idx (B, T) at positions pos..pos+T-1: token embeddings (smear
+        adds a gated share of the previous token's; prev as hidden_states'), learned positions (rotary: none, the
+        blocks take rope()), dropout."""
+        T = idx.size(1)
         if pos + T > self.config.block_size:
             raise ValueError(f"GPT: positions up to {pos + T} exceed block_size {self.config.block_size}")
         x = self.transformer.wte(idx)  # (B, T, C)
@@ -446,12 +446,19 @@ class GPT(nn.Module):
             first = self.transformer.wte(prev) if prev is not None else torch.zeros_like(x[:, :1])
             before = torch.cat((first, x[:, :-1]), dim=1)  # (B, T, C): each position's previous embedding
             x = x + self.smear_lambda * torch.sigmoid(self.smear_gate(x[..., :SMEAR_CHANNELS])) * before
-        rope = None
         if self.config.rotary_pct is None:
             x = x + self.transformer.wpe(torch.arange(pos, pos + T, device=idx.device))
-        else:
-            rope = (self.rope_cos[pos : pos + T], self.rope_sin[pos : pos + T])  # (T, rot_dim) each
-        x = self.transformer.drop(x)
+        return self.transformer.drop(x)
+
+    def rope(self, pos: int, T: int):
+        """The rotary tables (cos, sin) of positions pos..pos+T-1, (T, rot_dim) each; None with learned positions."""
+        return None if self.config.rotary_pct is None else (self.rope_cos[pos : pos + T], self.rope_sin[pos : pos + T])
+
+    def hidden_states(self, idx, caches: list[KVCache] | None = None, pos: int = 0, final_norm: bool = True, prev=None):
+        """Final (ln_f) hidden states (B, T, C) for tokens idx (B, T) at positions pos..pos+T-1 (final_norm=False:
+        the last block's output, before ln_f). prev (B, 1): the token before idx[:, 0] where idx continues a
+        cached sequence (smear and the bigram table read it; None: idx starts the sequence)."""
+        x, rope = self.embed(idx, pos, prev), self.rope(pos, idx.size(1))
         ve = self.transformer.vte(idx) if self.config.value_embeds else None  # (B, T, C)
         rows = self.config.bigram_embeds
         bigram = self.transformer.bte(bigram_rows(idx, prev, rows)) if rows else None  # (B, T, C)

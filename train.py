@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from gpt2train import pipeline
 from gpt2train.bpe import TokenizerError
 from gpt2train.budget import Budget
 from gpt2train.chat import CHAT_VOCAB
@@ -85,12 +86,13 @@ class StopRequest:
 
 def make_loaders(cfg, env, manifests):
     """Train and val loaders: every rank reads its own slice of one global, world-size-invariant stream; of a
-    mixture (data_dir names several datasets), a mixture.Mixture of one loader per source. Every shard is validated
+    mixture (data_dir names several datasets), a mixture.Mixture of one loader per source. The stages of a pipeline
+    are one data-parallel rank: they read the same rows. Every shard is validated
     here, token ids included, before step 1. manifests: the data's, as the run's start read them
     (start.Source.manifests)."""
     try:
-        train_loader = open_loader(cfg, "train", env.rank, env.world_size, manifests)
-        val_loader = open_loader(cfg, "val", env.rank, env.world_size, manifests) if cfg.eval_interval > 0 else None
+        train_loader = open_loader(cfg, "train", env.dp_rank, env.dp_size, manifests)
+        val_loader = open_loader(cfg, "val", env.dp_rank, env.dp_size, manifests) if cfg.eval_interval > 0 else None
     except NoShardsError as e:
         raise NoShardsError(f"{e}; prepare it with {prepare_command(e.data_dir or cfg.data_dir)}") from None
     log(
@@ -318,12 +320,13 @@ def write_config(cfg, max_steps=None):
 
 def run_summary(raw_model, model, cfg, env, resumed_step):
     """The one line that says what this run is: size, device, precision, world, batch layout."""
-    total_batch_size, grad_accum = batch_layout(cfg, env.world_size)
+    total_batch_size, grad_accum = batch_layout(cfg, env.dp_size)
     line = (
         f"{raw_model.num_params() / 1e6:.2f}M parameters | device {env.device} | dtype {env.dtype} | compile "
         f"{is_compiled(model)} | world size {env.world_size}"
-        + (f" ({env.parallel})" if env.distributed else "")
-        + f" | {total_batch_size:,} tokens/step = {env.world_size} ranks"
+        + (f" ({env.pipeline} pipeline stages x {env.dp_size} {env.parallel})" if env.pipeline > 1 else "")
+        + (f" ({env.parallel})" if env.distributed and env.pipeline == 1 else "")
+        + f" | {total_batch_size:,} tokens/step = {env.dp_size} {'data-parallel ' if env.pipeline > 1 else ''}ranks"
         f" x {grad_accum} accumulation steps x {cfg.batch_size} x {cfg.block_size}"
     )
     return line if resumed_step is None else f"{line} | resumed from step {resumed_step}"
@@ -366,7 +369,8 @@ def run(user, argv=()):
     if cfg.batch_size == "auto":  # a probed device (CUDA)
         cfg = probe_batch_size(raw_model, cfg, env, [train_loader, val_loader])
     # cfg is final from here on; the micro-batch may still halve on an out-of-memory: train_loader.B is the live one
-    model = parallelize(raw_model, cfg, env)  # what the loop calls: compiled, or eager where the trial fails
+    # what the loop calls: compiled, or eager where the trial fails; a pipeline: this rank's stage, scheduled
+    model = pipeline.build(raw_model, cfg, env) if env.pipeline > 1 else parallelize(raw_model, cfg, env)
     if is_compiled(model):
         model = after_compile_trial(model, compile_works(model, cfg, env, train_loader))
     optimizer = build_optimizer(raw_model, cfg, fused_adamw_supported(env.kind))  # after sharding
@@ -377,7 +381,7 @@ def run(user, argv=()):
     if resumed is not None:
         t.progress = restore(resumed, raw_model, optimizer, scaler, train_loader)
         t.saved_step = t.progress.step
-    t.tracker = start_tracking(cfg, resumed, batch_layout(cfg, env.world_size)[0], env)
+    t.tracker = start_tracking(cfg, resumed, batch_layout(cfg, env.dp_size)[0], env)
     # a resume's max_steps was fixed by the run it continues; rank 0 rewrites config.json when a budget fixes it
     t.budget = Budget(
         cfg, env, source.kind == "resume", (lambda steps: write_config(cfg, steps)) if env.master else None
@@ -474,7 +478,7 @@ def loop(t):
             if t.budget.add(stats.dt):
                 bar.total = t.budget.max_steps
             record = step_record(
-                stats, t.train_loader, batch_layout(t.cfg, t.env.world_size)[0], t.raw_model, t.peak, t.env
+                stats, t.train_loader, batch_layout(t.cfg, t.env.dp_size)[0], t.raw_model, t.peak, t.env
             )
             report_step(record, t.tracker, bar, t.cfg.log_interval, t.budget.max_steps)
             t.final_loss = stats.train_loss
@@ -492,7 +496,7 @@ def optimizer_step(t, step):
     t0 = time.perf_counter()
     lr = get_lr(step, t.cfg, t.budget.max_steps)
     set_lr(t.optimizer, lr, t.cfg)
-    rows = t.cfg.batch_size * batch_layout(t.cfg, t.env.world_size)[1]  # sequences per rank per optimizer step
+    rows = t.cfg.batch_size * batch_layout(t.cfg, t.env.dp_size)[1]  # sequences per data-parallel rank per step
     loss_sum, counts = forward_backward(t.model, t.train_loader, rows, t.scaler, t.env, step)
     stop_flag = torch.full((), float(t.stop.signal is not None), device=t.env.device)
     t.scaler.unscale_(t.optimizer)  # true gradients before clipping (no-op without fp16)

@@ -95,6 +95,9 @@ class TrainConfig(GPTConfig):
     # several processes (torchrun only; a plain `python train.py` ignores these)
     parallel: str = "ddp"  # 'ddp' (every rank holds the whole model), 'fsdp' (all of it sharded over ranks) or 'hsdp'
     shard_size: int | None = None  # 'hsdp': ranks per shard group; groups replicate each other (None: one node's ranks)
+    pipeline_parallel: int = 1  # pipeline stages: the blocks split over this many ranks in turn (torchrun only)
+    pipeline_schedule: str = "1F1B"  # '1F1B' (at most `stages` micro-batches in flight per stage) or 'GPipe' (all)
+    pipeline_microbatches: int | None = None  # pieces of a step's rows per rank (None: accumulation steps, >= stages)
 
     def __post_init__(self):
         for key, options in CHOICES.items():
@@ -172,6 +175,7 @@ CHOICES = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "parallel": ("ddp", "fsdp", "hsdp"),
     "packing": ("window", "document"),
+    "pipeline_schedule": ("1F1B", "GPipe"),
 }
 AT_LEAST_ONE = (
     "eval_steps",
@@ -181,6 +185,8 @@ AT_LEAST_ONE = (
     "hellaswag_limit",
     "eval_tasks_limit",
     "shard_size",
+    "pipeline_parallel",
+    "pipeline_microbatches",
 )
 NON_NEGATIVE = (
     "max_steps",

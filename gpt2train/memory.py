@@ -29,6 +29,7 @@ import torch
 from gpt2train.config import CHOICES, ConfigError, batch_layout
 from gpt2train.console import log
 from gpt2train.headroom import GiB, device_memory, gib
+from gpt2train.layout import microbatches, stage_blocks
 from model import GPT, GRAD_W_SLICE_ROWS, LOSS_CHUNK_ROWS, SMEAR_CHANNELS
 
 # batch_size='auto' from the plan (CPU/MPS): use at most this share of the available memory. On a CPU the peak
@@ -194,6 +195,7 @@ def estimate_memory(
     activation_checkpointing: bool | None = None,
     shard_size: int | None = None,
     seq_len: int | None = None,
+    pipeline: tuple | None = None,
 ) -> MemoryPlan:
     """Predicted peak memory per rank of one training step at micro-batch batch_size.
 
@@ -202,7 +204,12 @@ def estimate_memory(
     copy: parallel.keeps_grads), 'fsdp' (sharded over
     world_size) or 'hsdp' (sharded over shard_size, default world_size). activation_checkpointing None:
     model_cfg's. The sum assumes gradients are resident during the forward (any accumulation step after
-    the first), which makes it an upper bound for a step without accumulation."""
+    the first), which makes it an upper bound for a step without accumulation. pipeline (stages, schedule,
+    micro-batches per step): the plan of the heaviest stage (stage_plan), batch_size rows per micro-batch."""
+    if pipeline is not None:
+        kwargs = {"dtype": dtype, "activation_checkpointing": activation_checkpointing, "seq_len": seq_len}
+        plans = [stage_plan(model_cfg, batch_size, stage, pipeline, kwargs) for stage in range(pipeline[0])]
+        return max(plans, key=lambda plan: plan.total)
     for key, value in (("optimizer", optimizer), ("parallel", parallel)):
         if value not in CHOICES[key]:
             raise ValueError(f"estimate_memory: {key} {value!r}, expected one of {CHOICES[key]}")
@@ -241,6 +248,33 @@ def estimate_memory(
         batch_size=batch_size,
         optimizer_name="AdamW" if optimizer == "adamw" else "Muon+AdamW",
         gathered=gathered,
+    )
+
+
+def stage_plan(model_cfg, batch_size, stage, pipeline, kwargs):
+    """The plan of pipeline stage `stage` of pipeline (stages, schedule, micro-batches per step), replicated by DDP:
+    its blocks' parameters, gradients and AdamW state (the first stage's also the embeddings', the last's ln_f's and
+    the head's); the saved activations of the micro-batches the schedule keeps in flight there (1F1B: stages - stage
+    of them, GPipe: all) and one backward's working set; the chunked loss in the last stage only."""
+    stages, schedule, pieces = pipeline
+    blocks = len(stage_blocks(model_cfg.n_layer, stages, stage))
+    stats, part = param_stats(model_cfg), replace(model_cfg, n_layer=blocks)
+    head = 0 if model_cfg.tie_embeddings else model_cfg.vocab_size * model_cfg.n_embd  # refused tied anyway
+    head += (2 if model_cfg.bias else 1) * model_cfg.n_embd  # ln_f
+    embeddings = stats["total"] - model_cfg.n_layer * stats["block"] - head
+    n = blocks * stats["block"] + (embeddings if stage == 0 else 0) + (head if stage == stages - 1 else 0)
+    ckpt = kwargs["activation_checkpointing"]
+    ckpt = model_cfg.activation_checkpointing if ckpt is None else ckpt
+    saved, working = _activation_parts(part, batch_size, kwargs["dtype"], ckpt, kwargs["seq_len"], False)
+    in_flight = pieces if schedule == "GPipe" else min(pieces, stages - stage)
+    at_loss = loss_bytes(model_cfg, batch_size, kwargs["dtype"], kwargs["seq_len"]) if stage == stages - 1 else 0
+    return MemoryPlan(
+        params=n * 4,
+        grads=n * 4,
+        optimizer=2 * n * 4,
+        activations=saved * in_flight + working,
+        logits=max(0, at_loss - working),
+        batch_size=batch_size,
     )
 
 
@@ -404,13 +438,22 @@ def probes_device(env):
 
 def plan_kwargs(cfg, env):
     """estimate_memory's arguments besides the model and the micro-batch."""
+    pipeline = None
+    if env.pipeline > 1:  # the plan's micro-batch is then a pipeline micro-batch's rows (micro_batch_rows)
+        pipeline = (env.pipeline, cfg.pipeline_schedule, microbatches(cfg, env.dp_size)[0])
     return {
         "dtype": env.dtype,
         "parallel": env.parallel,
         "world_size": env.world_size,
         "shard_size": cfg.shard_size,
         "optimizer": cfg.optimizer,
+        "pipeline": pipeline,
     }
+
+
+def micro_batch_rows(cfg, env):
+    """The rows one forward runs at: batch_size, or a pipeline micro-batch's (layout.microbatches)."""
+    return microbatches(cfg, env.dp_size)[1] if env.pipeline > 1 else cfg.batch_size
 
 
 def resolve_batch_size(cfg, env, shape):
@@ -422,11 +465,11 @@ def resolve_batch_size(cfg, env, shape):
     auto = cfg.batch_size == "auto"
     if auto:  # sequences per rank per optimizer step; total_batch_size is checked before anything is built
         try:
-            rows = rows_per_rank(cfg.total_batch_size, cfg.block_size, env.world_size)
+            rows = rows_per_rank(cfg.total_batch_size, cfg.block_size, env.dp_size)
         except ValueError as e:
             raise ConfigError(f"batch_size='auto': {e}") from None
     else:
-        rows = cfg.batch_size * batch_layout(cfg, env.world_size)[1]
+        rows = cfg.batch_size * batch_layout(cfg, env.dp_size)[1]
     if shape is None:
         if auto and not probes_device(env):
             raise ConfigError(
@@ -442,7 +485,8 @@ def resolve_batch_size(cfg, env, shape):
         return cfg
     available, what = device_memory(env)
     if cfg.activation_checkpointing == "auto":  # with batch_size='auto': the least that fits at micro-batch 1
-        mode, why = choose_checkpointing(shape, 1 if auto else cfg.batch_size, available, **plan_kwargs(cfg, env))
+        micro = 1 if auto else micro_batch_rows(cfg, env)
+        mode, why = choose_checkpointing(shape, micro, available, **plan_kwargs(cfg, env))
         log(why)
         cfg, shape = replace(cfg, activation_checkpointing=mode), replace(shape, activation_checkpointing=mode)
     if auto and not probes_device(env):
@@ -453,10 +497,12 @@ def resolve_batch_size(cfg, env, shape):
             raise ConfigError(str(e)) from None
         log(f"batch_size='auto': {why}")
         cfg = replace(cfg, batch_size=b)
-    plan = estimate_memory(shape, 1 if cfg.batch_size == "auto" else cfg.batch_size, **plan_kwargs(cfg, env))
+    plan = estimate_memory(
+        shape, 1 if cfg.batch_size == "auto" else micro_batch_rows(cfg, env), **plan_kwargs(cfg, env)
+    )
     log(plan.line() + (" [micro-batch 1; batch_size='auto' probes the rest]" if cfg.batch_size == "auto" else ""))
     log(f"available memory: {what}")
     if cfg.memory_check and not auto and plan.total > available:
-        msg = check_fits(shape, cfg.batch_size, available, what, rows, **plan_kwargs(cfg, env))
+        msg = check_fits(shape, micro_batch_rows(cfg, env), available, what, rows, **plan_kwargs(cfg, env))
         raise ConfigError(f"{msg} (memory_check=False skips this check)")
     return cfg

@@ -29,6 +29,7 @@ from gpt2train.devices import (
     tune_cpu_allocator,
     use_cuda_device,
 )
+from gpt2train.layout import check_pipeline, stage_of
 from model import GPT, rotary_cos_sin
 
 
@@ -44,6 +45,7 @@ class Env:
     dtype: str  # resolved: 'float32', 'bfloat16' or 'float16'
     parallel: str = "ddp"  # in effect: 'fsdp'/'hsdp' only under torchrun ('ddp' also for one plain process)
     mesh_shape: tuple = ()  # sharded runs: (world_size,) for 'fsdp', (replica groups, shard_size) for 'hsdp'
+    pipeline: int = 1  # pipeline stages (layout.py): each rank holds the blocks of one
 
     @property
     def master(self):
@@ -51,7 +53,23 @@ class Env:
 
     @property
     def sharded(self):
-        return self.parallel != "ddp"
+        """Whether no rank holds the whole model (FSDP/HSDP shards, or pipeline stages): it is built on the meta
+        device and checkpointed by every rank (DCP)."""
+        return self.parallel != "ddp" or self.pipeline > 1
+
+    @property
+    def dp_size(self):
+        """Data-parallel ranks: the ranks reading distinct rows (every stage of a pipeline reads the same ones)."""
+        return self.world_size // self.pipeline
+
+    @property
+    def dp_rank(self):
+        return self.rank % self.dp_size
+
+    @property
+    def stage(self):
+        """This rank's pipeline stage (layout.py: pipeline outermost)."""
+        return self.rank // self.dp_size
 
     @property
     def kind(self):
@@ -109,6 +127,20 @@ def setup(cfg):
                 f"parallel={parallel!r} trains in bfloat16 or float32, not float16 (dtype={cfg.dtype!r} "
                 f"resolved to float16 on {device}): set --dtype=float32 or a bf16 device"
             )
+    pipeline = cfg.pipeline_parallel if distributed else 1
+    if pipeline > 1:
+        check_pipeline(cfg, world_size)
+        if dtype == "float16":  # GradScaler's inf check would see only this stage's gradients
+            raise ConfigError(
+                f"pipeline_parallel={pipeline} trains in bfloat16 or float32, not float16 (dtype={cfg.dtype!r} "
+                f"resolved to float16 on {device}): set --dtype=float32 or a bf16 device"
+            )
+    elif cfg.pipeline_parallel > 1:
+        log(
+            f"pipeline_parallel={cfg.pipeline_parallel} ignored: not launched by torchrun, this one process trains "
+            "the whole model",
+            note=True,
+        )
     if device_type(device) == "cuda":
         device = use_cuda_device(device, local_rank if distributed else None)
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls on Ampere+ (docs/speed.md)
@@ -122,7 +154,7 @@ def setup(cfg):
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    return Env(rank, local_rank, world_size, distributed, device, dtype, parallel, mesh)
+    return Env(rank, local_rank, world_size, distributed, device, dtype, parallel, mesh, pipeline)
 
 
 def mesh_shape(parallel, shard_size, world_size, local_world_size):
@@ -260,12 +292,14 @@ def build_on_meta(config, replay=True):
 def materialise(model, env):
     """Allocate a model built by build_on_meta() on `device` (a sharded one: only this rank's shards) and initialise
     it as GPT() would have from the same RNG state: each init call is replayed on a whole CPU tensor, one parameter
-    at a time, and each rank keeps its slice. Host memory: the shards plus the largest parameter. Afterwards the
-    RNG is where GPT() would have left it; the rotary tables are recomputed. Built with replay=False: the shards
-    are only allocated (a checkpoint's weights and RNG states come next), the RNG untouched."""
+    at a time, and each rank keeps its slice (a pipeline stage: its own parameters, whole). Host memory: the shards
+    plus the largest parameter. Afterwards the RNG is where GPT() would have left it; the rotary tables are
+    recomputed. Built with replay=False: the shards are only allocated (a checkpoint's weights and RNG states come
+    next), the RNG untouched."""
     rng, calls = model.__dict__.pop("deferred_init") or (None, [])
     model.to_empty(device=env.device)
-    shards = env.mesh_shape[-1]  # the mesh is (replicate, shard) or (shard,), ranks laid out row-major
+    shards = env.mesh_shape[-1] if env.mesh_shape else 1  # (replicate, shard) or (shard,), ranks row-major
+    params = dict(model.named_parameters())  # a pipeline stage's only
     if rng is not None:
         torch.set_rng_state(rng)
     with torch.no_grad():
@@ -275,8 +309,8 @@ def materialise(model, env):
                 func(*args, **{**kwargs, "tensor": whole})
             else:
                 func(whole, *args[1:], **kwargs)
-            if name is not None:
-                local = model.get_parameter(name).to_local()
+            if name in params:
+                local = params[name].to_local() if hasattr(params[name], "to_local") else params[name]
                 local.copy_(local_slice(whole, shards, env.rank % shards))
             del whole  # before the next one is allocated: one whole parameter at a time
         if model.config.rotary_pct is not None:
@@ -311,7 +345,10 @@ def gathered(raw_model):
     generation). An unsharded model passes through. A sharded one: every rank must enter (each unit's
     all-gather is a collective) and then holds a plain GPT over the gathered tensors, with no FSDP hooks, to
     run any number of forwards alone; on exit the whole parameters are freed. Costs the whole model per rank
-    for the duration: 2 bytes/param in bf16 runs, 4 in fp32."""
+    for the duration: 2 bytes/param in bf16 runs, 4 in fp32. A pipeline stage: whole_pipeline's copy."""
+    if hasattr(raw_model, "pipeline_group"):
+        yield whole_pipeline(raw_model)
+        return
     units = [m for m in raw_model.modules() if hasattr(m, "unshard")]  # the FSDP units (fully_shard adds it)
     if not units:
         yield raw_model
@@ -332,6 +369,27 @@ def gathered(raw_model):
     finally:
         for unit in units:
             unit.reshard()
+
+
+def whole_pipeline(raw_model):
+    """A whole GPT, on every rank of raw_model's pipeline (a stage: pipeline.build sets its pipeline_group),
+    from the stages' parameters: each stage's rank broadcasts its own. Every rank of the pipeline must call it."""
+    group = raw_model.pipeline_group
+    stages, config = dist.get_world_size(group), raw_model.config
+    mine = dict(raw_model.named_parameters())
+    device = next(iter(mine.values())).device
+    with torch.device("meta"):
+        whole = GPT(config)
+    whole.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in whole.named_parameters():
+            stage = stage_of(name, config.n_layer, stages)
+            if name in mine:
+                p.copy_(mine[name])
+            dist.broadcast(p, src=dist.get_global_rank(group, stage), group=group)
+        for name, buffer in whole.named_buffers():  # the rotary tables, on every stage
+            buffer.copy_(raw_model.get_buffer(name))
+    return whole.requires_grad_(False)
 
 
 def weights_finite(raw_model, env):

@@ -33,6 +33,12 @@ def restore(ckpt, raw_model, optimizer, scaler, loader):
     loader position from a checkpoint; returns the Progress it recorded. Every rank calls it."""
     if "shards" in ckpt:
         load_sharded_checkpoint(ckpt["shards"], raw_model, optimizer)
+    elif hasattr(raw_model, "pipeline_group"):  # its optimizer state is indexed by the whole model's parameters
+        raise ConfigError(
+            f"init_from=resume: {ckpt['path']} is a single-file checkpoint, which pipeline stages cannot resume yet: "
+            f"resume it with --pipeline_parallel=1, or train a pipeline on from its weights with "
+            f"--init_from={ckpt['path']} (a fresh optimizer)"
+        )
     else:
         try:
             load_optimizer_state(raw_model, optimizer, ckpt["optimizer"])

@@ -38,7 +38,7 @@ from gpt2train.files import atomic_write, file_sha256, first_line, fsync_dir, op
 
 META = "meta.pt"  # a sharded checkpoint's everything-but-the-tensors file
 META_FILES = frozenset({META, ".metadata"})  # what rank 0 verifies of a sharded checkpoint before the group starts
-TIED = "lm_head.weight"  # the same tensor as transformer.wte.weight: stored once in sharded checkpoints
+TIED = "lm_head.weight"  # tied (GPT-2), the same tensor as transformer.wte.weight: stored once in sharded checkpoints
 
 
 def is_sharded(path):
@@ -172,7 +172,7 @@ def save_sharded_checkpoint(path, meta, model, optimizer):
     and DCP's index are on disk. A rank killed midway leaves only the temporary directory behind."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     collective = distributed()
     first = not collective or dist.get_rank() == 0
@@ -183,8 +183,12 @@ def save_sharded_checkpoint(path, meta, model, optimizer):
         tmp.mkdir(parents=True)
     if collective:
         dist.barrier()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    model_state.pop(TIED, None)
+    # a pipeline stage's optimizer groups list its own parameters only: each name then carries its group's settings
+    # (flattened), where one list per group would be written by one stage for all
+    options = StateDictOptions(flatten_optimizer_state_dict=hasattr(model, "pipeline_group"))
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    if model.config.tie_embeddings:  # an untied head (GPT-NeoX) is a tensor of its own
+        model_state.pop(TIED, None)
     # returns on every rank only after rank 0 has written .metadata, which it does once all ranks report
     # their shards written (and fsync'ed)
     with warnings.catch_warnings():  # DCP warns whenever it runs without a process group, as asked here
@@ -229,14 +233,16 @@ def load_sharded_checkpoint(path, model, optimizer=None, collective=None):
     )
 
     state = {"model": get_model_state_dict(model)}
-    state["model"].pop(TIED, None)
+    if model.config.tie_embeddings:
+        state["model"].pop(TIED, None)
     # DCP creates the optimizer's state (a zero-lr step) only where no parameter has a gradient yet; DDP's are its
     # bucket views from the start (parallel.keeps_grads): set aside while it does, then put back
     grads = {p: p.grad for p in model.parameters()}
     for p in grads:
         p.grad = None
+    flat = StateDictOptions(flatten_optimizer_state_dict=optimizer is not None and flattened_optimizer(path))
     if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=flat)
     for p, g in grads.items():
         p.grad = g
     try:
@@ -251,7 +257,14 @@ def load_sharded_checkpoint(path, model, optimizer=None, collective=None):
         raise CheckpointError(f"{path}: cannot read the sharded checkpoint ({_dcp_reason(e)})") from None
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))  # lm_head is wte
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=flat)
+
+
+def flattened_optimizer(path):
+    """Whether the sharded checkpoint `path` keys its optimizer groups' settings by parameter name (a pipeline's,
+    save_sharded_checkpoint), not by group index."""
+    keys = read_metadata(path).state_dict_metadata
+    return any(k.startswith("optimizer.param_groups.") and not k.split(".")[2].isdigit() for k in keys)
 
 
 def _dcp_reason(e):

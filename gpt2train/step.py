@@ -69,8 +69,12 @@ def forward_backward(model, loader, rows, scaler, env, step=0):
     halves for the rest of the run (the largest divisor of rows at most half), the partial step's gradients are
     dropped, the loader rewinds to the step's start and the same step re-runs on the same data. Under torchrun, or at
     micro-batch 1, an out-of-memory is a Halt naming settings that would help (ranks cannot switch together: the
-    others may be waiting in a gradient all-reduce). `step`: the step done so far, for the messages."""
+    others may be waiting in a gradient all-reduce). `step`: the step done so far, for the messages. A pipeline
+    (pipeline.Pipeline) runs the step's rows through its schedule; an out-of-memory there is a Halt."""
     start = loader.state_dict()
+    if hasattr(model, "train_step"):
+        run = lambda b: model.train_step(loader, rows, env)  # noqa: E731
+        return halving(run, None, rows, loader.B, env, f"step {step + 1}")
 
     def recover(b, smaller):
         model.zero_grad(set_to_none=True)  # the partial step's gradients; the scaler has not stepped yet
@@ -172,7 +176,17 @@ def micro_batches(model, loader, grad_accum, scaler, env, micro_steps=None):
 def clip_gradients(model, max_norm):
     """Clip the global gradient norm to max_norm (0: only measure it); returns the norm before clipping, a
     plain scalar tensor. Under FSDP the gradients are DTensor shards: clip_grad_norm_ reduces the norm over
-    ranks, so it is the whole gradient's norm, the number DDP gets, and the clip factor is the same."""
+    ranks, so it is the whole gradient's norm, the number DDP gets, and the clip factor is the same. A pipeline
+    stage (its pipeline_group set by pipeline.build) holds its own gradients: their squared norms are summed
+    over the stages."""
+    group = getattr(model, "pipeline_group", None)
+    if group is not None:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads).square()
+        dist.all_reduce(norm, group=group)
+        norm = norm.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm or math.inf, norm)
+        return norm
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
 

@@ -1,0 +1,206 @@
+"""pipeline_parallel: 2 stages on 2 CPU ranks (torchrun, gloo) train a NeoX-shaped model (untied head, parallel
+residual, partial rotary) to one process's losses, validate to its val loss, checkpoint so that one process resumes;
+the splits and the layouts it cannot run are refused in one line.
+"""
+
+import shutil
+
+import pytest
+import torch
+
+import checkpoint as checkpoint_command
+import dryrun
+import train
+from gpt2train import layout, memory, pipeline
+from gpt2train.checkpoint import load_checkpoint
+from gpt2train.config import ConfigError, make_config, model_config
+from gpt2train.data import write_shard
+from model import GPT, GPTConfig
+from test_fsdp import one_rank_torchrun  # noqa: F401 -- a fixture
+from test_train import TINY, markov_tokens, metrics, torchrun, train_losses
+
+# a tiny NeoX: 4 blocks (2 per stage), 2 ranks x 8 rows of 16 tokens per step, or one process x 2 micro-batches;
+# the 2 micro-batches of 4 rows are the pipeline's 2 pieces
+NEOX = [
+    *TINY,
+    "--n_layer=4",
+    "--rotary_pct=0.25",
+    "--parallel_residual=True",
+    "--tie_embeddings=False",
+    "--activation=gelu",
+    "--total_batch_size=128",
+    "--max_steps=8",
+    "--lr_decay_steps=8",
+    "--eval_interval=4",
+    "--save_interval=4",
+    "--keep_last=0",
+]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    write_shard(d / "tiny_train_000000.bin", markov_tokens(30_000, seed=1))
+    write_shard(d / "tiny_val_000000.bin", markov_tokens(3_000, seed=2))
+    return d
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(data_dir, tmp_path_factory):
+    """8 steps of 2 pipeline stages on 2 ranks (1F1B), checkpoints at steps 4 and 8."""
+    out = tmp_path_factory.mktemp("pp")
+    torchrun(*NEOX, f"--data_dir={data_dir}", f"--out_dir={out}", "--pipeline_parallel=2")
+    return out
+
+
+def by_step(out, key):
+    return {m["step"]: m[key] for m in metrics(out) if key in m}
+
+
+def max_diff(a, b):
+    assert set(a) == set(b)
+    return max(abs(a[k] - b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_two_stages_train_neox_to_one_process_losses(data_dir, pipeline_run, tmp_path):
+    assert train.main([*NEOX, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"]) == 0
+    assert list(by_step(pipeline_run, "train_loss")) == list(range(1, 9))
+    for key in ("train_loss", "grad_norm", "val_loss"):  # val_loss at step 0 too: the same initial weights
+        assert max_diff(by_step(pipeline_run, key), by_step(tmp_path, key)) <= 1e-4, key
+
+
+@pytest.mark.slow
+def test_two_stages_times_two_replicas_train_to_one_process_losses(data_dir, pipeline_run, tmp_path):
+    # 4 ranks: 2 stages x 2 data-parallel replicas, each 4 rows per step in 2 micro-batches of 2; eval_steps is per
+    # data-parallel rank: 1 x 2 replicas = the 2 micro-batches one process validates
+    torchrun(
+        *NEOX, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--pipeline_parallel=2", "--eval_steps=1", nproc=4
+    )
+    for key in ("train_loss", "grad_norm", "val_loss"):
+        assert max_diff(by_step(tmp_path, key), by_step(pipeline_run, key)) <= 1e-4, key
+
+
+# ----------------------------------------------------------------------------- checkpoints at any layout
+
+
+@pytest.mark.slow
+def test_a_two_stage_checkpoint_resumes_on_two_ranks_and_in_one_process(pipeline_run, tmp_path):
+    for name in ("two", "one"):
+        shutil.copytree(pipeline_run / "ckpt_000004", tmp_path / name / "ckpt_000004")
+    torchrun("--init_from=resume", f"--out_dir={tmp_path / 'two'}")  # the checkpoint's config: 2 stages
+    assert train.main(["--init_from=resume", f"--out_dir={tmp_path / 'one'}"]) == 0  # no torchrun: one process
+
+    reference = {s: loss for s, loss in train_losses(pipeline_run).items() if s > 4}
+    assert train_losses(tmp_path / "two") == reference
+    assert max_diff(train_losses(tmp_path / "one"), reference) <= 1e-5
+    a, b = load_checkpoint(pipeline_run)["model"], load_checkpoint(tmp_path / "one")["model"]
+    assert set(a) == set(b) and "lm_head.weight" in a  # every stage's tensors, the untied head among them
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+@pytest.mark.slow
+def test_consolidate_and_export_read_a_two_stage_checkpoint(pipeline_run, tmp_path):
+    assert checkpoint_command.main(["consolidate", str(pipeline_run / "ckpt_000008"), str(tmp_path / "c.pt")]) == 0
+    assert checkpoint_command.main(["export", str(pipeline_run / "ckpt_000008"), str(tmp_path / "hf")]) == 0
+    whole = torch.load(tmp_path / "c.pt", weights_only=True)
+    model = GPT(GPTConfig(**whole["model_args"]))
+    model.load_state_dict(whole["model"])  # strict: every tensor of both stages
+    assert len(whole["optimizer"]["state"]) == len(list(model.parameters()))
+    assert (tmp_path / "hf" / "config.json").is_file()
+
+
+# ----------------------------------------------------------------------------- the split
+
+SMALL = GPTConfig(n_layer=5, n_head=2, n_embd=32, block_size=16, vocab_size=64, tie_embeddings=False, rotary_pct=0.25)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 5])
+def test_stages_hold_every_parameter_once_under_its_global_name(stages):
+    names = [n for n, _ in GPT(SMALL).named_parameters()]
+    held = []
+    for stage in range(stages):
+        part = pipeline.keep_stage(GPT(SMALL), stage, stages)
+        mine = [n for n, _ in part.named_parameters()]
+        assert all(layout.stage_of(n, SMALL.n_layer, stages) == stage for n in mine)  # whole_pipeline's owners
+        assert part.num_params() == GPT(SMALL).num_params()  # a stage reports the whole model's size
+        held += mine
+    assert sorted(held) == sorted(names)
+    assert [list(layout.stage_blocks(5, 3, s)) for s in range(3)] == [[0, 1], [2, 3], [4]]
+
+
+def test_a_stage_runs_its_part_of_the_forward():
+    torch.manual_seed(0)
+    whole = GPT(SMALL)
+    idx = torch.randint(0, 64, (2, 16))
+    stages = [pipeline.StageModule(pipeline.keep_stage(GPT(SMALL), s, 2), s, 2) for s in range(2)]
+    for stage in stages:
+        stage.gpt.load_state_dict({k: v for k, v in whole.state_dict().items() if k in stage.gpt.state_dict()})
+    loss = stages[1](stages[0](idx), idx)
+    assert torch.allclose(loss, whole(idx, idx, return_logits=False)[1], atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- layouts it cannot run: one line each
+
+NEOX_KEYS = dict(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=64, tie_embeddings=False, batch_size=4)
+
+
+@pytest.mark.parametrize(
+    "keys,world_size,says",
+    [
+        ({}, 3, "pipeline_parallel=2 does not divide the world size 3"),
+        ({"pipeline_parallel": 8}, 8, "more stages than the model's 4 blocks: set pipeline_parallel <= n_layer"),
+        ({"tie_embeddings": True}, 2, "set tie_embeddings=False"),
+        ({"value_embeds": True}, 2, "set value_embeds=False"),
+        ({"bigram_embeds": 64}, 2, "set bigram_embeds=0"),
+        ({"parallel": "fsdp"}, 2, "set parallel='ddp'"),
+        ({"optimizer": "muon"}, 2, "set optimizer='adamw'"),
+        ({"pipeline_microbatches": 1}, 2, "fewer than the 2 stages: set pipeline_microbatches >= pipeline_parallel"),
+        ({"pipeline_microbatches": 3}, 2, "pipeline_microbatches=3 does not divide the step's 4 rows"),
+    ],
+)
+def test_a_layout_it_cannot_run_is_refused_in_one_line(keys, world_size, says):
+    cfg = make_config({**NEOX_KEYS, "pipeline_parallel": 2, **keys})
+    with pytest.raises(ConfigError) as e:
+        layout.check_pipeline(cfg, world_size)
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_train_refuses_a_bad_layout_in_one_line_before_it_starts(data_dir, tmp_path, one_rank_torchrun, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train.main([*NEOX, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--pipeline_parallel=2"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and err.count("\n") == 0 and "does not divide the world size 1" in err
+
+
+def test_pipeline_parallel_is_ignored_without_torchrun(data_dir, tmp_path, capsys):
+    assert (
+        train.main([*NEOX, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--pipeline_parallel=2", "--max_steps=1"])
+        == 0
+    )
+    assert "note: pipeline_parallel=2 ignored: not launched by torchrun" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the memory plan of a stage
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_each_stages_plan_is_within_15_percent_of_its_dry_run(schedule):
+    cfg = make_config(
+        {
+            **NEOX_KEYS,
+            "n_embd": 64,
+            "block_size": 64,
+            "vocab_size": 256,
+            "total_batch_size": 64 * 64 * 2,
+            "pipeline_parallel": 2,
+            "pipeline_schedule": schedule,
+            "dtype": "bfloat16",
+        }
+    )
+    pieces, rows = layout.microbatches(cfg, 2)  # 4 ranks: 2 replicas of 2 stages; 32 rows each, 8 pieces of 4
+    kwargs = {"dtype": "bfloat16", "activation_checkpointing": None, "seq_len": None}
+    for stage in range(2):
+        plan = memory.stage_plan(model_config(cfg), rows, stage, (2, schedule, pieces), kwargs)
+        sim = dryrun.dry_run_stage(cfg, 4, stage)
+        assert 0.85 <= plan.total / sim.total <= 1.15, (stage, plan.total, sim.total)
