@@ -14,7 +14,7 @@ import train
 from gpt2train import layout, memory, pipeline
 from gpt2train.checkpoint import load_checkpoint
 from gpt2train.config import ConfigError, make_config, model_config
-from gpt2train.data import write_shard
+from gpt2train.shards import write_shard
 from model import GPT, GPTConfig
 from test_fsdp import one_rank_torchrun  # noqa: F401 -- a fixture
 from test_train import TINY, markov_tokens, metrics, torchrun, train_losses
