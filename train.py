@@ -84,8 +84,8 @@ def make_loaders(cfg, env, manifests):
     here, token ids included, before step 1. manifests: the data's, as the run's start read them
     (resume.Source.manifests)."""
     try:
-        train_loader = open_loader(cfg, "train", env.rank, env.world_size, manifests)
-        val_loader = open_loader(cfg, "val", env.rank, env.world_size, manifests) if cfg.eval_interval > 0 else None
+        train_loader = open_loader(cfg, "train", env.dp_rank, env.dp_size, manifests)
+        val_loader = open_loader(cfg, "val", env.dp_rank, env.dp_size, manifests) if cfg.eval_interval > 0 else None
     except NoShardsError as e:
         raise NoShardsError(f"{e}; prepare it with {prepare_command(e.data_dir or cfg.data_dir)}") from None
     log(
@@ -362,12 +362,13 @@ def write_config(cfg):
 
 def run_summary(raw_model, model, cfg, env, resumed_step):
     """The one line that says what this run is: size, device, precision, world, batch layout."""
-    total_batch_size, grad_accum = batch_layout(cfg, env.world_size)
+    total_batch_size, grad_accum = batch_layout(cfg, env.dp_size)
+    tp = f", tensor_parallel {env.tensor_parallel}" if env.tensor_parallel > 1 else ""
     line = (
         f"{raw_model.num_params() / 1e6:.2f}M parameters | device {env.device} | dtype {env.dtype} | compile "
         f"{is_compiled(model)} | world size {env.world_size}"
-        + (f" ({env.parallel})" if env.distributed else "")
-        + f" | {total_batch_size:,} tokens/step = {env.world_size} ranks"
+        + (f" ({env.parallel}{tp})" if env.distributed else "")
+        + f" | {total_batch_size:,} tokens/step = {env.dp_size} {'data-parallel ' if tp else ''}ranks"
         f" x {grad_accum} accumulation steps x {cfg.batch_size} x {cfg.block_size}"
     )
     return line if resumed_step is None else f"{line} | resumed from step {resumed_step}"
@@ -386,7 +387,7 @@ def run(user, argv=()):
         cfg = probe_batch_size(raw_model, cfg, env, [train_loader, val_loader])
     # cfg is final from here on but for a budget's max_steps (Budget.fix); the micro-batch may still halve on an
     # out-of-memory: train_loader.B is the live one
-    total_batch_size, grad_accum = batch_layout(cfg, env.world_size)
+    total_batch_size, grad_accum = batch_layout(cfg, env.dp_size)
     rows = cfg.batch_size * grad_accum  # sequences per rank per optimizer step
     model = parallelize(raw_model, cfg, env)  # what the loop calls: compiled, or eager where the trial fails
     if is_compiled(model):

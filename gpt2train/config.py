@@ -95,6 +95,7 @@ class TrainConfig(GPTConfig):
     # several processes (torchrun only; a plain `python train.py` ignores these)
     parallel: str = "ddp"  # 'ddp' (every rank holds the whole model), 'fsdp' (all of it sharded over ranks) or 'hsdp'
     shard_size: int | None = None  # 'hsdp': ranks per shard group; groups replicate each other (None: one node's ranks)
+    tensor_parallel: int = 1  # ranks splitting each block's heads and MLP width; data-parallel: world_size / this
 
     def __post_init__(self):
         for key, options in CHOICES.items():
@@ -131,6 +132,7 @@ class TrainConfig(GPTConfig):
                 f"optimizer='muon' is not supported with parallel={self.parallel!r}; use "
                 "parallel='ddp', or optimizer='adamw' to shard"
             )
+        self.check_tensor_parallel()
         if self.optimizer == "muon" and not hasattr(torch.optim, "Muon"):  # torch.optim.Muon arrived in torch 2.9
             raise ConfigError(
                 f"optimizer='muon' needs torch.optim.Muon (torch >= 2.9), which torch "
@@ -160,6 +162,21 @@ class TrainConfig(GPTConfig):
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
+    def check_tensor_parallel(self):
+        """One line for a model that tensor_parallel cannot split: its ranks divide the heads (and so the MLP's
+        4 * n_embd hidden units, a multiple of n_head); Muon and the value embeddings are not split yet."""
+        tp = self.tensor_parallel
+        if tp == 1:
+            return
+        if self.n_head % tp:
+            raise ConfigError(f"tensor_parallel={tp} must divide n_head={self.n_head} (each rank computes whole heads)")
+        for key, off in (("optimizer", "'adamw'"), ("value_embeds", "False")):
+            if getattr(self, key) != getattr(TrainConfig, key):
+                raise ConfigError(
+                    f"tensor_parallel={tp} does not support {key}={getattr(self, key)!r} yet: set {key}={off} "
+                    "or tensor_parallel=1"
+                )
+
 
 CHOICES = {
     "lr_schedule": ("cosine", "wsd"),
@@ -178,6 +195,7 @@ AT_LEAST_ONE = (
     "hellaswag_limit",
     "eval_tasks_limit",
     "shard_size",
+    "tensor_parallel",
 )
 NON_NEGATIVE = (
     "max_steps",

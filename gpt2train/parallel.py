@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from gpt2train.config import ConfigError
 from gpt2train.console import is_rank0, launched_by_torchrun, log
@@ -34,6 +35,7 @@ from gpt2train.devices import (
     use_cuda_device,
 )
 from gpt2train.files import directory_lock
+from gpt2train.tensor_parallel import model_rows, split_blocks, whole
 from model import GPT, rotary_cos_sin
 
 
@@ -48,7 +50,10 @@ class Env:
     device: str
     dtype: str  # resolved: 'float32', 'bfloat16' or 'float16'
     parallel: str = "ddp"  # in effect: 'fsdp'/'hsdp' only under torchrun ('ddp' also for one plain process)
-    mesh_shape: tuple = ()  # sharded runs: (world_size,) for 'fsdp', (replica groups, shard_size) for 'hsdp'
+    # sharded runs, over the data-parallel ranks: (dp,) for 'fsdp', (replica groups, shard_size) for 'hsdp'; with
+    # tensor parallelism 'ddp' is (dp, 1): replicas of one shard (tensor_parallel.py says why)
+    mesh_shape: tuple = ()
+    tensor_parallel: int = 1  # in effect: 1 outside torchrun
 
     @property
     def master(self):
@@ -56,7 +61,23 @@ class Env:
 
     @property
     def sharded(self):
-        return self.parallel != "ddp"
+        """Whether the model's parameters are spread over ranks (FSDP/HSDP shards, tensor-parallel shards): then
+        every rank saves its part (DCP) and gathers for evaluations."""
+        return self.parallel != "ddp" or self.tensor_parallel > 1
+
+    @property
+    def dp_rank(self):
+        """This rank's place among the data-parallel ranks: the ranks of one tensor-parallel group (consecutive
+        ranks, the mesh's last dim) read the same rows."""
+        return self.rank // self.tensor_parallel
+
+    @property
+    def dp_size(self):
+        return self.world_size // self.tensor_parallel
+
+    @property
+    def tp_rank(self):
+        return self.rank % self.tensor_parallel
 
     @property
     def kind(self):
@@ -160,18 +181,18 @@ def setup(cfg):
     except ValueError as e:
         raise ConfigError(f"config key 'device': {e}") from None
     dtype = resolve_dtype(cfg.dtype, device)
-    parallel, mesh = "ddp", ()
-    if cfg.parallel != "ddp" and not distributed:
-        log(
-            f"parallel={cfg.parallel!r} ignored: not launched by torchrun, this one process trains the whole model",
-            note=True,
-        )
-    elif cfg.parallel != "ddp":
-        parallel = cfg.parallel
-        mesh = mesh_shape(parallel, cfg.shard_size, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    parallel, mesh, tp = "ddp", (), 1
+    asked = {"parallel": cfg.parallel != "ddp", "tensor_parallel": cfg.tensor_parallel > 1}
+    split = " and ".join(f"{key}={getattr(cfg, key)!r}" for key, on in asked.items() if on)
+    if split and not distributed:
+        log(f"{split} ignored: not launched by torchrun, this one process trains the whole model", note=True)
+    elif split:
+        parallel, tp = cfg.parallel, cfg.tensor_parallel
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        mesh = mesh_shape(parallel, cfg.shard_size, data_parallel_size(world_size, tp), max(1, local // tp), tp)
         if dtype == "float16":  # GradScaler's inf check would see only this rank's gradient shard
             raise ConfigError(
-                f"parallel={parallel!r} trains in bfloat16 or float32, not float16 (dtype={cfg.dtype!r} "
+                f"{split} trains in bfloat16 or float32, not float16 (dtype={cfg.dtype!r} "
                 f"resolved to float16 on {device}): set --dtype=float32 or a bf16 device"
             )
     if device_type(device) == "cuda":
@@ -187,15 +208,29 @@ def setup(cfg):
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    return Env(rank, local_rank, world_size, distributed, device, dtype, parallel, mesh)
+    return Env(rank, local_rank, world_size, distributed, device, dtype, parallel, mesh, tp)
 
 
-def mesh_shape(parallel, shard_size, world_size, local_world_size):
-    """Device-mesh shape of a sharded run: 'fsdp' (world_size,), every rank holding 1/world_size of the model;
-    'hsdp' (world_size // shard_size, shard_size): groups of shard_size ranks (default one node's ranks, so
-    the all-gathers stay on the fast intra-node links) each shard the model and replicate each other."""
+def data_parallel_size(world_size, tensor_parallel):
+    """world_size / tensor_parallel, the ranks that read different rows; a tensor_parallel that does not divide
+    the world is a ConfigError."""
+    if world_size % tensor_parallel:
+        raise ConfigError(
+            f"tensor_parallel={tensor_parallel} must divide the world size {world_size} (groups of "
+            f"tensor_parallel ranks split each block; the groups are the data-parallel ranks)"
+        )
+    return world_size // tensor_parallel
+
+
+def mesh_shape(parallel, shard_size, world_size, local_world_size, tensor_parallel=1):
+    """Data-parallel device-mesh shape of a sharded run over world_size data-parallel ranks: 'fsdp'
+    (world_size,), every rank holding 1/world_size of the model; 'hsdp' (world_size // shard_size, shard_size):
+    groups of shard_size ranks (default one node's ranks, so the all-gathers stay on the fast intra-node links)
+    each shard the model and replicate each other; 'ddp' under tensor parallelism (world_size, 1): replicas."""
     if parallel == "fsdp":
         return (world_size,)
+    if parallel == "ddp":
+        return (world_size, 1) if tensor_parallel > 1 else ()
     size = shard_size or local_world_size
     if world_size % size:
         raise ConfigError(
@@ -266,11 +301,23 @@ def shard(model, cfg, env):
     compute from bf16 weights and activations, the residual stream included (torchtitan's and Composer's FSDP
     default); torch.autocast stays on, as in every mode, for the ops it keeps in fp32. Gradients are
     reduce-scattered and accumulated in fp32 (reduce_dtype) and AdamW updates the fp32 shards. An fp32 run
-    casts nothing."""
+    casts nothing.
+
+    Tensor parallelism (tensor_parallel > 1) comes first, as in torchtitan: the blocks are split over the mesh's
+    last dim (tensor_parallel.split_blocks), then FSDP shards each rank's part over the data-parallel dims (2-D
+    FSDP x TP). With parallel='ddp' those dims are (replicas, 1): FSDP with shards of one rank is data parallelism
+    that understands DTensor parameters (DistributedDataParallel does not; torchtitan refuses DDP with TP), the
+    gradients all-reduced over the replicas; with a single data-parallel rank there is no FSDP at all."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(env.kind, env.mesh_shape, mesh_dim_names=("replicate", "shard")[-len(env.mesh_shape) :])
+    dp = ("dp_replicate", "dp_shard")[-len(env.mesh_shape) :]  # torchtitan's names; 'tp' last: a group's ranks adjoin
+    shape, names = env.mesh_shape, dp
+    if env.tensor_parallel > 1:
+        shape, names = (*shape, env.tensor_parallel), (*dp, "tp")
+    mesh = init_device_mesh(env.kind, shape, mesh_dim_names=names)
+    if env.tensor_parallel > 1:
+        split_blocks(model, mesh["tp"])
     compile_blocks = resolve_compile(cfg.compile, env.device, env.dtype)
     if compile_blocks:
         for block in model.transformer.h:
@@ -278,9 +325,12 @@ def shard(model, cfg, env):
         model.head_loss = torch.compile(model.head_loss)  # ln_f, the head and the chunked loss, in the root unit
     low = None if env.dtype == "float32" else DTYPES[env.dtype]
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
-    for block in model.transformer.h:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    if env.parallel != "ddp" or env.dp_size > 1:
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh[dp], mp_policy=policy)
+        fully_shard(model, mesh=mesh[dp], mp_policy=policy)
+    elif "deferred_init" not in model.__dict__:  # tensor parallelism alone: the replicated weights to the device
+        model.to(env.device)
     if "deferred_init" in model.__dict__:  # built on meta: this rank's shards only, initialised as one process would
         materialise(model, env)
     return model
@@ -330,7 +380,8 @@ def materialise(model, env):
     are only allocated (a checkpoint's weights and RNG states come next), the RNG untouched."""
     rng, calls = model.__dict__.pop("deferred_init") or (None, [])
     model.to_empty(device=env.device)
-    shards = env.mesh_shape[-1]  # the mesh is (replicate, shard) or (shard,), ranks laid out row-major
+    if model.config.tie_embeddings:  # to_empty gives each module its own tensor (FSDP keeps the tie, DTensor not)
+        model.lm_head.weight = model.transformer.wte.weight
     if rng is not None:
         torch.set_rng_state(rng)
     with torch.no_grad():
@@ -341,8 +392,8 @@ def materialise(model, env):
             else:
                 func(whole, *args[1:], **kwargs)
             if name is not None:
-                local = model.get_parameter(name).to_local()
-                local.copy_(local_slice(whole, shards, env.rank % shards))
+                param = model.get_parameter(name)
+                local_part(param).copy_(part_of(name, whole, param))
             del whole  # before the next one is allocated: one whole parameter at a time
         if model.config.rotary_pct is not None:
             for buffer, table in zip(
@@ -352,11 +403,20 @@ def materialise(model, env):
                 buffer.copy_(table)
 
 
-def local_slice(whole, shards, index):
-    """Shard `index` of `whole` split over `shards` ranks as FSDP2 splits a parameter: torch.chunk along dim 0
-    (trailing ranks of a short dim 0 get nothing)."""
-    chunks = whole.chunk(shards)
-    return chunks[index] if index < len(chunks) else whole[:0]
+def local_part(tensor):
+    """What this rank holds of `tensor`: a DTensor's local shard, a plain (replicated) tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def part_of(name, whole, param):
+    """This rank's part of `whole`, the values of parameter `name` in GPT-2's layout, as `param` holds it: the
+    slice of a DTensor (FSDP's shard, a tensor-parallel one, both; tensor_parallel.model_rows), else whole."""
+    if not isinstance(param, DTensor):
+        return whole
+    placements = param.placements
+    return distribute_tensor(
+        model_rows(name, whole, param), param.device_mesh, placements, src_data_rank=None
+    ).to_local()
 
 
 def is_compiled(model):
@@ -376,24 +436,25 @@ def gathered(raw_model):
     generation). An unsharded model passes through. A sharded one: every rank must enter (each unit's
     all-gather is a collective) and then holds a plain GPT over the gathered tensors, with no FSDP hooks, to
     run any number of forwards alone; on exit the whole parameters are freed. Costs the whole model per rank
-    for the duration: 2 bytes/param in bf16 runs, 4 in fp32."""
+    for the duration: 2 bytes/param in bf16 runs, 4 in fp32. A tensor-parallel model's split weights are gathered
+    over its group (tensor_parallel.whole)."""
     units = [m for m in raw_model.modules() if hasattr(m, "unshard")]  # the FSDP units (fully_shard adds it)
-    if not units:
+    if not units and not any(isinstance(p, DTensor) for p in raw_model.parameters()):
         yield raw_model
         return
     for unit in units:
-        unit.unshard()  # the units' registered parameters are now the whole tensors
+        unit.unshard()  # the units' registered parameters are now the whole tensors (tensor-parallel shards)
     try:
         with torch.device("meta"):
-            whole = GPT(raw_model.config)
+            plain = GPT(raw_model.config)
         named = [*raw_model.named_parameters(remove_duplicate=False), *raw_model.named_buffers()]
         for name, tensor in named:
             owner, _, leaf = name.rpartition(".")
-            value = tensor.detach()
+            value = whole(name, tensor.detach())  # a tensor-parallel shard gathered, in GPT-2's layout
             if isinstance(tensor, torch.nn.Parameter):
                 value = torch.nn.Parameter(value, requires_grad=False)
-            setattr(whole.get_submodule(owner), leaf, value)
-        yield whole
+            setattr(plain.get_submodule(owner), leaf, value)
+        yield plain
     finally:
         for unit in units:
             unit.reshard()
