@@ -48,16 +48,9 @@ def worker(out, nproc, argv):
         if hasattr(p, "to_local"):  # one rank's shard
             hashes[f"{name}[{rank}]"] = sha(p.to_local())
         else:  # one process: every rank's slice, for the comparison
-            hashes.update({f"{name}[{r}]": sha(fsdp_slice(p.detach(), nproc, r)) for r in range(nproc)})
+            hashes.update({f"{name}[{r}]": sha(parallel.local_slice(p.detach(), nproc, r)) for r in range(nproc)})
     n = sum(p.numel() for p in kept[0].parameters()) if not hasattr(kept[0].lm_head.weight, "to_local") else None
     Path(f"{out}.{rank}").write_text(json.dumps({"peak_rss": peak, "hashes": hashes, "params": n}))
-
-
-def fsdp_slice(whole, shards, index):
-    """Shard `index` of `whole` over `shards` ranks as FSDP2 splits it: torch.chunk along dim 0 (trailing ranks of
-    a short dim 0 get nothing)."""
-    chunks = whole.chunk(shards)
-    return chunks[index] if index < len(chunks) else whole[:0]
 
 
 def sha(t):

@@ -66,6 +66,12 @@ class Env:
         return self.parallel != "ddp" or self.tensor_parallel > 1
 
     @property
+    def fsdp(self):
+        """Whether parallelize() wraps the model in FSDP: 'fsdp'/'hsdp', and 'ddp' across the data-parallel ranks of
+        a tensor-parallel run (shard())."""
+        return self.parallel != "ddp" or self.tensor_parallel > 1 and self.dp_size > 1
+
+    @property
     def dp_rank(self):
         """This rank's place among the data-parallel ranks: the ranks of one tensor-parallel group (consecutive
         ranks, the mesh's last dim) read the same rows."""
@@ -315,9 +321,10 @@ def shard(model, cfg, env):
     shape, names = env.mesh_shape, dp
     if env.tensor_parallel > 1:
         shape, names = (*shape, env.tensor_parallel), (*dp, "tp")
-    mesh = init_device_mesh(env.kind, shape, mesh_dim_names=names)
+    mesh = dp_mesh = init_device_mesh(env.kind, shape, mesh_dim_names=names)
     if env.tensor_parallel > 1:
         split_blocks(model, mesh["tp"])
+        dp_mesh = mesh[dp]
     compile_blocks = resolve_compile(cfg.compile, env.device, env.dtype)
     if compile_blocks:
         for block in model.transformer.h:
@@ -325,10 +332,10 @@ def shard(model, cfg, env):
         model.head_loss = torch.compile(model.head_loss)  # ln_f, the head and the chunked loss, in the root unit
     low = None if env.dtype == "float32" else DTYPES[env.dtype]
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
-    if env.parallel != "ddp" or env.dp_size > 1:
+    if env.fsdp:
         for block in model.transformer.h:
-            fully_shard(block, mesh=mesh[dp], mp_policy=policy)
-        fully_shard(model, mesh=mesh[dp], mp_policy=policy)
+            fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+        fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     elif "deferred_init" not in model.__dict__:  # tensor parallelism alone: the replicated weights to the device
         model.to(env.device)
     if "deferred_init" in model.__dict__:  # built on meta: this rank's shards only, initialised as one process would
@@ -393,7 +400,7 @@ def materialise(model, env):
                 func(whole, *args[1:], **kwargs)
             if name is not None:
                 param = model.get_parameter(name)
-                local_part(param).copy_(part_of(name, whole, param))
+                local_part(param).copy_(part_of(name, whole, param, env))
             del whole  # before the next one is allocated: one whole parameter at a time
         if model.config.rotary_pct is not None:
             for buffer, table in zip(
@@ -408,15 +415,25 @@ def local_part(tensor):
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def part_of(name, whole, param):
-    """This rank's part of `whole`, the values of parameter `name` in GPT-2's layout, as `param` holds it: the
-    slice of a DTensor (FSDP's shard, a tensor-parallel one, both; tensor_parallel.model_rows), else whole."""
+def part_of(name, whole, param, env):
+    """This rank's part of `whole`, the values of parameter `name` in GPT-2's layout, as `param` holds it: FSDP's
+    shard (local_slice), a tensor-parallel DTensor's slice (with FSDP's of it; tensor_parallel.model_rows), or a
+    plain (replicated) parameter whole."""
     if not isinstance(param, DTensor):
         return whole
+    if env.tensor_parallel == 1:  # the mesh is (replicate, shard) or (shard,), ranks laid out row-major
+        return local_slice(whole, env.mesh_shape[-1], env.rank % env.mesh_shape[-1])
     placements = param.placements
     return distribute_tensor(
         model_rows(name, whole, param), param.device_mesh, placements, src_data_rank=None
     ).to_local()
+
+
+def local_slice(whole, shards, index):
+    """Shard `index` of `whole` split over `shards` ranks as FSDP2 splits a parameter: torch.chunk along dim 0
+    (trailing ranks of a short dim 0 get nothing)."""
+    chunks = whole.chunk(shards)
+    return chunks[index] if index < len(chunks) else whole[:0]
 
 
 def is_compiled(model):

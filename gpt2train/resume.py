@@ -287,7 +287,8 @@ def resolve_config_or_defer(user, damaged=None):
         return cfg, Source(source_kind(cfg.init_from)), str(e)
 
 
-SETUP_KEYS = ("device", "dtype", "parallel", "shard_size", "seed", "dist_timeout_minutes")  # what setup() used
+# what setup() used
+SETUP_KEYS = ("device", "dtype", "parallel", "shard_size", "tensor_parallel", "seed", "dist_timeout_minutes")
 
 
 def agree_on_checkpoint(user, cfg, source, problem, env):
