@@ -7,19 +7,22 @@ architecture at 4 heads so that 2 ranks hold 2 heads each.
 """
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 import checkpoint as checkpoint_command
+import dryrun
 import train
 from gpt2train.checkpoint import load_checkpoint
-from gpt2train.config import ConfigError, make_config
+from gpt2train.config import ConfigError, make_config, parse_args
 from gpt2train.data import write_shard
 from gpt2train.tensor_parallel import gpt2_rows, qkv_order
 from test_fsdp import one_rank_torchrun  # noqa: F401 -- a fixture
 from test_train import TINY, markov_tokens, metrics, torchrun, train_losses
 
+ROOT = Path(__file__).resolve().parent.parent
 # 8 steps of 128 tokens: one process x 2 accumulation steps of 4 x 16, or each data-parallel rank its share;
 # a clip of 0.5 is below every step's norm here, so clipping (and the norm over split gradients) is exercised
 COMMON = [
@@ -144,3 +147,14 @@ def test_tensor_parallel_not_dividing_the_world_size_is_one_line(data_dir, tmp_p
         "train.py: error: tensor_parallel=2 must divide the world size 1 (groups of tensor_parallel ranks split each "
         "block; the groups are the data-parallel ranks)"
     ]
+
+
+@pytest.mark.slow
+def test_a_rank_of_pythia_6p9b_at_tensor_parallel_8_dry_runs_within_15_percent_of_its_plan():
+    """GPT-NeoX/Pythia's layout, one 8-GPU node split 8 ways, 2 of its 32 layers (the time is per layer;
+    docs/multi-gpu.md has the whole model's table beside the FSDP-only layout)."""
+    cfg = make_config(parse_args([str(ROOT / "configs" / "pythia_6p9b.py"), "--tensor_parallel=8", "--n_layer=2"]))
+    plan, sim, text = dryrun.report(cfg, 8)
+    assert "rank 0 of 8, fsdp x tensor_parallel 8" in text
+    assert sim.parts["params"] == pytest.approx(plan.params, rel=1e-3)  # 1/8 of the blocks' matrices, the rest whole
+    assert plan.total == pytest.approx(sim.total, rel=0.15)
