@@ -6,6 +6,7 @@ Multi-rank runs are CPU processes under torchrun (gloo) on test_train's Markov-c
 architecture at 4 heads so that 2 ranks hold 2 heads each.
 """
 
+import json
 import shutil
 from pathlib import Path
 
@@ -95,6 +96,56 @@ def test_a_tensor_parallel_checkpoint_resumes_in_one_process_and_consolidates(tp
         tp, one = load_checkpoint(consolidated)[part], single[part]
         tensors = lambda s: s if part == "model" else {(i, k): t for i, v in s["state"].items() for k, t in v.items()}  # noqa: E731
         assert all(torch.allclose(t, tensors(one)[k], atol=1e-5) for k, t in tensors(tp).items()), part
+
+
+@pytest.mark.slow
+def test_a_one_process_checkpoint_resumes_at_tensor_parallel_2(single_run, tmp_path):
+    """A fused-AdamW single file: the weights and the AdamW moments split as the ranks hold them (c_attn's rows in
+    rank order), and the optimizer steps with the kernel this layout can run."""
+    for name in ("ckpt_000004.pt", "ckpt_000004.pt.sha256"):
+        shutil.copy(single_run / name, tmp_path / name)
+    torchrun("--init_from=resume", f"--out_dir={tmp_path}", "--tensor_parallel=2")
+    assert close(train_losses(tmp_path), {s: loss for s, loss in train_losses(single_run).items() if s > 4})
+
+
+TP_INIT = """
+import json, sys
+import torch
+import train
+from gpt2train import parallel, resume
+from gpt2train.config import make_config, model_config
+from model import GPT
+
+cfg = make_config(dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=64, device="cpu", dtype="float32",
+                       compile=False, tensor_parallel=2, parallel=sys.argv[2], seed=7))
+env = parallel.setup(cfg)
+raw, cfg = train.build_model(cfg, resume.Source("scratch"), env)  # on meta, as train.py builds a sharded run
+model = train.parallelize(raw, cfg, env)
+torch.manual_seed(cfg.seed)
+alone = GPT(model_config(cfg))  # what one process starts from with the same seed
+x = torch.randint(0, 64, (2, 16))
+with torch.no_grad():
+    loss = model(x, x, return_logits=False)[1].item()
+with parallel.gathered(raw) as whole:  # the split weights gathered, in GPT-2's layout
+    same_init = [n for n, t in whole.state_dict().items() if not torch.equal(t, alone.state_dict()[n])] == []
+    tokens = whole.generate(x[:1, :4], 6, temperature=0).tolist()
+with open(sys.argv[1] + str(env.rank), "w") as f:
+    json.dump({"same_init": same_init, "loss": loss, "alone_loss": alone(x, x, return_logits=False)[1].item(),
+               "tokens": tokens, "alone_tokens": alone.generate(x[:1, :4], 6, temperature=0).tolist()}, f)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel, nproc", [("ddp", 2), ("fsdp", 4)])
+def test_split_ranks_start_from_one_process_weights_and_gather_them_for_generation(tmp_path, parallel, nproc):
+    """Built on meta and initialised rank by rank (c_attn's rows drawn whole, then put in rank order), the model
+    is the seed's: its forward gives one process's loss, and gathered() gives back GPT-2's layout to generate."""
+    (tmp_path / "init.py").write_text(TP_INIT)
+    torchrun(tmp_path / "rank", parallel, script=tmp_path / "init.py", nproc=nproc)
+    for r in range(nproc):
+        result = json.loads((tmp_path / f"rank{r}").read_text())
+        assert result["same_init"] and result["tokens"] == result["alone_tokens"]
+        assert result["loss"] == pytest.approx(result["alone_loss"], abs=1e-5)
 
 
 @pytest.mark.slow
