@@ -16,6 +16,8 @@ order: a new parameter's initial values (model_rows), gathered() weights (whole)
 from_saved, in GPT-2's layout with the same keys as every other run, so they load at any layout).
 """
 
+import logging
+
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -27,6 +29,9 @@ def split_blocks(model, tp_mesh):
     """Split each block of the bare GPT over tp_mesh (a 1-D DeviceMesh), in place. Each rank slices its part of
     the weights the model holds (every rank built the same ones; src_data_rank=None: no broadcast), or of the
     meta tensors that parallel.materialise fills later."""
+    # DTensor warns, per rank, each time a 2-D (FSDP x TP) value is reduced or gathered one mesh dim after the
+    # other: the gradient norm (a scalar) every step, c_attn at checkpoints; neither is worth a line per rank
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     tp = tp_mesh.size()
     plan = {
         "attn.c_attn": ColwiseParallel(),

@@ -149,11 +149,15 @@ def test_split_ranks_start_from_one_process_weights_and_gather_them_for_generati
 
 
 @pytest.mark.slow
-def test_fsdp_times_tensor_parallel_on_four_ranks_trains_as_one_process(data_dir, single_run, tmp_path):
-    result = torchrun(
-        *COMMON, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--parallel=fsdp", "--tensor_parallel=2", nproc=4
-    )
-    assert "world size 4 (fsdp, tensor_parallel 2) | 128 tokens/step = 2 data-parallel ranks" in result.stdout
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_tensor_parallel_under_data_parallel_on_four_ranks_trains_as_one_process(
+    data_dir, single_run, tmp_path, parallel
+):
+    """2 data-parallel ranks of 2 tensor-parallel ones: FSDP shards each rank's part (2-D FSDP x TP), 'ddp'
+    replicates it (FSDP with shards of one rank, gradients all-reduced)."""
+    args = [*COMMON, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", f"--parallel={parallel}"]
+    result = torchrun(*args, "--tensor_parallel=2", nproc=4)
+    assert f"world size 4 ({parallel}, tensor_parallel 2) | 128 tokens/step = 2 data-parallel ranks" in result.stdout
     for key in ("train_loss", "grad_norm"):
         assert close(by_step(tmp_path, key), by_step(single_run, key)), key
     a, b = load_checkpoint(tmp_path)["model"], load_checkpoint(single_run)["model"]
