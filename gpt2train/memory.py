@@ -150,12 +150,11 @@ def saved_bytes_per_token(cfg, dtype="float32", low_params: bool = False, tp: in
     return block, outside
 
 
-def _activation_parts(cfg, batch_size, dtype, activation_checkpointing, seq_len, low_params, tp=1) -> tuple[int, int]:
-    """(saved through the whole backward, the backward's working set: the recomputed block, its weights'
-    low-precision copies and the gradients in flight). With activation checkpointing only each block's input is
-    saved, and one block is recomputed at a time; low_params: FSDP/HSDP all-gathers low-precision parameters (the
-    residual stream is in that dtype too); tp: a tensor-parallel rank's (saved_bytes_per_token)."""
-    T = seq_len or cfg.block_size
+def _activation_parts(cfg, tokens, dtype, activation_checkpointing, low_params, tp=1) -> tuple[int, int]:
+    """(saved through the whole backward of a micro-batch of `tokens`, the backward's working set: the recomputed
+    block, its weights' low-precision copies and the gradients in flight). With activation checkpointing only each
+    block's input is saved, and one block is recomputed at a time; low_params: FSDP/HSDP all-gathers low-precision
+    parameters (the residual stream is in that dtype too); tp: a tensor-parallel rank's (saved_bytes_per_token)."""
     stats, a = param_stats(cfg), _bytes_per_element(dtype)
     r = a if low_params else 4
     block, outside = saved_bytes_per_token(cfg, dtype, low_params, tp)
@@ -163,7 +162,7 @@ def _activation_parts(cfg, batch_size, dtype, activation_checkpointing, seq_len,
     weights = (
         stats["block_matmul"] // tp * 2 if a < 4 and not low_params else 0
     )  # autocast's copies, saved by the matmuls
-    tokens, L = batch_size * T, cfg.n_layer
+    L = cfg.n_layer
     recomputed = recomputed_blocks(L, activation_checkpointing)
     if recomputed == L:
         return tokens * (L + 1) * r * cfg.n_embd, tokens * (8 + block + backward) + weights
@@ -241,7 +240,8 @@ def estimate_memory(
     shard = 1 if parallel == "ddp" else (shard_size or dp) if parallel == "hsdp" else dp
     fsdp = parallel != "ddp" or tp > 1 and dp > 1  # parallel.shard: FSDP, whose MixedPrecisionPolicy gathers
     low = fsdp and _bytes_per_element(dtype) < 4  # low-precision weights
-    saved, working = _activation_parts(model_cfg, batch_size, dtype, activation_checkpointing, seq_len, low, tp)
+    tokens = batch_size * (seq_len or model_cfg.block_size)
+    saved, working = _activation_parts(model_cfg, tokens, dtype, activation_checkpointing, low, tp)
     at_loss = loss_bytes(model_cfg, batch_size, dtype, seq_len, low)
     gathered = 0
     if shard > 1:
