@@ -22,7 +22,7 @@ from gpt2train.headroom import MARGIN, GiB, gib, with_margin, within_margin
 from gpt2train.layout import check_pipeline, microbatches, stage_blocks
 from gpt2train.memory import MemoryPlan, choose_checkpointing, estimate_memory, stage_plan
 from gpt2train.optim import build_optimizer
-from gpt2train.parallel import Env, keeps_grads, mesh_shape, parallelize
+from gpt2train.parallel import Env, data_parallel_size, keeps_grads, mesh_shape, parallelize
 from gpt2train.step import clip_gradients, micro_batches
 from model import GPT
 
@@ -86,10 +86,12 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
     if cfg.batch_size == "auto":
         raise ValueError("the dry run needs batch_size set (it simulates a given micro-batch), not 'auto'")
     cfg = replace(cfg, compile=False, dtype=GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype)
-    parallel = cfg.parallel
-    mesh = () if parallel == "ddp" else mesh_shape(parallel, cfg.shard_size, world_size, min(gpus_per_node, world_size))
-    env = Env(0, 0, world_size, True, "cpu", cfg.dtype, parallel, mesh)
-    grad_accum = batch_layout(cfg, world_size)[1]
+    parallel, tp = cfg.parallel, cfg.tensor_parallel
+    mesh = mesh_shape(
+        parallel, cfg.shard_size, data_parallel_size(world_size, tp), node_ranks(gpus_per_node, world_size, tp), tp
+    )
+    env = Env(0, 0, world_size, True, "cpu", cfg.dtype, parallel, mesh, tp)
+    grad_accum = batch_layout(cfg, env.dp_size)[1]
     notes = []
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
@@ -99,9 +101,9 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
         x = torch.zeros(cfg.batch_size, cfg.block_size, dtype=torch.long)  # a real batch, as the loader's
         with FakeTensorMode(allow_non_fake_inputs=True):
             raw.to_empty(device="cpu")
-            if cfg.tie_embeddings and not env.sharded:  # to_empty gives each module its own tensor (FSDP keeps ties)
+            if cfg.tie_embeddings and not env.fsdp:  # to_empty gives each module its own tensor (FSDP keeps ties)
                 raw.transformer.wte.weight = raw.lm_head.weight
-            if not env.sharded and world_size > 1:
+            if not env.sharded and world_size > 1:  # (tensor parallelism without FSDP: its own collectives)
                 model = DDPBuckets(raw)
                 notes.append(
                     "DDP modelled, not run (its C++ reducer cannot run on fake tensors): gradients are views "
@@ -116,7 +118,7 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
             optimizer.step()
             optimizer.zero_grad(set_to_none=not keeps_grads(model))
             inner = [optimizer.muon, optimizer.adamw] if hasattr(optimizer, "muon") else [optimizer]
-            if env.sharded:
+            if env.fsdp:
                 tracker = FSDPMemTracker(model, optimizer)
             else:
                 tracker = MemTracker()
@@ -240,21 +242,24 @@ PARTS = {
 }
 
 
+def node_ranks(gpus_per_node: int, world_size: int, tensor_parallel: int) -> int:
+    """The data-parallel ranks of one node (HSDP's default shard group): its GPUs over the tensor-parallel ones."""
+    return max(1, min(gpus_per_node, world_size) // tensor_parallel)
+
+
 def plan_args(cfg, world_size: int, gpus_per_node: int = 8) -> dict:
     """estimate_memory's arguments besides the model and micro-batch, on a GPU (dtype 'auto' as bf16)."""
-    shard = (
-        mesh_shape(cfg.parallel, cfg.shard_size, world_size, min(gpus_per_node, world_size))[-1]
-        if cfg.parallel != "ddp"
-        else None
-    )
-    stages = cfg.pipeline_parallel
+    tp, stages = cfg.tensor_parallel, cfg.pipeline_parallel
+    dp = data_parallel_size(world_size, tp * stages)
+    mesh = mesh_shape(cfg.parallel, cfg.shard_size, dp, node_ranks(gpus_per_node, world_size, tp), tp)
     return {
         "dtype": GPU_DTYPE if cfg.dtype == "auto" else cfg.dtype,
         "parallel": cfg.parallel,
         "world_size": world_size,
         "optimizer": cfg.optimizer,
-        "shard_size": shard,
-        "pipeline": (stages, cfg.pipeline_schedule, microbatches(cfg, world_size // stages)[0]) if stages > 1 else None,
+        "shard_size": mesh[-1] if cfg.parallel != "ddp" else None,
+        "pipeline": (stages, cfg.pipeline_schedule, microbatches(cfg, dp)[0]) if stages > 1 else None,
+        "tensor_parallel": tp,
     }
 
 
@@ -297,12 +302,14 @@ def report(cfg, world_size: int, gpus_per_node: int = 8, device_memory_gib: floa
     plan = dry_run_plan(cfg, world_size, gpus_per_node)
     sim = dry_run(cfg, world_size, gpus_per_node)
     planned = {**{k: getattr(plan, k) for k in PARTS}, "activations": plan.activations + plan.logits}
+    tp = cfg.tensor_parallel
     mode = cfg.parallel + (
-        f" (shard_size {cfg.shard_size or min(gpus_per_node, world_size)})" if cfg.parallel == "hsdp" else ""
+        f" (shard_size {cfg.shard_size or node_ranks(gpus_per_node, world_size, tp)})" if cfg.parallel == "hsdp" else ""
     )
+    mode += f" x tensor_parallel {tp}" if tp > 1 else ""
     rows = [
         f"dry run: rank 0 of {world_size}, {mode}, {dtype}, micro-batch {cfg.batch_size} x "
-        f"{batch_layout(cfg, world_size)[1]} accumulation steps"
+        f"{batch_layout(cfg, world_size // tp)[1]} accumulation steps"
         + CHECKPOINTING[cfg.activation_checkpointing]
         + ": one optimizer step simulated on fake tensors",
         f"  {'GiB per rank':<28}{'plan':>8}{'simulated':>11}",

@@ -198,12 +198,13 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, rope=None, cache: KVCache | None = None, pos: int = 0, ve=None):
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
+        hs = C // self.n_head
+        q, k, v = self.c_attn(x).chunk(3, dim=2)  # of every head; on a tensor-parallel rank, of its share of them
         if ve is not None:  # (B, T, C): the value embedding of each token, in v's dtype (autocast's, not fp32)
-            v = v + (ve * self.ve_gate.repeat_interleave(C // self.n_head)).to(v.dtype)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+            v = v + (ve * self.ve_gate.repeat_interleave(hs)).to(v.dtype)
+        q = q.view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, -1, hs).transpose(1, 2)
+        v = v.view(B, T, -1, hs).transpose(1, 2)
         if self.qk_norm:  # unit RMS per head: attention logits stay bounded whatever the weights grow to
             q, k = F.rms_norm(q, (q.size(-1),)), F.rms_norm(k, (k.size(-1),))
         if rope is not None:
@@ -221,7 +222,7 @@ class CausalSelfAttention(nn.Module):
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0
         )
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
 
 

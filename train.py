@@ -321,12 +321,14 @@ def write_config(cfg, max_steps=None):
 def run_summary(raw_model, model, cfg, env, resumed_step):
     """The one line that says what this run is: size, device, precision, world, batch layout."""
     total_batch_size, grad_accum = batch_layout(cfg, env.dp_size)
+    tp = f", tensor_parallel {env.tensor_parallel}" if env.tensor_parallel > 1 else ""
+    split = env.pipeline > 1 or env.tensor_parallel > 1
     line = (
         f"{raw_model.num_params() / 1e6:.2f}M parameters | device {env.device} | dtype {env.dtype} | compile "
         f"{is_compiled(model)} | world size {env.world_size}"
         + (f" ({env.pipeline} pipeline stages x {env.dp_size} {env.parallel})" if env.pipeline > 1 else "")
-        + (f" ({env.parallel})" if env.distributed and env.pipeline == 1 else "")
-        + f" | {total_batch_size:,} tokens/step = {env.dp_size} {'data-parallel ' if env.pipeline > 1 else ''}ranks"
+        + (f" ({env.parallel}{tp})" if env.distributed and env.pipeline == 1 else "")
+        + f" | {total_batch_size:,} tokens/step = {env.dp_size} {'data-parallel ' if split else ''}ranks"
         f" x {grad_accum} accumulation steps x {cfg.batch_size} x {cfg.block_size}"
     )
     return line if resumed_step is None else f"{line} | resumed from step {resumed_step}"

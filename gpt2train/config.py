@@ -98,6 +98,7 @@ class TrainConfig(GPTConfig):
     pipeline_parallel: int = 1  # pipeline stages: the blocks split over this many ranks in turn (torchrun only)
     pipeline_schedule: str = "1F1B"  # '1F1B' (at most `stages` micro-batches in flight per stage) or 'GPipe' (all)
     pipeline_microbatches: int | None = None  # pieces of a step's rows per rank (None: accumulation steps, >= stages)
+    tensor_parallel: int = 1  # ranks splitting each block's heads and MLP width; data-parallel: world_size / this
 
     def __post_init__(self):
         for key, options in CHOICES.items():
@@ -134,6 +135,7 @@ class TrainConfig(GPTConfig):
                 f"optimizer='muon' is not supported with parallel={self.parallel!r}; use "
                 "parallel='ddp', or optimizer='adamw' to shard"
             )
+        self.check_tensor_parallel()
         if self.optimizer == "muon" and not hasattr(torch.optim, "Muon"):  # torch.optim.Muon arrived in torch 2.9
             raise ConfigError(
                 f"optimizer='muon' needs torch.optim.Muon (torch >= 2.9), which torch "
@@ -166,6 +168,21 @@ class TrainConfig(GPTConfig):
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
+    def check_tensor_parallel(self):
+        """One line for a model that tensor_parallel cannot split: its ranks divide the heads (and so the MLP's
+        4 * n_embd hidden units, a multiple of n_head); Muon and the value embeddings are not split yet."""
+        tp = self.tensor_parallel
+        if tp == 1:
+            return
+        if self.n_head % tp:
+            raise ConfigError(f"tensor_parallel={tp} must divide n_head={self.n_head} (each rank computes whole heads)")
+        for key, off in (("optimizer", "'adamw'"), ("value_embeds", "False")):
+            if getattr(self, key) != getattr(TrainConfig, key):
+                raise ConfigError(
+                    f"tensor_parallel={tp} does not support {key}={getattr(self, key)!r} yet: set {key}={off} "
+                    "or tensor_parallel=1"
+                )
+
 
 CHOICES = {
     "lr_schedule": ("cosine", "wsd"),
@@ -187,6 +204,7 @@ AT_LEAST_ONE = (
     "shard_size",
     "pipeline_parallel",
     "pipeline_microbatches",
+    "tensor_parallel",
 )
 NON_NEGATIVE = (
     "max_steps",

@@ -43,6 +43,10 @@ def check_pipeline(cfg, world_size):
         "embedding_lr": (cfg.embedding_lr is not None, "has one learning rate so far: leave embedding_lr None"),
         "head_lr": (cfg.head_lr is not None, "has one learning rate so far: leave head_lr None"),
         "batch_size": (cfg.batch_size == "auto", "needs a fixed micro-batch: set batch_size to a number"),
+        "tensor_parallel": (
+            cfg.tensor_parallel > 1,
+            "does not combine with tensor parallelism yet: set tensor_parallel=1",
+        ),
     }
     for key, (refused, fix) in refusals.items():
         if refused:

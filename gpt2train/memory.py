@@ -32,6 +32,7 @@ from gpt2train.headroom import GiB, device_memory, gib
 from gpt2train.layout import microbatches, stage_blocks
 from model import GPT, GRAD_W_SLICE_ROWS, LOSS_CHUNK_ROWS, SMEAR_CHANNELS
 
+SPLIT = ("attn.c_attn", "mlp.c_fc", "attn.c_proj.weight", "mlp.c_proj.weight")  # tensor_parallel.split_blocks'
 # batch_size='auto' from the plan (CPU/MPS): use at most this share of the available memory. On a CPU the peak
 # RSS runs above the plan (docs/memory.md): glibc's heap keeps freed blocks as holes larger requests cannot reuse
 AUTO_FIT_FRACTION = 0.5
@@ -93,6 +94,8 @@ def _count_params(cfg) -> dict:
         "total": count[0] + (cfg.n_layer - 1) * (count[1] - count[0]),
         "block": sum(p.numel() for p in block.parameters()),
         "block_matmul": sum(mod.weight.numel() for mod in block.modules() if isinstance(mod, torch.nn.Linear)),
+        # what tensor parallelism splits (tensor_parallel.split_blocks): the matrices, and c_attn's and c_fc's biases
+        "block_split": sum(p.numel() for n, p in block.named_parameters() if n.startswith(SPLIT)),
         "hidden": block.mlp.c_fc.out_features,
     }
 
@@ -105,14 +108,15 @@ def _bytes_per_element(dtype) -> int:
     return 4 if name == "float32" else 2
 
 
-def saved_bytes_per_token(cfg, dtype="float32", low_params: bool = False) -> tuple[int, int]:
+def saved_bytes_per_token(cfg, dtype="float32", low_params: bool = False, tp: int = 1) -> tuple[int, int]:
     """(bytes per token of one block, bytes per token outside the blocks) that autograd saves for backward.
 
     Per block: the residual stream x and x + attn (fp32 under autocast too: r bytes each), the ln_1/ln_2
     outputs as the matmuls read them, q/k/v in one (B, T, 3C) buffer, the attention output and the MLP's pre-
     and post-activation (hidden each), all in the compute dtype (a bytes), plus LayerNorm statistics and SDPA's
     log-sum-exp. Outside: token ids, ln_f's input and statistics; the recipe's value embeddings, smear and bigram
-    table add their own."""
+    table add their own. tp: a tensor-parallel rank's share, its heads' and hidden units' (all but the residual
+    stream and the LayerNorm outputs) divided by tp."""
     C, nh = cfg.n_embd, cfg.n_head
     H, a = param_stats(cfg)["hidden"], _bytes_per_element(dtype)
     r = a if low_params else 4  # FSDP's low-precision parameters make the residual stream low-precision too
@@ -120,7 +124,7 @@ def saved_bytes_per_token(cfg, dtype="float32", low_params: bool = False) -> tup
     # rotary/QK-norm: new (B, nh, T, hs) q and k, so the attention output comes out in that layout and
     # (B, T, C) is one more copy
     rotated = cfg.rotary_pct is not None or cfg.qk_norm
-    block = residuals * r * C + a * (6 * C + 2 * H) + (3 * a * C if rotated else 0) + 2 * 8 + 4 * nh
+    block = residuals * r * C + a * (2 * C + (4 * C + 2 * H + (3 * C if rotated else 0)) // tp) + 2 * 8 + 4 * nh // tp
     if cfg.qk_norm and a < 4:  # autocast runs rms_norm in fp32: it saves fp32 copies of q and k
         block += 2 * 4 * C
     if cfg.dropout > 0:  # rough: dropout masks, and attention's (T, T) math path
@@ -137,18 +141,19 @@ def saved_bytes_per_token(cfg, dtype="float32", low_params: bool = False) -> tup
     return block, outside
 
 
-def _activation_parts(cfg, batch_size, dtype, activation_checkpointing, seq_len, low_params) -> tuple[int, int]:
-    """(saved through the whole backward, the backward's working set: the recomputed block, its weights'
-    low-precision copies and the gradients in flight). With activation checkpointing only each block's input is
-    saved, and one block is recomputed at a time; low_params: FSDP/HSDP all-gathers low-precision parameters (the
-    residual stream is in that dtype too)."""
-    T = seq_len or cfg.block_size
+def _activation_parts(cfg, tokens, dtype, activation_checkpointing, low_params, tp=1) -> tuple[int, int]:
+    """(saved through the whole backward of a micro-batch of `tokens`, the backward's working set: the recomputed
+    block, its weights' low-precision copies and the gradients in flight). With activation checkpointing only each
+    block's input is saved, and one block is recomputed at a time; low_params: FSDP/HSDP all-gathers low-precision
+    parameters (the residual stream is in that dtype too); tp: a tensor-parallel rank's (saved_bytes_per_token)."""
     stats, a = param_stats(cfg), _bytes_per_element(dtype)
     r = a if low_params else 4
-    block, outside = saved_bytes_per_token(cfg, dtype, low_params)
-    backward = r * cfg.n_embd + a * stats["hidden"]  # the residual's gradient and the MLP hidden's
-    weights = stats["block_matmul"] * 2 if a < 4 and not low_params else 0  # autocast's copies, saved by the matmuls
-    tokens, L = batch_size * T, cfg.n_layer
+    block, outside = saved_bytes_per_token(cfg, dtype, low_params, tp)
+    backward = r * cfg.n_embd + a * stats["hidden"] // tp  # the residual's gradient and the MLP hidden's
+    weights = (
+        stats["block_matmul"] // tp * 2 if a < 4 and not low_params else 0
+    )  # autocast's copies, saved by the matmuls
+    L = cfg.n_layer
     recomputed = recomputed_blocks(L, activation_checkpointing)
     if recomputed == L:
         return tokens * (L + 1) * r * cfg.n_embd, tokens * (8 + block + backward) + weights
@@ -196,13 +201,16 @@ def estimate_memory(
     shard_size: int | None = None,
     seq_len: int | None = None,
     pipeline: tuple | None = None,
+    tensor_parallel: int = 1,
 ) -> MemoryPlan:
     """Predicted peak memory per rank of one training step at micro-batch batch_size.
 
     dtype: the autocast dtype ('float32' = none); parameters, gradients and AdamW state stay fp32.
     parallel: 'ddp' (full copies; at world_size > 1 the gradients are views of DDP's all-reduce buckets, one
     copy: parallel.keeps_grads), 'fsdp' (sharded over
-    world_size) or 'hsdp' (sharded over shard_size, default world_size). activation_checkpointing None:
+    world_size) or 'hsdp' (sharded over shard_size, default world_size); with tensor_parallel the data-parallel
+    world is world_size / tensor_parallel and each rank holds 1/tensor_parallel of the blocks' split weights
+    (param_stats' block_split) and of their activations, the rest whole. activation_checkpointing None:
     model_cfg's. The sum assumes gradients are resident during the forward (any accumulation step after
     the first), which makes it an upper bound for a step without accumulation. pipeline (stages, schedule,
     micro-batches per step): the plan of the heaviest stage (stage_plan), batch_size rows per micro-batch."""
@@ -217,16 +225,20 @@ def estimate_memory(
         raise ValueError(f"estimate_memory: batch_size={batch_size}, world_size={world_size}; expected >= 1")
     if activation_checkpointing is None:
         activation_checkpointing = model_cfg.activation_checkpointing
-    stats = param_stats(model_cfg)
-    n = stats["total"]
+    stats, tp = param_stats(model_cfg), tensor_parallel
+    block = stats["block"] - stats["block_split"] * (tp - 1) // tp  # a tensor-parallel rank's share of one
+    n = stats["total"] - model_cfg.n_layer * (stats["block"] - block)
     if optimizer == "adamw":
         state = 2 * n * 4  # exp_avg, exp_avg_sq
     else:  # Muon: one momentum buffer for the blocks' 2-D matrices, AdamW's two for everything else
         hidden = model_cfg.n_layer * stats["block_matmul"]
         state = hidden * 4 + 2 * (n - hidden) * 4
-    shard = 1 if parallel == "ddp" else (shard_size or world_size) if parallel == "hsdp" else world_size
-    low = parallel != "ddp" and _bytes_per_element(dtype) < 4  # FSDP's MixedPrecisionPolicy: low-precision weights
-    saved, working = _activation_parts(model_cfg, batch_size, dtype, activation_checkpointing, seq_len, low)
+    dp = world_size // tp
+    shard = 1 if parallel == "ddp" else (shard_size or dp) if parallel == "hsdp" else dp
+    fsdp = parallel != "ddp" or tp > 1 and dp > 1  # parallel.shard: FSDP, whose MixedPrecisionPolicy gathers
+    low = fsdp and _bytes_per_element(dtype) < 4  # low-precision weights
+    tokens = batch_size * (seq_len or model_cfg.block_size)
+    saved, working = _activation_parts(model_cfg, tokens, dtype, activation_checkpointing, low, tp)
     at_loss = loss_bytes(model_cfg, batch_size, dtype, seq_len, low)
     gathered = 0
     if shard > 1:
@@ -234,9 +246,9 @@ def estimate_memory(
         # is gathered; at the backward's peak (dry run) also one block, the root's unsharded gradient (its
         # reduce-scatter comes last) and one block's fp32 gradient going into its reduce-scatter
         p_bytes = _bytes_per_element(dtype)
-        root = n - model_cfg.n_layer * stats["block"]
+        root = n - model_cfg.n_layer * block
         at_loss += root * p_bytes
-        gathered = (2 * root + stats["block"]) * p_bytes + stats["block"] * 4
+        gathered = (2 * root + block) * p_bytes + block * 4
     # the loss runs before the backward: logits counts only what the loss phase needs beyond the backward's peak
     # (its working set and gathered units), which is never live at the same time
     return MemoryPlan(
@@ -265,7 +277,8 @@ def stage_plan(model_cfg, batch_size, stage, pipeline, kwargs):
     n = blocks * stats["block"] + (embeddings if stage == 0 else 0) + (head if stage == stages - 1 else 0)
     ckpt = kwargs["activation_checkpointing"]
     ckpt = model_cfg.activation_checkpointing if ckpt is None else ckpt
-    saved, working = _activation_parts(part, batch_size, kwargs["dtype"], ckpt, kwargs["seq_len"], False)
+    tokens = batch_size * (kwargs["seq_len"] or model_cfg.block_size)
+    saved, working = _activation_parts(part, tokens, kwargs["dtype"], ckpt, False, 1)
     in_flight = pieces if schedule == "GPipe" else min(pieces, stages - stage)
     at_loss = loss_bytes(model_cfg, batch_size, kwargs["dtype"], kwargs["seq_len"]) if stage == stages - 1 else 0
     return MemoryPlan(
@@ -448,6 +461,7 @@ def plan_kwargs(cfg, env):
         "shard_size": cfg.shard_size,
         "optimizer": cfg.optimizer,
         "pipeline": pipeline,
+        "tensor_parallel": env.tensor_parallel,
     }
 
 

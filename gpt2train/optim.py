@@ -22,13 +22,17 @@ NS_STEPS = 5
 
 def adamw(params, weight_decay, lr, betas, fused=False):
     """AdamW with weight decay on 2-D+ parameters only. fused: the one-kernel implementation
-    (devices.fused_adamw_supported says where it exists), else foreach."""
+    (devices.fused_adamw_supported says where it exists), else foreach. Parameters that mix plain tensors and
+    DTensors, or DTensors of several device meshes (tensor parallelism), cannot go into one fused or foreach
+    call: there the loop over parameters."""
     params = [p for p in params if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), **({"fused": True} if fused else {"foreach": True}))
+    one_kind = len({getattr(p, "device_mesh", None) for p in params}) <= 1
+    kernel = {"foreach": False} if not one_kind else {"fused": True} if fused else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), **kernel)
 
 
 class Muon(torch.optim.Optimizer):

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from gpt2train.config import ConfigError
 from gpt2train.console import launched_by_torchrun, log
@@ -30,6 +31,7 @@ from gpt2train.devices import (
     use_cuda_device,
 )
 from gpt2train.layout import check_pipeline, stage_of
+from gpt2train.tensor_parallel import model_rows, split_blocks, whole
 from model import GPT, rotary_cos_sin
 
 
@@ -44,8 +46,11 @@ class Env:
     device: str
     dtype: str  # resolved: 'float32', 'bfloat16' or 'float16'
     parallel: str = "ddp"  # in effect: 'fsdp'/'hsdp' only under torchrun ('ddp' also for one plain process)
-    mesh_shape: tuple = ()  # sharded runs: (world_size,) for 'fsdp', (replica groups, shard_size) for 'hsdp'
+    # sharded runs, over the data-parallel ranks: (dp,) for 'fsdp', (replica groups, shard_size) for 'hsdp'; with
+    # tensor parallelism 'ddp' is (dp, 1): replicas of one shard (tensor_parallel.py says why)
+    mesh_shape: tuple = ()
     pipeline: int = 1  # pipeline stages (layout.py): each rank holds the blocks of one
+    tensor_parallel: int = 1  # in effect: 1 outside torchrun
 
     @property
     def master(self):
@@ -53,23 +58,36 @@ class Env:
 
     @property
     def sharded(self):
-        """Whether no rank holds the whole model (FSDP/HSDP shards, or pipeline stages): it is built on the meta
-        device and checkpointed by every rank (DCP)."""
-        return self.parallel != "ddp" or self.pipeline > 1
+        """Whether no rank holds the whole model (FSDP/HSDP shards, pipeline stages, tensor-parallel shards): it is
+        built on the meta device, every rank saves its part (DCP) and gathers for evaluations."""
+        return self.parallel != "ddp" or self.pipeline > 1 or self.tensor_parallel > 1
+
+    @property
+    def fsdp(self):
+        """Whether parallelize() wraps the model in FSDP: 'fsdp'/'hsdp', and 'ddp' across the data-parallel ranks of
+        a tensor-parallel run (shard())."""
+        return self.parallel != "ddp" or self.tensor_parallel > 1 and self.dp_size > 1
 
     @property
     def dp_size(self):
-        """Data-parallel ranks: the ranks reading distinct rows (every stage of a pipeline reads the same ones)."""
-        return self.world_size // self.pipeline
+        """Data-parallel ranks: the ranks reading distinct rows (every stage of a pipeline, and every rank of a
+        tensor-parallel group, reads the same ones)."""
+        return self.world_size // (self.pipeline * self.tensor_parallel)
 
     @property
     def dp_rank(self):
-        return self.rank % self.dp_size
+        """This rank's place among the data-parallel ranks (ranks laid out as the mesh (pp, dp, tp): the ranks of
+        one tensor-parallel group are consecutive, a pipeline's stages outermost)."""
+        return self.rank // self.tensor_parallel % self.dp_size
+
+    @property
+    def tp_rank(self):
+        return self.rank % self.tensor_parallel
 
     @property
     def stage(self):
         """This rank's pipeline stage (layout.py: pipeline outermost)."""
-        return self.rank // self.dp_size
+        return self.rank // (self.dp_size * self.tensor_parallel)
 
     @property
     def kind(self):
@@ -113,18 +131,18 @@ def setup(cfg):
     except ValueError as e:
         raise ConfigError(f"config key 'device': {e}") from None
     dtype = resolve_dtype(cfg.dtype, device)
-    parallel, mesh = "ddp", ()
-    if cfg.parallel != "ddp" and not distributed:
-        log(
-            f"parallel={cfg.parallel!r} ignored: not launched by torchrun, this one process trains the whole model",
-            note=True,
-        )
-    elif cfg.parallel != "ddp":
-        parallel = cfg.parallel
-        mesh = mesh_shape(parallel, cfg.shard_size, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    parallel, mesh, tp = "ddp", (), 1
+    asked = {"parallel": cfg.parallel != "ddp", "tensor_parallel": cfg.tensor_parallel > 1}
+    split = " and ".join(f"{key}={getattr(cfg, key)!r}" for key, on in asked.items() if on)
+    if split and not distributed:
+        log(f"{split} ignored: not launched by torchrun, this one process trains the whole model", note=True)
+    elif split:
+        parallel, tp = cfg.parallel, cfg.tensor_parallel
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        mesh = mesh_shape(parallel, cfg.shard_size, data_parallel_size(world_size, tp), max(1, local // tp), tp)
         if dtype == "float16":  # GradScaler's inf check would see only this rank's gradient shard
             raise ConfigError(
-                f"parallel={parallel!r} trains in bfloat16 or float32, not float16 (dtype={cfg.dtype!r} "
+                f"{split} trains in bfloat16 or float32, not float16 (dtype={cfg.dtype!r} "
                 f"resolved to float16 on {device}): set --dtype=float32 or a bf16 device"
             )
     pipeline = cfg.pipeline_parallel if distributed else 1
@@ -154,15 +172,29 @@ def setup(cfg):
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    return Env(rank, local_rank, world_size, distributed, device, dtype, parallel, mesh, pipeline)
+    return Env(rank, local_rank, world_size, distributed, device, dtype, parallel, mesh, pipeline, tp)
 
 
-def mesh_shape(parallel, shard_size, world_size, local_world_size):
-    """Device-mesh shape of a sharded run: 'fsdp' (world_size,), every rank holding 1/world_size of the model;
-    'hsdp' (world_size // shard_size, shard_size): groups of shard_size ranks (default one node's ranks, so
-    the all-gathers stay on the fast intra-node links) each shard the model and replicate each other."""
+def data_parallel_size(world_size, tensor_parallel):
+    """world_size / tensor_parallel, the ranks that read different rows; a tensor_parallel that does not divide
+    the world is a ConfigError."""
+    if world_size % tensor_parallel:
+        raise ConfigError(
+            f"tensor_parallel={tensor_parallel} must divide the world size {world_size} (groups of "
+            f"tensor_parallel ranks split each block; the groups are the data-parallel ranks)"
+        )
+    return world_size // tensor_parallel
+
+
+def mesh_shape(parallel, shard_size, world_size, local_world_size, tensor_parallel=1):
+    """Data-parallel device-mesh shape of a sharded run over world_size data-parallel ranks: 'fsdp'
+    (world_size,), every rank holding 1/world_size of the model; 'hsdp' (world_size // shard_size, shard_size):
+    groups of shard_size ranks (default one node's ranks, so the all-gathers stay on the fast intra-node links)
+    each shard the model and replicate each other; 'ddp' under tensor parallelism (world_size, 1): replicas."""
     if parallel == "fsdp":
         return (world_size,)
+    if parallel == "ddp":
+        return (world_size, 1) if tensor_parallel > 1 else ()
     size = shard_size or local_world_size
     if world_size % size:
         raise ConfigError(
@@ -233,11 +265,24 @@ def shard(model, cfg, env):
     compute from bf16 weights and activations, the residual stream included (torchtitan's and Composer's FSDP
     default); torch.autocast stays on, as in every mode, for the ops it keeps in fp32. Gradients are
     reduce-scattered and accumulated in fp32 (reduce_dtype) and AdamW updates the fp32 shards. An fp32 run
-    casts nothing."""
+    casts nothing.
+
+    Tensor parallelism (tensor_parallel > 1) comes first, as in torchtitan: the blocks are split over the mesh's
+    last dim (tensor_parallel.split_blocks), then FSDP shards each rank's part over the data-parallel dims (2-D
+    FSDP x TP). With parallel='ddp' those dims are (replicas, 1): FSDP with shards of one rank is data parallelism
+    that understands DTensor parameters (DistributedDataParallel does not; torchtitan refuses DDP with TP), the
+    gradients all-reduced over the replicas; with a single data-parallel rank there is no FSDP at all."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(env.kind, env.mesh_shape, mesh_dim_names=("replicate", "shard")[-len(env.mesh_shape) :])
+    dp = ("dp_replicate", "dp_shard")[-len(env.mesh_shape) :]  # torchtitan's names; 'tp' last: a group's ranks adjoin
+    shape, names = env.mesh_shape, dp
+    if env.tensor_parallel > 1:
+        shape, names = (*shape, env.tensor_parallel), (*dp, "tp")
+    mesh = dp_mesh = init_device_mesh(env.kind, shape, mesh_dim_names=names)
+    if env.tensor_parallel > 1:
+        split_blocks(model, mesh["tp"])
+        dp_mesh = mesh[dp]
     compile_blocks = resolve_compile(cfg.compile, env.device, env.dtype)
     if compile_blocks:
         for block in model.transformer.h:
@@ -245,9 +290,12 @@ def shard(model, cfg, env):
         model.head_loss = torch.compile(model.head_loss)  # ln_f, the head and the chunked loss, in the root unit
     low = None if env.dtype == "float32" else DTYPES[env.dtype]
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
-    for block in model.transformer.h:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    if env.fsdp:
+        for block in model.transformer.h:
+            fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+        fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    elif "deferred_init" not in model.__dict__:  # tensor parallelism alone: the replicated weights to the device
+        model.to(env.device)
     if "deferred_init" in model.__dict__:  # built on meta: this rank's shards only, initialised as one process would
         materialise(model, env)
     return model
@@ -298,8 +346,9 @@ def materialise(model, env):
     next), the RNG untouched."""
     rng, calls = model.__dict__.pop("deferred_init") or (None, [])
     model.to_empty(device=env.device)
-    shards = env.mesh_shape[-1] if env.mesh_shape else 1  # (replicate, shard) or (shard,), ranks row-major
-    params = dict(model.named_parameters())  # a pipeline stage's only
+    if model.config.tie_embeddings:  # to_empty gives each module its own tensor (FSDP keeps the tie, DTensor not)
+        model.lm_head.weight = model.transformer.wte.weight
+    params = dict(model.named_parameters(remove_duplicate=False))  # a pipeline stage's only
     if rng is not None:
         torch.set_rng_state(rng)
     with torch.no_grad():
@@ -310,8 +359,8 @@ def materialise(model, env):
             else:
                 func(whole, *args[1:], **kwargs)
             if name in params:
-                local = params[name].to_local() if hasattr(params[name], "to_local") else params[name]
-                local.copy_(local_slice(whole, shards, env.rank % shards))
+                param = params[name]
+                local_part(param).copy_(part_of(name, whole, param, env))
             del whole  # before the next one is allocated: one whole parameter at a time
         if model.config.rotary_pct is not None:
             for buffer, table in zip(
@@ -319,6 +368,25 @@ def materialise(model, env):
                 rotary_cos_sin(model.config.rot_dim, model.config.block_size, model.config.rotary_base),
             ):
                 buffer.copy_(table)
+
+
+def local_part(tensor):
+    """What this rank holds of `tensor`: a DTensor's local shard, a plain (replicated) tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def part_of(name, whole, param, env):
+    """This rank's part of `whole`, the values of parameter `name` in GPT-2's layout, as `param` holds it: FSDP's
+    shard (local_slice), a tensor-parallel DTensor's slice (with FSDP's of it; tensor_parallel.model_rows), or a
+    plain (replicated) parameter whole."""
+    if not isinstance(param, DTensor):
+        return whole
+    if env.tensor_parallel == 1:  # the mesh is (replicate, shard) or (shard,), ranks laid out row-major
+        return local_slice(whole, env.mesh_shape[-1], env.rank % env.mesh_shape[-1])
+    placements = param.placements
+    return distribute_tensor(
+        model_rows(name, whole, param), param.device_mesh, placements, src_data_rank=None
+    ).to_local()
 
 
 def local_slice(whole, shards, index):
@@ -345,27 +413,28 @@ def gathered(raw_model):
     generation). An unsharded model passes through. A sharded one: every rank must enter (each unit's
     all-gather is a collective) and then holds a plain GPT over the gathered tensors, with no FSDP hooks, to
     run any number of forwards alone; on exit the whole parameters are freed. Costs the whole model per rank
-    for the duration: 2 bytes/param in bf16 runs, 4 in fp32. A pipeline stage: whole_pipeline's copy."""
+    for the duration: 2 bytes/param in bf16 runs, 4 in fp32. A tensor-parallel model's split weights are gathered
+    over its group (tensor_parallel.whole). A pipeline stage: whole_pipeline's copy."""
     if hasattr(raw_model, "pipeline_group"):
         yield whole_pipeline(raw_model)
         return
     units = [m for m in raw_model.modules() if hasattr(m, "unshard")]  # the FSDP units (fully_shard adds it)
-    if not units:
+    if not units and not any(isinstance(p, DTensor) for p in raw_model.parameters()):
         yield raw_model
         return
     for unit in units:
-        unit.unshard()  # the units' registered parameters are now the whole tensors
+        unit.unshard()  # the units' registered parameters are now the whole tensors (tensor-parallel shards)
     try:
         with torch.device("meta"):
-            whole = GPT(raw_model.config)
+            plain = GPT(raw_model.config)
         named = [*raw_model.named_parameters(remove_duplicate=False), *raw_model.named_buffers()]
         for name, tensor in named:
             owner, _, leaf = name.rpartition(".")
-            value = tensor.detach()
+            value = whole(name, tensor.detach())  # a tensor-parallel shard gathered, in GPT-2's layout
             if isinstance(tensor, torch.nn.Parameter):
                 value = torch.nn.Parameter(value, requires_grad=False)
-            setattr(whole.get_submodule(owner), leaf, value)
-        yield whole
+            setattr(plain.get_submodule(owner), leaf, value)
+        yield plain
     finally:
         for unit in units:
             unit.reshard()

@@ -30,7 +30,10 @@ class Progress:
 
 def restore(ckpt, raw_model, optimizer, scaler, loader):
     """Optimizer (and from a sharded checkpoint the weights, resharded to this run's layout), loss scaler and
-    loader position from a checkpoint; returns the Progress it recorded. Every rank calls it."""
+    loader position from a checkpoint; returns the Progress it recorded. Every rank calls it. The optimizer's
+    kernel (fused, foreach) stays this run's: a fused checkpoint resumes where fused AdamW cannot run (tensor
+    parallelism mixes plain tensors and DTensors: optim.adamw)."""
+    kernels = [{k: group[k] for k in ("fused", "foreach") if k in group} for group in optimizer.param_groups]
     if "shards" in ckpt:
         load_sharded_checkpoint(ckpt["shards"], raw_model, optimizer)
     elif hasattr(raw_model, "pipeline_group"):  # its optimizer state is indexed by the whole model's parameters
@@ -44,6 +47,8 @@ def restore(ckpt, raw_model, optimizer, scaler, loader):
             load_optimizer_state(raw_model, optimizer, ckpt["optimizer"])
         except ValueError as e:  # a saved state this optimizer cannot take (optim.Muon's says why)
             raise ConfigError(f"init_from=resume: {e}") from None
+    for group, kernel in zip(optimizer.param_groups, kernels):
+        group.update(kernel)
     if ckpt["scaler"] is not None:
         scaler.load_state_dict(ckpt["scaler"])
     try:

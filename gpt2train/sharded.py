@@ -35,6 +35,7 @@ from gpt2train.checkpoint_file import (
 )
 from gpt2train.console import distributed
 from gpt2train.files import atomic_write, file_sha256, first_line, fsync_dir, open_regular
+from gpt2train.tensor_parallel import from_saved, model_rows, to_saved
 
 META = "meta.pt"  # a sharded checkpoint's everything-but-the-tensors file
 META_FILES = frozenset({META, ".metadata"})  # what rank 0 verifies of a sharded checkpoint before the group starts
@@ -195,7 +196,8 @@ def save_sharded_checkpoint(path, meta, model, optimizer):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         writer = FileSystemWriter(str(tmp))
         writer.fs = _hashing_filesystem()()  # each rank hashes the shards it writes, as it writes them
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, storage_writer=writer, no_dist=not collective)
+        state = to_saved({"model": model_state, "optimizer": optimizer_state})  # GPT-2's layout at any layout
+        dcp.save(state, storage_writer=writer, no_dist=not collective)
     mine = writer.fs.sums
     sums = [mine]
     if collective:
@@ -245,6 +247,7 @@ def load_sharded_checkpoint(path, model, optimizer=None, collective=None):
         state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=flat)
     for p, g in grads.items():
         p.grad = g
+    state = to_saved(state)  # DCP reads GPT-2's layout; from_saved puts it back in the model's
     try:
         with warnings.catch_warnings():  # DCP warns whenever it runs without a process group, as asked here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -255,6 +258,7 @@ def load_sharded_checkpoint(path, model, optimizer=None, collective=None):
             )  # strict: every key must be there
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         raise CheckpointError(f"{path}: cannot read the sharded checkpoint ({_dcp_reason(e)})") from None
+    state = from_saved(state)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))  # lm_head is wte
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=flat)
@@ -313,9 +317,12 @@ def load_optimizer_state(model, optimizer, state):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     name_of = {p: name for name, p in model.named_parameters()}
-    names = [name_of[p] for group in optimizer.param_groups for p in group["params"]]  # index -> name
-    by_name = {
-        "state": {names[i]: v for i, v in state["state"].items()},
+    params = [p for group in optimizer.param_groups for p in group["params"]]  # index -> parameter
+    names = [name_of[p] for p in params]
+    by_name = {  # a tensor-parallel c_attn's moments in the row order it holds (tensor_parallel.model_rows)
+        "state": {
+            names[i]: {k: model_rows(names[i], t, params[i]) for k, t in v.items()} for i, v in state["state"].items()
+        },
         "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
     }
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))

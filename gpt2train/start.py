@@ -283,7 +283,16 @@ def resolve_config_or_defer(user, damaged=None):
 
 
 # what setup() used
-SETUP_KEYS = ("device", "dtype", "parallel", "shard_size", "pipeline_parallel", "seed", "dist_timeout_minutes")
+SETUP_KEYS = (
+    "device",
+    "dtype",
+    "parallel",
+    "shard_size",
+    "pipeline_parallel",
+    "tensor_parallel",
+    "seed",
+    "dist_timeout_minutes",
+)
 
 
 def agree_on_checkpoint(user, cfg, source, problem, env):

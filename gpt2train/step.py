@@ -144,8 +144,10 @@ def micro_batches(model, loader, grad_accum, scaler, env, micro_steps=None):
     batches = [loader.next_batch() for _ in micros]  # (x, y) on the host, (B, T) each
     masked = getattr(loader, "masked", False)  # some targets are -1 (SFT masks, document padding); else all trained
     counts = [int((y != -1).sum()) if masked else y.numel() for _, y in batches]  # host tensors: no sync
-    trained = sum(counts) * (1 if masked else env.world_size)  # of all ranks; masked and torchrun: this rank's
-    stats = to_device((torch.tensor([trained, counts.count(0)], dtype=torch.float32),), env.device)[0]
+    trained = sum(counts) * (1 if masked else env.dp_size)  # of all ranks; masked and torchrun: this rank's
+    # a tensor-parallel group's ranks read the same rows: the group's first rank counts them
+    mine = [trained, counts.count(0)] if env.tp_rank == 0 or not masked else [0, 0]
+    stats = to_device((torch.tensor(mine, dtype=torch.float32),), env.device)[0]
     pending = dist.all_reduce(stats, async_op=True) if masked and env.distributed else None
     loss_sum = torch.zeros((), device=env.device)
     for i, micro in enumerate(micros):
@@ -154,8 +156,8 @@ def micro_batches(model, loader, grad_accum, scaler, env, micro_steps=None):
         with autocast(env.device, env.dtype):
             _, loss = model(x, y, return_logits=False)
         # each micro-batch loss is a mean over its trained tokens; weighting it by its share of the step's
-        # (x world_size: DDP averages over ranks) makes the summed gradients those of the mean over all the
-        # step's trained tokens. Without masks every share is 1/grad_accum. A step with no trained target at
+        # (x dp_size: DDP averages over the data-parallel ranks) makes the summed gradients those of the mean over
+        # all the step's trained tokens. Without masks every share is 1/grad_accum. A step with no trained target at
         # all divides by 1 (its loss and gradients are 0; train.py skips its update)
         if not masked:
             loss = loss / grad_accum
@@ -165,7 +167,7 @@ def micro_batches(model, loader, grad_accum, scaler, env, micro_steps=None):
             if pending is not None:  # on NCCL the compute stream waits for it, the host does not
                 pending.wait()
                 pending = None
-            loss = loss * (counts[i] * env.world_size / stats[0].clamp(min=1))
+            loss = loss * (counts[i] * env.dp_size / stats[0].clamp(min=1))
         loss_sum += loss.detach().float()
         scaler.scale(loss).backward()
     if pending is not None:  # no micro-step ran (cannot happen in training)
@@ -175,10 +177,11 @@ def micro_batches(model, loader, grad_accum, scaler, env, micro_steps=None):
 
 def clip_gradients(model, max_norm):
     """Clip the global gradient norm to max_norm (0: only measure it); returns the norm before clipping, a
-    plain scalar tensor. Under FSDP the gradients are DTensor shards: clip_grad_norm_ reduces the norm over
-    ranks, so it is the whole gradient's norm, the number DDP gets, and the clip factor is the same. A pipeline
-    stage (its pipeline_group set by pipeline.build) holds its own gradients: their squared norms are summed
-    over the stages."""
+    plain scalar tensor. Under FSDP and tensor parallelism the gradients are DTensor shards: their norm is reduced
+    over ranks, so it is the whole gradient's norm, the number DDP gets, and the clip factor is the same. Norms
+    are taken per device mesh (torch's one call needs a single mesh; tensor parallelism has two, or plain
+    replicated tensors beside DTensors), then combined. A pipeline stage (its pipeline_group set by
+    pipeline.build) holds its own gradients: their squared norms are summed over the stages."""
     group = getattr(model, "pipeline_group", None)
     if group is not None:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -187,8 +190,15 @@ def clip_gradients(model, max_norm):
         norm = norm.sqrt()
         torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm or math.inf, norm)
         return norm
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
+    by_mesh = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in params]) for params in by_mesh.values()]
+    norm = torch.nn.utils.get_total_norm([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms])
+    for params in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm or math.inf, norm)
+    return norm
 
 
 def in_micro_batches(run, rows, micro, env, what):
@@ -242,7 +252,7 @@ def compile_works(compiled, cfg, env, loader):
         )
         loader.set_batch_size(smaller)
 
-    rows = cfg.batch_size * batch_layout(cfg, env.world_size)[1]  # sequences per rank per step
+    rows = cfg.batch_size * batch_layout(cfg, env.dp_size)[1]  # sequences per rank per step
     error = halving(attempt, recover, rows, loader.B, env, "the torch.compile trial")
     if error is not None:
         log(f"torch.compile failed ({error}); training eagerly (compile=False skips the attempt)")
@@ -265,7 +275,7 @@ def probe_batch_size(raw_model, cfg, env, loaders):
     backward of the bare model (probe_micro_batch; all ranks agree) with what the real step has beside it
     held aside (reserve below), leaving its RNGs and gradients as they were. Returns cfg with the resolved
     batch_size; the loaders take it too."""
-    rows = rows_per_rank(cfg.total_batch_size, cfg.block_size, env.world_size)
+    rows = rows_per_rank(cfg.total_batch_size, cfg.block_size, env.dp_size)
     plan = estimate_memory(raw_model.config, 1, **plan_kwargs(cfg, env))
     rngs = rng_state()
 
