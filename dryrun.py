@@ -90,7 +90,7 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
     mesh = mesh_shape(
         parallel, cfg.shard_size, data_parallel_size(world_size, tp), node_ranks(gpus_per_node, world_size, tp), tp
     )
-    env = Env(0, 0, world_size, True, "cpu", cfg.dtype, parallel, mesh, tp)
+    env = Env(0, 0, world_size, True, "cpu", cfg.dtype, parallel, mesh, tensor_parallel=tp)
     grad_accum = batch_layout(cfg, env.dp_size)[1]
     notes = []
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)

@@ -228,8 +228,8 @@ def val_loss(model, rows: ValRows, micro, env, stop=lambda: False, step=0):
     counts = to_device((torch.tensor([float(targets.sum()), size]),), env.device)[0]  # pinned: no wait
     totals = torch.cat([sums, counts])
     if env.distributed:
-        if env.tp_rank:  # a tensor-parallel group's ranks read the same rows: its first rank counts them
-            totals.zero_()
+        if env.tp_rank or env.stage:  # a tensor-parallel group's ranks and a pipeline's stages read the same rows
+            totals.zero_()  # (a pipeline's forward gives each the same loss): the first counts them
         dist.all_reduce(totals)  # SUM: gloo has no AVG
     loss_sum, nats, count, size = totals.tolist()
     return ValScore(loss_sum / len(x) / env.dp_size, nats, count, None if rows.bytes is None else size)
