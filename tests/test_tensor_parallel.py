@@ -99,6 +99,14 @@ def test_a_tensor_parallel_checkpoint_resumes_in_one_process_and_consolidates(tp
 
 
 @pytest.mark.slow
+def test_a_tensor_parallel_checkpoint_resumes_bit_exactly_at_its_layout(tp_run, tmp_path):
+    """Read back into split weights (c_attn's rows put in rank order again) and split AdamW moments."""
+    shutil.copytree(tp_run / "ckpt_000004", tmp_path / "ckpt_000004")
+    torchrun("--init_from=resume", f"--out_dir={tmp_path}")  # the checkpoint's tensor_parallel=2
+    assert train_losses(tmp_path) == {s: loss for s, loss in train_losses(tp_run).items() if s > 4}
+
+
+@pytest.mark.slow
 def test_a_one_process_checkpoint_resumes_at_tensor_parallel_2(single_run, tmp_path):
     """A fused-AdamW single file: the weights and the AdamW moments split as the ranks hold them (c_attn's rows in
     rank order), and the optimizer steps with the kernel this layout can run."""
