@@ -287,6 +287,7 @@ def test_masked_rows_get_no_gradient_from_the_chunked_loss():
 
 class Env:
     device, kind, dtype, distributed, world_size = "cpu", "cpu", "float32", False, 1
+    dp_size, tp_rank = 1, 0  # parallel.Env's: the data-parallel ranks, this rank's place in a tensor-parallel group
 
 
 def test_step_loss_is_the_mean_over_the_trained_tokens_of_all_micro_batches(sft_dir):
@@ -392,7 +393,7 @@ def test_masked_counts_are_all_reduced_during_the_first_forward(monkeypatch):
     y = torch.where(torch.rand(2, 2, BLOCK) < 0.5, x, -1)
 
     class TwoRanks(Env):
-        distributed, world_size = True, 2
+        distributed, world_size, dp_size = True, 2, 2
 
     _, stats = step.micro_batches(model, Batches([(x[0], y[0]), (x[1], y[1])]), 2, Scaler(), TwoRanks())
     assert events == ["copy", "all_reduce async", "copy", "forward", "wait", "backward", "copy", "forward", "backward"]
