@@ -30,7 +30,7 @@ from gpt2train.devices import (
     tune_cpu_allocator,
     use_cuda_device,
 )
-from gpt2train.layout import check_pipeline, stage_of
+from gpt2train.layout import check_pipeline, check_training, stage_of
 from gpt2train.tensor_parallel import model_rows, split_blocks, whole
 from model import GPT, rotary_cos_sin
 
@@ -148,6 +148,7 @@ def setup(cfg):
     pipeline = cfg.pipeline_parallel if distributed else 1
     if pipeline > 1:
         check_pipeline(cfg, world_size)
+        check_training(cfg)
         if dtype == "float16":  # GradScaler's inf check would see only this stage's gradients
             raise ConfigError(
                 f"pipeline_parallel={pipeline} trains in bfloat16 or float32, not float16 (dtype={cfg.dtype!r} "

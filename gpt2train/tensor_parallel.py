@@ -41,7 +41,7 @@ def split_blocks(model, tp_mesh):
     }
     for style in plan.values():
         style.src_data_rank = None
-    for block in model.transformer.h:
+    for block in model.transformer.h.children():  # a ModuleList, or a pipeline stage's ModuleDict
         with torch.no_grad():
             for p in block.attn.c_attn.parameters():
                 if p.device.type != "meta":

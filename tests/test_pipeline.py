@@ -149,6 +149,7 @@ NEOX_KEYS = dict(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=64, t
     "keys,world_size,says",
     [
         ({}, 3, "pipeline_parallel=2 does not divide the world size 3"),
+        ({"tensor_parallel": 2}, 6, "pipeline_parallel=2 x tensor_parallel=2 does not divide the world size 6"),
         ({"pipeline_parallel": 8}, 8, "more stages than the model's 4 blocks: set pipeline_parallel <= n_layer"),
         ({"tie_embeddings": True}, 2, "set tie_embeddings=False"),
         ({"value_embeds": True}, 2, "set value_embeds=False"),
@@ -164,6 +165,14 @@ def test_a_layout_it_cannot_run_is_refused_in_one_line(keys, world_size, says):
     with pytest.raises(ConfigError) as e:
         layout.check_pipeline(cfg, world_size)
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_training_refuses_tensor_times_pipeline_in_one_line_the_dry_run_accepts_it():
+    cfg = make_config({**NEOX_KEYS, "pipeline_parallel": 2, "tensor_parallel": 2})
+    layout.check_pipeline(cfg, 4)  # the dry run's check
+    with pytest.raises(ConfigError) as e:
+        layout.check_training(cfg)
+    assert "set tensor_parallel=1" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_train_refuses_a_bad_layout_in_one_line_before_it_starts(data_dir, tmp_path, one_rank_torchrun, capsys):
@@ -204,3 +213,22 @@ def test_each_stages_plan_is_within_15_percent_of_its_dry_run(schedule):
         plan = memory.stage_plan(model_config(cfg), rows, stage, (2, schedule, pieces), kwargs)
         sim = dryrun.dry_run_stage(cfg, 4, stage)
         assert 0.85 <= plan.total / sim.total <= 1.15, (stage, plan.total, sim.total)
+
+
+def test_tensor_times_pipeline_dry_run_splits_each_stage_and_its_plan_is_within_15_percent():
+    """tensor 2 x pipeline 2 x data 2: a rank of each stage holds its half of the blocks' split weights (the plan's
+    parameters are the simulation's) and the plan is within 15% of the simulated step, stage by stage."""
+    keys = {**NEOX_KEYS, "n_embd": 64, "block_size": 64, "vocab_size": 256, "rotary_pct": 0.25}
+    keys.update(parallel_residual=True, total_batch_size=64 * 64 * 2, pipeline_parallel=2, dtype="bfloat16")
+    cfg = make_config({**keys, "tensor_parallel": 2})
+    plan, sim, text = dryrun.report(cfg, 8)
+    assert "x tensor_parallel 2 = 8 ranks" in text and 0.85 <= plan.total / sim.total <= 1.15
+    whole = dryrun.dry_run_stage(make_config(keys), 4, 0)
+    pieces, rows = layout.microbatches(cfg, 2)
+    kwargs = {"dtype": "bfloat16", "activation_checkpointing": None, "seq_len": None, "tensor_parallel": 2}
+    for stage in range(2):
+        plan = memory.stage_plan(model_config(cfg), rows, stage, (2, "1F1B", pieces), kwargs)
+        sim = dryrun.dry_run_stage(cfg, 8, stage)
+        assert abs(plan.params - sim.parts["params"]) <= 0.02 * sim.parts["params"], stage
+        assert 0.85 <= plan.total / sim.total <= 1.15, (stage, plan.total, sim.total)
+    assert dryrun.dry_run_stage(cfg, 8, 0).parts["params"] < 0.7 * whole.parts["params"]  # split, not replicated
