@@ -23,8 +23,8 @@ def check_pipeline(cfg, world_size):
     """ConfigError (one line saying what to change) unless cfg's pipeline_parallel stages can train on world_size
     ranks: stages dividing the world size, no more stages than blocks, nothing shared across stages, a data-parallel
     mode, optimizer and batch the pipeline supports, and at least as many pipeline micro-batches as stages, each a
-    whole number of rows (microbatches). Tensor parallelism within the stages passes here (the dry run simulates
-    it); training refuses it (check_training)."""
+    whole number of rows (microbatches). Tensor parallelism splits each stage's blocks (its divisibility of the
+    heads is TrainConfig's check)."""
     stages, tp = cfg.pipeline_parallel, cfg.tensor_parallel
     what = f"pipeline_parallel={stages}"
     if world_size % (stages * tp):
@@ -53,15 +53,6 @@ def check_pipeline(cfg, world_size):
     microbatches(cfg, world_size // (stages * tp))
 
 
-def check_training(cfg):
-    """ConfigError (one line) for a pipeline layout the dry run can simulate but training cannot run yet."""
-    if cfg.tensor_parallel > 1:
-        raise ConfigError(
-            f"pipeline_parallel={cfg.pipeline_parallel} does not train with tensor parallelism yet (the dry run "
-            f"simulates it): set tensor_parallel=1 (not tensor_parallel={cfg.tensor_parallel}), or pipeline_parallel=1"
-        )
-
-
 def microbatches(cfg, dp_size):
     """(pieces, rows per piece): the step's rows per data-parallel rank (batch_size x accumulation steps) cut into
     pipeline_microbatches pieces; by default one per accumulation step (each piece a micro-batch of batch_size rows,
@@ -85,10 +76,11 @@ def microbatches(cfg, dp_size):
 
 def device_mesh(env):
     """The run's DeviceMesh: dims ("pp", "dp_replicate", "dp_shard", "tp"), sizes (stages, data-parallel ranks, 1,
-    1): the data-parallel ranks replicate each stage (parallel='ddp')."""
+    tensor-parallel ranks): the data-parallel ranks replicate each stage (parallel='ddp'), a tensor-parallel group
+    splits its blocks."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = (env.pipeline, env.dp_size, 1, 1)
+    shape = (env.pipeline, env.dp_size, 1, env.tensor_parallel)
     return init_device_mesh(env.kind, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
 
 
