@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from gpt2train import pipeline
@@ -24,6 +25,7 @@ from gpt2train.memory import MemoryPlan, choose_checkpointing, estimate_memory, 
 from gpt2train.optim import build_optimizer
 from gpt2train.parallel import Env, data_parallel_size, keeps_grads, mesh_shape, parallelize
 from gpt2train.step import clip_gradients, micro_batches
+from gpt2train.tensor_parallel import split_blocks
 from model import GPT
 
 NOT_SIMULATED = (
@@ -158,22 +160,41 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
 
 def dry_run_stage(cfg, world_size: int, stage: int) -> DryRun:
     """Simulate one optimizer step of a rank of pipeline stage `stage` (cfg.pipeline_parallel stages, each replicated
-    over the data-parallel ranks) on fake tensors: the stage's own modules (pipeline.keep_stage), its optimizer, the
-    forwards of the micro-batches its schedule keeps in flight (1F1B: stages - stage, GPipe: all), then their
-    backwards (the stage's input a fake activation, its output's gradient fake ones), clip and update, tracked by
-    torch's MemTracker. The sends and receives between stages and the replicas' all-reduce are not simulated."""
-    stages, dp = cfg.pipeline_parallel, world_size // cfg.pipeline_parallel
+    over the data-parallel ranks) on fake tensors: the stage's own modules (pipeline.keep_stage), its blocks split
+    over cfg.tensor_parallel ranks (tensor_parallel.split_blocks on the fake process group's "tp" mesh dim), its
+    optimizer, the forwards of the micro-batches its schedule keeps in flight (1F1B: stages - stage, GPipe: all),
+    then their backwards (the stage's input a fake activation, its output's gradient fake ones), clip and update,
+    tracked by torch's MemTracker. The sends and receives between stages and the replicas' all-reduce are not
+    simulated (the tensor-parallel all-reduces run on the fake process group)."""
+    stages, tp = cfg.pipeline_parallel, cfg.tensor_parallel
+    dp = world_size // (stages * tp)
     pieces, rows = microbatches(cfg, dp)
     in_flight = pieces if cfg.pipeline_schedule == "GPipe" else min(pieces, stages - stage)
     with torch.device("meta"):
         raw = pipeline.keep_stage(GPT(model_config(cfg)), stage, stages)
+    if tp > 1:  # the mesh is made outside FakeTensorMode; the blocks split on meta, materialised fake below
+        dist.init_process_group("fake", store=FakeStore(), rank=stage * dp * tp, world_size=world_size)
+        mesh = init_device_mesh("cpu", (stages, dp, tp), mesh_dim_names=("pp", "dp_replicate", "tp"))
+        split_blocks(raw, mesh["tp"])
+    try:
+        return DryRun(_simulate_stage(raw, cfg, (stage, in_flight, rows)), [])
+    finally:
+        if tp > 1:
+            dist.destroy_process_group()
+
+
+def _simulate_stage(raw, cfg, where):
+    """The peak parts of dry_run_stage's step of the stage raw (a StageGPT on meta) at where (stage, micro-batches
+    in flight, rows per micro-batch)."""
+    (stage, in_flight, rows), stages = where, cfg.pipeline_parallel
     module = pipeline.StageModule(raw, stage, stages)
     tokens = torch.zeros(rows, cfg.block_size, dtype=torch.long)  # a real batch, as the loader's
     with FakeTensorMode(allow_non_fake_inputs=True):
         raw.to_empty(device="cpu")
         optimizer = build_optimizer(raw, cfg, fused=True)  # as on a GPU
-        for p in raw.parameters():  # a first update, untracked, makes the optimizer state
+        for p in raw.parameters():  # a first update, untracked, makes the optimizer state (and DTensor's caches)
             p.grad = torch.zeros_like(p)
+        clip_gradients(raw, cfg.grad_clip)
         optimizer.step()
         # the gradients stay: from a schedule's first backward on they are resident while its forwards run
         optimizer.zero_grad(set_to_none=False)
@@ -193,20 +214,23 @@ def dry_run_stage(cfg, world_size: int, stage: int) -> DryRun:
             clip_gradients(raw, cfg.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        return DryRun(_categories(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]), [])
+        return _categories(tracker.get_tracker_snapshot("peak")[torch.device("cpu")])
 
 
 def report_pipeline(cfg, world_size: int):
     """(the heaviest stage's plan, its simulation, the printed table: plan and simulation of every stage) of a
     pipeline config (cfg.pipeline_parallel > 1, a checked layout) at world_size."""
-    stages, dp = cfg.pipeline_parallel, world_size // cfg.pipeline_parallel
+    stages, tp = cfg.pipeline_parallel, cfg.tensor_parallel
+    dp = world_size // (stages * tp)
     pieces, rows = microbatches(cfg, dp)
     args = {**plan_args(cfg, world_size), "pipeline": (stages, cfg.pipeline_schedule, pieces)}
-    kwargs = {"dtype": args["dtype"], "activation_checkpointing": None, "seq_len": None}
+    kwargs = {"dtype": args["dtype"], "activation_checkpointing": None, "seq_len": None, "tensor_parallel": tp}
     plans = [stage_plan(model_config(cfg), rows, s, args["pipeline"], kwargs) for s in range(stages)]
     sims = [dry_run_stage(replace(cfg, dtype=args["dtype"]), world_size, s) for s in range(stages)]
     head = (
-        f"dry run: {stages} pipeline stages ({cfg.pipeline_schedule}) x {dp} data-parallel replicas = {world_size} "
+        f"dry run: {stages} pipeline stages ({cfg.pipeline_schedule}) x {dp} data-parallel replicas"
+        + (f" x tensor_parallel {tp}" if tp > 1 else "")
+        + f" = {world_size} "
         f"ranks, {args['dtype']}, {pieces} micro-batches of {rows} x {cfg.block_size} per step"
         + CHECKPOINTING[cfg.activation_checkpointing]
         + ": a rank of every stage simulated on fake tensors"
@@ -280,7 +304,8 @@ def resolve_checkpointing(cfg, world_size: int, gpus_per_node: int = 8, device_m
 def dry_run_plan(cfg, world_size: int, gpus_per_node: int = 8, device_memory_gib: float = 80.0) -> MemoryPlan:
     """The memory plan of TrainConfig cfg at world_size, on a GPU (dtype 'auto' as bf16), as the dry run sees it."""
     cfg, _ = resolve_checkpointing(cfg, world_size, gpus_per_node, device_memory_gib)
-    micro = microbatches(cfg, world_size // cfg.pipeline_parallel)[1] if cfg.pipeline_parallel > 1 else cfg.batch_size
+    dp = world_size // (cfg.pipeline_parallel * cfg.tensor_parallel)
+    micro = microbatches(cfg, dp)[1] if cfg.pipeline_parallel > 1 else cfg.batch_size
     return estimate_memory(model_config(cfg), micro, **plan_args(cfg, world_size, gpus_per_node))
 
 

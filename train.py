@@ -326,7 +326,7 @@ def run_summary(raw_model, model, cfg, env, resumed_step):
     line = (
         f"{raw_model.num_params() / 1e6:.2f}M parameters | device {env.device} | dtype {env.dtype} | compile "
         f"{is_compiled(model)} | world size {env.world_size}"
-        + (f" ({env.pipeline} pipeline stages x {env.dp_size} {env.parallel})" if env.pipeline > 1 else "")
+        + (f" ({env.pipeline} pipeline stages x {env.dp_size} {env.parallel}{tp})" if env.pipeline > 1 else "")
         + (f" ({env.parallel}{tp})" if env.distributed and env.pipeline == 1 else "")
         + f" | {total_batch_size:,} tokens/step = {env.dp_size} {'data-parallel ' if split else ''}ranks"
         f" x {grad_accum} accumulation steps x {cfg.batch_size} x {cfg.block_size}"

@@ -4,7 +4,8 @@ one-line refusal of a layout that cannot run, before any process group exists (t
 The ranks form one DeviceMesh of named dims ("pp", "dp_replicate", "dp_shard", "tp"), row-major as torchtitan
 lays them out: pipeline outermost, so ranks 0 .. world_size/stages - 1 hold stage 0. The data-parallel size is
 world_size / (pipeline x tensor); every stage of one pipeline reads the same rows (the loader's rank and world size
-are the data-parallel ones), total_batch_size keeps its meaning. Tensor parallelism ("tp") is 1 here.
+are the data-parallel ones), total_batch_size keeps its meaning. Tensor parallelism ("tp") splits each stage's blocks
+over the group's ranks, innermost (a group's ranks adjoin, as in a node).
 """
 
 from gpt2train.config import ConfigError, batch_layout
@@ -22,13 +23,15 @@ def check_pipeline(cfg, world_size):
     """ConfigError (one line saying what to change) unless cfg's pipeline_parallel stages can train on world_size
     ranks: stages dividing the world size, no more stages than blocks, nothing shared across stages, a data-parallel
     mode, optimizer and batch the pipeline supports, and at least as many pipeline micro-batches as stages, each a
-    whole number of rows (microbatches)."""
-    stages = cfg.pipeline_parallel
+    whole number of rows (microbatches). Tensor parallelism splits each stage's blocks (its divisibility of the
+    heads is TrainConfig's check)."""
+    stages, tp = cfg.pipeline_parallel, cfg.tensor_parallel
     what = f"pipeline_parallel={stages}"
-    if world_size % stages:
+    if world_size % (stages * tp):
+        split = f" x tensor_parallel={tp}" if tp > 1 else ""
         raise ConfigError(
-            f"{what} does not divide the world size {world_size}: launch a multiple of {stages} ranks, or set "
-            f"pipeline_parallel to a divisor of {world_size}"
+            f"{what}{split} does not divide the world size {world_size}: launch a multiple of {stages * tp} ranks, "
+            f"or set pipeline_parallel{' x tensor_parallel' if tp > 1 else ''} to a divisor of {world_size}"
         )
     if stages > cfg.n_layer:
         raise ConfigError(
@@ -43,15 +46,11 @@ def check_pipeline(cfg, world_size):
         "embedding_lr": (cfg.embedding_lr is not None, "has one learning rate so far: leave embedding_lr None"),
         "head_lr": (cfg.head_lr is not None, "has one learning rate so far: leave head_lr None"),
         "batch_size": (cfg.batch_size == "auto", "needs a fixed micro-batch: set batch_size to a number"),
-        "tensor_parallel": (
-            cfg.tensor_parallel > 1,
-            "does not combine with tensor parallelism yet: set tensor_parallel=1",
-        ),
     }
     for key, (refused, fix) in refusals.items():
         if refused:
             raise ConfigError(f"{what} {fix} (not {key}={getattr(cfg, key)!r}), or pipeline_parallel=1")
-    microbatches(cfg, world_size // stages)
+    microbatches(cfg, world_size // (stages * tp))
 
 
 def microbatches(cfg, dp_size):
@@ -77,10 +76,11 @@ def microbatches(cfg, dp_size):
 
 def device_mesh(env):
     """The run's DeviceMesh: dims ("pp", "dp_replicate", "dp_shard", "tp"), sizes (stages, data-parallel ranks, 1,
-    1): the data-parallel ranks replicate each stage (parallel='ddp')."""
+    tensor-parallel ranks): the data-parallel ranks replicate each stage (parallel='ddp'), a tensor-parallel group
+    splits its blocks."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = (env.pipeline, env.dp_size, 1, 1)
+    shape = (env.pipeline, env.dp_size, 1, env.tensor_parallel)
     return init_device_mesh(env.kind, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
 
 

@@ -216,6 +216,7 @@ def estimate_memory(
     micro-batches per step): the plan of the heaviest stage (stage_plan), batch_size rows per micro-batch."""
     if pipeline is not None:
         kwargs = {"dtype": dtype, "activation_checkpointing": activation_checkpointing, "seq_len": seq_len}
+        kwargs["tensor_parallel"] = tensor_parallel
         plans = [stage_plan(model_cfg, batch_size, stage, pipeline, kwargs) for stage in range(pipeline[0])]
         return max(plans, key=lambda plan: plan.total)
     for key, value in (("optimizer", optimizer), ("parallel", parallel)):
@@ -267,18 +268,21 @@ def stage_plan(model_cfg, batch_size, stage, pipeline, kwargs):
     """The plan of pipeline stage `stage` of pipeline (stages, schedule, micro-batches per step), replicated by DDP:
     its blocks' parameters, gradients and AdamW state (the first stage's also the embeddings', the last's ln_f's and
     the head's); the saved activations of the micro-batches the schedule keeps in flight there (1F1B: stages - stage
-    of them, GPipe: all) and one backward's working set; the chunked loss in the last stage only."""
+    of them, GPipe: all) and one backward's working set; the chunked loss in the last stage only. kwargs'
+    tensor_parallel (default 1): a rank of the stage holds its share of the blocks' split weights (param_stats'
+    block_split) and of their activations, as estimate_memory counts them; the rest whole."""
     stages, schedule, pieces = pipeline
-    blocks = len(stage_blocks(model_cfg.n_layer, stages, stage))
+    blocks, tp = len(stage_blocks(model_cfg.n_layer, stages, stage)), kwargs.get("tensor_parallel", 1)
     stats, part = param_stats(model_cfg), replace(model_cfg, n_layer=blocks)
+    block = stats["block"] - stats["block_split"] * (tp - 1) // tp  # a tensor-parallel rank's share of one
     head = 0 if model_cfg.tie_embeddings else model_cfg.vocab_size * model_cfg.n_embd  # refused tied anyway
     head += (2 if model_cfg.bias else 1) * model_cfg.n_embd  # ln_f
     embeddings = stats["total"] - model_cfg.n_layer * stats["block"] - head
-    n = blocks * stats["block"] + (embeddings if stage == 0 else 0) + (head if stage == stages - 1 else 0)
+    n = blocks * block + (embeddings if stage == 0 else 0) + (head if stage == stages - 1 else 0)
     ckpt = kwargs["activation_checkpointing"]
     ckpt = model_cfg.activation_checkpointing if ckpt is None else ckpt
     tokens = batch_size * (kwargs["seq_len"] or model_cfg.block_size)
-    saved, working = _activation_parts(part, tokens, kwargs["dtype"], ckpt, False, 1)
+    saved, working = _activation_parts(part, tokens, kwargs["dtype"], ckpt, False, tp)
     in_flight = pieces if schedule == "GPipe" else min(pieces, stages - stage)
     at_loss = loss_bytes(model_cfg, batch_size, kwargs["dtype"], kwargs["seq_len"]) if stage == stages - 1 else 0
     return MemoryPlan(

@@ -448,17 +448,17 @@ def whole_pipeline(raw_model):
     mine = dict(raw_model.named_parameters())
     device = next(iter(mine.values())).device
     with torch.device("meta"):
-        whole = GPT(config)
-    whole.to_empty(device=device)
+        gpt = GPT(config)
+    gpt.to_empty(device=device)
     with torch.no_grad():
-        for name, p in whole.named_parameters():
+        for name, p in gpt.named_parameters():
             stage = stage_of(name, config.n_layer, stages)
-            if name in mine:
-                p.copy_(mine[name])
+            if name in mine:  # a tensor-parallel part gathered over its group (every rank of the stage calls it)
+                p.copy_(whole(name, mine[name]))
             dist.broadcast(p, src=dist.get_global_rank(group, stage), group=group)
-        for name, buffer in whole.named_buffers():  # the rotary tables, on every stage
+        for name, buffer in gpt.named_buffers():  # the rotary tables, on every stage
             buffer.copy_(raw_model.get_buffer(name))
-    return whole.requires_grad_(False)
+    return gpt.requires_grad_(False)
 
 
 def weights_finite(raw_model, env):

@@ -6,8 +6,10 @@ through Pipeline.train_step (step.forward_backward) and validation through Pipel
 Each rank builds only its stage (keep_stage: the whole GPT on the meta device or the CPU, the rest dropped), with the
 parameters' global names, so a checkpoint (DCP, every rank its stage's tensors) loads at any layout. The split is
 torchtitan's: blocks as even as the division allows (the first stages take the remainder), the embeddings in the
-first stage, ln_f, the output head and the loss in the last; the data-parallel ranks replicate each stage and
-average its gradients after the schedule (average_gradients).
+first stage, ln_f, the output head and the loss in the last; with tensor_parallel > 1 the stage's blocks are split
+over its tensor-parallel group (tensor_parallel.split_blocks on the mesh's "tp" dim: each rank sends and receives
+the whole activation to and from its peer of the same tp rank); the data-parallel ranks replicate each stage and
+average its gradients (their local parts) after the schedule (average_gradients).
 The gradient is the one a single process computes: each micro-batch's mean loss is weighted by its share of the
 step's trained tokens (as step.micro_batches weights them), and the schedule does not rescale (scale_grads=False).
 """
@@ -20,8 +22,9 @@ from torch.utils.checkpoint import checkpoint
 from gpt2train.console import log
 from gpt2train.devices import autocast, resolve_compile
 from gpt2train.layout import device_mesh, microbatches, stage_blocks
-from gpt2train.parallel import materialise
+from gpt2train.parallel import local_part, materialise
 from gpt2train.step import to_device
+from gpt2train.tensor_parallel import split_blocks
 from model import GPT
 
 
@@ -86,6 +89,8 @@ def build(model, cfg, env):
         log("torch.compile is not applied to pipeline stages yet: training eagerly", note=True)
     mesh = device_mesh(env)
     keep_stage(model, env.stage, env.pipeline)
+    if env.tensor_parallel > 1:  # the stage's blocks split over its tensor-parallel group (on meta: materialised next)
+        split_blocks(model, mesh["tp"])
     if "deferred_init" in model.__dict__:
         materialise(model, env)
     model.to(env.device)
@@ -154,7 +159,7 @@ class Pipeline(nn.Module):
     def average_gradients(self):
         """The stage's gradients averaged over the data-parallel ranks that replicate it, in one all-reduce of a flat
         buffer once the schedule has run (DDP's reducer cannot follow a schedule's micro-batch backwards)."""
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads = [local_part(p.grad) for p in self.module.parameters() if p.grad is not None]  # a rank's split part
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=self.dp_group)  # SUM: gloo has no AVG
         flat /= self.env.dp_size
@@ -169,10 +174,10 @@ class Pipeline(nn.Module):
         x = idx
         if not self.first:
             x = torch.empty(*idx.shape, self.module.gpt.config.n_embd, device=env.device)
-            dist.recv(x, src=env.rank - env.dp_size)
+            dist.recv(x, src=dist.get_global_rank(self.pp_group, env.stage - 1))
         out = self.module(x, targets) if self.last else self.module(x)
         if not self.last:
-            dist.send(out.float().contiguous(), dst=env.rank + env.dp_size)
+            dist.send(out.float().contiguous(), dst=dist.get_global_rank(self.pp_group, env.stage + 1))
         loss = out.float() if self.last else torch.zeros((), device=env.device)
-        dist.broadcast(loss, src=env.dp_rank + (env.pipeline - 1) * env.dp_size, group=self.pp_group)
+        dist.broadcast(loss, src=dist.get_global_rank(self.pp_group, env.pipeline - 1), group=self.pp_group)
         return None, loss

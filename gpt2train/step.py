@@ -181,21 +181,18 @@ def clip_gradients(model, max_norm):
     over ranks, so it is the whole gradient's norm, the number DDP gets, and the clip factor is the same. Norms
     are taken per device mesh (torch's one call needs a single mesh; tensor parallelism has two, or plain
     replicated tensors beside DTensors), then combined. A pipeline stage (its pipeline_group set by
-    pipeline.build) holds its own gradients: their squared norms are summed over the stages."""
-    group = getattr(model, "pipeline_group", None)
-    if group is not None:
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads).square()
-        dist.all_reduce(norm, group=group)
-        norm = norm.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm or math.inf, norm)
-        return norm
+    pipeline.build) holds its own gradients: the stage's norm, so combined, is squared and summed over the stages."""
     by_mesh = {}
     for p in model.parameters():
         if p.grad is not None:
             by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
     norms = [torch.nn.utils.get_total_norm([p.grad for p in params]) for params in by_mesh.values()]
     norm = torch.nn.utils.get_total_norm([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms])
+    group = getattr(model, "pipeline_group", None)
+    if group is not None:  # a stage's norm: the whole model's is the root of the stages' summed squares
+        norm = norm.square()
+        dist.all_reduce(norm, group=group)
+        norm = norm.sqrt()
     for params in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(params, max_norm or math.inf, norm)
     return norm

@@ -41,7 +41,7 @@ def split_blocks(model, tp_mesh):
     }
     for style in plan.values():
         style.src_data_rank = None
-    for block in model.transformer.h:
+    for block in model.transformer.h.children():  # a ModuleList, or a pipeline stage's ModuleDict
         with torch.no_grad():
             for p in block.attn.c_attn.parameters():
                 if p.device.type != "meta":
@@ -94,8 +94,9 @@ def _reordered(name, value, to_saved):
 
 
 def _convert(state, to_saved):
-    """{'model': state dict, 'optimizer': optimizer state dict (optional)} as get_state_dict gives them, with
-    c_attn's tensor-parallel values (and their AdamW moments) reordered (_reordered); new dicts, the rest shared."""
+    """{'model': state dict, 'optimizer': optimizer state dict (optional; nested, or flattened as a pipeline stage's)}
+    as get_state_dict gives them, with c_attn's tensor-parallel values (and their AdamW moments) reordered
+    (_reordered); new dicts, the rest shared."""
     if not any(tp_size(v) > 1 for v in state["model"].values()):
         return state
 
@@ -103,9 +104,12 @@ def _convert(state, to_saved):
         return _reordered(name, value, to_saved) if tp_size(value) > 1 and name.endswith(FUSED_QKV) else value
 
     out = {**state, "model": {name: fix(name, v) for name, v in state["model"].items()}}
-    if "optimizer" in state:
-        moments = {name: {k: fix(name, v) for k, v in s.items()} for name, s in state["optimizer"]["state"].items()}
-        out["optimizer"] = {**state["optimizer"], "state": moments}
+    optimizer = state.get("optimizer")
+    if optimizer is not None and "state" in optimizer:
+        moments = {name: {k: fix(name, v) for k, v in s.items()} for name, s in optimizer["state"].items()}
+        out["optimizer"] = {**optimizer, "state": moments}
+    elif optimizer is not None:  # flattened (a pipeline stage's): 'state.<parameter>.exp_avg' -> value
+        out["optimizer"] = {key: fix(key.rpartition(".")[0], v) for key, v in optimizer.items()}
     return out
 
 

@@ -84,6 +84,49 @@ def test_two_stages_times_two_replicas_train_to_one_process_losses(data_dir, pip
 # ----------------------------------------------------------------------------- checkpoints at any layout
 
 
+@pytest.fixture(scope="module")
+def tp_pipeline_run(data_dir, tmp_path_factory):
+    """8 steps on 4 ranks: 2 stages, each split over a tensor-parallel group of 2 (the NeoX paper's layout, small);
+    one data-parallel rank, so the rows and validation are one process's. Checkpoints at steps 4 and 8."""
+    out = tmp_path_factory.mktemp("tp_pp")
+    torchrun(
+        *NEOX, f"--data_dir={data_dir}", f"--out_dir={out}", "--pipeline_parallel=2", "--tensor_parallel=2", nproc=4
+    )
+    return out
+
+
+@pytest.mark.slow
+def test_two_stages_times_tensor_parallel_two_train_to_one_process_losses(data_dir, tp_pipeline_run, tmp_path):
+    assert train.main([*NEOX, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"]) == 0
+    assert list(by_step(tp_pipeline_run, "train_loss")) == list(range(1, 9))
+    for key in ("train_loss", "grad_norm", "val_loss"):
+        assert max_diff(by_step(tp_pipeline_run, key), by_step(tmp_path, key)) <= 1e-4, key
+
+
+@pytest.mark.slow
+def test_tensor_times_pipeline_times_two_replicas_train_to_one_process_losses(data_dir, tmp_path):
+    # 8 ranks: 2 stages x 2 replicas x 2 tensor-parallel ranks; the replicas average DTensor gradients' local parts
+    out = tmp_path / "eight"
+    layout_args = ["--pipeline_parallel=2", "--tensor_parallel=2", "--eval_steps=1"]
+    torchrun(*NEOX, f"--data_dir={data_dir}", f"--out_dir={out}", *layout_args, nproc=8)
+    assert train.main([*NEOX, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'one'}"]) == 0
+    for key in ("train_loss", "grad_norm", "val_loss"):
+        assert max_diff(by_step(out, key), by_step(tmp_path / "one", key)) <= 1e-4, key
+
+
+@pytest.mark.slow
+def test_a_tensor_times_pipeline_checkpoint_resumes_at_its_layout_and_in_one_process(tp_pipeline_run, tmp_path):
+    for name in ("four", "one"):
+        shutil.copytree(tp_pipeline_run / "ckpt_000004", tmp_path / name / "ckpt_000004")
+    torchrun("--init_from=resume", f"--out_dir={tmp_path / 'four'}", nproc=4)  # the checkpoint's layout
+    assert train.main(["--init_from=resume", f"--out_dir={tmp_path / 'one'}"]) == 0
+    reference = {s: loss for s, loss in train_losses(tp_pipeline_run).items() if s > 4}
+    assert train_losses(tmp_path / "four") == reference
+    assert max_diff(train_losses(tmp_path / "one"), reference) <= 1e-5
+    a, b = load_checkpoint(tp_pipeline_run)["model"], load_checkpoint(tmp_path / "one")["model"]
+    assert set(a) == set(b) and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)  # c_attn in GPT-2's order
+
+
 @pytest.mark.slow
 def test_a_two_stage_checkpoint_resumes_on_two_ranks_and_in_one_process(pipeline_run, tmp_path):
     for name in ("two", "one"):
@@ -149,6 +192,7 @@ NEOX_KEYS = dict(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=64, t
     "keys,world_size,says",
     [
         ({}, 3, "pipeline_parallel=2 does not divide the world size 3"),
+        ({"tensor_parallel": 2}, 6, "pipeline_parallel=2 x tensor_parallel=2 does not divide the world size 6"),
         ({"pipeline_parallel": 8}, 8, "more stages than the model's 4 blocks: set pipeline_parallel <= n_layer"),
         ({"tie_embeddings": True}, 2, "set tie_embeddings=False"),
         ({"value_embeds": True}, 2, "set value_embeds=False"),
@@ -204,3 +248,22 @@ def test_each_stages_plan_is_within_15_percent_of_its_dry_run(schedule):
         plan = memory.stage_plan(model_config(cfg), rows, stage, (2, schedule, pieces), kwargs)
         sim = dryrun.dry_run_stage(cfg, 4, stage)
         assert 0.85 <= plan.total / sim.total <= 1.15, (stage, plan.total, sim.total)
+
+
+def test_tensor_times_pipeline_dry_run_splits_each_stage_and_its_plan_is_within_15_percent():
+    """tensor 2 x pipeline 2 x data 2: a rank of each stage holds its half of the blocks' split weights (the plan's
+    parameters are the simulation's) and the plan is within 15% of the simulated step, stage by stage."""
+    keys = {**NEOX_KEYS, "n_embd": 64, "block_size": 64, "vocab_size": 256, "rotary_pct": 0.25}
+    keys.update(parallel_residual=True, total_batch_size=64 * 64 * 2, pipeline_parallel=2, dtype="bfloat16")
+    cfg = make_config({**keys, "tensor_parallel": 2})
+    plan, sim, text = dryrun.report(cfg, 8)
+    assert "x tensor_parallel 2 = 8 ranks" in text and 0.85 <= plan.total / sim.total <= 1.15
+    whole = dryrun.dry_run_stage(make_config(keys), 4, 0)
+    pieces, rows = layout.microbatches(cfg, 2)
+    kwargs = {"dtype": "bfloat16", "activation_checkpointing": None, "seq_len": None, "tensor_parallel": 2}
+    for stage in range(2):
+        plan = memory.stage_plan(model_config(cfg), rows, stage, (2, "1F1B", pieces), kwargs)
+        sim = dryrun.dry_run_stage(cfg, 8, stage)
+        assert abs(plan.params - sim.parts["params"]) <= 0.02 * sim.parts["params"], stage
+        assert 0.85 <= plan.total / sim.total <= 1.15, (stage, plan.total, sim.total)
+    assert dryrun.dry_run_stage(cfg, 8, 0).parts["params"] < 0.7 * whole.parts["params"]  # split, not replicated
