@@ -8,9 +8,11 @@
 # released checkpoint; the shape comes from model.PRESETS. Optimizer as Pythia's 6.9B config
 # (github.com/EleutherAI/pythia, models/6.9B/pythia-6.9b.yml): Adam betas (0.9, 0.95), lr 1.2e-4 cosine to
 # 1.2e-5, warmup 1% of training, weight decay 0.1, gradient clipping 1.0.
-# 6.9B parameters + gradients + AdamW state are ~110 GB in fp32: sharded with FSDP (about 14 GB per GPU on
-# 8 GPUs); activation checkpointing 'auto': the memory plan chooses it (none on 8 x 80 GiB: plan 52.3 GiB at
-# micro-batch 4, 56.4 GiB with the margin; python dryrun.py configs/pythia_6p9b.py --world_size=8).
+# Layout as Pythia trained it (GPT-NeoX/Pythia article, 001): tensor parallel 8 within a node, each block's heads
+# and MLP width over its 8 GPUs (plan 29.9 GiB per rank at micro-batch 4; python dryrun.py configs/pythia_6p9b.py
+# --world_size=8), FSDP over the nodes' data-parallel ranks. The FSDP-only alternative, --tensor_parallel=1:
+# 6.9B parameters + gradients + AdamW state (~110 GB in fp32) sharded over the 8 GPUs (plan 52.3 GiB, 56.4 GiB
+# with the margin); docs/multi-gpu.md compares the two. activation_checkpointing 'auto': the plan chooses (none).
 #   one node:   torchrun --standalone --nproc_per_node=8 train.py configs/pythia_6p9b.py
 #   four nodes (the write-up's size), on each node:
 #     torchrun --nnodes=4 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 \
@@ -19,7 +21,8 @@ data_dir = "data/fineweb-edu"
 out_dir = "out/pythia_6p9b"
 
 preset = "pythia-6.9b"
-parallel = "fsdp"
+tensor_parallel = 8  # one node's GPUs split each block
+parallel = "fsdp"  # over the data-parallel ranks (one per node): 2-D FSDP x TP
 activation_checkpointing = "auto"  # the plan chooses (docs/memory.md): none at micro-batch 4 on 8 x 80 GiB
 
 batch_size = 4  # sequences of 2048 per GPU per micro-step
