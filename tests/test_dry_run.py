@@ -148,8 +148,9 @@ def test_memory_check_on_a_gpu_keeps_the_margin(monkeypatch):
 @pytest.mark.parametrize("name", ["gpt3_6p7b", "pythia_6p9b"])
 def test_the_6b_presets_recompute_nothing_where_the_plan_with_its_margin_fits(name):
     """Their plan without activation checkpointing (micro-batch 4, FSDP over 8) fits 80 GiB with the margin: full
-    recomputation would cost ~25% of their throughput for nothing."""
-    cfg = make_config(parse_args([str(ROOT / "configs" / f"{name}.py")]))
+    recomputation would cost ~25% of their throughput for nothing. (pythia_6p9b ships tensor parallel 8: its
+    FSDP-only layout is --tensor_parallel=1.)"""
+    cfg = make_config(parse_args([str(ROOT / "configs" / f"{name}.py"), "--tensor_parallel=1"]))
     assert cfg.activation_checkpointing == "auto"
     chosen, why = dryrun.resolve_checkpointing(cfg, 8)
     assert chosen.activation_checkpointing is False and "'auto': none" in why
