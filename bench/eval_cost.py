@@ -34,7 +34,8 @@ def _timed(fn, device):
     return out, time.perf_counter() - t0
 
 
-def main(argv=None):
+def parse(argv):
+    """The benchmark's flags."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", help="a config file, e.g. configs/gpt2_124m.py")
     parser.add_argument("--world_size", type=int, default=8, help="ranks of the run being modelled")
@@ -42,7 +43,11 @@ def main(argv=None):
     parser.add_argument("--tasks", default="default")
     parser.add_argument("--tasks_interval", type=int, default=None, help="default: the config's eval_interval")
     parser.add_argument("--device", default="auto")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse(argv)
     cfg = make_config(parse_args([args.config]))
     device = resolve_device(args.device)
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
