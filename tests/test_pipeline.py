@@ -14,10 +14,9 @@ import train
 from gpt2train import layout, memory, pipeline
 from gpt2train.checkpoint import load_checkpoint
 from gpt2train.config import ConfigError, make_config, model_config
-from gpt2train.shards import write_shard
 from model import GPT, GPTConfig
 from test_fsdp import one_rank_torchrun  # noqa: F401 -- a fixture
-from test_train import TINY, markov_tokens, metrics, torchrun, train_losses
+from test_train import TINY, data_dir, metrics, torchrun, train_losses  # noqa: F401 -- data_dir: a fixture
 
 # a tiny NeoX: 4 blocks (2 per stage), 2 ranks x 8 rows of 16 tokens per step, or one process x 2 micro-batches;
 # the 2 micro-batches of 4 rows are the pipeline's 2 pieces
@@ -35,14 +34,6 @@ NEOX = [
     "--save_interval=4",
     "--keep_last=0",
 ]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    write_shard(d / "tiny_train_000000.bin", markov_tokens(30_000, seed=1))
-    write_shard(d / "tiny_val_000000.bin", markov_tokens(3_000, seed=2))
-    return d
 
 
 @pytest.fixture(scope="module")

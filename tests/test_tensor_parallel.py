@@ -18,10 +18,9 @@ import dryrun
 import train
 from gpt2train.checkpoint import load_checkpoint
 from gpt2train.config import ConfigError, make_config, parse_args
-from gpt2train.shards import write_shard
 from gpt2train.tensor_parallel import gpt2_rows, qkv_order
 from test_fsdp import one_rank_torchrun  # noqa: F401 -- a fixture
-from test_train import TINY, markov_tokens, metrics, torchrun, train_losses
+from test_train import TINY, data_dir, metrics, torchrun, train_losses  # noqa: F401 -- data_dir: a fixture
 
 ROOT = Path(__file__).resolve().parent.parent
 # 8 steps of 128 tokens: one process x 2 accumulation steps of 4 x 16, or each data-parallel rank its share;
@@ -36,14 +35,6 @@ COMMON = [
     "--save_interval=4",
     "--keep_last=0",
 ]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    write_shard(d / "tiny_train_000000.bin", markov_tokens(30_000, seed=1))
-    write_shard(d / "tiny_val_000000.bin", markov_tokens(3_000, seed=2))
-    return d
 
 
 @pytest.fixture(scope="module")
