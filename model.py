@@ -20,6 +20,10 @@ HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 ACTIVATIONS = ("gelu_tanh", "gelu", "relu2")
 CHECKPOINTING = ("selective", "auto")  # activation_checkpointing besides True/False
 SMEAR_CHANNELS = 16  # smear: the gate reads this many leading channels of each token's embedding
+PARAMETRIZATIONS = ("standard", "mup")
+# muP's attention scores are q.k * MUP_ATTN_MULT / head_dim (Tensor Programs V: 1/d, not 1/sqrt(d)); 8 = sqrt(64)
+# matches the standard 1/sqrt(d) at GPT-2's head dim of 64, the width-independent head dim muP models here use
+MUP_ATTN_MULT = 8.0
 
 # GPT-2 sizes (Radford et al. 2019) and the GPT-3 family sizes of the MosaicML GPT-3 recipes (context 2048;
 # 760m/1.3b/2.7b use head_dim 128 as MosaicML does, rather than the GPT-3 paper's head counts).
@@ -75,6 +79,12 @@ class GPTConfig:
     bigram_embeds: int = 0  # rows of a table of hashed (previous, current) token pairs added before each block; 0: none
     layer_norm_eps: float = 1e-5  # LayerNorm epsilon
     activation_checkpointing: bool | str = False  # recompute in backward: True, 'selective', False or 'auto'
+    parametrization: str = (
+        "standard"  # 'standard' (GPT-2's) or 'mup': rates that transfer across width (docs/transfer.md)
+    )
+    mup_base_width: int | None = (
+        None  # 'mup': the n_embd the rates were tuned at, a multiple of head_dim (None: n_embd)
+    )
 
     def __post_init__(self):
         def need(ok: bool, name: str, expected: str):
@@ -112,6 +122,13 @@ class GPTConfig:
         need(number(self.rotary_base) and self.rotary_base > 0, "rotary_base", "a number > 0")
         need(number(self.layer_norm_eps) and self.layer_norm_eps > 0, "layer_norm_eps", "a number > 0")
         need(self.activation in ACTIVATIONS, "activation", f"one of {', '.join(map(repr, ACTIVATIONS))}")
+        need(self.parametrization in PARAMETRIZATIONS, "parametrization", " or ".join(map(repr, PARAMETRIZATIONS)))
+        base, head_dim = self.mup_base_width, self.n_embd // max(1, self.n_head)
+        need(
+            base is None or isinstance(base, int) and not isinstance(base, bool) and base > 0 and base % head_dim == 0,
+            "mup_base_width",
+            f"None or a positive multiple of head_dim {head_dim} (n_embd / n_head)",
+        )
         if self.smear and self.n_embd < SMEAR_CHANNELS:
             raise ValueError(f"GPTConfig: smear=True reads {SMEAR_CHANNELS} channels; n_embd={self.n_embd} has fewer")
         if self.n_embd % self.n_head:
@@ -129,6 +146,11 @@ class GPTConfig:
         memory plan: every block, the safe side)."""
         mode = self.activation_checkpointing
         return mode is True or mode == "auto" or mode == "selective" and block % 2 == 1
+
+    @property
+    def width_mult(self) -> float:
+        """muP's n_embd / mup_base_width: hidden AdamW rates and the logits are divided by it (1.0 under standard)."""
+        return self.n_embd / (self.mup_base_width or self.n_embd) if self.parametrization == "mup" else 1.0
 
     @property
     def rot_dim(self) -> int:
@@ -190,6 +212,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_head, self.dropout, self.qk_norm = config.n_head, config.dropout, config.qk_norm
+        self.attn_mult = MUP_ATTN_MULT if config.parametrization == "mup" else None  # None: sdpa's 1/sqrt(hs)
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v for all heads
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -219,8 +242,9 @@ class CausalSelfAttention(nn.Module):
             mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)  # (T, S)
         # a plain Python bool (not an expression torch.compile traces symbolically): no graph break
         causal = True if (mask is None and T > 1) else False
+        scale = None if self.attn_mult is None else self.attn_mult / hs
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0
+            q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0, scale=scale
         )
         y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
@@ -411,11 +435,31 @@ class GPT(nn.Module):
                     nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
             elif name.endswith(("ve_gate", "smear_lambda")):  # in place, so a meta-device build records it
                 nn.init.ones_(p)
+        if config.parametrization == "mup":
+            self.mup_init()
         if config.bigram_embeds:  # hashed token pairs (modded-nanogpt), a zero table added before every block
             self.transformer.bte = nn.Embedding(config.bigram_embeds, config.n_embd)
             self.bigram_lambdas = nn.Parameter(torch.empty(config.n_layer))  # each block's share of it
             nn.init.zeros_(self.transformer.bte.weight)
             nn.init.constant_(self.bigram_lambdas, 0.1)
+
+    @torch.no_grad()
+    def mup_init(self):
+        """muP's initialisation (Tensor Programs V, Table 3; the mup package's conventions), from the standard one:
+        the blocks' matrices (hidden: both dims grow with width) by fan-in, their std divided by sqrt(width_mult), so
+        the model at its base width starts from the standard weights; an untied output head at zero (the mup
+        package's readout_zero_init). Embeddings, norms and biases keep their width-independent init."""
+        for name, p in self.named_parameters():
+            if name.startswith("transformer.h.") and p.dim() == 2:
+                p.div_(math.sqrt(self.config.width_mult))
+        if not self.config.tie_embeddings:  # tied, the head is the embedding table: muP's 1/width_mult logits suffice
+            nn.init.zeros_(self.lm_head.weight)
+
+    def final_norm(self, x):
+        """ln_f of the last block's output; under muP times 1 / width_mult, the readout's multiplier (the mup package's
+        MuReadout with output_mult 1): the logits stay O(1) as the width grows."""
+        x = self.transformer.ln_f(x)
+        return x if self.config.parametrization == "standard" else x * (1.0 / self.config.width_mult)
 
     @staticmethod
     def _init_weights(module):
@@ -470,7 +514,7 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, rope, ve=ve, use_reentrant=False)
             else:
                 x = block(x, rope, caches[i] if caches is not None else None, pos, ve)
-        return self.transformer.ln_f(x) if final_norm else x
+        return self.final_norm(x) if final_norm else x
 
     def forward(self, idx, targets=None, return_logits: bool = True):
         """idx, targets (B, T). Returns (logits, loss):
@@ -490,7 +534,7 @@ class GPT(nn.Module):
         """Mean cross entropy over targets != -1 (B, T) of the last block's output x (B, T, C): ln_f, the output
         head and the loss a chunk of rows at a time (ChunkedLMHeadLoss). One method so that parallel.shard can
         compile it under FSDP, as the whole model is compiled under DDP."""
-        x = self.transformer.ln_f(x)
+        x = self.final_norm(x)
         need_grad = torch.is_grad_enabled() and (x.requires_grad or self.lm_head.weight.requires_grad)
         h = x.reshape(-1, x.size(-1))  # (B*T, C)
         return ChunkedLMHeadLoss.apply(h, self.lm_head.weight, targets.reshape(-1), need_grad)

@@ -29,6 +29,9 @@ NO_HF_EQUIVALENT = {  # the model's options that neither loads, each with what i
     "value_embeds": "a second token embedding added to the attention values",
     "smear": "the previous token's embedding mixed into each token's",
     "bigram_embeds": "a table of hashed token pairs added before every block",
+    # foldable, not folded yet: logits * 1/width_mult into ln_f's weight and bias, attention's MUP_ATTN_MULT/head_dim
+    # (1/sqrt(head_dim) at head_dim 64) into c_attn's query rows
+    "parametrization": "muP's logit multiplier 1/width_mult and attention scale 8/head_dim",
 }
 HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu2": "relu2"}
 NEOX_LAYER_NAMES = {

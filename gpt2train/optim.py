@@ -208,9 +208,13 @@ def hidden_matrices(model):
 
 
 def own_rate_groups(model, cfg):
-    """{'embedding': [...], 'head': [...]}: the parameters at embedding_lr (every nn.Embedding table) and head_lr
-    (an untied output head), for the keys that are set; a key left None keeps its tensors at learning_rate."""
+    """{'embedding': [...], 'head': [...], 'hidden': [...]}: the parameters at embedding_lr (every nn.Embedding table)
+    and head_lr (an untied output head), for the keys that are set (a key left None keeps its tensors at
+    learning_rate); under muP with AdamW also the hidden matrices, at learning_rate / width_mult."""
     groups = {}
+    if cfg.parametrization == "mup" and cfg.optimizer == "adamw":  # Muon's update is already width-independent
+        names = set(hidden_matrices(model))
+        groups["hidden"] = [p for n, p in model.named_parameters() if n in names]
     if cfg.embedding_lr is not None:
         groups["embedding"] = [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
     if cfg.head_lr is not None:  # untied: config.py refuses head_lr for a tied head, which is the embedding
@@ -220,7 +224,14 @@ def own_rate_groups(model, cfg):
 
 def peak_lr(cfg, role):
     """Peak rate of an AdamW group by its role (None: the default group at learning_rate)."""
-    return {"embedding": cfg.embedding_lr, "head": cfg.head_lr}.get(role) or cfg.learning_rate
+    hidden = cfg.learning_rate / cfg.width_mult  # muP (the mup package's MuAdamW): matrix-like rates over width_mult
+    return {"embedding": cfg.embedding_lr, "head": cfg.head_lr, "hidden": hidden}.get(role) or cfg.learning_rate
+
+
+def peak_weight_decay(cfg, role):
+    """weight_decay of an AdamW group by its role: the muP hidden group's times width_mult, so that AdamW's decay per
+    step (lr * weight_decay) stays the standard one's (the mup package's MuAdamW, decoupled_wd=False)."""
+    return cfg.weight_decay * cfg.width_mult if role == "hidden" else cfg.weight_decay
 
 
 def build_optimizer(model, cfg, fused=False):
@@ -233,7 +244,8 @@ def build_optimizer(model, cfg, fused=False):
     rest = [p for n, p in params.items() if n not in hidden and id(p) not in apart]
     opt = adamw(rest, cfg.weight_decay, cfg.learning_rate, betas, fused)
     for role, ps in own.items():  # matrices all: decayed like wte and lm_head in the default group
-        opt.add_param_group({"params": ps, "lr": peak_lr(cfg, role), "weight_decay": cfg.weight_decay, "role": role})
+        group = {"params": ps, "lr": peak_lr(cfg, role), "weight_decay": peak_weight_decay(cfg, role), "role": role}
+        opt.add_param_group(group)
     if cfg.optimizer == "adamw":
         return opt
     # adjust_lr_fn='original' (Keller Jordan's Muon): the update is scaled by sqrt(max(1, rows/cols))
