@@ -1,6 +1,7 @@
 """parametrization='mup' (issue 56): the standard model unchanged, muP's multipliers, initialisation and per-group
 rates, and its bad input."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -141,3 +142,35 @@ def test_export_refuses_a_mup_model_in_one_line():
     with pytest.raises(ValueError, match=r"parametrization='mup'.*export needs parametrization='standard'") as e:
         hf_io.check_exportable(GPTConfig(**SMALL, parametrization="mup"))
     assert "\n" not in str(e.value)
+
+
+def test_coord_check_mup_keeps_every_kind_within_2x_across_widths_and_standard_logits_grow(data_dir, tmp_path):  # noqa: F811
+    """bench.coord_check at widths 64-256 (2 layers, 5 AdamW steps at lr 1e-2 on the tiny corpus): under muP every
+    kind's RMS at the last step within 2x across the widths; under standard the logits' not."""
+    from bench import coord_check
+
+    keys = ["--n_layer=2", "--block_size=16", "--batch_size=4", "--learning_rate=1e-2", f"--data_dir={data_dir}"]
+    assert coord_check.main([*keys, "--widths", "64,128,256", "--steps", "5", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "coord_check.json").read_text())
+    assert set(data) == {"standard", "mup"} and set(data["mup"]) == set(coord_check.KINDS)
+    assert all(len(series) == 5 for series in data["mup"]["logits"].values())
+    for kind in coord_check.KINDS:
+        assert coord_check.spread_of(data["mup"][kind]) <= 2, (kind, data["mup"][kind])
+    assert coord_check.spread_of(data["standard"]["logits"]) > 2, data["standard"]["logits"]
+    assert (tmp_path / "coord_check.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--widths", "64,100"], "the width 100 must be a multiple of the head dimension 64"),
+        (["--parametrization", "sp"], "--parametrization must list standard or mup"),
+        (["--mup_base_width=32"], "mup_base_width=32, expected None or a positive multiple of head_dim 64"),
+    ],
+)
+def test_coord_check_bad_input_is_one_line_exit_2(argv, expected, data_dir, capsys):  # noqa: F811
+    from bench import coord_check
+
+    assert coord_check.main([f"--data_dir={data_dir}", "--widths", "64,128", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err, err

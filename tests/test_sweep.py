@@ -6,6 +6,7 @@ import math
 import random
 
 import pytest
+import torch
 
 import sweep
 from gpt2train import optimum
@@ -111,11 +112,19 @@ def tiny_base(data_dir):  # noqa: F811
     return " ".join([*TINY, f"--data_dir={data_dir}", "--max_steps=4", "--eval_interval=4", "--min_lr=1e-4"])
 
 
+@pytest.fixture
+def threads():
+    count = torch.get_num_threads()
+    yield
+    torch.set_num_threads(count)
+
+
 @pytest.mark.slow
-def test_jobs_2_equals_jobs_1_and_a_rerun_keeps_the_runs(data_dir, tmp_path, capsys):  # noqa: F811
+def test_jobs_2_equals_jobs_1_and_a_rerun_keeps_the_runs(data_dir, tmp_path, capsys, threads):  # noqa: F811
     grid = ["--grid", "learning_rate=1e-3,4e-3,1.6e-2", "--seeds", "2"]
     reports = []
-    for jobs in (1, 2):
+    for jobs in (1, 2):  # the runner gives each run its share of torch's threads: 1 each way
+        torch.set_num_threads(jobs)
         out = tmp_path / f"jobs{jobs}"
         assert sweep.main([tiny_base(data_dir), *grid, "--jobs", str(jobs), "--out_dir", str(out)]) == 0
         last = capsys.readouterr().out.strip().splitlines()[-1]
@@ -160,3 +169,17 @@ def test_confirm_without_test_shards_is_one_line_exit_2(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep.subprocess, "run", no_shards)
     with pytest.raises(sweep.SweepError, match="--confirm: evaluate.py: error: no test shards in d"):
         sweep.evaluate_test({"out_dir": str(tmp_path)})
+
+
+@pytest.mark.slow
+def test_under_mup_the_best_adamw_rate_at_widths_64_and_256_is_within_one_grid_step(data_dir, tmp_path, capsys):  # noqa: F811
+    """Issue 56's transfer on the tiny corpus: 2 layers, 24 AdamW steps, muP with base width 64; the best grid point
+    (by the fit) at width 256 within one 2x step of width 64's."""
+    keys = ["--max_steps=24", "--eval_interval=24", "--min_lr=1e-4", "--parametrization=mup", "--mup_base_width=64"]
+    base = " ".join([*TINY, f"--data_dir={data_dir}", *keys])
+    grid = ["--grid", "learning_rate=2e-3,4e-3,8e-3,1.6e-2,3.2e-2", "--sizes", "2x64,2x256", "--seeds", "1"]
+    assert sweep.main([base, *grid, "--out_dir", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "sweep.json").read_text())
+    fits = report["optima"]
+    assert not fits["2x64"]["at_edge"] and not fits["2x256"]["at_edge"], fits
+    assert 0.5 <= report["moved"]["ratio"] <= 2, report["moved"]
