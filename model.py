@@ -79,12 +79,8 @@ class GPTConfig:
     bigram_embeds: int = 0  # rows of a table of hashed (previous, current) token pairs added before each block; 0: none
     layer_norm_eps: float = 1e-5  # LayerNorm epsilon
     activation_checkpointing: bool | str = False  # recompute in backward: True, 'selective', False or 'auto'
-    parametrization: str = (
-        "standard"  # 'standard' (GPT-2's) or 'mup': rates that transfer across width (docs/transfer.md)
-    )
-    mup_base_width: int | None = (
-        None  # 'mup': the n_embd the rates were tuned at, a multiple of head_dim (None: n_embd)
-    )
+    parametrization: str = "standard"  # 'standard' (GPT-2's) or 'mup': rates that transfer across width
+    mup_base_width: int | None = None  # 'mup': the n_embd the rates were tuned at (None: n_embd)
 
     def __post_init__(self):
         def need(ok: bool, name: str, expected: str):
@@ -232,6 +228,8 @@ class CausalSelfAttention(nn.Module):
             q, k = F.rms_norm(q, (q.size(-1),)), F.rms_norm(k, (k.size(-1),))
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if self.attn_mult is not None:  # muP: scores times attn_mult / hs, where sdpa scales by 1 / sqrt(hs)
+            q = q * (self.attn_mult / math.sqrt(hs))
         if cache is not None:
             k, v = cache.update(k, v, pos)  # (B, nh, pos+T, hs)
         S = k.size(2)
@@ -242,9 +240,8 @@ class CausalSelfAttention(nn.Module):
             mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)  # (T, S)
         # a plain Python bool (not an expression torch.compile traces symbolically): no graph break
         causal = True if (mask is None and T > 1) else False
-        scale = None if self.attn_mult is None else self.attn_mult / hs
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0, scale=scale
+            q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.dropout if self.training else 0.0
         )
         y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_dropout(self.c_proj(y))

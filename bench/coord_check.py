@@ -141,7 +141,7 @@ def plot(data, widths, path):
             ax.tick_params(labelsize=7)
     axes[0][0].set_ylabel("RMS (step 1 dark .. last light)", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=64)
 
 
 def main(argv=None):
