@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 from gpt2train import optimum, runner
-from gpt2train.config import FIELD_TYPES, ConfigError, check_value, make_config, parse_args
+from gpt2train.config import ConfigError, check_value, make_config, parse_args
 from gpt2train.console import log
 from gpt2train.files import atomic_write, report_error
 
@@ -72,7 +72,7 @@ def parse_grid(text, sizes):
     return key, values
 
 
-def check_args(base, grid, sizes, confirm):
+def check_args(base, grid, sizes):
     """Every run's train.py arguments parse and validate (ConfigError -> SweepError: nothing is trained), and the
     fitted key's values are positive numbers when there are at least 3 of them."""
     key, values = grid[0]
@@ -84,8 +84,6 @@ def check_args(base, grid, sizes, confirm):
         except ConfigError as e:
             where = f" (size {size_name(size)}, {point_name(point)})" if size or len(values) > 1 else ""
             raise SweepError(f"{e}{where}") from None
-    if confirm and not (ROOT / "evaluate.py").exists():
-        raise SweepError("--confirm needs evaluate.py --split test")
 
 
 def points_of(grid):
@@ -240,10 +238,8 @@ def main(argv=None):
         grid = [parse_grid(g, sizes) for g in args.grid]
         if len({k for k, _ in grid}) < len(grid):
             raise SweepError("--grid: a key is given twice")
-        if args.metric not in ("val_loss", "val_bpb", "train_loss") and args.metric in FIELD_TYPES:
-            raise SweepError(f"--metric {args.metric}: a config key, not a field of train.py's result")
         base = shlex.split(args.base)
-        check_args(base, grid, sizes, args.confirm)
+        check_args(base, grid, sizes)
         report = sweep(base, grid, sizes, args, Path(args.out_dir))
     except (SweepError, runner.RunnerError, OSError) as e:
         report_error("sweep.py", e)
