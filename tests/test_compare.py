@@ -3,12 +3,15 @@ a clearly worse arm, an arm that diverges."""
 
 import json
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import scipy.stats
 
 import compare
+from gpt2train import runner
 from test_train import TINY, data_dir  # noqa: F401  (data_dir is a fixture)
 
 
@@ -41,7 +44,9 @@ def test_the_paired_test_edge_cases():
 def test_an_arm_is_a_name_torchruns_count_and_train_pys_arguments():
     arm = compare.parse_arm("name=wide configs/a.py --n_embd=512 --nproc_per_node 8 --compile=False", 2)
     assert (arm.name, arm.args, arm.nproc) == ("wide", ["configs/a.py", "--n_embd=512", "--compile=False"], 8)
-    assert compare.train_command(arm)[:3] == ["torchrun", "--standalone", "--nproc_per_node=8"]
+    command = runner.train_command(arm.job(1337, Path("out")), "ledger.jsonl")
+    assert command[:5] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8"]
+    assert command[-3:] == ["--seed=1337", f"--out_dir={Path('out/wide/seed1337').absolute()}", "--ledger=ledger.jsonl"]
     assert compare.parse_arm("configs/a.py", 0).name == "baseline" and compare.parse_arm("'a b.py'", 3).name == "arm3"
     assert compare.parse_arm("'a b.py'", 3).args == ["a b.py"]
 
@@ -54,7 +59,7 @@ def test_an_arm_is_a_name_torchruns_count_and_train_pys_arguments():
         (["name=a x.py", "name=a y.py"], "two arms are named alike (a, a)"),
         (["name=../up x.py"], "name='../up' must be letters, digits"),
         (["x.py --nproc_per_node=0"], "--nproc_per_node needs a count >= 1, got '0'"),
-        (["x.py", "--seeds", "0"], "--seeds must be >= 1, got 0"),
+        (["x.py", "--seeds", "0"], "--seeds must be >= 1 and <= 1000, got 0"),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(argv, expected, tmp_path, capsys):
