@@ -506,9 +506,9 @@ def main(argv=None):
     try:
         arms = arms_of(args)
         settings = {"sizes": args.sizes and [a.size for a in arms if a.name == arms[0].name]}
-        settings |= {"equal_time": args.equal_time, "confirm": args.confirm}
+        settings |= {"equal_time": args.equal_time, "confirm": args.confirm, "repeat": args.repeat}
         seeds = [1337 + i for i in range(args.seeds)]
-        report = compare(arms, Path(args.out_dir).absolute(), args.metric, seeds, settings, args.repeat, args.jobs)
+        report = compare(arms, Path(args.out_dir).absolute(), args.metric, seeds, settings, args.jobs)
     except (RunnerError, LockError, OSError) as e:
         report_error("compare.py", e)
         return 2
@@ -529,7 +529,7 @@ def main(argv=None):
     return 0
 
 
-def compare(arms, out, metric, seeds, settings, repeat, jobs=1):
+def compare(arms, out, metric, seeds, settings, jobs=1):
     """Make every run (the calibration first, with --equal_time), seed by seed, arm by arm, rewriting compare.json
     after each, holding `out`; returns compare.json's final content."""
     with runner.lock(out, "compare.py"):
@@ -551,12 +551,12 @@ def compare(arms, out, metric, seeds, settings, repeat, jobs=1):
             for arm in arms:
                 todo.append(arm.job(seed, out))
                 owner[todo[-1].key] = arm
-                if repeat and arm is arms[0] and seed == seeds[0]:
+                if settings["repeat"] and arm is arms[0] and seed == seeds[0]:
                     todo.append(arm.job(seed, out, "_repeat"))
         for key, run in done.items():  # seeds beyond --seeds: kept in compare.json
             arm = next((a for a in arms if key == a.key(run.get("seed"))), None)
             if arm is not None and run["seed"] not in seeds:
-                arm.runs[run["seed"]] = run
+                arm.runs[run["seed"]] = run | {"out_dir": str(out / key)}
         direction = "higher" if HIGHER_IS_BETTER.search(metric) else "lower"
         log(f"compare: {len(arms)} arms x {len(seeds)} seeds, {metric} ({direction} is better) -> {out}")
 
