@@ -11,10 +11,11 @@ test each arm against the first (the baseline) with a paired t-test over the see
 An arm is one quoted string: train.py's arguments (config files, --key=value), optionally `name=NAME` (default:
 baseline, arm1, arm2, ...) and `--nproc_per_node N` (the run goes through this interpreter's torch.distributed.run).
 Each run gets --seed=S, --out_dir=DIR/NAME/seedS and --ledger=DIR/ledger.jsonl; its console output goes to
-DIR/NAME/seedS.log (gpt2train/runner.py runs them). For every seed (1337, 1338, ...) the arms run in turn, A B C then
-A B C (with --jobs J, J at once), so a machine that drifts slows every arm alike. Runs with the same seed start from
-the same weights and read the same batches (train.py is deterministic), so the per-seed difference of two arms holds
-little noise beyond the change itself: that is what the test uses.
+DIR/NAME/seedS.log (gpt2train/runner.py runs them in this directory: an arm's paths mean what they mean to
+train.py). For every seed (1337, 1338, ...) the arms run in turn, A B C then A B C (with --jobs J, J at once), so a
+machine that drifts slows every arm alike. Runs with the same seed start from the same weights and read the same
+batches (train.py is deterministic), so the per-seed difference of two arms holds little noise beyond the change
+itself: that is what the test uses.
 
 Per arm against the baseline (DIR/compare.json, the table, and the last line `compare: {...}`): the per-seed
 differences of --metric (any numeric field of train.py's result; lower is better unless it is an accuracy, mfu or
