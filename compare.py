@@ -246,9 +246,7 @@ def transfer_verdict(words):
     """The transfer verdict of the per-size verdicts, smallest size first (compare.py's docstring)."""
     if all(w == "better" for w in words):
         return "holds"
-    better, worse, same = (
-        [i for i, w in enumerate(words) if w == v] for v in ("better", "worse", "no detectable difference")
-    )
+    better, worse = ([i for i, w in enumerate(words) if w == v] for v in ("better", "worse"))
     if better and worse and min(better) < max(worse):
         return "flips"
     if not worse and len(words) > 1 and better:
@@ -278,7 +276,7 @@ def transfer(arms, comparisons):
     return out
 
 
-def val_bytes_warnings(comparisons, arms, seeds):
+def val_bytes_warnings(arms, seeds):
     """A warning per arm whose runs scored another number of val bytes than the baseline's (train.py's result field
     `val_bytes`, where present): their bits per byte are over other text."""
     warnings = []
@@ -319,7 +317,7 @@ def summarize(arms, metric, seeds, settings, repeat):
     report = {"metric": metric, "seeds": seeds, **settings, "arms": out_arms, "comparisons": comparisons}
     if any(a.size for a in arms):
         report["transfer"] = transfer(arms, comparisons)
-    report["warnings"] = val_bytes_warnings(comparisons, arms, seeds)
+    report["warnings"] = val_bytes_warnings(arms, seeds)
     report["noise"] = {"baseline_std": out_arms[0]["std"], "repeat_identical": repeat_identical, "repeat": repeat}
     return report
 
@@ -538,13 +536,12 @@ def compare(arms, out, metric, seeds, settings, jobs=1):
         if settings.get("confirm"):
             check_test_shards(arms)
         state = {"repeat": None, "calibration": [], "made": 0}
+
+        def report():
+            calibration = {"calibration": {"runs": state["calibration"]}} if settings.get("equal_time") else {}
+            return summarize(arms, metric, seeds, settings, state["repeat"]) | calibration
+
         write = lambda: atomic_write(out / "compare.json", json.dumps(report(), indent=2) + "\n")  # noqa: E731
-        report = lambda: (
-            summarize(arms, metric, seeds, settings, state["repeat"])
-            | (  # noqa: E731
-                {"calibration": {"runs": state["calibration"]}} if settings.get("equal_time") else {}
-            )
-        )
         if settings.get("equal_time"):
             state["calibration"] = calibrate(arms, out, settings["equal_time"], seeds[0], jobs, done)
         todo, owner = [], {}

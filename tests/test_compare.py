@@ -206,10 +206,10 @@ def test_the_verdict_counts_the_requested_seeds_only():
 
 def test_arms_that_scored_other_val_bytes_are_warned_about():
     base, same, other = (fake_arm(n, [1.0, 1.0], val_bytes=b) for n, b in [("base", 100), ("s", 100), ("o", 180)])
-    warnings = compare.val_bytes_warnings([], [base, same, other], [1337, 1338])
+    warnings = compare.val_bytes_warnings([base, same, other], [1337, 1338])
     assert len(warnings) == 1 and warnings[0].startswith("arm o scored 180 val bytes, the baseline 100")
     assert "--eval_steps=all" in warnings[0]
-    assert compare.val_bytes_warnings([], [fake_arm("b", [1.0]), fake_arm("o", [1.0])], [1337]) == []  # no field
+    assert compare.val_bytes_warnings([fake_arm("b", [1.0]), fake_arm("o", [1.0])], [1337]) == []  # no field
 
 
 def test_the_slope_fit_is_scipys_linregress():
