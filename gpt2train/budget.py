@@ -94,3 +94,33 @@ def with_horizon(cfg, model, world_size):
         cfg, model.flops_per_token(), model.num_params(non_embedding=True), batch_layout(cfg, world_size)[0]
     )
     return cfg if steps is None else replace(cfg, max_steps=steps)
+
+
+def planned_run(args, out_dir):
+    """What a train.py run of `args` (its arguments, as one process) will train, without training it: {n (non-lookup
+    params), params, params_lookup, flops_per_token, steps, tokens, flops}, from the config train.py resolves (the
+    data's vocab_size included; out_dir: where the run would write, which must hold no checkpoint) and the model
+    on the meta device. A budget in seconds (max_seconds) has no step count yet: a ConfigError."""
+    from gpt2train.config import model_config, parse_args
+    from gpt2train.start import resolve_config
+    from model import GPT
+
+    cfg, _ = resolve_config({**parse_args(args), "out_dir": str(out_dir)}, verify=False)
+    if cfg.max_seconds is not None:
+        raise ConfigError(f"max_seconds={cfg.max_seconds:g} fixes its steps from their timing: give steps or FLOPs")
+    if cfg.batch_size == "auto":  # total_batch_size is set (TrainConfig checks): the tokens per step
+        cfg = replace(cfg, batch_size=cfg.total_batch_size // cfg.block_size)
+    with torch.device("meta"):
+        model = GPT(model_config(cfg))
+    cfg = with_horizon(cfg, model, 1)
+    tokens = cfg.max_steps * batch_layout(cfg, 1)[0]
+    total, n = model.num_params(), model.num_params(non_embedding=True)
+    return {
+        "n": n,
+        "params": total,
+        "params_lookup": total - n,
+        "flops_per_token": model.flops_per_token(),
+        "steps": cfg.max_steps,
+        "tokens": tokens,
+        "flops": tokens * model.flops_per_token(),
+    }

@@ -1,9 +1,9 @@
 """The fits of a scaling ladder (ladder.py): runs of several sizes at several compute budgets, each a val loss.
 
 A run here is a dict with `n` (non-lookup params: the count the FLOPs follow), `d` (tokens trained), `budget` (the
-target FLOPs it ran at) and `loss`. Three fits, each with its R^2 and bootstrap 95% intervals over the runs (the
-runs resampled with replacement within each budget, FITS.boot times, from a fixed seed: the same runs give the same
-numbers):
+target FLOPs it ran at) and `loss`. Three fits, each with its R^2 and bootstrap 95% intervals over the runs
+(FITS.boot replicates of the runs, each run's loss the law's fit times a residual of the law drawn with replacement:
+resample(); from a fixed seed, so the same runs give the same numbers):
 
 - isoflop(): per budget, loss against ln n is a parabola (Chinchilla's approach 2, nanochat's scaling notebook);
   its vertex is the compute-optimal size n_opt and the loss there; the tokens there (d_opt) follow from ln d
@@ -46,7 +46,11 @@ LAW_KEYS = ("E", "A", "alpha", "B", "beta")
 GRID = np.array(
     list(
         itertools.product(
-            np.arange(0, 30, 5.0), np.arange(0, 2.5, 0.5), np.arange(0, 30, 5.0), np.arange(0, 2.5, 0.5), [-1, -0.5, 0, 0.5, 1]
+            np.arange(0, 30, 5.0),
+            np.arange(0, 2.5, 0.5),
+            np.arange(0, 30, 5.0),
+            np.arange(0, 2.5, 0.5),
+            [-1, -0.5, 0, 0.5, 1],
         )
     )
 )  # (a, alpha, b, beta, e)
@@ -76,19 +80,18 @@ def r_squared(y, fitted):
 
 
 def parabola(runs):
-    """One budget's IsoFLOP fit: {n_opt, d_opt, loss_opt, r2, at_edge}. A curve that opens downward has no
-    minimum: the best run's size stands in, flagged at the edge its loss is lower at."""
+    """One budget's IsoFLOP fit: {n_opt, d_opt, loss_opt, r2, at_edge}. An optimum at or beyond an end of the sizes
+    (the vertex, or the best run, there) is flagged (at_edge: 'smaller' or 'larger') and n_opt is that end's size,
+    never an extrapolation; a curve that opens downward has no minimum: the best run's size stands in."""
     x = np.log([r["n"] for r in runs])
     y = np.array([r["loss"] for r in runs])
     c2, c1, c0 = np.polyfit(x, y, 2)
     r2 = r_squared(y, np.polyval([c2, c1, c0], x))
     lo, hi = x.min(), x.max()
     best = x[np.argmin(y)]
-    if c2 > 0:
-        vertex = -c1 / (2 * c2)
-        at_edge = "smaller" if vertex <= lo or best == lo else "larger" if vertex >= hi or best == hi else False
-    else:
-        vertex, at_edge = best, "smaller" if best == lo else "larger" if best == hi else False
+    vertex = -c1 / (2 * c2) if c2 > 0 else best
+    at_edge = "smaller" if vertex <= lo or best == lo else "larger" if vertex >= hi or best == hi else False
+    vertex = min(max(vertex, lo), hi)  # an optimum at the edge is the end size, flagged: no extrapolation
     slope, intercept = np.polyfit(x, np.log([r["d"] for r in runs]), 1)  # ln d against ln n: C = F(n) d
     return {
         "n_opt": float(math.exp(vertex)),
@@ -184,15 +187,12 @@ def law_loss(params, n, d):
 # ----------------------------------------------------------------------------- all of it, with the bootstrap
 
 
-def resample(runs, rng):
-    """The runs resampled with replacement within each budget; None where a budget is left with under 3 sizes."""
-    out = []
-    for group in by_budget(runs).values():
-        pick = [group[i] for i in rng.integers(0, len(group), len(group))]
-        if len({r["n"] for r in pick}) < 3:
-            return None
-        out += pick
-    return out
+def resample(runs, fitted, residuals, rng):
+    """A bootstrap replicate of the runs: each run's loss the law's fitted value times one of the law's residuals
+    (log space) drawn with replacement (a residual bootstrap: every replicate keeps the ladder's sizes and budgets,
+    which resampling whole runs of a 3-size ladder would not)."""
+    draws = np.exp(rng.choice(residuals, size=len(runs)))
+    return [{**r, "loss": float(f * e)} for r, f, e in zip(runs, fitted, draws)]
 
 
 def fit_all(runs, fits=FITS):
@@ -207,11 +207,10 @@ def fit_all(runs, fits=FITS):
     fitted = np.array([law_loss(law, r["n"], r["d"]) for r in runs])
     losses = np.array([r["loss"] for r in runs])
     law["r2"] = r_squared(losses, fitted)
+    residuals = np.log(losses) - np.log(fitted)
     rng, replicates = np.random.default_rng(fits.seed), []
     for _ in range(fits.boot):
-        sample = resample(runs, rng)
-        if sample is None:
-            continue
+        sample = resample(runs, fitted, residuals, rng)
         sample_curves = isoflop(sample)
         replicates.append(
             {
@@ -219,11 +218,6 @@ def fit_all(runs, fits=FITS):
                 "power_laws": power_laws(sample_curves),
                 "law": law_params(law_theta(sample, starts=[theta], fits=fits)),
             }
-        )
-    if len(replicates) < fits.boot // 2:
-        raise FitError(
-            f"only {len(replicates)} of {fits.boot} bootstrap resamples kept 3 sizes at every budget: the fits need "
-            "more runs per budget (more sizes or --seeds)"
         )
     pct = lambda values: [float(v) for v in np.percentile(values, [2.5, 97.5])]  # noqa: E731
     for i, curve in enumerate(curves):
@@ -234,7 +228,7 @@ def fit_all(runs, fits=FITS):
         "isoflop": curves,
         "power_laws": laws,
         "law": law,
-        "residuals": [float(v) for v in np.log(losses) - np.log(fitted)],
+        "residuals": [float(v) for v in residuals],
         "replicates": replicates,
     }
 
