@@ -182,10 +182,12 @@ def ladder(args):
         done = {r["key"]: {**r, "key": r["key"]} for r in earlier if r.get("key")}
         runs = {job.key: run_record(run, {}) for job, run in planned}
         by_key = dict((job.key, run) for job, run in planned)
-        t0 = time.perf_counter()
+        t0, made_s = time.perf_counter(), []
 
         def on_run(key, rec, made):
             runs[key] = run_record(by_key[key], rec)
+            if made:
+                made_s.append(rec["seconds"])
             note = "made" if made else "made before"
             log(
                 f"[{sum(r['status'] is not None for r in runs.values())}/{len(runs)}] {key}: {rec['status']}, "
@@ -197,8 +199,8 @@ def ladder(args):
         run_jobs([job for job, _ in planned], out, jobs=args.jobs, metric=METRIC, done=done, on_run=on_run)
         wall = time.perf_counter() - t0
         report = {**header, "runs": list(runs.values())}
-        made = [r["seconds"] for r in runs.values() if r["seconds"] is not None]
-        report["cost"] = {"wall_s": wall, "runs_s": sum(made), "overhead": wall / sum(made) - 1 if made else None}
+        # of this call: the runs it made (kept ones cost nothing now)
+        report["cost"] = {"wall_s": wall, "runs_s": sum(made_s), "overhead": wall / sum(made_s) - 1 if made_s else None}
         atomic_write(path, json.dumps(report, indent=2) + "\n")
         fit = fit_all(fit_runs(report["runs"]))
         report.update({k: fit[k] for k in ("isoflop", "power_laws", "law")})
@@ -268,6 +270,12 @@ def predict_from(args):
     if "law" not in report or "bootstrap" not in report:
         raise LadderError(f"{path}: no fit there (run the ladder into {args.base} first; it writes the fit last)")
     fit = {**{k: report[k] for k in ("power_laws", "law")}, **report["bootstrap"]}
+    edges = [f"{c['flops']:g}" for c in report["isoflop"] if c["at_edge"]]
+    if edges and args.predict_flops is not None:
+        log(
+            f"the IsoFLOP optimum of budget(s) {', '.join(edges)} is at an end of the sizes: n_opt, d_opt lean on it",
+            note=True,
+        )
     if args.predict_flops is not None:
         if not 0 < args.predict_flops < math.inf:
             raise LadderError(f"--predict_flops: {args.predict_flops} is not a number of FLOPs > 0")
