@@ -130,8 +130,8 @@ def plan(base, sizes, budgets, seeds, out):
     return planned
 
 
-def run_record(run, rec):
-    """ladder.json's record of a run: its plan, then what the runner recorded."""
+def run_record(key, run, rec):
+    """ladder.json's record of the run `key`: its plan, then what the runner recorded (rec; {} before it ran)."""
     result = rec.get("result") or {}
     return {
         "size": run["size"],
@@ -148,7 +148,7 @@ def run_record(run, rec):
         "budget": run["budget"],
         "steps": result.get("steps", run["steps"]),
         "seconds": rec.get("seconds"),
-        "key": rec.get("key"),
+        "key": key,
     }
 
 
@@ -179,13 +179,13 @@ def ladder(args):
     out.mkdir(parents=True, exist_ok=True)
     with lock(out, "ladder.py"):
         earlier = json.loads(path.read_text())["runs"] if path.is_file() else []
-        done = {r["key"]: {**r, "key": r["key"]} for r in earlier if r.get("key")}
-        runs = {job.key: run_record(run, {}) for job, run in planned}
+        done = {r["key"]: r for r in earlier}
+        runs = {job.key: run_record(job.key, run, {}) for job, run in planned}
         by_key = dict((job.key, run) for job, run in planned)
         t0, made_s = time.perf_counter(), []
 
         def on_run(key, rec, made):
-            runs[key] = run_record(by_key[key], rec)
+            runs[key] = run_record(key, by_key[key], rec)
             if made:
                 made_s.append(rec["seconds"])
             note = "made" if made else "made before"
