@@ -126,7 +126,7 @@ PULLED_IN = {"huggingface_hub": "datasets", "pyarrow": "datasets", "tiktoken_ext
 OPTIONAL = {
     "wandb": "wandb_log=True",
     "tensorboard": "tensorboard_dir",
-    "matplotlib": "plot_metrics.py",
+    "matplotlib": "plot_metrics.py, ladder.py's plot",
     "tokenizers": "a model directory's own tokenizer.json",
 }
 

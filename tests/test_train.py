@@ -403,6 +403,45 @@ def test_a_budgeted_run_resumes_with_its_budget_or_trains_on_with_max_steps_only
     assert load_checkpoint(tmp_path)["config"]["max_seconds"] is None  # a plain 30-step run from here on
 
 
+def tiny_step():
+    """(FLOPs per token, non-lookup params, tokens per step) of the TINY model: what target_flops and tokens_per_param
+    count, from the model itself (MFU's count)."""
+    with torch.device("meta"):
+        tiny = model_module.GPT(model_module.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+    return tiny.flops_per_token(), tiny.num_params(non_embedding=True), 4 * 16
+
+
+@pytest.mark.parametrize("horizon", ["target_flops", "tokens_per_param"])
+def test_a_horizon_from_compute_trains_it_to_within_one_step_and_the_result_reports_flops(horizon, data_dir, tmp_path):
+    per_token, params, per_step = tiny_step()
+    steps = 7.4  # steps' worth: 7 trained
+    value = steps * per_step * per_token if horizon == "target_flops" else steps * per_step / params
+    assert run(data_dir, tmp_path, f"--{horizon}={value!r}", "--save_interval=0") == 0
+    result = json.loads((tmp_path / "summary.json").read_text())["result"]
+    assert result["steps"] == 7 and result["tokens"] == 7 * per_step
+    assert result["flops"] == 7 * per_step * per_token
+    assert result["params"] - result["params_lookup"] == params
+    wanted = value if horizon == "target_flops" else value * params * per_token  # in FLOPs
+    assert abs(result["flops"] - wanted) <= per_step * per_token
+    assert json.loads((tmp_path / "config.json").read_text())["max_steps"] == 7
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--max_steps=5", "--target_flops=1e9"], "sets both max_steps=5 and target_flops=1e+09: set one"),
+        (["--tokens_per_param=20", "--max_seconds=60"], "sets both max_seconds=60 and tokens_per_param=20: set one"),
+        (["--target_flops=1e9", "--tokens_per_param=20"], "sets both target_flops=1e+09 and tokens_per_param=20"),
+        (["--target_flops=1e3"], "target_flops=1000 is less than one step: one step is "),
+        (["--tokens_per_param=1e-6"], "tokens_per_param=1e-06 (0 tokens for "),
+    ],
+)
+def test_a_horizon_with_another_or_under_one_step_is_one_line(args, expected, data_dir, tmp_path, capsys):
+    expect_exit(2, run, data_dir, tmp_path, *args)
+    assert expected in one_line_error(capsys)
+    assert not (tmp_path / "metrics.jsonl").exists()  # nothing trained
+
+
 # ----------------------------------------------------------------------------- fine-tuning a checkpoint
 
 
