@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import os
 import random
 import struct
 from pathlib import Path
@@ -781,6 +782,24 @@ def test_an_id_that_appears_after_the_start_check_is_a_shard_error_naming_the_po
         ShardError,
         match=r"docs_train_000000.bin: token id 60000 >= vocab_size 50304 at token 13: "
         r"the shard changed after the run checked it at start",
+    ):
+        loader.next_batch()
+
+
+def test_a_shard_truncated_in_place_under_the_loader_is_a_shard_error_not_a_bus_error(prepped):
+    """Audit 6's ST_shard: `cp`/`rsync --inplace` over a data directory in use truncates the memory-mapped shard;
+    a read of its vanished pages would be SIGBUS. A shard replaced by a rename is left alone: the map reads the old
+    file, whole."""
+    loader = DataLoader(prepped, "train", batch_size=4, block_size=8, vocab_size=50304, shuffle=False)
+    first = loader.next_batch()
+    replaced = prepped / "docs_train_000001.bin"
+    write_shard(replaced, np.zeros(10, dtype=np.uint16))  # atomic_write: a new file renamed over the old one
+    loader.reset()
+    assert torch.equal(loader.next_batch()[0], first[0])
+    os.truncate(prepped / "docs_train_000000.bin", 1024)
+    with pytest.raises(
+        ShardError,
+        match=r"docs_train_000000.bin: 1,024 bytes, 1,624 when the run opened it: the shard changed under the run",
     ):
         loader.next_batch()
 

@@ -599,6 +599,29 @@ def test_signal_saves_at_the_end_of_the_step(data_dir, tmp_path, monkeypatch):
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before  # handlers restored
 
 
+def test_a_shard_truncated_under_the_run_keeps_the_steps_and_ends_with_status_error(data_dir, tmp_path, monkeypatch):
+    """Audit 6's ST_shard: the train shard truncated in place after step 6 (a checkpoint at 4): the next read is a
+    ShardError (not SIGBUS, exit 135): one line, exit 1, steps 5 and 6 kept in a checkpoint, the result and the
+    ledger's line with status error."""
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    real_step = train.optimizer_step
+
+    def step_then_truncate(t, step):
+        stats = real_step(t, step)
+        if stats.step == 6:
+            os.truncate(data / "tiny_train_000000.bin", 2000)
+        return stats
+
+    monkeypatch.setattr(train, "optimizer_step", step_then_truncate)
+    ledger = tmp_path / "ledger.jsonl"
+    expect_exit(1, run, data, tmp_path / "out", "--max_steps=12", f"--ledger={ledger}")
+    assert load_checkpoint(tmp_path / "out")["step"] == 6
+    result = json.loads((tmp_path / "out" / "summary.json").read_text())["result"]
+    assert result["status"] == "error" and result["steps"] == 6
+    assert json.loads(ledger.read_text())["status"] == "error"
+
+
 # ----------------------------------------------------------------------------- one line per expected error
 
 
