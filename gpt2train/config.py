@@ -68,7 +68,7 @@ class TrainConfig(GPTConfig):
     max_skipped_steps: int = 10  # halt (exit 3) after this many consecutive skipped updates; 0: no limit
     # evaluation, logging, checkpoints (an interval of 0 disables that activity)
     eval_interval: int = 250  # steps between validation-loss evaluations (also at step 0 and the last step)
-    eval_steps: int = 20  # val micro-batches per process per evaluation (the same ones; a mixture's sources share them)
+    eval_steps: int | str = 20  # val micro-batches per process per evaluation (the same ones), or 'all': the val split
     hellaswag_interval: int = 0  # steps between HellaSwag evaluations
     hellaswag_limit: int | None = None  # evaluate only the first N HellaSwag examples; None: all 10,042
     eval_tasks: str = "default"  # evaluate.py's tasks at eval_tasks_interval: comma-separated names, 'default', 'all'
@@ -198,7 +198,6 @@ CHOICES = {
     "pipeline_schedule": ("1F1B", "GPipe"),
 }
 AT_LEAST_ONE = (
-    "eval_steps",
     "sample_tokens",
     "total_batch_size",
     "lr_decay_steps",
@@ -230,6 +229,7 @@ NON_NEGATIVE = (
 RANGES = {  # key: (check, what the message says); None passes where the key allows it
     **{k: (lambda v: v >= 1, ">= 1") for k in AT_LEAST_ONE},
     "batch_size": (lambda v: v == "auto" or v >= 1, ">= 1 or 'auto'"),
+    "eval_steps": (lambda v: v == "all" or not isinstance(v, str) and v >= 1, ">= 1 or 'all'"),
     **{k: (lambda v: v >= 0, ">= 0") for k in NON_NEGATIVE},
     "learning_rate": (lambda v: v > 0, "> 0"),
     "max_seconds": (lambda v: v > 0, "> 0"),

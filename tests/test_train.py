@@ -638,6 +638,63 @@ def test_signal_saves_at_the_end_of_the_step(data_dir, tmp_path, monkeypatch):
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before  # handlers restored
 
 
+def test_a_shard_truncated_under_the_run_keeps_the_steps_and_ends_with_status_error(data_dir, tmp_path, monkeypatch):
+    """Audit 6's ST_shard: the train shard truncated in place after step 6 (a checkpoint at 4): the next read is a
+    ShardError (not SIGBUS, exit 135): one line, exit 1, steps 5 and 6 kept in a checkpoint, the result and the
+    ledger's line with status error."""
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    real_step = train.optimizer_step
+
+    def step_then_truncate(t, step):
+        stats = real_step(t, step)
+        if stats.step == 6:
+            os.truncate(data / "tiny_train_000000.bin", 2000)
+        return stats
+
+    monkeypatch.setattr(train, "optimizer_step", step_then_truncate)
+    ledger = tmp_path / "ledger.jsonl"
+    expect_exit(1, run, data, tmp_path / "out", "--max_steps=12", f"--ledger={ledger}")
+    assert load_checkpoint(tmp_path / "out")["step"] == 6
+    result = json.loads((tmp_path / "out" / "summary.json").read_text())["result"]
+    assert result["status"] == "error" and result["steps"] == 6
+    assert json.loads(ledger.read_text())["status"] == "error"
+
+
+def test_eval_steps_all_scores_every_val_window_once_as_micro_batches_that_cover_the_split(data_dir, tmp_path):
+    """Issue 58 item 8: eval_steps='all' scores the whole val split: here 187 windows of 16 (3,000 tokens), which 17
+    micro-batches of 11 cover exactly, so both runs score the same targets; the result's val_bytes are their UTF-8
+    bytes (what compare.py checks arms by)."""
+    from gpt2train.assets import get_tokenizer
+    from gpt2train.bpe import token_bytes
+
+    results = {}
+    for steps in ("all", "17"):
+        out = tmp_path / steps
+        assert run(data_dir, out, "--batch_size=11", f"--eval_steps={steps}", "--max_steps=2", "--eval_interval=2") == 0
+        results[steps] = json.loads((out / "summary.json").read_text())["result"]
+    val = np.fromfile(data_dir / "tiny_val_000000.bin", dtype="<u2", offset=1024)
+    table = token_bytes(get_tokenizer(), 64)
+    assert results["all"]["val_bytes"] == results["17"]["val_bytes"] == sum(table[t] for t in val[1 : 1 + 187 * 16])
+    assert results["all"]["val_bpb"] == pytest.approx(results["17"]["val_bpb"], rel=1e-6)
+    assert results["all"]["val_loss"] == pytest.approx(results["17"]["val_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_eval_steps_all_gives_each_rank_its_share_of_the_split_once_and_as_many_rows(data_dir, world_size):
+    """read_val_rows(loader, 'all'): every val window is a scored row of exactly one rank; the rows past the
+    split's end (to keep every rank's forwards alike) have no targets."""
+    from gpt2train.evaluation import read_val_rows
+
+    loaders = [DataLoader(data_dir, "val", 4, 16, rank=r, world_size=world_size) for r in range(world_size)]
+    rows = [read_val_rows(loader, "all") for loader in loaders]
+    assert len({len(r.x) for r in rows}) == 1
+    scored = [tuple(x.tolist()) for r in rows for x, y in zip(r.x, r.y) if (y != -1).all()]
+    assert all((y == -1).all() for r in rows for y in r.y if (y == -1).any())  # a row is scored whole or not at all
+    every = {tuple(w[:-1].tolist()) for w in loaders[0].windows[0]}
+    assert len(scored) == loaders[0].num_samples == 187 and set(scored) == every
+
+
 # ----------------------------------------------------------------------------- one line per expected error
 
 
