@@ -174,7 +174,11 @@ def main(argv=None):
         parser.error(f"--limit must be >= 1, got {args.limit}")
 
     if not export and args.split:
-        return score_split(parser, args)
+        result, line = score_split(parser, args)
+        print(line)
+        if args.json:
+            print(json.dumps(strict(result)))
+        return 0
     if not export and args.bpb:
         result, device, dtype = score_bpb(parser, args)
         print(
@@ -290,9 +294,10 @@ def score_bpb(parser, args):
 
 
 def score_split(parser, args):
-    """evaluate.py --split: the checkpoint's loss and bits per byte on its data's whole val or test split, scored by
-    the training run's own validation (evaluation.Evaluator.validate, eval_steps='all'); returns 0. Data without that
-    split, or tokenized with another tokenizer, is one line on stderr and exit status 2."""
+    """evaluate.py --split: (the result: <split>_loss, <split>_bpb, <split>_bytes, ...; its line) of the checkpoint on
+    its data's whole val or test split, scored by the training run's own validation (evaluation.Evaluator.validate,
+    eval_steps='all'). Data without that split, or tokenized with another tokenizer, is one line on stderr and exit
+    status 2."""
     from types import SimpleNamespace
 
     from gpt2train.config import ConfigError
@@ -310,15 +315,17 @@ def score_split(parser, args):
         parser.error("--split with --init_from needs --data_dir (a checkpoint knows its own)")
     model, enc, device, dtype = load_model_from_args(parser, args)
     config = args.model_info["config"] or {}
-    cfg = SimpleNamespace(
-        data_dir=args.data_dir or config.get("data_dir"),
-        batch_size=args.batch_size,
-        block_size=model.config.block_size,
-        vocab_size=model.config.vocab_size,
-        seed=config.get("seed", 0),
-        packing=config.get("packing", "window"),
-        eval_steps="all",
-        **dict.fromkeys(("hellaswag_interval", "eval_tasks_interval", "sample_interval"), 0),
+    cfg = SimpleNamespace(  # what open_loader and Evaluator read of a run's config
+        **{
+            "data_dir": args.data_dir or config.get("data_dir"),
+            "batch_size": args.batch_size,
+            "block_size": model.config.block_size,
+            "vocab_size": model.config.vocab_size,
+            "seed": config.get("seed", 0),
+            "packing": config.get("packing", "window"),
+            "eval_steps": "all",
+            **dict.fromkeys(("hellaswag_interval", "eval_tasks_interval", "sample_interval"), 0),
+        }
     )
     try:
         manifests = read_manifests(cfg.data_dir)
@@ -334,13 +341,11 @@ def score_split(parser, args):
     record = evaluator.validate(model, args.model_info["step"] or 0, SimpleNamespace(signal=None))
     split = args.split
     result = {f"{split}_{k[4:]}": v for k, v in record.items() if k.startswith("val_")}
-    print(
+    line = (
         f"{split}_loss={result[f'{split}_loss']:.4f} {split}_bpb={result.get(f'{split}_bpb', math.nan):.4f} over the "
         f"{split} split of {cfg.data_dir} ({result.get(f'{split}_bytes', 0):,} bytes; {device}, {dtype})"
     )
-    if args.json:
-        print(json.dumps(strict({"split": split, **result, "data_dir": str(cfg.data_dir), "step": record["step"]})))
-    return 0
+    return {"split": split, **result, "data_dir": str(cfg.data_dir), "step": record["step"]}, line
 
 
 if __name__ == "__main__":

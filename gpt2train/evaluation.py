@@ -84,7 +84,8 @@ class Evaluator:
         to 0 bytes). Of a mixture (mixture.Mixture) each source's split alone, val/<name>_loss and val/<name>_bpb, and
         val_loss and val_bpb those of the mixture: the sources' losses weighted by the mixture's weights, and the
         weighted nats per target over the weighted bytes per target. The sources share eval_steps (shared_steps), so
-        a mixture validates what one source does."""
+        a mixture validates what one source does. eval_steps 'all': each source's whole split (read_val_rows), its
+        loss the mean over its targets. val_bytes: the UTF-8 bytes of all the targets scored (with the byte table)."""
         if self.bytes is None:
             try:
                 enc = self.enc or tokenizer_from_record(self.tokenizer)
@@ -206,11 +207,10 @@ def read_val_rows(loader, eval_steps, token_bytes=None) -> ValRows:
     whole = eval_steps == "all"
     steps = -(-loader.num_samples // (loader.B * loader.world_size)) if whole else eval_steps
     x, y = (torch.cat(t) for t in zip(*(loader.next_batch() for _ in range(steps))))  # (rows, T) each
-    if whole:  # row i is stream position (i // B) * B * ranks + rank * B + i % B
-        i = torch.arange(len(y))
-        y[
-            (i // loader.B) * loader.B * loader.world_size + loader.rank * loader.B + i % loader.B >= loader.num_samples
-        ] = -1
+    if whole:
+        i, B = torch.arange(len(y)), loader.B
+        position = (i // B) * B * loader.world_size + loader.rank * B + i % B  # of row i in the stream
+        y[position >= loader.num_samples] = -1
     size = None if token_bytes is None else int((token_bytes[y.clamp(min=0)] * (y != -1)).sum())
     return ValRows(x, y, size)
 

@@ -349,6 +349,7 @@ def test_each_source_is_validated_alone_beside_the_mixture(sources, tmp_path, ca
             "step",
             "val_loss",
             "val_bpb",
+            "val_bytes",  # both sources' (issue 58 item 8)
             *(f"val/{n}_{k}" for n in ("big", "small") for k in ("loss", "bpb")),
         }
         assert m["val_loss"] == pytest.approx(0.75 * m["val/big_loss"] + 0.25 * m["val/small_loss"])

@@ -1136,6 +1136,19 @@ def test_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tmp_pat
     assert len(load_checkpoint(tmp_path / "ddp")["rng"]) == 2  # each rank's RNG state
 
 
+@pytest.mark.slow
+def test_eval_steps_all_under_two_ranks_scores_the_split_a_single_process_scores(data_dir, tmp_path):
+    """Issue 58 item 8: each rank scores its share of the whole val split (187 windows: 24 micro-steps of 2 x 4 rows,
+    the last one's past the end unscored) and all ranks agree on the totals: val_bytes exactly, the losses."""
+    common = [f"--data_dir={data_dir}", "--max_steps=2", "--eval_interval=2", "--eval_steps=all", "--dropout=0.0"]
+    torchrun(*TINY, *common, "--total_batch_size=128", f"--out_dir={tmp_path / 'ddp'}")
+    assert run(data_dir, tmp_path / "single", *common, "--total_batch_size=128") == 0
+    ddp, single = (json.loads((tmp_path / d / "summary.json").read_text())["result"] for d in ("ddp", "single"))
+    assert ddp["val_bytes"] == single["val_bytes"] > 0
+    for key in ("val_loss", "val_bpb"):
+        assert ddp[key] == pytest.approx(single[key], abs=1e-5), key
+
+
 def free_port():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
