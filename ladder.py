@@ -168,7 +168,7 @@ def fit_runs(runs):
 
 def ladder(args):
     """Run the ladder (or price it: --dry_run); returns ladder.json's content."""
-    sizes, budgets = rungs(args)
+    t0, (sizes, budgets) = time.perf_counter(), rungs(args)  # cost: from here to the last run's end
     out, base = Path(args.out_dir).absolute(), shlex.split(args.base)
     seeds = [1337 + i for i in range(args.seeds)]
     planned = plan(base, sizes, budgets, seeds, out)
@@ -182,7 +182,7 @@ def ladder(args):
         done = {r["key"]: r for r in earlier}
         runs = {job.key: run_record(job.key, run, {}) for job, run in planned}
         by_key = dict((job.key, run) for job, run in planned)
-        t0, made_s = time.perf_counter(), []
+        made_s = []
 
         def on_run(key, rec, made):
             runs[key] = run_record(key, by_key[key], rec)
@@ -314,9 +314,10 @@ def table(report):
             f"loss {c['loss_opt']:.4f}, R^2 {c['r2']:.3f}{edge}"
         )
     p = report["power_laws"]
+    band = lambda k: f"[{p['ci95'][k][0]:.3g}, {p['ci95'][k][1]:.3g}]"  # noqa: E731
     rows.append(
-        f"power laws: N_opt ~ C^{p['a']:.3f} {p['ci95']['a']}, D_opt ~ C^{p['b']:.3f} {p['ci95']['b']}, "
-        f"tokens/param at the optimum {p['ratio']:.1f} {p['ci95']['ratio']}, R^2 {p['r2']}"
+        f"power laws: N_opt ~ C^{p['a']:.3f} {band('a')}, D_opt ~ C^{p['b']:.3f} {band('b')}, tokens/param at the "
+        f"optimum {p['ratio']:.1f} {band('ratio')}, R^2 {fmt(p['r2']['a'], '.3f')} and {fmt(p['r2']['b'], '.3f')}"
     )
     law = report["law"]
     terms = ", ".join(f"{k} {law[k]:.4g} [{law['ci95'][k][0]:.4g}, {law['ci95'][k][1]:.4g}]" for k in law["ci95"])

@@ -71,9 +71,10 @@ def check_runs(runs, min_sizes=3, min_budgets=2):
 
 
 def r_squared(y, fitted):
+    """1 - SS_res / SS_tot; None where y does not vary (every budget's optimum at the same end size: no line)."""
     y, fitted = np.asarray(y, float), np.asarray(fitted, float)
     total = float(((y - y.mean()) ** 2).sum())
-    return 1 - float(((y - fitted) ** 2).sum()) / total if total > 0 else 1.0
+    return 1 - float(((y - fitted) ** 2).sum()) / total if total > 1e-12 * max(1.0, float((y**2).mean())) else None
 
 
 # ----------------------------------------------------------------------------- IsoFLOP parabolas

@@ -277,35 +277,6 @@ def test_a_second_compare_on_one_out_dir_is_refused(tmp_path, capsys):
     assert err.count("\n") == 1 and f"{tmp_path} is in use by compare.py (pid " in err
 
 
-def test_from_another_directory_moved_and_with_fewer_seeds(data_dir, tmp_path, monkeypatch, capsys):  # noqa: F811
-    """Run from elsewhere with a relative --out_dir: one tree under the cwd and the first differing step found.
-    Moved to another path, the comparison keeps every run (keyed by arm and seed); --seeds 1 after 2 keeps seed
-    1338's runs in compare.json out of the verdict; an interrupted run is made again, and only it."""
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    monkeypatch.chdir(elsewhere)
-    base = " ".join([*TINY, f"--data_dir={data_dir}", "--max_steps=2", "--eval_interval=2"])
-    arms = [base, f"name=b {base} --learning_rate=1e-2"]
-    assert compare.main([*arms, "--out_dir", "o", "--seeds", "2", "--repeat"]) == 0
-    report = json.loads((elsewhere / "o" / "compare.json").read_text())
-    assert report["comparisons"][0]["first_differing_step"] == 2 and report["noise"]["repeat_identical"] is True
-    assert (elsewhere / "o" / "b" / "seed1338" / "metrics.jsonl").is_file()
-    (elsewhere / "o").rename(tmp_path / "moved")
-    monkeypatch.chdir(tmp_path)
-    capsys.readouterr()
-    assert compare.main([*arms, "--out_dir", str(tmp_path / "moved"), "--seeds", "1", "--repeat"]) == 0
-    assert capsys.readouterr().out.count("(made before)") == 3
-    report = json.loads((tmp_path / "moved" / "compare.json").read_text())
-    assert report["seeds"] == [1337] and [len(a["runs"]) for a in report["arms"]] == [2, 2]
-    assert len(report["comparisons"][0]["deltas"]) == 1 and report["comparisons"][0]["first_differing_step"] == 2
-    assert report["arms"][1]["runs"][1]["out_dir"] == str(tmp_path / "moved" / "b" / "seed1338")
-    report["arms"][1]["runs"][0]["status"] = "interrupted"
-    (tmp_path / "moved" / "compare.json").write_text(json.dumps(report))
-    assert compare.main([*arms, "--out_dir", str(tmp_path / "moved"), "--seeds", "2", "--repeat"]) == 0
-    assert capsys.readouterr().out.count("(made before)") == 4
-    assert len((tmp_path / "moved" / "ledger.jsonl").read_text().splitlines()) == 5 + 1
-
-
 @pytest.mark.slow
 def test_sigterm_stops_the_run_which_saves_and_compare_says_so_in_one_line(data_dir, tmp_path):  # noqa: F811
     """SIGTERM to compare.py alone (as `kill PID` sends it) during a run: the run saves (interrupted, exit 5),
@@ -339,6 +310,8 @@ class FakeTrain:
         result = {"status": "ok", "val_loss": value, "steps": steps, "train_s": steps / rate, "tokens_per_s": 1.0}
         stdout.write(f"result: {json.dumps(result | {'params': 10, 'params_lookup': 0})}\n")
         Path(args["out_dir"]).mkdir(parents=True)
+        losses = [{"step": s, "train_loss": 5 - (s - 1) * (0.1 + float(args.get("learning_rate", 0)))} for s in (1, 2)]
+        (Path(args["out_dir"]) / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in losses))
 
     def poll(self):
         return 0
@@ -438,3 +411,38 @@ def test_a_10x_lower_learning_rate_is_worse_at_every_size(data_dir, tmp_path, ca
     assert t["per_size"][0]["params"] < t["per_size"][1]["params"] and t["slope"] is not None
     out = capsys.readouterr().out
     assert "| slow@2x64 |" in out and "transfer: slow worse (1x64 worse, 2x64 worse;" in out
+
+
+def test_from_another_directory_moved_and_with_fewer_seeds(fake_train, tmp_path, monkeypatch, capsys):
+    """Run from elsewhere with a relative --out_dir: one tree under the cwd and the first differing step found.
+    Moved to another path, the comparison keeps every run (keyed by arm and seed); --seeds 1 after 2 keeps seed
+    1338's runs in compare.json out of the verdict; an interrupted run is made again, and only it."""
+    fake_train(0)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    arms = ["x.py", "name=b x.py --learning_rate=0.5"]
+    assert compare.main([*arms, "--out_dir", "o", "--seeds", "2", "--repeat"]) == 0
+    report = json.loads((elsewhere / "o" / "compare.json").read_text())
+    assert report["comparisons"][0]["first_differing_step"] == 2 and report["noise"]["repeat_identical"] is True
+    assert {c[-2] for c, _ in FakeTrain.calls} == {
+        f"--out_dir={elsewhere}/o/{k}" for k in KEYS + ["baseline/seed1337_repeat"]
+    }
+    (elsewhere / "o").rename(tmp_path / "moved")
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert compare.main([*arms, "--out_dir", str(tmp_path / "moved"), "--seeds", "1", "--repeat"]) == 0
+    assert capsys.readouterr().out.count("(made before)") == 3
+    report = json.loads((tmp_path / "moved" / "compare.json").read_text())
+    assert report["seeds"] == [1337] and [len(a["runs"]) for a in report["arms"]] == [2, 2]
+    assert len(report["comparisons"][0]["deltas"]) == 1 and report["comparisons"][0]["first_differing_step"] == 2
+    assert report["arms"][1]["runs"][1]["out_dir"] == str(tmp_path / "moved" / "b" / "seed1338")
+    report["arms"][1]["runs"][0]["status"] = "interrupted"
+    (tmp_path / "moved" / "compare.json").write_text(json.dumps(report))
+    FakeTrain.calls = []
+    assert compare.main([*arms, "--out_dir", str(tmp_path / "moved"), "--seeds", "2", "--repeat"]) == 0
+    assert capsys.readouterr().out.count("(made before)") == 4
+    assert [c[-2] for c, _ in FakeTrain.calls] == [f"--out_dir={tmp_path}/moved/b/seed1337"]
+
+
+KEYS = ["baseline/seed1337", "b/seed1337", "baseline/seed1338", "b/seed1338"]

@@ -16,7 +16,9 @@ TRUE = {"E": 1.2, "A": 30.0, "alpha": 0.35, "B": 60.0, "beta": 0.3}
 
 
 def base(data_dir):  # noqa: F811
-    return shlex.join([*TINY, f"--data_dir={data_dir}", "--eval_interval=100000", "--save_interval=0"])
+    return shlex.join(
+        [*TINY, f"--data_dir={data_dir}", "--eval_interval=100000", "--eval_steps=20", "--save_interval=0"]
+    )
 
 
 def one_line(capsys, code, argv):
@@ -122,15 +124,15 @@ def test_runs_that_did_not_end_ok_give_no_fit_but_one_line(data_dir, tmp_path, c
 
 @pytest.mark.slow
 def test_a_tiny_ladder_end_to_end_predicts_a_run_at_4x_its_largest_budget(data_dir, tmp_path, capsys):  # noqa: F811
-    """Real runs through the runner: 3 sizes x 2 budgets of the tiny model, then the prediction of a run at 4x the
+    """Real runs through the runner: 3 sizes x 3 budgets of the tiny model, then the prediction of a run at 4x the
     largest budget, made and compared with its band."""
     out = tmp_path / "l"
-    argv = [base(data_dir), "--sizes", "1x64,2x64,2x128", "--flops", "2e9,4e9", "--out_dir", str(out)]
+    argv = [base(data_dir), "--sizes", "1x64,2x64,2x128", "--flops", "2e9,4e9,8e9", "--out_dir", str(out)]
     assert ladder.main(argv) == 0
     report = json.loads((out / "ladder.json").read_text())
     assert all(r["status"] == "ok" for r in report["runs"]) and "law" in report
     assert capsys.readouterr().out.splitlines()[-1].startswith("ladder: {")
-    target = "--n_layer=2 --n_embd=64 --n_head=1 --target_flops=1.6e10"
+    target = "--n_layer=2 --n_embd=64 --n_head=1 --target_flops=3.2e10"
     assert ladder.main([str(out), "--predict", target]) == 0
     predicted = json.loads(capsys.readouterr().out.splitlines()[-1].removeprefix("predict: "))
     run_dir = tmp_path / "run"
