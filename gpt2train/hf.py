@@ -38,6 +38,28 @@ NO_HF_EQUIVALENT = {  # the model's options that neither loads, each with what i
 HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu2": "relu2"}
 HF_MODELING = Path(__file__).parent / "hf_modeling"  # the remote code a gpt2train directory carries
 REMOTE_CODE = ("configuration_gpt2train.py", "modeling_gpt2train.py")
+# the GPTConfig keys modeling_gpt2train.py implements (tie_embeddings too, as tie_word_embeddings): a model with any
+# other key off its default (a new option of model.py, e.g. muP's parametrization) exports nowhere until the modeling
+# code has it and this tuple names it
+GPT2TRAIN_KEYS = (
+    "block_size",
+    "vocab_size",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "dropout",
+    "bias",
+    "rotary_pct",
+    "rotary_base",
+    "parallel_residual",
+    "activation",
+    "qk_norm",
+    "zero_init_proj",
+    "value_embeds",
+    "smear",
+    "bigram_embeds",
+    "layer_norm_eps",
+)
 # config.json keys of a gpt2train directory that are transformers' bookkeeping, not the architecture; any other key
 # that is not a GPTConfig key is an architecture this version cannot build (e.g. one a newer version wrote)
 HF_BOOKKEEPING_KEYS = {
@@ -208,7 +230,19 @@ def nonstandard_options(cfg) -> list[str]:
 
 def export_route(cfg) -> str:
     """How save_pretrained writes a model of this GPTConfig: 'gpt2' (GPT2LMHeadModel: learned positions), 'gpt_neox'
-    (GPTNeoXForCausalLM: rotary), or 'gpt2train' (its own remote code) when neither holds it."""
+    (GPTNeoXForCausalLM: rotary), or 'gpt2train' (its own remote code) when neither holds it. ValueError for a key
+    off its default that no route holds yet (not in GPT2TRAIN_KEYS)."""
+    unmodeled = [
+        f"{f.name}={getattr(cfg, f.name)!r}"
+        for f in dataclasses.fields(cfg)
+        if f.name not in (*GPT2TRAIN_KEYS, "tie_embeddings", *TRAINING_ONLY_MODEL_KEYS)
+        and getattr(cfg, f.name) != f.default
+    ]
+    if unmodeled:
+        raise ValueError(
+            f"save_pretrained: {', '.join(unmodeled)}: not in the exported modeling code yet "
+            f"(gpt2train/hf_modeling/modeling_gpt2train.py; hf.GPT2TRAIN_KEYS names what it implements)"
+        )
     if nonstandard_options(cfg):
         return "gpt2train"
     return "gpt2" if cfg.rotary_pct is None else "gpt_neox"
@@ -224,9 +258,9 @@ def _gpt2train_tensors(model: GPT) -> dict:
 
 
 def _gpt2train_json(cfg, eos: int) -> dict:
-    """config.json of a gpt2train export: the remote code's classes (auto_map) and every GPTConfig key but the
-    training-only activation_checkpointing. (muP's multipliers, once GPTConfig has them, are keys like any other.)"""
-    keys = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("tie_embeddings", "activation_checkpointing")}
+    """config.json of a gpt2train export: the remote code's classes (auto_map) and the GPTConfig keys it implements
+    (GPT2TRAIN_KEYS: every one but the training-only activation_checkpointing)."""
+    keys = {k: getattr(cfg, k) for k in GPT2TRAIN_KEYS}
     return {
         "architectures": ["GPT2TrainForCausalLM"],
         "auto_map": {
@@ -479,7 +513,7 @@ def _gpt2train_config(hf: dict, file: Path) -> dict:
     """GPTConfig keywords of a gpt2train config.json (save_pretrained's remote-code export): every key under its own
     name. A key that is neither GPTConfig's nor transformers' bookkeeping is an architecture this version cannot
     build: refused, never dropped."""
-    keys = {f.name for f in dataclasses.fields(GPTConfig)} - {"tie_embeddings", *TRAINING_ONLY_MODEL_KEYS}
+    keys = set(GPT2TRAIN_KEYS) - set(TRAINING_ONLY_MODEL_KEYS)
     unknown = sorted(set(hf) - keys - HF_BOOKKEEPING_KEYS - set(TRAINING_ONLY_MODEL_KEYS))
     if unknown:
         raise ValueError(
