@@ -294,8 +294,8 @@ def shard(model, cfg, env):
         for block in model.transformer.h:
             fully_shard(block, mesh=dp_mesh, mp_policy=policy)
         fully_shard(model, mesh=dp_mesh, mp_policy=policy)
-    elif "deferred_init" not in model.__dict__:  # tensor parallelism alone: the replicated weights to the device
-        model.to(env.device)
+    elif not next(model.parameters()).is_meta:  # tensor parallelism alone: whole weights to the device (a model on
+        model.to(env.device)  # meta stays there: materialised below, or the dry run's, to_empty'd on fake tensors)
     if "deferred_init" in model.__dict__:  # built on meta: this rank's shards only, initialised as one process would
         materialise(model, env)
     return model
