@@ -26,8 +26,8 @@ the tokenizer (tokenizer_record: its content hash and size) and a copy of its fi
 <name>_tokenizer.json, so that train.py takes the vocabulary from the data and puts the tokenizer in its checkpoints.
 
 --format sft: supervised fine-tuning data (jsonl of prompt/completion or chat messages) -> token shards
-plus loss-mask shards of whole conversations (rows built at load time, for any block_size); see
-gpt2train/sft_shards.py and docs/sft.md.
+plus loss-mask shards of whole conversations (rows built at load time, for any block_size), with GPT-2's tokenizer
+or a --tokenizer that has the chat tokens (tokenizer.py --chat_tokens); see gpt2train/sft_shards.py and docs/sft.md.
 """
 
 import argparse
@@ -49,11 +49,12 @@ import numpy as np
 from gpt2train.bpe import open_tokenizer, tokenizer_record
 from gpt2train.console import log, progress_bar
 from gpt2train.documents import PRESETS, Corpus, PrepError, non_empty, resolve_source, val_first
-from gpt2train.files import atomic_write, error_message, file_sha256, report_error
+from gpt2train.files import error_message, file_sha256, report_error
 from gpt2train.prep_output import (
     DEFAULT_SHARD_TOKENS,
     as_uint16,
     fingerprint,
+    keep_tokenizer,
     locked,
     remove_stale_temp_files,
     shard_is_complete,
@@ -439,16 +440,6 @@ def resolve_tokenizer(spec):
     return path, record
 
 
-def keep_tokenizer(out_dir, name, record):
-    """The manifest's "tokenizer" entry: the record without the file's text, which goes beside the shards as
-    <name>_tokenizer.json (manifests.data_tokenizer reads it back; GPT-2's needs no file)."""
-    entry = {k: v for k, v in record.items() if k != "json"}
-    if record["json"] is not None:
-        entry["file"] = f"{name}_tokenizer.json"
-        atomic_write(Path(out_dir) / entry["file"], record["json"])
-    return entry
-
-
 def arg_parser():
     """prepare_data.py's flags."""
     p = argparse.ArgumentParser(
@@ -524,10 +515,8 @@ def main(argv=None):
     sft = args.format == "sft"
     if sft and (args.dataset or not args.input):
         p.error("--format sft reads --input FILE.jsonl [...] (prompt/completion or messages lines)")
-    if sft and args.tokenizer != "gpt2":
-        p.error("--format sft uses GPT-2's tokenizer and its chat tokens; --tokenizer is for --format text")
     try:
-        s = prepare_sft(args) if sft else prepare(args)
+        s = prepare_sft(args, *resolve_tokenizer(args.tokenizer)) if sft else prepare(args)
     except (PrepError, OSError) as e:  # bad input or environment: one line (GPT2_TRACEBACK=1: the traceback)
         sys.exit(error_message("prepare_data.py", e))
     except KeyboardInterrupt:

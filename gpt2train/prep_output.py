@@ -5,6 +5,7 @@ verified against it, and token ids checked to fit the shards' uint16 before they
 import contextlib
 import hashlib
 import json
+from pathlib import Path
 
 import numpy as np
 
@@ -66,3 +67,13 @@ def fingerprint(settings):
     """The manifest's fingerprint of a prep's settings: a re-run whose settings hash alike continues (or reuses) the
     shards there; any other is refused or rewrites them."""
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def keep_tokenizer(out_dir, name, record):
+    """The manifest's "tokenizer" entry: the record without the file's text, which goes beside the shards as
+    <name>_tokenizer.json (manifests.data_tokenizer reads it back; GPT-2's needs no file)."""
+    entry = {k: v for k, v in record.items() if k != "json"}
+    if record["json"] is not None:
+        entry["file"] = f"{name}_tokenizer.json"
+        atomic_write(Path(out_dir) / entry["file"], record["json"])
+    return entry
