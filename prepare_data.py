@@ -29,8 +29,8 @@ the tokenizer (tokenizer_record: its content hash and size) and a copy of its fi
 <name>_tokenizer.json, so that train.py takes the vocabulary from the data and puts the tokenizer in its checkpoints.
 
 --format sft: supervised fine-tuning data (jsonl of prompt/completion or chat messages) -> token shards
-plus loss-mask shards of whole conversations (rows built at load time, for any block_size); see
-gpt2train/sft_shards.py and docs/sft.md.
+plus loss-mask shards of whole conversations (rows built at load time, for any block_size), with GPT-2's tokenizer
+or a --tokenizer that has the chat tokens (tokenizer.py --chat_tokens); see gpt2train/sft_shards.py and docs/sft.md.
 """
 
 import argparse
@@ -516,10 +516,8 @@ def main(argv=None):
         p.error("--format sft reads --input FILE.jsonl [...] (prompt/completion or messages lines)")
     if sft and args.test_input:
         p.error("--test_input is for --format text")
-    if sft and args.tokenizer != "gpt2":
-        p.error("--format sft uses GPT-2's tokenizer and its chat tokens; --tokenizer is for --format text")
     try:
-        s = prepare_sft(args) if sft else prepare(args)
+        s = prepare_sft(args, *resolve_tokenizer(args.tokenizer)) if sft else prepare(args)
     except HeldOutError as e:  # held-out documents also in --input: bad input
         print(error_message("prepare_data.py", e), file=sys.stderr)
         sys.exit(2)

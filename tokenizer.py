@@ -17,9 +17,10 @@ all, then reports bytes per token on the held-out text next to GPT-2's, and its 
 Design: GPT-4's split pattern (cl100k_base) before the byte-level BPE. Compared with GPT-2's it keeps runs of
 newlines and indentation apart from the words (code and markdown compress better), splits digits in groups of at most
 three (numbers cost a bounded number of tokens instead of one arbitrary merge per frequent number), and matches
-contractions case-insensitively. The special tokens come first: <|endoftext|> is id 0 (the document separator) and
-chat.py's chat tokens 1..4, so a model trained on the data can be fine-tuned to chat without resizing. vocab_size
-counts everything (specials, the 256 bytes, the merges) and is at most 65,536: the shards hold uint16 ids.
+contractions case-insensitively. The special tokens come first: <|endoftext|> is id 0 (the document separator) and,
+with --chat_tokens (the default), chat.py's chat tokens 1..4, so a model trained on the data can be fine-tuned to chat
+(prepare_data.py --format sft --tokenizer DIR, docs/sft.md) without resizing. vocab_size counts everything
+(specials, the 256 bytes, the merges) and is at most 65,536: the shards hold uint16 ids.
 """
 
 import argparse
@@ -47,11 +48,11 @@ MAX_RUN = 1_000  # characters: longer runs without whitespace (or of whitespace)
 LONG_RUN = re.compile(rf"\S{{{MAX_RUN + 1},}}|\s{{{MAX_RUN + 1},}}")
 
 
-def special_tokens():
-    """<|endoftext|> then chat.py's chat tokens, in id order."""
+def special_tokens(chat_tokens=True):
+    """<|endoftext|> then (chat_tokens) chat.py's chat tokens, in id order."""
     from gpt2train import chat
 
-    return ["<|endoftext|>", *chat.SPECIAL]
+    return ["<|endoftext|>", *(chat.SPECIAL if chat_tokens else ())]
 
 
 def split_held_out(texts, held_out_bytes=None):
@@ -119,9 +120,9 @@ def build_tokenizer():
     return tok
 
 
-def train(texts, vocab_size, progress=False):
+def train(texts, vocab_size, progress=False, chat_tokens=True):
     """A trained tokenizers.Tokenizer of vocab_size ids (specials, 256 bytes, merges) from an iterable of texts."""
-    specials = special_tokens()
+    specials = special_tokens(chat_tokens)
     if not len(specials) + 256 < vocab_size <= MAX_VOCAB:
         raise TokenizerError(
             f"--vocab_size must be in ({len(specials) + 256}, {MAX_VOCAB:,}]: the shards store token "
@@ -193,6 +194,13 @@ def main(argv=None):
         help="prepare_data.py --test_input's files: refused where --input holds their documents; never read else",
     )
     p.add_argument("--max_bytes", type=int, default=None, help="learn from at most this many bytes (default: all)")
+    p.add_argument(
+        "--chat_tokens",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reserve ids 1-4 for the chat tokens (<|system|>, <|user|>, <|assistant|>, <|end|>) that "
+        "prepare_data.py --format sft and sample.py --chat use (default: on)",
+    )
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     try:
@@ -208,8 +216,8 @@ def main(argv=None):
 
 def check_flags(args):
     """TokenizerError for a flag out of range, before anything is read or written."""
-    if not len(special_tokens()) + 256 < args.vocab_size <= MAX_VOCAB:
-        train([], args.vocab_size)  # its one-line error
+    if not len(special_tokens(args.chat_tokens)) + 256 < args.vocab_size <= MAX_VOCAB:
+        train([], args.vocab_size, chat_tokens=args.chat_tokens)  # its one-line error
     if args.held_out_bytes is not None and args.held_out_bytes < 0:
         raise TokenizerError(f"--held_out_bytes must be >= 0, got {args.held_out_bytes:,}")
     if args.held_out_bytes is not None and args.val_input:
@@ -259,7 +267,7 @@ def learn(args):
                 yield from pieces
 
         start = time.perf_counter()
-        tok = train(limited(), args.vocab_size, progress=not args.no_progress)
+        tok = train(limited(), args.vocab_size, progress=not args.no_progress, chat_tokens=args.chat_tokens)
         learned["seconds"] = time.perf_counter() - start
     except HeldOutError:
         raise

@@ -54,6 +54,7 @@ from gpt2train.optim import build_optimizer, set_lr
 from gpt2train.parallel import (
     after_compile_trial,
     build_on_meta,
+    exit_process,
     is_compiled,
     keeps_grads,
     parallelize,
@@ -552,4 +553,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main)
