@@ -153,6 +153,9 @@ def law_objective(theta, log_n, log_d, log_loss, delta):
     return float(huber.sum()) / delta, grad / delta  # in units of delta: L-BFGS-B's tolerances are absolute
 
 
+SOLVER = {"jac": True, "method": "L-BFGS-B", "bounds": BOUNDS, "options": TOLERANCES}  # scipy.optimize.minimize
+
+
 def law_theta(runs, starts=None, fits=FITS):
     """The fitted theta = (a, alpha, b, beta, e) of the runs: L-BFGS-B from `starts` (default: the fits.starts best
     points of GRID by the objective) and kept the lowest."""
@@ -169,7 +172,7 @@ def law_theta(runs, starts=None, fits=FITS):
         starts = GRID[np.argsort(scores)[: fits.starts]]
     best = None
     for start in starts:
-        res = minimize(law_objective, start, args=data, jac=True, method="L-BFGS-B", bounds=BOUNDS, options=TOLERANCES)
+        res = minimize(law_objective, start, args=data, **SOLVER)
         if best is None or res.fun < best.fun:
             best = res
     return best.x
