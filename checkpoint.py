@@ -1,5 +1,6 @@
 """Convert checkpoints: a sharded checkpoint directory into one file, or any checkpoint into a Hugging Face directory
-that transformers, the lm-evaluation-harness and llama.cpp load as they are (docs/evaluation-harness.md).
+that transformers and the lm-evaluation-harness load: a GPT-2 or GPT-NeoX one where the model is one of those (llama.cpp
+converts these too), else one with its own modeling code (trust_remote_code=True; docs/export.md).
 
     python checkpoint.py consolidate out/run/ckpt_000100 out/run/ckpt_000100.pt
     python checkpoint.py export out/run hf_out            # an out_dir means its newest good checkpoint
@@ -9,6 +10,7 @@ The checkpoint format itself is gpt2train/checkpoint.py's (checkpoint_file.py: a
 """
 
 import argparse
+from pathlib import Path
 
 from gpt2train.chat import CHAT_TEMPLATE
 from gpt2train.checkpoint import consolidate, model_from_checkpoint
@@ -24,7 +26,9 @@ def arg_parser():
     c = commands.add_parser("consolidate", help="sharded checkpoint directory -> single-file checkpoint")
     c.add_argument("src", help="a sharded checkpoint, e.g. out/run/ckpt_000100")
     c.add_argument("dst", help="the file to write, e.g. out/run/ckpt_000100.pt")
-    e = commands.add_parser("export", help="checkpoint (file, sharded directory or out_dir) -> Hugging Face GPT-2")
+    e = commands.add_parser(
+        "export", help="checkpoint (file, sharded directory or out_dir) -> Hugging Face directory (docs/export.md)"
+    )
     e.add_argument("src")
     e.add_argument("dst", help="directory for config.json, model.safetensors and the tokenizer files")
     e.add_argument(
@@ -33,6 +37,7 @@ def arg_parser():
         help="a chat model (fine-tuned with prepare_data.py --format sft): "
         "export the chat tokens and the chat template (docs/sft.md)",
     )
+    e.add_argument("--force", action="store_true", help="write into DST even if it is a directory that is not empty")
     return parser
 
 
@@ -43,6 +48,11 @@ def main(argv=None):
         if args.command == "consolidate":
             step = consolidate(args.src, args.dst)
         else:
+            dst = Path(args.dst)
+            if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not args.force:
+                raise ValueError(
+                    f"{dst} exists and is not an empty directory: give another DST, or --force to write into it"
+                )
             model, info = model_from_checkpoint(args.src)
             save_pretrained(
                 model,

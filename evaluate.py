@@ -4,6 +4,7 @@
     python evaluate.py --init_from hf_dir --tasks arc_easy,mmlu --limit 200 --per_example preds.jsonl
     python evaluate.py --export_harness harness_tasks --tasks default       # the same tasks for `lm_eval`
     python evaluate.py --ckpt out/a --bpb held_out.txt docs.jsonl --json    # bits per byte of any text
+    python evaluate.py --ckpt out/a --split test --json                     # loss and bpb on the data's test split
 
 Tasks (tasks.py): hellaswag, arc_easy, arc_challenge, piqa, winogrande, copa, openbookqa, commonsense_qa, sciq,
 social_iqa, boolq, mmlu; `default` is the suite a 124M run can afford at every evaluation, `all` every task.
@@ -14,7 +15,9 @@ hellaswag.py and train.py use (scoring.py). The summary `mc_centered` is the mea
 1 for perfect. Scored on the validation splits (the harness's default is `test` for ARC, OpenBookQA, SciQ, MMLU).
 
 --bpb scores text files instead, in bits per UTF-8 byte (BPB_PROTOCOL below; scoring.bits_per_byte), so models with
-different tokenizers compare on the same text.
+different tokenizers compare on the same text. --split val|test scores the checkpoint on its data's whole val or test
+split (prepare_data.py --test_input's shards, which no training run reads) as train.py validates with
+eval_steps='all' (evaluation.Evaluator): the last stdout line with --json holds <split>_loss and <split>_bpb.
 """
 
 import argparse
@@ -28,15 +31,16 @@ from pathlib import Path
 import torch
 
 from gpt2train import tasks
-from gpt2train.bpe import replace_surrogates
+from gpt2train.bpe import replace_surrogates, tokenizer_record
 from gpt2train.console import log
-from gpt2train.documents import PrepError, file_documents
+from gpt2train.documents import PrepError, expand_inputs, file_documents
 from gpt2train.files import atomic_write, check_writable, report_error
 from gpt2train.scoring import Forwards, Suite, bits_per_byte
 from gpt2train.tracking import json_safe
 
 BPB_PROTOCOL = (
-    "a .txt file is one document, a .jsonl file's `text` fields are documents; each document is scored alone as "
+    "a .jsonl file's `text` fields are documents, any other UTF-8 file (.txt, .py, ...) is one, a directory its files"
+    "; each document is scored alone as "
     "the end-of-text token followed by its tokens, cut into consecutive non-overlapping windows of at most "
     "block_size predicted tokens, each window conditioned only on its own tokens (softmax over the tokenizer's "
     "ids); bits per byte = the summed negative log-likelihood / ln 2 / the documents' UTF-8 bytes"
@@ -135,6 +139,13 @@ def _parser(export):
         parser.add_argument(
             "--bpb", nargs="+", metavar="FILE", help=f"score these text files in bits per byte instead: {BPB_PROTOCOL}"
         )
+        parser.add_argument(
+            "--split",
+            choices=["val", "test"],
+            help="score the loss and bits per byte on the data's whole val or test split instead (as train.py's "
+            "validation with eval_steps='all'); --json's last line: <split>_loss, <split>_bpb",
+        )
+        parser.add_argument("--data_dir", help="--split: the prepared data (default: the checkpoint's data_dir)")
     parser.add_argument(
         "--tasks",
         default="default",
@@ -162,6 +173,12 @@ def main(argv=None):
     if args.limit is not None and args.limit < 1:
         parser.error(f"--limit must be >= 1, got {args.limit}")
 
+    if not export and args.split:
+        result, line = score_split(parser, args)
+        print(line)
+        if args.json:
+            print(json.dumps(strict(result)))
+        return 0
     if not export and args.bpb:
         result, device, dtype = score_bpb(parser, args)
         print(
@@ -236,20 +253,17 @@ def strict(value):
 
 
 def read_documents(paths, limit=None):
-    """The documents of --bpb's files (BPB_PROTOCOL), the first `limit` of them (a null `text` is an empty one,
-    lone surrogates U+FFFD, as prepare_data.py reads them); ValueError (one line naming the file, and the line of
-    a jsonl) for another kind of file, a `text` that is not a string, or a file that cannot be read."""
+    """The documents of --bpb's files (BPB_PROTOCOL; a directory: its text files, as prepare_data.py --input reads
+    one), the first `limit` of them (a null `text` is an empty one, lone surrogates U+FFFD, as prepare_data.py reads
+    them); ValueError (one line naming the file, and the line of a jsonl) for a binary file, a `text` that is not a
+    string, or a file that cannot be read."""
     docs = []
     for path in map(Path, paths):
-        if path.suffix not in (".txt", ".jsonl"):
-            raise ValueError(f"{path}: --bpb reads .txt files (one document) and .jsonl files (a 'text' field a line)")
-        if path.is_dir():
-            raise ValueError(f"{path}: is a directory, where a text file is expected")
-        if not path.is_file():
+        if not path.is_file() and not path.is_dir():
             kind = "not a regular file (a FIFO, device or socket)" if path.exists() else "no such file"
             raise ValueError(f"{path}: {kind}")
         try:
-            docs += (replace_surrogates(doc or "") for doc in file_documents([path], "text"))
+            docs += (replace_surrogates(doc or "") for doc in file_documents(expand_inputs([str(path)]), "text"))
         except PrepError as e:
             raise ValueError(str(e)) from None
     return docs[:limit]
@@ -277,6 +291,61 @@ def score_bpb(parser, args):
         report_error(parser.prog, e)
         parser.exit(2)
     return result, device, dtype
+
+
+def score_split(parser, args):
+    """evaluate.py --split: (the result: <split>_loss, <split>_bpb, <split>_bytes, ...; its line) of the checkpoint on
+    its data's whole val or test split, scored by the training run's own validation (evaluation.Evaluator.validate,
+    eval_steps='all'). Data without that split, or tokenized with another tokenizer, is one line on stderr and exit
+    status 2."""
+    from types import SimpleNamespace
+
+    from gpt2train.config import ConfigError
+    from gpt2train.data import open_loader
+    from gpt2train.evaluation import Evaluator
+    from gpt2train.loading import load_model_from_args
+    from gpt2train.manifests import data_tokenizer, read_manifests
+    from gpt2train.parallel import Env
+    from gpt2train.shards import ShardError
+    from gpt2train.start import check_tokenizer
+
+    if args.bpb or args.per_example or args.data:
+        parser.error("--split scores a data split: --bpb, --per_example and --data are other evaluations")
+    if args.init_from and not args.data_dir:
+        parser.error("--split with --init_from needs --data_dir (a checkpoint knows its own)")
+    model, enc, device, dtype = load_model_from_args(parser, args)
+    config = args.model_info["config"] or {}
+    cfg = SimpleNamespace(  # what open_loader and Evaluator read of a run's config
+        **{
+            "data_dir": args.data_dir or config.get("data_dir"),
+            "batch_size": args.batch_size,
+            "block_size": model.config.block_size,
+            "vocab_size": model.config.vocab_size,
+            "seed": config.get("seed", 0),
+            "packing": config.get("packing", "window"),
+            "eval_steps": "all",
+            **dict.fromkeys(("hellaswag_interval", "eval_tasks_interval", "sample_interval"), 0),
+        }
+    )
+    try:
+        manifests = read_manifests(cfg.data_dir)
+        check_tokenizer(tokenizer_record(enc), data_tokenizer(manifests), cfg.data_dir, args.ckpt or args.init_from)
+        loader = open_loader(cfg, args.split, manifests=manifests)
+    except (ShardError, ConfigError, ValueError) as e:  # NoShardsError: no test shards there
+        hint = "; prepare them with prepare_data.py --test_input FILES" if "no test shards" in str(e) else ""
+        report_error(parser.prog, ValueError(f"{e}{hint}"))
+        parser.exit(2)
+    env = Env(rank=0, local_rank=0, world_size=1, distributed=False, device=device, dtype=dtype)
+    evaluator = Evaluator(SimpleNamespace(B=args.batch_size), loader, None, cfg, env, None)
+    evaluator.enc = enc  # val_bpb's byte lengths: the model's tokenizer, which the data's matches
+    record = evaluator.validate(model, args.model_info["step"] or 0, SimpleNamespace(signal=None))
+    split = args.split
+    result = {f"{split}_{k[4:]}": v for k, v in record.items() if k.startswith("val_")}
+    line = (
+        f"{split}_loss={result[f'{split}_loss']:.4f} {split}_bpb={result.get(f'{split}_bpb', math.nan):.4f} over the "
+        f"{split} split of {cfg.data_dir} ({result.get(f'{split}_bytes', 0):,} bytes; {device}, {dtype})"
+    )
+    return {"split": split, **result, "data_dir": str(cfg.data_dir), "step": record["step"]}, line
 
 
 if __name__ == "__main__":

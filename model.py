@@ -536,6 +536,16 @@ class GPT(nn.Module):
         h = x.reshape(-1, x.size(-1))  # (B*T, C)
         return ChunkedLMHeadLoss.apply(h, self.lm_head.weight, targets.reshape(-1), need_grad)
 
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None, **options):
+        """nanoGPT's call: idx (B, T) continued by max_new_tokens sampled tokens, (B, T + n). temperature 0 is greedy;
+        options are gpt2train/generation.py's (top_p, eos_token, n_vocab; generator, use_kv_cache), which this
+        delegates to, imported here so that model.py imports nothing of the library's to be built."""
+        from gpt2train import generation  # the decoding loop and its KV cache; it imports this module
+
+        generator, use_kv_cache = options.pop("generator", None), options.pop("use_kv_cache", True)
+        sampling = generation.Sampling(temperature=temperature, top_k=top_k, **options)
+        return generation.generate(self, idx, max_new_tokens, sampling, generator, use_kv_cache)
+
     # ------------------------------------------------------------------------- training helpers
 
     def flops_per_token(self, seq_len: int | None = None) -> float:

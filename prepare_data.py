@@ -4,7 +4,7 @@
     python prepare_data.py --dataset fineweb-edu --num_proc 16
     python prepare_data.py --input books/ notes/*.jsonl --out_dir data/mine --val_tokens 100000
     python prepare_data.py --input books/ --tokenizer tok/mine --out_dir data/mine   # your tokenizer (tokenizer.py)
-    python prepare_data.py --input train.jsonl --val_input heldout.jsonl --out_dir data/mine   # your own val split
+    python prepare_data.py --input train.jsonl --val_input val.jsonl --test_input test.jsonl --out_dir data/mine
 
 Writes out_dir/<name>_val_000000.bin (the start of the input: the fewest whole documents holding
 --val_tokens tokens, by default 10% of the input and at most 1M; a document that would more than
@@ -14,10 +14,13 @@ documents of those files, and --input all goes to train), then
 shorter; a document may continue into the next shard), and <name>_manifest.json, which records the
 input, the settings and every finished shard (its size, sha256 and where in the document stream it
 starts and ends). A re-run verifies the finished shards, skips them and tokenizes only what is
-missing; a directory holding <name> shards from another input or settings is refused.
+missing; a directory holding <name> shards from another input or settings is refused. --test_input: a test split,
+<name>_test_000000.bin, exactly those files' documents, which training never reads (evaluate.py --split test). A
+held-out document (--val_input's, --test_input's) that --input holds too, by path or by content, is refused (exit 2).
 
-Documents: a .txt file is one document; a .jsonl file has one per line (field --text_key);
-a .parquet file one per row (column --text_key); directories are searched recursively for those.
+Documents: a .jsonl file has one per line (field --text_key), a .parquet file one per row (column --text_key), any
+other UTF-8 file (.txt, .py, .md, ...) is one document; a binary file named alone is refused. Directories are
+searched recursively (sorted, hidden files and folders left out, binary files skipped with a note).
 The shakespeare preset splits Tiny Shakespeare at blank lines, so each speech is one document.
 
 --tokenizer: gpt2 (default, tiktoken) or a Hugging Face tokenizer.json / a directory holding one (tokenizer.py's
@@ -26,13 +29,12 @@ the tokenizer (tokenizer_record: its content hash and size) and a copy of its fi
 <name>_tokenizer.json, so that train.py takes the vocabulary from the data and puts the tokenizer in its checkpoints.
 
 --format sft: supervised fine-tuning data (jsonl of prompt/completion or chat messages) -> token shards
-plus loss-mask shards of whole conversations (rows built at load time, for any block_size); see
-gpt2train/sft_shards.py and docs/sft.md.
+plus loss-mask shards of whole conversations (rows built at load time, for any block_size), with GPT-2's tokenizer
+or a --tokenizer that has the chat tokens (tokenizer.py --chat_tokens); see gpt2train/sft_shards.py and docs/sft.md.
 """
 
 import argparse
 import contextlib
-import json
 import multiprocessing
 import os
 import re
@@ -48,19 +50,29 @@ import numpy as np
 
 from gpt2train.bpe import open_tokenizer, tokenizer_record
 from gpt2train.console import log, progress_bar
-from gpt2train.documents import PRESETS, Corpus, PrepError, non_empty, resolve_source, val_first
-from gpt2train.files import atomic_write, error_message, file_sha256, report_error
+from gpt2train.documents import (
+    PRESETS,
+    Corpus,
+    HeldOutError,
+    PrepError,
+    held_out,
+    non_empty,
+    resolve_source,
+    val_first,
+    without_held_out,
+)
+from gpt2train.files import error_message, file_sha256, report_error
 from gpt2train.prep_output import (
     DEFAULT_SHARD_TOKENS,
     as_uint16,
-    fingerprint,
+    keep_tokenizer,
     locked,
     remove_stale_temp_files,
-    shard_is_complete,
+    resumable_manifest,
     write_manifest,
 )
 from gpt2train.sft_shards import prepare_sft
-from gpt2train.shards import SHARD_SUFFIXES, write_shard
+from gpt2train.shards import SPLITS, write_shard
 
 VAL_SHARE = 0.1  # default validation split: the first 10% of the input, like nanoGPT's 90/10 ...
 DEFAULT_VAL_TOKENS = 1_000_000  # ... and at most this many tokens (1M tokens estimate a val loss well enough)
@@ -230,12 +242,17 @@ class ShardWriter:
                 + ("; lower --val_tokens" if self.val_tokens else "; add text" + " to --input" * bool(self.val_docs))
             )
 
+    def write_test(self, tokens, num_docs):
+        """The test shard (--test_input's documents, tokenized), after the train shards; its place in the stream is
+        the stream's end, [num_docs, 0], which a resumed run starts from."""
+        self._write("test", tokens, [num_docs, 0], [num_docs, 0])
+
     def _write_train(self, end):
         self._write("train", self.buffer[: self.fill], self.start, end)
         self.fill = 0
 
     def _write(self, split, tokens, start, end):
-        index = len(self.records) - 1 if split == "train" else 0
+        index = sum(r["split"] == split for r in self.records) if split == "train" else 0
         path = self.out_dir / f"{self.name}_{split}_{index:06d}.bin"
         write_shard(path, tokens)
         self.records.append(
@@ -256,43 +273,6 @@ class ShardWriter:
 # ---------------------------------------------------------------------------- main
 
 
-def resumable_manifest(out_dir, name, manifest_path, settings):
-    """(the manifest to continue, the names of our shards found in out_dir): the earlier run's finished shards
-    that verify (all of them, and complete, if it finished), or a fresh manifest. Somebody else's token files
-    there, our shards without a manifest, or a manifest of another input are a PrepError."""
-    ours = re.compile(rf"{re.escape(name)}_(train|val)_\d{{6}}\.bin")
-    existing = sorted(p.name for p in out_dir.iterdir() if ours.fullmatch(p.name))
-    others = sorted(p.name for p in out_dir.iterdir() if p.suffix in SHARD_SUFFIXES and not ours.fullmatch(p.name))
-    if others:  # a loader reading out_dir would mix them with ours
-        raise PrepError(
-            f"{out_dir} holds other token files ({others[0]}, ...) that a loader reading the directory "
-            f"would mix with the {name} shards; use another --out_dir"
-        )
-    manifest = {"fingerprint": fingerprint(settings), "settings": settings, "complete": False, "shards": []}
-    if manifest_path.exists():
-        try:
-            old = json.loads(manifest_path.read_text())
-        except (OSError, ValueError) as e:
-            raise PrepError(f"{manifest_path}: unreadable manifest ({e}); delete it and the {name}_* shards") from None
-        if old.get("fingerprint") != manifest["fingerprint"]:
-            raise PrepError(
-                f"{out_dir} holds {name} shards from a different input or settings ({manifest_path.name}); "
-                f"use another --out_dir or --name, or delete them"
-            )
-        for record in old["shards"]:
-            if not shard_is_complete(out_dir, record):
-                break
-            manifest["shards"].append(record)
-        if old.get("complete") and len(manifest["shards"]) == len(old["shards"]):
-            manifest.update(complete=True, documents=old["documents"], tokens=old["tokens"])
-    elif existing:
-        raise PrepError(
-            f"{out_dir} holds {name} shards ({existing[0]}, ...) but no {manifest_path.name}, so they come "
-            f"from another run or tool; use another --out_dir or --name, or delete them"
-        )
-    return manifest, existing
-
-
 @dataclass(frozen=True)
 class TextPrep:
     """What prepare() writes, resolved once from the flags, the preset and the input."""
@@ -306,6 +286,7 @@ class TextPrep:
     shard_tokens: int
     val_tokens: int | None  # None: VAL_SHARE of the input, at most DEFAULT_VAL_TOKENS
     val_docs: int | None  # --val_input's documents, the val shard's whole; None without it
+    test: object  # documents.HeldOut of --test_input: the test shard, which no training run reads; or None
     num_proc: int
     settings: dict  # what the manifest records: a re-run with the same fingerprint continues the shards
 
@@ -318,11 +299,14 @@ def plan(args):
         args.input, args.dataset, args.text_key, args.dataset_config, args.split, args.revision, args.streaming
     )
     describe, texts, count, preset, default_name = resolve_source(corpus)
-    val_docs = None
-    if args.val_input:  # the val documents first in the stream; ShardWriter cuts the val shard after them
-        if args.val_tokens is not None:
-            raise PrepError("give --val_input or --val_tokens, not both: the validation split is --val_input's")
-        val_describe, texts, count, val_docs = val_first(args.val_input, args.text_key, describe, texts, count)
+    if args.val_input and args.val_tokens is not None:
+        raise PrepError("give --val_input or --val_tokens, not both: the validation split is --val_input's")
+    files, key = describe.get("files"), args.text_key
+    val = held_out("--val_input", args.val_input, key, files) if args.val_input else None
+    test = held_out("--test_input", args.test_input, key, files, [val] if val else []) if args.test_input else None
+    texts = without_held_out(describe, texts, key, [s for s in (val, test) if s])  # HeldOutError: in --input too
+    if val:  # the val documents first in the stream; ShardWriter cuts the val shard after them
+        texts, count = val_first(val, describe, texts, count)
     name = re.sub(r"[^A-Za-z0-9]+", "_", args.name or default_name).strip("_") or "data"
     out_dir = Path(
         args.out_dir or Path("data") / (args.dataset if args.dataset in PRESETS else name)
@@ -343,10 +327,13 @@ def plan(args):
         "shard_tokens": shard_tokens,
         "val_tokens": val_tokens or {"share": VAL_SHARE, "max": DEFAULT_VAL_TOKENS},
     }
-    if args.val_input:  # recorded only then: the settings (fingerprint) of a run without it are unchanged
-        settings.update(val_tokens={"documents": val_docs}, val_input=val_describe)
+    if val:  # recorded only then: the settings (fingerprint) of a run without it are unchanged
+        settings.update(val_tokens={"documents": val.count}, val_input=val.describe)
+    if test:
+        settings.update(test_input=test.describe)
+    val_docs = val and val.count
     return TextPrep(
-        tokenizer, record, texts, count, out_dir, name, shard_tokens, val_tokens, val_docs, num_proc, settings
+        tokenizer, record, texts, count, out_dir, name, shard_tokens, val_tokens, val_docs, test, num_proc, settings
     )
 
 
@@ -367,6 +354,8 @@ def prepare(args):
             if num_docs == 0:
                 raise PrepError("no documents with text in the input (all empty)")
             writer.finish(num_docs)
+            if job.test and not any(r["split"] == "test" for r in manifest["shards"]):  # after train: resumes alike
+                writer.write_test(tokenize_batch(list(job.test.texts()), job.tokenizer)[0], num_docs)
             manifest.update(complete=True, documents=num_docs, tokens=sum(r["tokens"] for r in manifest["shards"]))
             write_manifest(manifest_path, manifest)
         keep = {r["file"] for r in manifest["shards"]}
@@ -380,8 +369,7 @@ def prepare(args):
             "name": name,
             "documents": manifest["documents"],
             "tokens": manifest["tokens"],
-            "val_tokens": records[0]["tokens"],
-            "train_tokens": sum(r["tokens"] for r in records[1:]),
+            **{f"{split}_tokens": sum(r["tokens"] for r in records if r["split"] == split) for split in SPLITS},
             "shards": len(records),
             "tokenized": writer.tokens_added,
             "seconds": seconds,
@@ -439,22 +427,17 @@ def resolve_tokenizer(spec):
     return path, record
 
 
-def keep_tokenizer(out_dir, name, record):
-    """The manifest's "tokenizer" entry: the record without the file's text, which goes beside the shards as
-    <name>_tokenizer.json (manifests.data_tokenizer reads it back; GPT-2's needs no file)."""
-    entry = {k: v for k, v in record.items() if k != "json"}
-    if record["json"] is not None:
-        entry["file"] = f"{name}_tokenizer.json"
-        atomic_write(Path(out_dir) / entry["file"], record["json"])
-    return entry
-
-
 def arg_parser():
     """prepare_data.py's flags."""
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--input", nargs="+", metavar="PATH", help=".txt/.jsonl/.parquet files, directories or globs")
+    p.add_argument(
+        "--input",
+        nargs="+",
+        metavar="PATH",
+        help="text files (any UTF-8: a document each), .jsonl, .parquet, dirs or globs",
+    )
     p.add_argument("--dataset", metavar="NAME", help=f"preset ({', '.join(PRESETS)}) or a Hugging Face dataset path")
     p.add_argument("--dataset_config", help="Hugging Face dataset configuration (subset) name")
     p.add_argument("--split", help="Hugging Face split to read (default train)")
@@ -481,6 +464,13 @@ def arg_parser():
         metavar="PATH",
         help="the validation split is exactly these files' documents (as --input takes them), "
         "the train shards --input's; instead of --val_tokens (give tokenizer.py the same --val_input)",
+    )
+    p.add_argument(
+        "--test_input",
+        nargs="+",
+        metavar="PATH",
+        help="a test split of these files' documents, <name>_test_000000.bin, which training never reads (evaluate.py "
+        "--split test scores a checkpoint on it; give tokenizer.py the same --test_input)",
     )
     p.add_argument("--num_proc", type=int, help="tokenizer processes (default: all CPUs)")
     p.add_argument(
@@ -524,10 +514,13 @@ def main(argv=None):
     sft = args.format == "sft"
     if sft and (args.dataset or not args.input):
         p.error("--format sft reads --input FILE.jsonl [...] (prompt/completion or messages lines)")
-    if sft and args.tokenizer != "gpt2":
-        p.error("--format sft uses GPT-2's tokenizer and its chat tokens; --tokenizer is for --format text")
+    if sft and args.test_input:
+        p.error("--test_input is for --format text")
     try:
-        s = prepare_sft(args) if sft else prepare(args)
+        s = prepare_sft(args, *resolve_tokenizer(args.tokenizer)) if sft else prepare(args)
+    except HeldOutError as e:  # held-out documents also in --input: bad input
+        print(error_message("prepare_data.py", e), file=sys.stderr)
+        sys.exit(2)
     except (PrepError, OSError) as e:  # bad input or environment: one line (GPT2_TRACEBACK=1: the traceback)
         sys.exit(error_message("prepare_data.py", e))
     except KeyboardInterrupt:
@@ -539,8 +532,9 @@ def main(argv=None):
 def text_report(s):
     """prepare()'s summary in a line."""
     return (
-        f"{s['documents']:,} documents, {s['tokens']:,} tokens ({s['val_tokens']:,} val + {s['train_tokens']:,} train) "
-        f"in {s['shards']} shards"
+        f"{s['documents']:,} documents, {s['tokens']:,} tokens ({s['val_tokens']:,} val + {s['train_tokens']:,} train"
+        + (f"; {s['test_tokens']:,} test" if s["test_tokens"] else "")
+        + f") in {s['shards']} shards"
         + (f", {s['seconds']:.1f} s, {s['tokens_per_s']:,.0f} tokens/s" if s["tokenized"] else ": already prepared")
         + f" -> {s['out_dir']}/{s['name']}_*.bin"
     )

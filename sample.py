@@ -27,7 +27,7 @@ import torch
 
 from gpt2train import chat
 from gpt2train.devices import autocast
-from gpt2train.generation import Sampling, generate_stream
+from gpt2train.generation import LogitsNotFinite, Sampling, generate_stream
 from gpt2train.loading import add_model_args, load_model_from_args
 
 SEPARATOR = "-" * 40
@@ -214,6 +214,9 @@ def main(argv=None):
         stream_samples(
             model, enc, prompt, num_samples=args.num_samples, messages=messages if args.chat else None, **options
         )
+    except LogitsNotFinite as e:  # finite weights whose forward overflows (non-finite ones are refused above)
+        print(flush=True)  # ends the prompt's line
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     except KeyboardInterrupt:  # Ctrl-C while streaming: stop quietly
         print(file=sys.stderr)
         return 130

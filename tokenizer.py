@@ -4,21 +4,23 @@
     python prepare_data.py --input books/ notes/*.jsonl --tokenizer tok/mine --out_dir data/mine
     python train.py configs/shakespeare_cpu.py --data_dir=data/mine   # vocab_size comes from the data
 
---input takes what prepare_data.py --input takes (.txt, .jsonl, .parquet files, directories, globs; --text_key),
-or --dataset shakespeare. The first --held_out_bytes of the text (as prepare_data.py's validation split, the start of
-the input; by default 10% of it, at most 200,000 bytes) are held out; the tokenizer learns from the rest. With
---val_input (files as --input takes them) the held-out text is their documents instead, the ones prepare_data.py
---val_input makes the validation split, and the tokenizer learns from all of --input. It locks
-DIR, then writes DIR/tokenizer.json (a standard Hugging Face file: tokenizers.Tokenizer.from_file and transformers'
-PreTrainedTokenizerFast / AutoTokenizer load it) and DIR/tokenizer_config.json, each whole or not at all, then
-reports bytes per token on the held-out text next to GPT-2's, and its speed.
+--input takes what prepare_data.py --input takes (any UTF-8 text file, .jsonl, .parquet, directories, globs;
+--text_key), or --dataset shakespeare. The first --held_out_bytes of the text (as prepare_data.py's validation split,
+the start of the input; by default 10% of it, at most 200,000 bytes) are held out; the tokenizer learns from the
+rest. With --val_input (files as --input takes them) the held-out text is their documents instead, the ones
+prepare_data.py --val_input makes the validation split, and the tokenizer learns from all of --input; a document of
+--val_input or --test_input that --input holds too (by path or content) is refused (exit 2), as prepare_data.py does.
+It locks DIR, then writes DIR/tokenizer.json (a standard Hugging Face file: tokenizers.Tokenizer.from_file and
+transformers' PreTrainedTokenizerFast / AutoTokenizer load it) and DIR/tokenizer_config.json, each whole or not at
+all, then reports bytes per token on the held-out text next to GPT-2's, and its speed.
 
 Design: GPT-4's split pattern (cl100k_base) before the byte-level BPE. Compared with GPT-2's it keeps runs of
 newlines and indentation apart from the words (code and markdown compress better), splits digits in groups of at most
 three (numbers cost a bounded number of tokens instead of one arbitrary merge per frequent number), and matches
-contractions case-insensitively. The special tokens come first: <|endoftext|> is id 0 (the document separator) and
-chat.py's chat tokens 1..4, so a model trained on the data can be fine-tuned to chat without resizing. vocab_size
-counts everything (specials, the 256 bytes, the merges) and is at most 65,536: the shards hold uint16 ids.
+contractions case-insensitively. The special tokens come first: <|endoftext|> is id 0 (the document separator) and,
+with --chat_tokens (the default), chat.py's chat tokens 1..4, so a model trained on the data can be fine-tuned to chat
+(prepare_data.py --format sft --tokenizer DIR, docs/sft.md) without resizing. vocab_size counts everything
+(specials, the 256 bytes, the merges) and is at most 65,536: the shards hold uint16 ids.
 """
 
 import argparse
@@ -32,7 +34,7 @@ from pathlib import Path
 from gpt2train import assets, bpe
 from gpt2train.bpe import TokenizerError
 from gpt2train.console import log
-from gpt2train.documents import Corpus, PrepError, non_empty, resolve_source, val_source
+from gpt2train.documents import Corpus, HeldOutError, PrepError, held_out, non_empty, resolve_source, without_held_out
 from gpt2train.files import LockError, atomic_write, directory_lock, error_message
 
 GPT4_SPLIT_PATTERN = (
@@ -46,11 +48,11 @@ MAX_RUN = 1_000  # characters: longer runs without whitespace (or of whitespace)
 LONG_RUN = re.compile(rf"\S{{{MAX_RUN + 1},}}|\s{{{MAX_RUN + 1},}}")
 
 
-def special_tokens():
-    """<|endoftext|> then chat.py's chat tokens, in id order."""
+def special_tokens(chat_tokens=True):
+    """<|endoftext|> then (chat_tokens) chat.py's chat tokens, in id order."""
     from gpt2train import chat
 
-    return ["<|endoftext|>", *chat.SPECIAL]
+    return ["<|endoftext|>", *(chat.SPECIAL if chat_tokens else ())]
 
 
 def split_held_out(texts, held_out_bytes=None):
@@ -118,9 +120,9 @@ def build_tokenizer():
     return tok
 
 
-def train(texts, vocab_size, progress=False):
+def train(texts, vocab_size, progress=False, chat_tokens=True):
     """A trained tokenizers.Tokenizer of vocab_size ids (specials, 256 bytes, merges) from an iterable of texts."""
-    specials = special_tokens()
+    specials = special_tokens(chat_tokens)
     if not len(specials) + 256 < vocab_size <= MAX_VOCAB:
         raise TokenizerError(
             f"--vocab_size must be in ({len(specials) + 256}, {MAX_VOCAB:,}]: the shards store token "
@@ -162,7 +164,12 @@ def main(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--input", nargs="+", metavar="PATH", help=".txt/.jsonl/.parquet files, directories or globs")
+    p.add_argument(
+        "--input",
+        nargs="+",
+        metavar="PATH",
+        help="text files (any UTF-8: one document each), .jsonl, .parquet, directories or globs",
+    )
     p.add_argument("--dataset", metavar="NAME", help="a prepare_data.py preset or Hugging Face dataset, as there")
     p.add_argument("--text_key", default="text", help="jsonl field / parquet or dataset column holding the text")
     p.add_argument("--vocab_size", type=int, required=True, help=f"ids in all, at most {MAX_VOCAB:,} (uint16 shards)")
@@ -180,11 +187,27 @@ def main(argv=None):
         help="hold out exactly these files' documents (prepare_data.py --val_input's validation split) instead of "
         "the start of the input, and learn from all of --input",
     )
+    p.add_argument(
+        "--test_input",
+        nargs="+",
+        metavar="PATH",
+        help="prepare_data.py --test_input's files: refused where --input holds their documents; never read else",
+    )
     p.add_argument("--max_bytes", type=int, default=None, help="learn from at most this many bytes (default: all)")
+    p.add_argument(
+        "--chat_tokens",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reserve ids 1-4 for the chat tokens (<|system|>, <|user|>, <|assistant|>, <|end|>) that "
+        "prepare_data.py --format sft and sample.py --chat use (default: on)",
+    )
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     try:
         report = train_cli(args)
+    except HeldOutError as e:  # held-out documents also in --input: bad input
+        print(error_message("tokenizer.py", e), file=sys.stderr)
+        sys.exit(2)
     except (TokenizerError, LockError, OSError) as e:
         sys.exit(error_message("tokenizer.py", e))
     print(report)
@@ -193,8 +216,8 @@ def main(argv=None):
 
 def check_flags(args):
     """TokenizerError for a flag out of range, before anything is read or written."""
-    if not len(special_tokens()) + 256 < args.vocab_size <= MAX_VOCAB:
-        train([], args.vocab_size)  # its one-line error
+    if not len(special_tokens(args.chat_tokens)) + 256 < args.vocab_size <= MAX_VOCAB:
+        train([], args.vocab_size, chat_tokens=args.chat_tokens)  # its one-line error
     if args.held_out_bytes is not None and args.held_out_bytes < 0:
         raise TokenizerError(f"--held_out_bytes must be >= 0, got {args.held_out_bytes:,}")
     if args.held_out_bytes is not None and args.val_input:
@@ -220,12 +243,15 @@ def learn(args):
     and how long it took); TokenizerError where the input is unreadable or leaves nothing to learn from."""
     try:
         describe, texts, _, _, _ = resolve_source(Corpus(args.input, args.dataset, args.text_key))
+        files, key = describe.get("files"), args.text_key
+        val = held_out("--val_input", args.val_input, key, files) if args.val_input else None
+        test = held_out("--test_input", args.test_input, key, files, [val] if val else []) if args.test_input else None
+        texts = without_held_out(describe, texts, key, [s for s in (val, test) if s])  # never learned from
         valid = (bpe.replace_surrogates(text) for text in non_empty(texts()))  # as prepare_data.py's encoders do
-        if args.val_input:  # its documents, as prepare_data.py --val_input's val shard; all of the input learned
-            _, val_texts, _ = val_source(args.val_input, args.text_key, describe.get("files"))
-            held_out, rest = "\n".join(map(bpe.replace_surrogates, val_texts())), valid
+        if val:  # its documents, as prepare_data.py --val_input's val shard; all of the input learned
+            held_out_text, rest = "\n".join(map(bpe.replace_surrogates, val.texts())), valid
         else:
-            held_out, rest = split_held_out(valid, args.held_out_bytes)
+            held_out_text, rest = split_held_out(valid, args.held_out_bytes)
         learned = {"bytes": 0, "docs": 0, "runs_cut": 0, "stopped": None}
 
         def limited():
@@ -241,19 +267,21 @@ def learn(args):
                 yield from pieces
 
         start = time.perf_counter()
-        tok = train(limited(), args.vocab_size, progress=not args.no_progress)
+        tok = train(limited(), args.vocab_size, progress=not args.no_progress, chat_tokens=args.chat_tokens)
         learned["seconds"] = time.perf_counter() - start
+    except HeldOutError:
+        raise
     except PrepError as e:
         raise TokenizerError(str(e)) from None
     if learned["bytes"] == 0:
-        raise TokenizerError(nothing_learned(args, held_out, learned["stopped"]))
+        raise TokenizerError(nothing_learned(args, held_out_text, learned["stopped"]))
     if learned["runs_cut"]:
         log(
             f"{learned['runs_cut']:,} run(s) of over {MAX_RUN:,} characters without whitespace (or of whitespace) "
             f"cut into {MAX_RUN:,}-character pieces for training",
             note=True,
         )
-    return tok, held_out, learned
+    return tok, held_out_text, learned
 
 
 def report(args, out, tok, held_out, learned):

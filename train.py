@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from gpt2train import pipeline
 from gpt2train.bpe import TokenizerError
-from gpt2train.budget import Budget
+from gpt2train.budget import Budget, with_horizon
 from gpt2train.chat import CHAT_VOCAB
 from gpt2train.checkpoint_file import CheckpointError
 from gpt2train.config import (
@@ -54,6 +54,7 @@ from gpt2train.optim import build_optimizer, set_lr
 from gpt2train.parallel import (
     after_compile_trial,
     build_on_meta,
+    exit_process,
     is_compiled,
     keeps_grads,
     parallelize,
@@ -370,6 +371,7 @@ def run(user, argv=()):
     raw_model, cfg = build_model(cfg, source, env, CHAT_VOCAB if train_loader.masks is not None else 0)
     if cfg.batch_size == "auto":  # a probed device (CUDA)
         cfg = probe_batch_size(raw_model, cfg, env, [train_loader, val_loader])
+    cfg = with_horizon(cfg, raw_model, env.dp_size)  # target_flops, tokens_per_param: max_steps from the model
     # cfg is final from here on; the micro-batch may still halve on an out-of-memory: train_loader.B is the live one
     # what the loop calls: compiled, or eager where the trial fails; a pipeline: this rank's stage, scheduled
     model = pipeline.build(raw_model, cfg, env) if env.pipeline > 1 else parallelize(raw_model, cfg, env)
@@ -441,7 +443,9 @@ def train(t, argv):
             signal.signal(s, handler)
         raw = t.raw_model
         params, lookup = raw.num_params(), raw.num_params() - raw.num_params(non_embedding=True)
-        summary = t.tracker.close(status, {"params": params, "params_lookup": lookup, "max_seconds": t.cfg.max_seconds})
+        flops = t.progress.step * batch_layout(t.cfg, t.env.dp_size)[0] * raw.flops_per_token()  # trained
+        extra = {"params": params, "params_lookup": lookup, "max_seconds": t.cfg.max_seconds, "flops": flops}
+        summary = t.tracker.close(status, extra)
         if summary:
             log(summary)
         if t.cfg.ledger and t.tracker.result is not None:  # rank 0
@@ -549,4 +553,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main)

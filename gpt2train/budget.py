@@ -10,9 +10,12 @@ checkpoint of the run holds its fixed max_steps, and a resumed run continues on 
 uninterrupted run would (train.get_lr starts the decay after FIXED_AT either way).
 """
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
+from gpt2train.config import ConfigError, batch_layout
 from gpt2train.console import log
 
 
@@ -61,3 +64,63 @@ class Budget:
         if self.on_fix:
             self.on_fix(steps)
         return True
+
+
+def horizon_steps(cfg, flops_per_token, params, tokens_per_step):
+    """max_steps that cfg's target_flops (training FLOPs: flops_per_token x tokens, MFU's count) or tokens_per_param
+    (tokens = this x params, the non-lookup count) sets, to the nearest step; None where neither is set. A horizon
+    under one step is a ConfigError."""
+    if cfg.target_flops is not None:
+        per_step, total, what = (
+            flops_per_token * tokens_per_step,
+            cfg.target_flops,
+            f"target_flops={cfg.target_flops:g}",
+        )
+        unit = f"FLOPs ({tokens_per_step:,} tokens x {flops_per_token:,.0f} FLOPs per token)"
+    elif cfg.tokens_per_param is not None:
+        per_step, total = tokens_per_step, cfg.tokens_per_param * params
+        what, unit = f"tokens_per_param={cfg.tokens_per_param:g} ({total:,.0f} tokens for {params:,} params)", "tokens"
+    else:
+        return None
+    if total < per_step:
+        raise ConfigError(f"{what} is less than one step: one step is {per_step:,.0f} {unit}")
+    return round(total / per_step)
+
+
+def with_horizon(cfg, model, world_size):
+    """cfg with max_steps from its target_flops or tokens_per_param (horizon_steps) for the GPT `model` (its FLOPs per
+    token and non-lookup params; the meta device will do) at world_size's tokens per step; cfg itself if unset."""
+    steps = horizon_steps(
+        cfg, model.flops_per_token(), model.num_params(non_embedding=True), batch_layout(cfg, world_size)[0]
+    )
+    return cfg if steps is None else replace(cfg, max_steps=steps)
+
+
+def planned_run(args, out_dir):
+    """What a train.py run of `args` (its arguments, as one process) will train, without training it: {n (non-lookup
+    params), params, params_lookup, flops_per_token, steps, tokens, flops}, from the config train.py resolves (the
+    data's vocab_size included; out_dir: where the run would write, which must hold no checkpoint) and the model
+    on the meta device. A budget in seconds (max_seconds) has no step count yet: a ConfigError."""
+    from gpt2train.config import model_config, parse_args
+    from gpt2train.start import resolve_config
+    from model import GPT
+
+    cfg, _ = resolve_config({**parse_args(args), "out_dir": str(out_dir)}, verify=False)
+    if cfg.max_seconds is not None:
+        raise ConfigError(f"max_seconds={cfg.max_seconds:g} fixes its steps from their timing: give steps or FLOPs")
+    if cfg.batch_size == "auto":  # total_batch_size is set (TrainConfig checks): the tokens per step
+        cfg = replace(cfg, batch_size=cfg.total_batch_size // cfg.block_size)
+    with torch.device("meta"):
+        model = GPT(model_config(cfg))
+    cfg = with_horizon(cfg, model, 1)
+    tokens = cfg.max_steps * batch_layout(cfg, 1)[0]
+    total, n = model.num_params(), model.num_params(non_embedding=True)
+    return {
+        "n": n,
+        "params": total,
+        "params_lookup": total - n,
+        "flops_per_token": model.flops_per_token(),
+        "steps": cfg.max_steps,
+        "tokens": tokens,
+        "flops": tokens * model.flops_per_token(),
+    }

@@ -42,7 +42,7 @@ def tokenizer(enc=None):
         if missing:
             raise ValueError(
                 f"the chat format needs the special tokens {', '.join(missing)}, which the tokenizer "
-                f"{enc.name} lacks (tokenizer.py's tokenizers have them)"
+                f"{enc.name} lacks (tokenizer.py --chat_tokens reserves them)"
             )
         return enc
     if not isinstance(enc, tiktoken.Encoding) or enc.n_vocab != EOT + 1:

@@ -46,6 +46,8 @@ class TrainConfig(GPTConfig):
     # optimization
     max_steps: int = 19073  # optimizer steps to train for
     max_seconds: float | None = None  # training budget in s (evaluation excluded): max_steps fixed from the first steps
+    target_flops: float | None = None  # training FLOPs (flops_per_token x tokens, as MFU counts): sets max_steps
+    tokens_per_param: float | None = None  # tokens = this x params (non-lookup, the result's `params`): sets max_steps
     lr_decay_steps: int | None = None  # schedule length (None: max_steps); fix it to stop early, resume later
     learning_rate: float = 6e-4  # peak learning rate, reached at the end of warmup
     min_lr: float = 6e-5  # learning rate at the end of the decay
@@ -66,7 +68,7 @@ class TrainConfig(GPTConfig):
     max_skipped_steps: int = 10  # halt (exit 3) after this many consecutive skipped updates; 0: no limit
     # evaluation, logging, checkpoints (an interval of 0 disables that activity)
     eval_interval: int = 250  # steps between validation-loss evaluations (also at step 0 and the last step)
-    eval_steps: int = 20  # val micro-batches per process per evaluation (the same ones; a mixture's sources share them)
+    eval_steps: int | str = 20  # val micro-batches per process per evaluation (the same ones), or 'all': the val split
     hellaswag_interval: int = 0  # steps between HellaSwag evaluations
     hellaswag_limit: int | None = None  # evaluate only the first N HellaSwag examples; None: all 10,042
     eval_tasks: str = "default"  # evaluate.py's tasks at eval_tasks_interval: comma-separated names, 'default', 'all'
@@ -161,6 +163,7 @@ class TrainConfig(GPTConfig):
             raise ConfigError(
                 "config key 'head_lr' needs tie_embeddings=False: a tied head is the token embedding (set embedding_lr)"
             )
+        check_run_length({k: getattr(self, k) for k in RUN_LENGTH[1:]}, "the config")  # max_steps: always has one
         if self.min_lr > self.learning_rate:
             raise ConfigError(f"config key 'min_lr' must be <= learning_rate={self.learning_rate}; got {self.min_lr}")
         try:
@@ -195,7 +198,6 @@ CHOICES = {
     "pipeline_schedule": ("1F1B", "GPipe"),
 }
 AT_LEAST_ONE = (
-    "eval_steps",
     "sample_tokens",
     "total_batch_size",
     "lr_decay_steps",
@@ -227,9 +229,12 @@ NON_NEGATIVE = (
 RANGES = {  # key: (check, what the message says); None passes where the key allows it
     **{k: (lambda v: v >= 1, ">= 1") for k in AT_LEAST_ONE},
     "batch_size": (lambda v: v == "auto" or v >= 1, ">= 1 or 'auto'"),
+    "eval_steps": (lambda v: v == "all" or not isinstance(v, str) and v >= 1, ">= 1 or 'all'"),
     **{k: (lambda v: v >= 0, ">= 0") for k in NON_NEGATIVE},
     "learning_rate": (lambda v: v > 0, "> 0"),
     "max_seconds": (lambda v: v > 0, "> 0"),
+    "target_flops": (lambda v: v > 0, "> 0"),
+    "tokens_per_param": (lambda v: v > 0, "> 0"),
     "muon_lr": (lambda v: v > 0, "> 0"),
     "embedding_lr": (lambda v: v > 0, "> 0"),
     "head_lr": (lambda v: v > 0, "> 0"),
@@ -289,9 +294,9 @@ def read_config_file(path):
 
 def parse_args(argv):
     """{key: value} the user set on this command line: config files in order, then --key=value (later wins).
-    max_steps and max_seconds both say how long a run trains, so one set later replaces the other set earlier (a
-    budget on the command line, a config file's max_steps); both in one config file or on the command line are
-    ambiguous (which stops the run?): a ConfigError."""
+    max_steps, max_seconds, target_flops and tokens_per_param each say how long a run trains (RUN_LENGTH), so one
+    set later replaces another set earlier (a budget on the command line, a config file's max_steps); two in one
+    config file or on the command line are ambiguous (which stops the run?): a ConfigError."""
     user, overrides = {}, {}
     for arg in argv:
         if not arg.startswith("--"):
@@ -318,21 +323,35 @@ def parse_args(argv):
     return user
 
 
+RUN_LENGTH = ("max_steps", "max_seconds", "target_flops", "tokens_per_param")  # each says how long a run trains
+
+
+def run_length_keys(keys):
+    """The keys of RUN_LENGTH that `keys` sets (None, but for max_steps, sets nothing)."""
+    return [k for k in RUN_LENGTH if k in keys and (k == "max_steps" or keys[k] is not None)]
+
+
 def check_run_length(keys, where):
-    """ConfigError where one place (a config file, the command line) sets both max_steps and a max_seconds."""
-    if keys.get("max_seconds") is not None and "max_steps" in keys:
+    """ConfigError where one place (a config file, the command line) sets two of RUN_LENGTH: which would stop it?"""
+    both = run_length_keys(keys)
+    if both == ["max_steps", "max_seconds"]:
         raise ConfigError(
             f"{where} sets both max_steps={keys['max_steps']} and max_seconds={keys['max_seconds']:g}: set one (a "
             "budget fixes max_steps from the first steps' timing)"
         )
+    if len(both) > 1:
+        a, b = both[:2]
+        raise ConfigError(
+            f"{where} sets both {a}={keys[a]:g} and {b}={keys[b]:g}: set one (each fixes how long the run trains)"
+        )
 
 
 def set_layer(user, keys):
-    """user.update(keys), where a budget (max_seconds) drops an earlier max_steps and a max_steps an earlier budget."""
-    if keys.get("max_seconds") is not None:
-        user.pop("max_steps", None)
-    if "max_steps" in keys:
-        user.pop("max_seconds", None)
+    """user.update(keys), where a key of RUN_LENGTH set drops the others set earlier (a budget on the command line
+    replaces a config file's max_steps)."""
+    if run_length_keys(keys):
+        for key in RUN_LENGTH:
+            user.pop(key, None)
     user.update(keys)
 
 
@@ -346,8 +365,8 @@ def make_config(user, base=None):
             raise ConfigError(f"config key 'preset' must be one of {', '.join(map(repr, PRESETS))}; got {preset!r}")
         values.update(PRESETS[preset])
     values.update(user)
-    if "max_steps" in user and "max_seconds" not in user:  # a step count replaces the base's (a resume's) budget
-        values["max_seconds"] = None
+    if run_length_keys(user):  # a step count replaces the base's (a resume's) budget or horizon
+        values.update({k: None for k in RUN_LENGTH[1:] if k not in user})
     return TrainConfig(**values)
 
 

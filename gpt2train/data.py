@@ -13,6 +13,8 @@ conversation longer than a row is left out, counted and reported), and the loade
 """
 
 import bisect
+import os
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -20,6 +22,7 @@ import numpy as np
 from gpt2train.assets import EOT
 from gpt2train.manifests import manifest_records, read_manifests
 from gpt2train.shards import (
+    MASK_SUFFIX,
     ShardError,
     batch_tensors,
     check_shards_vocab,
@@ -229,9 +232,14 @@ class DataLoader:
         )
         # Memory-mapped once, headers validated; plain ndarray views skip np.memmap's per-slice overhead.
         self.shards = [load_shard(p).view(np.ndarray) for p in self.paths]
+        self.mapped = [mapped_file(p) for p in self.paths]  # what _fill checks before each read
         if self.vocab_size is not None:  # now, not when a shard is first read many steps into the run
             check_shards_vocab(self.paths, self.shards, self.vocab_size, progress=self.rank == 0, records=records)
         masks = load_masks(self.paths, self.shards, records, self.data_dir)  # SFT data; None for text
+        if masks is not None:
+            self.mapped = [
+                [*files, *mapped_file(Path(p).with_suffix(MASK_SUFFIX))] for p, files in zip(self.paths, self.mapped)
+            ]
         self.masks = None if masks is None else [m for m, _ in masks]
         self.trained_tokens = None if masks is None else sum(n for _, n in masks)
 
@@ -394,8 +402,10 @@ class DataLoader:
                 self._fill(s, self._perm(e, s)[begin[c:d]], window, keep, rows[a + c : a + d])
 
     def _fill(self, shard, samples, window, keep, rows):
-        """window[rows] (and keep[rows]) = the samples of a shard; ShardError if one holds an id >= vocab_size."""
+        """window[rows] (and keep[rows]) = the samples of a shard; ShardError if one holds an id >= vocab_size, or if
+        the shard shrank since it was opened (check_mapped)."""
         T = self.T
+        check_mapped(self.mapped[shard])
         if self.rows is None:
             out = self.windows[shard][samples]  # (b, T+1)
             window[rows] = out
@@ -475,6 +485,29 @@ def open_mixture(sources, split, batch_size, block_size, rank=0, world_size=1, *
     options = {"rank": rank, "world_size": world_size, **options}
     loaders = {name: DataLoader(path, split, batch_size, block_size, **options) for name, (path, _) in sources.items()}
     return Mixture({name: (loaders[name], weight) for name, (_, weight) in sources.items()})
+
+
+def mapped_file(path):
+    """[(path, (device, inode), size)] of a file the loader memory-maps, as it was when opened (check_mapped)."""
+    st = os.stat(path)
+    return [(path, (st.st_dev, st.st_ino), st.st_size)]
+
+
+def check_mapped(files):
+    """ShardError where a memory-mapped file (mapped_file's) was truncated in place since it was opened (`cp` or
+    `rsync --inplace` over a data directory in use): a read of its pages past the new end would kill the process
+    with SIGBUS, with no message and the steps since the last save lost. A file replaced by another (a rename over
+    it, a deletion) is left alone: the map still reads the old one, which stays whole."""
+    for path, inode, size in files:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == inode and st.st_size < size:
+            raise ShardError(
+                f"{path}: {st.st_size:,} bytes, {size:,} when the run opened it: the shard changed under the run "
+                f"(truncated in place); restore or re-prepare it"
+            )
 
 
 def runs(values):

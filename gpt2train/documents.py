@@ -1,16 +1,21 @@
-"""The texts prepare_data.py and tokenizer.py read: files (.txt, .jsonl, .parquet), Hugging Face datasets and the
-ready-made dataset presets; and the command that prepares a data directory (train.py names it when data is missing).
+"""The texts prepare_data.py, tokenizer.py and evaluate.py --bpb read: files (text of any kind, .jsonl, .parquet),
+Hugging Face datasets and the ready-made dataset presets; and the command that prepares a data directory (train.py
+names it when data is missing).
 
-resolve_source(Corpus(inputs, dataset, ...)) is the one entry: local files (expand_inputs: a .txt file is one
-document, a .jsonl file one per line, a .parquet file one per row; directories are searched recursively) or a dataset
+resolve_source(Corpus(inputs, dataset, ...)) is the one entry: local files (expand_inputs: a .jsonl file has a
+document per line, a .parquet file one per row, any other UTF-8 file (.txt, .py, .md, ...) is one document;
+directories are searched recursively, hidden and binary files left out) or a dataset
 (a preset of PRESETS or any Hugging Face dataset path), as an iterator of texts beside what a manifest records of the
 input.
-val_source and val_first read --val_input, a validation split of the user's own files (prepare_data.py's val shard,
-tokenizer.py's held-out text).
+held_out reads --val_input and --test_input, the validation and test splits of the user's own files (prepare_data.py's
+val and test shards, tokenizer.py's held-out text), without_held_out refuses input documents that are theirs, and
+val_first puts the val documents at the start of prepare_data.py's stream.
 Reading texts needs no torch and no tokenizer, so neither is imported here.
 """
 
+import codecs
 import glob
+import hashlib
 import itertools
 import json
 import os
@@ -21,8 +26,6 @@ from pathlib import Path
 from gpt2train.assets import fetch_shakespeare
 from gpt2train.console import log
 from gpt2train.files import first_line
-
-TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 # Ready-made datasets. fineweb-edu follows build-nanogpt / llm.c: sample-10BT in 100M-token
 # shards, the first shard validation. Hugging Face presets stream unless they are small.
@@ -91,37 +94,72 @@ def split_speeches(text):
 
 
 def expand_inputs(patterns):
-    """Input files, in argument order: plain files as given; directories (searched recursively)
-    and globs contribute their .txt/.jsonl/.parquet files in sorted order. The other files they
-    hold are skipped, and a line names them (a README.md in a folder of books is not read)."""
+    """Input files, in argument order: a file as given, whatever its kind (file_documents reads it by its suffix);
+    a glob's matching files and directories in sorted order; a directory's files, recursively in sorted order, leaving
+    out hidden ones (a name under it that starts with '.': .git, .venv) and binary ones (looks_binary; a .parquet
+    file is read), which a note names."""
     files, skipped = [], []
     for pattern in patterns:
-        if any(c in pattern for c in "*?["):
-            matches = sorted(glob.glob(pattern, recursive=True))
-        else:
-            matches = [pattern] if os.path.exists(pattern) else []
+        globbed = any(c in pattern for c in "*?[")
+        matches = (
+            sorted(glob.glob(pattern, recursive=True)) if globbed else [pattern] if os.path.exists(pattern) else []
+        )
         found = []
         for m in map(Path, matches):
             if m.is_dir():
-                under = sorted(p for p in m.rglob("*") if p.is_file())
-                found += [p for p in under if p.suffix in TEXT_SUFFIXES]
-                skipped += [p for p in under if p.suffix not in TEXT_SUFFIXES]
-            elif m.suffix in TEXT_SUFFIXES:
+                under = sorted(p for p in visible_files(m))
+                binary = {p for p in under if p.suffix != ".parquet" and looks_binary(p)}
+                found += [p for p in under if p not in binary]
+                skipped += sorted(binary)
+            elif m.is_file() or not globbed:  # a FIFO named alone is read, as `cat` would
                 found.append(m)
-            elif m.is_file() and m == Path(pattern):
-                raise PrepError(f"{m}: unsupported input type {m.suffix!r} (expected .txt, .jsonl or .parquet)")
-            elif m.is_file():
-                skipped.append(m)
+        if not found and os.path.isdir(pattern):
+            raise PrepError(f"{pattern}: a directory with no text files (hidden and binary ones are left out)")
         if not found:
-            raise PrepError(
-                f"no input files matched {pattern!r} (expected .txt, .jsonl or .parquet files, directories or globs)"
-            )
+            raise PrepError(f"no input files matched {pattern!r} (expected text files, directories or globs)")
         files += found
     if skipped:
         skipped = list(dict.fromkeys(skipped))
         names = ", ".join(map(str, skipped[:5])) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
-        log(f"prepare_data: skipped {len(skipped)} file(s) that are not .txt, .jsonl or .parquet: {names}", note=True)
+        log(f"skipped {len(skipped)} binary file(s) (NUL bytes or not UTF-8): {names}", note=True)
     return list(dict.fromkeys(files))  # drop repeats, keep order
+
+
+def visible_files(directory):
+    """The regular files under directory, recursively, but none whose name or folder's name starts with '.'."""
+    for folder, subfolders, names in os.walk(directory):
+        subfolders[:] = [d for d in subfolders if not d.startswith(".")]
+        for name in names:
+            path = Path(folder) / name
+            if not name.startswith(".") and path.is_file():
+                yield path
+
+
+def looks_binary(path):
+    """True for a file whose first 8 KiB hold a NUL byte or are not UTF-8 (a character cut at the end aside)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8192)
+    except OSError:
+        return False  # file_documents names it when it reads it
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < 8192)  # the whole file: no cut
+    except UnicodeDecodeError:
+        return True
+    return b"\0" in head
+
+
+def text_document(path):
+    """A file that is one document: its UTF-8 text (newlines as Python reads text); PrepError naming a binary file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise PrepError(
+            f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at {e.start:,}): a binary file?"
+        ) from None
+    if "\0" in text:
+        raise PrepError(f"{path}: holds NUL bytes: a binary file, not text")
+    return text
 
 
 def _jsonl_documents(path, text_key):
@@ -157,12 +195,12 @@ def file_documents(files, text_key):
     """Texts of all documents in the input files, in order; read errors name the file."""
     for path in files:
         try:
-            if path.suffix == ".txt":
-                yield path.read_text(encoding="utf-8")
-            elif path.suffix == ".jsonl":
+            if path.suffix == ".jsonl":
                 yield from _jsonl_documents(path, text_key)
-            else:
+            elif path.suffix == ".parquet":
                 yield from _parquet_documents(path, text_key)
+            else:  # .txt, source code, any text: one document
+                yield text_document(path)
         except PrepError:
             raise
         except Exception as e:  # OSError, UnicodeDecodeError, pyarrow errors: all mean "cannot read this file"
@@ -174,15 +212,15 @@ def count_documents(files):
     total = 0
     for path in files:
         try:
-            if path.suffix == ".txt":
-                total += 1
-            elif path.suffix == ".jsonl":
+            if path.suffix == ".jsonl":
                 with open(path, "rb") as f:
                     total += sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 24), b""))
-            else:
+            elif path.suffix == ".parquet":
                 import pyarrow.parquet as pq
 
                 total += pq.ParquetFile(path).metadata.num_rows
+            else:
+                total += 1
         except Exception as e:
             raise PrepError(f"{path}: cannot read ({first_line(e)})") from None
     return total
@@ -224,44 +262,106 @@ def describe_files(files, text_key):
     return {"files": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files], "text_key": text_key}
 
 
-def val_files(val_input, input_files=None):
-    """--val_input's files (files, directories or globs, as --input takes them); a one-line PrepError naming
-    --val_input where they match nothing or hold a file of --input (input_files: describe_files' "files" of
-    --input), which would then be trained on too."""
+class HeldOutError(PrepError):
+    """Held-out documents (--val_input's, --test_input's) that --input holds too, which would then be trained on:
+    bad input (exit 2)."""
+
+
+def val_files(val_input, input_files=None, flag="--val_input"):
+    """--val_input's files (files, directories or globs, as --input takes them; or --test_input's, `flag`); a
+    one-line PrepError naming the flag where they match nothing, a HeldOutError where they hold a file of --input
+    (input_files: describe_files' "files" of --input), which would then be trained on too."""
     try:
         files = expand_inputs(val_input)
     except PrepError as e:
-        raise PrepError(f"--val_input: {e}") from None
+        raise PrepError(f"{flag}: {e}") from None
     both = {str(p.resolve()) for p in files} & {p for p, *_ in input_files or []}
     if both:
-        raise PrepError(f"--val_input {min(both)} is also an --input file; hold it out of --input")
+        raise HeldOutError(f"{flag} {min(both)} is also an --input file; hold it out of --input")
     return files
 
 
-def val_source(val_input, text_key, input_files=None):
-    """--val_input's documents: (what a manifest records of its files, a factory of their documents with text, how
-    many there are); a one-line PrepError naming --val_input for files that hold no text (and as val_files)."""
-    files = val_files(val_input, input_files)
+def document_hash(text):
+    """A held-out document's identity: the hash of its text (a copy of it elsewhere is the same document)."""
+    return hashlib.blake2b(text.encode("utf-8", errors="surrogatepass"), digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """A held-out split of the user's own files (--val_input, --test_input): held_out() reads it."""
+
+    flag: str
+    files: list
+    describe: dict  # what a manifest records of its files
+    texts: object  # () -> its documents with text
+    count: int
+    hashes: frozenset  # document_hash of each
+
+
+def held_out(flag, patterns, text_key, input_files=None, before=()):
+    """The HeldOut of --val_input's (or --test_input's: `flag`) files; a one-line PrepError naming the flag for files
+    that hold no text (and as val_files, input_files: those of --input and of the held-out splits read `before`,
+    each of which must share no document with it: HeldOutError)."""
+    files = val_files(patterns, input_files, flag)
+    texts = lambda: non_empty(file_documents(files, text_key))  # noqa: E731
     try:
-        count = sum(1 for _ in non_empty(file_documents(files, text_key)))
+        hashes = [document_hash(text) for text in texts()]
     except PrepError as e:
-        raise PrepError(f"--val_input: {e}") from None
-    if not count:
-        raise PrepError(f"--val_input {' '.join(val_input)}: no documents with text (validation needs at least one)")
-    return describe_files(files, text_key), lambda: non_empty(file_documents(files, text_key)), count
+        raise PrepError(f"{flag}: {e}") from None
+    if not hashes:
+        raise PrepError(f"{flag} {' '.join(patterns)}: no documents with text (validation needs at least one)")
+    split = HeldOut(flag, files, describe_files(files, text_key), texts, len(hashes), frozenset(hashes))
+    for other in before:
+        refuse_held_out(other.files, text_key, [split], flag=other.flag)
+    return split
 
 
-def val_first(val_input, text_key, describe, texts, count):
-    """prepare_data.py's stream with --val_input (val_source's documents first, then the input's: describe, texts
-    and count as resolve_source gives them): (what a manifest records of --val_input, the stream's texts and count
-    factories (None where the input's count is unknown), the number of --val_input's documents)."""
-    val_describe, val_texts, val_docs = val_source(val_input, text_key, describe.get("files"))
+def refuse_held_out(files, text_key, splits, flag="--input"):
+    """HeldOutError, one line naming the first of `files` (--input's) that holds documents of a held-out split (a
+    copy of the val file under another name) and how many: they would be trained on, or learned from."""
+    for path in files:
+        try:
+            found = [document_hash(text) for text in non_empty(file_documents([path], text_key))]
+        except PrepError as e:
+            raise PrepError(f"{flag}: {e}") from None
+        for split in splits:
+            n = sum(h in split.hashes for h in found)
+            if n:
+                raise HeldOutError(
+                    f"{flag} {path} holds {n:,} of the {split.count:,} documents of {split.flag} (a copy of it?); "
+                    f"hold them out of {flag}"
+                )
+
+
+def without_held_out(describe, texts, text_key, splits):
+    """--input's texts factory (describe: what resolve_source records of it) after refusing documents of the held-out
+    splits: input files now, in a pass over them (refuse_held_out); a dataset's as they stream, at the first one."""
+    if not splits:
+        return texts
+    if "files" in describe:
+        refuse_held_out([Path(p) for p, *_ in describe["files"]], text_key, splits)
+        return texts
+
+    def checked():
+        for i, text in enumerate(texts()):
+            split = next((s for s in splits if text and document_hash(text) in s.hashes), None)
+            if split is not None:
+                raise HeldOutError(f"document {i:,} of the dataset is one of {split.flag}'s; hold it out of --input")
+            yield text
+
+    return checked
+
+
+def val_first(val, describe, texts, count):
+    """prepare_data.py's stream with --val_input (the HeldOut val's documents first, then the input's: describe,
+    texts and count as resolve_source gives them): the stream's texts and count factories (None where the input's
+    count is unknown)."""
 
     def total():
         n = count()
-        return None if n is None else n + val_docs
+        return None if n is None else n + val.count
 
-    return val_describe, (lambda: itertools.chain(val_texts(), texts())), total, val_docs
+    return (lambda: itertools.chain(val.texts(), texts())), total
 
 
 def resolve_source(corpus):

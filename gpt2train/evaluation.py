@@ -84,7 +84,8 @@ class Evaluator:
         to 0 bytes). Of a mixture (mixture.Mixture) each source's split alone, val/<name>_loss and val/<name>_bpb, and
         val_loss and val_bpb those of the mixture: the sources' losses weighted by the mixture's weights, and the
         weighted nats per target over the weighted bytes per target. The sources share eval_steps (shared_steps), so
-        a mixture validates what one source does."""
+        a mixture validates what one source does. eval_steps 'all': each source's whole split (read_val_rows), its
+        loss the mean over its targets. val_bytes: the UTF-8 bytes of all the targets scored (with the byte table)."""
         if self.bytes is None:
             try:
                 enc = self.enc or tokenizer_from_record(self.tokenizer)
@@ -102,20 +103,24 @@ class Evaluator:
         weights = [weight for _, weight in sources.values()]
         micro = self.train_loader.B  # the live micro-batch
         stopped = lambda: any_rank(stop.signal, self.env)  # noqa: E731
-        steps = shared_steps(self.cfg.eval_steps, weights)
+        whole = self.cfg.eval_steps == "all"  # each source's whole split, its loss the mean over its targets
+        steps = ["all"] * len(weights) if whole else shared_steps(self.cfg.eval_steps, weights)
         scored = {
             name: val_loss(model, read_val_rows(loader, n, table), micro, self.env, stopped, step)
             for (name, (loader, _)), n in zip(sources.items(), steps)
         }
         mixed = lambda per: sum(w * per(r) for w, r in zip(weights, scored.values()))  # noqa: E731
-        record = {"step": step, "val_loss": mixed(lambda r: r.loss)}
+        loss = (lambda r: r.nats / r.targets) if whole else (lambda r: r.loss)  # noqa: E731
+        record = {"step": step, "val_loss": mixed(loss)}
         # nats per target over bytes per target, each weighted by the mixture; none where the targets are no bytes
         # (a split of <|endoftext|> only)
         if table is not None and mixed(lambda r: r.bytes / r.targets) > 0:
             record["val_bpb"] = mixed(lambda r: r.nats / r.targets) / math.log(2) / mixed(lambda r: r.bytes / r.targets)
+        if table is not None:  # the text scored, so that runs with other tokenizers can check they saw the same
+            record["val_bytes"] = int(sum(r.bytes for r in scored.values()))
         for name, r in scored.items():
             if name is not None:
-                record[f"val/{name}_loss"] = r.loss
+                record[f"val/{name}_loss"] = loss(r)
                 if table is not None and r.bytes > 0:
                     record[f"val/{name}_bpb"] = r.nats / math.log(2) / r.bytes
         return record
@@ -194,9 +199,18 @@ class ValRows(NamedTuple):
 
 def read_val_rows(loader, eval_steps, token_bytes=None) -> ValRows:
     """The loader's first eval_steps micro-batches (the same every time: it is reset first), and with token_bytes
-    (each id's UTF-8 bytes, bpe.token_bytes) the bytes their targets decode to."""
+    (each id's UTF-8 bytes, bpe.token_bytes) the bytes their targets decode to. eval_steps 'all': the whole split
+    (a data.DataLoader's), this rank its share of the micro-steps that cover it once; the last one's rows past the
+    split's end (the next epoch's) have no targets (the model's loss of such a micro-batch is 0), so that every rank
+    runs as many rows through the model."""
     loader.reset()
-    x, y = (torch.cat(t) for t in zip(*(loader.next_batch() for _ in range(eval_steps))))  # (rows, T) each
+    whole = eval_steps == "all"
+    steps = -(-loader.num_samples // (loader.B * loader.world_size)) if whole else eval_steps
+    x, y = (torch.cat(t) for t in zip(*(loader.next_batch() for _ in range(steps))))  # (rows, T) each
+    if whole:
+        i, B = torch.arange(len(y)), loader.B
+        position = (i // B) * B * loader.world_size + loader.rank * B + i % B  # of row i in the stream
+        y[position >= loader.num_samples] = -1
     size = None if token_bytes is None else int((token_bytes[y.clamp(min=0)] * (y != -1)).sum())
     return ValRows(x, y, size)
 

@@ -41,6 +41,11 @@ class Sampling:
             )
 
 
+class LogitsNotFinite(ValueError):
+    """The model's logits hold NaN or inf: its weights are (a diverged checkpoint), or are finite but so large that the
+    forward overflows. Sampling them would be torch.multinomial's error, greedy decoding an argmax of NaNs."""
+
+
 @torch.no_grad()
 def generate_stream(
     model, idx, max_new_tokens: int, sampling: Sampling = Sampling(), generator=None, use_kv_cache=True
@@ -70,6 +75,8 @@ def generate_stream(
                 h = model.hidden_states(ctx)
             x = h[:, -1, :]  # (B, C): the logits of the last position only
             logits = (head_rows(x, w) if fp32_cpu else x @ w.t()).float()  # (B, V)
+            if not bool(torch.isfinite(logits).all()):
+                raise LogitsNotFinite("the model's logits are not finite (NaN or inf: a diverged checkpoint?)")
             nxt = next_token(logits, sampling, generator)  # (B,)
             if eos is not None:
                 nxt = torch.where(done, torch.full_like(nxt, eos), nxt)

@@ -1,12 +1,17 @@
 """Hugging Face import and export: the one place that knows transformers' file layout and key names (as
 torchtitan's state-dict adapters). from_pretrained() reads a local GPT-2 (`GPT2LMHeadModel`) or GPT-NeoX
-(`GPTNeoXForCausalLM`, the Pythia checkpoints) directory, or a GPT-2 hub name; save_pretrained() writes one
-that transformers loads.
+(`GPTNeoXForCausalLM`, the Pythia checkpoints) directory, a gpt2train directory (below), or a GPT-2 hub name;
+save_pretrained() writes one that transformers loads.
 
 Our parameter names are GPT-2's (transformer.wte, transformer.h.N.attn.c_attn, ...), so GPT-2 is a key-by-key
 copy plus a transpose of the four Conv1D weights (HF stores them (in, out); nn.Linear stores (out, in)).
 GPT-NeoX is the same network with other names, an interleaved per-head QKV layout, rotary positions, a parallel
 residual and an untied output head: all options of GPTConfig.
+
+Every other model (QK-norm, value embeddings, smear, the bigram table, a parallel residual with learned positions)
+is written as a gpt2train directory: transformers' remote code, hf_modeling/'s configuration_gpt2train.py and
+modeling_gpt2train.py copied beside config.json (its auto_map names them), the weights under our own names, every
+GPTConfig key in config.json under its own name (tie_embeddings as tie_word_embeddings).
 """
 
 import dataclasses
@@ -23,7 +28,7 @@ from gpt2train.files import atomic_write, first_line
 from model import GPT, GPT2_VOCAB, HUB_NAMES, TRAINING_ONLY_MODEL_KEYS, GPTConfig
 
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-# the modern recipe's options neither GPT2LMHeadModel nor GPTNeoXForCausalLM has: what each would need
+# the modern recipe's options neither GPT2LMHeadModel nor GPTNeoXForCausalLM has: such a model is a gpt2train one
 NO_HF_EQUIVALENT = {  # the model's options that neither loads, each with what it is
     "qk_norm": "neither normalises queries and keys",
     "value_embeds": "a second token embedding added to the attention values",
@@ -34,6 +39,47 @@ NO_HF_EQUIVALENT = {  # the model's options that neither loads, each with what i
     "parametrization": "muP's logit multiplier 1/width_mult and attention scale 8/head_dim",
 }
 HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu2": "relu2"}
+HF_MODELING = Path(__file__).parent / "hf_modeling"  # the remote code a gpt2train directory carries
+REMOTE_CODE = ("configuration_gpt2train.py", "modeling_gpt2train.py")
+# the GPTConfig keys modeling_gpt2train.py implements (tie_embeddings too, as tie_word_embeddings): a model with any
+# other key off its default (a new option of model.py, e.g. muP's parametrization) exports nowhere until the modeling
+# code has it and this tuple names it
+GPT2TRAIN_KEYS = (
+    "block_size",
+    "vocab_size",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "dropout",
+    "bias",
+    "rotary_pct",
+    "rotary_base",
+    "parallel_residual",
+    "activation",
+    "qk_norm",
+    "zero_init_proj",
+    "value_embeds",
+    "smear",
+    "bigram_embeds",
+    "layer_norm_eps",
+)
+# config.json keys of a gpt2train directory that are transformers' bookkeeping, not the architecture; any other key
+# that is not a GPTConfig key is an architecture this version cannot build (e.g. one a newer version wrote)
+HF_BOOKKEEPING_KEYS = {
+    "architectures",
+    "auto_map",
+    "model_type",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "tie_word_embeddings",
+    "use_cache",
+    "initializer_range",
+    "_name_or_path",
+}
 NEOX_LAYER_NAMES = {
     "ln_1": "input_layernorm",
     "ln_2": "post_attention_layernorm",
@@ -46,9 +92,9 @@ NEOX_LAYER_NAMES = {
 
 def from_pretrained(name_or_dir: str, **overrides) -> GPT:
     """Weights in Hugging Face format: a local dir (config.json + model.safetensors or pytorch_model.bin, or
-    their sharded *.index.json) holding a GPT-2 (model_type 'gpt2') or GPT-NeoX / Pythia ('gpt_neox') model,
-    or a GPT-2 hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl; needs internet). overrides: dropout,
-    activation_checkpointing."""
+    their sharded *.index.json) holding a GPT-2 (model_type 'gpt2'), GPT-NeoX / Pythia ('gpt_neox') or gpt2train
+    (save_pretrained's remote-code export) model, or a GPT-2 hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl;
+    needs internet). overrides: dropout, activation_checkpointing."""
     if bad := set(overrides) - set(TRAINING_ONLY_MODEL_KEYS):
         raise ValueError(
             f"from_pretrained: cannot override {sorted(bad)}; only {' and '.join(TRAINING_ONLY_MODEL_KEYS)}"
@@ -59,23 +105,24 @@ def from_pretrained(name_or_dir: str, **overrides) -> GPT:
             raise ValueError(f"from_pretrained: {name_or_dir!r} is neither a directory nor one of {HUB_NAMES}")
         path = _download_from_hub(name_or_dir)
     hf, file = _read_hf_config(path), path / "config.json"
-    neox = hf.get("model_type") == "gpt_neox"
-    model = GPT(GPTConfig(**(_neox_config if neox else _gpt2_config)(hf, file), **overrides))
+    kind = hf["model_type"]
+    neox = kind == "gpt_neox"
+    keywords = {"gpt2": _gpt2_config, "gpt_neox": _neox_config, "gpt2train": _gpt2train_config}[kind](hf, file)
+    model = GPT(GPTConfig(**keywords, **overrides))
     theirs = _read_hf_weights(path)
+    head = "embed_out.weight" if neox else "lm_head.weight"
     if neox:  # transformers >= 5 names the head lm_head; the Pythia checkpoints call it embed_out
         theirs = {
             ("embed_out.weight" if k == "lm_head.weight" else k): v
             for k, v in theirs.items()
             if not k.endswith(("attention.bias", "attention.masked_bias", "rotary_emb.inv_freq"))
         }
-        head = "embed_out.weight"
-    else:  # the OpenAI hub files have no "transformer." prefix, no lm_head and causal-mask buffers
+    elif kind == "gpt2":  # the OpenAI hub files have no "transformer." prefix, no lm_head and causal-mask buffers
         theirs = {
             (k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v
             for k, v in theirs.items()
             if not k.endswith((".attn.bias", ".attn.masked_bias"))
         }
-        head = "lm_head.weight"
     ours = model.state_dict()
     if model.config.tie_embeddings:
         ours.pop("lm_head.weight")  # it is wte
@@ -95,7 +142,7 @@ def from_pretrained(name_or_dir: str, **overrides) -> GPT:
             v = (
                 _qkv_from_neox(v, model.config.n_head)
                 if neox and ".c_attn." in k
-                else (v.t() if not neox and k.endswith(CONV1D_WEIGHTS) else v)
+                else (v.t() if kind == "gpt2" and k.endswith(CONV1D_WEIGHTS) else v)
             )
             if v.shape != ours[k].shape:
                 raise ValueError(
@@ -116,30 +163,32 @@ def save_pretrained(
     chat_template: str | None = None,
     tokenizer_json: str | None = None,
 ) -> None:
-    """Write config.json + model.safetensors that transformers loads: a GPT2LMHeadModel for learned positions
-    (rotary_pct=None), a GPTNeoXForCausalLM (Pythia layout) for rotary ones. bias=False is written as zero
-    biases; zero_init_proj and dropout need nothing. qk_norm, value_embeds, smear, bigram_embeds, and a parallel
-    residual with learned positions, exist in neither (ValueError). With them the tokenizer (bpe.save_tokenizer:
+    """Write config.json + model.safetensors that transformers loads (export_route): a GPT2LMHeadModel for learned
+    positions (rotary_pct=None), a GPTNeoXForCausalLM (Pythia layout) for rotary ones; bias=False is written as zero
+    biases, zero_init_proj and dropout need nothing. A model with qk_norm, value_embeds, smear, bigram_embeds, or a
+    parallel residual with learned positions, exists in neither: it is written as a gpt2train directory (its remote
+    code, every row of its vocabulary, generation_config.json's suppress_tokens keeping generate() off the padding
+    rows as sample.py does). With them the tokenizer (bpe.save_tokenizer:
     tokenizer_dir's own tokenizer.json if it has one, else GPT-2's; skipped, with a note, for a vocabulary too
     small for GPT-2's; `tokenizer_json`, a checkpoint's own tokenizer.json text, wins over both) and
     generation_config.json with its <|endoftext|> id as eos."""
     cfg = model.config
-    check_exportable(cfg)
+    route = export_route(cfg)
     try:
         from safetensors.torch import save_file
     except ImportError as e:
         raise ImportError("save_pretrained needs the safetensors package: pip install safetensors") from e
-    neox = cfg.rotary_pct is not None
+    neox = route == "gpt_neox"
     # GPT-2 files hold the real vocabulary only; GPT-NeoX checkpoints keep their padded one (as Pythia's do)
     own = tokenizer_json is not None  # a tokenizer of the run's own: every row goes, as GPT-NeoX does
-    vocab = GPT2_VOCAB if not neox and not own and cfg.vocab_size > GPT2_VOCAB else cfg.vocab_size
+    vocab = GPT2_VOCAB if route == "gpt2" and not own and cfg.vocab_size > GPT2_VOCAB else cfg.vocab_size
     chat_tokens = {}
     if chat_template is not None and not own:  # GPT-2's chat tokens (chat.py) are rows of the padded vocabulary
         from gpt2train import chat
 
         chat_tokens = chat.SPECIAL
         vocab = max(vocab, max(chat_tokens.values()) + 1)
-    tensors = _hf_tensors(model, vocab, neox)
+    tensors = _gpt2train_tensors(model) if route == "gpt2train" else _hf_tensors(model, vocab, neox)
     out = Path(out_dir)
     dir_json = Path(tokenizer_dir) / "tokenizer.json" if tokenizer_dir is not None else None
     if not own and dir_json is not None and dir_json.is_file():  # a model imported with its own (e.g. Pythia's)
@@ -159,33 +208,93 @@ def save_pretrained(
         eos = None
         log(f"{out}: no tokenizer written: vocab_size {vocab} is smaller than GPT-2's {GPT2_VOCAB}", note=True)
     eos = vocab - 1 if eos is None else eos
-    hf_config = _hf_config(cfg, vocab, eos, neox)
+    hf_config = _gpt2train_json(cfg, eos) if route == "gpt2train" else _hf_config(cfg, vocab, eos, neox)
     atomic_write(out / "config.json", json.dumps(hf_config, indent=2) + "\n")  # a full disk's error names the file
     stop = [eos, chat_tokens["<|end|>"]] if chat_tokens else eos  # a chat model's reply ends at <|end|>
-    atomic_write(out / "generation_config.json", json.dumps({"bos_token_id": eos, "eos_token_id": stop}) + "\n")
+    generation = {"bos_token_id": eos, "eos_token_id": stop}
+    if route == "gpt2train":
+        generation.update(_write_remote_code(out, cfg))
+    atomic_write(out / "generation_config.json", json.dumps(generation) + "\n")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     umask = os.umask(0o022)  # safetensors creates the file 0600: give it the mode its siblings have
     os.umask(umask)
     os.chmod(out / "model.safetensors", 0o666 & ~umask)
 
 
-def check_exportable(cfg) -> None:
-    """ValueError naming every option of this GPTConfig that neither GPT-2 nor GPT-NeoX has (NO_HF_EQUIVALENT, and
-    a parallel residual with learned positions), in one line."""
+def nonstandard_options(cfg) -> list[str]:
+    """The options of this GPTConfig that neither GPT-2 nor GPT-NeoX has (NO_HF_EQUIVALENT, and a parallel residual
+    with learned positions), each as 'key=value'; empty for a model one of them holds."""
     off = {key: GPTConfig.__dataclass_fields__[key].default for key in NO_HF_EQUIVALENT}  # False, or 0 rows
-    refused = [key for key in NO_HF_EQUIVALENT if getattr(cfg, key) != off[key]]
-    if refused:  # all of them in one line: a retraining for each would be the alternative
+    found = [f"{key}={getattr(cfg, key)!r}" for key in NO_HF_EQUIVALENT if getattr(cfg, key) != off[key]]
+    if cfg.rotary_pct is None and cfg.parallel_residual:  # GPT-2's residual is sequential, GPT-NeoX's is rotary
+        found.append("parallel_residual=True with rotary_pct=None")
+    return found
+
+
+def export_route(cfg) -> str:
+    """How save_pretrained writes a model of this GPTConfig: 'gpt2' (GPT2LMHeadModel: learned positions), 'gpt_neox'
+    (GPTNeoXForCausalLM: rotary), or 'gpt2train' (its own remote code) when neither holds it. ValueError for a key
+    off its default that no route holds yet (not in GPT2TRAIN_KEYS)."""
+    unmodeled = [
+        f"{f.name}={getattr(cfg, f.name)!r}"
+        for f in dataclasses.fields(cfg)
+        if f.name not in (*GPT2TRAIN_KEYS, "tie_embeddings", *TRAINING_ONLY_MODEL_KEYS)
+        and getattr(cfg, f.name) != f.default
+    ]
+    if unmodeled:
         raise ValueError(
-            f"save_pretrained: {', '.join(f'{key}={getattr(cfg, key)!r}' for key in refused)} "
-            f"{'has' if len(refused) == 1 else 'have'} no Hugging Face GPT-2 or GPT-NeoX equivalent "
-            f"({'; '.join(NO_HF_EQUIVALENT[key] for key in refused)}); "
-            f"export needs {', '.join(f'{key}={off[key]!r}' for key in refused)}"
+            f"save_pretrained: {', '.join(unmodeled)}: not in the exported modeling code yet "
+            f"(gpt2train/hf_modeling/modeling_gpt2train.py; hf.GPT2TRAIN_KEYS names what it implements)"
         )
-    if cfg.rotary_pct is None and cfg.parallel_residual:
-        raise ValueError(
-            "save_pretrained: parallel_residual=True with learned positions (rotary_pct=None) "
-            "fits neither GPT-2 (sequential residual) nor GPT-NeoX (rotary only)"
-        )
+    if nonstandard_options(cfg):
+        return "gpt2train"
+    return "gpt2" if cfg.rotary_pct is None else "gpt_neox"
+
+
+def _gpt2train_tensors(model: GPT) -> dict:
+    """{our name: contiguous CPU tensor} of a gpt2train export: every weight as it is, every row of the vocabulary,
+    a tied head left to transformers to re-tie."""
+    sd = model.state_dict()
+    if model.config.tie_embeddings:
+        sd.pop("lm_head.weight")
+    return {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in sd.items()}
+
+
+def _gpt2train_json(cfg, eos: int) -> dict:
+    """config.json of a gpt2train export: the remote code's classes (auto_map) and the GPTConfig keys it implements
+    (GPT2TRAIN_KEYS: every one but the training-only activation_checkpointing)."""
+    keys = {k: getattr(cfg, k) for k in GPT2TRAIN_KEYS}
+    return {
+        "architectures": ["GPT2TrainForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_gpt2train.GPT2TrainConfig",
+            "AutoModelForCausalLM": "modeling_gpt2train.GPT2TrainForCausalLM",
+        },
+        "model_type": "gpt2train",
+        **keys,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "use_cache": True,
+        "bos_token_id": eos,
+        "eos_token_id": eos,
+    }
+
+
+def _write_remote_code(out: Path, cfg) -> dict:
+    """Copy hf_modeling/'s two files into the export; say which options sent it there (a note). Returns the
+    generation settings it needs: suppress_tokens, the padding rows past the written tokenizer's ids."""
+    for name in REMOTE_CODE:
+        atomic_write(out / name, (HF_MODELING / name).read_text())
+    log(
+        f"{out}: {', '.join(nonstandard_options(cfg))}: no GPT-2 or GPT-NeoX equivalent, so a gpt2train model "
+        "(its own modeling code: load it with trust_remote_code=True)",
+        note=True,
+    )
+    tokenizer = out / "tokenizer.json"
+    if not tokenizer.is_file():
+        return {}
+    tok = json.loads(tokenizer.read_text(encoding="utf-8"))
+    ids = [*tok["model"]["vocab"].values(), *(t["id"] for t in tok.get("added_tokens", []))]
+    return {"suppress_tokens": list(range(max(ids) + 1, cfg.vocab_size))} if max(ids) + 1 < cfg.vocab_size else {}
 
 
 def _hf_tensors(model: GPT, vocab: int, neox: bool) -> dict:
@@ -333,8 +442,10 @@ def _read_hf_config(path: Path) -> dict:
             f"from_pretrained: {file} not found; expected a Hugging Face GPT-2 or GPT-NeoX directory"
         )
     hf = json.loads(file.read_text())
-    if hf.setdefault("model_type", "gpt2") not in ("gpt2", "gpt_neox"):
-        raise ValueError(f"from_pretrained: {file}: model_type={hf['model_type']!r}, expected 'gpt2' or 'gpt_neox'")
+    if hf.setdefault("model_type", "gpt2") not in ("gpt2", "gpt_neox", "gpt2train"):
+        raise ValueError(
+            f"from_pretrained: {file}: model_type={hf['model_type']!r}, expected 'gpt2', 'gpt_neox' or 'gpt2train'"
+        )
     return hf
 
 
@@ -399,6 +510,20 @@ def _neox_config(hf: dict, file: Path) -> dict:
         "activation": HF_ACTIVATIONS[_hf_get(hf, file, "hidden_act", "gelu", HF_ACTIVATIONS)],
         "layer_norm_eps": float(_hf_get(hf, file, "layer_norm_eps", 1e-5)),
     }
+
+
+def _gpt2train_config(hf: dict, file: Path) -> dict:
+    """GPTConfig keywords of a gpt2train config.json (save_pretrained's remote-code export): every key under its own
+    name. A key that is neither GPTConfig's nor transformers' bookkeeping is an architecture this version cannot
+    build: refused, never dropped."""
+    keys = set(GPT2TRAIN_KEYS) - set(TRAINING_ONLY_MODEL_KEYS)
+    unknown = sorted(set(hf) - keys - HF_BOOKKEEPING_KEYS - set(TRAINING_ONLY_MODEL_KEYS))
+    if unknown:
+        raise ValueError(
+            f"from_pretrained: {file}: unknown architecture key{'s' * (len(unknown) > 1)} {', '.join(unknown)} "
+            f"(this version of gpt2-train knows {', '.join(sorted(keys))}): a newer version's export?"
+        )
+    return {**{k: hf[k] for k in keys if k in hf}, "tie_embeddings": hf.get("tie_word_embeddings", True)}
 
 
 def _read_hf_weights(path: Path) -> dict:

@@ -90,4 +90,5 @@ def load_model_from_args(parser, args):
     except (CheckpointError, OSError, ValueError, ImportError, RuntimeError) as e:
         report_error(parser.prog, e, about=source)  # e.g. a hub download error that doesn't say what was loaded
         parser.exit(2)
+    args.model_info = info  # load_model's: the checkpoint's training config and step, for a command that needs them
     return model, enc, device, dtype

@@ -9,6 +9,7 @@ evaluations a whole copy of a sharded model; step.py runs the step's micro-batch
 
 import os
 import random
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -175,6 +176,27 @@ def setup(cfg):
     return Env(rank, local_rank, world_size, distributed, device, dtype, parallel, mesh, pipeline, tp)
 
 
+def exit_process(main):
+    """Run main() (a command's entry point) and end the process with its exit status. Under torchrun the end skips
+    the interpreter's finalization (os._exit once stdout and stderr are flushed; main has destroyed the process
+    group and closed its files): DDP keeps the gloo process group and its worker threads alive past
+    destroy_process_group, and a worker that drops the last reference to a collective's tensor while the
+    interpreter finalizes must take the GIL, which then ends the thread inside C++: `terminate called without an
+    active exception`, SIGABRT, a failed job after a finished run (issue 58: seen under load)."""
+    if not launched_by_torchrun():
+        sys.exit(main())
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code
+    if code is not None and not isinstance(code, int):  # sys.exit("message"): printed, status 1
+        log(str(code), error=True)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 def data_parallel_size(world_size, tensor_parallel):
     """world_size / tensor_parallel, the ranks that read different rows; a tensor_parallel that does not divide
     the world is a ConfigError."""
@@ -294,8 +316,8 @@ def shard(model, cfg, env):
         for block in model.transformer.h:
             fully_shard(block, mesh=dp_mesh, mp_policy=policy)
         fully_shard(model, mesh=dp_mesh, mp_policy=policy)
-    elif "deferred_init" not in model.__dict__:  # tensor parallelism alone: the replicated weights to the device
-        model.to(env.device)
+    elif not next(model.parameters()).is_meta:  # tensor parallelism alone: whole weights to the device (a model on
+        model.to(env.device)  # meta stays there: materialised below, or the dry run's, to_empty'd on fake tensors)
     if "deferred_init" in model.__dict__:  # built on meta: this rank's shards only, initialised as one process would
         materialise(model, env)
     return model

@@ -9,10 +9,11 @@ A Job is one train.py run: its key (unique: what a later call resumes it by), it
 out_dir and optionally a torchrun process count. run_jobs(todo, out_dir) runs the Jobs that `done` (the records an
 earlier call returned) does not hold finished, `jobs` at once, in waves: up to `jobs` runs start together (give
 them in seed order, and the runs of one seed start together, so a drifting machine slows them alike); the next
-wave starts when the last run of this one ended. Every run gets --seed, --out_dir and --ledger=<out_dir>/ledger.jsonl
-appended (they win over its config files), its console output goes to `<its out_dir>.log`, and after each run
-on_run(key, record) lets the caller rewrite its JSON. A record: key, seed, status (train.py's: ok, diverged, oom,
-interrupted, error), value (the result's `metric`), result (the whole `result:` dict), tokens_per_s, params,
+wave starts when the last run of this one ended. Every run gets --seed, --out_dir and
+--ledger=<out_dir>/ledger.jsonl appended (they win over its config files), its console output goes to
+`<its out_dir>.log`, and after each run on_run(key, record, made) lets the caller rewrite its JSON. A record: key,
+seed, status (train.py's: ok, diverged, oom, interrupted - also a run killed by SIGTERM/SIGINT before it could
+save -, error), value (the result's `metric`), result (the whole `result:` dict), tokens_per_s, params,
 params_lookup, started_at, seconds, exit_code, out_dir, threads / devices (what the run was given).
 
 Finished (ok, diverged, oom: a deterministic run would end the same) runs are kept; an interrupted or failed run
@@ -199,7 +200,7 @@ def check_metric(metric, result, log_path):
 def record(job, code, started, seconds, metric, env):
     """A finished run's record (the module docstring lists its fields)."""
     result = read_result(job.log_path)
-    codes = {c: s for s, c in EXIT_CODES.items()}
+    codes = {c: s for s, c in EXIT_CODES.items()} | {-signal.SIGTERM: "interrupted", -signal.SIGINT: "interrupted"}
     status = result.get("status") or codes.get(code, "error")
     if status == "ok" and metric is not None:
         check_metric(metric, result, job.log_path)

@@ -3,7 +3,9 @@
 plus aligned loss-mask shards (shards.write_mask) of whole conversations, and their manifest.
 
 <name>_val_000000.bin/.mask holds the first conversations (at least val_tokens tokens), or exactly --val_input's;
-<name>_train_NNNNNN.bin/.mask up to shard_tokens tokens of whole conversations each. Rows are built at load time for
+<name>_train_NNNNNN.bin/.mask up to shard_tokens tokens of whole conversations each. The tokenizer is GPT-2's with the
+chat tokens at 50257..50260, or a --tokenizer that has them itself (tokenizer.py --chat_tokens), recorded in the
+manifest and kept beside the shards as a text prep's is. Rows are built at load time for
 the run's block_size (data.DocumentRows), so the data trains at any block_size. A re-run with the same input and
 settings verifies the shards and stops; anything else rewrites them all (one pass, no resume mid-way: SFT sets are
 small). docs/sft.md is the guide.
@@ -25,6 +27,7 @@ from gpt2train.prep_output import (
     DEFAULT_SHARD_TOKENS,
     as_uint16,
     fingerprint,
+    keep_tokenizer,
     locked,
     remove_stale_temp_files,
     shard_is_complete,
@@ -41,14 +44,21 @@ class SftPrep:
     val: list  # --val_input's, whose conversations are the val shard ([]: the first val_tokens tokens' worth)
     out_dir: Path
     name: str  # the shards' name prefix
+    tokenizer: str  # 'gpt2' or a tokenizer.json path (prepare_data.resolve_tokenizer)
+    record: dict  # bpe.tokenizer_record of it
     shard_tokens: int
     val_tokens: int
     settings: dict  # what the manifest records: a re-run with the same fingerprint reuses the shards
 
 
-def plan_sft(args):
+def plan_sft(args, tokenizer="gpt2", record=None):
     """The SftPrep of prepare_data.py's flags (input, val_input, out_dir, name, shard_tokens, val_tokens,
-    block_size); PrepError for files that are not .jsonl or flags out of range."""
+    block_size) and tokenizer (prepare_data.resolve_tokenizer's); PrepError for a tokenizer without the chat tokens,
+    files that are not .jsonl or flags out of range."""
+    try:
+        chat.tokenizer(open_tokenizer(tokenizer))
+    except ValueError as e:
+        raise PrepError(f"--tokenizer: {e}") from None
     files = expand_inputs(args.input)
     val = val_files(args.val_input, [[str(p.resolve())] for p in files]) if args.val_input else []
     if any(f.suffix != ".jsonl" for f in files + val):
@@ -66,7 +76,7 @@ def plan_sft(args):
     name = re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") or "sft"
     settings = {
         "format": "llm.c uint16 shards v1 + uint8 loss masks, whole conversations (rows at load time)",
-        "tokenizer": "gpt2+chat",
+        "tokenizer": "gpt2+chat" if tokenizer == "gpt2" else record["id"],
         "template": chat.CHAT_TEMPLATE,
         "shard_tokens": shard_tokens,
         "val_tokens": val_tokens,
@@ -78,13 +88,13 @@ def plan_sft(args):
             val_input=[[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in val],
         )
     out_dir = Path(args.out_dir or Path("data") / name)
-    return SftPrep(files, val, out_dir, name, shard_tokens, val_tokens, settings)
+    return SftPrep(files, val, out_dir, name, tokenizer, record, shard_tokens, val_tokens, settings)
 
 
-def prepare_sft(args):
-    """Write (or verify and reuse) the SFT shards of prepare_data.py's flags (plan_sft); returns a summary dict,
-    with the conversations a run at --block_size would leave out (rows of block_size + 1 tokens)."""
-    job = plan_sft(args)
+def prepare_sft(args, tokenizer="gpt2", record=None):
+    """Write (or verify and reuse) the SFT shards of prepare_data.py's flags and tokenizer (plan_sft); returns a
+    summary dict, with the conversations a run at --block_size would leave out (rows of block_size + 1 tokens)."""
+    job = plan_sft(args, tokenizer, record)
     manifest_path = job.out_dir / f"{job.name}_manifest.json"
     with locked(job.out_dir):
         remove_stale_temp_files(job.out_dir, job.name)
@@ -164,6 +174,8 @@ def write_sft_shards(job, old):
         "shards": records,
         "summary": summary,
     }
+    if job.tokenizer != "gpt2":  # GPT-2's chat ids lie past its 50257: its data records none, as before
+        manifest["tokenizer"] = keep_tokenizer(job.out_dir, job.name, job.record)
     write_manifest(job.out_dir / f"{job.name}_manifest.json", manifest)
     return manifest
 
@@ -171,7 +183,7 @@ def write_sft_shards(job, old):
 def encode_conversations(job):
     """(conversations as chat.encode's (tokens, mask), [(file:line, tokens)] of each, how many go to val): --val_input's
     first, then --input's. PrepError naming file:line for a bad line, or where val or train would be empty."""
-    enc, conversations, lengths, given = chat.tokenizer(open_tokenizer("gpt2")), [], [], 0
+    enc, conversations, lengths, given = chat.tokenizer(open_tokenizer(job.tokenizer)), [], [], 0
     for i, path in enumerate([*job.val, *job.files]):
         given = len(conversations) if i == len(job.val) else given  # --val_input's conversations (val: its files)
         try:

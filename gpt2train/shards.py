@@ -248,12 +248,23 @@ def check_shards_vocab(paths, shards, vocab_size, progress=True, chunk=1 << 26, 
             check_vocab(tokens, vocab_size, path, top=top)
 
 
+SPLITS = ("train", "val", "test")  # test: held out from training (prepare_data.py --test_input, evaluate.py --split)
+SPLIT_WORD = re.compile(rf"(?:^|[_.-])({'|'.join(SPLITS)})(?=$|[_.-])")
+
+
+def shard_split(name):
+    """The split a shard file belongs to by its name: the last of train/val/test that is a word of its stem
+    (`x_train_000001.bin`, `train.bin`, `edufineweb_val_000000.npy`; prepare_data.py's `train_val_000000.bin`, the
+    val shard of an input named train.jsonl, is val), or None."""
+    words = SPLIT_WORD.findall(Path(name).stem)
+    return words[-1] if words else None
+
+
 def find_shards(data_dir, split):
-    """Sorted shard files (.bin/.npy) of one split in data_dir: names whose stem contains the split
-    as a word, e.g. `x_train_000001.bin`, `train.bin`, `edufineweb_val_000000.npy`.
+    """Sorted shard files (.bin/.npy) of one split in data_dir: the names shard_split gives that split.
     data_dir may also be a glob pattern (`data/fw/fineweb_edu_*`)."""
-    if split not in ("train", "val"):
-        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     data_dir = str(data_dir)
     if any(c in data_dir for c in "*?["):
         candidates = [Path(p) for p in sorted(glob.glob(data_dir))]
@@ -263,8 +274,7 @@ def find_shards(data_dir, split):
         raise ShardError(f"{data_dir}: is a file, not a data directory (data_dir: a directory of shards, or a glob)")
     else:
         raise NoShardsError(f"{data_dir}: no such data directory", data_dir)
-    word = re.compile(rf"(^|[_.-]){split}($|[_.-])")
-    named = [p for p in candidates if p.suffix in SHARD_SUFFIXES and word.search(p.stem)]
+    named = [p for p in candidates if p.suffix in SHARD_SUFFIXES and shard_split(p.name) == split]
     dangling = [p for p in named if p.is_symlink() and not p.exists()]
     if dangling:  # not skipped: the run would train on less data than the directory shows
         raise ShardError(f"{dangling[0]}: a symlink to {os.readlink(dangling[0])}, which does not exist")

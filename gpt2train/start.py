@@ -32,7 +32,7 @@ from gpt2train.files import directory_lock
 from gpt2train.manifests import data_tokenizer, read_manifests
 from gpt2train.parallel import rank_ranges, setup
 from gpt2train.sharded import META_FILES
-from gpt2train.shards import NoShardsError
+from gpt2train.shards import NoShardsError, ShardError
 from gpt2train.tracking import check_tracking_available
 from model import PRESETS, GPTConfig
 
@@ -173,6 +173,10 @@ def data_manifests(data_dir):
         close = difflib.get_close_matches(path.name, near, n=1)
         hint = f" (did you mean '{path.parent / close[0]}'?)" if close else ""
         raise NoShardsError(f"{e}{hint}; prepare it with {prepare_command(missing)}", missing) from None
+    except ShardError:
+        raise
+    except ValueError as e:  # a malformed mixture (mixture.parse_mixture), read before make_config checks data_dir
+        raise ConfigError(f"config key 'data_dir': {e}") from None
 
 
 def pretrained_tokenizer(init_from):

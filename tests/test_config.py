@@ -67,6 +67,26 @@ def test_max_steps_and_max_seconds_set_later_replace_each_other_and_together_are
     assert make_config({"max_seconds": 60.0}, base=base).max_steps == 412
 
 
+def test_a_horizon_from_compute_replaces_a_length_set_earlier_and_beside_another_is_refused(tmp_path):
+    steps_file = tmp_path / "steps.py"
+    steps_file.write_text("max_steps = 300\nn_layer = 4\n")
+    # a config file's max_steps gives way to target_flops on the command line (ladder.py's rungs), and back
+    assert parse_args([str(steps_file), "--target_flops=1e12"]) == {"n_layer": 4, "target_flops": 1e12}
+    assert parse_args(["--tokens_per_param=20", str(steps_file)]) == {"max_steps": 300, "n_layer": 4}
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--target_flops=1e12", "--max_steps=5"])
+    assert str(err.value) == (
+        "the command line sets both max_steps=5 and target_flops=1e+12: set one (each fixes how long the run trains)"
+    )
+    # a resume's max_steps replaces the checkpoint's horizon; a new horizon the checkpoint's budget
+    base = vars(TrainConfig(target_flops=1e12))
+    assert make_config({"max_steps": 800}, base=base).target_flops is None
+    budget = make_config({"target_flops": 1e13}, base=vars(TrainConfig(max_seconds=60.0)))
+    assert budget.max_seconds is None and budget.target_flops == 1e13
+    with pytest.raises(ConfigError, match="the config sets both target_flops=1e\\+12 and tokens_per_param=20"):
+        TrainConfig(target_flops=1e12, tokens_per_param=20.0)
+
+
 @pytest.mark.parametrize(
     "args, expected",
     [

@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import os
 import random
 import struct
 from pathlib import Path
@@ -114,7 +115,8 @@ def test_txt_jsonl_parquet_directories_and_globs(tmp_path, enc):
     (tmp_path / "in" / "sub").mkdir(parents=True)
     (tmp_path / "in" / "a.txt").write_text(docs[0], encoding="utf-8")
     (tmp_path / "in" / "b.txt").write_text(docs[1], encoding="utf-8")
-    (tmp_path / "in" / "notes.md").write_text("not an input")
+    (tmp_path / "in" / ".notes.md").write_text("hidden: not an input")
+    (tmp_path / "in" / "sub" / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")  # binary: skipped
     write_jsonl(tmp_path / "in" / "sub" / "c.jsonl", docs[2:5], key="content")
     pq.write_table(pa.table({"content": docs[5:7], "id": [1, 2]}), tmp_path / "d.parquet")
     (tmp_path / "e1.txt").write_text(docs[7], encoding="utf-8")
@@ -142,13 +144,38 @@ def test_txt_jsonl_parquet_directories_and_globs(tmp_path, enc):
     assert split_docs(val, enc) == docs[:1]
 
 
-def test_files_of_other_types_under_an_input_directory_are_named_as_skipped(tmp_path, capsys):
-    (tmp_path / "in").mkdir()
-    (tmp_path / "in" / "book.txt").write_text(" ".join(make_docs(30)), encoding="utf-8")
-    (tmp_path / "in" / "README.md").write_text("about the books")
-    run_prep("--input", tmp_path / "in", "--out_dir", tmp_path / "out", "--num_proc", 1)
-    note = "note: prepare_data: skipped 1 file(s) that are not .txt, .jsonl or .parquet: "
-    assert note + str(tmp_path / "in" / "README.md") in capsys.readouterr().err
+def test_source_code_is_text_and_a_directory_is_its_visible_text_files(tmp_path, capsys, enc):
+    """Issue 58 item 13: any UTF-8 file is one document whatever its extension (`--input lib/*.py`, a directory of
+    code); under a directory, recursively and sorted, hidden files and folders are left out and binary files (a
+    NUL byte, not UTF-8) skipped with a note naming them; a binary file named alone is one line naming it."""
+    lib = tmp_path / "lib"
+    (lib / "pkg" / "__pycache__").mkdir(parents=True)
+    (lib / ".git").mkdir()
+    code = {"lib/a.py": "def f(x):\n    return x + 1\n", "lib/pkg/b.py": "import os\n", "lib/README.md": "# lib\n"}
+    for name, text in code.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    (lib / ".git" / "config").write_text("[core]\n")  # hidden: never read
+    (lib / ".env").write_text("SECRET=1\n")
+    (lib / "pkg" / "__pycache__" / "b.cpython-312.pyc").write_bytes(b"\r\r\r\n\0\0\0\0")  # UTF-8 but NUL bytes
+    (lib / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))  # not UTF-8
+    run_prep("--input", lib, "--out_dir", tmp_path / "dir", "--val_tokens", 5, "--num_proc", 1)
+    out = tmp_path / "dir"
+    stream = np.concatenate([*shard_tokens(out, "lib", "val"), *shard_tokens(out, "lib", "train")])
+    assert split_docs(stream, enc) == [code["lib/README.md"], code["lib/a.py"], code["lib/pkg/b.py"]]
+    err = capsys.readouterr().err
+    pyc = lib / "pkg" / "__pycache__" / "b.cpython-312.pyc"
+    assert f"skipped 2 binary file(s) (NUL bytes or not UTF-8): {lib / 'latin1.txt'}, {pyc}\n" in err
+    run_prep("--input", f"{lib}/**/*.py", "--out_dir", tmp_path / "glob", "--val_tokens", 5, "--num_proc", 1)
+    glob = tmp_path / "glob"
+    stream = np.concatenate([*shard_tokens(glob, "data", "val"), *shard_tokens(glob, "data", "train")])
+    assert split_docs(stream, enc) == [code["lib/a.py"], code["lib/pkg/b.py"]]
+    for name, said in [
+        ("pkg/__pycache__/b.cpython-312.pyc", "holds NUL bytes: a binary file, not text"),
+        ("latin1.txt", "not UTF-8 text (byte 0xe9 at 3): a binary file?"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            run_prep("--input", lib / name, "--out_dir", tmp_path / "bin", "--num_proc", 1)
+        assert str(e.value.code) == f"prepare_data.py: error: {lib / name}: {said}"
 
 
 def test_default_val_split_is_a_tenth_of_a_small_corpus_in_whole_documents(tmp_path, enc):
@@ -379,13 +406,142 @@ def test_an_interrupted_run_with_val_input_resumes_to_identical_output(tmp_path,
         assert (tmp_path / "clean" / name).read_bytes() == (tmp_path / "crashed" / name).read_bytes(), name
 
 
+def split_corpus(tmp_path):
+    """Files named as a newcomer names them (train.jsonl, val.jsonl, test.jsonl) and their documents, each split's
+    distinct from the others'."""
+    docs = {"train": make_docs(120, seed=11)}
+    docs["val"] = ["held out: " + d for d in make_docs(12, seed=12)]
+    docs["test"] = ["tested: " + d for d in make_docs(9, seed=13)]
+    return {split: write_jsonl(tmp_path / f"{split}.jsonl", d) for split, d in docs.items()}, docs
+
+
+def test_a_test_split_is_its_own_shard_recorded_in_the_manifest_and_resumes(tmp_path, enc, monkeypatch):
+    """Issue 56 item 5: --test_input writes <name>_test_000000.bin (exactly its documents) beside the val shard,
+    recorded in the manifest as the val shard is; an input named train.jsonl (docs/data.md's example) gives shards
+    that find_shards tells apart (issue 58 item 7). A run killed at the test shard's write resumes to the same files."""
+    files, docs = split_corpus(tmp_path)
+    args = ["--input", files["train"], "--val_input", files["val"], "--test_input", files["test"], "--num_proc", 1]
+    s = run_prep(*args, "--shard_tokens", 400, "--out_dir", tmp_path / "out")
+    out = tmp_path / "out"
+    for split in ("val", "test"):
+        assert [p.name for p in find_shards(out, split)] == [f"train_{split}_000000.bin"]
+        assert split_docs(np.concatenate(shard_tokens(out, "train", split)), enc) == docs[split]
+    assert split_docs(np.concatenate(shard_tokens(out, "train", "train")), enc) == docs["train"]
+    assert all("_train_" in p.name[5:] for p in find_shards(out, "train"))  # train_train_*: not the val or test shard
+    manifest = json.loads((out / "train_manifest.json").read_text())
+    test = [r for r in manifest["shards"] if r["split"] == "test"]
+    assert [r["file"] for r in test] == ["train_test_000000.bin"] and s["test_tokens"] == test[0]["tokens"] > 0
+    assert [f for f, *_ in manifest["settings"]["test_input"]["files"]] == [str(files["test"].resolve())]
+    assert DataLoader(out, "test", batch_size=2, block_size=8).num_samples > 0
+    assert run_prep(*args, "--shard_tokens", 400, "--out_dir", out)["tokenized"] == 0  # verified, nothing to do
+    real_write = prepare_data.write_shard
+
+    def crash_at_test(path, tokens):
+        if "_test_" in Path(path).name:
+            raise KeyboardInterrupt
+        real_write(path, tokens)
+
+    monkeypatch.setattr(prepare_data, "write_shard", crash_at_test)
+    with pytest.raises(SystemExit, match="^130$"):
+        run_prep(*args, "--shard_tokens", 400, "--out_dir", tmp_path / "crashed")
+    monkeypatch.setattr(prepare_data, "write_shard", real_write)
+    run_prep(*args, "--shard_tokens", 400, "--out_dir", tmp_path / "crashed")
+    for path in out.iterdir():
+        assert (tmp_path / "crashed" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+@pytest.mark.parametrize("names", [("train", "val", "test"), ("val", "test", "train"), ("test", "train", "val")])
+def test_inputs_named_train_val_test_prepare_data_that_trains_and_never_opens_its_test_shard(
+    tmp_path, names, byte_level_tokenizer_json
+):
+    """Issue 58 item 7: docs/data.md's own example (`--input train.jsonl --val_input val.jsonl`) and its rotations
+    give shards that train.py tells apart (train_val_000000.bin is val). Issue 56 item 5: a run that trains,
+    evaluates at eval_interval and keeps its best checkpoint never opens the test shard (every file opened, watched
+    by an audit hook)."""
+    import sys
+
+    import train
+
+    _, docs = split_corpus(tmp_path)
+    named = {
+        role: write_jsonl(tmp_path / f"{name}.jsonl", docs[split])
+        for role, name, split in zip(("input", "val", "test"), names, ("train", "val", "test"))
+    }
+    out = tmp_path / "data"
+    flags = ["--input", named["input"], "--val_input", named["val"], "--test_input", named["test"], "--num_proc", 1]
+    run_prep(*flags, "--out_dir", out, "--tokenizer", byte_level_tokenizer_json)
+    assert (out / f"{names[0]}_test_000000.bin").is_file() and (out / f"{names[0]}_val_000000.bin").is_file()
+    opened = []
+    sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" and WATCH else None)
+    tiny = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--max_steps=4"]
+    tiny += ["--eval_interval=2", "--eval_steps=all", "--save_interval=2", "--device=cpu", "--compile=False"]
+    WATCH.append(True)
+    try:
+        assert train.main([*tiny, f"--data_dir={out}", f"--out_dir={tmp_path / 'run'}", "--sample_interval=0"]) == 0
+    finally:
+        WATCH.clear()
+    assert any("_train_" in p for p in opened) and any(f"{names[0]}_val_000000" in p for p in opened)
+    assert not [p for p in opened if "_test_" in Path(p).name]
+
+
+WATCH = []  # an audit hook cannot be removed: it records only while this holds something
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("val is an input", "--val_input {train} is also an --input file; hold it out of --input"),
+        ("test is an input", "--test_input {train} is also an --input file; hold it out of --input"),
+        ("a copy of val", "--input {copy} holds 12 of the 12 documents of --val_input (a copy of it?)"),
+        ("a copy of test", "--input {copy} holds 9 of the 9 documents of --test_input (a copy of it?)"),
+        ("val documents in a larger file", "--input {copy} holds 3 of the 12 documents of --val_input"),
+        ("test documents in val", "--val_input {val} holds 2 of the 11 documents of --test_input"),
+    ],
+)
+@pytest.mark.parametrize("command", ["prepare_data.py", "tokenizer.py"])
+def test_held_out_documents_also_in_the_input_are_one_line_and_exit_2(tmp_path, capsys, case, expected, command):
+    """Audit 6's VI_dupcontent, VT_dupcontent (issue 58 item 6), issue 56 item 5: a held-out document that training
+    would read too, by path or by content (a copy under another name), is refused before anything is written."""
+    import tokenizer
+
+    files, docs = split_corpus(tmp_path)
+    copy = tmp_path / "copy.jsonl"
+    inputs, val, test = [files["train"], copy], [files["val"]], [files["test"]]
+    if case == "val is an input":
+        inputs, val = [files["train"]], [files["train"]]
+    elif case == "test is an input":
+        inputs, test = [files["train"]], [files["train"]]
+    elif case in ("a copy of val", "a copy of test"):
+        copy.write_bytes(files[case.split()[-1]].read_bytes())
+    elif case == "val documents in a larger file":
+        write_jsonl(copy, ["new text", *docs["val"][4:7], "more new text"])
+    else:
+        inputs = [files["train"]]
+        write_jsonl(files["test"], [*docs["test"][:9], docs["val"][0], docs["val"][5]])
+    flags = [
+        "--input",
+        *inputs,
+        "--val_input",
+        *val,
+        "--test_input",
+        *test,
+        "--out_dir" if command[0] == "p" else "--out",
+    ]
+    flags += [tmp_path / "out"] + (["--num_proc", 1, "--no_progress"] if command[0] == "p" else ["--vocab_size", 300])
+    with pytest.raises(SystemExit) as e:
+        (prepare_data if command[0] == "p" else tokenizer).main(list(map(str, flags)))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith(f"{command}: error: "), err
+    assert expected.format(train=files["train"].resolve(), copy=copy, val=files["val"]) in err
+    assert not (tmp_path / "out").exists() or command == "tokenizer.py"
+
+
 @pytest.mark.parametrize(
     "case, expected",
     [
         ("with_val_tokens", "give --val_input or --val_tokens, not both"),
         ("no_match", "--val_input: no input files matched"),
         ("no_text", "--val_input {tmp}/empty.jsonl: no documents with text"),
-        ("also_input", "--val_input {tmp}/train.jsonl is also an --input file"),
         ("bad_json", "--val_input: {tmp}/bad.jsonl:1: not valid JSON"),
         ("no_train_text", "tokens of the input; add text to --input"),
     ],
@@ -396,7 +552,6 @@ def test_val_input_errors_are_one_line_naming_the_flag(tmp_path, case, expected)
         "with_val_tokens": [*val_files, "--val_tokens", 100],
         "no_match": [tmp_path / "missing.jsonl"],
         "no_text": [write_jsonl(tmp_path / "empty.jsonl", ["", ""])],
-        "also_input": [tmp_path / "train.jsonl"],
         "bad_json": [tmp_path / "bad.jsonl"],
         "no_train_text": val_files,
     }[case]
@@ -430,7 +585,7 @@ def test_prepare_errors_are_one_clear_line(tmp_path, case):
     expected = {
         "no_match": "no input files matched",
         "only_empty": "no documents with text",
-        "bad_utf8": "bad.txt: cannot read",
+        "bad_utf8": "bad.txt: not UTF-8 text (byte 0xe9 at 3): a binary file?",
         "bad_json": "bad.jsonl:2: not valid JSON",
         "missing_key": "docs.jsonl:1: no 'body' field",
         "too_small": "lower --val_tokens",
@@ -781,6 +936,24 @@ def test_an_id_that_appears_after_the_start_check_is_a_shard_error_naming_the_po
         ShardError,
         match=r"docs_train_000000.bin: token id 60000 >= vocab_size 50304 at token 13: "
         r"the shard changed after the run checked it at start",
+    ):
+        loader.next_batch()
+
+
+def test_a_shard_truncated_in_place_under_the_loader_is_a_shard_error_not_a_bus_error(prepped):
+    """Audit 6's ST_shard: `cp`/`rsync --inplace` over a data directory in use truncates the memory-mapped shard;
+    a read of its vanished pages would be SIGBUS. A shard replaced by a rename is left alone: the map reads the old
+    file, whole."""
+    loader = DataLoader(prepped, "train", batch_size=4, block_size=8, vocab_size=50304, shuffle=False)
+    first = loader.next_batch()
+    replaced = prepped / "docs_train_000001.bin"
+    write_shard(replaced, np.zeros(10, dtype=np.uint16))  # atomic_write: a new file renamed over the old one
+    loader.reset()
+    assert torch.equal(loader.next_batch()[0], first[0])
+    os.truncate(prepped / "docs_train_000000.bin", 1024)
+    with pytest.raises(
+        ShardError,
+        match=r"docs_train_000000.bin: 1,024 bytes, 1,624 when the run opened it: the shard changed under the run",
     ):
         loader.next_batch()
 

@@ -262,3 +262,26 @@ def test_cli_refuses_a_device_memory_that_is_not_a_size_and_a_config_its_plan_ru
     assert "not simulated" in out
     assert dryrun.main([config, "--world_size=8", "--batch_size='auto'"]) == 2
     assert "needs batch_size set" in capsys.readouterr().err
+
+
+# every layout the library trains, each with the default parallel ('ddp') unless the layout is FSDP's: a tiny model
+# (untied, so that a pipeline can split it), one step; tensor parallelism alone (world_size == tensor_parallel) was
+# a "Cannot copy out of meta tensor" traceback: shard() moved the dry run's meta model to the device
+LAYOUTS = [
+    "--world_size=1",
+    "--world_size=2",
+    "--world_size=2 --tensor_parallel=2",
+    "--world_size=4 --tensor_parallel=2",
+    "--world_size=2 --pipeline_parallel=2",
+    "--world_size=4 --pipeline_parallel=2 --tensor_parallel=2",
+    "--world_size=2 --parallel=fsdp",
+    "--world_size=4 --parallel=fsdp --tensor_parallel=2",
+    "--world_size=4 --parallel=hsdp --shard_size=2",
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cli_dry_runs_every_layout_with_the_default_parallel(layout, capsys):
+    tiny = "--n_layer=2 --n_head=2 --n_embd=64 --block_size=32 --batch_size=4 --vocab_size=128 --tie_embeddings=False"
+    assert dryrun.main([*tiny.split(), *layout.split()]) == 0, capsys.readouterr().err
+    assert "fits: simulated peak" in capsys.readouterr().out

@@ -5,10 +5,12 @@ example; ranks add up."""
 import json
 import math
 import os
+import shutil
 import sys
 import tracemalloc
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -850,12 +852,10 @@ def test_the_scored_logits_go_through_the_softmax_a_chunk_at_a_time_alike(model,
     torch.testing.assert_close(chunked[0], torch.cat([whole[0], whole[0]]), rtol=1e-6, atol=0)
 
 
-def test_bpb_files_that_are_not_text_or_jsonl_are_one_line_errors_before_any_model(
-    hf_dir, tmp_path, capsys, monkeypatch
-):
-    (tmp_path / "notes.md").write_text("# notes")
-    err = one_line_error(capsys, ["--init_from", str(hf_dir), "--bpb", str(tmp_path / "notes.md")], monkeypatch)
-    assert "notes.md: --bpb reads .txt files (one document) and .jsonl files (a 'text' field a line)" in err
+def test_bpb_binary_files_and_bad_jsonl_are_one_line_errors_before_any_model(hf_dir, tmp_path, capsys, monkeypatch):
+    (tmp_path / "model.pt").write_bytes(b"PK\x03\x04\0\0")
+    err = one_line_error(capsys, ["--init_from", str(hf_dir), "--bpb", str(tmp_path / "model.pt")], monkeypatch)
+    assert "model.pt: holds NUL bytes: a binary file, not text" in err
     (tmp_path / "rows.jsonl").write_text('{"text": "fine"}\n{"body": "no text"}\n')
     err = one_line_error(capsys, ["--init_from", str(hf_dir), "--bpb", str(tmp_path / "rows.jsonl")], monkeypatch)
     assert "rows.jsonl:2: no 'text' field" in err
@@ -866,13 +866,26 @@ def test_bpb_says_what_a_path_is_when_it_is_not_a_text_file(hf_dir, tmp_path, ca
     os.mkfifo(tmp_path / "fifo.txt")
     (tmp_path / "zero.txt").symlink_to("/dev/zero")
     for name, said in [
-        ("adir.txt", "is a directory, where a text file is expected"),
+        ("adir.txt", "a directory with no text files (hidden and binary ones are left out)"),
         ("fifo.txt", "not a regular file (a FIFO, device or socket)"),
         ("zero.txt", "not a regular file (a FIFO, device or socket)"),
         ("nope.txt", "no such file"),
     ]:
         err = one_line_error(capsys, ["--init_from", str(hf_dir), "--bpb", str(tmp_path / name)], monkeypatch)
         assert f"{tmp_path / name}: {said}" in err
+
+
+def test_bpb_scores_source_code_and_a_directory_of_it_as_documents(hf_dir, tmp_path, capsys):
+    """Issue 58 item 13: a held-out .py file is one document, whatever its extension; a directory, its files."""
+    code = {"a.py": "def f(x):\n    return x + 1\n", "pkg/b.md": "# b\n\nsome text\n"}
+    for name, text in code.items():
+        (tmp_path / "lib" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "lib" / name).write_text(text, encoding="utf-8")
+    for paths, texts in [(["lib/a.py"], [code["a.py"]]), (["lib"], list(code.values()))]:
+        argv = ["--init_from", str(hf_dir), "--dtype", "float32", "--json", "--bpb"]
+        assert evaluate.main([*argv, *(str(tmp_path / p) for p in paths)]) == 0
+        printed = json.loads(capsys.readouterr().out.splitlines()[-1])
+        assert printed["documents"] == len(texts) and printed["bytes"] == sum(len(t.encode()) for t in texts)
 
 
 def test_bpb_text_that_is_not_a_string_is_one_line_naming_the_line_before_any_model(
@@ -902,3 +915,66 @@ def test_bpb_json_of_a_model_with_non_finite_weights_is_strict_json_with_nulls(t
     printed = json.loads(out.splitlines()[-1], parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
     assert printed["bpb"] is None and printed["nats"] is None and printed["bytes"] == len(BPB_DOCS[3])
     assert "note: the model's log-likelihoods are not finite (NaN or inf)" in err
+
+
+# ----------------------------------------------------------------------------- --split: a prepared data split
+
+
+@pytest.fixture(scope="module")
+def split_run(tmp_path_factory, byte_level_tokenizer_json):
+    """(a run's out_dir, its data_dir, the test documents): data prepared with the conftest's own tokenizer and a
+    --test_input, a tiny model trained on it 4 steps with eval_steps='all'."""
+    import prepare_data
+    import train
+
+    root = tmp_path_factory.mktemp("split")
+    words = ["def", "return", "x", "+", "1", "\n", "    ", "class", "naïve", "café", "(", ")", ":"]
+    docs = [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(20 + i % 17)) for i in range(150)]
+    for name, part in (("train", docs[:120]), ("val", docs[120:135]), ("test", docs[135:])):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in part), encoding="utf-8")
+    data = root / "data"
+    flags = ["--input", root / "train.jsonl", "--val_input", root / "val.jsonl", "--test_input", root / "test.jsonl"]
+    prepare_data.main([*map(str, flags), "--out_dir", str(data), "--tokenizer", str(byte_level_tokenizer_json)])
+    out = root / "out"
+    tiny = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4", "--max_steps=4"]
+    tiny += ["--eval_interval=4", "--eval_steps=all", "--device=cpu", "--dtype=float32", "--compile=False"]
+    assert train.main([*tiny, f"--data_dir={data}", f"--out_dir={out}", "--sample_interval=0"]) == 0
+    return out, data, docs[135:]
+
+
+def test_split_test_scores_the_whole_test_split_and_split_val_repeats_the_runs_validation(split_run, capsys):
+    """Issue 56 item 5: evaluate.py --split test --json: the last stdout line holds test_loss and test_bpb, over
+    every target of the test shard once; --split val gives the run's own final val_loss and val_bpb (train.py's
+    validation, eval_steps='all')."""
+    from gpt2train.bpe import open_tokenizer, token_bytes
+
+    out, data, test_docs = split_run
+    assert evaluate.main(["--ckpt", str(out), "--split", "test", "--json", "--dtype", "float32"]) == 0
+    printed = json.loads(capsys.readouterr().out.splitlines()[-1])
+    tokens = np.fromfile(next(data.glob("*_test_000000.bin")), dtype="<u2", offset=1024)
+    targets = tokens[1 : 1 + (len(tokens) - 1) // 16 * 16]  # the windows' targets: all but the first token, the tail
+    table = token_bytes(open_tokenizer(data / "train_tokenizer.json"), 320)
+    assert printed["test_bytes"] == sum(table[t] for t in targets.tolist()) > 0.9 * len("".join(test_docs).encode())
+    assert printed["test_bpb"] > 0 and printed["test_loss"] > 0 and printed["split"] == "test"
+    ratio = printed["test_bpb"] * math.log(2) * printed["test_bytes"] / len(targets)
+    assert ratio == pytest.approx(printed["test_loss"], rel=1e-5)  # one set of targets: nats/bytes and nats/token
+    assert evaluate.main(["--ckpt", str(out), "--split", "val", "--json", "--dtype", "float32"]) == 0
+    printed = json.loads(capsys.readouterr().out.splitlines()[-1])
+    result = json.loads((out / "summary.json").read_text())["result"]
+    assert printed["val_bytes"] == result["val_bytes"] and printed["step"] == 4
+    assert printed["val_loss"] == pytest.approx(result["val_loss"], rel=1e-6)
+    assert printed["val_bpb"] == pytest.approx(result["val_bpb"], rel=1e-6)
+
+
+def test_split_test_of_data_without_test_shards_is_one_line_exit_2(split_run, tmp_path, capsys):
+    out, data, _ = split_run
+    bare = tmp_path / "bare"
+    shutil.copytree(data, bare, ignore=shutil.ignore_patterns("*_test_*"))
+    manifest = json.loads((bare / "train_manifest.json").read_text())
+    manifest["shards"] = [r for r in manifest["shards"] if r["split"] != "test"]
+    (bare / "train_manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--ckpt", str(out), "--split", "test", "--data_dir", str(bare), "--dtype", "float32"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert f"{bare}: no test shards" in err and "prepare them with prepare_data.py --test_input FILES" in err

@@ -93,6 +93,25 @@ def test_a_mixture_is_path_weight_pairs_on_the_command_line_or_a_dict_in_a_confi
             make_config({"data_dir": bad})
 
 
+def test_a_malformed_mixture_is_one_line_and_exit_2_through_train_main(sources, tmp_path, capsys):
+    """Audit 6's MX2, MX4, MX8, MX9, MX17: the run's start reads the mixture's manifests before the config is
+    validated; each malformed spec is still one line and exit 2, nothing trained."""
+    a, b = sources
+    for spec, message in [
+        (f"{a}:-1,{b}:1", f"the weight of {a} must be a number >= 0; got '-1'"),
+        (f"{a}:0,{b}:0", "at least one source needs a weight > 0"),
+        (f"{a}:1,,{b}:1", "'' is not path:weight"),
+        (f"{a}:0.5,{a}:0.5", f"{a} is named twice"),
+        (f"{a}:0.5,{a}/:0.5", f"{a}/ and {a} are one directory, named twice"),
+    ]:
+        out = tmp_path / "out"
+        with pytest.raises(SystemExit) as e:
+            train.main([*TINY, f"--data_dir={spec}", f"--out_dir={out}", "--max_steps=2"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and message in err, (spec, err)
+        assert err.startswith("train.py: error: config key 'data_dir': ") and not out.exists(), err
+
+
 def test_a_directory_whose_name_holds_a_colon_or_a_comma_is_that_one_directory(tmp_path):
     numbered_source(tmp_path / "run", 0)  # the sibling that `run:1` read as a mixture would train on
     for name in ("run:1", "2026-11-28T10:30", "a:1,b:1"):
@@ -330,6 +349,7 @@ def test_each_source_is_validated_alone_beside_the_mixture(sources, tmp_path, ca
             "step",
             "val_loss",
             "val_bpb",
+            "val_bytes",  # both sources' (issue 58 item 8)
             *(f"val/{n}_{k}" for n in ("big", "small") for k in ("loss", "bpb")),
         }
         assert m["val_loss"] == pytest.approx(0.75 * m["val/big_loss"] + 0.25 * m["val/small_loss"])

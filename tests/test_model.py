@@ -400,6 +400,21 @@ def test_kv_cache_greedy_equals_recompute_greedy(prompt_len, rotary_pct):
     assert torch.equal(cached[:, :prompt_len], idx)
 
 
+@pytest.mark.parametrize("use_kv_cache", [True, False])
+def test_model_generate_is_nanogpts_call_on_generation_generate(use_kv_cache):
+    """model.generate(idx, max_new_tokens, temperature, top_k) (nanoGPT's signature, today's options as keywords)
+    gives generation.generate's ids: greedy with the cache on and off, and the same seeded top-k sample."""
+    model = perturb_(small_gpt(value_embeds=True, smear=True, bigram_embeds=37, rotary_pct=1.0), scale=0.2)
+    idx = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(3))
+    greedy = model.generate(idx, 20, temperature=0.0, use_kv_cache=use_kv_cache)
+    assert greedy.shape == (2, 25) and torch.equal(greedy[:, :5], idx)
+    assert torch.equal(greedy, generate(model, idx, 20, Sampling(temperature=0.0), use_kv_cache=use_kv_cache))
+    assert torch.equal(greedy, generate(model, idx, 20, Sampling(temperature=0.0), use_kv_cache=not use_kv_cache))
+    seeded = model.generate(idx, 20, 0.8, 5, top_p=0.9, generator=torch.Generator().manual_seed(0))
+    ours = generate(model, idx, 20, Sampling(0.8, 5, 0.9), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(seeded, ours)
+
+
 def test_greedy_generate_equals_argmax_of_full_forward():
     """The decode path's own lm_head (row blocks in one bmm on CPU) picks what model(idx) logits pick."""
     model = perturb_(small_gpt(), scale=0.2)

@@ -130,3 +130,31 @@ def test_a_compiled_cpu_run_adds_no_gradient_with_atomic_adds(process_modes, mon
     model, code = run_and_get_code(compiled_by_trial, GPT(model_config(cfg)), cfg, env)
     assert parallel.is_compiled(model) and code
     assert not [c for c in code if "atomic_add" in c]
+
+
+@pytest.mark.parametrize("torchrun", [False, True])
+def test_under_torchrun_a_command_ends_without_the_interpreters_finalization(torchrun):
+    """Issue 58: DDP keeps the gloo process group's worker threads alive past destroy_process_group, and one that
+    drops a collective's tensor while the interpreter finalizes takes the GIL there, which aborts the rank after a
+    finished run (`terminate called without an active exception`, under load). Under torchrun exit_process ends
+    the process with os._exit, its output flushed: no finalization (no atexit handler runs), the status kept;
+    a plain process exits as before."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env.update({"PYTHONPATH": str(root), **({"RANK": "0", "WORLD_SIZE": "1"} if torchrun else {})})
+    program = (
+        "import atexit, sys; from gpt2train.parallel import exit_process; "
+        "atexit.register(lambda: print('finalized')); "
+        "arg = sys.argv[1]; "
+        "exit_process(lambda: print('ran', end='') or int(arg) if arg.isdigit() else sys.exit(arg))"
+    )
+    for arg, status in (("3", 3), ("bad input", 1)):
+        done = subprocess.run([sys.executable, "-c", program, arg], env=env, capture_output=True, text=True)
+        assert done.returncode == status and done.stdout.startswith("ran") == arg.isdigit(), done
+        assert ("finalized" in done.stdout) != torchrun, done.stdout
+        assert arg.isdigit() or done.stderr.strip() == "bad input"

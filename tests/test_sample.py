@@ -397,3 +397,15 @@ def test_a_model_with_non_finite_weights_is_a_one_line_error(model, tmp_path, ca
     write_checkpoint(tmp_path / "ckpt_000020.pt", model, state, 20)
     err = error_of(capsys, "--ckpt", str(tmp_path))
     assert "error: the model's weights are not finite (transformer.h.1.mlp.c_fc.weight holds NaN or inf)" in err
+
+
+@pytest.mark.parametrize("temperature", ["1.0", "0"])
+def test_finite_weights_whose_logits_overflow_are_a_one_line_error(model, tmp_path, capsys, temperature):
+    """A diverged run's weights can be finite yet so large that the forward overflows (audit 6 NANB3: lr 1e30):
+    torch.multinomial's traceback on NaN probabilities; greedy, an argmax of NaNs, garbage text."""
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["transformer.ln_f.weight"].fill_(1e38)  # finite (fp32 holds 3.4e38), but ln_f's output overflows to inf
+    state["transformer.ln_f.bias"].fill_(3e38)  # and the head's dot products to inf - inf
+    write_checkpoint(tmp_path / "ckpt_000020.pt", model, state, 20)
+    err = error_of(capsys, "--ckpt", str(tmp_path), "--temperature", temperature)
+    assert "error: the model's logits are not finite" in err

@@ -527,7 +527,6 @@ def test_val_input_errors_are_one_line_naming_the_flag(tmp_path):
         == "tokenizer.py: error: give --val_input or --held_out_bytes, not both: the held-out text is --val_input's"
     )
     assert "--val_input: no input files matched" in run_tokenizer(*flags, "--val_input", tmp_path / "missing.txt")
-    assert f"--val_input {src} is also an --input file" in run_tokenizer(*flags, "--val_input", src)
     assert "--val_input " + f"{tmp_path / 'empty.txt'}: no documents with text" in run_tokenizer(
         *flags, "--val_input", tmp_path / "empty.txt"
     )
@@ -601,3 +600,71 @@ def test_a_tokenizer_that_cannot_be_built_is_one_line_from_train_py(trained, two
         f"this model's tokenizer needs the `tokenizers` package: pip install tokenizers; or train without it: "
         f"--sample_interval=0"
     )
+
+
+# ----------------------------------------------------------------------------- SFT with an own tokenizer
+
+
+def prepare_sft(tmp_path, tok):
+    """prepare_data.py --format sft --tokenizer tok over test_sft's conversations -> the data directory."""
+    import prepare_data
+    from test_sft import ROWS, write_jsonl
+
+    src = write_jsonl(tmp_path / "chat.jsonl", ROWS)
+    out = tmp_path / "sft"
+    prepare_data.main(["--input", str(src), "--format", "sft", "--tokenizer", str(tok), "--out_dir", str(out)])
+    return out
+
+
+def test_sft_data_with_an_own_tokenizer_uses_its_chat_tokens(trained, tmp_path):
+    """tokenizer.py --chat_tokens (the default) reserves ids 1-4 for the chat tokens; prepare_data.py --format sft
+    --tokenizer DIR renders each conversation with them (chat.encode with that tokenizer) and records the tokenizer
+    as a text prep does, so that train.py takes the vocabulary from the data. It was refused: GPT-2's only."""
+    import numpy as np
+
+    from gpt2train import shards
+    from test_sft import ROWS
+
+    enc = chat.tokenizer(bpe.open_tokenizer(trained[0]))
+    data = prepare_sft(tmp_path, trained[0])
+    expected = [chat.encode(enc, chat.parse(row)) for row in ROWS]
+    found = sorted(data.glob("chat_*.bin"), key=lambda p: ("train" in p.name, p.name))  # val first, as prepared
+    loaded = [shards.load_shard(p) for p in found]
+    tokens = np.concatenate(loaded).tolist()
+    mask = np.concatenate([shards.load_mask(p.with_suffix(".mask"), len(t))[0] for p, t in zip(found, loaded)]).tolist()
+    assert tokens == [t for c, _ in expected for t in c] and mask == [m for _, k in expected for m in k]
+    assert {1, 2, 3, 4} <= set(tokens) and tokens[0] == enc.eot_token == 0 and max(tokens) < 400
+    manifest = json.loads((data / "chat_manifest.json").read_text())
+    assert manifest["tokenizer"]["id"] == enc.id == manifest["settings"]["tokenizer"]
+    assert (data / "chat_tokenizer.json").read_text() == (trained[0] / "tokenizer.json").read_text()
+
+
+def test_sft_prep_with_a_tokenizer_without_the_chat_tokens_is_one_line(tmp_path):
+    src = tmp_path / "corpus.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in CORPUS))
+    assert run_tokenizer("--input", src, "--vocab_size", 300, "--out", tmp_path / "plain", "--no-chat_tokens") == 0
+    plain = bpe.open_tokenizer(tmp_path / "plain")
+    assert plain.eot_token == 0 and all(plain.special_id(t) is None for t in chat.SPECIAL)
+    with pytest.raises(SystemExit) as e:
+        prepare_sft(tmp_path, tmp_path / "plain")
+    message = str(e.value.code)
+    assert message.startswith("prepare_data.py: error: ") and "\n" not in message
+    assert "<|system|>, <|user|>, <|assistant|>, <|end|>" in message and "tokenizer.py --chat_tokens" in message
+    assert not (tmp_path / "sft").exists() or not list((tmp_path / "sft").glob("*.bin"))  # before any shard
+
+
+@pytest.mark.slow
+def test_sft_with_an_own_tokenizer_trains_and_sample_chat_replies(trained, tmp_path, capsys):
+    """The whole loop at tiny scale: own tokenizer -> SFT data -> a fine-tune (here from scratch, masked loss) ->
+    `sample.py --chat` on its checkpoint, which carries the tokenizer: the reply stops at the tokenizer's <|end|>."""
+    import sample
+    import train
+    from test_sft import TINY
+
+    data = prepare_sft(tmp_path, trained[0])
+    assert train.main([*TINY, f"--data_dir={data}", f"--out_dir={tmp_path / 'out'}", "--max_steps=4"]) == 0
+    capsys.readouterr()
+    argv = ["--ckpt", str(tmp_path / "out"), "--chat", "--prompt", "Hi", "--max_new_tokens", "8", "--device", "cpu"]
+    assert sample.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "<|" not in out and out.endswith("\n")  # the reply alone, without the template's tokens

@@ -403,6 +403,45 @@ def test_a_budgeted_run_resumes_with_its_budget_or_trains_on_with_max_steps_only
     assert load_checkpoint(tmp_path)["config"]["max_seconds"] is None  # a plain 30-step run from here on
 
 
+def tiny_step():
+    """(FLOPs per token, non-lookup params, tokens per step) of the TINY model: what target_flops and tokens_per_param
+    count, from the model itself (MFU's count)."""
+    with torch.device("meta"):
+        tiny = model_module.GPT(model_module.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+    return tiny.flops_per_token(), tiny.num_params(non_embedding=True), 4 * 16
+
+
+@pytest.mark.parametrize("horizon", ["target_flops", "tokens_per_param"])
+def test_a_horizon_from_compute_trains_it_to_within_one_step_and_the_result_reports_flops(horizon, data_dir, tmp_path):
+    per_token, params, per_step = tiny_step()
+    steps = 7.4  # steps' worth: 7 trained
+    value = steps * per_step * per_token if horizon == "target_flops" else steps * per_step / params
+    assert run(data_dir, tmp_path, f"--{horizon}={value!r}", "--save_interval=0") == 0
+    result = json.loads((tmp_path / "summary.json").read_text())["result"]
+    assert result["steps"] == 7 and result["tokens"] == 7 * per_step
+    assert result["flops"] == 7 * per_step * per_token
+    assert result["params"] - result["params_lookup"] == params
+    wanted = value if horizon == "target_flops" else value * params * per_token  # in FLOPs
+    assert abs(result["flops"] - wanted) <= per_step * per_token
+    assert json.loads((tmp_path / "config.json").read_text())["max_steps"] == 7
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--max_steps=5", "--target_flops=1e9"], "sets both max_steps=5 and target_flops=1e+09: set one"),
+        (["--tokens_per_param=20", "--max_seconds=60"], "sets both max_seconds=60 and tokens_per_param=20: set one"),
+        (["--target_flops=1e9", "--tokens_per_param=20"], "sets both target_flops=1e+09 and tokens_per_param=20"),
+        (["--target_flops=1e3"], "target_flops=1000 is less than one step: one step is "),
+        (["--tokens_per_param=1e-6"], "tokens_per_param=1e-06 (0 tokens for "),
+    ],
+)
+def test_a_horizon_with_another_or_under_one_step_is_one_line(args, expected, data_dir, tmp_path, capsys):
+    expect_exit(2, run, data_dir, tmp_path, *args)
+    assert expected in one_line_error(capsys)
+    assert not (tmp_path / "metrics.jsonl").exists()  # nothing trained
+
+
 # ----------------------------------------------------------------------------- fine-tuning a checkpoint
 
 
@@ -597,6 +636,63 @@ def test_signal_saves_at_the_end_of_the_step(data_dir, tmp_path, monkeypatch):
     assert json.loads((tmp_path / "summary.json").read_text())["result"]["status"] == "interrupted"
     assert max(train_losses(tmp_path)) == 3
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before  # handlers restored
+
+
+def test_a_shard_truncated_under_the_run_keeps_the_steps_and_ends_with_status_error(data_dir, tmp_path, monkeypatch):
+    """Audit 6's ST_shard: the train shard truncated in place after step 6 (a checkpoint at 4): the next read is a
+    ShardError (not SIGBUS, exit 135): one line, exit 1, steps 5 and 6 kept in a checkpoint, the result and the
+    ledger's line with status error."""
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    real_step = train.optimizer_step
+
+    def step_then_truncate(t, step):
+        stats = real_step(t, step)
+        if stats.step == 6:
+            os.truncate(data / "tiny_train_000000.bin", 2000)
+        return stats
+
+    monkeypatch.setattr(train, "optimizer_step", step_then_truncate)
+    ledger = tmp_path / "ledger.jsonl"
+    expect_exit(1, run, data, tmp_path / "out", "--max_steps=12", f"--ledger={ledger}")
+    assert load_checkpoint(tmp_path / "out")["step"] == 6
+    result = json.loads((tmp_path / "out" / "summary.json").read_text())["result"]
+    assert result["status"] == "error" and result["steps"] == 6
+    assert json.loads(ledger.read_text())["status"] == "error"
+
+
+def test_eval_steps_all_scores_every_val_window_once_as_micro_batches_that_cover_the_split(data_dir, tmp_path):
+    """Issue 58 item 8: eval_steps='all' scores the whole val split: here 187 windows of 16 (3,000 tokens), which 17
+    micro-batches of 11 cover exactly, so both runs score the same targets; the result's val_bytes are their UTF-8
+    bytes (what compare.py checks arms by)."""
+    from gpt2train.assets import get_tokenizer
+    from gpt2train.bpe import token_bytes
+
+    results = {}
+    for steps in ("all", "17"):
+        out = tmp_path / steps
+        assert run(data_dir, out, "--batch_size=11", f"--eval_steps={steps}", "--max_steps=2", "--eval_interval=2") == 0
+        results[steps] = json.loads((out / "summary.json").read_text())["result"]
+    val = np.fromfile(data_dir / "tiny_val_000000.bin", dtype="<u2", offset=1024)
+    table = token_bytes(get_tokenizer(), 64)
+    assert results["all"]["val_bytes"] == results["17"]["val_bytes"] == sum(table[t] for t in val[1 : 1 + 187 * 16])
+    assert results["all"]["val_bpb"] == pytest.approx(results["17"]["val_bpb"], rel=1e-6)
+    assert results["all"]["val_loss"] == pytest.approx(results["17"]["val_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_eval_steps_all_gives_each_rank_its_share_of_the_split_once_and_as_many_rows(data_dir, world_size):
+    """read_val_rows(loader, 'all'): every val window is a scored row of exactly one rank; the rows past the
+    split's end (to keep every rank's forwards alike) have no targets."""
+    from gpt2train.evaluation import read_val_rows
+
+    loaders = [DataLoader(data_dir, "val", 4, 16, rank=r, world_size=world_size) for r in range(world_size)]
+    rows = [read_val_rows(loader, "all") for loader in loaders]
+    assert len({len(r.x) for r in rows}) == 1
+    scored = [tuple(x.tolist()) for r in rows for x, y in zip(r.x, r.y) if (y != -1).all()]
+    assert all((y == -1).all() for r in rows for y in r.y if (y == -1).any())  # a row is scored whole or not at all
+    every = {tuple(w[:-1].tolist()) for w in loaders[0].windows[0]}
+    assert len(scored) == loaders[0].num_samples == 187 and set(scored) == every
 
 
 # ----------------------------------------------------------------------------- one line per expected error
@@ -1038,6 +1134,19 @@ def test_ddp_two_processes_equal_one_process_with_accumulation(data_dir, tmp_pat
     for key in ("val_loss", "val_bpb"):  # the bytes of both ranks' targets, added up
         assert np.allclose(val(tmp_path / "ddp", key), val(tmp_path / "single", key), atol=1e-5), key
     assert len(load_checkpoint(tmp_path / "ddp")["rng"]) == 2  # each rank's RNG state
+
+
+@pytest.mark.slow
+def test_eval_steps_all_under_two_ranks_scores_the_split_a_single_process_scores(data_dir, tmp_path):
+    """Issue 58 item 8: each rank scores its share of the whole val split (187 windows: 24 micro-steps of 2 x 4 rows,
+    the last one's past the end unscored) and all ranks agree on the totals: val_bytes exactly, the losses."""
+    common = [f"--data_dir={data_dir}", "--max_steps=2", "--eval_interval=2", "--eval_steps=all", "--dropout=0.0"]
+    torchrun(*TINY, *common, "--total_batch_size=128", f"--out_dir={tmp_path / 'ddp'}")
+    assert run(data_dir, tmp_path / "single", *common, "--total_batch_size=128") == 0
+    ddp, single = (json.loads((tmp_path / d / "summary.json").read_text())["result"] for d in ("ddp", "single"))
+    assert ddp["val_bytes"] == single["val_bytes"] > 0
+    for key in ("val_loss", "val_bpb"):
+        assert ddp[key] == pytest.approx(single[key], abs=1e-5), key
 
 
 def free_port():
