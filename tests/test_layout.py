@@ -110,7 +110,7 @@ def test_the_root_holds_model_py_and_the_commands_only():
     assert roots - commands() == {"model"}, (
         f"root files that are not commands: {sorted(roots - commands() - {'model'})}"
     )
-    assert len(roots) <= 13, sorted(roots)  # 11 + ladder.py (issue 55) and sweep.py (issue 56), commands the issues name
+    assert len(roots) <= 13, sorted(roots)  # 11 + ladder.py (issue 55) and sweep.py (issue 56), named by the issues
     assert {"train", "sample", "prepare_data", "hellaswag", "evaluate", "checkpoint", "dryrun"} <= commands()
 
 
