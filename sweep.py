@@ -19,9 +19,9 @@ the held-out test split (evaluate.py --split test) and fits the optimum there to
 Each run gets --seed (1337, 1338, ...), --out_dir=DIR/SIZE/POINT/seedS and --ledger=DIR/ledger.jsonl; its log is
 beside its out_dir. DIR/sweep.json (rewritten after every run) holds `points` (each: `values`, `size`, `seeds`,
 `mean`, `std`, `runs`), `optima` (per size, "all" without --sizes: `key`, `value`, `ci95`, `at_edge`, `extend`,
-`best`) and, with --sizes,
-`moved`; the last stdout line is `sweep: {...}`. Run again into the same --out_dir, sweep.py keeps the finished runs
-(a crash, Ctrl-C, more seeds). Exit 0 when every run was made, 2 on bad arguments (one line, nothing trained).
+`best`) and, with --sizes, `moved`; the last stdout line is `sweep: {...}`. Run again into the same --out_dir,
+sweep.py keeps the finished runs (a crash, Ctrl-C, more seeds). Exit 0 when every run was made, 2 on bad arguments
+(one line, nothing trained).
 """
 
 import argparse
