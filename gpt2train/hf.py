@@ -36,13 +36,13 @@ NO_HF_EQUIVALENT = {  # the model's options that neither loads, each with what i
     "bigram_embeds": "a table of hashed token pairs added before every block",
     # foldable, not folded yet: logits * 1/width_mult into ln_f's weight and bias, attention's MUP_ATTN_MULT/head_dim
     # (1/sqrt(head_dim) at head_dim 64) into c_attn's query rows
-    "parametrization": "muP's logit multiplier 1/width_mult and attention scale 8/head_dim",
+    "parametrization": "muP's logit multiplier 1/width_mult and attention scale 8/head_dim",  # gpt2train's route
 }
 HF_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu2": "relu2"}
 HF_MODELING = Path(__file__).parent / "hf_modeling"  # the remote code a gpt2train directory carries
 REMOTE_CODE = ("configuration_gpt2train.py", "modeling_gpt2train.py")
 # the GPTConfig keys modeling_gpt2train.py implements (tie_embeddings too, as tie_word_embeddings): a model with any
-# other key off its default (a new option of model.py, e.g. muP's parametrization) exports nowhere until the modeling
+# other key off its default (a new option of model.py) exports nowhere until the modeling
 # code has it and this tuple names it
 GPT2TRAIN_KEYS = (
     "block_size",
@@ -62,6 +62,8 @@ GPT2TRAIN_KEYS = (
     "smear",
     "bigram_embeds",
     "layer_norm_eps",
+    "parametrization",
+    "mup_base_width",
 )
 # config.json keys of a gpt2train directory that are transformers' bookkeeping, not the architecture; any other key
 # that is not a GPTConfig key is an architecture this version cannot build (e.g. one a newer version wrote)

@@ -249,6 +249,9 @@ CUSTOM = {
     "neox_qk_norm": {**NEOX, "qk_norm": True},
     # a tied head, learned positions with a parallel residual (GPT-2 has no such model), GPT-2's activation, smear
     "tied_parallel_learned": dict(parallel_residual=True, smear=True),
+    # muP (width_mult 2, head_dim 16: attention's 8/16 is not sdpa's 1/4) on both recipes: the multipliers travel
+    "modern_mup": {**MODERN, "parametrization": "mup", "mup_base_width": 16},
+    "gpt2_mup": dict(parametrization="mup", mup_base_width=16),
 }
 
 
@@ -476,7 +479,7 @@ def test_the_remote_config_takes_exactly_the_keys_the_export_writes():
 
 def test_a_model_option_the_modeling_code_lacks_is_refused_not_exported_wrong(monkeypatch, tmp_path):
     """A GPTConfig key off its default that GPT2TRAIN_KEYS does not name (here smear, as if model.py had just gained
-    it; e.g. muP's parametrization at its merge) is refused in one line: no export that loads as another model."""
+    it) is refused in one line: no export that loads as another model."""
     monkeypatch.setattr(hf, "GPT2TRAIN_KEYS", tuple(k for k in hf.GPT2TRAIN_KEYS if k != "smear"))
     with pytest.raises(ValueError) as err:
         save_pretrained(GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, n_embd=16, smear=True)), tmp_path)

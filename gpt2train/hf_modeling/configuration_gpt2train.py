@@ -40,6 +40,8 @@ class GPT2TrainConfig(PretrainedConfig):
         tie_word_embeddings: bool = True,  # the output head is the token embedding (GPT-2)
         initializer_range: float = 0.02,  # std of a fresh model's weights
         use_cache: bool = True,  # forward() returns the KV cache (generate() reuses it)
+        parametrization: str = "standard",  # 'mup': attention scores times 8/head_dim, logits over width_mult
+        mup_base_width: int | None = None,  # 'mup': the width the rates were tuned at (None: n_embd)
         **kwargs,
     ):
         self.block_size, self.vocab_size = block_size, vocab_size
@@ -50,4 +52,5 @@ class GPT2TrainConfig(PretrainedConfig):
         self.qk_norm, self.zero_init_proj = qk_norm, zero_init_proj
         self.value_embeds, self.smear, self.bigram_embeds = value_embeds, smear, bigram_embeds
         self.layer_norm_eps, self.initializer_range, self.use_cache = layer_norm_eps, initializer_range, use_cache
+        self.parametrization, self.mup_base_width = parametrization, mup_base_width
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

@@ -9,6 +9,8 @@ sequential or parallel residual, a tied or untied head, the activation, QK-norm,
 bigram table. The arithmetic is model.py's, op for op: in float32 the logits equal the library's.
 """
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -79,6 +81,7 @@ class CausalSelfAttention(nn.Module):
             config.qk_norm,
             layer_idx,
         )
+        self.mup = config.parametrization == "mup"  # muP: scores times 8 / hs, where sdpa scales by 1 / sqrt(hs)
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v for all heads
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -98,6 +101,8 @@ class CausalSelfAttention(nn.Module):
             q, k = F.rms_norm(q, (hs,)), F.rms_norm(k, (hs,))
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if self.mup:
+            q = q * (8.0 / math.sqrt(hs))
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)  # (B, nh, S, hs): the cached positions and these
         S = k.size(2)
@@ -266,6 +271,8 @@ class GPT2TrainForCausalLM(PreTrainedModel, GenerationMixin):
                 x = x + self.bigram_lambdas[i] * bigram
             x = block(x, rope, cache, mask, ve)
         x = self.transformer.ln_f(x)
+        if self.config.parametrization == "mup":  # muP's readout multiplier: the logits over n_embd / base width
+            x = x * (1.0 / (self.config.n_embd / (self.config.mup_base_width or self.config.n_embd)))
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         logits = self.lm_head(x)  # (B, T, V)
