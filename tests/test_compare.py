@@ -383,7 +383,7 @@ def test_confirm_scores_each_run_on_the_test_split_and_gives_its_verdict(fake_tr
 @pytest.mark.slow
 def test_two_jobs_at_once_are_bit_identical_to_one(data_dir, tmp_path):  # noqa: F811
     base = tiny_arm(data_dir)
-    arms = [base, f"name=slow {tiny_arm(data_dir, '--learning_rate=1e-4')}"]
+    arms = [base, f"name=slow {tiny_arm(data_dir, '--learning_rate=1e-4', '--min_lr=1e-5')}"]
     for jobs in (1, 2):
         assert compare.main([*arms, "--seeds", "2", "--jobs", str(jobs), "--out_dir", str(tmp_path / str(jobs))]) == 0
     one, two = (json.loads((tmp_path / j / "compare.json").read_text()) for j in ("1", "2"))
