@@ -86,7 +86,7 @@ def test_the_root_holds_model_py_and_the_commands_only():
     assert roots - commands() == {"model"}, (
         f"root files that are not commands: {sorted(roots - commands() - {'model'})}"
     )
-    assert len(roots) <= 11, sorted(roots)
+    assert len(roots) <= 12, sorted(roots)  # ladder.py (issue 55) is the 12th
     assert {"train", "sample", "prepare_data", "hellaswag", "evaluate", "checkpoint", "dryrun"} <= commands()
 
 
