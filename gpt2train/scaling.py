@@ -55,7 +55,12 @@ GRID = np.array(
     )
 )  # (a, alpha, b, beta, e)
 BOUNDS = [(None, None), (0.0, 5.0), (None, None), (0.0, 5.0), (None, None)]
-TOLERANCES = {"gtol": 1e-7, "ftol": 1e-10, "maxiter": 1000}
+LBFGSB = {
+    "jac": True,
+    "method": "L-BFGS-B",
+    "bounds": BOUNDS,
+    "options": {"gtol": 1e-7, "ftol": 1e-10, "maxiter": 1000},
+}
 
 
 def check_runs(runs, min_sizes=3, min_budgets=2):
@@ -169,7 +174,7 @@ def law_theta(runs, starts=None, fits=FITS):
         starts = GRID[np.argsort(scores)[: fits.starts]]
     best = None
     for start in starts:
-        res = minimize(law_objective, start, args=data, jac=True, method="L-BFGS-B", bounds=BOUNDS, options=TOLERANCES)
+        res = minimize(law_objective, start, args=data, **LBFGSB)
         if best is None or res.fun < best.fun:
             best = res
     return best.x
