@@ -55,7 +55,12 @@ GRID = np.array(
     )
 )  # (a, alpha, b, beta, e)
 BOUNDS = [(None, None), (0.0, 5.0), (None, None), (0.0, 5.0), (None, None)]
-TOLERANCES = {"gtol": 1e-7, "ftol": 1e-10, "maxiter": 1000}
+LBFGSB = {
+    "jac": True,
+    "method": "L-BFGS-B",
+    "bounds": BOUNDS,
+    "options": {"gtol": 1e-7, "ftol": 1e-10, "maxiter": 1000},
+}
 
 
 def check_runs(runs, min_sizes=3, min_budgets=2):
@@ -153,9 +158,6 @@ def law_objective(theta, log_n, log_d, log_loss, delta):
     return float(huber.sum()) / delta, grad / delta  # in units of delta: L-BFGS-B's tolerances are absolute
 
 
-SOLVER = {"jac": True, "method": "L-BFGS-B", "bounds": BOUNDS, "options": TOLERANCES}  # scipy.optimize.minimize
-
-
 def law_theta(runs, starts=None, fits=FITS):
     """The fitted theta = (a, alpha, b, beta, e) of the runs: L-BFGS-B from `starts` (default: the fits.starts best
     points of GRID by the objective) and kept the lowest."""
@@ -172,7 +174,7 @@ def law_theta(runs, starts=None, fits=FITS):
         starts = GRID[np.argsort(scores)[: fits.starts]]
     best = None
     for start in starts:
-        res = minimize(law_objective, start, args=data, **SOLVER)
+        res = minimize(law_objective, start, args=data, **LBFGSB)
         if best is None or res.fun < best.fun:
             best = res
     return best.x
