@@ -47,7 +47,6 @@ import math
 import re
 import shlex
 import statistics
-import subprocess
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -62,7 +61,6 @@ HIGHER_IS_BETTER = re.compile(r"acc|mc_|mfu|tokens_per_s")  # the rest (losses, 
 HORIZON_KEYS = ("max_steps", "max_seconds", "target_flops", "tokens_per_param")  # what --equal_time sets
 MAX_SEEDS = 1000
 CALIBRATION = (2, 10)  # --equal_time's timing: rounds (A B A B) of runs of this many steps
-TEST_WORD = re.compile(r"(^|[_.-])test($|[_.-])")  # a test shard's name (prepare_data.py --test_input)
 
 
 class CompareError(RunnerError):
@@ -422,39 +420,6 @@ def calibrate(arms, out, seconds, seed, jobs, done):
     return list(records.values())
 
 
-def check_test_shards(arms):
-    """--confirm: CompareError before anything trains when an arm's data_dir (each directory of a mixture) holds no
-    test shards (files named like the val ones with `test` for `val`: prepare_data.py --test_input)."""
-    from gpt2train.config import ConfigError, TrainConfig, parse_args
-
-    for arm in arms:
-        try:
-            data_dir = parse_args(arm.args).get("data_dir", TrainConfig.data_dir)
-        except ConfigError:
-            continue  # the run says what is wrong (exit 2)
-        for part in str(data_dir).split(","):
-            name, _, weight = part.rpartition(":")
-            directory = Path(name if name and re.fullmatch(r"[\d.eE+-]+", weight) else part)
-            shards = directory.glob("*") if directory.is_dir() else []
-            if not any(p.suffix in (".bin", ".npy") and TEST_WORD.search(p.stem) for p in shards):
-                raise CompareError(
-                    f"--confirm: {directory} holds no test shards (arm {arm.name}); prepare them with "
-                    "prepare_data.py --test_input FILES"
-                )
-
-
-def evaluate_test(run):
-    """{test_loss, test_bpb} of a run's final checkpoint: evaluate.py --split test --json's last line."""
-    command = [sys.executable, str(ROOT / "evaluate.py"), "--ckpt", run["out_dir"], "--split", "test", "--json"]
-    done = subprocess.run(command, capture_output=True, text=True)
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-        raise CompareError(f"--confirm: evaluate.py --split test on {run['out_dir']}: {why}")
-    result = json.loads(lines[-1])
-    return {k: result.get(k) for k in ("test_loss", "test_bpb")}
-
-
 def parse(argv):
     parser = argparse.ArgumentParser(
         description="Paired comparison of train.py runs over seeds.",
@@ -534,7 +499,8 @@ def compare(arms, out, metric, seeds, settings, jobs=1):
     with runner.lock(out, "compare.py"):
         done = earlier_runs(out, arms, metric, settings)
         if settings.get("confirm"):
-            check_test_shards(arms)
+            for arm in arms:
+                runner.check_test_shards(f"arm {arm.name}", arm.args)
         state = {"repeat": None, "calibration": [], "made": 0}
 
         def report():
@@ -580,7 +546,7 @@ def compare(arms, out, metric, seeds, settings, jobs=1):
             for arm in arms:
                 for run in arm.seed_runs(seeds):
                     if run["status"] == "ok" and "confirm" not in run:
-                        run["confirm"] = evaluate_test(run)
+                        run["confirm"] = runner.evaluate_test(run)
                         write()
         return report()
 

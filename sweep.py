@@ -31,7 +31,6 @@ import json
 import math
 import shlex
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -173,18 +172,6 @@ def fit_size(grid, size, seeds, records, value_of):
     return {"key": key, **optimum.fit_optimum(values, rows)}
 
 
-def evaluate_test(record):
-    """evaluate.py --split test's {test_loss, test_bpb} of a run's final checkpoint (its contract: the last stdout
-    line is that JSON, exit 2 with one line where the data has no test shards)."""
-    cmd = [sys.executable, str(ROOT / "evaluate.py"), "--ckpt", record["out_dir"], "--split", "test", "--json"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode == 2:
-        raise SweepError(f"--confirm: {(done.stderr.strip().splitlines() or ['evaluate.py exited 2'])[-1]}")
-    if done.returncode != 0:
-        raise OSError(f"evaluate.py --split test on {record['out_dir']} exited {done.returncode}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def table(report):
     rows = [f"{'size':<8} {'point':<32} {'mean':>10} {'std':>9}  seeds"]
     for p in report["points"]:
@@ -269,9 +256,15 @@ def sweep(base, grid, sizes, args, out):
         atomic_write(out / "sweep.json", json.dumps(summarize(grid, sizes, seeds, records, args.metric), indent=2))
 
     with runner.lock(out, "sweep.py"):
+        if args.confirm:  # before anything trains
+            runner.check_test_shards("the base arguments", jobs[0].args)
         done = earlier_records(out)
         records = runner.run_jobs(jobs, out, jobs=args.jobs, metric=args.metric, done=done, on_run=on_run)
-        tests = {key: evaluate_test(r) for key, r in records.items() if r["status"] == "ok"} if args.confirm else None
+        tests = (
+            {key: runner.evaluate_test(r) for key, r in records.items() if r["status"] == "ok"}
+            if args.confirm
+            else None
+        )
         report = summarize(grid, sizes, seeds, records, args.metric, tests)
         atomic_write(out / "sweep.json", json.dumps(report, indent=2) + "\n")
     return report

@@ -342,3 +342,40 @@ def run_wave(wave, ledger, envs, supervisor, metric, done):
                         other.send_signal(signal.SIGTERM)
     if failure is not None:
         raise failure
+
+
+TEST_WORD = re.compile(r"(^|[_.-])test($|[_.-])")  # a test shard's name (prepare_data.py --test_input)
+
+
+def check_test_shards(name, args):
+    """--confirm (compare.py, sweep.py): RunnerError before anything trains when the data_dir that train.py arguments
+    `args` name (each directory of a mixture) holds no test shards (named like the val ones with `test` for `val`)."""
+    from gpt2train.config import ConfigError, TrainConfig, parse_args
+
+    try:
+        data_dir = parse_args(args).get("data_dir", TrainConfig.data_dir)
+    except ConfigError:
+        return  # the run says what is wrong (exit 2)
+    for part in str(data_dir).split(","):
+        path, _, weight = part.rpartition(":")
+        directory = Path(path if path and re.fullmatch(r"[\d.eE+-]+", weight) else part)
+        shards = directory.glob("*") if directory.is_dir() else []
+        if not any(p.suffix in (".bin", ".npy") and TEST_WORD.search(p.stem) for p in shards):
+            raise RunnerError(
+                f"--confirm: {directory} holds no test shards ({name}); prepare them with "
+                "prepare_data.py --test_input FILES"
+            )
+
+
+def evaluate_test(record):
+    """{test_loss, test_bpb} of a run's final checkpoint (its record's out_dir): evaluate.py --split test --json's last
+    line (RunnerError with evaluate.py's one line where it fails)."""
+    out_dir = record["out_dir"]
+    command = [sys.executable, str(ROOT / "evaluate.py"), "--ckpt", str(out_dir), "--split", "test", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        raise RunnerError(f"--confirm: evaluate.py --split test on {out_dir}: {why}")
+    result = json.loads(lines[-1])
+    return {k: result.get(k) for k in ("test_loss", "test_bpb")}

@@ -369,7 +369,7 @@ def test_confirm_scores_each_run_on_the_test_split_and_gives_its_verdict(fake_tr
     (data / "x_test_000000.bin").write_bytes(b"")
     scored = []
     test_loss = lambda run: scored.append(run["out_dir"]) or {"test_loss": run["value"] * 2, "test_bpb": 1.0}  # noqa: E731
-    monkeypatch.setattr(compare, "evaluate_test", test_loss)
+    monkeypatch.setattr(compare.runner, "evaluate_test", test_loss)
     (tmp_path / "cfg.py").write_text(f"data_dir = {str(data)!r}\n")  # the data_dir a config file names
     arms = [f"{tmp_path}/cfg.py", f"name=b {tmp_path}/cfg.py --learning_rate=-0.5"]
     assert compare.main([*arms, "--confirm", "--out_dir", str(tmp_path / "o")]) == 0

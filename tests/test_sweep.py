@@ -151,7 +151,8 @@ def test_confirm_scores_every_run_on_the_test_split(data_dir, tmp_path, capsys, 
         lr = float(record["key"].split("=")[1].split("/")[0])
         return {"test_loss": 3.0 + (math.log(lr) - math.log(4e-3)) ** 2, "test_bpb": 1.0}
 
-    monkeypatch.setattr(sweep, "evaluate_test", fake_test)
+    monkeypatch.setattr(sweep.runner, "evaluate_test", fake_test)
+    monkeypatch.setattr(sweep.runner, "check_test_shards", lambda name, args: None)  # the tiny corpus has none
     out = tmp_path / "out"
     grid = ["--grid", "learning_rate=1e-3,4e-3,1.6e-2", "--seeds", "1", "--confirm"]
     assert sweep.main([tiny_base(data_dir), *grid, "--out_dir", str(out)]) == 0
@@ -162,13 +163,21 @@ def test_confirm_scores_every_run_on_the_test_split(data_dir, tmp_path, capsys, 
     )
 
 
-def test_confirm_without_test_shards_is_one_line_exit_2(tmp_path, monkeypatch):
+def test_confirm_on_data_without_test_shards_is_one_line_exit_2_before_anything_trains(data_dir, tmp_path, capsys):  # noqa: F811
+    grid = ["--grid", "learning_rate=1e-3,4e-3,1.6e-2", "--seeds", "1", "--confirm"]
+    assert sweep.main([tiny_base(data_dir), *grid, "--out_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--confirm: {data_dir} holds no test shards (the base arguments)" in err, err
+    assert not list((tmp_path / "out").glob("*/seed*"))
+
+
+def test_confirm_says_evaluate_pys_one_line_where_it_fails(tmp_path, monkeypatch):
     def no_shards(cmd, **kwargs):  # the contract: evaluate.py exits 2 with one line
         return type("Done", (), {"returncode": 2, "stdout": "", "stderr": "evaluate.py: error: no test shards in d\n"})
 
-    monkeypatch.setattr(sweep.subprocess, "run", no_shards)
-    with pytest.raises(sweep.SweepError, match="--confirm: evaluate.py: error: no test shards in d"):
-        sweep.evaluate_test({"out_dir": str(tmp_path)})
+    monkeypatch.setattr(sweep.runner.subprocess, "run", no_shards)
+    with pytest.raises(sweep.runner.RunnerError, match="--confirm: evaluate.py --split test on .*: evaluate.py: error"):
+        sweep.runner.evaluate_test({"out_dir": str(tmp_path)})
 
 
 @pytest.mark.slow
