@@ -24,7 +24,7 @@ Side by side (`jobs` > 1): on a CUDA node each run gets its own device(s) throug
 job as many as its process count; `jobs` times that must fit the node); on a CPU each run gets
 torch.get_num_threads() // jobs threads (OMP_NUM_THREADS), so the runs never oversubscribe the cores. A run's
 numbers on a CPU depend on its thread count (the order of a matmul's sums), not on what runs beside it: `--jobs 2`
-on 2 cores equals `--jobs 1` under OMP_NUM_THREADS=1 bit for bit, and tiny models are identical at any count.
+on 2 cores equals `--jobs 1` under OMP_NUM_THREADS=1 bit for bit, but not `--jobs 1` with 2 threads.
 
 Supervision: each run is in its own process group (a terminal's Ctrl-C reaches the runner, which forwards it once)
 and, on Linux, dies with the runner (PR_SET_PDEATHSIG: SIGTERM, so it saves first). SIGTERM or SIGINT to the runner
