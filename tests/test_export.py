@@ -369,12 +369,12 @@ def test_an_unknown_architecture_key_is_refused_on_import_in_one_line(modern, tm
     _, hf_dir = modern
     shutil.copytree(hf_dir, tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "parametrization": "mup"}))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "sliding_window": 128}))
     with pytest.raises(SystemExit) as exit_info:
         sample.main(["--init_from", str(tmp_path / "hf"), "--max_new_tokens", "1", "--device", "cpu"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
-    assert "unknown architecture key parametrization" in err and str(tmp_path / "hf" / "config.json") in err
+    assert "unknown architecture key sliding_window" in err and str(tmp_path / "hf" / "config.json") in err
 
 
 def test_export_refuses_a_directory_that_is_not_empty_unless_forced(tmp_path, capsys):
