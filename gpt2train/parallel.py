@@ -182,19 +182,16 @@ def exit_process(main):
     group and closed its files): DDP keeps the gloo process group and its worker threads alive past
     destroy_process_group, and a worker that drops the last reference to a collective's tensor while the
     interpreter finalizes must take the GIL, which then ends the thread inside C++: `terminate called without an
-    active exception`, SIGABRT, a failed job after a finished run (issue 58: seen under load)."""
+    active exception`, SIGABRT, a failed job after a finished run (issue 58: seen under load). A rank that fails
+    (main returns a non-zero status or raises) exits as before."""
     if not launched_by_torchrun():
         sys.exit(main())
-    try:
-        code = main()
-    except SystemExit as e:
-        code = e.code
-    if code is not None and not isinstance(code, int):  # sys.exit("message"): printed, status 1
-        log(str(code), error=True)
-        code = 1
+    code = main()
+    if code:  # a failed rank ends as before: an instant exit would let torchrun stop rank 0 before its one line
+        sys.exit(code)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code or 0)
+    os._exit(0)
 
 
 def data_parallel_size(world_size, tensor_parallel):
