@@ -6,17 +6,17 @@ converts these too), else one with its own modeling code (trust_remote_code=True
     python checkpoint.py export out/run hf_out            # an out_dir means its newest good checkpoint
     python checkpoint.py export out/chat hf_chat --chat   # a chat model: its chat tokens and template too
 
-The checkpoint format itself is gpt2train/checkpoint.py's (checkpoint_file.py: a file; sharded.py: a DCP directory).
+The checkpoint format itself is gpt2train/checkpoint.py's (a sharded run's DCP save and load: sharded.py's).
 """
 
 import argparse
 from pathlib import Path
 
 from gpt2train.chat import CHAT_TEMPLATE
-from gpt2train.checkpoint import consolidate, model_from_checkpoint
-from gpt2train.checkpoint_file import CheckpointError
+from gpt2train.checkpoint import CheckpointError, consolidate
 from gpt2train.files import report_error
 from gpt2train.hf import save_pretrained
+from gpt2train.loading import model_from_checkpoint
 
 
 def arg_parser():

@@ -62,17 +62,9 @@ from gpt2train.documents import (
     without_held_out,
 )
 from gpt2train.files import error_message, file_sha256, report_error
-from gpt2train.prep_output import (
-    DEFAULT_SHARD_TOKENS,
-    as_uint16,
-    keep_tokenizer,
-    locked,
-    remove_stale_temp_files,
-    resumable_manifest,
-    write_manifest,
-)
+from gpt2train.manifests import keep_tokenizer, locked, remove_stale_temp_files, resumable_manifest, write_manifest
 from gpt2train.sft_shards import prepare_sft
-from gpt2train.shards import SPLITS, write_shard
+from gpt2train.shards import DEFAULT_SHARD_TOKENS, SPLITS, as_uint16, write_shard
 
 VAL_SHARE = 0.1  # default validation split: the first 10% of the input, like nanoGPT's 90/10 ...
 DEFAULT_VAL_TOKENS = 1_000_000  # ... and at most this many tokens (1M tokens estimate a val loss well enough)

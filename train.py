@@ -31,7 +31,7 @@ from gpt2train import pipeline
 from gpt2train.bpe import TokenizerError
 from gpt2train.budget import Budget, with_horizon
 from gpt2train.chat import CHAT_VOCAB
-from gpt2train.checkpoint_file import CheckpointError
+from gpt2train.checkpoint import CheckpointError
 from gpt2train.config import (
     ARCH_KEYS,
     ConfigError,

@@ -1,7 +1,7 @@
-"""Checkpoints: what one holds, finding the newest good one in an out_dir, reading any of them (a file, a sharded
-directory or an out_dir) safely, pruning old ones, consolidating a sharded one and a model read from one (the root
-checkpoint.py is the command over them). Writing and verifying a file is checkpoint_file.py's, the sharded (DCP) form
-sharded.py's; how a training run resumes from them is resume.py's; how the commands open a model, loading.py's.
+"""Checkpoints on disk: what one holds, one written atomically with its sha256, verified, found (the newest good one
+in an out_dir), read (a file, a sharded directory or an out_dir, safely), pruned and consolidated. The root
+checkpoint.py is the command over them; a sharded run's collective save and load are sharded.py's, how a training run
+resumes from them resume.py's, how the commands open a model loading.py's.
 
 A checkpoint is out_dir/ckpt_{step:06d}.pt, a torch.save'd dict of tensors and plain Python
 containers only, so it loads with torch.load(weights_only=True) (no pickled code runs):
@@ -17,30 +17,368 @@ containers only, so it loads with torch.load(weights_only=True) (no pickled code
     tokenizer   the run's tokenizer (bpe.tokenizer_record: id, n_vocab, eot, source and the tokenizer.json text,
                 a str; None or json None: GPT-2's), so that sampling and export need nothing but the checkpoint
 
-or a sharded checkpoint directory out_dir/ckpt_{step:06d}/ (sharded.py). Every load verifies the checkpoint's
-recorded sha256 (checkpoint_file.verify_checkpoint): a damaged file is an error naming it, and a directory (out_dir)
-means its newest checkpoint that verifies and loads, with a note for each newer one skipped.
+or a sharded checkpoint directory out_dir/ckpt_{step:06d}/: torch.distributed.checkpoint (DCP) shards of the model
+and optimizer (__0_0.distcp, ... and DCP's .metadata index) plus meta.pt, a checkpoint file without the model and
+optimizer. DCP reshards on load: it resumes at any world size, and reads into one process without a process group.
+
+Writes go through files.atomic_write (a hidden temporary file in the same directory, fsync'ed, renamed over the final
+name, the directory fsync'ed): a crash (even kill -9) at any moment leaves either the old set of checkpoints or the
+new one, never a truncated ckpt_*.pt. Before writing, the free disk space is checked against the checkpoint's size.
+Each checkpoint's sha256 is recorded in a sidecar, ckpt_{step:06d}.pt.sha256 (`sha256sum -c` reads it), written
+before the checkpoint is renamed into place; a sharded checkpoint's SHA256SUMS records the sha256 of every file in it.
+Every load verifies them (verify_checkpoint) before any tensor is read, and that every shard the .metadata index names
+is there, listed, at the size the index needs (check_shards): a damaged checkpoint is an error naming it, and a
+directory (out_dir) means its newest checkpoint that verifies and loads, with a note for each newer one skipped.
+DCP itself unpickles .metadata and the shards' non-tensor values with plain pickle (a crafted checkpoint would run
+code): they are read here through an unpickler that builds only DCP's metadata classes (_MetadataUnpickler) and with
+weights_only=True (_safe_dcp), wherever a sharded checkpoint is opened.
 """
 
+import errno
 import functools
+import hashlib
+import os
+import pickle
+import re
+import shutil
+import warnings
 from pathlib import Path
 
 import torch
 
-from gpt2train import optim
-from gpt2train.checkpoint_file import (
-    CKPT_NAME,
-    FORMAT,
-    CheckpointError,
-    checksum_path,
-    remove,
-    save_checkpoint,
-    verify_checkpoint,
-)
 from gpt2train.console import log
-from gpt2train.files import first_line
-from gpt2train.sharded import META, META_FILES, check_shards, is_sharded, load_sharded_checkpoint
+from gpt2train.files import atomic_write, file_sha256, first_line, open_regular, read_regular
 from model import GPT, GPTConfig
+
+FORMAT = "gpt2-train-ckpt-v1"
+CKPT_NAME = re.compile(r"^ckpt_(\d{6,})(\.pt)?$")  # a file ckpt_000100.pt or a sharded directory ckpt_000100
+SUMS = "SHA256SUMS"  # a sharded checkpoint's sidecar: the sha256 of each of its files (`sha256sum -c SHA256SUMS`)
+META = "meta.pt"  # a sharded checkpoint's everything-but-the-tensors file
+META_FILES = frozenset({META, ".metadata"})  # what rank 0 verifies of a sharded checkpoint before the group starts
+TIED = "lm_head.weight"  # tied (GPT-2), the same tensor as transformer.wte.weight: stored once in sharded checkpoints
+
+
+class CheckpointError(Exception):
+    """A missing, truncated or foreign checkpoint; the message is one line naming the file."""
+
+
+def checkpoint_path(out_dir, step, sharded=False):
+    return Path(out_dir) / (f"ckpt_{step:06d}" if sharded else f"ckpt_{step:06d}.pt")
+
+
+def checksum_path(path):
+    """The sidecar recording a checkpoint's sha256: ckpt_000100.pt -> ckpt_000100.pt.sha256; for a sharded
+    checkpoint directory, the sha256 of every file in it: ckpt_000100/SHA256SUMS."""
+    path = Path(path)
+    return path / SUMS if path.is_dir() else path.with_name(path.name + ".sha256")
+
+
+class HashingWriter:
+    """A binary file wrapper that hashes what is written through it and keeps the error of a failed write
+    (an OSError, or a second Ctrl-C's KeyboardInterrupt: torch.save turns it into 'unexpected pos ...')."""
+
+    def __init__(self, f):
+        self.f, self.sha256, self.error = f, hashlib.sha256(), None
+
+    def write(self, data):
+        try:
+            written = self.f.write(data)
+            self.sha256.update(data)
+            return written
+        except BaseException as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        self.f.flush()
+
+
+def storage_bytes(obj):
+    """Bytes of tensor data torch.save writes for obj (nested dicts/lists/tuples): each storage once."""
+    seen, total, stack = set(), 0, [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()  # tied weights and views share one
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
+
+
+def check_free_space(path, obj):
+    """Raise CheckpointError unless the disk holding `path` has room for obj's checkpoint (its tensor bytes
+    plus 1% and 1 MiB for the pickle, the zip headers and the sidecar)."""
+    need = int(storage_bytes(obj) * 1.01) + 2**20
+    free = shutil.disk_usage(Path(path).parent).free
+    if free < need:
+        raise CheckpointError(
+            f"{path}: not enough disk space to write this checkpoint: it needs about "
+            f"{need / 2**20:,.0f} MiB, {Path(path).parent} has {free / 2**20:,.0f} MiB free; "
+            f"nothing was written, the previous checkpoints are kept"
+        )
+
+
+def save_checkpoint(path, obj):
+    """torch.save(obj) to `path` atomically (files.atomic_write: temporary file, fsync, rename, fsync dir),
+    its sha256 recorded in checksum_path(path) before the rename. Checks the free space first; a full disk or
+    any other write error is a one-line CheckpointError and leaves no temporary file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    check_free_space(path, obj)
+    hashing = None
+
+    def write(f):
+        nonlocal hashing
+        hashing = HashingWriter(f)
+        try:
+            torch.save(obj, hashing)
+        except RuntimeError:
+            if hashing.error is not None:
+                raise hashing.error from None
+            raise
+        atomic_write(checksum_path(path), f"{hashing.sha256.hexdigest()}  {path.name}\n")
+
+    try:
+        atomic_write(path, write)
+    except OSError as e:
+        hint = "; free some disk space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        raise CheckpointError(
+            f"{path}: cannot write the checkpoint ({e.strerror or e}){hint}; "
+            f"nothing was written, the previous checkpoints are kept"
+        ) from None
+
+
+def read_checksums(sidecar, follow_symlinks=True, limit=1 << 24):
+    """{file name: sha256} from a sidecar in sha256sum's format ('<hex>  <name>' per line): a regular file of at
+    most `limit` bytes (files.read_regular: a FIFO or a device is refused, never read), each name once."""
+    data = read_regular(sidecar, limit, follow_symlinks)
+    recorded = {}
+    for line in data.decode().splitlines():
+        digest, sep, name = line.partition("  ")
+        if not sep or not re.fullmatch(r"[0-9a-f]{64}", digest) or not name.strip():
+            raise ValueError(f"not a sha256sum line: {line[:80]!r}")
+        if name.strip() in recorded:
+            raise ValueError(f"{name.strip()!r} is listed twice")
+        recorded[name.strip()] = digest
+    if not recorded:
+        raise ValueError("empty")
+    return recorded
+
+
+def verify_checkpoint(path, only=None):
+    """Check that the checkpoint at `path` has the sha256 recorded when it was written: CheckpointError naming the
+    file if it differs, if none was recorded (every checkpoint is written with its sidecar), or if the sidecar is
+    not one (unreadable, not a regular file, or naming what it cannot verify). only: the names (of a
+    directory's files) to hash, the others left to other ranks (resume.verify_shards).
+
+    A file's sidecar (ckpt_000100.pt.sha256) is one line, and it verifies the file it sits beside: the name in
+    it is for `sha256sum -c`, not trusted to pick what is hashed (a copied pair renamed to best.pt and
+    best.pt.sha256 verifies best.pt). A sharded directory's SHA256SUMS lists its files by plain names: each must be
+    a regular file in the directory (no '/', '..' or symlink), so nothing outside it is ever opened."""
+    path, sidecar = Path(path), checksum_path(path)
+    if not os.path.lexists(sidecar):
+        raise CheckpointError(f"{path}: no {sidecar.name}: cannot verify the checkpoint")
+    directory = path.is_dir()
+    try:
+        recorded = read_checksums(sidecar, follow_symlinks=not directory)
+        if not directory and len(recorded) != 1:
+            raise ValueError(f"{len(recorded)} lines; a checkpoint file's sidecar has one")
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+        raise CheckpointError(
+            f"{path}: unreadable checksum file {sidecar.name} ({reason}); cannot verify the checkpoint"
+        ) from None
+    if directory:
+        outside = [name for name in recorded if "/" in name or "\0" in name or name in (".", "..")]
+        if outside:
+            raise CheckpointError(
+                f"{path}: {SUMS} names {outside[0]!r}, not a file of this directory; cannot verify the checkpoint"
+            )
+        files = {path / name: digest for name, digest in recorded.items() if only is None or name in only}
+    else:
+        files = {path: next(iter(recorded.values()))}
+    for file, digest in files.items():
+        try:
+            actual = file_sha256(file, follow_symlinks=not directory)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read {file.name} to verify it ({e.strerror})") from None
+        if actual != digest:
+            raise CheckpointError(
+                f"{path}: damaged: its sha256 is {actual[:16]}..., {sidecar.name} recorded "
+                f"{digest[:16]}... when it was written"
+            )
+
+
+def remove(path):
+    """Delete the checkpoint file or directory at `path`, if there is one."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def is_sharded(path):
+    """Whether `path` is a sharded checkpoint directory (as opposed to a file, or an out_dir)."""
+    path = Path(path)
+    return path.is_dir() and ((path / META).exists() or (path / ".metadata").exists())
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata index is a pickle (torch reads it with plain pickle.load: a crafted file runs code).
+    This unpickler builds only DCP's metadata classes, torch.Size, dtypes and layouts; anything else is refused
+    before it is imported or called."""
+
+    def find_class(self, module, name):
+        allowed = _metadata_globals()
+        if (module, name) not in allowed:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's .metadata")
+        return allowed[module, name]
+
+
+def _metadata_globals():
+    import pathlib
+
+    import torch.distributed.checkpoint.metadata as md
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    classes = [
+        md.Metadata,
+        md.TensorStorageMetadata,
+        md.BytesStorageMetadata,
+        md.ChunkStorageMetadata,
+        md.TensorProperties,
+        md.MetadataIndex,
+        md.StorageMeta,
+        md._MEM_FORMAT_ENCODING,
+        _StorageInfo,
+        torch.Size,
+        torch.serialization._get_layout,
+        pathlib.PurePosixPath,
+        pathlib.PosixPath,
+        pathlib.PureWindowsPath,
+        pathlib.WindowsPath,
+    ]
+    allowed = {(c.__module__, c.__qualname__): c for c in classes}
+    allowed.update({("pathlib", c.__name__): c for c in classes[-4:]})  # pickled from Python >= 3.13 too
+    allowed.update({("torch", n): getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)})
+    return allowed
+
+
+def read_metadata(path):
+    """The DCP index (.metadata) of the sharded checkpoint directory `path`, read with _MetadataUnpickler.
+    CheckpointError naming the file if it is missing, truncated or holds anything but metadata."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    file = Path(path) / ".metadata"
+    try:
+        with open_regular(file, follow_symlinks=False) as f:  # not open(): a FIFO would block every loader
+            metadata = _MetadataUnpickler(f).load()
+    except OSError as e:
+        raise CheckpointError(f"{path}: incomplete sharded checkpoint: cannot read .metadata ({e.strerror})") from None
+    except Exception as e:  # noqa: BLE001 -- a refused global, a truncated or foreign pickle
+        raise CheckpointError(f"{file}: not a DCP checkpoint index ({first_line(e)})") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise CheckpointError(f"{file}: not a DCP checkpoint index (a {type(metadata).__name__})")
+    return metadata
+
+
+def check_shards(path):
+    """The DCP index of the sharded checkpoint `path` (read_metadata), after checking the directory holds
+    every shard file the index names, each at least as long as the items it records in it, and meta.pt;
+    with a SHA256SUMS, that every one of them is listed there. CheckpointError naming what is missing."""
+    path = Path(path)
+    if not (path / META).is_file():
+        raise CheckpointError(f"{path}: incomplete sharded checkpoint: no {META}")
+    needed = {}  # shard file -> bytes its items reach
+    for info in read_metadata(path).storage_data.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or Path(name).name != name or name.startswith("."):
+            raise CheckpointError(f"{path}/.metadata: names a shard outside the directory ({name!r})")
+        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    for name, size in sorted(needed.items()):
+        have = (path / name).stat().st_size if (path / name).is_file() else None
+        if have is None or have < size:
+            what = "is missing" if have is None else f"has {have:,} bytes, its index needs {size:,}"
+            raise CheckpointError(f"{path}: incomplete sharded checkpoint: shard {name} {what}")
+    if checksum_path(path).is_file():
+        try:
+            listed = read_checksums(checksum_path(path))
+        except (OSError, ValueError, UnicodeDecodeError):
+            listed = {}  # verify_checkpoint says what is wrong with it
+        unlisted = sorted((set(needed) | {".metadata", META}) - set(listed))
+        if unlisted:
+            raise CheckpointError(f"{path}: {unlisted[0]} is not in {SUMS}: cannot verify the checkpoint")
+    return needed
+
+
+def _dcp_reason(e):
+    """The first failure inside a DCP CheckpointException (which wraps each rank's), else first_line(e)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, error = sorted(failures.items())[0]
+        return f"rank {rank}: {first_line(error)}"
+    return first_line(e)
+
+
+@functools.cache
+def _safe_dcp():
+    """(reader, planner, whole) classes reading a DCP checkpoint without unpickling code: the index through
+    _MetadataUnpickler, and the non-tensor values that DCP torch.saves into the shards (torch's own planner
+    loads them with weights_only=False) with weights_only=True. whole: the planner that builds the state to read
+    from the index (torch's own dcp_to_torch_save does so)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata = read_metadata(self.path)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = getattr(self, "load_id", None)
+            return metadata
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    class Whole(_EmptyStateDictLoadPlanner, Planner):
+        pass
+
+    return Reader, Planner, Whole
+
+
+def read_sharded(path, state=None, collective=False):
+    """`state` ({'model': ..., 'optimizer': ...} as a live model and optimizer hold them: DCP's get_state_dict)
+    filled in place from the sharded checkpoint `path`, every key of it there: a collective of every rank, each
+    reading its part, or a read by this process alone. state=None: all the checkpoint holds, read whole into this
+    process as it was saved. Nothing pickled runs (_safe_dcp); CheckpointError naming `path` if it cannot be read."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    reader, planner, whole = _safe_dcp()
+    try:
+        with warnings.catch_warnings():  # DCP warns whenever it runs without a process group, as asked here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            if state is None:  # dcp.load would fill a copy of it
+                state = {}
+                _load_state_dict(state, storage_reader=reader(str(path)), planner=whole(), no_dist=True)
+            else:
+                dcp.load(state, storage_reader=reader(str(path)), planner=planner(), no_dist=not collective)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"{path}: cannot read the sharded checkpoint ({_dcp_reason(e)})") from None
+    return state
 
 
 def list_checkpoints(out_dir):
@@ -152,14 +490,41 @@ def prune_checkpoints(out_dir, keep_last, keep_steps=()):
 
 
 def _consolidated(ckpt):
-    """A sharded checkpoint's model and optimizer gathered into this process, in the single-file layout
-    (model, optimizer.state_dict()). Needs host memory for the model and its AdamW state: 16 bytes/param."""
-    cfg = ckpt["config"]
-    model = GPT(GPTConfig(**ckpt["model_args"]))
-    optimizer = optim.adamw(model.parameters(), cfg["weight_decay"], cfg["learning_rate"], (cfg["beta1"], cfg["beta2"]))
-    load_sharded_checkpoint(ckpt["shards"], model, optimizer, collective=False)
+    """A sharded checkpoint's model and optimizer read whole into this process, in the single-file layout (model:
+    the GPT's state_dict, optimizer: optimizer.state_dict(), keyed by parameter index): DCP's state as saved
+    (torch's dcp_to_torch_save), no model or optimizer built. Needs host memory for the model and its optimizer
+    state: 16 bytes/param with AdamW."""
+    saved = read_sharded(ckpt["shards"])
+    with torch.device("meta"):  # the parameters' names and order, no memory
+        like = GPT(GPTConfig(**ckpt["model_args"]))
+    if like.config.tie_embeddings:
+        saved["model"][TIED] = saved["model"]["transformer.wte.weight"]
     out = {k: v for k, v in ckpt.items() if k != "shards"}
-    return {**out, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    model = {name: saved["model"][name] for name in like.state_dict()}
+    return {**out, "model": model, "optimizer": by_index(saved["optimizer"], [n for n, _ in like.named_parameters()])}
+
+
+def by_index(saved, names):
+    """A sharded checkpoint's optimizer state, keyed by parameter name (get_optimizer_state_dict's), keyed by index
+    as optimizer.state_dict() is: the parameters numbered in the order its groups list them. A pipeline's
+    (flattened: 'state.<name>.exp_avg', each group's settings on its parameters' names, 'param_groups.<name>.lr')
+    lists no order: its groups are the parameters of equal settings, in the model's order (`names`), each group
+    where its first parameter is, as optim.adamw builds them from a model's parameters."""
+    if "param_groups" not in saved:
+        state, settings = {}, {}
+        for key, value in saved.items():
+            kind, _, rest = key.partition(".")
+            name, _, field = rest.rpartition(".")
+            (state if kind == "state" else settings).setdefault(name, {})[field] = value
+        groups = {}
+        for name in (n for n in names if n in settings):
+            groups.setdefault(tuple(sorted(settings[name].items())), []).append(name)
+        saved = {"state": state, "param_groups": [{**dict(k), "params": group} for k, group in groups.items()]}
+    index = {name: i for i, name in enumerate(n for group in saved["param_groups"] for n in group["params"])}
+    return {
+        "state": {index[name]: state for name, state in saved["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in saved["param_groups"]],
+    }
 
 
 def consolidate(src, dst):
@@ -177,26 +542,3 @@ def consolidate(src, dst):
         raise CheckpointError(f"{src}: its weights hold NaN/inf; not writing them to {dst}")
     save_checkpoint(dst, ckpt)
     return ckpt["step"]
-
-
-def model_from_checkpoint(path):
-    """(GPT on the CPU, info) from the checkpoint at `path`: a file, a sharded directory (read straight into the
-    model: no second copy of the weights) or an out_dir (its newest good checkpoint). info: source, step, val_loss,
-    config (the training config), tokenizer (the run's bpe.tokenizer_record, or None) and hf_dir: the Hugging Face
-    directory the run started from (its init_from, when that is a directory), or None."""
-    state = load_checkpoint(path, consolidate=False)
-    model = GPT(GPTConfig(**state["model_args"]))
-    if "shards" in state:
-        load_sharded_checkpoint(state["shards"], model, collective=False)
-    else:
-        model.load_state_dict(state["model"])
-    hf_dir = (state["config"] or {}).get("init_from")
-    info = {
-        "source": str(path),
-        "step": state["step"],
-        "val_loss": state.get("val_loss"),
-        "config": state["config"],
-        "hf_dir": hf_dir if hf_dir is not None and Path(hf_dir).is_dir() else None,  # else GPT-2's tokenizer
-        "tokenizer": state.get("tokenizer"),
-    }
-    return model, info

@@ -1,15 +1,16 @@
 """A model for the commands that use one (sample.py, hellaswag.py, evaluate.py): from a training checkpoint or
 pretrained weights, with its tokenizer, and the flags that choose it (--ckpt/--init_from, --device, --dtype,
---cache_dir). The checkpoint files themselves are checkpoint.py's, the Hugging Face files hf.py's."""
+--cache_dir). The checkpoint files themselves are checkpoint.py's and sharded.py's, the Hugging Face files hf.py's."""
 
 from pathlib import Path
 
 from gpt2train import bpe
-from gpt2train.checkpoint import model_from_checkpoint
-from gpt2train.checkpoint_file import CheckpointError
+from gpt2train.checkpoint import CheckpointError, load_checkpoint
 from gpt2train.devices import DTYPES, resolve_device, resolve_dtype
 from gpt2train.files import report_error
 from gpt2train.hf import from_pretrained
+from gpt2train.sharded import load_sharded_checkpoint
+from model import GPT, GPTConfig
 
 DTYPE_HELP = (
     "autocast dtype (default auto: bfloat16 on CUDA GPUs with native bf16 and on CPUs with "
@@ -22,7 +23,7 @@ def load_model(ckpt=None, init_from=None, device="cpu"):
     out_dir) or from pretrained weights (init_from: 'gpt2', 'gpt2-medium', ... or a Hugging Face directory).
     info: source, step, val_loss, config (the training config, or None), tokenizer (a checkpoint's own, or None)
     and hf_dir: the Hugging Face directory the weights come from (init_from, or the run's own init_from), or
-    None (checkpoint.model_from_checkpoint)."""
+    None (model_from_checkpoint)."""
     if (ckpt is None) == (init_from is None):
         raise ValueError("give exactly one of ckpt (a checkpoint file or out_dir) or init_from (a pretrained name)")
     if ckpt is not None:
@@ -38,6 +39,29 @@ def load_model(ckpt=None, init_from=None, device="cpu"):
             "tokenizer": None,
         }
     return model.to(device).eval(), info
+
+
+def model_from_checkpoint(path):
+    """(GPT on the CPU, info) from the checkpoint at `path`: a file, a sharded directory (read straight into the
+    model: no second copy of the weights) or an out_dir (its newest good checkpoint). info: source, step, val_loss,
+    config (the training config), tokenizer (the run's bpe.tokenizer_record, or None) and hf_dir: the Hugging Face
+    directory the run started from (its init_from, when that is a directory), or None."""
+    state = load_checkpoint(path, consolidate=False)
+    model = GPT(GPTConfig(**state["model_args"]))
+    if "shards" in state:
+        load_sharded_checkpoint(state["shards"], model, collective=False)
+    else:
+        model.load_state_dict(state["model"])
+    hf_dir = (state["config"] or {}).get("init_from")
+    info = {
+        "source": str(path),
+        "step": state["step"],
+        "val_loss": state.get("val_loss"),
+        "config": state["config"],
+        "hf_dir": hf_dir if hf_dir is not None and Path(hf_dir).is_dir() else None,  # else GPT-2's tokenizer
+        "tokenizer": state.get("tokenizer"),
+    }
+    return model, info
 
 
 def model_tokenizer(info, cache_dir=None):

@@ -1,14 +1,29 @@
-"""prepare_data.py's manifests, read once at a run's start, and what they vouch for: that a prep finished and its
-shards are all there and unchanged (manifest_records), and which tokenizer made them (data_tokenizer; the sources
-of a mixture share one, check_one_tokenizer). A manifest is <name>_manifest.json beside its shards; shards of
-other tools have none and are trained on unchecked (GPT-2's tokenizer assumed)."""
+"""prepare_data.py's manifests: written by a prep (one at a time in a directory: its lock; the manifest written whole
+or not at all, a killed run's temporary files removed, its finished shards verified and kept: resumable_manifest),
+read once at a run's start, and what they vouch for: that a prep finished and its shards are all there and unchanged
+(manifest_records), and which tokenizer made them (data_tokenizer; the sources of a mixture share one,
+check_one_tokenizer). A manifest is <name>_manifest.json beside its shards; shards of other tools have none and are
+trained on unchecked (GPT-2's tokenizer assumed)."""
 
+import contextlib
 import hashlib
 import json
+import re
 from pathlib import Path
 
-from gpt2train.files import first_line, lock_holder, read_regular
-from gpt2train.shards import HEADER_BYTES, NoShardsError, ShardError, find_shards, names_mixture
+from gpt2train.console import log
+from gpt2train.documents import PrepError
+from gpt2train.files import (
+    LockError,
+    atomic_write,
+    directory_lock,
+    error_line,
+    file_sha256,
+    first_line,
+    lock_holder,
+    read_regular,
+)
+from gpt2train.shards import HEADER_BYTES, SHARD_SUFFIXES, NoShardsError, ShardError, find_shards, names_mixture
 
 MAX_JSON_BYTES = 1 << 28  # a prep manifest or a tokenizer.json (tens of MB at most) is read whole
 
@@ -204,3 +219,95 @@ def check_one_tokenizer(found, sources):
         f"data_dir: {sources[one][0]} was tokenized with {named(one)}, {sources[other][0]} with {named(other)}; the "
         f"sources of a mixture share one tokenizer: prepare them with the same prepare_data.py --tokenizer"
     )
+
+
+def remove_stale_temp_files(out_dir, name):
+    """Delete the temporary shard and manifest files (files.atomic_write's `.<file>.<pid>.tmp`) a killed run
+    left in out_dir; the caller holds out_dir's lock, so no other prep is writing them."""
+    stale = list(out_dir.glob(f".{name}_*.tmp"))
+    if stale:
+        size = sum(p.stat().st_size for p in stale)
+        for p in stale:
+            p.unlink(missing_ok=True)
+        log(f"prepare_data: removed {len(stale)} temporary file(s) ({size / 2**20:,.1f} MiB) of an interrupted run")
+
+
+def shard_is_complete(out_dir, record):
+    """Whether the shard a manifest record lists is in out_dir whole: its size and sha256 as recorded."""
+    path = out_dir / record["file"]
+    return (
+        path.is_file()
+        and path.stat().st_size == HEADER_BYTES + 2 * record["tokens"]
+        and file_sha256(path) == record["sha256"]
+    )
+
+
+def write_manifest(path, manifest):
+    atomic_write(path, json.dumps(manifest, indent=1) + "\n")
+
+
+def locked(out_dir):
+    """One prep per output directory (files.directory_lock), held while the returned context is: the lock makes
+    any temporary file of ours found there a killed run's. Taking it is the first write, so an output directory
+    that cannot be written fails now, before any work."""
+    held = contextlib.ExitStack()
+    try:
+        held.enter_context(directory_lock(out_dir, "prepare_data.py"))
+    except LockError as e:
+        raise PrepError(str(e)) from None
+    except OSError as e:
+        raise PrepError(f"cannot write to the output directory {out_dir} ({error_line(e)})") from None
+    return held
+
+
+def fingerprint(settings):
+    """The manifest's fingerprint of a prep's settings: a re-run whose settings hash alike continues (or reuses) the
+    shards there; any other is refused or rewrites them."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def resumable_manifest(out_dir, name, manifest_path, settings):
+    """(the manifest to continue, the names of our shards found in out_dir): the earlier run's finished shards
+    that verify (all of them, and complete, if it finished), or a fresh manifest. Somebody else's token files
+    there, our shards without a manifest, or a manifest of another input are a PrepError."""
+    ours = re.compile(rf"{re.escape(name)}_(train|val|test)_\d{{6}}\.bin")
+    existing = sorted(p.name for p in out_dir.iterdir() if ours.fullmatch(p.name))
+    others = sorted(p.name for p in out_dir.iterdir() if p.suffix in SHARD_SUFFIXES and not ours.fullmatch(p.name))
+    if others:  # a loader reading out_dir would mix them with ours
+        raise PrepError(
+            f"{out_dir} holds other token files ({others[0]}, ...) that a loader reading the directory "
+            f"would mix with the {name} shards; use another --out_dir"
+        )
+    manifest = {"fingerprint": fingerprint(settings), "settings": settings, "complete": False, "shards": []}
+    if manifest_path.exists():
+        try:
+            old = json.loads(manifest_path.read_text())
+        except (OSError, ValueError) as e:
+            raise PrepError(f"{manifest_path}: unreadable manifest ({e}); delete it and the {name}_* shards") from None
+        if old.get("fingerprint") != manifest["fingerprint"]:
+            raise PrepError(
+                f"{out_dir} holds {name} shards from a different input or settings ({manifest_path.name}); "
+                f"use another --out_dir or --name, or delete them"
+            )
+        for record in old["shards"]:
+            if not shard_is_complete(out_dir, record):
+                break
+            manifest["shards"].append(record)
+        if old.get("complete") and len(manifest["shards"]) == len(old["shards"]):
+            manifest.update(complete=True, documents=old["documents"], tokens=old["tokens"])
+    elif existing:
+        raise PrepError(
+            f"{out_dir} holds {name} shards ({existing[0]}, ...) but no {manifest_path.name}, so they come "
+            f"from another run or tool; use another --out_dir or --name, or delete them"
+        )
+    return manifest, existing
+
+
+def keep_tokenizer(out_dir, name, record):
+    """The manifest's "tokenizer" entry: the record without the file's text, which goes beside the shards as
+    <name>_tokenizer.json (manifests.data_tokenizer reads it back; GPT-2's needs no file)."""
+    entry = {k: v for k, v in record.items() if k != "json"}
+    if record["json"] is not None:
+        entry["file"] = f"{name}_tokenizer.json"
+        atomic_write(Path(out_dir) / entry["file"], record["json"])
+    return entry

@@ -1,21 +1,23 @@
 """Restoring a run where its checkpoint left it, and saving the checkpoints a run resumes from: train.py's side of
 checkpoints. restore() and restore_rngs() put a run back (optimizer, weights of a sharded checkpoint, loss scaler,
 loader position, RNGs); Checkpointer.save() writes one with everything an exact resume needs, the run's tokenizer
-and its budget's max_steps included. What a run starts from is start.py's; the files themselves are checkpoint.py's.
+and its budget's max_steps included. The run's state crosses into and out of a checkpoint here in GPT-2's layout,
+whatever layout the run holds it in (tensor_parallel's adapter, as torchtitan's checkpointer calls its state-dict
+adapter). What a run starts from is start.py's; the files themselves are checkpoint.py's and sharded.py's.
 """
 
 from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
-from gpt2train.checkpoint import list_checkpoints, prune_checkpoints
-from gpt2train.checkpoint_file import FORMAT, checkpoint_path, save_checkpoint
+from gpt2train import tensor_parallel
+from gpt2train.checkpoint import FORMAT, checkpoint_path, list_checkpoints, prune_checkpoints, save_checkpoint
 from gpt2train.config import ConfigError
 from gpt2train.console import log
 from gpt2train.devices import rng_state, set_rng_state
 from gpt2train.files import Halt
 from gpt2train.parallel import weights_finite
-from gpt2train.sharded import load_optimizer_state, load_sharded_checkpoint, save_sharded_checkpoint
+from gpt2train.sharded import load_sharded_checkpoint, save_sharded_checkpoint
 
 
 @dataclass
@@ -35,7 +37,7 @@ def restore(ckpt, raw_model, optimizer, scaler, loader):
     parallelism mixes plain tensors and DTensors: optim.adamw)."""
     kernels = [{k: group[k] for k in ("fused", "foreach") if k in group} for group in optimizer.param_groups]
     if "shards" in ckpt:
-        load_sharded_checkpoint(ckpt["shards"], raw_model, optimizer)
+        load_sharded_checkpoint(ckpt["shards"], raw_model, optimizer, adapter=tensor_parallel)
     elif hasattr(raw_model, "pipeline_group"):  # its optimizer state is indexed by the whole model's parameters
         raise ConfigError(
             f"init_from=resume: {ckpt['path']} is a single-file checkpoint, which pipeline stages cannot resume yet: "
@@ -60,6 +62,27 @@ def restore(ckpt, raw_model, optimizer, scaler, loader):
             f"seed={saved.get('seed')}"
         ) from None
     return Progress(ckpt["step"], ckpt.get("best_step"), ckpt.get("best_val_loss"))
+
+
+def load_optimizer_state(model, optimizer, state):
+    """A single-file checkpoint's optimizer state (optimizer.state_dict(): whole tensors keyed by parameter
+    index) into `optimizer`; if `model` is FSDP-sharded each rank keeps its slice of every tensor."""
+    if not any(hasattr(p, "full_tensor") for p in model.parameters()):  # no DTensor: not sharded
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    name_of = {p: name for name, p in model.named_parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]  # index -> parameter
+    names = [name_of[p] for p in params]
+    by_name = {  # a tensor-parallel c_attn's moments in the row order it holds (tensor_parallel.model_rows)
+        "state": {
+            names[i]: {k: tensor_parallel.model_rows(names[i], t, params[i]) for k, t in v.items()}
+            for i, v in state["state"].items()
+        },
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 
 def restore_rngs(ckpt, env):
@@ -128,7 +151,7 @@ class Checkpointer:
         }
         path = checkpoint_path(self.cfg.out_dir, step, sharded=env.sharded)
         if env.sharded:
-            save_sharded_checkpoint(path, meta, raw_model, optimizer)
+            save_sharded_checkpoint(path, meta, raw_model, optimizer, adapter=tensor_parallel)
         else:
             save_checkpoint(path, {**meta, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict()})
         if env.master:

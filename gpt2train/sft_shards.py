@@ -23,9 +23,7 @@ from gpt2train import chat
 from gpt2train.bpe import open_tokenizer
 from gpt2train.documents import PrepError, expand_inputs, val_files
 from gpt2train.files import file_sha256, first_line
-from gpt2train.prep_output import (
-    DEFAULT_SHARD_TOKENS,
-    as_uint16,
+from gpt2train.manifests import (
     fingerprint,
     keep_tokenizer,
     locked,
@@ -33,7 +31,7 @@ from gpt2train.prep_output import (
     shard_is_complete,
     write_manifest,
 )
-from gpt2train.shards import MASK_SUFFIX, SHARD_SUFFIXES, write_mask, write_shard
+from gpt2train.shards import DEFAULT_SHARD_TOKENS, MASK_SUFFIX, SHARD_SUFFIXES, as_uint16, write_mask, write_shard
 
 
 @dataclass(frozen=True)

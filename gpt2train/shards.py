@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from gpt2train.console import progress_bar
+from gpt2train.documents import PrepError
 from gpt2train.files import atomic_write
 
 MAGIC = 20240520
@@ -32,6 +33,7 @@ HEADER_BYTES = HEADER_INTS * 4
 SHARD_SUFFIXES = (".bin", ".npy")
 MASK_MAGIC = 20240527
 MASK_SUFFIX = ".mask"
+DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c / build-nanogpt: 100M tokens (200 MB) per shard
 
 
 class ShardError(ValueError):
@@ -51,6 +53,14 @@ def shard_header(num_tokens):
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = (MAGIC, VERSION, num_tokens)
     return header.tobytes()
+
+
+def as_uint16(ids, source):
+    """ids as the uint16 array a shard holds; PrepError naming `source` (what made them) for an id of 65,536 or
+    more, which a cast would wrap silently into another id."""
+    if ids.size and int(ids.max()) >= 2**16:
+        raise PrepError(f"{source}: token id {int(ids.max()):,} does not fit the shards' uint16 (0 to 65,535)")
+    return ids.astype(np.uint16)
 
 
 def write_shard(path, tokens):

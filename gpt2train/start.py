@@ -23,15 +23,23 @@ from pathlib import Path
 import torch.distributed as dist
 
 from gpt2train import assets, bpe
-from gpt2train.checkpoint import is_checkpoint, list_checkpoints, load_checkpoint, load_latest_checkpoint
-from gpt2train.checkpoint_file import CheckpointError, checksum_path, read_checksums, verify_checkpoint
+from gpt2train.checkpoint import (
+    META_FILES,
+    CheckpointError,
+    checksum_path,
+    is_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    load_latest_checkpoint,
+    read_checksums,
+    verify_checkpoint,
+)
 from gpt2train.config import ARCH_KEYS, ConfigError, TrainConfig, make_config, model_config
 from gpt2train.console import is_rank0, launched_by_torchrun, log
 from gpt2train.documents import prepare_command
 from gpt2train.files import directory_lock
 from gpt2train.manifests import data_tokenizer, read_manifests
 from gpt2train.parallel import rank_ranges, setup
-from gpt2train.sharded import META_FILES
 from gpt2train.shards import NoShardsError, ShardError
 from gpt2train.tracking import check_tracking_available
 from model import PRESETS, GPTConfig

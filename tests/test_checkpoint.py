@@ -10,9 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpt2train import checkpoint, checkpoint_file
-from gpt2train.checkpoint import load_checkpoint, load_latest_checkpoint, prune_checkpoints
-from gpt2train.checkpoint_file import FORMAT, CheckpointError, checkpoint_path, checksum_path, save_checkpoint
+from gpt2train import checkpoint, optim
+from gpt2train.checkpoint import (
+    FORMAT,
+    CheckpointError,
+    checkpoint_path,
+    checksum_path,
+    load_checkpoint,
+    load_latest_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
 from gpt2train.files import file_sha256
 from model import GPT, GPTConfig
 
@@ -194,17 +202,17 @@ def test_storage_bytes_counts_shared_storage_once_and_bounds_the_file(tmp_path):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY))  # lm_head.weight is wte.weight: one storage
     obj = {"model": model.state_dict(), "format": FORMAT, "step": 1, "model_args": {}, "config": {}}
-    assert checkpoint_file.storage_bytes(obj) == sum(p.numel() * 4 for p in model.parameters())  # lists it once
+    assert checkpoint.storage_bytes(obj) == sum(p.numel() * 4 for p in model.parameters())  # lists it once
     save_checkpoint(checkpoint_path(tmp_path, 1), obj)
     size = checkpoint_path(tmp_path, 1).stat().st_size
-    assert checkpoint_file.storage_bytes(obj) <= size <= checkpoint_file.storage_bytes(obj) * 1.01 + 2**20
+    assert checkpoint.storage_bytes(obj) <= size <= checkpoint.storage_bytes(obj) * 1.01 + 2**20
 
 
 def test_full_disk_is_refused_before_writing(tmp_path, monkeypatch):
     save_checkpoint(checkpoint_path(tmp_path, 1), fake_ckpt(1))
     big = fake_ckpt(2, big=torch.zeros(3 * 2**20 // 4))  # 3 MiB of tensor data
     monkeypatch.setattr(
-        checkpoint_file.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 2**20, 2**20)
+        checkpoint.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 2**20, 2**20)
     )
     with pytest.raises(CheckpointError) as err:
         save_checkpoint(checkpoint_path(tmp_path, 2), big)
@@ -295,3 +303,22 @@ def test_a_copied_pair_renamed_to_best_verifies_the_copy(tmp_path):
     original.unlink()  # the original gone: the copy verifies alone
     checksum_path(original).unlink()
     assert load_checkpoint(best, note=pytest.fail)["step"] == 30
+
+
+@pytest.mark.parametrize("flat", [False, True])  # True: a pipeline's, each group's settings keyed by parameter name
+def test_a_sharded_optimizer_state_is_numbered_as_the_optimizer_numbers_its_parameters(flat):
+    """Consolidating renumbers a sharded checkpoint's optimizer state (keyed by parameter name) as
+    optimizer.state_dict() does, from what the checkpoint holds: no optimizer is built to load it into."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    optimizer = optim.adamw(model.parameters(), 0.1, 1e-3, (0.9, 0.95))  # 2-D tensors first, then the rest
+    x = torch.randint(0, TINY["vocab_size"], (2, 8))
+    model(x, x, return_logits=False)[1].backward()
+    optimizer.step()
+    saved = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))
+    numbered, now = checkpoint.by_index(saved, [n for n, _ in model.named_parameters()]), optimizer.state_dict()
+    assert numbered["param_groups"] == now["param_groups"]
+    assert numbered["state"].keys() == now["state"].keys()
+    assert all(torch.equal(t, numbered["state"][i][k]) for i, s in now["state"].items() for k, t in s.items())

@@ -14,7 +14,7 @@ import checkpoint as checkpoint_command
 import sample
 import test_train
 import train
-from gpt2train import checkpoint_file, generation, hf
+from gpt2train import checkpoint, generation, hf
 from gpt2train.assets import EOT, get_tokenizer
 from gpt2train.bpe import load_tokenizer
 from gpt2train.config import MODEL_KEYS
@@ -39,7 +39,7 @@ def network_off(monkeypatch):
 
 def write_checkpoint(path, model, config=None, step=3):
     """`model`'s weights as a checkpoint of this library (no optimizer state), written by save_checkpoint."""
-    checkpoint_file.save_checkpoint(
+    checkpoint.save_checkpoint(
         path,
         {
             "model": model.state_dict(),
@@ -51,7 +51,7 @@ def write_checkpoint(path, model, config=None, step=3):
             "loader": {},
             "rng": {},
             "val_loss": None,
-            "format": checkpoint_file.FORMAT,
+            "format": checkpoint.FORMAT,
         },
     )
     return path

@@ -14,7 +14,7 @@ import torch
 
 import prepare_data
 from gpt2train import assets, files
-from gpt2train.checkpoint_file import save_checkpoint
+from gpt2train.checkpoint import save_checkpoint
 from gpt2train.files import atomic_write, file_sha256
 from gpt2train.shards import write_shard
 

@@ -23,7 +23,7 @@ import checkpoint as checkpoint_command
 import hellaswag
 import sample
 import train
-from gpt2train import checkpoint, checkpoint_file, loading, optim, parallel, start
+from gpt2train import checkpoint, loading, optim, parallel, start
 from gpt2train.checkpoint import load_checkpoint, load_latest_checkpoint
 from gpt2train.config import make_config
 from gpt2train.hf import from_pretrained
@@ -263,7 +263,7 @@ def test_kill_9_of_one_rank_during_a_sharded_save_keeps_the_previous_checkpoint(
 COUNTING_HASHES = """
 import json, os, sys
 import train
-from gpt2train import checkpoint_file, files
+from gpt2train import checkpoint, files
 
 out, argv = sys.argv[1], sys.argv[2:]
 hashed, real = [], files.file_sha256
@@ -273,7 +273,7 @@ def file_sha256(path, **kw):  # what each rank hashes before its first step
         hashed.append(os.path.basename(str(path)))
     return real(path, **kw)
 
-checkpoint_file.file_sha256 = file_sha256
+checkpoint.file_sha256 = file_sha256
 real_restore = train.restore
 train.restore = lambda *a, **k: hashed.append("started") or real_restore(*a, **k)
 try:
@@ -313,8 +313,8 @@ def test_under_torchrun_a_rank_other_than_0_hashes_nothing(data_dir, tmp_path, m
         train.main([*COMMON, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--max_steps=2", "--save_interval=1"])
         == 0
     )
-    hashed, real = [], checkpoint_file.file_sha256
-    monkeypatch.setattr(checkpoint_file, "file_sha256", lambda path, **kw: hashed.append(path) or real(path, **kw))
+    hashed, real = [], checkpoint.file_sha256
+    monkeypatch.setattr(checkpoint, "file_sha256", lambda path, **kw: hashed.append(path) or real(path, **kw))
     user = train.parse_args(["--init_from=resume", f"--out_dir={tmp_path}"])
     for rank, expected in (("1", []), ("0", [tmp_path / "ckpt_000002.pt"])):
         monkeypatch.setenv("RANK", rank)
@@ -332,9 +332,9 @@ def test_a_sharded_resume_hashes_the_metadata_first_and_then_each_rank_its_share
     80 GB of shards alone against the rendezvous timeout); once the group is up every rank hashes every
     world_size-th shard file, and a damaged one is the same verdict on every rank."""
     tiny_sharded_checkpoint(tmp_path / "ckpt_000005")
-    hashed, real = [], checkpoint_file.file_sha256
+    hashed, real = [], checkpoint.file_sha256
     monkeypatch.setattr(
-        checkpoint_file, "file_sha256", lambda path, **kw: hashed.append(Path(path).name) or real(path, **kw)
+        checkpoint, "file_sha256", lambda path, **kw: hashed.append(Path(path).name) or real(path, **kw)
     )
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -343,8 +343,8 @@ def test_a_sharded_resume_hashes_the_metadata_first_and_then_each_rank_its_share
     )
     ckpt = source.resumed
     assert sorted(set(hashed)) == [".metadata", "meta.pt"] and problem is None and ckpt["step"] == 5
-    sums = tmp_path / "ckpt_000005" / checkpoint_file.SUMS
-    shards = sorted(set(checkpoint_file.read_checksums(sums)) - {".metadata", "meta.pt"})
+    sums = tmp_path / "ckpt_000005" / checkpoint.SUMS
+    shards = sorted(set(checkpoint.read_checksums(sums)) - {".metadata", "meta.pt"})
     assert shards  # DCP's __0_0.distcp
     gathered = []  # the ranks' results, as all_gather_object hands them to each rank (here: this rank's, twice)
     monkeypatch.setattr(
@@ -462,7 +462,7 @@ def tiny_sharded_checkpoint(path, vocab_size=32):
         "loader": {},
         "best_step": None,
         "best_val_loss": None,
-        "format": checkpoint_file.FORMAT,
+        "format": checkpoint.FORMAT,
     }
     save_sharded_checkpoint(path, meta, model, optimizer)
     return model, optimizer
@@ -511,7 +511,7 @@ def test_sharded_directories_are_listed_pruned_and_skipped_while_incomplete(tmp_
     assert load_latest_checkpoint(tmp_path, consolidate=False)[1] == tmp_path / "ckpt_000002"
     meta = load_checkpoint(tmp_path, consolidate=False)
     assert meta["shards"] == str(tmp_path / "ckpt_000002") and "model" not in meta
-    with pytest.raises(checkpoint_file.CheckpointError, match="incomplete sharded checkpoint"):
+    with pytest.raises(checkpoint.CheckpointError, match="incomplete sharded checkpoint"):
         load_checkpoint(tmp_path / "ckpt_000003")
     checkpoint.prune_checkpoints(tmp_path, keep_last=1, keep_steps={1})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_000001", "ckpt_000003"]

@@ -223,9 +223,6 @@ def test_every_progress_bar_is_consoles():
 
 def test_each_file_keeps_its_one_job():
     graph = imports_by_module()
-    for layer in ("gpt2train.checkpoint", "gpt2train.checkpoint_file", "gpt2train.sharded"):
-        checkpoint_deps = graph[layer] & {"gpt2train.config", "gpt2train.parallel"}
-        assert not checkpoint_deps, f"{layer} is the checkpoint file layer: no run config, no ranks"
     assert graph["model"] == set(), "model.py imports no project module"
     importers = sorted(m for m, deps in graph.items() if "gpt2train.resume" in deps)
     assert importers == ["train"], f"the resume policy is train.py's alone, imported by {importers}"
@@ -243,6 +240,17 @@ def test_each_file_keeps_its_one_job():
     assert defines["parallelize"] == ["gpt2train.parallel"] and defines["estimate_memory"] == ["gpt2train.memory"]
     step_users = sorted(m for m, deps in graph.items() if "gpt2train.step" in deps and "." not in m)
     assert {"train", "dryrun"} <= set(step_users), step_users
+
+
+def test_the_file_layer_knows_no_run():
+    """The checkpoint files (checkpoint.py: a file or a sharded directory on disk; sharded.py: a sharded run's DCP save
+    and load; files.py) know no run: no run config, no ranks, no parallel layout (a tensor-parallel model's row order
+    is converted by the checkpointer, resume.py, which hands sharded.py its adapter) and no optimizer (a sharded
+    checkpoint is consolidated from what it holds, not by building the run's AdamW to load it into)."""
+    graph = imports_by_module()
+    run = {"gpt2train.config", "gpt2train.parallel", "gpt2train.tensor_parallel", "gpt2train.optim"}
+    for layer in ("gpt2train.checkpoint", "gpt2train.sharded", "gpt2train.files"):
+        assert not graph[layer] & run, f"{layer} is the checkpoint file layer; it imports {sorted(graph[layer] & run)}"
 
 
 def test_wrapping_runs_nothing_and_no_caller_asks_which_loader_it_holds():

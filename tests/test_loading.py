@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpt2train.bpe import load_tokenizer
-from gpt2train.checkpoint_file import FORMAT, checkpoint_path, save_checkpoint
+from gpt2train.checkpoint import FORMAT, checkpoint_path, save_checkpoint
 from gpt2train.hf import save_pretrained
 from gpt2train.loading import add_model_args, load_model, load_model_from_args
 from model import GPT, GPTConfig

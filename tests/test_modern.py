@@ -54,8 +54,7 @@ def test_a_checkpoint_with_muons_matrices_in_another_order_is_refused_in_one_lin
     """Before Muon's matrices followed the model's order each process listed them in its own (a set of names): such
     a checkpoint's momentum cannot be matched to the matrices, and resuming from it says so (exit 2), where it
     failed at the first step with a shape error."""
-    from gpt2train.checkpoint import list_checkpoints
-    from gpt2train.checkpoint_file import save_checkpoint
+    from gpt2train.checkpoint import list_checkpoints, save_checkpoint
 
     assert run(data_dir, tmp_path, *MUON, "--max_steps=2", "--save_interval=2") == 0
     [(_, path)] = list_checkpoints(tmp_path)

@@ -12,7 +12,7 @@ import torch
 
 from gpt2train.assets import get_tokenizer
 from gpt2train.bpe import HFTokenizer, load_tokenizer
-from gpt2train.checkpoint_file import save_checkpoint
+from gpt2train.checkpoint import save_checkpoint
 from gpt2train.generation import Sampling, generate
 from gpt2train.hf import from_pretrained, save_pretrained
 from model import GPT, GPTConfig

@@ -13,9 +13,8 @@ import checkpoint as checkpoint_command
 import hellaswag
 import sample
 import train
-from gpt2train import checkpoint_file, loading, sharded
-from gpt2train.checkpoint import load_checkpoint, load_latest_checkpoint
-from gpt2train.checkpoint_file import CheckpointError
+from gpt2train import checkpoint, loading, sharded
+from gpt2train.checkpoint import CheckpointError, load_checkpoint, load_latest_checkpoint
 from gpt2train.files import file_sha256
 from test_fsdp import tiny_sharded_checkpoint
 from test_hellaswag import EXAMPLES
@@ -23,8 +22,8 @@ from test_hellaswag import EXAMPLES
 
 def rewrite_sums(path):
     """What a forger does: SHA256SUMS made to match the directory's files as they are now."""
-    names = sorted(p.name for p in path.iterdir() if p.name not in (checkpoint_file.SUMS, "meta.pt.sha256"))
-    (path / checkpoint_file.SUMS).write_text("".join(f"{file_sha256(path / n)}  {n}\n" for n in names))
+    names = sorted(p.name for p in path.iterdir() if p.name not in (checkpoint.SUMS, "meta.pt.sha256"))
+    (path / checkpoint.SUMS).write_text("".join(f"{file_sha256(path / n)}  {n}\n" for n in names))
 
 
 class CreatesAFile:
@@ -80,7 +79,7 @@ def test_a_shard_value_that_would_run_code_is_refused(tmp_path):
     loads them with weights_only=False."""
     ckpt = tmp_path / "ckpt_000005"
     model, optimizer = tiny_sharded_checkpoint(ckpt)
-    metadata = sharded.read_metadata(ckpt)
+    metadata = checkpoint.read_metadata(ckpt)
     info = next(i for k, i in metadata.storage_data.items() if "param_groups" in k.fqn)  # a float, torch.save'd
     marker, evil = tmp_path / "pwned", tmp_path / "evil.pt"
     torch.save(CreatesAFile(marker), evil)
@@ -100,7 +99,7 @@ def test_every_shard_is_hashed_and_a_damaged_one_is_refused_everywhere(tmp_path,
     tiny_sharded_checkpoint(run / "ckpt_000004")
     tiny_sharded_checkpoint(run / "ckpt_000005")
     ckpt = run / "ckpt_000005"
-    listed = checkpoint_file.read_checksums(ckpt / checkpoint_file.SUMS)
+    listed = checkpoint.read_checksums(ckpt / checkpoint.SUMS)
     assert set(listed) == {".metadata", "meta.pt", "__0_0.distcp"}
     assert all(file_sha256(ckpt / n) == digest for n, digest in listed.items())
     shard = ckpt / "__0_0.distcp"
@@ -138,8 +137,8 @@ def test_a_failure_inside_dcp_is_a_checkpoint_error(tmp_path, capsys):
     tiny_sharded_checkpoint(ckpt)
     shard = ckpt / "__0_0.distcp"
     shard.write_bytes(bytes(shard.stat().st_size))  # the right size, all zeros, and recorded so: only DCP can tell
-    sums = ckpt / checkpoint_file.SUMS
-    sums.write_text("".join(f"{file_sha256(ckpt / name)}  {name}\n" for name in checkpoint_file.read_checksums(sums)))
+    sums = ckpt / checkpoint.SUMS
+    sums.write_text("".join(f"{file_sha256(ckpt / name)}  {name}\n" for name in checkpoint.read_checksums(sums)))
     with pytest.raises(CheckpointError, match=r"ckpt_000005: cannot read the sharded checkpoint \(rank 0: "):
         load_checkpoint(ckpt)
     assert checkpoint_command.main(["export", str(ckpt), str(tmp_path / "hf")]) == 2
@@ -162,7 +161,7 @@ def test_sha256sums_lists_only_regular_files_inside_the_directory(tmp_path, dead
     run = tmp_path / "run"
     tiny_sharded_checkpoint(run / "ckpt_000004")
     tiny_sharded_checkpoint(run / "ckpt_000005")
-    ckpt, sums = run / "ckpt_000005", run / "ckpt_000005" / checkpoint_file.SUMS
+    ckpt, sums = run / "ckpt_000005", run / "ckpt_000005" / checkpoint.SUMS
     good = sums.read_text()
     outside = run / "x"  # ckpt_000005/../x
     outside.write_text("anything readable")

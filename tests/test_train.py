@@ -24,7 +24,7 @@ import torch
 
 import model as model_module
 import train
-from gpt2train import checkpoint, checkpoint_file, loading, optim, sharded
+from gpt2train import checkpoint, loading, optim, sharded
 from gpt2train.budget import Budget
 from gpt2train.checkpoint import load_checkpoint, load_latest_checkpoint
 from gpt2train.config import TrainConfig
@@ -836,7 +836,7 @@ def test_a_resume_where_no_checkpoint_verifies_is_refused_never_a_fresh_start(da
 
 
 def test_disk_full_at_a_save_is_one_line_and_the_run_resumes(data_dir, tmp_path, monkeypatch, capsys):
-    real = checkpoint_file.shutil.disk_usage
+    real = checkpoint.shutil.disk_usage
     saves = []
 
     def disk_usage(path):  # the disk is full from the second save on
@@ -844,7 +844,7 @@ def test_disk_full_at_a_save_is_one_line_and_the_run_resumes(data_dir, tmp_path,
         usage = real(path)
         return usage if len(saves) < 2 else usage._replace(free=1000)
 
-    monkeypatch.setattr(checkpoint_file.shutil, "disk_usage", disk_usage)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", disk_usage)
     expect_exit(1, run, data_dir, tmp_path, "--max_steps=12")
     line = one_line_error(capsys)
     assert f"{tmp_path / 'ckpt_000008.pt'}: not enough disk space to write this checkpoint: it needs about " in line
@@ -1336,7 +1336,7 @@ def test_sigterm_during_validation_abandons_it_saves_and_exits_5(data_dir, tmp_p
 
 
 def test_a_second_ctrl_c_during_a_save_exits_130_and_says_what_was_kept(data_dir, tmp_path, monkeypatch, capsys):
-    real_write = checkpoint_file.HashingWriter.write
+    real_write = checkpoint.HashingWriter.write
     saves = []
 
     class Interrupted:  # the file being written, as Ctrl-C is pressed twice during the write
@@ -1355,7 +1355,7 @@ def test_a_second_ctrl_c_during_a_save_exits_130_and_says_what_was_kept(data_dir
                 self.f = Interrupted(self.f)
         return real_write(self, data)
 
-    monkeypatch.setattr(checkpoint_file.HashingWriter, "write", write)
+    monkeypatch.setattr(checkpoint.HashingWriter, "write", write)
     expect_exit(130, run, data_dir, tmp_path, "--max_steps=8")
     err = capsys.readouterr().err
     assert err.count("train.py: error: ") == 1 and "Traceback" not in err, err
