@@ -1,15 +1,12 @@
 """The run's parallel layout, the one record every caller reads (torchtitan's ParallelDims): Env, where this process
-runs (rank, device, precision) and how torchrun's ranks are laid out: the degrees (pipeline stages, data-parallel
-ranks, tensor-parallel ranks), this rank's coordinates, the one DeviceMesh of named dims (built once, on first use:
-Env.mesh), the step's tokens and rows per data-parallel rank (computed once, Env.with_batch); and the one-line refusals
-of a layout that cannot run, before any process group exists (arrange). "Which parallelism is on?" is asked of Env
-(env.pipeline > 1, env.sharded, env.fsdp), never of the model.
+runs and how torchrun's ranks are laid out (the degrees, this rank's coordinates, the one DeviceMesh of named dims,
+the step's tokens and rows per rank), and the one-line refusals of a layout that cannot run (arrange), before any
+process group exists. "Which parallelism is on?" is asked of Env (env.pipeline > 1, env.sharded), never of the model.
 
-The mesh's dims are torchtitan's, row-major: "pp" (pipeline stages, outermost: ranks 0 .. world_size/stages - 1 hold
-stage 0), the data-parallel dims ("dp_replicate", "dp_shard": mesh_shape), "tp" innermost (a tensor-parallel group's
-ranks adjoin, as in a node); a dim is there only where the layout has it. The data-parallel size is world_size /
-(pipeline x tensor); every stage of one pipeline and every rank of a tensor-parallel group reads the same rows (the
-loader's rank and world size are the data-parallel ones), total_batch_size keeps its meaning.
+The mesh's dims are torchtitan's, row-major, each where the layout has it: "pp" outermost (ranks 0 .. world_size /
+stages - 1 hold stage 0), the data-parallel dims ("dp_replicate", "dp_shard"), "tp" innermost (a group's ranks
+adjoin, as in a node). Every stage of a pipeline and every rank of a tensor-parallel group reads the same rows (the
+loader's rank and world size are the data-parallel ones): total_batch_size keeps its meaning.
 """
 
 from dataclasses import dataclass, field, replace
@@ -37,7 +34,7 @@ class Env:
     tensor_parallel: int = 1  # in effect: 1 outside torchrun
     tokens_per_step: int | None = None  # of all ranks, once the config is final (with_batch)
     rows: int | None = None  # sequences per data-parallel rank per step (batch_size x accumulation steps)
-    _mesh: object = field(default=None, init=False, repr=False, compare=False)
+    _mesh: object = field(default=None, repr=False, compare=False)  # Env.mesh, once built (kept by replace())
 
     @property
     def master(self):
@@ -107,12 +104,9 @@ class Env:
         return self.mesh["pp"].get_group() if self.pipeline > 1 else None
 
     def with_batch(self, cfg):
-        """This Env with the step's tokens (of all ranks) and rows per data-parallel rank, for cfg (final: its
-        batch_size resolved); the mesh, if built, is kept."""
+        """This Env with the step's tokens (of all ranks) and rows per data-parallel rank, for cfg once it is final."""
         tokens, accumulation = batch_layout(cfg, self.dp_size)
-        env = replace(self, tokens_per_step=tokens, rows=cfg.batch_size * accumulation)
-        env._mesh = self._mesh
-        return env
+        return replace(self, tokens_per_step=tokens, rows=cfg.batch_size * accumulation)
 
 
 # ----------------------------------------------------------------------------- the degrees, and refusals
@@ -125,10 +119,9 @@ def arrange(cfg, distributed, world_size, local_world_size, dtype, device):
     asked = {"parallel": cfg.parallel != "ddp", "tensor_parallel": cfg.tensor_parallel > 1}
     asked["pipeline_parallel"] = cfg.pipeline_parallel > 1
     split = " and ".join(f"{key}={getattr(cfg, key)!r}" for key, on in asked.items() if on)
-    if not split:
-        return "ddp", (), 1, 1
-    if not distributed:
+    if split and not distributed:
         log(f"{split} ignored: not launched by torchrun, this one process trains the whole model", note=True)
+    if not split or not distributed:
         return "ddp", (), 1, 1
     if dtype == "float16":  # GradScaler's inf check would see only this rank's gradient shard or stage
         raise ConfigError(

@@ -159,15 +159,13 @@ def after_compile_trial(model, works, env):
 
 
 def shard(model, cfg, env):
-    """The sharded path, in place, torchtitan's order: tensor parallelism first (tensor_parallel > 1: the blocks
-    split over the mesh's "tp" dim, tensor_parallel.split_blocks); activation checkpointing is already inside the
-    model (cfg.activation_checkpointing); then each block's forward and the root's head_loss (ln_f, output head,
-    chunked loss: compiled under DDP too, as part of the whole model) are compiled (before sharding; one graph
-    serves every block); then FSDP (env.fsdp): each block one unit over the data-parallel dims, the root the last
-    (the tied wte/lm_head, wpe and ln_f). The model may still be on the CPU: fully_shard moves each unit to the device
-    as it shards it, so no GPU ever holds the whole model. A model built on the meta device (meta_init.build_on_meta)
-    is then materialised: this rank's part only, initialised as one process would. Returns the model; under FSDP its
-    forward all-gathers the parameters of one unit at a time, so every rank must run the same forwards.
+    """The sharded path (a whole model, or a pipeline stage), in place, in torchtitan's order: tensor parallelism (the
+    blocks split over the mesh's "tp" dim, tensor_parallel.split_blocks); activation checkpointing is already inside
+    the model; torch.compile of each block's forward and of the root's head_loss (ln_f, the head and the chunked loss;
+    one graph serves every block); FSDP (env.fsdp) over the data-parallel dims, each block one unit and the root the
+    last (the tied wte/lm_head, wpe, ln_f); then a model built on meta (meta_init) is materialised, this rank's part
+    only. The model may still be on the CPU: fully_shard moves each unit to the device as it shards it, so no GPU
+    ever holds the whole model. Under FSDP every rank must run the same forwards (each all-gathers a unit).
 
     Precision, the one rule of a bf16 run: FSDP's MixedPrecisionPolicy makes every unit all-gather bf16 copies
     of its fp32 shards (half the bytes, and half the memory of a gathered unit), so forward and backward
@@ -176,11 +174,10 @@ def shard(model, cfg, env):
     reduce-scattered and accumulated in fp32 (reduce_dtype) and AdamW updates the fp32 shards. An fp32 run
     casts nothing.
 
-    With tensor parallelism and parallel='ddp' the data-parallel dims are (replicas, 1): FSDP with shards of one rank
-    is data parallelism that understands DTensor parameters (DistributedDataParallel does not; torchtitan refuses
-    DDP with TP), the gradients all-reduced over the replicas; with a single data-parallel rank there is no FSDP at
-    all. A pipeline stage is neither compiled nor wrapped in FSDP yet: its replicas average their gradients by hand
-    (pipeline.Pipeline.average_gradients)."""
+    Tensor parallelism with parallel='ddp' has data-parallel dims (replicas, 1): FSDP with shards of one rank is data
+    parallelism that understands DTensor parameters (DistributedDataParallel does not; torchtitan refuses DDP with
+    TP); with one data-parallel rank there is no FSDP. A pipeline stage is neither compiled nor FSDP-wrapped yet: its
+    replicas average their gradients by hand (pipeline.Pipeline.average_gradients)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if env.tensor_parallel > 1:

@@ -64,32 +64,30 @@ def build(model, cfg, env):
     """The Pipeline of this rank's stage of model (the bare GPT, whole, on the meta device or the CPU): cut down here
     in place (keep_stage, so the caller's raw model is the stage's), then through parallel.parallelize as every
     model is (the tensor-parallel split, on the device, built on meta: initialised as one process would), scheduled."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
     if resolve_compile(cfg.compile, env.device, env.dtype):
         log("torch.compile is not applied to pipeline stages yet: training eagerly", note=True)
     parallelize(keep_stage(model, env.stage, env.pipeline), cfg, env)
-    module = Stage(model, env.stage == env.pipeline - 1)
-    pieces = microbatches(cfg, env.dp_size)[0]
-    stage = PipelineStage(module, env.stage, env.pipeline, torch.device(env.device), group=env.pp_group)
-    schedule = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[cfg.pipeline_schedule]
-    pipeline = Pipeline(module, env, pieces)
-    # each micro-batch's loss comes weighted (Pipeline.weighted): the schedule must not divide by their number
-    pipeline.schedule = schedule(stage, n_microbatches=pieces, loss_fn=pipeline.weighted, scale_grads=False)
-    return pipeline
+    return Pipeline(Stage(model, env.stage == env.pipeline - 1), cfg, env)
 
 
 class Pipeline(nn.Module):
-    """What the loop calls in a pipeline run: train_step() runs a step's micro-batches through the schedule; a call
-    (idx, targets) is validation's forward, the mean loss on every rank of the pipeline."""
+    """What the loop calls in a pipeline run: train_step() runs a step's micro-batches through the schedule (1F1B or
+    GPipe, cfg.pipeline_schedule); a call (idx, targets) is validation's forward, the mean loss on every rank of the
+    pipeline."""
 
-    def __init__(self, module, env, pieces):
+    def __init__(self, module, cfg, env):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
         super().__init__()
-        self.module, self.env, self.pieces = module, env, pieces  # module: the Stage; pieces: micro-batches per step
+        self.module, self.env = module, env  # module: the Stage
         self.first, self.last = env.stage == 0, env.stage == env.pipeline - 1
         self.pp_group, self.dp_group = env.pp_group, env.mesh["dp_replicate"].get_group()
-        self.schedule = None  # set by build()
+        self.pieces = microbatches(cfg, env.dp_size)[0]  # the schedule's micro-batches per step
         self.scale = None  # the step's dp_size / trained tokens of all data-parallel ranks (train_step)
+        stage = PipelineStage(module, env.stage, env.pipeline, torch.device(env.device), group=self.pp_group)
+        schedule = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[cfg.pipeline_schedule]
+        # each micro-batch's loss comes weighted (weighted): the schedule must not divide by their number
+        self.schedule = schedule(stage, n_microbatches=self.pieces, loss_fn=self.weighted, scale_grads=False)
 
     def weighted(self, loss, targets):
         """The schedule's loss_fn: one micro-batch's mean loss weighted by its share of the step's trained tokens (x
@@ -104,10 +102,9 @@ class Pipeline(nn.Module):
         all ranks; a float32 device tensor [trained tokens of all data-parallel ranks, micro-batches with no trained
         target])."""
         x, y = (torch.cat(t) for t in zip(*(loader.next_batch() for _ in range(rows // loader.B))))  # (rows, T)
-        pieces = self.pieces
         masked = getattr(loader, "masked", False)
         trained = int((y != -1).sum()) if masked else y.numel()
-        empty = sum(int((part != -1).sum()) == 0 for part in y.chunk(pieces)) if masked else 0
+        empty = sum(int((part != -1).sum()) == 0 for part in y.chunk(self.pieces)) if masked else 0
         stats = to_device((torch.tensor([trained, empty], dtype=torch.float32),), env.device)[0]
         if masked and env.dp_size > 1:
             dist.all_reduce(stats, group=self.dp_group)

@@ -290,9 +290,7 @@ def probe_batch_size(raw_model, cfg, env, loaders):
         # adds to the activations
         resident = plan.grads if env.distributed or b < rows else 0
         planned = estimate_memory(raw_model.config, b, **plan_kwargs(cfg, env))
-        margin = (
-            with_margin(planned.total) - planned.total
-        )  # what neither the plan nor this probe sees (headroom.MARGIN)
+        margin = with_margin(planned.total) - planned.total  # what neither plan nor probe sees (headroom.MARGIN)
         extra = int(planned.activations * COMPILE_RESERVE_FRACTION) if compiled else 0
         return plan.optimizer + resident + (NCCL_RESERVE if env.distributed else 0) + margin + extra
 
