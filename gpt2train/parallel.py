@@ -17,7 +17,6 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._dynamo.eval_frame import OptimizedModule
 
 from gpt2train.config import ConfigError
 from gpt2train.console import launched_by_torchrun
@@ -202,12 +201,12 @@ def shard(model, cfg, env):
 
 def is_compiled(model):
     """Whether parallelize() kept torch.compile: of the whole model (DDP, one process) or of each block (FSDP)."""
-    return isinstance(model, OptimizedModule) or any("forward" in vars(m) for m in model.modules())
+    return model is not unwrapped(model) or any("forward" in vars(m) for m in model.modules())
 
 
 def unwrapped(model):
     """The module torch.compile wrapped (parallelize's DDP or whole model), or model itself."""
-    return model._orig_mod if isinstance(model, OptimizedModule) else model
+    return getattr(model, "_orig_mod", model)
 
 
 def keeps_grads(env):

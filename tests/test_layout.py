@@ -371,12 +371,17 @@ MODEL_CLASSES = {"GPT", "StageGPT", "StageModule", "Stage", "Pipeline"}
 
 def model_probes(trees):
     """Where the modules `trees` ({name: AST}) ask the model which parallelism is on: hasattr/getattr/vars/type of a
-    name that holds a model, a __dict__ or __class__ probe, an isinstance check against the model's classes."""
+    name that holds a model, a __dict__ or __class__ probe, an isinstance check against the model's classes. The one
+    attribute asked is torch.compile's wrapper's (_orig_mod, parallel.unwrapped): what compiled, not how it is laid
+    out."""
     found = []
     for name, tree in trees.items():
         for node in ast.walk(tree):
             call = ast.unparse(node.func) if isinstance(node, ast.Call) else ""
-            first = node.args[0] if call in ("hasattr", "getattr", "vars", "type") and node.args else None
+            compiled = call in ("hasattr", "getattr") and "'_orig_mod'" in ast.unparse(node)
+            first = (
+                node.args[0] if call in ("hasattr", "getattr", "vars", "type") and node.args and not compiled else None
+            )
             classes = (
                 {n.id for n in ast.walk(node.args[-1]) if isinstance(n, ast.Name)} if call == "isinstance" else set()
             )
