@@ -12,7 +12,6 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
-from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from gpt2train import pipeline
@@ -20,12 +19,11 @@ from gpt2train.config import ConfigError, batch_layout, make_config, model_confi
 from gpt2train.devices import autocast
 from gpt2train.files import report_error
 from gpt2train.headroom import MARGIN, GiB, gib, with_margin, within_margin
-from gpt2train.layout import check_pipeline, microbatches, stage_blocks
+from gpt2train.layout import Env, check_pipeline, data_parallel_size, mesh_shape, microbatches, stage_blocks
 from gpt2train.memory import MemoryPlan, choose_checkpointing, estimate_memory, stage_plan
 from gpt2train.optim import build_optimizer
-from gpt2train.parallel import Env, data_parallel_size, keeps_grads, mesh_shape, parallelize
+from gpt2train.parallel import parallelize
 from gpt2train.step import clip_gradients, micro_batches
-from gpt2train.tensor_parallel import split_blocks
 from model import GPT
 
 NOT_SIMULATED = (
@@ -38,7 +36,7 @@ GPU_DTYPE = "bfloat16"  # dtype='auto' on a GPU with native bf16 (devices.resolv
 class DDPBuckets(torch.nn.Module):
     """DDP as the dry run models it (its C++ reducer cannot run on fake tensors): one flat fp32 buffer whose views
     are the gradients (gradient_as_bucket_view=True, kept across steps: parallel.keeps_grads); the all-reduce is
-    in place, so it costs no more memory. set_grad_sync/keeps_grads see it as DDP."""
+    in place, so it costs no more memory. step.set_grad_sync sets its require_backward_grad_sync as DDP's."""
 
     def __init__(self, module):
         super().__init__()
@@ -94,6 +92,7 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
     )
     env = Env(0, 0, world_size, True, "cpu", cfg.dtype, parallel, mesh, tensor_parallel=tp)
     grad_accum = batch_layout(cfg, env.dp_size)[1]
+    ddp = not env.sharded and world_size > 1  # (tensor parallelism without FSDP: its own collectives)
     notes = []
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
@@ -105,7 +104,7 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
             raw.to_empty(device="cpu")
             if cfg.tie_embeddings and not env.fsdp:  # to_empty gives each module its own tensor (FSDP keeps ties)
                 raw.transformer.wte.weight = raw.lm_head.weight
-            if not env.sharded and world_size > 1:  # (tensor parallelism without FSDP: its own collectives)
+            if ddp:
                 model = DDPBuckets(raw)
                 notes.append(
                     "DDP modelled, not run (its C++ reducer cannot run on fake tensors): gradients are views "
@@ -118,13 +117,13 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
                 p.grad = torch.zeros_like(p) if p.grad is None else p.grad
             clip_gradients(raw, cfg.grad_clip)
             optimizer.step()
-            optimizer.zero_grad(set_to_none=not keeps_grads(model))
+            optimizer.zero_grad(set_to_none=not ddp)
             inner = [optimizer.muon, optimizer.adamw] if hasattr(optimizer, "muon") else [optimizer]
             if env.fsdp:
                 tracker = FSDPMemTracker(model, optimizer)
             else:
                 tracker = MemTracker()
-                tracker.track_external(model, *inner, *([model.buckets] if keeps_grads(model) else []))
+                tracker.track_external(model, *inner, *([model.buckets] if ddp else []))
 
             class Batches:  # what micro_batches reads; each micro-step is a new iteration for the tracker
                 def next_batch(self):
@@ -142,7 +141,7 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
                     micro_batches(model, Batches(), grad_accum, scaler, env, micro_steps=[micro])
                 clip_gradients(raw, cfg.grad_clip)
                 optimizer.step()
-                optimizer.zero_grad(set_to_none=not keeps_grads(model))
+                optimizer.zero_grad(set_to_none=not ddp)
             if parallel == "hsdp" and grad_accum > 1:
                 notes.append(
                     "HSDP: until the last micro-step's all-reduce across replicas, the gradient shards add "
@@ -160,8 +159,9 @@ def dry_run(cfg, world_size: int, gpus_per_node: int = 8) -> DryRun:
 
 def dry_run_stage(cfg, world_size: int, stage: int) -> DryRun:
     """Simulate one optimizer step of a rank of pipeline stage `stage` (cfg.pipeline_parallel stages, each replicated
-    over the data-parallel ranks) on fake tensors: the stage's own modules (pipeline.keep_stage), its blocks split
-    over cfg.tensor_parallel ranks (tensor_parallel.split_blocks on the fake process group's "tp" mesh dim), its
+    over the data-parallel ranks) on fake tensors: the stage's own modules (pipeline.keep_stage), through
+    parallel.parallelize as pipeline.build does (its blocks split over cfg.tensor_parallel ranks: the fake process
+    group's "tp" mesh dim), its
     optimizer, the forwards of the micro-batches its schedule keeps in flight (1F1B: stages - stage, GPipe: all),
     then their backwards (the stage's input a fake activation, its output's gradient fake ones), clip and update,
     tracked by torch's MemTracker. The sends and receives between stages and the replicas' all-reduce are not
@@ -170,13 +170,14 @@ def dry_run_stage(cfg, world_size: int, stage: int) -> DryRun:
     dp = world_size // (stages * tp)
     pieces, rows = microbatches(cfg, dp)
     in_flight = pieces if cfg.pipeline_schedule == "GPipe" else min(pieces, stages - stage)
+    mesh = mesh_shape("ddp", None, dp, dp, tp)
+    env = Env(stage * dp * tp, 0, world_size, True, "cpu", cfg.dtype, "ddp", mesh, stages, tp)  # a rank of the stage
     with torch.device("meta"):
         raw = pipeline.keep_stage(GPT(model_config(cfg)), stage, stages)
-    if tp > 1:  # the mesh is made outside FakeTensorMode; the blocks split on meta, materialised fake below
-        dist.init_process_group("fake", store=FakeStore(), rank=stage * dp * tp, world_size=world_size)
-        mesh = init_device_mesh("cpu", (stages, dp, tp), mesh_dim_names=("pp", "dp_replicate", "tp"))
-        split_blocks(raw, mesh["tp"])
+    if tp > 1:  # the mesh (env.mesh) is made outside FakeTensorMode; the blocks split on meta, materialised fake below
+        dist.init_process_group("fake", store=FakeStore(), rank=env.rank, world_size=world_size)
     try:
+        parallelize(raw, cfg, env)
         return DryRun(_simulate_stage(raw, cfg, (stage, in_flight, rows)), [])
     finally:
         if tp > 1:
@@ -184,10 +185,10 @@ def dry_run_stage(cfg, world_size: int, stage: int) -> DryRun:
 
 
 def _simulate_stage(raw, cfg, where):
-    """The peak parts of dry_run_stage's step of the stage raw (a StageGPT on meta) at where (stage, micro-batches
+    """The peak parts of dry_run_stage's step of the stage raw (a stage's GPT on meta) at where (stage, micro-batches
     in flight, rows per micro-batch)."""
     (stage, in_flight, rows), stages = where, cfg.pipeline_parallel
-    module = pipeline.StageModule(raw, stage, stages)
+    module = pipeline.Stage(raw, stage == stages - 1)
     tokens = torch.zeros(rows, cfg.block_size, dtype=torch.long)  # a real batch, as the loader's
     with FakeTensorMode(allow_non_fake_inputs=True):
         raw.to_empty(device="cpu")

@@ -303,9 +303,9 @@ def score_split(parser, args):
     from gpt2train.config import ConfigError
     from gpt2train.data import open_loader
     from gpt2train.evaluation import Evaluator
+    from gpt2train.layout import Env
     from gpt2train.loading import load_model_from_args
     from gpt2train.manifests import data_tokenizer, read_manifests
-    from gpt2train.parallel import Env
     from gpt2train.shards import ShardError
     from gpt2train.start import check_tokenizer
 

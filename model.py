@@ -499,12 +499,16 @@ class GPT(nn.Module):
     def hidden_states(self, idx, caches: list[KVCache] | None = None, pos: int = 0, final_norm: bool = True, prev=None):
         """Final (ln_f) hidden states (B, T, C) for tokens idx (B, T) at positions pos..pos+T-1 (final_norm=False:
         the last block's output, before ln_f). prev (B, 1): the token before idx[:, 0] where idx continues a
-        cached sequence (smear and the bigram table read it; None: idx starts the sequence)."""
-        x, rope = self.embed(idx, pos, prev), self.rope(pos, idx.size(1))
+        cached sequence (smear and the bigram table read it; None: idx starts the sequence). A pipeline stage
+        (gpt2train/pipeline.py) holds some of the blocks, under their own indices; without wte (a later stage) idx is
+        the previous stage's output (B, T, C)."""
+        x = idx if self.transformer.wte is None else self.embed(idx, pos, prev)
+        rope = self.rope(pos, idx.size(1))
         ve = self.transformer.vte(idx) if self.config.value_embeds else None  # (B, T, C)
         rows = self.config.bigram_embeds
         bigram = self.transformer.bte(bigram_rows(idx, prev, rows)) if rows else None  # (B, T, C)
-        for i, block in enumerate(self.transformer.h):
+        for name, block in self.transformer.h.named_children():
+            i = int(name)
             if bigram is not None:
                 x = x + self.bigram_lambdas[i] * bigram
             if self.config.recomputes(i) and self.training and torch.is_grad_enabled():
@@ -517,7 +521,10 @@ class GPT(nn.Module):
         """idx, targets (B, T). Returns (logits, loss):
         targets given: logits (B, T, V) and mean CE (ignore_index=-1); with return_logits=False the loss is
         computed in chunks without the full logits and (None, loss) is returned.
-        targets None: logits of the last position only (B, 1, V), loss None."""
+        targets None: logits of the last position only (B, 1, V), loss None.
+        A pipeline stage before the last (no output head) returns its last block's output (B, T, C) alone."""
+        if self.lm_head is None:
+            return self.hidden_states(idx, final_norm=False)
         if targets is not None and not return_logits:
             return None, self.head_loss(self.hidden_states(idx, final_norm=False), targets)
         x = self.hidden_states(idx)  # (B, T, C)

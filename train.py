@@ -35,7 +35,6 @@ from gpt2train.checkpoint import CheckpointError
 from gpt2train.config import (
     ARCH_KEYS,
     ConfigError,
-    batch_layout,
     config_table,
     help_text,
     make_config,
@@ -50,15 +49,9 @@ from gpt2train.evaluation import Abandoned, Evaluator
 from gpt2train.files import Halt, LockError, atomic_write, check_writable, first_line, report_error
 from gpt2train.hf import from_pretrained, pad_vocab
 from gpt2train.memory import resolve_batch_size
+from gpt2train.meta_init import build_on_meta
 from gpt2train.optim import build_optimizer, set_lr
-from gpt2train.parallel import (
-    after_compile_trial,
-    build_on_meta,
-    exit_process,
-    is_compiled,
-    keeps_grads,
-    parallelize,
-)
+from gpt2train.parallel import after_compile_trial, exit_process, is_compiled, keeps_grads, parallelize
 from gpt2train.resume import Checkpointer, Progress, restore, restore_rngs, resume_hint
 from gpt2train.sharded import load_sharded_checkpoint
 from gpt2train.shards import NoShardsError, ShardError
@@ -108,7 +101,7 @@ def build_model(cfg, source, env, min_vocab=0):
     checkpoint it resumes from, a checkpoint to fine-tune (its weights only: resolve_config took its architecture)
     or pretrained weights; pretrained weights with fewer than min_vocab rows (GPT-2's 50257, for SFT data's chat
     tokens) are padded to a multiple of 64. Where: an unsharded run's on its device. A sharded run's from scratch
-    or from a sharded checkpoint on the meta device (parallel.build_on_meta: parallelize() gives each rank its
+    or from a sharded checkpoint on the meta device (meta_init.build_on_meta: parallelize() gives each rank its
     shards only, and restore() loads a sharded checkpoint's weights into them); from whole weights on the CPU,
     for fully_shard to move."""
     state = source.state
@@ -249,10 +242,11 @@ def skip_reason(stats, scaler, cfg, progress):
 # ----------------------------------------------------------------------------- logging
 
 
-def step_record(stats, loader, total_batch_size, raw_model, peak, env):
+def step_record(stats, loader, flops_per_token, peak, env):
     """The metrics.jsonl record of one optimizer step (stats: its StepStats; loader: the train loader, whose B is
-    the live micro-batch; of a mixture, the tokens each source supplied so far, tokens/<name>)."""
-    tokens_per_s = total_batch_size / stats.dt
+    the live micro-batch; of a mixture, the tokens each source supplied so far, tokens/<name>); MFU from the whole
+    model's training FLOPs per token over the device's peak (GPT.estimate_mfu's arithmetic)."""
+    tokens_per_s = env.tokens_per_step / stats.dt
     mem, reserved = peak_memory(env.kind)
     record = {
         "step": stats.step,
@@ -260,7 +254,7 @@ def step_record(stats, loader, total_batch_size, raw_model, peak, env):
         "lr": stats.lr,
         "grad_norm": stats.grad_norm,
         "tokens_per_s": tokens_per_s,
-        "mfu": raw_model.estimate_mfu(tokens_per_s / env.world_size, peak),
+        "mfu": tokens_per_s / env.world_size * flops_per_token / peak if peak else None,
         "step_ms": stats.dt * 1000,
         "peak_mem_mb": mem,
         "micro_batch": loader.B,
@@ -319,13 +313,14 @@ def write_config(cfg, max_steps=None):
 # ----------------------------------------------------------------------------- the recipe
 
 
-def run_summary(raw_model, model, cfg, env, resumed_step):
-    """The one line that says what this run is: size, device, precision, world, batch layout."""
-    total_batch_size, grad_accum = batch_layout(cfg, env.dp_size)
+def run_summary(params, model, cfg, env, resumed_step):
+    """The one line that says what this run is: size (params: the whole model's), device, precision, world, batch
+    layout."""
+    total_batch_size, grad_accum = env.tokens_per_step, env.rows // cfg.batch_size
     tp = f", tensor_parallel {env.tensor_parallel}" if env.tensor_parallel > 1 else ""
     split = env.pipeline > 1 or env.tensor_parallel > 1
     line = (
-        f"{raw_model.num_params() / 1e6:.2f}M parameters | device {env.device} | dtype {env.dtype} | compile "
+        f"{params / 1e6:.2f}M parameters | device {env.device} | dtype {env.dtype} | compile "
         f"{is_compiled(model)} | world size {env.world_size}"
         + (f" ({env.pipeline} pipeline stages x {env.dp_size} {env.parallel}{tp})" if env.pipeline > 1 else "")
         + (f" ({env.parallel}{tp})" if env.distributed and env.pipeline == 1 else "")
@@ -358,6 +353,15 @@ class Training:
     saved_step: int = 0  # the last step a checkpoint holds
     step_start: dict | None = None  # the train loader's position at the current step's start
     final_loss: float | None = None  # the last step's train loss
+    size: dict | None = None  # the whole model's params, params_lookup, flops_per_token (model_size)
+
+
+def model_size(raw_model):
+    """The whole model's parameter counts and training FLOPs per token, counted before a pipeline cuts it to this
+    rank's stage (torchtitan counts them once, before parallelizing): the summary, the result and MFU use them."""
+    params = raw_model.num_params()
+    lookup = params - raw_model.num_params(non_embedding=True)
+    return {"params": params, "params_lookup": lookup, "flops_per_token": raw_model.flops_per_token()}
 
 
 def run(user, argv=()):
@@ -372,20 +376,22 @@ def run(user, argv=()):
     if cfg.batch_size == "auto":  # a probed device (CUDA)
         cfg = probe_batch_size(raw_model, cfg, env, [train_loader, val_loader])
     cfg = with_horizon(cfg, raw_model, env.dp_size)  # target_flops, tokens_per_param: max_steps from the model
-    # cfg is final from here on; the micro-batch may still halve on an out-of-memory: train_loader.B is the live one
+    # cfg is final from here on (the step's tokens and rows per rank: env); the micro-batch may still halve on an
+    # out-of-memory: train_loader.B is the live one
+    env, size = env.with_batch(cfg), model_size(raw_model)
     # what the loop calls: compiled, or eager where the trial fails; a pipeline: this rank's stage, scheduled
     model = pipeline.build(raw_model, cfg, env) if env.pipeline > 1 else parallelize(raw_model, cfg, env)
     if is_compiled(model):
-        model = after_compile_trial(model, compile_works(model, cfg, env, train_loader))
+        model = after_compile_trial(model, compile_works(model, cfg, env, train_loader), env)
     optimizer = build_optimizer(raw_model, cfg, fused_adamw_supported(env.kind))  # after sharding
     scaler = torch.amp.GradScaler(env.kind, enabled=env.dtype == "float16")  # loss scaling for fp16 only
     t = Training(cfg, env, model, raw_model, optimizer, scaler)
-    t.train_loader = train_loader
+    t.train_loader, t.size = train_loader, size
     resumed = source.resumed
     if resumed is not None:
         t.progress = restore(resumed, raw_model, optimizer, scaler, train_loader)
         t.saved_step = t.progress.step
-    t.tracker = start_tracking(cfg, resumed, batch_layout(cfg, env.dp_size)[0], env)
+    t.tracker = start_tracking(cfg, resumed, env.tokens_per_step, env)
     # a resume's max_steps was fixed by the run it continues; rank 0 rewrites config.json when a budget fixes it
     t.budget = Budget(
         cfg, env, source.kind == "resume", (lambda steps: write_config(cfg, steps)) if env.master else None
@@ -400,7 +406,7 @@ def run(user, argv=()):
     t.checkpointer = Checkpointer(cfg, env, states, source.tokenizer, t.budget)
     t.evaluator = Evaluator(train_loader, val_loader, t.tracker, cfg, env, source.tokenizer)
     log(config_table(cfg, user))
-    log(run_summary(raw_model, model, cfg, env, resumed and resumed["step"]))
+    log(run_summary(size["params"], model, cfg, env, resumed and resumed["step"]))
     if resumed is not None:
         restore_rngs(resumed, env)
         schedule_note(cfg, resumed["config"], resumed["step"])
@@ -441,10 +447,14 @@ def train(t, argv):
     finally:
         for s, handler in old_handlers.items():
             signal.signal(s, handler)
-        raw = t.raw_model
-        params, lookup = raw.num_params(), raw.num_params() - raw.num_params(non_embedding=True)
-        flops = t.progress.step * batch_layout(t.cfg, t.env.dp_size)[0] * raw.flops_per_token()  # trained
-        extra = {"params": params, "params_lookup": lookup, "max_seconds": t.cfg.max_seconds, "flops": flops}
+        size = t.size
+        flops = t.progress.step * t.env.tokens_per_step * size["flops_per_token"]  # trained
+        extra = {
+            "params": size["params"],
+            "params_lookup": size["params_lookup"],
+            "max_seconds": t.cfg.max_seconds,
+            "flops": flops,
+        }
         summary = t.tracker.close(status, extra)
         if summary:
             log(summary)
@@ -483,9 +493,7 @@ def loop(t):
             stopping = stats.stop
             if t.budget.add(stats.dt):
                 bar.total = t.budget.max_steps
-            record = step_record(
-                stats, t.train_loader, batch_layout(t.cfg, t.env.dp_size)[0], t.raw_model, t.peak, t.env
-            )
+            record = step_record(stats, t.train_loader, t.size["flops_per_token"], t.peak, t.env)
             report_step(record, t.tracker, bar, t.cfg.log_interval, t.budget.max_steps)
             t.final_loss = stats.train_loss
     if stopping:  # said before the summary: the result stays the last line
@@ -502,11 +510,10 @@ def optimizer_step(t, step):
     t0 = time.perf_counter()
     lr = get_lr(step, t.cfg, t.budget.max_steps)
     set_lr(t.optimizer, lr, t.cfg)
-    rows = t.cfg.batch_size * batch_layout(t.cfg, t.env.dp_size)[1]  # sequences per data-parallel rank per step
-    loss_sum, counts = forward_backward(t.model, t.train_loader, rows, t.scaler, t.env, step)
+    loss_sum, counts = forward_backward(t.model, t.train_loader, t.env.rows, t.scaler, t.env, step)
     stop_flag = torch.full((), float(t.stop.signal is not None), device=t.env.device)
     t.scaler.unscale_(t.optimizer)  # true gradients before clipping (no-op without fp16)
-    grad_norm = clip_gradients(t.raw_model, t.cfg.grad_clip)
+    grad_norm = clip_gradients(t.raw_model, t.cfg.grad_clip, t.env.pp_group)
     stats = reduce_step_stats(loss_sum, stop_flag, grad_norm, counts, t.env)
     stats.step, stats.lr = step + 1, lr
     stats.skipped = skip_reason(stats, t.scaler, t.cfg, t.progress)
@@ -521,7 +528,7 @@ def optimizer_step(t, step):
     else:
         t.scaler.step(t.optimizer)
     t.scaler.update()
-    t.optimizer.zero_grad(set_to_none=not keeps_grads(t.model))  # also drops the gradients of a skipped step
+    t.optimizer.zero_grad(set_to_none=not keeps_grads(t.env))  # also drops the gradients of a skipped step
     stats.dt = time.perf_counter() - t0
     t.progress.step = step + 1
     return stats

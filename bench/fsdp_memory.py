@@ -43,8 +43,10 @@ def worker(model_keys, out):
     import torch.distributed as dist
 
     from gpt2train.config import make_config, model_config
+    from gpt2train.layout import Env, mesh_shape
     from gpt2train.optim import adamw
-    from gpt2train.parallel import Env, clip_gradients, mesh_shape, parallelize
+    from gpt2train.parallel import parallelize
+    from gpt2train.step import clip_gradients
     from model import GPT
 
     parallel = os.environ["BENCH_PARALLEL"]

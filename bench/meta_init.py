@@ -31,7 +31,7 @@ def worker(out, nproc, argv):
     parallelize() wrapped to keep the model it gets), then its peak RSS and the hashes of the slices it holds."""
     import runpy
 
-    from gpt2train import parallel
+    from gpt2train import meta_init, parallel
 
     kept = []
     real = parallel.parallelize
@@ -48,7 +48,7 @@ def worker(out, nproc, argv):
         if hasattr(p, "to_local"):  # one rank's shard
             hashes[f"{name}[{rank}]"] = sha(p.to_local())
         else:  # one process: every rank's slice, for the comparison
-            hashes.update({f"{name}[{r}]": sha(parallel.local_slice(p.detach(), nproc, r)) for r in range(nproc)})
+            hashes.update({f"{name}[{r}]": sha(meta_init.local_slice(p.detach(), nproc, r)) for r in range(nproc)})
     n = sum(p.numel() for p in kept[0].parameters()) if not hasattr(kept[0].lm_head.weight, "to_local") else None
     Path(f"{out}.{rank}").write_text(json.dumps({"peak_rss": peak, "hashes": hashes, "params": n}))
 

@@ -140,7 +140,7 @@ class Evaluator:
         calls it); Abandoned when a rank gets a signal."""
         if name not in self.suites:
             self.suites[name] = self.make_suite(name, raw_model.config.vocab_size)
-        with gathered(raw_model) as model:
+        with gathered(raw_model, self.env) as model:
             result = self.suites[name].score(
                 model, self.env.device, dtype=self.env.dtype, stop=lambda: stop.signal is not None
             )
@@ -259,7 +259,7 @@ def val_line(record):
 
 def sample_preview(raw_model, cfg, env, enc):
     """A sample's text from rank 0, None on the others. Every rank calls it: a sharded model must be gathered."""
-    with gathered(raw_model) as model:
+    with gathered(raw_model, env) as model:
         if not env.master:
             return None
         prompt = enc.encode(cfg.sample_prompt) or [enc.eot_token]

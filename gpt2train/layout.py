@@ -1,14 +1,169 @@
-"""How torchrun's ranks are laid out when the model is split into pipeline stages (pipeline_parallel > 1), and the
-one-line refusal of a layout that cannot run, before any process group exists (torchtitan's ParallelDims).
+"""The run's parallel layout, the one record every caller reads (torchtitan's ParallelDims): Env, where this process
+runs and how torchrun's ranks are laid out (the degrees, this rank's coordinates, the one DeviceMesh of named dims,
+the step's tokens and rows per rank), and the one-line refusals of a layout that cannot run (arrange), before any
+process group exists. "Which parallelism is on?" is asked of Env (env.pipeline > 1, env.sharded), never of the model.
 
-The ranks form one DeviceMesh of named dims ("pp", "dp_replicate", "dp_shard", "tp"), row-major as torchtitan
-lays them out: pipeline outermost, so ranks 0 .. world_size/stages - 1 hold stage 0. The data-parallel size is
-world_size / (pipeline x tensor); every stage of one pipeline reads the same rows (the loader's rank and world size
-are the data-parallel ones), total_batch_size keeps its meaning. Tensor parallelism ("tp") splits each stage's blocks
-over the group's ranks, innermost (a group's ranks adjoin, as in a node).
+The mesh's dims are torchtitan's, row-major, each where the layout has it: "pp" outermost (ranks 0 .. world_size /
+stages - 1 hold stage 0), the data-parallel dims ("dp_replicate", "dp_shard"), "tp" innermost (a group's ranks
+adjoin, as in a node). Every stage of a pipeline and every rank of a tensor-parallel group reads the same rows (the
+loader's rank and world size are the data-parallel ones): total_batch_size keeps its meaning.
 """
 
+from dataclasses import dataclass, field, replace
+
 from gpt2train.config import ConfigError, batch_layout
+from gpt2train.console import log
+from gpt2train.devices import device_type
+
+
+@dataclass
+class Env:
+    """Where this process runs (its rank among torchrun's processes, its device and precision) and the run's layout."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    distributed: bool  # launched by torchrun (even with one process)
+    device: str
+    dtype: str  # resolved: 'float32', 'bfloat16' or 'float16'
+    parallel: str = "ddp"  # in effect: 'fsdp'/'hsdp' only under torchrun ('ddp' also for one plain process)
+    # the data-parallel dims of a sharded run: (dp,) for 'fsdp', (replica groups, shard_size) for 'hsdp'; with
+    # tensor parallelism 'ddp' is (dp, 1): replicas of one shard (tensor_parallel.py says why)
+    mesh_shape: tuple = ()
+    pipeline: int = 1  # pipeline stages: each rank holds the blocks of one (stage_blocks)
+    tensor_parallel: int = 1  # in effect: 1 outside torchrun
+    tokens_per_step: int | None = None  # of all ranks, once the config is final (with_batch)
+    rows: int | None = None  # sequences per data-parallel rank per step (batch_size x accumulation steps)
+    _mesh: object = field(default=None, repr=False, compare=False)  # Env.mesh, once built (kept by replace())
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    @property
+    def sharded(self):
+        """Whether no rank holds the whole model (FSDP/HSDP shards, pipeline stages, tensor-parallel shards): it is
+        built on the meta device, every rank saves its part (DCP) and gathers for evaluations."""
+        return self.parallel != "ddp" or self.pipeline > 1 or self.tensor_parallel > 1
+
+    @property
+    def fsdp(self):
+        """Whether parallelize() wraps the model in FSDP: 'fsdp'/'hsdp', and 'ddp' across the data-parallel ranks of
+        a tensor-parallel run (parallel.shard); never a pipeline stage (its replicas average by hand)."""
+        return self.pipeline == 1 and (self.parallel != "ddp" or self.tensor_parallel > 1 and self.dp_size > 1)
+
+    @property
+    def dp_size(self):
+        """Data-parallel ranks: the ranks reading distinct rows."""
+        return self.world_size // (self.pipeline * self.tensor_parallel)
+
+    @property
+    def dp_rank(self):
+        """This rank's place among the data-parallel ranks (the mesh's row-major order)."""
+        return self.rank // self.tensor_parallel % self.dp_size
+
+    @property
+    def tp_rank(self):
+        return self.rank % self.tensor_parallel
+
+    @property
+    def stage(self):
+        """This rank's pipeline stage (pipeline outermost)."""
+        return self.rank // (self.dp_size * self.tensor_parallel)
+
+    @property
+    def kind(self):
+        return device_type(self.device)
+
+    @property
+    def dp_dims(self):
+        """The mesh's data-parallel dims: those of mesh_shape, or a pipeline's replicas ("dp_replicate",)."""
+        return ("dp_replicate", "dp_shard")[-len(self.mesh_shape) :] if self.mesh_shape else ("dp_replicate",)
+
+    @property
+    def mesh(self):
+        """The run's DeviceMesh (build_mesh), built on first use and kept: every caller slices this one."""
+        if self._mesh is None:
+            self._mesh = self.build_mesh()
+        return self._mesh
+
+    def build_mesh(self):
+        """A DeviceMesh of the layout's named dims ("pp", the data-parallel dims, "tp"; each where the layout has it)
+        over the process group's ranks."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dims = [("pp", self.pipeline)] if self.pipeline > 1 else []
+        dims += zip(self.dp_dims, self.mesh_shape or (self.dp_size,))
+        dims += [("tp", self.tensor_parallel)] if self.tensor_parallel > 1 else []
+        names, shape = zip(*dims)
+        return init_device_mesh(self.kind, shape, mesh_dim_names=names)
+
+    @property
+    def pp_group(self):
+        """The process group of this rank's pipeline (its stages), None without one."""
+        return self.mesh["pp"].get_group() if self.pipeline > 1 else None
+
+    def with_batch(self, cfg):
+        """This Env with the step's tokens (of all ranks) and rows per data-parallel rank, for cfg once it is final."""
+        tokens, accumulation = batch_layout(cfg, self.dp_size)
+        return replace(self, tokens_per_step=tokens, rows=cfg.batch_size * accumulation)
+
+
+# ----------------------------------------------------------------------------- the degrees, and refusals
+
+
+def arrange(cfg, distributed, world_size, local_world_size, dtype, device):
+    """(parallel, mesh_shape, pipeline, tensor_parallel) in effect for cfg on torchrun's world_size ranks
+    (local_world_size of them on a node); outside torchrun one process trains the whole model (a note names what is
+    ignored). A layout that cannot run is a ConfigError of one line, before any process group exists."""
+    asked = {"parallel": cfg.parallel != "ddp", "tensor_parallel": cfg.tensor_parallel > 1}
+    asked["pipeline_parallel"] = cfg.pipeline_parallel > 1
+    split = " and ".join(f"{key}={getattr(cfg, key)!r}" for key, on in asked.items() if on)
+    if split and not distributed:
+        log(f"{split} ignored: not launched by torchrun, this one process trains the whole model", note=True)
+    if not split or not distributed:
+        return "ddp", (), 1, 1
+    if dtype == "float16":  # GradScaler's inf check would see only this rank's gradient shard or stage
+        raise ConfigError(
+            f"{split} trains in bfloat16 or float32, not float16 (dtype={cfg.dtype!r} "
+            f"resolved to float16 on {device}): set --dtype=float32 or a bf16 device"
+        )
+    stages, tp = cfg.pipeline_parallel, cfg.tensor_parallel
+    if stages > 1:
+        check_pipeline(cfg, world_size)
+    dp = data_parallel_size(world_size, tp * stages)
+    mesh = mesh_shape(cfg.parallel, cfg.shard_size, dp, max(1, local_world_size // tp), tp)
+    return cfg.parallel, mesh, stages, tp
+
+
+def data_parallel_size(world_size, split):
+    """world_size / split (the ranks one model is split over: pipeline x tensor), the ranks that read different
+    rows; a tensor_parallel that does not divide the world is a ConfigError."""
+    if world_size % split:
+        raise ConfigError(
+            f"tensor_parallel={split} must divide the world size {world_size} (groups of "
+            f"tensor_parallel ranks split each block; the groups are the data-parallel ranks)"
+        )
+    return world_size // split
+
+
+def mesh_shape(parallel, shard_size, world_size, local_world_size, tensor_parallel=1):
+    """Data-parallel device-mesh shape of a sharded run over world_size data-parallel ranks: 'fsdp'
+    (world_size,), every rank holding 1/world_size of the model; 'hsdp' (world_size // shard_size, shard_size):
+    groups of shard_size ranks (default one node's ranks, so the all-gathers stay on the fast intra-node links)
+    each shard the model and replicate each other; 'ddp' under tensor parallelism (world_size, 1): replicas."""
+    if parallel == "fsdp":
+        return (world_size,)
+    if parallel == "ddp":
+        return (world_size, 1) if tensor_parallel > 1 else ()
+    size = shard_size or local_world_size
+    if world_size % size:
+        raise ConfigError(
+            f"shard_size={size} does not divide the world size {world_size} (parallel='hsdp' "
+            f"shards within groups of shard_size ranks)"
+        )
+    return (world_size // size, size)
+
 
 # one line each: what the model has that a split into stages cannot carry yet, and what to set instead
 UNSPLITTABLE = {
@@ -72,16 +227,6 @@ def microbatches(cfg, dp_size):
             f"to a divisor of {rows}, or total_batch_size to a multiple of {pieces} x block_size x {dp_size}"
         )
     return pieces, rows // pieces
-
-
-def device_mesh(env):
-    """The run's DeviceMesh: dims ("pp", "dp_replicate", "dp_shard", "tp"), sizes (stages, data-parallel ranks, 1,
-    tensor-parallel ranks): the data-parallel ranks replicate each stage (parallel='ddp'), a tensor-parallel group
-    splits its blocks."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    shape = (env.pipeline, env.dp_size, 1, env.tensor_parallel)
-    return init_device_mesh(env.kind, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
 
 
 def stage_blocks(n_layer, stages, stage):

@@ -1,10 +1,11 @@
 """Pipeline parallelism (pipeline_parallel > 1) on torch.distributed.pipelining: the GPT's blocks split into stages
 over ranks, the step's rows per data-parallel rank cut into micro-batches that a schedule (1F1B or GPipe) runs
-through the stages. train.py calls build() instead of parallel.parallelize(); the loop then runs each step
-through Pipeline.train_step (step.forward_backward) and validation through Pipeline's forward.
+through the stages. train.py calls build() where env.pipeline > 1: it cuts the stage, then wraps it as every model
+is (parallel.parallelize); the loop then runs each step through Pipeline.train_step (step.forward_backward) and
+validation through Pipeline's forward. A stage runs GPT's own forward (models/common/decoder.py in torchtitan).
 
-Each rank builds only its stage (keep_stage: the whole GPT on the meta device or the CPU, the rest dropped), with the
-parameters' global names, so a checkpoint (DCP, every rank its stage's tensors) loads at any layout. The split is
+Each rank builds only its stage (keep_stage: the whole GPT on the meta device or the CPU, the rest set None), with
+the parameters' global names, so a checkpoint (DCP, every rank its stage's tensors) loads at any layout. The split is
 torchtitan's: blocks as even as the division allows (the first stages take the remainder), the embeddings in the
 first stage, ln_f, the output head and the loss in the last; with tensor_parallel > 1 the stage's blocks are split
 over its tensor-parallel group (tensor_parallel.split_blocks on the mesh's "tp" dim: each rank sends and receives
@@ -17,105 +18,76 @@ step's trained tokens (as step.micro_batches weights them), and the schedule doe
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from gpt2train.console import log
 from gpt2train.devices import autocast, resolve_compile
-from gpt2train.layout import device_mesh, microbatches, stage_blocks
-from gpt2train.parallel import local_part, materialise
+from gpt2train.layout import microbatches, stage_blocks
+from gpt2train.meta_init import local_part
+from gpt2train.parallel import parallelize
 from gpt2train.step import to_device
-from gpt2train.tensor_parallel import split_blocks
-from model import GPT
 
 
 def keep_stage(model, stage, stages):
-    """model (a GPT on the meta device or the CPU) cut down in place to pipeline stage `stage` of `stages`: its
-    blocks in a ModuleDict under their own indices, so every parameter keeps its global name
-    (transformer.h.7.attn.c_attn.weight); the embeddings in the first stage; ln_f and the output head in the last.
-    The rotary tables stay on every stage. Returns the model, now a StageGPT."""
-    whole = (model.num_params(), model.num_params(non_embedding=True))
-    model.__class__, model.whole_params = StageGPT, whole
+    """model (a GPT on the meta device or the CPU) cut down in place to pipeline stage `stage` of `stages`, as
+    torchtitan cuts its decoder: its blocks in a ModuleDict under their own indices, so every parameter keeps its
+    global name (transformer.h.7.attn.c_attn.weight); the embeddings in the first stage; ln_f and the output head in
+    the last; what the stage does not hold is None, and GPT.forward runs what it holds. The rotary tables stay on
+    every stage. Returns the model."""
     t = model.transformer
     t.h = nn.ModuleDict({str(i): t.h[i] for i in stage_blocks(model.config.n_layer, stages, stage)})
     if stage > 0:
         for name in ("wte", "wpe", "drop"):
             if name in t:
-                del t[name]
+                t[name] = None
         if model.config.smear:
-            del model.smear_gate, model.smear_lambda
+            model.smear_gate = model.smear_lambda = None
     if stage < stages - 1:
-        del t.ln_f, model.lm_head
+        t.ln_f = model.lm_head = None
     return model
 
 
-class StageGPT(GPT):
-    """A GPT cut down to one pipeline stage (keep_stage). Its size is the whole model's: the run's summary and MFU
-    count what every stage trains together."""
+class Stage(nn.Module):
+    """What the schedule runs of a stage: its GPT's forward, on the last stage its loss alone (the schedule's loss_fn
+    weights it; GPT.forward gives (None, loss)); the first stage's input is the tokens (B, T), the others' the previous
+    stage's output (B, T, C)."""
 
-    def num_params(self, non_embedding=False):
-        return self.whole_params[non_embedding]
-
-
-class StageModule(nn.Module):
-    """What one rank runs of the GPT: the first stage's input is the tokens (B, T), the others' the previous stage's
-    output (B, T, C); the last stage returns the mean cross entropy over its targets (GPT.head_loss), the others
-    their last block's output."""
-
-    def __init__(self, gpt, stage, stages):
+    def __init__(self, gpt, last):
         super().__init__()
-        self.gpt = gpt
-        self.first, self.last = stage == 0, stage == stages - 1
+        self.gpt, self.last = gpt, last
 
     def forward(self, x, targets=None):
-        gpt = self.gpt
-        rope = gpt.rope(0, x.size(1))
-        if self.first:
-            x = gpt.embed(x)  # (B, T, C)
-        for name, block in gpt.transformer.h.items():
-            if gpt.config.recomputes(int(name)) and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, rope, use_reentrant=False)
-            else:
-                x = block(x, rope)
-        return gpt.head_loss(x, targets) if self.last else x
+        out = self.gpt(x, targets, return_logits=False)
+        return out[1] if self.last else out
 
 
 def build(model, cfg, env):
-    """The Pipeline of this rank's stage of model (the bare GPT, whole, on the meta device or the CPU; cut down here
-    in place, so the caller's raw model is the stage's): placed on the device (built on meta: initialised as one
-    process would, parallel.materialise), scheduled."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
+    """The Pipeline of this rank's stage of model (the bare GPT, whole, on the meta device or the CPU): cut down here
+    in place (keep_stage, so the caller's raw model is the stage's), then through parallel.parallelize as every
+    model is (the tensor-parallel split, on the device, built on meta: initialised as one process would), scheduled."""
     if resolve_compile(cfg.compile, env.device, env.dtype):
         log("torch.compile is not applied to pipeline stages yet: training eagerly", note=True)
-    mesh = device_mesh(env)
-    keep_stage(model, env.stage, env.pipeline)
-    if env.tensor_parallel > 1:  # the stage's blocks split over its tensor-parallel group (on meta: materialised next)
-        split_blocks(model, mesh["tp"])
-    if "deferred_init" in model.__dict__:
-        materialise(model, env)
-    model.to(env.device)
-    model.pipeline_group = mesh["pp"].get_group()  # step.clip_gradients sums the stages' squared norms over it
-    module = StageModule(model, env.stage, env.pipeline)
-    pieces = microbatches(cfg, env.dp_size)[0]
-    stage = PipelineStage(module, env.stage, env.pipeline, torch.device(env.device), group=model.pipeline_group)
-    pipeline = Pipeline(module, env, mesh)
-    schedule = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[cfg.pipeline_schedule]
-    # each micro-batch's loss comes weighted (Pipeline.weighted): the schedule must not divide by their number
-    pipeline.schedule = schedule(stage, n_microbatches=pieces, loss_fn=pipeline.weighted, scale_grads=False)
-    return pipeline
+    parallelize(keep_stage(model, env.stage, env.pipeline), cfg, env)
+    return Pipeline(Stage(model, env.stage == env.pipeline - 1), cfg, env)
 
 
 class Pipeline(nn.Module):
-    """What the loop calls in a pipeline run: train_step() runs a step's micro-batches through the schedule; a call
-    (idx, targets) is validation's forward, the mean loss on every rank of the pipeline."""
+    """What the loop calls in a pipeline run: train_step() runs a step's micro-batches through the schedule (1F1B or
+    GPipe, cfg.pipeline_schedule); a call (idx, targets) is validation's forward, the mean loss on every rank of the
+    pipeline."""
 
-    def __init__(self, module, env, mesh):
+    def __init__(self, module, cfg, env):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
         super().__init__()
-        self.module, self.env = module, env  # module: the StageModule
+        self.module, self.env = module, env  # module: the Stage
         self.first, self.last = env.stage == 0, env.stage == env.pipeline - 1
-        self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp_replicate"].get_group()
-        self.schedule = None  # set by build()
+        self.pp_group, self.dp_group = env.pp_group, env.mesh["dp_replicate"].get_group()
+        self.pieces = microbatches(cfg, env.dp_size)[0]  # the schedule's micro-batches per step
         self.scale = None  # the step's dp_size / trained tokens of all data-parallel ranks (train_step)
+        stage = PipelineStage(module, env.stage, env.pipeline, torch.device(env.device), group=self.pp_group)
+        schedule = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[cfg.pipeline_schedule]
+        # each micro-batch's loss comes weighted (weighted): the schedule must not divide by their number
+        self.schedule = schedule(stage, n_microbatches=self.pieces, loss_fn=self.weighted, scale_grads=False)
 
     def weighted(self, loss, targets):
         """The schedule's loss_fn: one micro-batch's mean loss weighted by its share of the step's trained tokens (x
@@ -130,10 +102,9 @@ class Pipeline(nn.Module):
         all ranks; a float32 device tensor [trained tokens of all data-parallel ranks, micro-batches with no trained
         target])."""
         x, y = (torch.cat(t) for t in zip(*(loader.next_batch() for _ in range(rows // loader.B))))  # (rows, T)
-        pieces = self.schedule._n_microbatches
         masked = getattr(loader, "masked", False)
         trained = int((y != -1).sum()) if masked else y.numel()
-        empty = sum(int((part != -1).sum()) == 0 for part in y.chunk(pieces)) if masked else 0
+        empty = sum(int((part != -1).sum()) == 0 for part in y.chunk(self.pieces)) if masked else 0
         stats = to_device((torch.tensor([trained, empty], dtype=torch.float32),), env.device)[0]
         if masked and env.dp_size > 1:
             dist.all_reduce(stats, group=self.dp_group)

@@ -38,7 +38,7 @@ def restore(ckpt, raw_model, optimizer, scaler, loader):
     kernels = [{k: group[k] for k in ("fused", "foreach") if k in group} for group in optimizer.param_groups]
     if "shards" in ckpt:
         load_sharded_checkpoint(ckpt["shards"], raw_model, optimizer, adapter=tensor_parallel)
-    elif hasattr(raw_model, "pipeline_group"):  # its optimizer state is indexed by the whole model's parameters
+    elif len(raw_model.transformer.h) < raw_model.config.n_layer:  # a pipeline stage; the state is the whole model's
         raise ConfigError(
             f"init_from=resume: {ckpt['path']} is a single-file checkpoint, which pipeline stages cannot resume yet: "
             f"resume it with --pipeline_parallel=1, or train a pipeline on from its weights with "

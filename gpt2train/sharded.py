@@ -73,7 +73,7 @@ def save_sharded_checkpoint(path, meta, model, optimizer, adapter=None):
         dist.barrier()
     # a pipeline stage's optimizer groups list its own parameters only: each name then carries its group's settings
     # (flattened), where one list per group would be written by one stage for all
-    options = StateDictOptions(flatten_optimizer_state_dict=hasattr(model, "pipeline_group"))
+    options = StateDictOptions(flatten_optimizer_state_dict=len(model.transformer.h) < model.config.n_layer)
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     if model.config.tie_embeddings:  # an untied head (GPT-NeoX) is a tensor of its own
         model_state.pop(TIED, None)

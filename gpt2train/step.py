@@ -2,8 +2,7 @@
 sync only where an accumulation needs it, the loss weighted by each micro-batch's trained tokens, the global
 gradient norm clipped; and the one out-of-memory loop (halving: the micro-batch halves) that the step, validation's
 micro-batches (in_micro_batches), the compile trial before step 1 (compile_works) and batch_size='auto''s probe of
-the bare model (probe_batch_size) run through. train.py's loop
-and dryrun.py's simulation run this same code.
+the bare model (probe_batch_size) run through. train.py's loop and dryrun.py's simulation run this same code.
 """
 
 import math
@@ -12,7 +11,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from gpt2train.config import ConfigError, batch_layout
+from gpt2train.config import ConfigError
 from gpt2train.console import log
 from gpt2train.devices import (
     autocast,
@@ -36,7 +35,7 @@ from gpt2train.memory import (
     rows_per_rank,
     smaller_micro_batch,
 )
-from gpt2train.parallel import keeps_grads
+from gpt2train.parallel import keeps_grads, unwrapped
 
 
 def to_device(tensors, device):
@@ -50,17 +49,17 @@ def to_device(tensors, device):
     return tuple(t.pin_memory().to(device, non_blocking=True) for t in tensors)
 
 
-def set_grad_sync(model, enabled):
+def set_grad_sync(model, enabled, env):
     """Whether the next backward all-reduces gradients across replicas: only the last micro-step of an
-    accumulation needs to; must be set before the forward. DDP skips its all-reduce (gradients accumulate in its
-    buckets). FSDP/HSDP reduce-scatter every micro-step, so a rank only ever holds its fp32 gradient shard (the
-    no-sync alternative keeps whole fp32 gradients of every unit, 4 bytes/param of the whole model); HSDP adds
-    up the shards locally and all-reduces them across replicas on the last micro-step only."""
-    inner = getattr(model, "_orig_mod", model)  # under torch.compile
-    if hasattr(inner, "require_backward_grad_sync"):  # DDP
-        inner.require_backward_grad_sync = enabled
-    elif hasattr(inner, "set_requires_all_reduce"):  # FSDP2 (a no-op without replicas)
-        inner.set_requires_all_reduce(enabled)
+    accumulation needs to; must be set before the forward. DDP (parallel.keeps_grads) skips its all-reduce
+    (gradients accumulate in its buckets). FSDP/HSDP (env.fsdp) reduce-scatter every micro-step, so a rank only ever
+    holds its fp32 gradient shard (the no-sync alternative keeps whole fp32 gradients of every unit, 4 bytes/param
+    of the whole model); HSDP adds up the shards locally and all-reduces them across replicas on the last
+    micro-step only."""
+    if env.fsdp:
+        model.set_requires_all_reduce(enabled)  # a no-op without replicas
+    elif keeps_grads(env):
+        unwrapped(model).require_backward_grad_sync = enabled
 
 
 def forward_backward(model, loader, rows, scaler, env, step=0):
@@ -70,9 +69,10 @@ def forward_backward(model, loader, rows, scaler, env, step=0):
     dropped, the loader rewinds to the step's start and the same step re-runs on the same data. Under torchrun, or at
     micro-batch 1, an out-of-memory is a Halt naming settings that would help (ranks cannot switch together: the
     others may be waiting in a gradient all-reduce). `step`: the step done so far, for the messages. A pipeline
-    (pipeline.Pipeline) runs the step's rows through its schedule; an out-of-memory there is a Halt."""
+    (pipeline.Pipeline, env.pipeline > 1) runs the step's rows through its schedule; an out-of-memory there is a
+    Halt."""
     start = loader.state_dict()
-    if hasattr(model, "train_step"):
+    if env.pipeline > 1:
         run = lambda b: model.train_step(loader, rows, env)  # noqa: E731
         return halving(run, None, rows, loader.B, env, f"step {step + 1}")
 
@@ -152,7 +152,7 @@ def micro_batches(model, loader, grad_accum, scaler, env, micro_steps=None):
     loss_sum = torch.zeros((), device=env.device)
     for i, micro in enumerate(micros):
         x, y = to_device(batches[i], env.device)
-        set_grad_sync(model, micro == grad_accum - 1)
+        set_grad_sync(model, micro == grad_accum - 1, env)
         with autocast(env.device, env.dtype):
             _, loss = model(x, y, return_logits=False)
         # each micro-batch loss is a mean over its trained tokens; weighting it by its share of the step's
@@ -175,23 +175,22 @@ def micro_batches(model, loader, grad_accum, scaler, env, micro_steps=None):
     return loss_sum, stats
 
 
-def clip_gradients(model, max_norm):
+def clip_gradients(model, max_norm, pipeline_group=None):
     """Clip the global gradient norm to max_norm (0: only measure it); returns the norm before clipping, a
     plain scalar tensor. Under FSDP and tensor parallelism the gradients are DTensor shards: their norm is reduced
     over ranks, so it is the whole gradient's norm, the number DDP gets, and the clip factor is the same. Norms
     are taken per device mesh (torch's one call needs a single mesh; tensor parallelism has two, or plain
-    replicated tensors beside DTensors), then combined. A pipeline stage (its pipeline_group set by
-    pipeline.build) holds its own gradients: the stage's norm, so combined, is squared and summed over the stages."""
+    replicated tensors beside DTensors), then combined. A pipeline stage holds its own gradients: given its
+    pipeline's group (env.pp_group), the stage's norm, so combined, is squared and summed over the stages."""
     by_mesh = {}
     for p in model.parameters():
         if p.grad is not None:
             by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
     norms = [torch.nn.utils.get_total_norm([p.grad for p in params]) for params in by_mesh.values()]
     norm = torch.nn.utils.get_total_norm([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms])
-    group = getattr(model, "pipeline_group", None)
-    if group is not None:  # a stage's norm: the whole model's is the root of the stages' summed squares
+    if pipeline_group is not None:  # a stage's norm: the whole model's is the root of the stages' summed squares
         norm = norm.square()
-        dist.all_reduce(norm, group=group)
+        dist.all_reduce(norm, group=pipeline_group)
         norm = norm.sqrt()
     for params in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(params, max_norm or math.inf, norm)
@@ -237,7 +236,7 @@ def compile_works(compiled, cfg, env, loader):
             return first_line(e)
         finally:
             compiled.train()
-            compiled.zero_grad(set_to_none=not keeps_grads(compiled))
+            compiled.zero_grad(set_to_none=not keeps_grads(env))
             set_rng_state(rngs)
         return None
 
@@ -249,8 +248,7 @@ def compile_works(compiled, cfg, env, loader):
         )
         loader.set_batch_size(smaller)
 
-    rows = cfg.batch_size * batch_layout(cfg, env.dp_size)[1]  # sequences per rank per step
-    error = halving(attempt, recover, rows, loader.B, env, "the torch.compile trial")
+    error = halving(attempt, recover, env.rows, loader.B, env, "the torch.compile trial")
     if error is not None:
         log(f"torch.compile failed ({error}); training eagerly (compile=False skips the attempt)")
     return error is None
@@ -292,9 +290,7 @@ def probe_batch_size(raw_model, cfg, env, loaders):
         # adds to the activations
         resident = plan.grads if env.distributed or b < rows else 0
         planned = estimate_memory(raw_model.config, b, **plan_kwargs(cfg, env))
-        margin = (
-            with_margin(planned.total) - planned.total
-        )  # what neither the plan nor this probe sees (headroom.MARGIN)
+        margin = with_margin(planned.total) - planned.total  # what neither plan nor probe sees (headroom.MARGIN)
         extra = int(planned.activations * COMPILE_RESERVE_FRACTION) if compiled else 0
         return plan.optimizer + resident + (NCCL_RESERVE if env.distributed else 0) + margin + extra
 

@@ -115,7 +115,8 @@ def test_fsdp_compile_failure_on_a_torch_without_reset_iter_state_is_a_one_line_
     model = parallel.shard(GPT(model_config(cfg)), cfg, env)
     loader = SimpleNamespace(B=1)
     with pytest.raises(ConfigError) as error:
-        parallel.after_compile_trial(model, step.compile_works(model, cfg, env, loader))
+        env = env.with_batch(cfg)
+        parallel.after_compile_trial(model, step.compile_works(model, cfg, env, loader), env)
     assert str(error.value) == (
         f"torch {torch.__version__} cannot recover FSDP from the failed torch.compile trial "
         "(no FSDPModule.reset_iter_state): set compile=False, or upgrade torch"

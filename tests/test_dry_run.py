@@ -102,7 +102,7 @@ def test_ddp_gradients_stay_bucket_views_through_no_sync_micro_steps(tmp_path):
             assert len(grad_storages()) < few
             step.micro_batches(model, Batches(), 2, scaler, env, micro_steps=[1])
             optimizer.step()
-            optimizer.zero_grad(set_to_none=not parallel.keeps_grads(model))
+            optimizer.zero_grad(set_to_none=not parallel.keeps_grads(env))
             assert len(grad_storages()) < few
     finally:
         dist.destroy_process_group()

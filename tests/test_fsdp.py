@@ -408,7 +408,7 @@ raw, cfg = train.build_model(cfg, start.Source("scratch"), env)  # as train.py b
 model = train.parallelize(raw, cfg, env)
 torch.manual_seed(cfg.seed)
 alone = GPT(model_config(cfg))  # what one process starts from with the same seed
-with parallel.gathered(raw) as whole:  # before any forward: FSDP's lazy initialisation happens here
+with parallel.gathered(raw, env) as whole:  # before any forward: FSDP's lazy initialisation happens here
     same_init = [n for n, t in whole.state_dict().items() if not torch.equal(t, alone.state_dict()[n])] == []
 result = {"same_init": same_init, "sharded_after": type(raw.lm_head.weight).__name__,
           "hellaswag": evaluator.score("hellaswag", raw, train.StopRequest()),

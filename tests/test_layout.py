@@ -369,3 +369,63 @@ def test_every_note_goes_through_console_log():
             if call == "print" and id(node) not in mains or writes or call.endswith("dist.is_initialized"):
                 offenders.append(f"{name}.py:{node.lineno}: {call}")
     assert not offenders, f"speak through console.log (ask console.distributed()): {offenders}"
+
+
+# the package's parallelism and step code, which reads the run's layout from layout.Env (torchtitan's ParallelDims)
+LAYOUT_READERS = ("parallel", "pipeline", "step", "sharded", "layout", "tensor_parallel")
+MODEL_NAMES = {"model", "raw", "raw_model", "compiled", "inner", "gpt", "stage", "module"}  # what holds a model there
+MODEL_CLASSES = {"GPT", "StageGPT", "StageModule", "Stage", "Pipeline"}
+
+
+def model_probes(trees):
+    """Where the modules `trees` ({name: AST}) ask the model which parallelism is on: hasattr/getattr/vars/type of a
+    name that holds a model, a __dict__ or __class__ probe, an isinstance check against the model's classes. The one
+    attribute asked is torch.compile's wrapper's (_orig_mod, parallel.unwrapped): what compiled, not how it is laid
+    out."""
+    found = []
+    for name, tree in trees.items():
+        for node in ast.walk(tree):
+            call = ast.unparse(node.func) if isinstance(node, ast.Call) else ""
+            compiled = call in ("hasattr", "getattr") and "'_orig_mod'" in ast.unparse(node)
+            first = (
+                node.args[0] if call in ("hasattr", "getattr", "vars", "type") and node.args and not compiled else None
+            )
+            classes = (
+                {n.id for n in ast.walk(node.args[-1]) if isinstance(n, ast.Name)} if call == "isinstance" else set()
+            )
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in ("__dict__", "__class__")
+                or isinstance(first, ast.Name)
+                and first.id in MODEL_NAMES
+                or classes & MODEL_CLASSES
+            ):
+                found.append(f"{name}.py:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_which_parallelism_is_on_is_read_from_the_layout_never_asked_of_the_model():
+    """One record of the layout (layout.Env: the degrees, this rank's coordinates, the one mesh), read by every caller
+    (env.pipeline > 1, env.sharded, env.fsdp): no attribute, __dict__ or class probe of the model in the parallelism
+    and step code; one mesh builder (init_device_mesh in layout.py only); the pipeline goes through parallelize.
+    Each kind of probe is caught (the copies below)."""
+    trees = parsed()
+    readers = {m: trees[m] for m in ["train", *(f"{PACKAGE}.{m}" for m in LAYOUT_READERS)]}
+    assert not model_probes(readers), "read the layout (env), not the model: " + "; ".join(model_probes(readers))
+    meshes = [
+        f"{m}:{n.lineno}"
+        for m, tree in trees.items()
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and ast.unparse(n.func).endswith("init_device_mesh")
+    ]
+    assert meshes == [f"{PACKAGE}.layout:{meshes[0].split(':')[1]}"], f"one build_mesh (layout.Env): {meshes}"
+    build = next(f for f in trees[f"{PACKAGE}.pipeline"].body if getattr(f, "name", None) == "build")
+    assert "parallelize" in {ast.unparse(n.func) for n in ast.walk(build) if isinstance(n, ast.Call)}
+    for probe in (
+        'hasattr(model, "train_step")',
+        'getattr(raw_model, "pipeline_group", None)',
+        '"deferred_init" in model.__dict__',
+        "model.__class__ = StageGPT",
+        "isinstance(raw, (GPT, DDP))",
+    ):
+        assert len(model_probes({"copy": ast.parse(probe)})) == 1, probe

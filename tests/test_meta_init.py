@@ -1,4 +1,4 @@
-"""Meta-device initialisation of sharded runs (parallel.build_on_meta + materialise in shard()): every rank ends up
+"""Meta-device initialisation of sharded runs (meta_init.build_on_meta + materialise in shard()): every rank ends up
 holding exactly its slice of the weights one process draws from the same seed, at any world size, FSDP or HSDP.
 
 The ranks are simulated one after another in this process with torch's fake process group (collectives are
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from gpt2train import parallel, step
+from gpt2train import meta_init, parallel, step
 from gpt2train.config import make_config, model_config
 from model import GPT
 
@@ -53,7 +53,7 @@ def rank_shards(cfg, mode, mesh, rank):
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         torch.manual_seed(cfg.seed)
-        model = parallel.build_on_meta(model_config(cfg))
+        model = meta_init.build_on_meta(model_config(cfg))
         env = parallel.Env(rank, rank, world, True, "cpu", "float32", mode, mesh)
         parallel.shard(model, cfg, env)
         return model, torch.get_rng_state()
@@ -96,7 +96,7 @@ def test_a_model_that_a_sharded_checkpoint_will_fill_is_allocated_without_replay
     env = parallel.Env(0, 0, 2, True, "cpu", "float32", "fsdp", (2,))
     resumed = start.Source("resume", {"model_args": model_config(cfg).__dict__, "shards": "unused"})
     model, _ = train.build_model(cfg, resumed, env)
-    assert model.deferred_init is None  # nothing recorded to replay
+    assert meta_init.DEFERRED[model] == (None, [])  # nothing recorded to replay
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         torch.manual_seed(cfg.seed)
@@ -132,10 +132,11 @@ def test_under_fsdp_the_blocks_and_the_head_with_its_loss_are_compiled(monkeypat
     cfg = make_config({**ARCHS["gpt2 (tied, learned positions)"], "compile": True, "batch_size": 2})
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
-        model = parallel.build_on_meta(model_config(cfg))
+        model = meta_init.build_on_meta(model_config(cfg))
         env = parallel.Env(0, 0, 2, True, "cpu", "float32", "fsdp", (2,))
         parallel.shard(model, cfg, env)  # as run() calls them: parallelize, then the compile trial
-        parallel.after_compile_trial(model, step.compile_works(model, cfg, env, SimpleNamespace(B=2)))
+        env = env.with_batch(cfg)
+        parallel.after_compile_trial(model, step.compile_works(model, cfg, env, SimpleNamespace(B=2)), env)
     finally:
         dist.destroy_process_group()
     assert compiled == ["Block.forward", "Block.forward", "GPT.head_loss"]

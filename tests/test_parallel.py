@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gpt2train import parallel, step
+from gpt2train import layout, parallel, step
 from gpt2train.config import ConfigError, TrainConfig, make_config
 
 
@@ -49,11 +49,11 @@ def test_span_of_ranks():
 
 
 def test_mesh_shapes_and_bad_shard_size():
-    assert parallel.mesh_shape("fsdp", None, 16, 8) == (16,)
-    assert parallel.mesh_shape("hsdp", None, 16, 8) == (2, 8)  # default: shard within a node, replicate across
-    assert parallel.mesh_shape("hsdp", 4, 16, 8) == (4, 4)
+    assert layout.mesh_shape("fsdp", None, 16, 8) == (16,)
+    assert layout.mesh_shape("hsdp", None, 16, 8) == (2, 8)  # default: shard within a node, replicate across
+    assert layout.mesh_shape("hsdp", 4, 16, 8) == (4, 4)
     with pytest.raises(ConfigError, match=r"shard_size=3 does not divide the world size 16"):
-        parallel.mesh_shape("hsdp", 3, 16, 8)
+        layout.mesh_shape("hsdp", 3, 16, 8)
 
 
 def test_sharded_float16_is_a_config_error(monkeypatch):
@@ -100,7 +100,8 @@ def compiled_by_trial(model, cfg, env):
     """What run() makes of the bare model: parallelize(), then the compile trial at micro-batch cfg.batch_size."""
     compiled = parallel.parallelize(model, cfg, env)
     loader = SimpleNamespace(B=cfg.batch_size, set_batch_size=None)  # a trial that must halve it fails
-    return parallel.after_compile_trial(compiled, step.compile_works(compiled, cfg, env, loader))
+    env = env.with_batch(cfg)
+    return parallel.after_compile_trial(compiled, step.compile_works(compiled, cfg, env, loader), env)
 
 
 @pytest.fixture

@@ -289,6 +289,7 @@ def test_masked_rows_get_no_gradient_from_the_chunked_loss():
 class Env:
     device, kind, dtype, distributed, world_size = "cpu", "cpu", "float32", False, 1
     dp_size, tp_rank = 1, 0  # parallel.Env's: the data-parallel ranks, this rank's place in a tensor-parallel group
+    fsdp = sharded = False  # layout.Env's: no FSDP, a whole model
 
 
 def test_step_loss_is_the_mean_over_the_trained_tokens_of_all_micro_batches(sft_dir):

@@ -126,7 +126,7 @@ alone = GPT(model_config(cfg))  # what one process starts from with the same see
 x = torch.randint(0, 64, (2, 16))
 with torch.no_grad():
     loss = model(x, x, return_logits=False)[1].item()
-with parallel.gathered(raw) as whole:  # the split weights gathered, in GPT-2's layout
+with parallel.gathered(raw, env) as whole:  # the split weights gathered, in GPT-2's layout
     same_init = [n for n, t in whole.state_dict().items() if not torch.equal(t, alone.state_dict()[n])] == []
     tokens = generate(whole, x[:1, :4], 6, Sampling(temperature=0)).tolist()
 with open(sys.argv[1] + str(env.rank), "w") as f:
