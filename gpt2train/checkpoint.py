@@ -501,15 +501,16 @@ def _consolidated(ckpt):
         saved["model"][TIED] = saved["model"]["transformer.wte.weight"]
     out = {k: v for k, v in ckpt.items() if k != "shards"}
     model = {name: saved["model"][name] for name in like.state_dict()}
-    return {**out, "model": model, "optimizer": by_index(saved["optimizer"], [n for n, _ in like.named_parameters()])}
+    return {**out, "model": model, "optimizer": by_index(saved["optimizer"], dict(like.named_parameters()))}
 
 
-def by_index(saved, names):
+def by_index(saved, params):
     """A sharded checkpoint's optimizer state, keyed by parameter name (get_optimizer_state_dict's), keyed by index
     as optimizer.state_dict() is: the parameters numbered in the order its groups list them. A pipeline's
     (flattened: 'state.<name>.exp_avg', each group's settings on its parameters' names, 'param_groups.<name>.lr')
-    lists no order: its groups are the parameters of equal settings, in the model's order (`names`), each group
-    where its first parameter is, as optim.adamw builds them from a model's parameters."""
+    lists no order: its groups are the parameters of equal settings and kind (matrices, the rest) in the model's
+    order (`params`: {name: parameter}), each group where its first parameter is, as optim.adamw builds them from a
+    model's parameters (with weight_decay=0 its two groups have equal settings, and stay two)."""
     if "param_groups" not in saved:
         state, settings = {}, {}
         for key, value in saved.items():
@@ -517,9 +518,9 @@ def by_index(saved, names):
             name, _, field = rest.rpartition(".")
             (state if kind == "state" else settings).setdefault(name, {})[field] = value
         groups = {}
-        for name in (n for n in names if n in settings):
-            groups.setdefault(tuple(sorted(settings[name].items())), []).append(name)
-        saved = {"state": state, "param_groups": [{**dict(k), "params": group} for k, group in groups.items()]}
+        for name in (n for n in params if n in settings):
+            groups.setdefault((tuple(sorted(settings[name].items())), params[name].dim() >= 2), []).append(name)
+        saved = {"state": state, "param_groups": [{**dict(k), "params": group} for (k, _), group in groups.items()]}
     index = {name: i for i, name in enumerate(n for group in saved["param_groups"] for n in group["params"])}
     return {
         "state": {index[name]: state for name, state in saved["state"].items()},

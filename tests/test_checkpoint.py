@@ -306,19 +306,20 @@ def test_a_copied_pair_renamed_to_best_verifies_the_copy(tmp_path):
 
 
 @pytest.mark.parametrize("flat", [False, True])  # True: a pipeline's, each group's settings keyed by parameter name
-def test_a_sharded_optimizer_state_is_numbered_as_the_optimizer_numbers_its_parameters(flat):
+@pytest.mark.parametrize("weight_decay", [0.1, 0.0])  # 0.0: adamw's two groups have equal settings
+def test_a_sharded_optimizer_state_is_numbered_as_the_optimizer_numbers_its_parameters(flat, weight_decay):
     """Consolidating renumbers a sharded checkpoint's optimizer state (keyed by parameter name) as
     optimizer.state_dict() does, from what the checkpoint holds: no optimizer is built to load it into."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(**TINY))
-    optimizer = optim.adamw(model.parameters(), 0.1, 1e-3, (0.9, 0.95))  # 2-D tensors first, then the rest
+    optimizer = optim.adamw(list(model.parameters()), weight_decay, 1e-3, (0.9, 0.95))  # 2-D tensors, then the rest
     x = torch.randint(0, TINY["vocab_size"], (2, 8))
     model(x, x, return_logits=False)[1].backward()
     optimizer.step()
     saved = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))
-    numbered, now = checkpoint.by_index(saved, [n for n, _ in model.named_parameters()]), optimizer.state_dict()
+    numbered, now = checkpoint.by_index(saved, dict(model.named_parameters())), optimizer.state_dict()
     assert numbered["param_groups"] == now["param_groups"]
     assert numbered["state"].keys() == now["state"].keys()
     assert all(torch.equal(t, numbered["state"][i][k]) for i, s in now["state"].items() for k, t in s.items())
