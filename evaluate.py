@@ -300,7 +300,7 @@ def score_split(parser, args):
     status 2."""
     from types import SimpleNamespace
 
-    from gpt2train.config import ConfigError
+    from gpt2train.config import ConfigError, TrainConfig
     from gpt2train.data import open_loader
     from gpt2train.evaluation import Evaluator
     from gpt2train.layout import Env
@@ -315,19 +315,19 @@ def score_split(parser, args):
         parser.error("--split with --init_from needs --data_dir (a checkpoint knows its own)")
     model, enc, device, dtype = load_model_from_args(parser, args)
     config = args.model_info["config"] or {}
-    cfg = SimpleNamespace(  # what open_loader and Evaluator read of a run's config
-        **{
-            "data_dir": args.data_dir or config.get("data_dir"),
-            "batch_size": args.batch_size,
-            "block_size": model.config.block_size,
-            "vocab_size": model.config.vocab_size,
-            "seed": config.get("seed", 0),
-            "packing": config.get("packing", "window"),
-            "eval_steps": "all",
-            **dict.fromkeys(("hellaswag_interval", "eval_tasks_interval", "sample_interval"), 0),
-        }
-    )
     try:
+        cfg = TrainConfig(  # the run's config as its loader and its validation read it, on the whole split
+            data_dir=args.data_dir or config.get("data_dir"),
+            batch_size=args.batch_size,
+            block_size=model.config.block_size,
+            vocab_size=model.config.vocab_size,
+            seed=config.get("seed", 0),
+            packing=config.get("packing", "window"),
+            eval_steps="all",
+            hellaswag_interval=0,
+            eval_tasks_interval=0,
+            sample_interval=0,
+        )
         manifests = read_manifests(cfg.data_dir)
         check_tokenizer(tokenizer_record(enc), data_tokenizer(manifests), cfg.data_dir, args.ckpt or args.init_from)
         loader = open_loader(cfg, args.split, manifests=manifests)

@@ -56,63 +56,38 @@ def token_bytes(enc, token):
 
 
 @torch.no_grad()
-def stream_samples(
-    model,
-    enc,
-    prompt,
-    num_samples=1,
-    max_new_tokens=200,
-    temperature=1.0,
-    top_k=None,
-    top_p=None,
-    seed=1337,
-    device="cpu",
-    dtype=None,
-    out=None,
-    messages=None,
-    end="\n" + SEPARATOR + "\n",
-    stop_at_eot=False,
-):
-    """Generate num_samples continuations of `prompt`, writing each to `out` token by token.
+def stream_sample(model, enc, prompt, sampling, generator, max_new_tokens=200, out=None):
+    """Generate one continuation of `prompt`, writing it to `out` (stdout) token by token; returns it.
 
-    Each sample is written as prompt + continuation, then `end` (a newline and a separator line). One
-    torch.Generator seeded with `seed` drives all samples, so a seed fixes the whole output.
-    Returns the list of texts (prompt + continuation). With `messages` (--chat; enc: chat.tokenizer()) the
-    prompt is their rendering with the assistant's turn opened, and only the reply is written and returned:
-    it ends before <|end|> (or <|endoftext|>). Otherwise a sample runs on past <|endoftext|> unless stop_at_eot
-    (then it ends before it).
+    prompt: text, written first and returned in front of the continuation, which ends before sampling.eos_token
+    (--stop_at_eot; else it runs on past <|endoftext|>). Or a conversation (--chat, a list of messages; enc:
+    chat.tokenizer()): its rendering with the assistant's turn opened is the model's prompt, and only the reply is
+    written and returned, ending before <|end|> (or <|endoftext|>). The sample is drawn with `generator`, on its
+    device; the caller sets the autocast.
     """
     out = sys.stdout if out is None else out
-    stop = (enc.eot_token,) if stop_at_eot and enc.eot_token is not None else ()
-    if messages is not None:
-        tokens, prompt = chat.encode(enc, messages, add_generation_prompt=True)[0], ""
+    if isinstance(prompt, list):
+        tokens, prompt = chat.encode(enc, prompt, add_generation_prompt=True)[0], ""
         stop = (chat.special_ids(enc)["<|end|>"], enc.eot_token)
     else:
         tokens = enc.encode(prompt, allowed_special={"<|endoftext|>"}) or [enc.eot_token]
-    sampling = Sampling(temperature, top_k, top_p, n_vocab=enc.n_vocab)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    model.eval()
-    texts = []
-    for _ in range(num_samples):
-        idx = torch.tensor([tokens], dtype=torch.long, device=device)  # (1, T)
-        # tokens may end mid-character: an incremental decoder holds partial UTF-8 sequences back
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        pieces = [prompt]
-        out.write(prompt)
+        stop = (sampling.eos_token,)  # None: no stop
+    idx = torch.tensor([tokens], dtype=torch.long, device=generator.device)  # (1, T)
+    # tokens may end mid-character: an incremental decoder holds partial UTF-8 sequences back
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pieces = [prompt]
+    out.write(prompt)
+    out.flush()
+    for new in generate_stream(model.eval(), idx, max_new_tokens, sampling, generator):  # new: (1,)
+        if int(new[0]) in stop:
+            break
+        pieces.append(decoder.decode(token_bytes(enc, int(new[0]))))
+        out.write(pieces[-1])
         out.flush()
-        with autocast(device, dtype):
-            for new in generate_stream(model, idx, max_new_tokens, sampling, generator):  # new: (1,)
-                if int(new[0]) in stop:
-                    break
-                piece = decoder.decode(token_bytes(enc, int(new[0])))
-                pieces.append(piece)
-                out.write(piece)
-                out.flush()
-        pieces.append(decoder.decode(b"", final=True))
-        out.write(pieces[-1] + end)
-        out.flush()
-        texts.append("".join(pieces))
-    return texts
+    pieces.append(decoder.decode(b"", final=True))
+    out.write(pieces[-1])
+    out.flush()
+    return "".join(pieces)
 
 
 def arg_parser():
@@ -190,30 +165,26 @@ def main(argv=None):
         )
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(errors="replace")  # a terminal that can't show a character gets '?', not a crash
-    options = {
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "seed": args.seed,
-        "device": device,
-        "dtype": dtype,
-        "stop_at_eot": args.stop_at_eot,
-    }
+    eos = enc.eot_token if args.stop_at_eot else None
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, eos, n_vocab=enc.n_vocab)
+    seeded = lambda: torch.Generator(device=device).manual_seed(args.seed)  # one seed fixes the whole output
     try:
-        if args.chat and messages is None:  # interactive: each reply joins the conversation
-            messages = []
-            while True:
-                try:
-                    messages.append({"role": "user", "content": input("user> ")})
-                except EOFError:
-                    return 0
-                print("assistant> ", end="", flush=True)
-                reply = stream_samples(model, enc, "", messages=messages, end="\n", **options)[0]
-                messages.append({"role": "assistant", "content": reply})
-        stream_samples(
-            model, enc, prompt, num_samples=args.num_samples, messages=messages if args.chat else None, **options
-        )
+        with autocast(device, dtype):
+            if args.chat and messages is None:  # interactive: each reply joins the conversation
+                messages = []
+                while True:
+                    try:
+                        messages.append({"role": "user", "content": input("user> ")})
+                    except EOFError:
+                        return 0
+                    print("assistant> ", end="", flush=True)
+                    reply = stream_sample(model, enc, messages, sampling, seeded(), args.max_new_tokens)
+                    messages.append({"role": "assistant", "content": reply})
+                    print()
+            generator = seeded()  # drives the samples one after another
+            for _ in range(args.num_samples):
+                stream_sample(model, enc, messages if args.chat else prompt, sampling, generator, args.max_new_tokens)
+                print("\n" + SEPARATOR, flush=True)
     except LogitsNotFinite as e:  # finite weights whose forward overflows (non-finite ones are refused above)
         print(flush=True)  # ends the prompt's line
         parser.exit(2, f"{parser.prog}: error: {e}\n")

@@ -57,7 +57,7 @@ from gpt2train.sharded import load_sharded_checkpoint
 from gpt2train.shards import NoShardsError, ShardError
 from gpt2train.start import lock_out_dir, setting, start
 from gpt2train.step import clip_gradients, compile_works, forward_backward, probe_batch_size
-from gpt2train.tracking import EXIT_CODES, TRACKING_KEYS, NoTracker, Tracker, TrackingError, append_ledger
+from gpt2train.tracking import EXIT_CODES, NoTracker, Tracker, TrackingError, append_ledger
 from model import GPT, TRAINING_ONLY_MODEL_KEYS
 
 
@@ -300,7 +300,6 @@ def start_tracking(cfg, resumed, total_batch_size, env):
         total_batch_size,
         resume_step=resumed["step"] if resumed else None,
         state=resumed.get("tracker") if resumed else None,
-        **{k: getattr(cfg, k) for k in TRACKING_KEYS},
     )
 
 
@@ -342,12 +341,12 @@ class Training:
     raw_model: object
     optimizer: object
     scaler: object
-    train_loader: object = None
-    progress: Progress = field(default_factory=Progress)
-    tracker: object = None
-    budget: Budget | None = None
-    checkpointer: Checkpointer | None = None
-    evaluator: Evaluator | None = None
+    train_loader: object
+    progress: Progress
+    tracker: object
+    budget: Budget
+    checkpointer: Checkpointer
+    evaluator: Evaluator
     stop: StopRequest = field(default_factory=StopRequest)
     peak: float | None = None  # the device's peak FLOP/s, for MFU
     saved_step: int = 0  # the last step a checkpoint holds
@@ -385,33 +384,35 @@ def run(user, argv=()):
         model = after_compile_trial(model, compile_works(model, cfg, env, train_loader), env)
     optimizer = build_optimizer(raw_model, cfg, fused_adamw_supported(env.kind))  # after sharding
     scaler = torch.amp.GradScaler(env.kind, enabled=env.dtype == "float16")  # loss scaling for fp16 only
-    t = Training(cfg, env, model, raw_model, optimizer, scaler)
-    t.train_loader, t.size = train_loader, size
     resumed = source.resumed
-    if resumed is not None:
-        t.progress = restore(resumed, raw_model, optimizer, scaler, train_loader)
-        t.saved_step = t.progress.step
-    t.tracker = start_tracking(cfg, resumed, env.tokens_per_step, env)
+    progress = Progress() if resumed is None else restore(resumed, raw_model, optimizer, scaler, train_loader)
+    tracker = start_tracking(cfg, resumed, env.tokens_per_step, env)
     # a resume's max_steps was fixed by the run it continues; rank 0 rewrites config.json when a budget fixes it
-    t.budget = Budget(
-        cfg, env, source.kind == "resume", (lambda steps: write_config(cfg, steps)) if env.master else None
+    budget = Budget(cfg, env, source.kind == "resume", (lambda steps: write_config(cfg, steps)) if env.master else None)
+    states = {"model": raw_model, "optimizer": optimizer, "scaler": scaler, "loader": train_loader, "tracker": tracker}
+    t = Training(
+        cfg,
+        env,
+        model,
+        raw_model,
+        optimizer,
+        scaler,
+        train_loader,
+        progress,
+        tracker,
+        budget,
+        checkpointer=Checkpointer(cfg, env, states, source.tokenizer, budget),
+        evaluator=Evaluator(train_loader, val_loader, tracker, cfg, env, source.tokenizer),
+        peak=peak_flops(torch.cuda.get_device_name(env.device) if env.kind == "cuda" else env.kind, env.dtype),
+        saved_step=progress.step,  # the last step a checkpoint holds: the resumed one's
+        size=size,
     )
-    states = {
-        "model": raw_model,
-        "optimizer": optimizer,
-        "scaler": scaler,
-        "loader": train_loader,
-        "tracker": t.tracker,
-    }
-    t.checkpointer = Checkpointer(cfg, env, states, source.tokenizer, t.budget)
-    t.evaluator = Evaluator(train_loader, val_loader, t.tracker, cfg, env, source.tokenizer)
     log(config_table(cfg, user))
     log(run_summary(size["params"], model, cfg, env, resumed and resumed["step"]))
     if resumed is not None:
         restore_rngs(resumed, env)
         schedule_note(cfg, resumed["config"], resumed["step"])
     del source, resumed  # the checkpoint's copy of the weights and optimizer state goes
-    t.peak = peak_flops(torch.cuda.get_device_name(env.device) if env.kind == "cuda" else env.kind, env.dtype)
     return train(t, argv)
 
 

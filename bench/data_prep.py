@@ -23,15 +23,17 @@ import re
 import resource
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from bench import machine_line
 from gpt2train.assets import fetch_shakespeare, get_tokenizer
+from gpt2train.config import TrainConfig
 from gpt2train.data import DataLoader, open_mixture
 from gpt2train.documents import split_speeches
-from gpt2train.mixture import AHEAD_STEPS, parse_mixture
+from gpt2train.mixture import AHEAD_STEPS
 from gpt2train.shards import write_shard
 from prepare_data import arg_parser, prepare
 
@@ -175,8 +177,9 @@ def bench_loader(batch_size, block_size, world_size, steps, tmp):
     d = Path(tmp) / "loader"
     for i in range(2):  # 2 x 10M tokens: samples come from two shards, as at a shard boundary
         write_shard(d / f"bench_train_{i:06d}.bin", rng.integers(0, 50257, size=10_000_000, dtype=np.uint16))
+    cfg = TrainConfig(data_dir=str(d), batch_size=batch_size, block_size=block_size, vocab_size=50257)
     t0 = time.perf_counter()
-    loader = DataLoader(d, "train", batch_size, block_size, rank=0, world_size=world_size, vocab_size=50257)
+    loader = DataLoader(cfg, "train", 0, world_size)
     for _ in range(2):  # the first batches of each shard pay its one-time vocab check
         loader.next_batch()
     first = time.perf_counter() - t0
@@ -206,9 +209,10 @@ def bench_mixture(batch_size, block_size, world_size, steps, repeats, tmp):
         for i in range(2):
             tokens = rng.integers(0, 50257, size=5_000_000, dtype=np.uint16)
             write_shard(root / f"s{s}" / f"bench_train_{i:06d}.bin", tokens)
-    args = ("train", batch_size, block_size, 0, world_size)
-    one = DataLoader(str(root / "s*" / "bench_train_*"), *args, vocab_size=50257)
-    mixture = open_mixture(parse_mixture({str(root / f"s{s}"): 1 for s in range(4)}), *args, vocab_size=50257)
+    glob = str(root / "s*" / "bench_train_*")
+    cfg = TrainConfig(data_dir=glob, batch_size=batch_size, block_size=block_size, vocab_size=50257)
+    one = DataLoader(cfg, "train", 0, world_size)
+    mixture = open_mixture(replace(cfg, data_dir={str(root / f"s{s}"): 1 for s in range(4)}), "train", 0, world_size)
     batches = repeats * max(steps, 20 * AHEAD_STEPS)
     seconds = {one: 0.0, mixture: 0.0}
     for i in range(batches + 2 * AHEAD_STEPS):  # the first ones warm up

@@ -27,6 +27,7 @@ import torch
 import prepare_data
 from bench import machine_line
 from gpt2train.assets import EOT
+from gpt2train.config import TrainConfig
 from gpt2train.data import DataLoader
 from gpt2train.loading import load_model
 from gpt2train.shards import find_shards, load_shard
@@ -95,7 +96,7 @@ def whole_document_rows(tokens, T, batch=32):
 
 
 def loader_rows(data, T, packing, batch=32):
-    loader = DataLoader(data, "val", batch, T, packing=packing)
+    loader = DataLoader(TrainConfig(data_dir=str(data), batch_size=batch, block_size=T, packing=packing), "val")
     for _ in range(-(-loader.num_samples // batch)):
         yield loader.next_batch()
 
@@ -118,7 +119,7 @@ def main(argv=None):
         prepare_data.main(["--dataset", "shakespeare", "--out_dir", str(data), "--num_proc", "1", "--no_progress"])
     results = {"args": vars(args), "machine": machine_line(args.device), "padding": {}, "runs": []}
     for T in (64, 128, 256, 512, 1024):
-        loader = DataLoader(data, "train", 1, T, packing="document")
+        loader = DataLoader(TrainConfig(data_dir=str(data), batch_size=1, block_size=T, packing="document"), "train")
         slots = loader.num_samples * (T + 1)
         results["padding"][T] = {
             "rows": loader.num_samples,

@@ -13,6 +13,7 @@ conversation longer than a row is left out, counted and reported), and the loade
 """
 
 import bisect
+import copy
 import os
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -175,8 +176,8 @@ class DataLoader:
 
     The data is a sequence of samples (rows: windows or packed documents, see the module docstring). The
     stream is the infinite concatenation of epochs; epoch e visits every sample once, in an order fixed by
-    (seed, e): shards in a permuted order, each shard's samples in a permuted order (or in file
-    order when shuffle is False). Micro-step k of the whole job consumes stream positions
+    (seed, e): shards in a permuted order, each shard's samples in a permuted order (the train split;
+    other splits in file order: shuffle). Micro-step k of the whole job consumes stream positions
     [k*B*W, (k+1)*B*W) and rank r reads only [k*B*W + r*B, k*B*W + (r+1)*B). So the samples of an
     optimizer step depend only on W*B*accumulation, and an epoch is covered exactly once across
     ranks. A micro-batch that reaches the end of an epoch continues into the next one (the stream
@@ -184,30 +185,20 @@ class DataLoader:
     deterministic function of the shards and block_size, so the position is all the state there is.
     """
 
-    def __init__(
-        self,
-        data_dir,
-        split,
-        batch_size,
-        block_size,
-        rank=0,
-        world_size=1,
-        seed=0,
-        vocab_size=None,
-        shuffle=None,
-        packing="window",
-        doc_token=None,
-        manifests=None,
-    ):
-        check_stream(batch_size, block_size, rank, world_size, seed, packing)
-        self.B, self.T = batch_size, block_size
+    def __init__(self, cfg, split, rank=0, world_size=1, manifests=None):
+        """cfg: what the loader reads of a run's config (a TrainConfig, or any record with its data_dir, batch_size,
+        block_size, seed, vocab_size, packing; batch_size 'auto' reads 1 row until it is resolved,
+        step.probe_batch_size); manifests: read_manifests(cfg.data_dir) where a run's start read them already."""
+        batch_size = 1 if cfg.batch_size == "auto" else cfg.batch_size
+        check_stream(batch_size, cfg.block_size, rank, world_size, cfg.seed, cfg.packing)
+        self.B, self.T = batch_size, cfg.block_size
         self.rank, self.world_size = rank, world_size
-        self.seed = seed
-        self.vocab_size = vocab_size
-        self.shuffle = (split == "train") if shuffle is None else bool(shuffle)
-        self.data_dir = str(data_dir)
-        self._open_shards(split, doc_token, manifests)
-        self.packing = "document" if self.masks is not None else packing  # SFT: rows of whole conversations
+        self.seed = cfg.seed
+        self.vocab_size = cfg.vocab_size
+        self.shuffle = split == "train"
+        self.data_dir = str(cfg.data_dir)
+        self._open_shards(split, manifests)
+        self.packing = "document" if self.masks is not None else cfg.packing  # SFT: rows of whole conversations
         # masked: some targets are -1 (SFT masks, document rows' padding), so a step weighs micro-batches by them
         self.masked = self.packing == "document"
         self._make_samples()
@@ -216,7 +207,7 @@ class DataLoader:
         self._perms = {}  # (epoch, shard) -> permutation of that shard's samples
         self.position = 0  # global stream position: samples consumed by all ranks together
 
-    def _open_shards(self, split, doc_token, manifests):
+    def _open_shards(self, split, manifests):
         """The split's shards (self.paths), memory-mapped and checked: a prep's against its manifests (read now unless
         a run's start read them), token ids against vocab_size; the token that starts a document (self.doc_token);
         SFT data's loss masks (self.masks, self.trained_tokens; None for text)."""
@@ -225,11 +216,7 @@ class DataLoader:
             manifests = read_manifests(self.data_dir)
         records = manifest_records(self.paths, split, manifests)  # a prep's shards: all there, none foreign, finished
         # what starts a document: the <|endoftext|> of the tokenizer the manifest records, else GPT-2's
-        self.doc_token = (
-            doc_token
-            if doc_token is not None
-            else next((r["doc_token"] for r in records.values() if "doc_token" in r), EOT)
-        )
+        self.doc_token = next((r["doc_token"] for r in records.values() if "doc_token" in r), EOT)
         # Memory-mapped once, headers validated; plain ndarray views skip np.memmap's per-slice overhead.
         self.shards = [load_shard(p).view(np.ndarray) for p in self.paths]
         self.mapped = [mapped_file(p) for p in self.paths]  # what _fill checks before each read
@@ -458,33 +445,23 @@ class DataLoader:
 
 def open_loader(cfg, split, rank=0, world_size=1, manifests=None):
     """The run's Loader of `split`: a DataLoader of cfg.data_dir, or a Mixture where it names several datasets
-    (shards.names_mixture; only then is mixture.py imported). cfg: a TrainConfig (data_dir, batch_size, block_size,
-    seed, vocab_size, packing); batch_size 'auto' reads 1 row until batch_size='auto' is resolved
-    (step.probe_batch_size)."""
-    batch_size = 1 if cfg.batch_size == "auto" else cfg.batch_size
-    options = {
-        "rank": rank,
-        "world_size": world_size,
-        "seed": cfg.seed,
-        "vocab_size": cfg.vocab_size,
-        "packing": cfg.packing,
-        "manifests": manifests,
-    }
+    (shards.names_mixture; only then is mixture.py imported). cfg: as DataLoader's."""
     if names_mixture(cfg.data_dir):
-        from gpt2train.mixture import parse_mixture
-
-        return open_mixture(parse_mixture(cfg.data_dir), split, batch_size, cfg.block_size, **options)
-    return DataLoader(cfg.data_dir, split, batch_size, cfg.block_size, **options)
+        return open_mixture(cfg, split, rank, world_size, manifests)
+    return DataLoader(cfg, split, rank, world_size, manifests)
 
 
-def open_mixture(sources, split, batch_size, block_size, rank=0, world_size=1, **options):
-    """A Mixture of sources (mixture.parse_mixture's {name: (path, weight)}): a DataLoader of each source's `split`,
-    all with these settings (options: DataLoader's other keywords)."""
-    from gpt2train.mixture import Mixture
+def open_mixture(cfg, split, rank=0, world_size=1, manifests=None):
+    """A Mixture of the sources cfg.data_dir names (mixture.parse_mixture): a DataLoader of each source's `split`,
+    each with cfg's settings and its source's path as data_dir."""
+    from gpt2train.mixture import Mixture, parse_mixture
 
-    options = {"rank": rank, "world_size": world_size, **options}
-    loaders = {name: DataLoader(path, split, batch_size, block_size, **options) for name, (path, _) in sources.items()}
-    return Mixture({name: (loaders[name], weight) for name, (_, weight) in sources.items()})
+    sources = {}
+    for name, (path, weight) in parse_mixture(cfg.data_dir).items():
+        source = copy.copy(cfg)
+        source.data_dir = path
+        sources[name] = (DataLoader(source, split, rank, world_size, manifests), weight)
+    return Mixture(sources)
 
 
 def mapped_file(path):

@@ -1,7 +1,7 @@
 """Run tracking: metrics.jsonl (the source of truth), optional Weights & Biases and TensorBoard sinks,
 cost per token and the end-of-run summary. train.py makes one Tracker, on rank 0 only:
 
-    tracker = Tracker(out_dir, run_config, tokens_per_step, resume_step, state, wandb_log=True, ...)
+    tracker = Tracker(out_dir, run_config, tokens_per_step, resume_step, state)  # run_config: asdict(cfg)
     tracker.log({"step": 1, "train_loss": 4.2, ...})   # every metrics line, train and eval
     ckpt["tracker"] = tracker.state_dict()             # with each checkpoint
     print(tracker.close())                             # summary.json + the console summary
@@ -22,7 +22,6 @@ from pathlib import Path
 from gpt2train.console import log
 from gpt2train.files import atomic_write, first_line
 
-TRACKING_KEYS = ("wandb_log", "wandb_project", "wandb_run_name", "tensorboard_dir", "cost_per_hour")
 # how a run ended (its result's 'status') and the exit code train.py returns for it. Bad input (a config error) is
 # exit 2 and never becomes a run; 130: a second Ctrl-C that quit at once, without saving (status 'interrupted')
 EXIT_CODES = {"ok": 0, "error": 1, "diverged": 3, "oom": 4, "interrupted": 5}
@@ -157,29 +156,18 @@ class Tracker:
     """All of a run's logging: metrics.jsonl plus the enabled sinks, cumulative cost, the summary.
 
     out_dir: the run's directory; run_config: the resolved config (a plain dict, the runs' config in the
-    sinks); tokens_per_step: tokens of one optimizer step (all ranks); resume_step: the checkpoint's step
+    sinks), whose tracking keys (wandb_log, wandb_project, wandb_run_name, tensorboard_dir, cost_per_hour) say what
+    is tracked; tokens_per_step: tokens of one optimizer step (all ranks); resume_step: the checkpoint's step
     when resuming, else None; state: the checkpoint's tracker.state_dict() (None: a fresh run, or a
     checkpoint from before tracking, then the W&B id comes from out_dir/wandb_id.txt).
     """
 
-    def __init__(
-        self,
-        out_dir,
-        run_config,
-        tokens_per_step,
-        resume_step=None,
-        state=None,
-        *,
-        wandb_log=False,
-        wandb_project="gpt2-train",
-        wandb_run_name=None,
-        tensorboard_dir=None,
-        cost_per_hour=None,
-    ):
+    def __init__(self, out_dir, run_config, tokens_per_step, resume_step=None, state=None):
+        wandb_log, tensorboard_dir = run_config["wandb_log"], run_config["tensorboard_dir"]
         check_tracking_available(wandb_log, tensorboard_dir)
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.tokens_per_step, self.cost_per_hour = tokens_per_step, cost_per_hour
+        self.tokens_per_step, self.cost_per_hour = tokens_per_step, run_config["cost_per_hour"]
         state = dict(state or {})
         if resume_step is None:
             state = {}  # a fresh run carries nothing over
@@ -204,8 +192,8 @@ class Tracker:
                     self.out_dir,
                     run_config,
                     self.wandb_id,
-                    wandb_project,
-                    wandb_run_name or self.out_dir.resolve().name,
+                    run_config["wandb_project"],
+                    run_config["wandb_run_name"] or self.out_dir.resolve().name,
                 )
             )
         if tensorboard_dir is not None:

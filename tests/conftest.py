@@ -2,6 +2,7 @@
 
 import errno
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -228,3 +229,23 @@ def fake_device():
             return out
 
     return FakeDevice
+
+
+def data_cfg(data_dir, batch_size, block_size, seed=0, vocab_size=None, packing="window"):
+    """What a data.DataLoader reads of a run's config (its cfg), for a test: the data and the micro-batch's shape;
+    the rest as a loader of its own has them unless given (seed 0, no token-id check, window rows)."""
+    return SimpleNamespace(
+        data_dir=data_dir,
+        batch_size=batch_size,
+        block_size=block_size,
+        seed=seed,
+        vocab_size=vocab_size,
+        packing=packing,
+    )
+
+
+def in_file_order(loader):
+    """The loader (a data.Loader) with each source's samples read in file order, as a split other than train is."""
+    for source, _ in loader.sources().values():
+        source.shuffle = False
+    return loader

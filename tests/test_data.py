@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import prepare_data
+from conftest import data_cfg, in_file_order
 from gpt2train import documents
 from gpt2train.assets import get_tokenizer
 from gpt2train.data import DataLoader
@@ -432,7 +433,7 @@ def test_a_test_split_is_its_own_shard_recorded_in_the_manifest_and_resumes(tmp_
     test = [r for r in manifest["shards"] if r["split"] == "test"]
     assert [r["file"] for r in test] == ["train_test_000000.bin"] and s["test_tokens"] == test[0]["tokens"] > 0
     assert [f for f, *_ in manifest["settings"]["test_input"]["files"]] == [str(files["test"].resolve())]
-    assert DataLoader(out, "test", batch_size=2, block_size=8).num_samples > 0
+    assert DataLoader(data_cfg(out, 2, 8), "test").num_samples > 0
     assert run_prep(*args, "--shard_tokens", 400, "--out_dir", out)["tokenized"] == 0  # verified, nothing to do
     real_write = prepare_data.write_shard
 
@@ -696,14 +697,14 @@ def test_manifest_records_each_shards_max_token_and_the_loader_trusts_it(tmp_pat
         assert record["max_token"] == int(load_shard(out / record["file"]).max())
     top = max(r["max_token"] for r in manifest["shards"])
     assert top == EOT  # every document starts with it
-    DataLoader(out, "train", batch_size=2, block_size=8, vocab_size=top + 1)
+    DataLoader(data_cfg(out, 2, 8, vocab_size=top + 1), "train")
     with pytest.raises(ShardError, match=f"token id {EOT} >= vocab_size {EOT}"):
-        DataLoader(out, "train", batch_size=2, block_size=8, vocab_size=EOT)
+        DataLoader(data_cfg(out, 2, 8, vocab_size=EOT), "train")
     # the record is what is checked (no scan): a record claiming smaller ids lets vocab_size=EOT through
     for record in manifest["shards"]:
         record["max_token"] = 100
     manifest_path.write_text(json.dumps(manifest))
-    DataLoader(out, "train", batch_size=2, block_size=8, vocab_size=EOT)
+    DataLoader(data_cfg(out, 2, 8, vocab_size=EOT), "train")
 
 
 # ---------------------------------------------------------------------------- load_shard
@@ -743,7 +744,7 @@ def test_out_of_vocab_token_is_reported(tmp_path):
     with pytest.raises(ShardError, match=r"token id 50257 >= vocab_size 50257 \(first bad id at token 2\)"):
         load_shard(path, vocab_size=50257)
     with pytest.raises(ShardError, match="x_train_000000.bin: token id 50257"):  # before the first batch
-        DataLoader(tmp_path, "train", batch_size=2, block_size=4, vocab_size=50257)
+        DataLoader(data_cfg(tmp_path, 2, 4, vocab_size=50257), "train")
 
 
 def test_shards_without_a_manifest_are_scanned_in_chunks_to_the_last_token(tmp_path):
@@ -767,7 +768,7 @@ def test_npy_must_be_uint16_and_missing_shards_are_named(tmp_path):
     with pytest.raises(ShardError, match=f"{tmp_path}: no val shards"):
         find_shards(tmp_path, "val")
     with pytest.raises(ShardError, match="nowhere: no such data directory"):
-        DataLoader(tmp_path / "nowhere", "train", batch_size=1, block_size=4)
+        DataLoader(data_cfg(tmp_path / "nowhere", 1, 4), "train")
 
 
 def test_headerless_bin_and_npy_load_to_the_same_tokens(tmp_path):
@@ -787,7 +788,7 @@ def test_headerless_bin_and_npy_load_to_the_same_tokens(tmp_path):
         assert loaded.dtype == np.uint16 and np.array_equal(loaded, tokens), path
     batches = []
     for d in ("llmc", "raw", "npy"):
-        loader = DataLoader(tmp_path / d, "train", batch_size=4, block_size=32, seed=1)
+        loader = DataLoader(data_cfg(tmp_path / d, 4, 32, seed=1), "train")
         batches.append([loader.next_batch() for _ in range(3)])
     for other in batches[1:]:
         for (x0, y0), (x1, y1) in zip(batches[0], other):
@@ -821,7 +822,7 @@ def sample_ids(loader, steps):
 
 
 def test_batches_are_shifted_windows(numbered):
-    loader = DataLoader(numbered, "train", batch_size=3, block_size=T)
+    loader = DataLoader(data_cfg(numbered, 3, T), "train")
     assert loader.num_samples == len(ALL_SAMPLES) == 16
     for _ in range(8):
         x, y = loader.next_batch()
@@ -831,7 +832,7 @@ def test_batches_are_shifted_windows(numbered):
 
 
 def test_two_ranks_cover_each_sample_of_an_epoch_exactly_once(numbered):
-    ranks = [DataLoader(numbered, "train", batch_size=2, block_size=T, rank=r, world_size=2, seed=3) for r in range(2)]
+    ranks = [DataLoader(data_cfg(numbered, 2, T, seed=3), "train", r, 2) for r in range(2)]
     per_epoch = 16 // (2 * 2)
     epochs = []
     for _ in range(2):
@@ -844,7 +845,7 @@ def test_two_ranks_cover_each_sample_of_an_epoch_exactly_once(numbered):
 
 
 def test_epoch_tail_continues_into_the_next_epoch(numbered):
-    loader = DataLoader(numbered, "train", batch_size=3, block_size=T, seed=7)  # 16 samples, batches of 3
+    loader = DataLoader(data_cfg(numbered, 3, T, seed=7), "train")  # 16 samples, batches of 3
     stream = sample_ids(loader, 11)  # 33 samples: two epochs and one more
     assert sorted(stream[:16]) == ALL_SAMPLES and sorted(stream[16:32]) == ALL_SAMPLES
     assert loader.epoch == 2
@@ -853,10 +854,7 @@ def test_epoch_tail_continues_into_the_next_epoch(numbered):
 @pytest.mark.parametrize("world_size, accum", [(2, 2), (4, 1)])
 def test_world_size_times_accumulation_gives_the_same_global_batches(numbered, world_size, accum):
     def step_samples(world_size, accum, steps):
-        loaders = [
-            DataLoader(numbered, "train", batch_size=3, block_size=T, rank=r, world_size=world_size, seed=5)
-            for r in range(world_size)
-        ]
+        loaders = [DataLoader(data_cfg(numbered, 3, T, seed=5), "train", r, world_size) for r in range(world_size)]
         return [
             sorted(s for _ in range(accum) for loader in loaders for s in sample_ids(loader, 1)) for _ in range(steps)
         ]
@@ -867,7 +865,7 @@ def test_world_size_times_accumulation_gives_the_same_global_batches(numbered, w
 
 def test_shuffle_is_deterministic_from_seed(numbered):
     def stream(seed):
-        return sample_ids(DataLoader(numbered, "train", batch_size=4, block_size=T, seed=seed), 8)
+        return sample_ids(DataLoader(data_cfg(numbered, 4, T, seed=seed), "train"), 8)
 
     assert stream(0) == stream(0)
     assert stream(0) != stream(1)
@@ -875,28 +873,26 @@ def test_shuffle_is_deterministic_from_seed(numbered):
 
 
 def test_resume_continues_the_exact_stream(numbered):
-    loader = DataLoader(numbered, "train", batch_size=3, block_size=T, seed=2)
+    loader = DataLoader(data_cfg(numbered, 3, T, seed=2), "train")
     sample_ids(loader, 4)
     state = json.loads(json.dumps(loader.state_dict()))  # plain python values
     rest = sample_ids(loader, 9)  # crosses an epoch boundary
 
-    resumed = DataLoader(numbered, "train", batch_size=3, block_size=T, seed=2)
+    resumed = DataLoader(data_cfg(numbered, 3, T, seed=2), "train")
     resumed.load_state_dict(state)
     assert sample_ids(resumed, 9) == rest
 
     with pytest.raises(ValueError, match="seed is 2 in the saved state but 9 here"):
-        DataLoader(numbered, "train", batch_size=3, block_size=T, seed=9).load_state_dict(state)
+        DataLoader(data_cfg(numbered, 3, T, seed=9), "train").load_state_dict(state)
 
 
 def test_val_loader_reads_fixed_batches_in_file_order(numbered):
-    loader = DataLoader(numbered, "val", batch_size=4, block_size=T, seed=123)
+    loader = DataLoader(data_cfg(numbered, 4, T, seed=123), "val")
     first = sample_ids(loader, 4)
     assert first == ALL_SAMPLES  # no shuffling for val, whatever the seed
     loader.reset()
     assert sample_ids(loader, 2) == first[:8]
-    halves = [
-        sample_ids(DataLoader(numbered, "val", batch_size=2, block_size=T, rank=r, world_size=2), 1) for r in range(2)
-    ]
+    halves = [sample_ids(DataLoader(data_cfg(numbered, 2, T), "val", r, 2), 1) for r in range(2)]
     assert halves[0] + halves[1] == first[:4]  # ranks split each global batch
 
 
@@ -926,11 +922,11 @@ def test_a_shard_changed_after_prep_is_scanned_not_trusted_to_its_record(prepped
     later = (prepped / "docs_manifest.json").stat().st_mtime + 5
     os.utime(shard, (later, later))  # what any write does (set here: filesystem clocks can be coarse)
     with pytest.raises(ShardError, match=r"docs_train_000003.bin: token id 60000 >= vocab_size 50304 .*at token 123"):
-        DataLoader(prepped, "train", batch_size=2, block_size=8, vocab_size=50304)
+        DataLoader(data_cfg(prepped, 2, 8, vocab_size=50304), "train")
 
 
 def test_an_id_that_appears_after_the_start_check_is_a_shard_error_naming_the_position(prepped):
-    loader = DataLoader(prepped, "train", batch_size=4, block_size=8, vocab_size=50304, shuffle=False)
+    loader = in_file_order(DataLoader(data_cfg(prepped, 4, 8, vocab_size=50304), "train"))
     poke(prepped / "docs_train_000000.bin", 13, 60000)  # the memory-mapped file changes under the run
     with pytest.raises(
         ShardError,
@@ -944,7 +940,7 @@ def test_a_shard_truncated_in_place_under_the_loader_is_a_shard_error_not_a_bus_
     """Audit 6's ST_shard: `cp`/`rsync --inplace` over a data directory in use truncates the memory-mapped shard;
     a read of its vanished pages would be SIGBUS. A shard replaced by a rename is left alone: the map reads the old
     file, whole."""
-    loader = DataLoader(prepped, "train", batch_size=4, block_size=8, vocab_size=50304, shuffle=False)
+    loader = in_file_order(DataLoader(data_cfg(prepped, 4, 8, vocab_size=50304), "train"))
     first = loader.next_batch()
     replaced = prepped / "docs_train_000001.bin"
     write_shard(replaced, np.zeros(10, dtype=np.uint16))  # atomic_write: a new file renamed over the old one
@@ -996,11 +992,11 @@ def test_the_loader_trains_only_on_what_the_manifest_lists(prepped, case, expect
         shard.symlink_to(prepped / "gone.bin")
     with lock if case == "locked" else contextlib.nullcontext():
         with pytest.raises(ShardError, match=expected):
-            DataLoader(prepped, "train", batch_size=2, block_size=8, vocab_size=50304)
-    DataLoader(prepped, "val", batch_size=2, block_size=8) if case in ("missing", "replaced", "foreign") else None
+            DataLoader(data_cfg(prepped, 2, 8, vocab_size=50304), "train")
+    DataLoader(data_cfg(prepped, 2, 8), "val") if case in ("missing", "replaced", "foreign") else None
     if case == "unmanifested":  # a glob picks the prep's shards; the other dataset alone is shards without a manifest
-        DataLoader(str(prepped / "docs_*"), "train", batch_size=2, block_size=8, vocab_size=50304)
-        DataLoader(str(prepped / "other_*"), "train", batch_size=2, block_size=8, vocab_size=50304)
+        DataLoader(data_cfg(str(prepped / "docs_*"), 2, 8, vocab_size=50304), "train")
+        DataLoader(data_cfg(str(prepped / "other_*"), 2, 8, vocab_size=50304), "train")
 
 
 # ---------------------------------------------------------------------------- document rows (packing='document')
@@ -1037,7 +1033,7 @@ def epoch_rows(loader):
 
 def test_document_rows_start_at_a_document_and_train_each_target_once(tmp_path):
     where = make_documents(tmp_path)
-    loader = DataLoader(tmp_path, "train", batch_size=3, block_size=T, packing="document", seed=4)
+    loader = DataLoader(data_cfg(tmp_path, 3, T, seed=4, packing="document"), "train")
     assert loader.masked and loader.summary().startswith("3 shards, ") and "document rows" in loader.summary()
     shards = [np.asarray(s) for s in loader.shards]
     xs, ys = epoch_rows(loader)
@@ -1083,7 +1079,7 @@ def test_document_rows_are_the_same_global_rows_at_any_world_size_and_resume_exa
 
     def rows(world_size, batch, steps, state=None):
         loaders = [
-            DataLoader(tmp_path, "train", batch, T, rank=r, world_size=world_size, seed=5, packing="document")
+            DataLoader(data_cfg(tmp_path, batch, T, seed=5, packing="document"), "train", r, world_size)
             for r in range(world_size)
         ]
         for loader in loaders:
@@ -1098,7 +1094,7 @@ def test_document_rows_are_the_same_global_rows_at_any_world_size_and_resume_exa
     rest, _ = rows(1, 4, 3, json.loads(json.dumps(state)))
     assert first + rest == one
     with pytest.raises(ValueError, match="packing is 'document' in the saved state but 'window' here"):
-        DataLoader(tmp_path, "train", 4, T, seed=5).load_state_dict(state)
+        DataLoader(data_cfg(tmp_path, 4, T, seed=5), "train").load_state_dict(state)
 
 
 def test_training_with_document_rows_resumes_bit_exactly(tmp_path):
@@ -1197,11 +1193,11 @@ def test_document_rows_start_at_the_end_of_text_token_of_the_tokenizer_the_manif
     """A prep with another tokenizer (its manifest's "tokenizer" entry names its <|endoftext|> id): documents start
     there, not at GPT-2's 50256."""
     manifest = json.loads((prepped / "docs_manifest.json").read_text())
-    gpt2 = DataLoader(prepped, "train", batch_size=2, block_size=8, packing="document")
+    gpt2 = DataLoader(data_cfg(prepped, 2, 8, packing="document"), "train")
     assert gpt2.doc_token == EOT
     other = int(np.asarray(gpt2.shards[0])[1])  # a token id that is not 50256, as if it were the separator
     (prepped / "docs_manifest.json").write_text(json.dumps({**manifest, "tokenizer": {"id": "x", "eot": other}}))
-    loader = DataLoader(prepped, "train", batch_size=2, block_size=8, packing="document")
+    loader = DataLoader(data_cfg(prepped, 2, 8, packing="document"), "train")
     assert loader.doc_token == other and loader.num_samples != gpt2.num_samples
     for tokens, rows in zip(loader.shards, loader.rows):
         separators = np.flatnonzero(np.asarray(tokens) == other)
@@ -1243,7 +1239,7 @@ def test_a_manifests_tokenizer_entry_is_checked_key_by_key(prepped, entry, messa
     path = edit_tokenizer_entry(prepped, **entry)
     for read in (
         lambda: data_tokenizer(read_manifests(prepped)),
-        lambda: DataLoader(prepped, "train", batch_size=2, block_size=8, packing="document"),
+        lambda: DataLoader(data_cfg(prepped, 2, 8, packing="document"), "train"),
     ):
         with pytest.raises(ShardError) as e:
             read()

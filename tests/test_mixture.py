@@ -18,6 +18,7 @@ import torch
 
 import prepare_data
 import train
+from conftest import data_cfg, in_file_order
 from gpt2train.config import ConfigError, make_config, parse_args, read_config_file
 from gpt2train.data import DataLoader, Loader, open_mixture
 from gpt2train.mixture import parse_mixture
@@ -117,7 +118,7 @@ def test_a_directory_whose_name_holds_a_colon_or_a_comma_is_that_one_directory(t
     for name in ("run:1", "2026-11-28T10:30", "a:1,b:1"):
         directory = numbered_source(tmp_path / name, 5000)
         assert parse_mixture(str(directory)) is None and make_config({"data_dir": str(directory)})
-        assert DataLoader(directory, "train", 2, T, shuffle=False).next_batch()[0][0, 0] == 5000
+        assert in_file_order(DataLoader(data_cfg(directory, 2, T), "train")).next_batch()[0][0, 0] == 5000
     numbered_source(tmp_path / "x:2", 0)
     assert parse_mixture(f"{tmp_path}/x:2/n_*") is None  # a glob that matches shards, as written
     assert parse_mixture(f"{tmp_path}/run:1:1") == {"run:1": (f"{tmp_path}/run:1", 1.0)}  # a mixture of it
@@ -150,7 +151,7 @@ def test_a_missing_source_of_a_mixture_is_named_alone_in_the_advice(sources, tmp
 
 def test_a_075_025_mixture_trains_each_source_its_share_over_the_first_epoch_of_the_smaller(sources, tmp_path, capsys):
     big, small = sources
-    rows = DataLoader(small, "train", 1, T).num_samples
+    rows = DataLoader(data_cfg(small, 1, T), "train").num_samples
     steps = math.ceil(rows / 0.25 / 32) + 2  # 32 rows a step: past the end of small's first epoch
     out = tmp_path / "out"
     args = [f"--data_dir={big}:0.75,{small}:0.25", f"--out_dir={out}", f"--max_steps={steps}", "--batch_size=32"]
@@ -174,8 +175,8 @@ def test_a_075_025_mixture_trains_each_source_its_share_over_the_first_epoch_of_
 
 def test_both_loaders_are_a_loader_and_name_their_sources(sources):
     """DataLoader and Mixture meet data.Loader, what the step, the evaluator, the checkpoint and train.py call."""
-    one = DataLoader(sources[0], "val", 2, T)
-    mixed = open_mixture(parse_mixture(f"{sources[0]}:0.75,{sources[1]}:0.25"), "val", 2, T)
+    one = DataLoader(data_cfg(sources[0], 2, T), "val")
+    mixed = open_mixture(data_cfg(f"{sources[0]}:0.75,{sources[1]}:0.25", 2, T), "val")
     assert isinstance(one, Loader) and isinstance(mixed, Loader)
     assert one.sources() == {None: (one, 1.0)} and one.tokens() == {}
     assert [(n, w) for n, (_, w) in mixed.sources().items()] == [
@@ -187,7 +188,10 @@ def test_both_loaders_are_a_loader_and_name_their_sources(sources):
 
 def mixture_rows(spec, world_size, batch, steps, packing, state=None):
     """(every rank's (x, y) rows of `steps` micro-steps in global order, rank 0's loader)."""
-    loaders = [open_mixture(spec, "train", batch, T, r, world_size, seed=5, packing=packing) for r in range(world_size)]
+    loaders = [
+        open_mixture(data_cfg(spec, batch, T, seed=5, packing=packing), "train", r, world_size)
+        for r in range(world_size)
+    ]
     for loader in loaders:
         if state is not None:
             loader.load_state_dict(state)
@@ -201,11 +205,11 @@ def mixture_rows(spec, world_size, batch, steps, packing, state=None):
 
 @pytest.mark.parametrize("packing", ["window", "document"])
 def test_a_mixtures_rows_are_the_same_at_any_world_size_and_resume_exactly(sources, packing):
-    spec = parse_mixture(f"{sources[0]}:0.75,{sources[1]}:0.25")
-    small_rows = DataLoader(sources[1], "train", 1, T, packing=packing).num_samples
+    spec = f"{sources[0]}:0.75,{sources[1]}:0.25"
+    small_rows = DataLoader(data_cfg(sources[1], 1, T, packing=packing), "train").num_samples
     steps = math.ceil(small_rows / 0.25 / 8) + 3  # across small's epoch end
     one, loader = mixture_rows(spec, 1, 8, steps, packing)
-    big_rows = DataLoader(sources[0], "train", 1, T, packing=packing).num_samples
+    big_rows = DataLoader(data_cfg(sources[0], 1, T, packing=packing), "train").num_samples
     drawn = dict(zip(loader.loaders, loader.counts().tolist()))
     assert drawn["small"] // small_rows == 1 and drawn["big"] < big_rows  # small's second epoch, big's first
     assert mixture_rows(spec, 2, 4, steps, packing)[0] == one  # 2 ranks x 4 rows == 1 x 8, row for row
@@ -269,8 +273,7 @@ def test_a_resume_with_other_weights_continues_each_source_where_it_was(tmp_path
     a, b = numbered_source(tmp_path / "a", 0), numbered_source(tmp_path / "b", 20000)
 
     def mixture(weights):
-        spec = parse_mixture({str(a): weights[0], str(b): weights[1]})
-        return open_mixture(spec, "train", 8, T, seed=3, shuffle=False)
+        return in_file_order(open_mixture(data_cfg({str(a): weights[0], str(b): weights[1]}, 8, T, seed=3), "train"))
 
     before = mixture((0.75, 0.25))
     for _ in range(5):
@@ -294,7 +297,7 @@ def test_a_resume_with_other_weights_continues_each_source_where_it_was(tmp_path
             f"one data directory (to go on with this source alone, name it as a mixture of one: data_dir='{a}:1')"
         ),
     ):
-        DataLoader(a, "train", 8, T, seed=3).load_state_dict(after.state_dict())
+        DataLoader(data_cfg(a, 8, T, seed=3), "train").load_state_dict(after.state_dict())
 
 
 def test_the_mixture_module_is_imported_only_when_data_dir_names_a_mixture(tmp_path):

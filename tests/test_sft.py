@@ -14,12 +14,14 @@ import torch.nn.functional as F
 
 import prepare_data
 import train
+from conftest import data_cfg, in_file_order
 from gpt2train import chat, parallel, step
 from gpt2train.config import TrainConfig
 from gpt2train.data import DataLoader
+from gpt2train.generation import Sampling
 from gpt2train.shards import ShardError
 from model import GPT, ChunkedLMHeadLoss, GPTConfig
-from sample import stream_samples
+from sample import stream_sample
 from test_chat import ROWS, render
 from test_export import write_checkpoint
 from test_train import torchrun
@@ -80,7 +82,7 @@ def test_prep_round_trips_both_formats(sft_dir):
     enc = chat.tokenizer()
     texts, trained = [], []
     for split in ("val", "train"):
-        loader = DataLoader(sft_dir, split, 1, BLOCK, shuffle=False)
+        loader = DataLoader(data_cfg(sft_dir, 1, BLOCK), split)
         for tokens, mask in zip(loader.shards, loader.masks):
             assert tokens[0] == chat.EOT and mask[0] == 0  # a shard starts at a conversation start
             texts.append(enc.decode(tokens.tolist()))
@@ -122,7 +124,7 @@ def test_rows_hold_whole_conversations_at_any_block_size(sft_dir):
     where the mask is off and on the padding; every trained token of the split is a target once per epoch."""
     enc = chat.tokenizer()
     for block in (BLOCK, 2 * BLOCK, 3 * BLOCK + 5):
-        loader = DataLoader(sft_dir, "train", 4, block, seed=1)
+        loader = DataLoader(data_cfg(sft_dir, 4, block, seed=1), "train")
         trained = []
         xs, ys = zip(*(loader.next_batch() for _ in range(-(-loader.num_samples // 4))))
         for row, target in list(zip(torch.cat(xs).tolist(), torch.cat(ys).tolist()))[: loader.num_samples]:
@@ -182,12 +184,12 @@ def test_too_long_conversations_are_left_out_at_load_time_counted_and_reported(t
         f"1 conversation(s) longer than block_size+1 = {BLOCK + 1} tokens, which training at block_size {BLOCK} "
         f"leaves out: {path}:2 (47 tokens); block_size >= 46 keeps them all" in out
     )
-    loader = DataLoader(tmp_path / "o", "train", 1, BLOCK)
+    loader = DataLoader(data_cfg(tmp_path / "o", 1, BLOCK), "train")
     assert loader.num_samples == 1 and loader.summary().endswith(
         f"; 1 conversation(s) longer than block_size+1 = {BLOCK + 1} tokens left out (the longest has 47: "
         f"block_size >= 46 keeps them all)"
     )
-    assert "left out" not in DataLoader(tmp_path / "o", "train", 1, 46).summary()
+    assert "left out" not in DataLoader(data_cfg(tmp_path / "o", 1, 46), "train").summary()
 
 
 def test_every_conversation_longer_than_a_row_asks_for_a_larger_block_size(sft_dir):
@@ -196,11 +198,11 @@ def test_every_conversation_longer_than_a_row_asks_for_a_larger_block_size(sft_d
         match=r"every val conversation is longer than block_size\+1 = 9 tokens \(the "
         r"shortest has \d+\); train with block_size >= \d+",
     ):
-        DataLoader(sft_dir, "val", 1, 8)
+        DataLoader(data_cfg(sft_dir, 1, 8), "val")
 
 
 def test_loader_yields_minus_one_where_the_mask_is_off(sft_dir):
-    loader = DataLoader(sft_dir, "train", 3, BLOCK, shuffle=False)
+    loader = in_file_order(DataLoader(data_cfg(sft_dir, 3, BLOCK), "train"))
     x, y = loader.next_batch()
     rows = loader.rows[0]
     for r in range(3):  # row r: its segments of the shard, then padding
@@ -268,7 +270,7 @@ def test_loader_checks_the_masks_against_the_manifest(sft_dir, tmp_path, case, e
         later = (d / "chat_manifest.json").stat().st_mtime + 5
         os.utime(mask, (later, later))  # what any write does (set here: filesystem clocks can be coarse)
     with pytest.raises(ShardError, match=expected):
-        DataLoader(d, "val" if case == "all_missing" else "train", 1, BLOCK)
+        DataLoader(data_cfg(d, 1, BLOCK), "val" if case == "all_missing" else "train")
 
 
 def test_masked_rows_get_no_gradient_from_the_chunked_loss():
@@ -298,7 +300,7 @@ def test_step_loss_is_the_mean_over_the_trained_tokens_of_all_micro_batches(sft_
     reports their number."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=BLOCK, vocab_size=50304, n_layer=1, n_head=2, n_embd=16))
-    loader = DataLoader(sft_dir, "train", 2, BLOCK, shuffle=False)
+    loader = in_file_order(DataLoader(data_cfg(sft_dir, 2, BLOCK), "train"))
     batches = [loader.next_batch() for _ in range(2)]
     counts = [int((y != -1).sum()) for _, y in batches]
     assert counts[0] != counts[1]  # so per-micro-batch means would weigh tokens unequally
@@ -460,10 +462,11 @@ def test_sample_chat_renders_the_template_and_stops_at_the_end_of_turn(monkeypat
     messages = chat.conversation(json.dumps({"messages": messages_of(ROWS[1])[:-1]}))
     model = ScriptedModel(enc.encode(" Sure, bye.") + [chat.END] + enc.encode(" never shown"))
     out = io.StringIO()
-    assert stream_samples(model, enc, "", messages=messages, out=out) == [" Sure, bye."]
+    sampling = Sampling(n_vocab=enc.n_vocab)
+    assert stream_sample(model, enc, messages, sampling, torch.Generator(), 200, out) == " Sure, bye."
     text = render_jinja_template([messages], chat_template=chat.CHAT_TEMPLATE, add_generation_prompt=True)[0][0]
     assert enc.decode(model.prompts[0]) == text
-    assert out.getvalue().startswith(" Sure, bye.\n")
+    assert out.getvalue() == " Sure, bye."
     assert chat.conversation("just text\n") == [{"role": "user", "content": "just text"}]
 
 

@@ -19,7 +19,16 @@ from gpt2train import tracking
 from gpt2train.tracking import MetricsLog, Tracker, TrackingError, check_tracking_available
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIG = {"n_layer": 2, "learning_rate": 3e-3, "out_dir": "out/x", "lr_decay_steps": None}
+CONFIG = {"n_layer": 2, "learning_rate": 3e-3, "out_dir": "out/x", "lr_decay_steps": None}  # a run's config
+CONFIG |= {"wandb_log": False, "wandb_project": "gpt2-train", "wandb_run_name": None}  # the tracking keys: defaults
+CONFIG |= {"tensorboard_dir": None, "cost_per_hour": None}
+
+
+def config(**keys):
+    """CONFIG with these keys set (the tracking keys: what the Tracker tracks)."""
+    return {**CONFIG, **keys}
+
+
 TOKENS = 1024  # tokens per step
 
 
@@ -172,18 +181,19 @@ def json_form(records):
 def test_wandb_offline_and_tensorboard_receive_every_metric(tmp_path):
     out, tb = tmp_path / "run", tmp_path / "tb"
     records = loop_records(0, 8)
-    tracker = Tracker(out, CONFIG, TOKENS, wandb_log=True, wandb_project="test", tensorboard_dir=str(tb))
+    run_config = config(wandb_log=True, wandb_project="test", tensorboard_dir=str(tb))
+    tracker = Tracker(out, run_config, TOKENS)
     for record in records:
         tracker.log(record)
     tracker.close()
 
     assert read_jsonl(out / "metrics.jsonl") == json_form(records)  # the source of truth, unchanged
-    [(run_id, config, history)] = wandb_segments(out)
-    assert run_id == (out / "wandb_id.txt").read_text().strip() and config == CONFIG
+    [(run_id, logged, history)] = wandb_segments(out)
+    assert run_id == (out / "wandb_id.txt").read_text().strip() and logged == run_config
     assert history[6]["skipped"].startswith("non-finite loss") and math.isnan(history[6]["train_loss"])
     assert_wandb_holds(history, records)
     scalars, texts = tensorboard_events(tb)
-    assert json.loads(texts["config"][0][1]) == CONFIG
+    assert json.loads(texts["config"][0][1]) == run_config
     assert_tensorboard_holds(scalars, texts, records)
     assert [step for step, _ in scalars["train_loss"]] == list(range(1, 9))
     assert [step for step, _ in scalars["val_loss"]] == [0, 4, 8]
@@ -193,14 +203,14 @@ def test_resume_continues_the_same_runs_with_only_the_new_steps(tmp_path):
     """Stopped at the step-4 checkpoint, then resumed to step 8: one W&B id in two offline segments that
     hold steps 0-4 and 5-8; one TensorBoard directory with each step once."""
     out, tb = tmp_path / "run", tmp_path / "tb"
-    kwargs = dict(wandb_log=True, wandb_project="test", tensorboard_dir=str(tb))
-    first = Tracker(out, CONFIG, TOKENS, **kwargs)
+    tracking = dict(wandb_log=True, wandb_project="test", tensorboard_dir=str(tb))
+    first = Tracker(out, config(**tracking), TOKENS)
     for record in loop_records(0, 4):
         first.log(record)
     state = first.state_dict()  # what the step-4 checkpoint holds
     first.close()
-    resumed_config = {**CONFIG, "max_steps": 8}
-    second = Tracker(out, resumed_config, TOKENS, resume_step=4, state=state, **kwargs)
+    resumed_config = config(**tracking, max_steps=8)
+    second = Tracker(out, resumed_config, TOKENS, resume_step=4, state=state)
     for record in loop_records(4, 8):
         second.log(record)
     second.close()
@@ -218,14 +228,14 @@ def test_resume_after_a_kill_replaces_the_steps_after_the_checkpoint(tmp_path):
     """A run killed at step 7 had logged steps 5-7 past its step-4 checkpoint; the resumed run redoes them
     (here with other values): metrics.jsonl and TensorBoard show only the redone ones."""
     out, tb = tmp_path / "run", tmp_path / "tb"
-    first = Tracker(out, CONFIG, TOKENS, tensorboard_dir=str(tb))
+    first = Tracker(out, config(tensorboard_dir=str(tb)), TOKENS)
     for record in loop_records(0, 4):
         first.log(record)
     state = first.state_dict()
     for record in loop_records(4, 7)[:-1]:  # steps 5-7, killed before the last val line
         first.log(record)
     first.state_dict()  # flush, as a later checkpoint attempt would; the process then dies
-    second = Tracker(out, CONFIG, TOKENS, resume_step=4, state=state, tensorboard_dir=str(tb))
+    second = Tracker(out, config(tensorboard_dir=str(tb)), TOKENS, resume_step=4, state=state)
     redone = loop_records(4, 8, offset=1.0)
     for record in redone:
         second.log(record)
@@ -248,7 +258,7 @@ def test_a_missing_package_is_a_one_line_error(tmp_path, monkeypatch):
         ),
     ):
         with pytest.raises(TrackingError) as err:
-            Tracker(tmp_path / "run", CONFIG, TOKENS, **kwargs)
+            Tracker(tmp_path / "run", config(**kwargs), TOKENS)
         assert str(err.value).startswith(expected) and "\n" not in str(err.value)
         with pytest.raises(TrackingError, match="pip install"):
             check_tracking_available(kwargs.get("wandb_log", False), kwargs.get("tensorboard_dir"))
@@ -263,7 +273,7 @@ def test_a_missing_package_is_a_one_line_error(tmp_path, monkeypatch):
 def test_wandb_dir_is_honoured_when_set(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))
     out = tmp_path / "run"
-    tracker = Tracker(out, CONFIG, TOKENS, wandb_log=True, wandb_project="test")
+    tracker = Tracker(out, config(wandb_log=True, wandb_project="test"), TOKENS)
     tracker.log(train_record(1))
     tracker.close()
     assert not (out / "wandb").exists()
@@ -282,7 +292,7 @@ def test_wandb_refusing_to_start_is_a_one_line_error(tmp_path, monkeypatch):
 
     monkeypatch.setattr(wandb, "init", init)
     with pytest.raises(TrackingError) as err:
-        Tracker(tmp_path / "run", CONFIG, TOKENS, wandb_log=True)
+        Tracker(tmp_path / "run", config(wandb_log=True), TOKENS)
     assert str(err.value) == (
         "wandb.init failed (UsageError: api_key not configured (no-tty). call wandb.login("
         "key=[your_api_key])); log in (`wandb login`), record offline with WANDB_MODE=offline, "
@@ -305,7 +315,7 @@ def test_a_sink_that_raises_mid_run_is_reported_once_and_disabled(tmp_path, monk
     monkeypatch.setattr(FileWriter, "add_summary", add_summary)
     out, tb = tmp_path / "run", tmp_path / "tb"
     records = loop_records(0, 8)
-    tracker = Tracker(out, CONFIG, TOKENS, wandb_log=True, wandb_project="test", tensorboard_dir=str(tb))
+    tracker = Tracker(out, config(wandb_log=True, wandb_project="test", tensorboard_dir=str(tb)), TOKENS)
     for record in records:
         tracker.log(record)
     tracker.state_dict()
@@ -335,12 +345,12 @@ def test_cost_is_cumulative_across_a_resume(tmp_path, monkeypatch):
     """$36/h = $0.01/s; the fake clock moves 2 s per reading: one at start, one per train line."""
     fake_clock(monkeypatch, 2.0)
     out = tmp_path / "run"
-    first = Tracker(out, CONFIG, TOKENS, cost_per_hour=36.0)
+    first = Tracker(out, config(cost_per_hour=36.0), TOKENS)
     for record in loop_records(0, 4):
         first.log(record)
     state = first.state_dict()  # 4 train lines: 8 s, then this reading: 10 s
     first.close()
-    second = Tracker(out, CONFIG, TOKENS, resume_step=4, state=state, cost_per_hour=36.0)
+    second = Tracker(out, config(cost_per_hour=36.0), TOKENS, resume_step=4, state=state)
     for record in loop_records(4, 8):
         second.log(record)
     second.close()
@@ -512,7 +522,7 @@ def mixture_records():
 def test_a_mixtures_per_source_metrics_reach_every_sink_and_the_summary(tmp_path):
     out, tb = tmp_path / "run", tmp_path / "tb"
     records = mixture_records()
-    tracker = Tracker(out, CONFIG, TOKENS, wandb_log=True, wandb_project="test", tensorboard_dir=str(tb))
+    tracker = Tracker(out, config(wandb_log=True, wandb_project="test", tensorboard_dir=str(tb)), TOKENS)
     for record in records:
         tracker.log(record)
     text = tracker.close()

@@ -24,6 +24,7 @@ import torch
 
 import model as model_module
 import train
+from conftest import data_cfg
 from gpt2train import checkpoint, loading, optim, sharded
 from gpt2train.budget import Budget
 from gpt2train.checkpoint import load_checkpoint, load_latest_checkpoint
@@ -489,7 +490,9 @@ def test_fine_tune_starts_from_the_checkpoints_weights_with_a_fresh_run(pretrain
     losses = train_losses(tmp_path / "ft")
     assert list(losses) == [1, 2]  # a fresh step count (and schedule, optimizer, data order: this run's)
     weights, _ = loading.load_model(ckpt=pretrained / "run")
-    x, y = DataLoader(other, "train", 4, 16, seed=TrainConfig.seed, vocab_size=64).next_batch()  # its first batch
+    x, y = DataLoader(
+        data_cfg(other, 4, 16, seed=TrainConfig.seed, vocab_size=64), "train"
+    ).next_batch()  # its first batch
     with torch.no_grad():
         assert losses[1] == pytest.approx(weights(x, y)[1].item(), rel=1e-5)
     ft = load_checkpoint(tmp_path / "ft")
@@ -686,7 +689,7 @@ def test_eval_steps_all_gives_each_rank_its_share_of_the_split_once_and_as_many_
     split's end (to keep every rank's forwards alike) have no targets."""
     from gpt2train.evaluation import read_val_rows
 
-    loaders = [DataLoader(data_dir, "val", 4, 16, rank=r, world_size=world_size) for r in range(world_size)]
+    loaders = [DataLoader(data_cfg(data_dir, 4, 16), "val", r, world_size) for r in range(world_size)]
     rows = [read_val_rows(loader, "all") for loader in loaders]
     assert len({len(r.x) for r in rows}) == 1
     scored = [tuple(x.tolist()) for r in rows for x, y in zip(r.x, r.y) if (y != -1).all()]
@@ -1448,14 +1451,14 @@ def test_val_bpb_is_the_summed_loss_of_the_val_targets_over_the_bytes_of_their_t
     spec = "gpt2" if tokenizer == "gpt2" else str(byte_level_tokenizer_json)
     prep = ["--input", str(src), "--out_dir", str(tmp_path / "data"), "--val_tokens", "800", "--num_proc", "1"]
     prepare_data.main([*prep, "--no_progress", "--tokenizer", spec])
-    rows = DataLoader(tmp_path / "data", "val", 1, 16, packing="document").num_samples
+    rows = DataLoader(data_cfg(tmp_path / "data", 1, 16, packing="document"), "val").num_samples
     args = [*TINY, f"--data_dir={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out'}", "--max_steps=1"]
     args = [a for a in args if not a.startswith(("--vocab_size", "--batch_size", "--eval"))]  # vocab from the data
     assert train.main([*args, "--batch_size=1", "--packing=document", "--eval_interval=1", f"--eval_steps={rows}"]) == 0
     logged = [m for m in metrics(tmp_path / "out") if "val_loss" in m][-1]
 
     model, _ = loading.load_model(ckpt=str(tmp_path / "out"))  # step 1's weights, those of the last validation
-    x, y = DataLoader(tmp_path / "data", "val", rows, 16, packing="document").next_batch()
+    x, y = DataLoader(data_cfg(tmp_path / "data", rows, 16, packing="document"), "val").next_batch()
     with torch.no_grad():
         logits, _ = model(x, y)
     nats = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum").item()
