@@ -56,7 +56,7 @@ def token_bytes(enc, token):
 
 
 @torch.no_grad()
-def stream_sample(model, enc, prompt, sampling, generator, max_new_tokens=200, out=None):
+def stream_samples(model, enc, prompt, sampling, generator, max_new_tokens=200, out=None):
     """Generate one continuation of `prompt`, writing it to `out` (stdout) token by token; returns it.
 
     prompt: text, written first and returned in front of the continuation, which ends before sampling.eos_token
@@ -178,12 +178,12 @@ def main(argv=None):
                     except EOFError:
                         return 0
                     print("assistant> ", end="", flush=True)
-                    reply = stream_sample(model, enc, messages, sampling, seeded(), args.max_new_tokens)
+                    reply = stream_samples(model, enc, messages, sampling, seeded(), args.max_new_tokens)
                     messages.append({"role": "assistant", "content": reply})
                     print()
             generator = seeded()  # drives the samples one after another
             for _ in range(args.num_samples):
-                stream_sample(model, enc, messages if args.chat else prompt, sampling, generator, args.max_new_tokens)
+                stream_samples(model, enc, messages if args.chat else prompt, sampling, generator, args.max_new_tokens)
                 print("\n" + SEPARATOR, flush=True)
     except LogitsNotFinite as e:  # finite weights whose forward overflows (non-finite ones are refused above)
         print(flush=True)  # ends the prompt's line

@@ -12,7 +12,7 @@ shards from `prepare_data.py --format sft`: 'masked' with the loss-mask shards, 
 directory without them and their manifest (every token trained: what a dropped mask did before the loader
 checked masks against the manifest), both with packing='document' (rows of whole conversations). So both see
 exactly the same completion tokens; the unmasked run also trains on the prompts. Exact match: the greedy reply
-(sample.stream_sample as --chat runs it, up to <|end|>) equals the sorted sequence.
+(sample.stream_samples as --chat runs it, up to <|end|>) equals the sorted sequence.
 """
 
 import argparse
@@ -61,7 +61,7 @@ def exact_match(out_dir, held):
     from gpt2train import chat
     from gpt2train.generation import Sampling
     from gpt2train.loading import load_model
-    from sample import stream_sample
+    from sample import stream_samples
 
     model, _ = load_model(ckpt=out_dir)
     enc = chat.tokenizer()
@@ -71,7 +71,7 @@ def exact_match(out_dir, held):
     with torch.no_grad():
         for prompt, answer in held:
             messages = [{"role": "user", "content": prompt}]
-            reply = stream_sample(model, enc, messages, greedy, torch.Generator(), 16, sink)
+            reply = stream_samples(model, enc, messages, greedy, torch.Generator(), 16, sink)
             right += reply == answer
     return right / len(held)
 

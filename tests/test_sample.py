@@ -16,7 +16,7 @@ from gpt2train.checkpoint import save_checkpoint
 from gpt2train.generation import Sampling, generate
 from gpt2train.hf import from_pretrained, save_pretrained
 from model import GPT, GPTConfig
-from sample import SEPARATOR, main, read_prompt, stream_sample
+from sample import SEPARATOR, main, read_prompt, stream_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,7 @@ def test_greedy_equals_model_generate(model, enc, ckpt, capsys):
     prompt = "The meaning of life is"
     idx = torch.tensor([enc.encode(prompt)])
     expected = prompt + enc.decode(generate(model, idx, 20, Sampling(temperature=0))[0, idx.shape[1] :].tolist())
-    assert stream_sample(model, enc, prompt, Sampling(temperature=0), torch.Generator(), 20, io.StringIO()) == expected
+    assert stream_samples(model, enc, prompt, Sampling(temperature=0), torch.Generator(), 20, io.StringIO()) == expected
     out = run_main(
         capsys,
         "--ckpt",
@@ -145,7 +145,7 @@ def test_streams_token_by_token_and_joins_split_utf8(enc):
             return super().write(s)
 
     out = Out()
-    assert stream_sample(ScriptedModel(tokens), enc, "Prompt:", Sampling(), torch.Generator(), len(tokens), out) == (
+    assert stream_samples(ScriptedModel(tokens), enc, "Prompt:", Sampling(), torch.Generator(), len(tokens), out) == (
         "Prompt:" + text
     )
     assert out.getvalue() == "Prompt:" + text
@@ -181,7 +181,7 @@ def test_empty_prompt_starts_a_new_document(model, enc):
             yield from super().generate_stream(idx, max_new_tokens, **kwargs)
 
     m = Recording(enc.encode(" x"))
-    stream_sample(m, enc, "", Sampling(), torch.Generator(), 1, io.StringIO())
+    stream_samples(m, enc, "", Sampling(), torch.Generator(), 1, io.StringIO())
     assert m.idx.tolist() == [[enc.eot_token]]
 
 
@@ -282,7 +282,7 @@ def test_empty_prompt_starts_at_the_model_tokenizers_endoftext(hf_dir_with_token
             yield from super().generate_stream(idx, max_new_tokens, **kwargs)
 
     m = Recording(enc.encode(" x"))
-    stream_sample(m, enc, "", Sampling(), torch.Generator(), 1, io.StringIO())
+    stream_samples(m, enc, "", Sampling(), torch.Generator(), 1, io.StringIO())
     assert m.idx.tolist() == [[0]]  # GPT-NeoX's <|endoftext|>, not GPT-2's 50256
 
 
@@ -374,11 +374,11 @@ def test_a_sample_runs_on_past_endoftext_unless_stop_at_eot(enc, ckpt, capsys, m
     """nanoGPT's default: the next document follows <|endoftext|>; --stop_at_eot ends the sample there, as
     transformers' generate() stops at its eos token."""
     tokens = enc.encode(" Hello.") + [enc.eot_token] + enc.encode(" The next document")
-    text = stream_sample(ScriptedModel(tokens), enc, "P:", Sampling(), torch.Generator(), 20, io.StringIO())
+    text = stream_samples(ScriptedModel(tokens), enc, "P:", Sampling(), torch.Generator(), 20, io.StringIO())
     assert text == "P: Hello.<|endoftext|> The next document"
     out = io.StringIO()
     assert (
-        stream_sample(ScriptedModel(tokens), enc, "P:", Sampling(eos_token=enc.eot_token), torch.Generator(), 20, out)
+        stream_samples(ScriptedModel(tokens), enc, "P:", Sampling(eos_token=enc.eot_token), torch.Generator(), 20, out)
         == "P: Hello."
     )
     assert out.getvalue() == "P: Hello."
@@ -386,7 +386,7 @@ def test_a_sample_runs_on_past_endoftext_unless_stop_at_eot(enc, ckpt, capsys, m
 
     seen = []
     monkeypatch.setattr(
-        sample, "stream_sample", lambda model, enc, prompt, sampling, *a: seen.append(sampling.eos_token)
+        sample, "stream_samples", lambda model, enc, prompt, sampling, *a: seen.append(sampling.eos_token)
     )
     for flags in ([], ["--stop_at_eot"]):
         run_main(capsys, "--ckpt", str(ckpt), "--prompt", "Hi", "--device", "cpu", *flags)

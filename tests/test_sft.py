@@ -21,7 +21,7 @@ from gpt2train.data import DataLoader
 from gpt2train.generation import Sampling
 from gpt2train.shards import ShardError
 from model import GPT, ChunkedLMHeadLoss, GPTConfig
-from sample import stream_sample
+from sample import stream_samples
 from test_chat import ROWS, render
 from test_export import write_checkpoint
 from test_train import torchrun
@@ -463,7 +463,7 @@ def test_sample_chat_renders_the_template_and_stops_at_the_end_of_turn(monkeypat
     model = ScriptedModel(enc.encode(" Sure, bye.") + [chat.END] + enc.encode(" never shown"))
     out = io.StringIO()
     sampling = Sampling(n_vocab=enc.n_vocab)
-    assert stream_sample(model, enc, messages, sampling, torch.Generator(), 200, out) == " Sure, bye."
+    assert stream_samples(model, enc, messages, sampling, torch.Generator(), 200, out) == " Sure, bye."
     text = render_jinja_template([messages], chat_template=chat.CHAT_TEMPLATE, add_generation_prompt=True)[0][0]
     assert enc.decode(model.prompts[0]) == text
     assert out.getvalue() == " Sure, bye."
