@@ -17,7 +17,7 @@ import torch
 import compare
 from gpt2train import runner
 from gpt2train.files import lock_holder
-from test_train import TINY, data_dir  # noqa: F401  (data_dir is a fixture)
+from tiny import TINY
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -15,8 +15,7 @@ from gpt2train import layout, memory, pipeline
 from gpt2train.checkpoint import load_checkpoint
 from gpt2train.config import ConfigError, make_config, model_config
 from model import GPT, GPTConfig
-from test_fsdp import one_rank_torchrun  # noqa: F401 -- a fixture
-from test_train import TINY, data_dir, metrics, torchrun, train_losses  # noqa: F401 -- data_dir: a fixture
+from tiny import TINY, metrics, torchrun, train_losses
 
 # a tiny NeoX: 4 blocks (2 per stage), 2 ranks x 8 rows of 16 tokens per step, or one process x 2 micro-batches;
 # the 2 micro-batches of 4 rows are the pipeline's 2 pieces
