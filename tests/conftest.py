@@ -1,4 +1,4 @@
-"""Fixtures shared by several test files."""
+"""Fixtures shared by several test files, and each pytest-xdist worker's share of the cores."""
 
 import errno
 import os
@@ -6,6 +6,21 @@ import os
 import pytest
 
 from tiny import free_port, markov_tokens
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`make test`: -n auto) the workers share the cores: each takes cores / workers threads, for
+    torch in-process and (OMP_NUM_THREADS) for the processes it starts that do not set their own. The tests' train.py
+    subprocesses and torchrun ranks run with one thread (tests/tiny.py): on 2 cores an in-process run then sums as
+    they do. A plain `pytest` (no -n) leaves torch's default."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers:
+        import torch
+
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
 
 TOKENIZER_CORPUS = [
     "Once upon a time there was a naïve café owner 😀 who said hello to the world.",
