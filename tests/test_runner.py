@@ -198,10 +198,10 @@ def test_a_run_dies_with_its_runner_even_on_kill_9(stand_in, tmp_path):
         time.sleep(0.1)
     parent.kill()
     parent.wait()
-    deadline = time.time() + 20
-    while not (tmp_path / "k" / "stopped").exists() and time.time() < deadline:
+    stopped, deadline = tmp_path / "k" / "stopped", time.time() + 20
+    while not (stopped.exists() and stopped.read_text()) and time.time() < deadline:  # made, then written
         time.sleep(0.1)
-    assert (tmp_path / "k" / "stopped").read_text() == str(int(signal.SIGTERM))
+    assert stopped.read_text() == str(int(signal.SIGTERM))
 
 
 def test_the_out_dir_lock_refuses_a_second_holder(tmp_path):
