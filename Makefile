@@ -1,6 +1,7 @@
 # Two commands: `make demo` (train a small GPT on Tiny Shakespeare on the CPU) and `make test`; then
 # `make chat-demo` (fine-tune the demo model on a small instruction task, score it, ask it once); `make lint`
-# checks the formatting and the lint rules of pyproject.toml (ruff).
+# checks the formatting and the lint rules of pyproject.toml (ruff); `make test-fast` is the suite without its
+# end-to-end `slow` tests, for the edit loop.
 # Each creates the virtual environment $(VENV) on first use.
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,7 +14,7 @@ PIP := $(PY) -m pip install --quiet
 # With nvidia-smi present the plain requirements give the normal (CUDA) torch.
 TORCH_CPU_SPEC ?= torch==2.13.0
 
-.PHONY: venv demo chat-demo test lint clean-venv
+.PHONY: venv demo chat-demo test test-fast lint clean-venv
 
 venv: $(VENV)/.dev-installed
 
@@ -49,8 +50,15 @@ chat-demo: $(VENV)/.installed
 	$(PY) -m bench.chat_demo
 	$(PY) sample.py --ckpt out/chat_demo --chat --prompt "sort: k c f a" --temperature 0
 
+# One pytest-xdist worker a core (tests/conftest.py gives each its share of the threads); a test file runs whole on
+# one worker, so its module fixtures (a torchrun world, a trained export) are made once.
+PYTEST := $(PY) -m pytest -n auto --dist loadfile
+
 test: $(VENV)/.dev-installed
-	$(PY) -m pytest
+	$(PYTEST)
+
+test-fast: $(VENV)/.dev-installed
+	$(PYTEST) -m "not slow"
 
 lint: $(VENV)/.dev-installed
 	$(PY) -m ruff format --check .

@@ -1,4 +1,4 @@
-"""Fixtures shared by several test files."""
+"""Fixtures shared by several test files, and each pytest-xdist worker's share of the cores."""
 
 import errno
 import os
@@ -6,11 +6,60 @@ from types import SimpleNamespace
 
 import pytest
 
+from tiny import free_port, markov_tokens
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`make test`: -n auto) the workers share the cores: each takes cores / workers threads, for
+    torch in-process and (OMP_NUM_THREADS) for the processes it starts that do not set their own. The tests' train.py
+    subprocesses and torchrun ranks run with one thread (tests/tiny.py): on 2 cores an in-process run then sums as
+    they do. A plain `pytest` (no -n) leaves torch's default."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers:
+        import torch
+
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
 TOKENIZER_CORPUS = [
     "Once upon a time there was a naïve café owner 😀 who said hello to the world.",
     "The quick brown fox jumps over the lazy dog; 日本語 and ünïcödé too.",
     "A man is sitting on a roof. He starts pulling up roofing on a roof.",
 ]
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """tests/tiny.py's Markov-chain data: a train shard of 30,000 tokens and a val shard of 3,000 (read only: a test
+    that changes it copies it first)."""
+    from gpt2train.shards import write_shard
+
+    d = tmp_path_factory.mktemp("data")
+    write_shard(d / "tiny_train_000000.bin", markov_tokens(30_000, seed=1))
+    write_shard(d / "tiny_val_000000.bin", markov_tokens(3_000, seed=2))
+    return d
+
+
+@pytest.fixture
+def one_rank_torchrun(monkeypatch):
+    """The environment torchrun --nproc_per_node=1 gives its process: train.main in-process joins a process
+    group of one, so parallel='fsdp' shards (over one rank) and writes sharded checkpoints."""
+    import torch.distributed as dist
+
+    for key, value in dict(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    ).items():
+        monkeypatch.setenv(key, value)
+    yield
+    if dist.is_initialized():  # a failed run may not have reached its cleanup
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

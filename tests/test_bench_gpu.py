@@ -88,6 +88,7 @@ def test_tiny_cpu_run_passes_every_check_it_can_run_and_prints_one_table():
 @pytest.mark.slow
 def test_a_wrong_result_fails_the_run(capsys, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(gpu, "check_sigterm_resume", lambda *a: None)  # 3 runs of 60 steps this test does not read
     assert gpu.main(["--device=cpu", "--tiny", "--inject=chunked"]) == 1
     out = capsys.readouterr().out
     rows = table_rows(out)
@@ -214,7 +215,7 @@ def test_a_ctrl_c_in_the_slot_is_one_line_and_exit_130_keeping_the_rows_measured
 
 
 def test_a_row_whose_log_found_the_disk_full_says_so(tmp_path, monkeypatch, capsys):
-    slot_without_runs(monkeypatch, run_train=lambda *a, **k: (1, "", []))
+    slot_without_runs(monkeypatch, run_train=lambda *a, **k: (1, "", []), slot_optimizer=lambda *a: {})
     monkeypatch.setattr(gpu.shutil, "disk_usage", lambda path: SimpleNamespace(total=1 << 20, used=1 << 20, free=0))
     assert gpu.main(["--slot", "--tiny", "--device=cpu", f"--out={tmp_path}"]) == 1
     result, status = table_rows(capsys.readouterr().out)["124m eager"]

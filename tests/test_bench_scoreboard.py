@@ -66,6 +66,7 @@ def _tiny(tmp_path, *extra):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_scoreboard_rows_are_cumulative_and_reported(tmp_path, capsys):
     result = _tiny(tmp_path, "--steps", "1", "--rows", "baseline,sdpa,fused,malloc,train")
     rows = {r["key"]: r for r in result["scoreboard"]}

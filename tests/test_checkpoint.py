@@ -2,14 +2,17 @@
 errors."""
 
 import errno
+import hashlib
 import os
 import shutil
+import signal
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
+import train
 from gpt2train import checkpoint, optim
 from gpt2train.checkpoint import (
     FORMAT,
@@ -23,6 +26,7 @@ from gpt2train.checkpoint import (
 )
 from gpt2train.files import file_sha256
 from model import GPT, GPTConfig
+from tiny import expect_exit, metrics, one_line_error, run, train_losses
 
 TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32)
 
@@ -303,6 +307,144 @@ def test_a_copied_pair_renamed_to_best_verifies_the_copy(tmp_path):
     original.unlink()  # the original gone: the copy verifies alone
     checksum_path(original).unlink()
     assert load_checkpoint(best, note=pytest.fail)["step"] == 30
+
+
+# ----------------------------------------------------------------------------- in a training run
+
+
+def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(data_dir, tmp_path, monkeypatch):
+    real_save, saves = checkpoint.torch.save, []
+
+    def save_then_crash(obj, f):
+        saves.append(obj["step"])
+        if obj["step"] == 8:  # the second checkpoint: half written, then the process dies
+            f.write(b"PK\x03\x04 partial checkpoint")
+            raise KeyboardInterrupt
+        real_save(obj, f)
+
+    monkeypatch.setattr(checkpoint.torch, "save", save_then_crash)
+    expect_exit(130, run, data_dir, tmp_path, "--max_steps=8")  # as a Ctrl-C
+    assert saves == [4, 8]
+    assert load_latest_checkpoint(tmp_path, consolidate=False)[1] == tmp_path / "ckpt_000004.pt"
+    assert load_checkpoint(tmp_path)["step"] == 4
+    monkeypatch.setattr(checkpoint.torch, "save", real_save)
+    assert train.main(["--init_from=resume", f"--out_dir={tmp_path}"]) == 0  # and training can go on
+    assert load_checkpoint(tmp_path)["step"] == 8
+
+
+def damage_tensor_data(path, key="transformer.wte.weight", data=None):
+    """Overwrite 16 bytes inside a tensor's data in a checkpoint file (random bytes by default)."""
+    raw = load_checkpoint(path)["model"][key].numpy().tobytes()
+    offset = path.read_bytes().find(raw)
+    assert offset > 0
+    with open(path, "r+b") as f:
+        f.seek(offset + len(raw) // 2)
+        f.write(os.urandom(16) if data is None else data)
+
+
+@pytest.mark.parametrize("damage", ["tensor data", "metadata"])
+def test_resume_falls_back_past_a_damaged_checkpoint(data_dir, tmp_path, capsys, damage):
+    assert run(data_dir, tmp_path, "--max_steps=8") == 0  # checkpoints at 4 and 8
+    losses = train_losses(tmp_path)
+    newest = tmp_path / "ckpt_000008.pt"
+    if damage == "tensor data":
+        damage_tensor_data(newest, "transformer.h.0.mlp.c_fc.weight")
+    else:
+        with open(newest, "r+b") as f:  # the zip's central directory, at the end of the file
+            f.seek(-40, os.SEEK_END)
+            f.write(os.urandom(16))
+    capsys.readouterr()
+    assert train.main(["--init_from=resume", f"--out_dir={tmp_path}", "--max_steps=8"]) == 0
+    err = capsys.readouterr().err
+    assert f"note: skipping {newest}: damaged: its sha256 is " in err
+    assert train_losses(tmp_path) == losses  # resumed from step 4 and redid 5..8 exactly
+    assert load_checkpoint(newest)["step"] == 8  # rewritten, and verifies
+
+
+def test_a_resume_where_no_checkpoint_verifies_is_refused_never_a_fresh_start(data_dir, tmp_path, capsys):
+    assert run(data_dir, tmp_path, "--max_steps=8") == 0  # checkpoints at 4 and 8
+    for step in (4, 8):
+        damage_tensor_data(tmp_path / f"ckpt_{step:06d}.pt")
+    steps_logged = len(metrics(tmp_path))
+    capsys.readouterr()
+    expect_exit(1, train.main, ["--init_from=resume", f"--out_dir={tmp_path}", "--max_steps=12"])
+    assert "none of its 2 checkpoints loads" in one_line_error(capsys)
+    assert len(metrics(tmp_path)) == steps_logged  # nothing trained, nothing logged: no run from random weights
+
+
+def test_disk_full_at_a_save_is_one_line_and_the_run_resumes(data_dir, tmp_path, monkeypatch, capsys):
+    real = checkpoint.shutil.disk_usage
+    saves = []
+
+    def disk_usage(path):  # the disk is full from the second save on
+        saves.append(path)
+        usage = real(path)
+        return usage if len(saves) < 2 else usage._replace(free=1000)
+
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", disk_usage)
+    expect_exit(1, run, data_dir, tmp_path, "--max_steps=12")
+    line = one_line_error(capsys)
+    assert f"{tmp_path / 'ckpt_000008.pt'}: not enough disk space to write this checkpoint: it needs about " in line
+    assert "MiB free; nothing was written, the previous checkpoints are kept" in line
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("ckpt", ".ckpt"))) == [
+        "ckpt_000004.pt",
+        "ckpt_000004.pt.sha256",
+    ]
+    monkeypatch.undo()
+    assert train.main(["--init_from=resume", f"--out_dir={tmp_path}"]) == 0
+    assert load_checkpoint(tmp_path)["step"] == 12
+
+
+def test_disk_filling_up_during_a_save_is_one_line_and_the_run_resumes(data_dir, tmp_path, monkeypatch, capsys):
+    real_save = checkpoint.torch.save
+
+    def save_until_full(obj, f):
+        if obj["step"] == 8:  # a third of the checkpoint reaches the disk, then it is full
+            f.write(b"\0" * 3000)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(obj, f)
+
+    monkeypatch.setattr(checkpoint.torch, "save", save_until_full)
+    expect_exit(1, run, data_dir, tmp_path, "--max_steps=12")
+    assert (
+        "ckpt_000008.pt: cannot write the checkpoint (No space left on device); free some disk space"
+        in one_line_error(capsys)
+    )
+    assert not list(tmp_path.glob(".ckpt_*"))  # the temporary file is gone
+    monkeypatch.undo()
+    assert train.main(["--init_from=resume", f"--out_dir={tmp_path}", "--max_steps=8"]) == 0
+    assert load_checkpoint(tmp_path)["step"] == 8
+
+
+def test_a_second_ctrl_c_during_a_save_exits_130_and_says_what_was_kept(data_dir, tmp_path, monkeypatch, capsys):
+    real_write = checkpoint.HashingWriter.write
+    saves = []
+
+    class Interrupted:  # the file being written, as Ctrl-C is pressed twice during the write
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            return self.f.write(data)
+
+    def write(self, data):
+        if self.sha256.digest() == hashlib.sha256().digest():  # the first write of a checkpoint
+            saves.append(1)
+            if len(saves) == 2:
+                self.f = Interrupted(self.f)
+        return real_write(self, data)
+
+    monkeypatch.setattr(checkpoint.HashingWriter, "write", write)
+    expect_exit(130, run, data_dir, tmp_path, "--max_steps=8")
+    err = capsys.readouterr().err
+    assert err.count("train.py: error: ") == 1 and "Traceback" not in err, err
+    assert (
+        f"train.py: error: interrupted; the last checkpoint, {tmp_path / 'ckpt_000004.pt'}, is kept (continue "
+        f"with --init_from=resume)\n"
+    ) in err
+    assert sorted(p.name for p in tmp_path.glob("*ckpt*")) == ["ckpt_000004.pt", "ckpt_000004.pt.sha256"]
 
 
 @pytest.mark.parametrize("flat", [False, True])  # True: a pipeline's, each group's settings keyed by parameter name

@@ -17,7 +17,7 @@ import torch
 import compare
 from gpt2train import runner
 from gpt2train.files import lock_holder
-from test_train import TINY, data_dir  # noqa: F401  (data_dir is a fixture)
+from tiny import TINY
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -139,6 +139,7 @@ def test_a_metric_the_result_does_not_have_is_one_line(data_dir, tmp_path, capsy
     assert "its fields: status, val_loss" in err
 
 
+@pytest.mark.slow
 def test_a_comparison_goes_on_where_it_stopped_and_takes_more_seeds(data_dir, tmp_path, capsys):  # noqa: F811
     """A comparison killed in its second run: run again, the first run is reused, the unfinished one is moved aside
     and made again; then --seeds 2 adds the second seed's runs only. Other arms into the same directory: refused."""

@@ -4,9 +4,11 @@ shipped configs."""
 from pathlib import Path
 
 import pytest
+import torch
 
 from gpt2train import config
 from gpt2train.config import ConfigError, TrainConfig, make_config, parse_args
+from tiny import expect_exit, one_line_error, run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -156,3 +158,61 @@ def test_gpt2_124m_config_is_the_recipe():
         lr_schedule="cosine",
     )
     assert {k: getattr(cfg, k) for k in recipe} == recipe
+
+
+# ----------------------------------------------------------------------------- a run refuses a bad config
+
+
+def test_total_batch_size_must_divide(data_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run(data_dir, tmp_path, "--total_batch_size=100")  # micro-batch is 4 x 16 = 64 tokens
+    assert exit_.value.code == 2
+    assert (
+        "total_batch_size=100 is not a multiple of batch_size*block_size*world_size = 4*16*1 = 64"
+        in capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize(
+    "args, config_file, expected",
+    [
+        (["--learning_rate=1e999"], None, "config key 'learning_rate' must be a finite number; got inf"),
+        ([], "grad_clip = float('nan')\n", "config key 'grad_clip' must be a finite number; got nan"),
+        (["--beta2=1.5"], None, "config key 'beta2' must be in [0, 1); got 1.5"),
+        ([], "learning_rate = float('nan')\n", "config key 'learning_rate' must be a finite number; got nan"),
+        (["--weight_decay=-1"], None, "config key 'weight_decay' must be >= 0; got -1.0"),
+        (["--min_lr=0.01"], None, "config key 'min_lr' must be <= learning_rate=0.003; got 0.01"),
+        (["--dropout=1.0"], None, "dropout"),
+    ],
+)
+def test_bad_float_settings_are_one_line_errors_before_any_step(
+    data_dir, tmp_path, capsys, args, config_file, expected
+):
+    files = []
+    if config_file:
+        (tmp_path / "cfg.py").write_text(config_file)
+        files = [str(tmp_path / "cfg.py")]
+    expect_exit(2, run, data_dir, tmp_path / "out", *files, *args)
+    line = one_line_error(capsys)
+    assert expected in line
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()  # refused before any work
+
+
+@pytest.mark.parametrize(
+    "arg, expected",
+    [
+        ("--device=gpu", "config key 'device': 'gpu' is not a device ('auto', 'cpu', 'cuda', 'cuda:N' or 'mps')"),
+        ("--device=cuda", "config key 'device': 'cuda': "),
+        (
+            "--init_from=gpt3",
+            "config key 'init_from' must be 'scratch', 'resume', one of gpt2, gpt2-medium, gpt2-large, "
+            "gpt2-xl, a Hugging Face model directory or a checkpoint of this library (a ckpt_XXXXXX.pt "
+            "file, a ckpt_XXXXXX/ directory or a run's out_dir); got 'gpt3' (no such file or directory)",
+        ),
+    ],
+)
+def test_bad_device_or_init_from_is_one_line(data_dir, tmp_path, capsys, arg, expected):
+    if arg == "--device=cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    expect_exit(2, run, data_dir, tmp_path, "--max_steps=4", arg)
+    assert expected in one_line_error(capsys)

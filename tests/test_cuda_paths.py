@@ -18,7 +18,7 @@ from gpt2train.checkpoint import load_checkpoint
 from gpt2train.config import ConfigError, make_config, model_config, parse_args
 from gpt2train.devices import peak_flops
 from model import GPT
-from test_train import data_dir, run, train_losses  # noqa: F401  (data_dir is a fixture)
+from tiny import run, train_losses
 
 
 @pytest.fixture

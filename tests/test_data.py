@@ -1,4 +1,5 @@
-"""Shard format, prepare_data.py and the DataLoader (issue 4)."""
+"""prepare_data.py and the DataLoader (issue 4); the shard format is test_shards.py's, the manifests'
+test_manifests.py's."""
 
 import contextlib
 import json
@@ -16,7 +17,7 @@ from conftest import data_cfg, in_file_order
 from gpt2train import documents
 from gpt2train.assets import get_tokenizer
 from gpt2train.data import DataLoader
-from gpt2train.shards import ShardError, find_shards, load_shard, write_shard
+from gpt2train.shards import ShardError, find_shards, write_shard
 
 EOT = 50256
 
@@ -52,27 +53,6 @@ def split_docs(tokens, enc):
     assert tokens[0] == EOT, "the stream must start with the EOT that precedes the first document"
     starts = np.flatnonzero(tokens == EOT)
     return [enc.decode(tokens[a + 1 : b].tolist()) for a, b in zip(starts, [*starts[1:], len(tokens)])]
-
-
-# ---------------------------------------------------------------------------- shard format
-
-
-def test_header_bytes_match_spec(tmp_path):
-    tokens = [EOT, 15496, 995, 0, 65535]
-    path = tmp_path / "s.bin"
-    write_shard(path, np.array(tokens, dtype=np.int64))
-    expected = struct.pack("<256i", 20240520, 1, len(tokens), *[0] * 253) + struct.pack(f"<{len(tokens)}H", *tokens)
-    assert path.read_bytes() == expected
-    assert list(path.parent.iterdir()) == [path]  # no temporary file left behind
-
-
-def test_failed_write_keeps_the_old_shard(tmp_path):
-    path = tmp_path / "s.bin"
-    write_shard(path, np.array([1, 2, 3]))
-    before = path.read_bytes()
-    with pytest.raises(ValueError, match="65535"):
-        write_shard(path, np.array([1, 70000]))
-    assert path.read_bytes() == before and list(tmp_path.iterdir()) == [path]
 
 
 # ---------------------------------------------------------------------------- prepare_data.py
@@ -687,114 +667,6 @@ def test_a_second_prep_on_the_same_output_dir_is_refused(tmp_path, monkeypatch):
     assert f"{tmp_path / 'out'} is in use by prepare_data.py (pid " in message and "\n" not in message
 
 
-def test_manifest_records_each_shards_max_token_and_the_loader_trusts_it(tmp_path):
-    src = write_jsonl(tmp_path / "docs.jsonl", make_docs(60, seed=7))
-    out = tmp_path / "out"
-    run_prep("--input", src, "--out_dir", out, "--shard_tokens", 300, "--val_tokens", 200, "--num_proc", 1)
-    manifest_path = out / "docs_manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    for record in manifest["shards"]:
-        assert record["max_token"] == int(load_shard(out / record["file"]).max())
-    top = max(r["max_token"] for r in manifest["shards"])
-    assert top == EOT  # every document starts with it
-    DataLoader(data_cfg(out, 2, 8, vocab_size=top + 1), "train")
-    with pytest.raises(ShardError, match=f"token id {EOT} >= vocab_size {EOT}"):
-        DataLoader(data_cfg(out, 2, 8, vocab_size=EOT), "train")
-    # the record is what is checked (no scan): a record claiming smaller ids lets vocab_size=EOT through
-    for record in manifest["shards"]:
-        record["max_token"] = 100
-    manifest_path.write_text(json.dumps(manifest))
-    DataLoader(data_cfg(out, 2, 8, vocab_size=EOT), "train")
-
-
-# ---------------------------------------------------------------------------- load_shard
-
-
-def llmc_bytes(tokens, magic=20240520, version=1, count=None):
-    header = struct.pack("<256i", magic, version, len(tokens) if count is None else count, *[0] * 253)
-    return header + np.asarray(tokens, dtype="<u2").tobytes()
-
-
-@pytest.mark.parametrize(
-    "content, expected",
-    [
-        (llmc_bytes(range(100), magic=20240521), "bad magic 20240521"),
-        (llmc_bytes(range(100))[:-10], "truncated"),
-        (llmc_bytes(range(100))[:500], "truncated"),
-        (llmc_bytes(range(100), count=90), "corrupt"),
-        (llmc_bytes(range(100), version=2), "version 2"),
-        (llmc_bytes([]), "empty shard"),
-        (b"", "empty shard"),
-        (b"\x01\x02\x03", "odd size"),
-    ],
-)
-def test_bad_shards_give_clear_errors(tmp_path, content, expected):
-    path = tmp_path / "x_train_000000.bin"
-    path.write_bytes(content)
-    with pytest.raises(ShardError) as e:
-        load_shard(path)
-    assert expected in str(e.value) and str(path) in str(e.value)
-
-
-def test_out_of_vocab_token_is_reported(tmp_path):
-    path = tmp_path / "x_train_000000.bin"
-    write_shard(path, [EOT, 10, 50257, 7] * 10)
-    assert len(load_shard(path)) == 40  # no vocab given: not checked
-    assert len(load_shard(path, vocab_size=50258)) == 40
-    with pytest.raises(ShardError, match=r"token id 50257 >= vocab_size 50257 \(first bad id at token 2\)"):
-        load_shard(path, vocab_size=50257)
-    with pytest.raises(ShardError, match="x_train_000000.bin: token id 50257"):  # before the first batch
-        DataLoader(data_cfg(tmp_path, 2, 4, vocab_size=50257), "train")
-
-
-def test_shards_without_a_manifest_are_scanned_in_chunks_to_the_last_token(tmp_path):
-    from gpt2train.shards import check_shards_vocab
-
-    paths = [tmp_path / f"x_train_{i:06d}.bin" for i in range(2)]
-    write_shard(paths[0], np.arange(5000) % 64)
-    write_shard(paths[1], np.r_[np.arange(4999) % 64, 64])  # the very last token is out of range
-    shards = [load_shard(p) for p in paths]
-    check_shards_vocab(paths, shards, 65, chunk=999)
-    with pytest.raises(
-        ShardError, match=r"x_train_000001.bin: token id 64 >= vocab_size 64 \(first bad id at token 4,999\)"
-    ):
-        check_shards_vocab(paths, shards, 64, chunk=999)
-
-
-def test_npy_must_be_uint16_and_missing_shards_are_named(tmp_path):
-    np.save(tmp_path / "x_train_000000.npy", np.arange(10, dtype=np.int32))
-    with pytest.raises(ShardError, match="x_train_000000.npy: .npy shard must be a 1-D uint16 array, got int32"):
-        load_shard(tmp_path / "x_train_000000.npy")
-    with pytest.raises(ShardError, match=f"{tmp_path}: no val shards"):
-        find_shards(tmp_path, "val")
-    with pytest.raises(ShardError, match="nowhere: no such data directory"):
-        DataLoader(data_cfg(tmp_path / "nowhere", 1, 4), "train")
-
-
-def test_headerless_bin_and_npy_load_to_the_same_tokens(tmp_path):
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 50257, size=5000).astype(np.uint16)
-    for d in ("llmc", "raw", "npy"):
-        (tmp_path / d).mkdir()
-    write_shard(tmp_path / "llmc" / "fw_train_000000.bin", tokens)
-    tokens.astype("<u2").tofile(tmp_path / "raw" / "train.bin")  # nanoGPT's prepare.py layout
-    np.save(tmp_path / "npy" / "edufineweb_train_000000.npy", tokens)  # build-nanogpt's
-    for path in (
-        tmp_path / "llmc" / "fw_train_000000.bin",
-        tmp_path / "raw" / "train.bin",
-        tmp_path / "npy" / "edufineweb_train_000000.npy",
-    ):
-        loaded = load_shard(path, vocab_size=50257)
-        assert loaded.dtype == np.uint16 and np.array_equal(loaded, tokens), path
-    batches = []
-    for d in ("llmc", "raw", "npy"):
-        loader = DataLoader(data_cfg(tmp_path / d, 4, 32, seed=1), "train")
-        batches.append([loader.next_batch() for _ in range(3)])
-    for other in batches[1:]:
-        for (x0, y0), (x1, y1) in zip(batches[0], other):
-            assert torch.equal(x0, x1) and torch.equal(y0, y1)
-
-
 # ---------------------------------------------------------------------------- DataLoader
 
 T = 8
@@ -896,7 +768,7 @@ def test_val_loader_reads_fixed_batches_in_file_order(numbered):
     assert halves[0] + halves[1] == first[:4]  # ranks split each global batch
 
 
-# ---------------------------------------------------------------------------- data that is what the manifest says
+# ---------------------------------------------------------------------------- a shard that changes under the loader
 
 
 @pytest.fixture
@@ -912,17 +784,6 @@ def poke(path, at, value):
     with open(path, "r+b") as f:
         f.seek(1024 + 2 * at)
         f.write(struct.pack("<H", value))
-
-
-def test_a_shard_changed_after_prep_is_scanned_not_trusted_to_its_record(prepped):
-    import os
-
-    shard = prepped / "docs_train_000003.bin"
-    poke(shard, 123, 60000)
-    later = (prepped / "docs_manifest.json").stat().st_mtime + 5
-    os.utime(shard, (later, later))  # what any write does (set here: filesystem clocks can be coarse)
-    with pytest.raises(ShardError, match=r"docs_train_000003.bin: token id 60000 >= vocab_size 50304 .*at token 123"):
-        DataLoader(data_cfg(prepped, 2, 8, vocab_size=50304), "train")
 
 
 def test_an_id_that_appears_after_the_start_check_is_a_shard_error_naming_the_position(prepped):
@@ -952,51 +813,6 @@ def test_a_shard_truncated_in_place_under_the_loader_is_a_shard_error_not_a_bus_
         match=r"docs_train_000000.bin: 1,024 bytes, 1,624 when the run opened it: the shard changed under the run",
     ):
         loader.next_batch()
-
-
-@pytest.mark.parametrize(
-    "case, expected",
-    [
-        ("missing", r"docs_train_000002.bin: listed in docs_manifest.json but is missing"),
-        (
-            "replaced",
-            r"docs_train_000002.bin: listed in docs_manifest.json but has 1,604 bytes, the manifest records 1,624",
-        ),
-        ("foreign", r"docs_train_000099.bin: not in docs_manifest.json \(another prep's shard\?\)"),
-        ("unfinished", r"docs_manifest.json: the prep that writes docs_\* did not finish"),
-        ("locked", r"is being written by prepare_data.py \(pid"),
-        ("unmanifested", r"other_train_000000.bin: in no prep manifest of .*, unlike its other train shards"),
-        ("dangling symlink", r"docs_train_000002.bin: a symlink to .*gone.bin, which does not exist"),
-    ],
-)
-def test_the_loader_trains_only_on_what_the_manifest_lists(prepped, case, expected):
-    from gpt2train.files import directory_lock
-
-    shard = prepped / "docs_train_000002.bin"
-    manifest = json.loads((prepped / "docs_manifest.json").read_text())
-    assert [r["tokens"] for r in manifest["shards"] if r["file"] == shard.name] == [300]
-    lock = directory_lock(prepped, "prepare_data.py")
-    if case == "missing":
-        shard.unlink()
-    elif case == "replaced":  # another prep run's shard under the same name
-        write_shard(shard, np.arange(290))
-    elif case == "foreign":
-        write_shard(prepped / "docs_train_000099.bin", np.arange(300))
-    elif case == "unfinished":
-        manifest["complete"] = False
-        (prepped / "docs_manifest.json").write_text(json.dumps(manifest))
-    elif case == "unmanifested":  # another dataset's shard copied in: not silently mixed into this prep's
-        write_shard(prepped / "other_train_000000.bin", np.arange(300))
-    elif case == "dangling symlink":  # not silently skipped: the run would train on less than the directory shows
-        shard.unlink()
-        shard.symlink_to(prepped / "gone.bin")
-    with lock if case == "locked" else contextlib.nullcontext():
-        with pytest.raises(ShardError, match=expected):
-            DataLoader(data_cfg(prepped, 2, 8, vocab_size=50304), "train")
-    DataLoader(data_cfg(prepped, 2, 8), "val") if case in ("missing", "replaced", "foreign") else None
-    if case == "unmanifested":  # a glob picks the prep's shards; the other dataset alone is shards without a manifest
-        DataLoader(data_cfg(str(prepped / "docs_*"), 2, 8, vocab_size=50304), "train")
-        DataLoader(data_cfg(str(prepped / "other_*"), 2, 8, vocab_size=50304), "train")
 
 
 # ---------------------------------------------------------------------------- document rows (packing='document')
@@ -1204,75 +1020,6 @@ def test_document_rows_start_at_the_end_of_text_token_of_the_tokenizer_the_manif
         for p in rows.start.tolist():  # a segment starts at a separator, a piece border of a long document, or 0
             doc = separators[separators <= p].max(initial=0)
             assert p == doc or (p - doc) % 8 == 0, (p, doc)
-
-
-def edit_tokenizer_entry(prepped, **entry):
-    """docs_manifest.json's "tokenizer" entry updated with `entry`; returns the manifest's path."""
-    path = prepped / "docs_manifest.json"
-    manifest = json.loads(path.read_text())
-    manifest["tokenizer"].update(entry)
-    path.write_text(json.dumps(manifest))
-    return path
-
-
-@pytest.mark.parametrize(
-    "entry, message",
-    [
-        ({"eot": "abc"}, "tokenizer.eot is 'abc', expected an integer from 0 to 65,535"),
-        ({"eot": [1]}, "tokenizer.eot is [1], expected an integer from 0 to 65,535"),
-        ({"n_vocab": "many"}, "tokenizer.n_vocab is 'many', expected an integer from 0 to 65,536"),
-        ({"id": 5}, "tokenizer.id is 5, expected a string"),
-        (
-            {"file": "/dev/zero"},
-            "tokenizer.file is '/dev/zero', expected the name of a file in the manifest's directory",
-        ),
-        (
-            {"file": "../x.json"},
-            "tokenizer.file is '../x.json', expected the name of a file in the manifest's directory",
-        ),
-    ],
-)
-def test_a_manifests_tokenizer_entry_is_checked_key_by_key(prepped, entry, message):
-    """A manifest is a text file: a malformed entry is one ShardError naming it and the key, in every reader."""
-    from gpt2train.manifests import data_tokenizer, read_manifests
-
-    path = edit_tokenizer_entry(prepped, **entry)
-    for read in (
-        lambda: data_tokenizer(read_manifests(prepped)),
-        lambda: DataLoader(data_cfg(prepped, 2, 8, packing="document"), "train"),
-    ):
-        with pytest.raises(ShardError) as e:
-            read()
-        assert str(e.value) == f"{path}: {message}; run prepare_data.py again"
-
-
-def test_a_manifest_or_tokenizer_file_that_is_not_a_regular_file_is_refused_unread(prepped, deadline):
-    """A FIFO would hang the run, /dev/zero fill its memory; a tokenizer file made to match its recorded id but not a
-    tokenizer.json is named (the run's tokenizer error named the file the prep read it from)."""
-    import hashlib
-    import os
-
-    from gpt2train.manifests import data_tokenizer, read_manifests
-
-    tokenizer_file, broken = prepped / "docs_tokenizer.json", '{"model": '
-    tokenizer_file.write_text(broken)
-    digest = hashlib.sha256(broken.encode()).hexdigest()[:16]
-    manifest = edit_tokenizer_entry(prepped, id=f"sha256:{digest}", file=tokenizer_file.name, source="/elsewhere")
-    with deadline(30):
-        with pytest.raises(ShardError, match=rf"^{tokenizer_file}: not a tokenizer.json \(JSONDecodeError: "):
-            data_tokenizer(read_manifests(prepped))
-        tokenizer_file.unlink()
-        os.mkfifo(tokenizer_file)
-        with pytest.raises(ShardError, match=r"docs_tokenizer.json: cannot read the tokenizer that docs_manifest.json"):
-            data_tokenizer(read_manifests(prepped))
-        tokenizer_file.unlink()
-        tokenizer_file.symlink_to("/dev/zero")
-        with pytest.raises(ShardError, match=r"names \(is a symlink, not a regular file\); run prepare_data.py again"):
-            data_tokenizer(read_manifests(prepped))
-        manifest.unlink()
-        os.mkfifo(manifest)
-        with pytest.raises(ShardError, match=r"docs_manifest.json: unreadable prep manifest \(not a regular file"):
-            read_manifests(prepped)
 
 
 def test_ctrl_c_while_tokenizing_stops_the_prep_at_once_with_one_line(tmp_path):

@@ -12,7 +12,7 @@ import torch
 
 import checkpoint as checkpoint_command
 import sample
-import test_train
+import tiny
 import train
 from gpt2train import checkpoint, generation, hf
 from gpt2train.assets import EOT, get_tokenizer
@@ -21,7 +21,7 @@ from gpt2train.config import MODEL_KEYS
 from gpt2train.hf import save_pretrained
 from model import GPT, GPTConfig
 from test_model import perturb_
-from test_train import data_dir, train_losses  # noqa: F401 (fixture)
+from tiny import train_losses
 
 transformers = pytest.importorskip("transformers")
 
@@ -450,7 +450,7 @@ def test_train_init_from_a_custom_export_starts_where_the_checkpoint_does(data_d
     """train.py --init_from=DIR (a gpt2train export) fine-tunes the checkpoint's weights: the same first loss as
     --init_from=CHECKPOINT on the same batches, and the same second (the same model, the same optimizer groups)."""
     modern = (f"--{k}={v}" for k, v in MODERN.items())
-    assert test_train.run(data_dir, tmp_path / "run", "--max_steps=4", *modern) == 0
+    assert tiny.run(data_dir, tmp_path / "run", "--max_steps=4", *modern) == 0
     assert checkpoint_command.main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "gpt2train"
     losses = {}

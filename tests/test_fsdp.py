@@ -1,14 +1,13 @@
 """parallel='fsdp'/'hsdp': sharded training equals DDP and one process, sharded checkpoints resume exactly at any
 world size and survive a kill -9, a sharded model evaluates and samples, and one process reads the shards.
 
-Multi-rank runs are 2 CPU processes under torchrun (gloo) on test_train's tiny model and Markov-chain data.
+Multi-rank runs are 2 CPU processes under torchrun (gloo) on tests/tiny.py's tiny model and Markov-chain data.
 """
 
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import checkpoint as checkpoint_command
 import hellaswag
@@ -28,10 +26,9 @@ from gpt2train.checkpoint import load_checkpoint, load_latest_checkpoint
 from gpt2train.config import make_config
 from gpt2train.hf import from_pretrained
 from gpt2train.sharded import save_sharded_checkpoint
-from gpt2train.shards import write_shard
 from model import GPT, GPTConfig
 from test_hellaswag import EXAMPLES
-from test_train import TINY, markov_tokens, metrics, subprocess_env, torchrun, train_losses
+from tiny import TINY, free_port, metrics, subprocess_env, torchrun, train_losses
 
 ROOT = Path(__file__).resolve().parent.parent
 # 2 ranks x 1 micro-batch of 4 x 16 tokens, or 1 process x 2; a clip of 0.5 is below every step's norm here
@@ -48,43 +45,11 @@ COMMON = [
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data")
-    write_shard(d / "tiny_train_000000.bin", markov_tokens(30_000, seed=1))
-    write_shard(d / "tiny_val_000000.bin", markov_tokens(3_000, seed=2))
-    return d
-
-
-@pytest.fixture(scope="module")
 def fsdp_run(data_dir, tmp_path_factory):
     """The reference: 20 steps on 2 FSDP ranks, sharded checkpoints at steps 10 and 20."""
     out = tmp_path_factory.mktemp("fsdp")
     torchrun(*COMMON, f"--data_dir={data_dir}", f"--out_dir={out}", "--parallel=fsdp")
     return out
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def one_rank_torchrun(monkeypatch):
-    """The environment torchrun --nproc_per_node=1 gives its process: train.main in-process joins a process
-    group of one, so parallel='fsdp' shards (over one rank) and writes sharded checkpoints."""
-    for key, value in dict(
-        RANK="0",
-        LOCAL_RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    ).items():
-        monkeypatch.setenv(key, value)
-    yield
-    if dist.is_initialized():  # a failed run may not have reached its cleanup
-        dist.destroy_process_group()
 
 
 def close(a, b, tol=1e-5):

@@ -10,7 +10,7 @@ import pytest
 import ladder
 import train
 from gpt2train import scaling
-from test_train import TINY, data_dir  # noqa: F401  (data_dir is a fixture)
+from tiny import TINY
 
 TRUE = {"E": 1.2, "A": 30.0, "alpha": 0.35, "B": 60.0, "beta": 0.3}
 

@@ -10,7 +10,7 @@ from gpt2train import headroom, memory
 from gpt2train.checkpoint import load_checkpoint
 from gpt2train.config import ConfigError, make_config, model_config, parse_args
 from model import GPT
-from test_train import TINY, data_dir, metrics, run, train_losses  # noqa: F401  (data_dir is a fixture)
+from tiny import TINY, metrics, run, train_losses
 
 PLAN_PREFIX = "estimated peak memory per rank: "
 STEPS = ["--max_steps=5", "--eval_interval=0", "--save_interval=0"]

@@ -1,7 +1,7 @@
 """The modern recipe's optimizer in runs: optimizer='muon' (torch.optim.Muon for the blocks' hidden matrices, AdamW
 for the rest) checkpoints, resumes and runs under DDP like the default AdamW (its grouping: test_optim.py).
 
-Runs reuse test_train.py's tiny model and synthetic Markov-chain data.
+Runs reuse tests/tiny.py's tiny model and synthetic Markov-chain data.
 """
 
 import json
@@ -19,7 +19,7 @@ from gpt2train.generation import Sampling, generate
 from gpt2train.hf import save_pretrained
 from model import bigram_rows
 from test_model import perturb_, small_gpt
-from test_train import ROOT, TINY, data_dir, metrics, run, subprocess_env, torchrun, train_losses  # noqa: F401 (fixture)
+from tiny import ROOT, TINY, metrics, run, torchrun, train_losses
 
 MUON = ["--optimizer=muon", "--muon_lr=0.03"]
 MODERN = str(ROOT / "configs" / "modern.py")

@@ -13,7 +13,7 @@ from gpt2train import hf as hf_io
 from gpt2train import optim
 from gpt2train.config import ConfigError, make_config, model_config
 from model import GPT, GPTConfig
-from test_train import TINY, data_dir  # noqa: F401  (data_dir is a fixture)
+from tiny import TINY
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = dict(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32)

@@ -485,7 +485,7 @@ def test_neox_hf_dir_fine_tunes_resumes_exactly_and_samples(tmp_path):
     import train
     from gpt2train import loading
     from gpt2train.shards import write_shard
-    from test_train import markov_tokens
+    from tiny import markov_tokens
 
     data = tmp_path / "data"
     write_shard(data / "tiny_train_000000.bin", markov_tokens(30_000, seed=1))

@@ -241,7 +241,7 @@ def test_the_modern_optimizer_step_at_gpt2_124m_shapes_dispatches_few_ops():
     600 ops on the meta device (torch.optim.Muon's: ~1,500), a few per shape for Muon instead of ~30 per matrix."""
     from bench.muon import dispatched_ops
     from gpt2train.config import parse_args
-    from test_train import ROOT
+    from tiny import ROOT
 
     cfg = make_config(parse_args([str(ROOT / "configs" / "gpt2_124m_modern.py")]))
     with torch.device("meta"):
@@ -282,7 +282,7 @@ def test_ddp_ranks_share_the_orthogonalisation_and_get_one_processs_matrices(tmp
     """3 gloo ranks with the same gradients (as DDP's all-reduce leaves them), 4 matrices of each shape: each rank
     orthogonalises its share (2, 2, 0 of each shape) and gathers the rest, and every rank's matrices after 3 steps
     equal one process's, bit for bit."""
-    from test_train import torchrun
+    from tiny import torchrun
 
     shapes = SHAPES[:3] * 4
     torch.manual_seed(0)

@@ -16,8 +16,7 @@ from gpt2train import layout, memory, pipeline
 from gpt2train.checkpoint import load_checkpoint
 from gpt2train.config import ConfigError, make_config, model_config
 from model import GPT, GPTConfig
-from test_fsdp import one_rank_torchrun  # noqa: F401 -- a fixture
-from test_train import TINY, data_dir, metrics, torchrun, train_losses  # noqa: F401 -- data_dir: a fixture
+from tiny import TINY, metrics, torchrun, train_losses
 
 # a tiny NeoX: 4 blocks (2 per stage), 2 ranks x 8 rows of 16 tokens per step, or one process x 2 micro-batches;
 # the 2 micro-batches of 4 rows are the pipeline's 2 pieces
@@ -45,6 +44,14 @@ def pipeline_run(data_dir, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def one_process_run(data_dir, tmp_path_factory):
+    """The reference of every layout here: the same 8 steps in one process (2 micro-batches a step)."""
+    out = tmp_path_factory.mktemp("one")
+    assert train.main([*NEOX, f"--data_dir={data_dir}", f"--out_dir={out}"]) == 0
+    return out
+
+
 def by_step(out, key):
     return {m["step"]: m[key] for m in metrics(out) if key in m}
 
@@ -55,12 +62,11 @@ def max_diff(a, b):
 
 
 @pytest.mark.slow
-def test_two_stages_train_neox_to_one_process_losses(data_dir, pipeline_run, tmp_path):
-    assert train.main([*NEOX, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"]) == 0
+def test_two_stages_train_neox_to_one_process_losses(pipeline_run, one_process_run):
     assert list(by_step(pipeline_run, "train_loss")) == list(range(1, 9))
     for key in ("train_loss", "grad_norm", "val_loss"):  # val_loss at step 0 too: the same initial weights
-        assert max_diff(by_step(pipeline_run, key), by_step(tmp_path, key)) <= 1e-4, key
-    results = [json.loads((out / "summary.json").read_text())["result"] for out in (pipeline_run, tmp_path)]
+        assert max_diff(by_step(pipeline_run, key), by_step(one_process_run, key)) <= 1e-4, key
+    results = [json.loads((out / "summary.json").read_text())["result"] for out in (pipeline_run, one_process_run)]
     sizes = [{k: r[k] for k in ("params", "params_lookup", "flops")} for r in results]
     assert sizes[0] == sizes[1]  # a stage's rank reports the whole model's size, as one process does
 
@@ -91,22 +97,20 @@ def tp_pipeline_run(data_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_two_stages_times_tensor_parallel_two_train_to_one_process_losses(data_dir, tp_pipeline_run, tmp_path):
-    assert train.main([*NEOX, f"--data_dir={data_dir}", f"--out_dir={tmp_path}"]) == 0
+def test_two_stages_times_tensor_parallel_two_train_to_one_process_losses(tp_pipeline_run, one_process_run):
     assert list(by_step(tp_pipeline_run, "train_loss")) == list(range(1, 9))
     for key in ("train_loss", "grad_norm", "val_loss"):
-        assert max_diff(by_step(tp_pipeline_run, key), by_step(tmp_path, key)) <= 1e-4, key
+        assert max_diff(by_step(tp_pipeline_run, key), by_step(one_process_run, key)) <= 1e-4, key
 
 
 @pytest.mark.slow
-def test_tensor_times_pipeline_times_two_replicas_train_to_one_process_losses(data_dir, tmp_path):
+def test_tensor_times_pipeline_times_two_replicas_train_to_one_process_losses(data_dir, one_process_run, tmp_path):
     # 8 ranks: 2 stages x 2 replicas x 2 tensor-parallel ranks; the replicas average DTensor gradients' local parts
     out = tmp_path / "eight"
     layout_args = ["--pipeline_parallel=2", "--tensor_parallel=2", "--eval_steps=1"]
     torchrun(*NEOX, f"--data_dir={data_dir}", f"--out_dir={out}", *layout_args, nproc=8)
-    assert train.main([*NEOX, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'one'}"]) == 0
     for key in ("train_loss", "grad_norm", "val_loss"):
-        assert max_diff(by_step(out, key), by_step(tmp_path / "one", key)) <= 1e-4, key
+        assert max_diff(by_step(out, key), by_step(one_process_run, key)) <= 1e-4, key
 
 
 @pytest.mark.slow

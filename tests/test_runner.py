@@ -143,8 +143,9 @@ def test_a_non_numeric_metric_is_one_line_at_the_first_result(stand_in, tmp_path
     assert not (tmp_path / "a" / "seed2").exists()  # the second run never started
 
 
-def test_a_run_that_exits_2_stops_the_others_and_says_its_line(stand_in, tmp_path):
+def test_a_run_that_exits_2_stops_the_others_and_says_its_line(stand_in, tmp_path, monkeypatch):
     """With two at once: the bad run's line; the other run stopped (SIGTERM: it saved, exit 5) and reported."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # a CPU of 2 threads, whatever this worker's share
     todo = [runner.Job("bad", ["--bad=1"], 1, tmp_path / "bad"), runner.Job("slow", ["--sleep=30"], 1, tmp_path / "s")]
     seen = []
     t0 = time.perf_counter()
@@ -165,9 +166,10 @@ def test_jobs_run_side_by_side_with_their_share_of_the_threads(stand_in, tmp_pat
     assert '"OMP_NUM_THREADS": "2"' in env
 
 
-def test_sigterm_to_the_runner_stops_the_runs_which_save(stand_in, tmp_path):
+def test_sigterm_to_the_runner_stops_the_runs_which_save(stand_in, tmp_path, monkeypatch):
     """SIGTERM (as a scheduler sends it) while two runs train: both get it, save (exit 5) and are reported; then
     Interrupted with exit code 143, and the old handler is back."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # a CPU of 2 threads, whatever this worker's share
     before = signal.getsignal(signal.SIGTERM)
     seen = []
     timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGTERM))
@@ -196,10 +198,10 @@ def test_a_run_dies_with_its_runner_even_on_kill_9(stand_in, tmp_path):
         time.sleep(0.1)
     parent.kill()
     parent.wait()
-    deadline = time.time() + 20
-    while not (tmp_path / "k" / "stopped").exists() and time.time() < deadline:
+    stopped, deadline = tmp_path / "k" / "stopped", time.time() + 20
+    while not (stopped.exists() and stopped.read_text()) and time.time() < deadline:  # made, then written
         time.sleep(0.1)
-    assert (tmp_path / "k" / "stopped").read_text() == str(int(signal.SIGTERM))
+    assert stopped.read_text() == str(int(signal.SIGTERM))
 
 
 def test_the_out_dir_lock_refuses_a_second_holder(tmp_path):

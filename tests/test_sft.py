@@ -24,7 +24,7 @@ from model import GPT, ChunkedLMHeadLoss, GPTConfig
 from sample import stream_samples
 from test_chat import ROWS, render
 from test_export import write_checkpoint
-from test_train import torchrun
+from tiny import torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 32

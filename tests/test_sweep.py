@@ -10,7 +10,7 @@ import torch
 
 import sweep
 from gpt2train import optimum
-from test_train import TINY, data_dir  # noqa: F401  (data_dir is a fixture)
+from tiny import TINY
 
 LRS = [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2]
 SEEDS = [1337, 1338, 1339]

@@ -2,7 +2,7 @@
 FSDP (2-D FSDP x TP); their checkpoints keep GPT-2's layout (c_attn's q; k; v rows), resume in one process and
 consolidate; layouts that cannot split are one line.
 
-Multi-rank runs are CPU processes under torchrun (gloo) on test_train's Markov-chain data, with the GPT-2
+Multi-rank runs are CPU processes under torchrun (gloo) on tests/tiny.py's Markov-chain data, with the GPT-2
 architecture at 4 heads so that 2 ranks hold 2 heads each.
 """
 
@@ -19,8 +19,7 @@ import train
 from gpt2train.checkpoint import load_checkpoint
 from gpt2train.config import ConfigError, make_config, parse_args
 from gpt2train.tensor_parallel import gpt2_rows, qkv_order
-from test_fsdp import one_rank_torchrun  # noqa: F401 -- a fixture
-from test_train import TINY, data_dir, metrics, torchrun, train_losses  # noqa: F401 -- data_dir: a fixture
+from tiny import TINY, metrics, torchrun, train_losses
 
 ROOT = Path(__file__).resolve().parent.parent
 # 8 steps of 128 tokens: one process x 2 accumulation steps of 4 x 16, or each data-parallel rank its share;

@@ -8,9 +8,10 @@ import sys
 import pytest
 
 import plot_metrics
+import train
 from gpt2train.checkpoint import load_checkpoint
 from test_tracking import assert_tensorboard_holds, assert_wandb_holds, tensorboard_events, wandb_segments
-from test_train import data_dir, metrics, run  # noqa: F401  (data_dir is a fixture)
+from tiny import metrics, run
 
 
 @pytest.fixture(autouse=True)
@@ -123,3 +124,13 @@ def test_compare_identical_runs_is_zero_and_another_seed_is_not(data_dir, tmp_pa
     capsys.readouterr()
     assert plot_metrics.main(["--compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     assert "max |a-b| 0.000e+00, mean |a-b| 0.000e+00" in capsys.readouterr().out
+
+
+def test_resume_drops_metrics_after_the_checkpoint(data_dir, tmp_path):
+    out = tmp_path / "out"
+    assert run(data_dir, out, "--max_steps=6") == 0  # checkpoints at 4 and 6
+    (out / "ckpt_000006.pt").unlink()  # as if killed after step 6 was logged but before it was saved
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "train_lo')  # and a torn last line
+    assert train.main(["--init_from=resume", f"--out_dir={out}", "--max_steps=6"]) == 0
+    assert [m["step"] for m in metrics(out) if "train_loss" in m] == [1, 2, 3, 4, 5, 6]
