@@ -9,7 +9,6 @@ import weakref
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from gpt2train.tensor_parallel import model_rows
 from model import GPT, rotary_cos_sin
@@ -90,6 +89,8 @@ def materialise(model, env):
 
 def local_part(tensor):
     """What this rank holds of `tensor`: a DTensor's local shard, a plain (replicated) tensor itself."""
+    from torch.distributed.tensor import DTensor  # here: its import costs ~1 s, and only split runs need it
+
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -97,6 +98,8 @@ def part_of(name, whole, param, env):
     """This rank's part of `whole`, the values of parameter `name` in GPT-2's layout, as `param` holds it: FSDP's
     shard (local_slice), a tensor-parallel DTensor's slice (with FSDP's of it; tensor_parallel.model_rows), or a
     plain (replicated) parameter whole."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     if not isinstance(param, DTensor):
         return whole
     if env.tensor_parallel == 1:  # the mesh is (replicate, shard) or (shard,), ranks laid out row-major

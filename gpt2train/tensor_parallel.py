@@ -19,8 +19,6 @@ from_saved, in GPT-2's layout with the same keys as every other run, so they loa
 import logging
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 FUSED_QKV = ("attn.c_attn.weight", "attn.c_attn.bias")  # name endings of the parameters held in rank order
 
@@ -29,6 +27,8 @@ def split_blocks(model, tp_mesh):
     """Split each block of the bare GPT over tp_mesh (a 1-D DeviceMesh), in place. Each rank slices its part of
     the weights the model holds (every rank built the same ones; src_data_rank=None: no broadcast), or of the
     meta tensors that parallel.materialise fills later."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
     # DTensor warns, per rank, each time a 2-D (FSDP x TP) value is reduced or gathered one mesh dim after the
     # other: the gradient norm (a scalar) every step, c_attn at checkpoints; neither is worth a line per rank
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -58,6 +58,8 @@ def qkv_order(rows, tp):
 def tp_size(tensor):
     """Over how many tensor-parallel ranks `tensor` (a parameter, or its optimizer state) is split: 1 for a plain
     tensor or a DTensor on a mesh without a 'tp' dim."""
+    from torch.distributed.tensor import DTensor  # here: DTensor's import costs ~1 s, and only split runs need it
+
     if not isinstance(tensor, DTensor) or "tp" not in (tensor.device_mesh.mesh_dim_names or ()):
         return 1
     return tensor.device_mesh["tp"].size()
@@ -82,12 +84,16 @@ def _in_rank_order(name, whole, like):
 
 def whole(name, tensor):
     """The whole value of a parameter `name` (a collective for a DTensor: every rank calls it) in GPT-2's layout."""
+    from torch.distributed.tensor import DTensor
+
     return gpt2_rows(name, tensor.full_tensor(), tensor) if isinstance(tensor, DTensor) else tensor
 
 
 def _reordered(name, value, to_saved):
     """A DTensor of value's placements holding its values with the rows put in GPT-2's order (to_saved) or back in
     rank order: through the whole tensor (a transient copy, one parameter at a time), each rank keeping its part."""
+    from torch.distributed.tensor import distribute_tensor
+
     rows = gpt2_rows if to_saved else model_rows
     full = rows(name, value.full_tensor(), value)
     return distribute_tensor(full, value.device_mesh, value.placements, src_data_rank=None)
