@@ -146,7 +146,8 @@ def paired_test(deltas):
         return mean, [mean, mean], 0.0
     from scipy import stats
 
-    with warnings.catch_warnings(action="ignore"):  # scipy's precision note on near-equal deltas: not the user's
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # scipy's precision note on near-equal deltas: nothing the user can act on
         test = stats.ttest_1samp(deltas, 0.0)
     return mean, [float(v) for v in test.confidence_interval(0.95)], float(test.pvalue)
 
