@@ -204,18 +204,13 @@ def ladder(args):
         atomic_write(path, json.dumps(report, indent=2) + "\n")
         fit = fit_all(fit_runs(report["runs"]))
         report.update({k: fit[k] for k in ("isoflop", "power_laws", "law")})
-        report["bootstrap"] = bootstrap_record(fit)
+        report["bootstrap"] = {  # what --predict draws on: the law's residuals, each replicate's power laws and law
+            "residuals": fit["residuals"],
+            "replicates": [{k: r[k] for k in ("power_laws", "law")} for r in fit["replicates"]],
+        }
         atomic_write(path, json.dumps(report, indent=2) + "\n")
     plot(report, out / "ladder.png")
     return report
-
-
-def bootstrap_record(fit):
-    """What --predict draws on: the law's residuals and each replicate's power laws and law (not its IsoFLOPs)."""
-    return {
-        "residuals": fit["residuals"],
-        "replicates": [{k: r[k] for k in ("power_laws", "law")} for r in fit["replicates"]],
-    }
 
 
 def dry_run(planned, base, sizes, jobs):

@@ -108,13 +108,11 @@ def parabola(runs):
     }
 
 
-def by_budget(runs):
-    return {b: [r for r in runs if r["budget"] == b] for b in sorted({r["budget"] for r in runs})}
-
-
 def isoflop(runs):
     """[{flops, n_opt, d_opt, loss_opt, r2, at_edge}] per budget, smallest first."""
-    return [{"flops": b, **parabola(group)} for b, group in by_budget(runs).items()]
+    return [
+        {"flops": b, **parabola([r for r in runs if r["budget"] == b])} for b in sorted({r["budget"] for r in runs})
+    ]
 
 
 def power_laws(curves):
