@@ -218,22 +218,8 @@ def dry_run(planned, base, sizes, jobs):
     (measured by train.py through the runner, in a temporary directory), the evaluations not counted."""
     speed = {}
     with tempfile.TemporaryDirectory(prefix="ladder-dry-run-") as tmp:
-        probes = [
-            Job(
-                label,
-                [
-                    *base,
-                    *size_args(n_layer, n_embd),
-                    f"--max_steps={PROBE_STEPS}",
-                    "--eval_interval=0",
-                    "--save_interval=0",
-                    "--hellaswag_interval=0",
-                ],
-                1337,
-                Path(tmp) / label,
-            )
-            for label, n_layer, n_embd in sizes
-        ]
+        probe = [f"--max_steps={PROBE_STEPS}", "--eval_interval=0", "--save_interval=0", "--hellaswag_interval=0"]
+        probes = [Job(label, [*base, *size_args(n, e), *probe], 1337, Path(tmp) / label) for label, n, e in sizes]
         for key, rec in run_jobs(probes, tmp, jobs=jobs, metric="tokens_per_s").items():
             if rec["status"] != "ok" or not rec["value"]:
                 raise LadderError(
