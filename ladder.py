@@ -88,10 +88,7 @@ def rungs(args):
     """([(label, n_layer, n_embd)], [budget]) of --sizes and --flops, checked: one line for any bad one."""
     if not (args.sizes and args.flops and args.out_dir):
         raise LadderError("a ladder needs --sizes, --flops and --out_dir (or DIR with --predict/--predict_flops)")
-    sizes = []
-    for text in args.sizes.split(","):
-        n_layer, n_embd = parse_size(text)
-        sizes.append((f"{n_layer}x{n_embd}", n_layer, n_embd))
+    sizes = [(f"{n_layer}x{n_embd}", n_layer, n_embd) for n_layer, n_embd in map(parse_size, args.sizes.split(","))]
     budgets = []
     for text in args.flops.split(","):
         try:
