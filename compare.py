@@ -48,6 +48,7 @@ import re
 import shlex
 import statistics
 import sys
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -133,59 +134,22 @@ def first_differing_step(run, base):
     return next((s for s in sorted(set(a) | set(b)) if s not in a or s not in b or a[s] != b[s]), None)
 
 
-def t_two_sided_p(t, df):
-    """P(|T| >= |t|) for Student's t with df degrees of freedom: the regularized incomplete beta I_x(df/2, 1/2) at
-    x = df / (df + t^2)."""
-    x = df / (df + t * t)
-    a, b = df / 2, 0.5
-    if x < (a + 1) / (a + b + 2):
-        return incomplete_beta(a, b, x)
-    return 1 - incomplete_beta(b, a, 1 - x)  # where the continued fraction converges slowly: the symmetry
-
-
-def incomplete_beta(a, b, x):
-    """The regularized incomplete beta function I_x(a, b), by its continued fraction (modified Lentz); converges
-    fast for x < (a + 1) / (a + b + 2)."""
-    if x <= 0:
-        return 0.0
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
-    tiny = 1e-300
-    floor = lambda v: v if abs(v) > tiny else tiny  # noqa: E731
-    c, d = 1.0, 1 / floor(1 - (a + b) * x / (a + 1))
-    h = d
-    for m in range(1, 500):
-        even = m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m))
-        odd = -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))
-        for term in (even, odd):
-            d, c = 1 / floor(1 + term * d), floor(1 + term / c)
-            h *= d * c
-        if abs(d * c - 1) < 1e-15:
-            break
-    return front * h / a
-
-
-def t_quantile(q, df):
-    """The t with P(T <= t) = q (q > 0.5), by bisection of t_two_sided_p."""
-    lo, hi = 0.0, 1e7
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if 1 - t_two_sided_p(mid, df) / 2 < q else (lo, mid)
-    return (lo + hi) / 2
-
-
 def paired_test(deltas):
-    """(mean, 95% t-interval, two-sided p) of per-seed differences, as scipy.stats.ttest_rel computes them; all exactly
-    0: (0, [0, 0], 1); one seed: no interval or p (None)."""
+    """(mean, 95% t-interval, two-sided p) of per-seed differences: scipy's paired t-test (ttest_rel, as the one-sample
+    test of the differences); all exactly 0: (0, [0, 0], 1); one seed: no interval or p (None)."""
     n, mean = len(deltas), statistics.fmean(deltas)
     if all(d == 0 for d in deltas):
         return 0.0, [0.0, 0.0], 1.0
     if n < 2:
         return mean, None, None
-    sem = statistics.stdev(deltas) / math.sqrt(n)
-    if sem == 0:  # every seed moved by exactly the same amount
+    if statistics.stdev(deltas) == 0:  # every seed moved by exactly the same amount
         return mean, [mean, mean], 0.0
-    half = t_quantile(0.975, n - 1) * sem
-    return mean, [mean - half, mean + half], t_two_sided_p(mean / sem, n - 1)
+    from scipy import stats
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # scipy's precision note on near-equal deltas: nothing the user can act on
+        test = stats.ttest_1samp(deltas, 0.0)
+    return mean, [float(v) for v in test.confidence_interval(0.95)], float(test.pvalue)
 
 
 def verdict(pairs, metric, failed=False):
@@ -226,18 +190,15 @@ def compare_arm(arm, base, metric, seeds, confirm=False):
 
 
 def slope_fit(points):
-    """(slope, its 95% t-interval) of the least-squares line through (x, y) points; (None, None) under 3 points."""
-    n = len(points)
-    if n < 3:
+    """(slope, its 95% t-interval) of the least-squares line through (x, y) points (scipy's linregress); (None, None)
+    under 3 points or when every x is the same."""
+    if len(points) < 3 or len({x for x, _ in points}) == 1:
         return None, None
-    mx, my = statistics.fmean(x for x, _ in points), statistics.fmean(y for _, y in points)
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    if sxx == 0:
-        return None, None
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
-    sse = sum((y - my - slope * (x - mx)) ** 2 for x, y in points)
-    half = t_quantile(0.975, n - 2) * math.sqrt(sse / (n - 2) / sxx)
-    return slope, [slope - half, slope + half]
+    from scipy import stats
+
+    fit = stats.linregress(*zip(*points))
+    half = stats.t.ppf(0.975, len(points) - 2) * fit.stderr
+    return float(fit.slope), [float(fit.slope - half), float(fit.slope + half)]
 
 
 def transfer_verdict(words):

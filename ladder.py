@@ -88,10 +88,7 @@ def rungs(args):
     """([(label, n_layer, n_embd)], [budget]) of --sizes and --flops, checked: one line for any bad one."""
     if not (args.sizes and args.flops and args.out_dir):
         raise LadderError("a ladder needs --sizes, --flops and --out_dir (or DIR with --predict/--predict_flops)")
-    sizes = []
-    for text in args.sizes.split(","):
-        n_layer, n_embd = parse_size(text)
-        sizes.append((f"{n_layer}x{n_embd}", n_layer, n_embd))
+    sizes = [(f"{n_layer}x{n_embd}", n_layer, n_embd) for n_layer, n_embd in map(parse_size, args.sizes.split(","))]
     budgets = []
     for text in args.flops.split(","):
         try:
@@ -204,18 +201,13 @@ def ladder(args):
         atomic_write(path, json.dumps(report, indent=2) + "\n")
         fit = fit_all(fit_runs(report["runs"]))
         report.update({k: fit[k] for k in ("isoflop", "power_laws", "law")})
-        report["bootstrap"] = bootstrap_record(fit)
+        report["bootstrap"] = {  # what --predict draws on: the law's residuals, each replicate's power laws and law
+            "residuals": fit["residuals"],
+            "replicates": [{k: r[k] for k in ("power_laws", "law")} for r in fit["replicates"]],
+        }
         atomic_write(path, json.dumps(report, indent=2) + "\n")
     plot(report, out / "ladder.png")
     return report
-
-
-def bootstrap_record(fit):
-    """What --predict draws on: the law's residuals and each replicate's power laws and law (not its IsoFLOPs)."""
-    return {
-        "residuals": fit["residuals"],
-        "replicates": [{k: r[k] for k in ("power_laws", "law")} for r in fit["replicates"]],
-    }
 
 
 def dry_run(planned, base, sizes, jobs):
@@ -223,22 +215,8 @@ def dry_run(planned, base, sizes, jobs):
     (measured by train.py through the runner, in a temporary directory), the evaluations not counted."""
     speed = {}
     with tempfile.TemporaryDirectory(prefix="ladder-dry-run-") as tmp:
-        probes = [
-            Job(
-                label,
-                [
-                    *base,
-                    *size_args(n_layer, n_embd),
-                    f"--max_steps={PROBE_STEPS}",
-                    "--eval_interval=0",
-                    "--save_interval=0",
-                    "--hellaswag_interval=0",
-                ],
-                1337,
-                Path(tmp) / label,
-            )
-            for label, n_layer, n_embd in sizes
-        ]
+        probe = [f"--max_steps={PROBE_STEPS}", "--eval_interval=0", "--save_interval=0", "--hellaswag_interval=0"]
+        probes = [Job(label, [*base, *size_args(n, e), *probe], 1337, Path(tmp) / label) for label, n, e in sizes]
         for key, rec in run_jobs(probes, tmp, jobs=jobs, metric="tokens_per_s").items():
             if rec["status"] != "ok" or not rec["value"]:
                 raise LadderError(

@@ -81,14 +81,8 @@ def split_held_out(texts, held_out_bytes=None):
         cut = data[:need].decode("utf-8", errors="ignore")  # drop a character cut in half
         held.append(cut)
         rest = text[len(cut) :]
-        return "\n".join(held), _chain(rest, texts)
+        return "\n".join(held), itertools.chain([rest] if rest else [], texts)
     return "\n".join(held), iter(())
-
-
-def _chain(first, rest):
-    if first:
-        yield first
-    yield from rest
 
 
 def cut_long_runs(text):

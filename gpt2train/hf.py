@@ -176,10 +176,8 @@ def save_pretrained(
     generation_config.json with its <|endoftext|> id as eos."""
     cfg = model.config
     route = export_route(cfg)
-    try:
-        from safetensors.torch import save_file
-    except ImportError as e:
-        raise ImportError("save_pretrained needs the safetensors package: pip install safetensors") from e
+    from safetensors.torch import save_file  # a runtime dependency (requirements.txt)
+
     neox = route == "gpt_neox"
     # GPT-2 files hold the real vocabulary only; GPT-NeoX checkpoints keep their padded one (as Pythia's do)
     own = tokenizer_json is not None  # a tokenizer of the run's own: every row goes, as GPT-NeoX does
@@ -421,13 +419,8 @@ def _download_from_hub(name: str) -> Path:
         f"reachable (`hf download {repo} {' '.join(files)} --local-dir {name}-hf`), copy it here and use "
         f"init_from='{name}-hf' (or --init_from {name}-hf)"
     )
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError as e:
-        raise ImportError(
-            f"from_pretrained({name!r}) needs huggingface_hub (pip install huggingface_hub) to "
-            f"download {repo}; {offline}"
-        ) from e
+    from huggingface_hub import snapshot_download  # a dependency of datasets (requirements.txt)
+
     try:
         return Path(snapshot_download(repo, allow_patterns=files))
     except Exception as e:  # noqa: BLE001 -- the hub's and its HTTP client's errors: no route, DNS, proxy, 404...
@@ -543,15 +536,10 @@ def _read_hf_weights(path: Path) -> dict:
             f"from_pretrained: {path} has neither model.safetensors nor pytorch_model.bin "
             "(nor a sharded *.index.json of either)"
         )
+    from safetensors.torch import load_file
+
     sd = {}
     for file in files:
-        if file.name.endswith(".safetensors"):
-            try:
-                from safetensors.torch import load_file
-            except ImportError as e:
-                raise ImportError(
-                    f"from_pretrained: {file} needs the safetensors package (pip install safetensors)"
-                ) from e
         try:
             sd.update(
                 load_file(str(file))

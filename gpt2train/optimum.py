@@ -12,8 +12,9 @@ points are not convex (a flat or noisy curve) the optimum is the best grid point
 import math
 import random
 
+import numpy as np
+
 BOOTSTRAP = 2000  # resamples of the seeds
-CI = 0.95
 
 
 def mean_curve(rows):
@@ -40,11 +41,9 @@ def vertex(logs, curve):
     return min(max(u, x0), x2), best
 
 
-def percentile(sorted_values, q):
-    """Linear interpolation between order statistics (numpy's default)."""
-    pos = (len(sorted_values) - 1) * q
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+def ci95(logs):
+    """exp of the 2.5th and 97.5th percentiles of logs."""
+    return [math.exp(v) for v in np.percentile(logs, [2.5, 97.5])]
 
 
 def bootstrap_logs(logs, rows, seed=0):
@@ -69,8 +68,7 @@ def fit_optimum(values, rows, seed=0):
     edge = best in (0, len(logs) - 1)
     ci = None
     if len(rows) > 1:
-        draws = bootstrap_logs(logs, rows, seed)
-        ci = [math.exp(percentile(draws, (1 - CI) / 2)), math.exp(percentile(draws, (1 + CI) / 2))]
+        ci = ci95(bootstrap_logs(logs, rows, seed))
     extend = ("lower" if best == 0 else "higher") if edge else None
     return {"value": math.exp(u), "ci95": ci, "at_edge": edge, "extend": extend, "best": values[order[best]]}
 
@@ -91,8 +89,4 @@ def moved(small, large, seed=0):
         return {"ratio": ratio, "ci95": None}
     rng = random.Random(seed)
     rng.shuffle(draws[1])  # pair the two sizes' resamples at random: independent seeds
-    logs = sorted(b - a for a, b in zip(*draws))
-    return {
-        "ratio": ratio,
-        "ci95": [math.exp(percentile(logs, (1 - CI) / 2)), math.exp(percentile(logs, (1 + CI) / 2))],
-    }
+    return {"ratio": ratio, "ci95": ci95([b - a for a, b in zip(*draws)])}

@@ -42,18 +42,10 @@ class Fits:
 
 FITS = Fits()
 LAW_KEYS = ("E", "A", "alpha", "B", "beta")
-# Chinchilla's grid of initialisations: alpha, beta in 0..2 by 0.5, e in -1..1 by 0.5, a, b in 0..25 by 5
-GRID = np.array(
-    list(
-        itertools.product(
-            np.arange(0, 30, 5.0),
-            np.arange(0, 2.5, 0.5),
-            np.arange(0, 30, 5.0),
-            np.arange(0, 2.5, 0.5),
-            [-1, -0.5, 0, 0.5, 1],
-        )
-    )
-)  # (a, alpha, b, beta, e)
+# Chinchilla's grid of initialisations (a, alpha, b, beta, e): a, b in 0..25 by 5, alpha, beta in 0..2 by 0.5,
+# e in -1..1 by 0.5
+COEFS, EXPONENTS = np.arange(0, 30, 5.0), np.arange(0, 2.5, 0.5)
+GRID = np.array(list(itertools.product(COEFS, EXPONENTS, COEFS, EXPONENTS, [-1, -0.5, 0, 0.5, 1])))
 BOUNDS = [(None, None), (0.0, 5.0), (None, None), (0.0, 5.0), (None, None)]
 LBFGSB = {
     "jac": True,
@@ -108,13 +100,11 @@ def parabola(runs):
     }
 
 
-def by_budget(runs):
-    return {b: [r for r in runs if r["budget"] == b] for b in sorted({r["budget"] for r in runs})}
-
-
 def isoflop(runs):
     """[{flops, n_opt, d_opt, loss_opt, r2, at_edge}] per budget, smallest first."""
-    return [{"flops": b, **parabola(group)} for b, group in by_budget(runs).items()]
+    return [
+        {"flops": b, **parabola([r for r in runs if r["budget"] == b])} for b in sorted({r["budget"] for r in runs})
+    ]
 
 
 def power_laws(curves):
