@@ -11,6 +11,7 @@ can say in a sentence, not where it meets a count, and a wide call becomes a rec
 not a dict splatted out of the count's sight (a splat of a function's own dict counts its keys)."""
 
 import ast
+import functools
 import re
 import shutil
 import subprocess
@@ -310,16 +311,26 @@ def call_widths(tree):
     return widths
 
 
+@functools.cache
+def parsed_with_widths(text):
+    """A file's AST and its calls' widths, made once per text (the budget test reads a copy of the library after
+    each edit it makes)."""
+    tree = ast.parse(text)
+    return tree, call_widths(tree)
+
+
 def over_budget(root):
     """What in the library under `root` (its root .py files and the package) breaks a size budget: a module over
     MODULE_LINES lines, a function over FUNCTION_LINES (def to last line, docstring included), a call passing more
     than CALL_ARGS arguments (call_widths: a splatted dict's keys count), unless it builds a record (a dataclass or
     NamedTuple of the library)."""
     files = [*sorted(root.glob("*.py")), *sorted((root / PACKAGE).glob("*.py"))]
-    trees = {path.relative_to(root).as_posix(): (path.read_text(), ast.parse(path.read_text())) for path in files}
+    trees = {
+        path.relative_to(root).as_posix(): (path.read_text(), *parsed_with_widths(path.read_text())) for path in files
+    }
     records = {
         node.name
-        for _, tree in trees.values()
+        for _, tree, _ in trees.values()
         for node in ast.walk(tree)
         if isinstance(node, ast.ClassDef)
         and (
@@ -328,10 +339,9 @@ def over_budget(root):
         )
     }
     found = []
-    for name, (text, tree) in trees.items():
+    for name, (text, tree, widths) in trees.items():
         if len(text.splitlines()) > MODULE_LINES:
             found.append(f"{name}: {len(text.splitlines())} lines")
-        widths = call_widths(tree)
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1

@@ -242,6 +242,7 @@ def test_chunked_loss_accumulates_a_bf16_weights_gradient_in_fp32(monkeypatch):
     assert bf16_weight.dtype == torch.bfloat16 and torch.equal(bf16_weight, fp32_path.bfloat16())
 
 
+@pytest.mark.slow
 def test_compiled_chunked_loss_is_one_op_whatever_the_chunks_with_the_reference_gradients(monkeypatch):
     """torch.compile must not unroll the chunk loop: traced whole, every chunk's (V, C) weight-gradient product
     stayed alive until one fused sum, and the compiled forward's peak grew with the number of chunks. Compiled,

@@ -143,6 +143,7 @@ def test_a_mup_model_exports_through_the_gpt2train_route():
     assert hf_io.export_route(GPTConfig(**SMALL, parametrization="mup")) == "gpt2train"
 
 
+@pytest.mark.slow
 def test_coord_check_mup_keeps_every_kind_within_2x_across_widths_and_standard_logits_grow(data_dir, tmp_path):  # noqa: F811
     """bench.coord_check at widths 64-256 (2 layers, 5 AdamW steps at lr 1e-2 on the tiny corpus): under muP every
     kind's RMS at the last step within 2x across the widths; under standard the logits' not."""

@@ -135,6 +135,7 @@ def test_a_compiled_cpu_run_adds_no_gradient_with_atomic_adds(process_modes):
     assert not [c for c in code if "atomic_add" in c]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("torchrun", [False, True])
 def test_under_torchrun_a_command_ends_without_the_interpreters_finalization(torchrun):
     """Issue 58: DDP keeps the gloo process group's worker threads alive past destroy_process_group, and one that
