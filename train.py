@@ -385,7 +385,7 @@ def run(user, argv=()):
     optimizer = build_optimizer(raw_model, cfg, fused_adamw_supported(env.kind))  # after sharding
     scaler = torch.amp.GradScaler(env.kind, enabled=env.dtype == "float16")  # loss scaling for fp16 only
     resumed = source.resumed
-    progress = Progress() if resumed is None else restore(resumed, raw_model, optimizer, scaler, train_loader)
+    progress = Progress() if resumed is None else restore(resumed, raw_model, optimizer, scaler, train_loader, env)
     tracker = start_tracking(cfg, resumed, env.tokens_per_step, env)
     # a resume's max_steps was fixed by the run it continues; rank 0 rewrites config.json when a budget fixes it
     budget = Budget(cfg, env, source.kind == "resume", (lambda steps: write_config(cfg, steps)) if env.master else None)

@@ -30,15 +30,15 @@ class Progress:
     skipped_in_a_row: int = 0
 
 
-def restore(ckpt, raw_model, optimizer, scaler, loader):
-    """Optimizer (and from a sharded checkpoint the weights, resharded to this run's layout), loss scaler and
+def restore(ckpt, raw_model, optimizer, scaler, loader, env):
+    """Optimizer (and from a sharded checkpoint the weights, resharded to this run's layout: env), loss scaler and
     loader position from a checkpoint; returns the Progress it recorded. Every rank calls it. The optimizer's
     kernel (fused, foreach) stays this run's: a fused checkpoint resumes where fused AdamW cannot run (tensor
     parallelism mixes plain tensors and DTensors: optim.adamw)."""
     kernels = [{k: group[k] for k in ("fused", "foreach") if k in group} for group in optimizer.param_groups]
     if "shards" in ckpt:
         load_sharded_checkpoint(ckpt["shards"], raw_model, optimizer, adapter=tensor_parallel)
-    elif len(raw_model.transformer.h) < raw_model.config.n_layer:  # a pipeline stage; the state is the whole model's
+    elif env.pipeline > 1:  # this rank holds a stage; the state is the whole model's
         raise ConfigError(
             f"init_from=resume: {ckpt['path']} is a single-file checkpoint, which pipeline stages cannot resume yet: "
             f"resume it with --pipeline_parallel=1, or train a pipeline on from its weights with "
@@ -151,7 +151,7 @@ class Checkpointer:
         }
         path = checkpoint_path(self.cfg.out_dir, step, sharded=env.sharded)
         if env.sharded:
-            save_sharded_checkpoint(path, meta, raw_model, optimizer, adapter=tensor_parallel)
+            save_sharded_checkpoint(path, meta, raw_model, optimizer, adapter=tensor_parallel, stage=env.pipeline > 1)
         else:
             save_checkpoint(path, {**meta, "model": raw_model.state_dict(), "optimizer": optimizer.state_dict()})
         if env.master:

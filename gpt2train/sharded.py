@@ -51,13 +51,13 @@ def _hashing_filesystem():
     return HashingFileSystem
 
 
-def save_sharded_checkpoint(path, meta, model, optimizer, adapter=None):
+def save_sharded_checkpoint(path, meta, model, optimizer, adapter=None, stage=False):
     """Write the sharded checkpoint directory `path`. Under torch.distributed a collective: every rank calls
     it with its (FSDP-sharded) model and optimizer and writes its own shards; rank 0 writes `meta` (all
     the rest of the checkpoint) and renames the temporary directory into place once every rank's shards
     and DCP's index are on disk. A rank killed midway leaves only the temporary directory behind. adapter:
     None, or what puts the {'model', 'optimizer'} state in the saved layout, adapter.to_saved(state) (every rank
-    calls it), and back, adapter.from_saved(state) (load_sharded_checkpoint's)."""
+    calls it), and back, adapter.from_saved(state) (load_sharded_checkpoint's). stage: the model is a pipeline stage."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -73,7 +73,7 @@ def save_sharded_checkpoint(path, meta, model, optimizer, adapter=None):
         dist.barrier()
     # a pipeline stage's optimizer groups list its own parameters only: each name then carries its group's settings
     # (flattened), where one list per group would be written by one stage for all
-    options = StateDictOptions(flatten_optimizer_state_dict=len(model.transformer.h) < model.config.n_layer)
+    options = StateDictOptions(flatten_optimizer_state_dict=stage)
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     if model.config.tie_embeddings:  # an untied head (GPT-NeoX) is a tensor of its own
         model_state.pop(TIED, None)

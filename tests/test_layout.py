@@ -414,14 +414,15 @@ def test_every_note_goes_through_console_log():
 
 
 # the package's parallelism and step code, which reads the run's layout from layout.Env (torchtitan's ParallelDims)
-LAYOUT_READERS = ("parallel", "pipeline", "step", "sharded", "layout", "tensor_parallel")
+LAYOUT_READERS = ("parallel", "pipeline", "step", "sharded", "layout", "tensor_parallel", "resume")
 MODEL_NAMES = {"model", "raw", "raw_model", "compiled", "inner", "gpt", "stage", "module"}  # what holds a model there
 MODEL_CLASSES = {"GPT", "StageGPT", "StageModule", "Stage", "Pipeline"}
 
 
 def model_probes(trees):
     """Where the modules `trees` ({name: AST}) ask the model which parallelism is on: hasattr/getattr/vars/type of a
-    name that holds a model, a __dict__ or __class__ probe, an isinstance check against the model's classes. The one
+    name that holds a model, a __dict__ or __class__ probe, an isinstance check against the model's classes, a count
+    of its blocks (len(model.transformer.h): a stage is a model short of blocks). The one
     attribute asked is torch.compile's wrapper's (_orig_mod, parallel.unwrapped): what compiled, not how it is laid
     out."""
     found = []
@@ -435,9 +436,11 @@ def model_probes(trees):
             classes = (
                 {n.id for n in ast.walk(node.args[-1]) if isinstance(n, ast.Name)} if call == "isinstance" else set()
             )
+            counted = node.args[0] if call == "len" and node.args else None
             if (
                 isinstance(node, ast.Attribute)
                 and node.attr in ("__dict__", "__class__")
+                or ast.unparse(counted or ast.Name("")).split(".")[0] in MODEL_NAMES
                 or isinstance(first, ast.Name)
                 and first.id in MODEL_NAMES
                 or classes & MODEL_CLASSES
@@ -469,5 +472,6 @@ def test_which_parallelism_is_on_is_read_from_the_layout_never_asked_of_the_mode
         '"deferred_init" in model.__dict__',
         "model.__class__ = StageGPT",
         "isinstance(raw, (GPT, DDP))",
+        "len(raw_model.transformer.h) < raw_model.config.n_layer",
     ):
         assert len(model_probes({"copy": ast.parse(probe)})) == 1, probe
