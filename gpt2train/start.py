@@ -386,10 +386,8 @@ def check_shared_out_dir(out_dir, resumed_step, problem, env):
     dist.barrier()
     sees = False
     for _ in range(10):  # a shared filesystem may show a new file a moment late
-        try:
+        with contextlib.suppress(OSError):
             sees = marker.read_text() == token[0]
-        except OSError:
-            pass
         if sees or env.master:
             break
         time.sleep(0.5)

@@ -9,6 +9,7 @@ cost per token and the end-of-run summary. train.py makes one Tracker, on rank 0
 Both sinks are optional packages (`pip install wandb tensorboard`); the library runs without them.
 """
 
+import contextlib
 import datetime
 import fcntl
 import json
@@ -43,14 +44,10 @@ class MetricsLog:
         kept = []
         if resume_step is not None and path.exists():
             for line in path.read_text().splitlines():
-                try:
+                with contextlib.suppress(ValueError, KeyError, TypeError):  # a killed run's half-written last line
                     if json.loads(line)["step"] <= resume_step:
                         kept.append(line + "\n")
-                except (ValueError, KeyError, TypeError):
-                    pass  # a half-written last line from a killed run
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, path)  # atomic: a crash here leaves the old file or the new one
+        atomic_write(path, "".join(kept))  # a crash here leaves the old file or the new one
         self.file = open(path, "a")
 
     def write(self, record):
@@ -254,10 +251,8 @@ class Tracker:
         has `status` (EXIT_CODES) and `extra` (train.py's params, params_lookup, max_seconds)."""
         records = []
         for line in Path(self.metrics.file.name).read_text().splitlines():
-            try:
+            with contextlib.suppress(ValueError):
                 records.append(json.loads(line))
-            except ValueError:
-                pass
         train = [r for r in records if "train_loss" in r]
         val = [r for r in records if "val_loss" in r]  # the last one's loss is None where it was non-finite
         finite_val = [r for r in val if r["val_loss"] is not None]
@@ -282,10 +277,7 @@ class Tracker:
         if hellaswag:
             h = hellaswag[-1]
             out.update(
-                hellaswag_step=h["step"],
-                hellaswag_acc=h["hellaswag_acc"],
-                hellaswag_acc_norm=h["hellaswag_acc_norm"],
-                hellaswag_n=h["hellaswag_n"],
+                hellaswag_step=h["step"], **{k: h[k] for k in ("hellaswag_acc", "hellaswag_acc_norm", "hellaswag_n")}
             )
         # a mixture's sources: the last validation's val/<name>_loss and _bpb, and the tokens each supplied
         out.update({k: v for k, v in (val[-1] if val else {}).items() if k.startswith("val/")})
