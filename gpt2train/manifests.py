@@ -210,15 +210,16 @@ def check_one_tokenizer(found, sources):
     if other is None:
         return
     one = next(iter(ids))
-
-    def named(name):
-        r = ids[name]
-        return r["id"] + (f" ({r['source']})" if r.get("source") else "")
-
     raise ShardError(
-        f"data_dir: {sources[one][0]} was tokenized with {named(one)}, {sources[other][0]} with {named(other)}; the "
-        f"sources of a mixture share one tokenizer: prepare them with the same prepare_data.py --tokenizer"
+        f"data_dir: {sources[one][0]} was tokenized with {tokenizer_name(ids[one])}, {sources[other][0]} with "
+        f"{tokenizer_name(ids[other])}; the sources of a mixture share one tokenizer: prepare them with the same "
+        f"prepare_data.py --tokenizer"
     )
+
+
+def tokenizer_name(record):
+    """A tokenizer record's id, and the file it came from where it has one, for a message."""
+    return record["id"] + (f" ({record['source']})" if record.get("source") else "")
 
 
 def remove_stale_temp_files(out_dir, name):
