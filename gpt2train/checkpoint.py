@@ -95,19 +95,10 @@ class HashingWriter:
 
 def storage_bytes(obj):
     """Bytes of tensor data torch.save writes for obj (nested dicts/lists/tuples): each storage once."""
-    seen, total, stack = set(), 0, [obj]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            storage = item.untyped_storage()  # tied weights and views share one
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-    return total
+    from torch.utils._pytree import tree_leaves
+
+    storages = [t.untyped_storage() for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
+    return sum({s.data_ptr(): s.nbytes() for s in storages}.values())  # tied weights and views share one
 
 
 def check_free_space(path, obj):
