@@ -389,13 +389,7 @@ def resolve_source(corpus):
         revision=corpus.revision or preset.get("revision"),
         streaming=preset.get("streaming", True) if corpus.streaming is None else corpus.streaming,
     )
-    describe = {
-        "hf": hf["hf_path"],
-        "config": hf["config"],
-        "split": hf["split"],
-        "revision": hf["revision"],
-        "text_key": text_key,
-    }
+    describe = {"hf": hf["hf_path"], **{k: hf[k] for k in ("config", "split", "revision")}, "text_key": text_key}
     loaded = {}
 
     def texts():
