@@ -103,12 +103,6 @@ def cpu_has_fast_bf16():
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
-def cuda_has_native_bf16():
-    """bf16 in hardware (compute capability 8.0+). torch.cuda.is_bf16_supported() alone also says True on
-    V100/T4, which emulate it slowly."""
-    return torch.cuda.is_bf16_supported(including_emulation=False)
-
-
 def resolve_dtype(dtype, device):
     """The dtype name a run uses: `dtype` itself if not 'auto', else the fast one for `device`:
     cuda -> bfloat16 with native bf16, else float16; cpu -> bfloat16 with AVX512-BF16/AMX, else float32;
@@ -119,7 +113,8 @@ def resolve_dtype(dtype, device):
         return dtype
     kind = device_type(device)
     if kind == "cuda":
-        return "bfloat16" if cuda_has_native_bf16() else "float16"
+        # bf16 in hardware (compute capability 8.0+): is_bf16_supported() alone says True on V100/T4, which emulate it
+        return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
     if kind == "cpu" and cpu_has_fast_bf16():
         return "bfloat16"
     return "float32"
