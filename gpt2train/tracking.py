@@ -165,9 +165,7 @@ class Tracker:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.tokens_per_step, self.cost_per_hour = tokens_per_step, run_config["cost_per_hour"]
-        state = dict(state or {})
-        if resume_step is None:
-            state = {}  # a fresh run carries nothing over
+        state = {} if resume_step is None else state or {}  # a fresh run carries nothing over
         self.wall_before = state.get("wall_s", 0.0)  # seconds of the earlier processes of this run
         self.tokens = state.get("tokens", resume_step * tokens_per_step if resume_step else 0)
         # throughput means: every process's first step is left out (torch.compile, warm-up)
