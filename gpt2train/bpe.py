@@ -5,6 +5,7 @@ tokenizer_from_record); an exact tiktoken translation of a tokenizer.json for fa
 and the tokenizer files of an export (gpt2_tokenizer_json, save_tokenizer). Training one is tokenizer.py's job.
 """
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -83,10 +84,8 @@ def token_bytes(enc, size=0):
     table = np.zeros(max(size, enc.n_vocab), dtype=np.int64)
     for i in range(enc.n_vocab):
         if i not in special:
-            try:
+            with contextlib.suppress(KeyError):  # an id in a gap of the vocabulary
                 table[i] = len(enc.decode_single_token_bytes(i))
-            except KeyError:  # an id in a gap of the vocabulary
-                pass
     table.flags.writeable = False
     return table
 
