@@ -32,14 +32,12 @@ MIN_TORCH = (2, 6)
 def torch_version_problem(version, minimum=MIN_TORCH):
     """A one-line message if torch `version` (e.g. '2.5.1+cu124', '2.6.0a0+git1234') is older than `minimum`,
     else None. Pre-releases of the minimum itself (NGC containers ship '2.6.0a0+...') count as it."""
+    need = ".".join(map(str, minimum))
     match = re.match(r"(\d+)\.(\d+)", str(version))
     if match is None:
-        return (
-            f"cannot read the torch version {str(version)!r}; gpt2-train needs torch >= {'.'.join(map(str, minimum))}"
-        )
+        return f"cannot read the torch version {str(version)!r}; gpt2-train needs torch >= {need}"
     if tuple(map(int, match.groups())) >= tuple(minimum):
         return None
-    need = ".".join(map(str, minimum))
     return (
         f"torch {version} is installed, but gpt2-train needs torch >= {need} (requirements.txt); "
         f"upgrade it, e.g. pip install 'torch>={need}'"
