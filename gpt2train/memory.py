@@ -150,7 +150,8 @@ def _activation_parts(cfg, tokens, dtype, activation_checkpointing, low_params, 
     r = a if low_params else 4
     block, outside = saved_bytes_per_token(cfg, dtype, low_params, tp)
     backward = r * cfg.n_embd + a * stats["hidden"] // tp  # the residual's gradient and the MLP hidden's
-    weights = stats["block_matmul"] // tp * 2 if a < 4 and not low_params else 0  # autocast's copies, by the matmuls
+    # autocast's copies, saved by the matmuls
+    weights = stats["block_matmul"] // tp * 2 if a < 4 and not low_params else 0
     L = cfg.n_layer
     recomputed = sum(map(replace(cfg, activation_checkpointing=activation_checkpointing).recomputes, range(L)))
     if recomputed == L:
