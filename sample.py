@@ -76,14 +76,17 @@ def stream_samples(model, enc, prompt, sampling, generator, max_new_tokens=200, 
     # tokens may end mid-character: an incremental decoder holds partial UTF-8 sequences back
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     pieces = [prompt]
-    print(prompt, end="", file=out, flush=True)
+    out.write(prompt)
+    out.flush()
     for new in generate_stream(model.eval(), idx, max_new_tokens, sampling, generator):  # new: (1,)
         if int(new[0]) in stop:
             break
         pieces.append(decoder.decode(token_bytes(enc, int(new[0]))))
-        print(pieces[-1], end="", file=out, flush=True)
+        out.write(pieces[-1])
+        out.flush()
     pieces.append(decoder.decode(b"", final=True))
-    print(pieces[-1], end="", file=out, flush=True)
+    out.write(pieces[-1])
+    out.flush()
     return "".join(pieces)
 
 
