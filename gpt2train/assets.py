@@ -242,11 +242,8 @@ def encoding_from_ranks(path):
         from tiktoken_ext.openai_public import r50k_pat_str as pat_str
     except ImportError:  # older tiktoken spells the pattern inline
         pat_str = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-    ranks = {}
-    for line in Path(path).read_bytes().splitlines():
-        if line:
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
+    pairs = (line.split() for line in Path(path).read_bytes().splitlines() if line)
+    ranks = {base64.b64decode(token): int(rank) for token, rank in pairs}
     return tiktoken.Encoding(
         name="gpt2",
         pat_str=pat_str,
