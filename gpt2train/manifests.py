@@ -7,6 +7,7 @@ trained on unchecked (GPT-2's tokenizer assumed)."""
 
 import contextlib
 import hashlib
+import itertools
 import json
 import re
 from pathlib import Path
@@ -288,10 +289,7 @@ def resumable_manifest(out_dir, name, manifest_path, settings):
                 f"{out_dir} holds {name} shards from a different input or settings ({manifest_path.name}); "
                 f"use another --out_dir or --name, or delete them"
             )
-        for record in old["shards"]:
-            if not shard_is_complete(out_dir, record):
-                break
-            manifest["shards"].append(record)
+        manifest["shards"] = list(itertools.takewhile(lambda r: shard_is_complete(out_dir, r), old["shards"]))
         if old.get("complete") and len(manifest["shards"]) == len(old["shards"]):
             manifest.update(complete=True, documents=old["documents"], tokens=old["tokens"])
     elif existing:
