@@ -378,12 +378,11 @@ def list_checkpoints(out_dir):
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return []
-    found = [
+    return sorted(
         (int(m.group(1)), p)
         for p in out_dir.iterdir()
         if (m := CKPT_NAME.match(p.name)) and (p.is_file() if m.group(2) else p.is_dir())
-    ]
-    return sorted(found)
+    )
 
 
 def is_checkpoint(path):
