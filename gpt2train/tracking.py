@@ -253,10 +253,9 @@ class Tracker:
                 records.append(json.loads(line))
         train = [r for r in records if "train_loss" in r]
         val = [r for r in records if "val_loss" in r]  # the last one's loss is None where it was non-finite
-        finite_val = [r for r in val if r["val_loss"] is not None]
         hellaswag = [r for r in records if "hellaswag_acc_norm" in r]
         mem = [r["peak_mem_mb"] for r in records if r.get("peak_mem_mb") is not None]
-        best = min(finite_val, key=lambda r: r["val_loss"]) if finite_val else None
+        best = min((r for r in val if r["val_loss"] is not None), key=lambda r: r["val_loss"], default=None)
         timed = self.timed_s > 0
         out = {
             "steps": max((r["step"] for r in records), default=0),
