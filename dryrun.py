@@ -22,7 +22,7 @@ from gpt2train.headroom import MARGIN, GiB, gib, with_margin, within_margin
 from gpt2train.layout import Env, check_pipeline, data_parallel_size, mesh_shape, microbatches, stage_blocks
 from gpt2train.memory import MemoryPlan, choose_checkpointing, estimate_memory, stage_plan
 from gpt2train.optim import build_optimizer
-from gpt2train.parallel import parallelize
+from gpt2train.parallel import parallelize, rank_ranges
 from gpt2train.step import clip_gradients, micro_batches
 from model import GPT
 
@@ -245,17 +245,11 @@ def report_pipeline(cfg, world_size: int):
     lines.append(
         f"  {'peak':<26}" + "".join(f"{p.total / GiB:>10.2f}{m.total / GiB:>10.2f}" for p, m in zip(plans, sims))
     )
-    blocks = [pipeline_blocks(cfg.n_layer, stages, s) for s in range(stages)]
+    blocks = [rank_ranges(stage_blocks(cfg.n_layer, stages, s)) for s in range(stages)]  # '0-10'
     lines.append("note: blocks per stage " + ", ".join(blocks) + "; the embeddings in stage 0, ln_f and the head last")
     lines.append("note: " + NOT_SIMULATED + "; nor the stages' sends and receives, nor the replicas' all-reduce")
     heaviest = max(range(stages), key=lambda s: sims[s].total)
     return plans[heaviest], sims[heaviest], "\n".join([plans[heaviest].line(), *lines])
-
-
-def pipeline_blocks(n_layer, stages, stage):
-    """'0-10': the blocks of a stage, for the table's note."""
-    blocks = stage_blocks(n_layer, stages, stage)
-    return f"{blocks[0]}-{blocks[-1]}" if len(blocks) > 1 else str(blocks[0])
 
 
 PARTS = {

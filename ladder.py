@@ -131,17 +131,10 @@ def run_record(key, run, rec):
     """ladder.json's record of the run `key`: its plan, then what the runner recorded (rec; {} before it ran)."""
     result = rec.get("result") or {}
     return {
-        "size": run["size"],
-        "n_layer": run["n_layer"],
-        "n_embd": run["n_embd"],
-        "params": result.get("params", run["params"]),
-        "params_lookup": result.get("params_lookup", run["params_lookup"]),
-        "flops": result.get("flops", run["flops"]),
-        "tokens": result.get("tokens", run["tokens"]),
+        **{k: run[k] for k in ("size", "n_layer", "n_embd")},
+        **{k: result.get(k, run[k]) for k in ("params", "params_lookup", "flops", "tokens")},
         "seed": run["seed"],
-        "status": rec.get("status"),
-        "value": rec.get("value"),
-        "out_dir": rec.get("out_dir"),
+        **{k: rec.get(k) for k in ("status", "value", "out_dir")},
         "budget": run["budget"],
         "steps": result.get("steps", run["steps"]),
         "seconds": rec.get("seconds"),

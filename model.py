@@ -559,7 +559,3 @@ class GPT(nn.Module):
         """Training FLOPs per token: 6N for the matmuls (fwd + bwd) + 12*L*H*Q*T for attention (PaLM appendix B)."""
         cfg, T = self.config, seq_len or self.config.block_size
         return 6 * self.num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_embd * T  # H*Q = n_embd
-
-    def estimate_mfu(self, tokens_per_s: float, peak_flops: float | None) -> float | None:
-        """Model FLOPs utilisation: achieved training FLOP/s over the device peak (None if peak unknown)."""
-        return None if not peak_flops else tokens_per_s * self.flops_per_token() / peak_flops

@@ -59,11 +59,6 @@ def sources(val):
     return [k[len("val/") : -len("_loss")] for k in keys]
 
 
-def val_keys(records):
-    """The keys --compare compares of val records: val_bpb, and a mixture's val/<name>_loss and _bpb."""
-    return {k for r in records for k in r if k == "val_bpb" or k.startswith("val/")}
-
-
 def plot(runs, out_path):
     """runs: list of (label, path). Writes a PNG with loss, gradient norm, learning rate and tokens/s panels."""
     try:
@@ -125,7 +120,8 @@ def compare(path_a, path_b):
             "mean_abs_diff": sum(diffs) / len(diffs) if diffs else None,
         }
     evaluated = {k: (eval_a, eval_b) for r in eval_a + eval_b for k in r if k in EVAL_KEYS or k.startswith("mc/")}
-    evaluated |= {k: (val_a, val_b) for k in val_keys(val_a + val_b)}  # val_bpb, a mixture's sources
+    # val_bpb, and a mixture's val/<name>_loss and _bpb
+    evaluated |= {k: (val_a, val_b) for r in val_a + val_b for k in r if k == "val_bpb" or k.startswith("val/")}
     for key in sorted(evaluated):
         a, b = (dict(zip(*series(records, key))) for records in evaluated[key])
         if a and b:  # an evaluation both runs logged: each run's last value, and the largest gap at common steps

@@ -298,7 +298,7 @@ def plan(args):
     test = held_out("--test_input", args.test_input, key, files, [val] if val else []) if args.test_input else None
     texts = without_held_out(describe, texts, key, [s for s in (val, test) if s])  # HeldOutError: in --input too
     if val:  # the val documents first in the stream; ShardWriter cuts the val shard after them
-        texts, count = val_first(val, describe, texts, count)
+        texts, count = val_first(val, texts, count)
     name = re.sub(r"[^A-Za-z0-9]+", "_", args.name or default_name).strip("_") or "data"
     out_dir = Path(
         args.out_dir or Path("data") / (args.dataset if args.dataset in PRESETS else name)

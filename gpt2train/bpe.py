@@ -5,6 +5,7 @@ tokenizer_from_record); an exact tiktoken translation of a tokenizer.json for fa
 and the tokenizer files of an export (gpt2_tokenizer_json, save_tokenizer). Training one is tokenizer.py's job.
 """
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -83,10 +84,8 @@ def token_bytes(enc, size=0):
     table = np.zeros(max(size, enc.n_vocab), dtype=np.int64)
     for i in range(enc.n_vocab):
         if i not in special:
-            try:
+            with contextlib.suppress(KeyError):  # an id in a gap of the vocabulary
                 table[i] = len(enc.decode_single_token_bytes(i))
-            except KeyError:  # an id in a gap of the vocabulary
-                pass
     table.flags.writeable = False
     return table
 
@@ -113,12 +112,12 @@ _PROBE = (
 )
 
 
-def _as_tiktoken(spec, name, check):
+def _as_tiktoken(spec, name, expected):
     """A tiktoken Encoding that encodes ordinary text as the tokenizer.json `spec` (a dict) does, or None where it
     cannot: BPE over GPT-2's byte-level alphabet after GPT-2's regex or one Split regex, no normalizer, no non-special
     added token, every multi-byte token made by exactly one merge, ids rising in merge order (tiktoken merges the
     pair whose token has the lowest id, tokenizers applies the earliest merge: then the same rule). tokenizer.py
-    trains such files; Pythia's (an NFC normalizer) is not one. `check(enc)` has the last word."""
+    trains such files; Pythia's (an NFC normalizer) is not one. The last word: it encodes _PROBE as `expected`."""
     pre, model = spec.get("pre_tokenizer") or {}, spec.get("model") or {}
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     options = ("dropout", "continuing_subword_prefix", "end_of_word_suffix", "byte_fallback", "ignore_merges")
@@ -165,7 +164,7 @@ def _as_tiktoken(spec, name, check):
         enc = tiktoken.Encoding(name=f"{name} (tiktoken)", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
     except Exception:  # noqa: BLE001 -- a pattern tiktoken's regex engine does not accept
         return None
-    return enc if check(enc) else None
+    return enc if enc.encode_ordinary(_PROBE) == expected else None
 
 
 class HFTokenizer:
@@ -225,11 +224,7 @@ class HFTokenizer:
         """encode_ordinary's ids as a uint32 array (prepare_data.py's workers), from a tiktoken translation of the
         file where one exists (_as_tiktoken, checked once on a probe text against this tokenizer), ~4x faster."""
         if self._fast is None:
-
-            def check(enc):
-                return enc.encode_ordinary(_PROBE) == self.encode_ordinary(_PROBE)
-
-            self._fast = _as_tiktoken(json.loads(self.json), self.name, check) or False
+            self._fast = _as_tiktoken(json.loads(self.json), self.name, self.encode_ordinary(_PROBE)) or False
         try:
             if self._fast:
                 return self._fast.encode_to_numpy(text, disallowed_special=())

@@ -71,11 +71,8 @@ def horizon_steps(cfg, flops_per_token, params, tokens_per_step):
     (tokens = this x params, the non-lookup count) sets, to the nearest step; None where neither is set. A horizon
     under one step is a ConfigError."""
     if cfg.target_flops is not None:
-        per_step, total, what = (
-            flops_per_token * tokens_per_step,
-            cfg.target_flops,
-            f"target_flops={cfg.target_flops:g}",
-        )
+        per_step, total = flops_per_token * tokens_per_step, cfg.target_flops
+        what = f"target_flops={cfg.target_flops:g}"
         unit = f"FLOPs ({tokens_per_step:,} tokens x {flops_per_token:,.0f} FLOPs per token)"
     elif cfg.tokens_per_param is not None:
         per_step, total = tokens_per_step, cfg.tokens_per_param * params

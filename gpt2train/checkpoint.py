@@ -95,19 +95,10 @@ class HashingWriter:
 
 def storage_bytes(obj):
     """Bytes of tensor data torch.save writes for obj (nested dicts/lists/tuples): each storage once."""
-    seen, total, stack = set(), 0, [obj]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            storage = item.untyped_storage()  # tied weights and views share one
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-    return total
+    from torch.utils._pytree import tree_leaves
+
+    storages = [t.untyped_storage() for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
+    return sum({s.data_ptr(): s.nbytes() for s in storages}.values())  # tied weights and views share one
 
 
 def check_free_space(path, obj):
@@ -387,12 +378,11 @@ def list_checkpoints(out_dir):
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return []
-    found = [
+    return sorted(
         (int(m.group(1)), p)
         for p in out_dir.iterdir()
         if (m := CKPT_NAME.match(p.name)) and (p.is_file() if m.group(2) else p.is_dir())
-    ]
-    return sorted(found)
+    )
 
 
 def is_checkpoint(path):

@@ -266,9 +266,7 @@ def check_value(key, value, source):
             return value
         if isinstance(value, bool):  # True is an int in Python, but never a valid int/float setting
             continue
-        if tp is int and isinstance(value, int) or tp is str and isinstance(value, str):
-            return value
-        if tp is dict and isinstance(value, dict):
+        if tp in (int, str, dict) and isinstance(value, tp):
             return value
         if tp is float and isinstance(value, (int, float)):
             return float(value)

@@ -323,11 +323,8 @@ class DataLoader:
                 self._plans.pop(next(iter(self._plans)))
             n = len(self.shards)
             # SeedSequence pads short entropy with zeros, so the tags 0 / 1 keep the streams distinct.
-            order = (
-                np.random.Generator(np.random.PCG64([self.seed, epoch, 0])).permutation(n)
-                if self.shuffle
-                else np.arange(n)
-            )
+            rng = np.random.Generator(np.random.PCG64([self.seed, epoch, 0]))
+            order = rng.permutation(n) if self.shuffle else np.arange(n)
             self._plans[epoch] = (order, np.cumsum(self.samples_per_shard[order]))
         return self._plans[epoch]
 

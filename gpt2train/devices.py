@@ -32,14 +32,12 @@ MIN_TORCH = (2, 6)
 def torch_version_problem(version, minimum=MIN_TORCH):
     """A one-line message if torch `version` (e.g. '2.5.1+cu124', '2.6.0a0+git1234') is older than `minimum`,
     else None. Pre-releases of the minimum itself (NGC containers ship '2.6.0a0+...') count as it."""
+    need = ".".join(map(str, minimum))
     match = re.match(r"(\d+)\.(\d+)", str(version))
     if match is None:
-        return (
-            f"cannot read the torch version {str(version)!r}; gpt2-train needs torch >= {'.'.join(map(str, minimum))}"
-        )
+        return f"cannot read the torch version {str(version)!r}; gpt2-train needs torch >= {need}"
     if tuple(map(int, match.groups())) >= tuple(minimum):
         return None
-    need = ".".join(map(str, minimum))
     return (
         f"torch {version} is installed, but gpt2-train needs torch >= {need} (requirements.txt); "
         f"upgrade it, e.g. pip install 'torch>={need}'"
@@ -103,12 +101,6 @@ def cpu_has_fast_bf16():
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
-def cuda_has_native_bf16():
-    """bf16 in hardware (compute capability 8.0+). torch.cuda.is_bf16_supported() alone also says True on
-    V100/T4, which emulate it slowly."""
-    return torch.cuda.is_bf16_supported(including_emulation=False)
-
-
 def resolve_dtype(dtype, device):
     """The dtype name a run uses: `dtype` itself if not 'auto', else the fast one for `device`:
     cuda -> bfloat16 with native bf16, else float16; cpu -> bfloat16 with AVX512-BF16/AMX, else float32;
@@ -119,7 +111,8 @@ def resolve_dtype(dtype, device):
         return dtype
     kind = device_type(device)
     if kind == "cuda":
-        return "bfloat16" if cuda_has_native_bf16() else "float16"
+        # bf16 in hardware (compute capability 8.0+): is_bf16_supported() alone says True on V100/T4, which emulate it
+        return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
     if kind == "cpu" and cpu_has_fast_bf16():
         return "bfloat16"
     return "float32"

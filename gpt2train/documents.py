@@ -352,10 +352,10 @@ def without_held_out(describe, texts, text_key, splits):
     return checked
 
 
-def val_first(val, describe, texts, count):
-    """prepare_data.py's stream with --val_input (the HeldOut val's documents first, then the input's: describe,
-    texts and count as resolve_source gives them): the stream's texts and count factories (None where the input's
-    count is unknown)."""
+def val_first(val, texts, count):
+    """prepare_data.py's stream with --val_input (the HeldOut val's documents first, then the input's: texts and
+    count as resolve_source gives them): the stream's texts and count factories (None where the input's count is
+    unknown)."""
 
     def total():
         n = count()
@@ -389,13 +389,7 @@ def resolve_source(corpus):
         revision=corpus.revision or preset.get("revision"),
         streaming=preset.get("streaming", True) if corpus.streaming is None else corpus.streaming,
     )
-    describe = {
-        "hf": hf["hf_path"],
-        "config": hf["config"],
-        "split": hf["split"],
-        "revision": hf["revision"],
-        "text_key": text_key,
-    }
+    describe = {"hf": hf["hf_path"], **{k: hf[k] for k in ("config", "split", "revision")}, "text_key": text_key}
     loaded = {}
 
     def texts():

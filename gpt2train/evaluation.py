@@ -281,9 +281,5 @@ def summary_line(result):
 def tracker_record(step, result):
     """The metrics.jsonl record of one evaluation: mc_centered, and mc/<task>_acc (and _acc_norm) per task (the
     prefix keeps them apart from hellaswag.py's own hellaswag_acc, and groups them in W&B and TensorBoard)."""
-    record = {"step": step, "mc_centered": result["mc_centered"]}
-    for name, r in result["tasks"].items():
-        record[f"mc/{name}_acc"] = r["acc"]
-        if "acc_norm" in r:
-            record[f"mc/{name}_acc_norm"] = r["acc_norm"]
-    return record
+    per_task = {f"mc/{name}_{k}": r[k] for name, r in result["tasks"].items() for k in ("acc", "acc_norm") if k in r}
+    return {"step": step, "mc_centered": result["mc_centered"], **per_task}

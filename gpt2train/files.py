@@ -62,16 +62,12 @@ def report_error(prog, e, about=None):
 
 def fsync_dir(directory):
     """Make a rename inside `directory` durable; a platform that cannot open a directory skips it."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def atomic_write(path, data):

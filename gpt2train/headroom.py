@@ -3,6 +3,7 @@ sees (with_margin, within_margin), and on a CPU or MPS shared by a node's ranks 
 memory.py plans a step and checks the plan against it.
 """
 
+import contextlib
 import os
 
 import torch
@@ -43,23 +44,18 @@ def available_memory(device) -> tuple[int, str]:
 
 def _cpu_available() -> tuple[int, str]:
     avail, what = None, "available RAM"
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
     if avail is None:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         what = "free RAM"
-    try:  # a container's limit is invisible to /proc/meminfo
+    with contextlib.suppress(OSError, ValueError):  # a container's limit is invisible to /proc/meminfo
         with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
             limit, used = f.read().strip(), int(g.read())
         if limit != "max" and int(limit) - used < avail:
             avail, what = int(limit) - used, "left under the cgroup limit"
-    except (OSError, ValueError):
-        pass
     return avail, what
 
 

@@ -272,10 +272,7 @@ def _gpt2train_json(cfg, eos: int) -> dict:
         },
         "model_type": "gpt2train",
         **keys,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "use_cache": True,
-        "bos_token_id": eos,
-        "eos_token_id": eos,
+        **_config_tail(cfg, eos),
     }
 
 
@@ -344,36 +341,34 @@ def _hf_config(cfg, vocab: int, eos: int, neox: bool) -> dict:
             "hidden_dropout": cfg.dropout,
             "attention_bias": True,
             "initializer_range": 0.02,
-            "tie_word_embeddings": cfg.tie_embeddings,
-            "use_cache": True,
-            "bos_token_id": eos,
-            "eos_token_id": eos,
+            **_config_tail(cfg, eos),
         }
-    else:
-        return {
-            "architectures": ["GPT2LMHeadModel"],
-            "model_type": "gpt2",
-            "vocab_size": vocab,
-            "n_positions": cfg.block_size,
-            "n_ctx": cfg.block_size,
-            "n_embd": cfg.n_embd,
-            "n_layer": cfg.n_layer,
-            "n_head": cfg.n_head,
-            "n_inner": None,
-            "activation_function": act,
-            "layer_norm_epsilon": cfg.layer_norm_eps,
-            "resid_pdrop": cfg.dropout,
-            "embd_pdrop": cfg.dropout,
-            "attn_pdrop": cfg.dropout,
-            "initializer_range": 0.02,
-            "scale_attn_weights": True,
-            "scale_attn_by_inverse_layer_idx": False,
-            "reorder_and_upcast_attn": False,
-            "tie_word_embeddings": cfg.tie_embeddings,
-            "use_cache": True,
-            "bos_token_id": eos,
-            "eos_token_id": eos,
-        }
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": vocab,
+        "n_positions": cfg.block_size,
+        "n_ctx": cfg.block_size,
+        "n_embd": cfg.n_embd,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_inner": None,
+        "activation_function": act,
+        "layer_norm_epsilon": cfg.layer_norm_eps,
+        "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout,
+        "attn_pdrop": cfg.dropout,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        **_config_tail(cfg, eos),
+    }
+
+
+def _config_tail(cfg, eos: int) -> dict:
+    """The last keys of every route's config.json: the head's tie, the KV cache, the bos and eos ids."""
+    return {"tie_word_embeddings": cfg.tie_embeddings, "use_cache": True, "bos_token_id": eos, "eos_token_id": eos}
 
 
 def pad_vocab(model: GPT, vocab_size: int) -> GPT:

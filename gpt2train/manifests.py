@@ -7,6 +7,7 @@ trained on unchecked (GPT-2's tokenizer assumed)."""
 
 import contextlib
 import hashlib
+import itertools
 import json
 import re
 from pathlib import Path
@@ -42,10 +43,8 @@ def read_manifests(data_dir):
         check_one_tokenizer(found, sources)
         return {manifest: m for manifests in found.values() for manifest, m in manifests.items()}
     directories = {p.parent for p in find_shards(data_dir, "train")}
-    try:
+    with contextlib.suppress(NoShardsError):  # a missing val split is the val loader's error, if the run evaluates
         directories |= {p.parent for p in find_shards(data_dir, "val")}
-    except NoShardsError:
-        pass  # a missing val split is the val loader's error, if the run evaluates
     manifests = {}
     for manifest in sorted(m for d in directories for m in d.glob("*_manifest.json")):
         holder = lock_holder(manifest.parent)
@@ -210,15 +209,16 @@ def check_one_tokenizer(found, sources):
     if other is None:
         return
     one = next(iter(ids))
-
-    def named(name):
-        r = ids[name]
-        return r["id"] + (f" ({r['source']})" if r.get("source") else "")
-
     raise ShardError(
-        f"data_dir: {sources[one][0]} was tokenized with {named(one)}, {sources[other][0]} with {named(other)}; the "
-        f"sources of a mixture share one tokenizer: prepare them with the same prepare_data.py --tokenizer"
+        f"data_dir: {sources[one][0]} was tokenized with {tokenizer_name(ids[one])}, {sources[other][0]} with "
+        f"{tokenizer_name(ids[other])}; the sources of a mixture share one tokenizer: prepare them with the same "
+        f"prepare_data.py --tokenizer"
     )
+
+
+def tokenizer_name(record):
+    """A tokenizer record's id, and the file it came from where it has one, for a message."""
+    return record["id"] + (f" ({record['source']})" if record.get("source") else "")
 
 
 def remove_stale_temp_files(out_dir, name):
@@ -289,10 +289,7 @@ def resumable_manifest(out_dir, name, manifest_path, settings):
                 f"{out_dir} holds {name} shards from a different input or settings ({manifest_path.name}); "
                 f"use another --out_dir or --name, or delete them"
             )
-        for record in old["shards"]:
-            if not shard_is_complete(out_dir, record):
-                break
-            manifest["shards"].append(record)
+        manifest["shards"] = list(itertools.takewhile(lambda r: shard_is_complete(out_dir, r), old["shards"]))
         if old.get("complete") and len(manifest["shards"]) == len(old["shards"]):
             manifest.update(complete=True, documents=old["documents"], tokens=old["tokens"])
     elif existing:

@@ -150,11 +150,10 @@ def _activation_parts(cfg, tokens, dtype, activation_checkpointing, low_params, 
     r = a if low_params else 4
     block, outside = saved_bytes_per_token(cfg, dtype, low_params, tp)
     backward = r * cfg.n_embd + a * stats["hidden"] // tp  # the residual's gradient and the MLP hidden's
-    weights = (
-        stats["block_matmul"] // tp * 2 if a < 4 and not low_params else 0
-    )  # autocast's copies, saved by the matmuls
+    # autocast's copies, saved by the matmuls
+    weights = stats["block_matmul"] // tp * 2 if a < 4 and not low_params else 0
     L = cfg.n_layer
-    recomputed = recomputed_blocks(L, activation_checkpointing)
+    recomputed = sum(map(replace(cfg, activation_checkpointing=activation_checkpointing).recomputes, range(L)))
     if recomputed == L:
         return tokens * (L + 1) * r * cfg.n_embd, tokens * (8 + block + backward) + weights
     if recomputed == 0:
@@ -164,13 +163,6 @@ def _activation_parts(cfg, tokens, dtype, activation_checkpointing, low_params, 
         tokens * (recomputed * r * cfg.n_embd + kept * block + outside) + kept * weights,
         tokens * (8 + block + backward) + weights,
     )
-
-
-def recomputed_blocks(n_layer: int, activation_checkpointing) -> int:
-    """How many of n_layer blocks activation checkpointing recomputes (model.GPTConfig.recomputes)."""
-    if activation_checkpointing == "selective":
-        return n_layer // 2  # every other block: 1, 3, 5, ...
-    return n_layer if activation_checkpointing else 0  # True, or 'auto' not yet resolved
 
 
 def loss_bytes(cfg, batch_size: int, dtype="float32", seq_len: int | None = None, low_params: bool = False) -> int:

@@ -104,9 +104,8 @@ def part_of(name, whole, param, env):
         return whole
     if env.tensor_parallel == 1:  # the mesh is (replicate, shard) or (shard,), ranks laid out row-major
         return local_slice(whole, env.mesh_shape[-1], env.rank % env.mesh_shape[-1])
-    placements = param.placements
     return distribute_tensor(
-        model_rows(name, whole, param), param.device_mesh, placements, src_data_rank=None
+        model_rows(name, whole, param), param.device_mesh, param.placements, src_data_rank=None
     ).to_local()
 
 

@@ -49,8 +49,7 @@ def ci95(logs):
 def bootstrap_logs(logs, rows, seed=0):
     """The optimum's log over BOOTSTRAP resamples (with replacement) of the seeds, sorted."""
     rng = random.Random(seed)
-    draws = [vertex(logs, mean_curve([rng.choice(rows) for _ in rows]))[0] for _ in range(BOOTSTRAP)]
-    return sorted(draws)
+    return sorted(vertex(logs, mean_curve([rng.choice(rows) for _ in rows]))[0] for _ in range(BOOTSTRAP))
 
 
 def fit_optimum(values, rows, seed=0):
@@ -66,9 +65,7 @@ def fit_optimum(values, rows, seed=0):
         return {"value": None, "ci95": None, "at_edge": False, "extend": None, "best": None}
     u, best = vertex(logs, curve)
     edge = best in (0, len(logs) - 1)
-    ci = None
-    if len(rows) > 1:
-        ci = ci95(bootstrap_logs(logs, rows, seed))
+    ci = ci95(bootstrap_logs(logs, rows, seed)) if len(rows) > 1 else None
     extend = ("lower" if best == 0 else "higher") if edge else None
     return {"value": math.exp(u), "ci95": ci, "at_edge": edge, "extend": extend, "best": values[order[best]]}
 

@@ -8,6 +8,7 @@ so a compile error means eager from the start, never a swap mid-run. gathered() 
 of a sharded model; step.py runs the step's micro-batches on what parallelize() returned.
 """
 
+import itertools
 import os
 import random
 import sys
@@ -49,14 +50,9 @@ def any_rank(flag, env):
 
 
 def rank_ranges(ranks):
-    """[0, 1, 2, 5] -> '0-2, 5'."""
-    runs = []
-    for r in ranks:
-        if runs and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
+    """[0, 1, 2, 5] -> '0-2, 5': itertools.groupby of rank - index, which is constant along consecutive ranks."""
+    runs = [[r for _, r in run] for _, run in itertools.groupby(enumerate(ranks), lambda p: p[1] - p[0])]
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
 
 
 def setup(cfg):

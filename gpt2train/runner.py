@@ -124,12 +124,10 @@ def train_command(job, ledger):
     return [*launcher, str(TRAIN_PY), *job.args, *own]
 
 
-@contextlib.contextmanager
 def lock(out_dir, program):
-    """Hold out_dir for the with block as train.py holds its own (files.directory_lock): a second process on it
+    """Hold out_dir for a with block as train.py holds its own (files.directory_lock): a second process on it
     gets a LockError naming the holder."""
-    with directory_lock(Path(out_dir).absolute(), program) as path:
-        yield path
+    return directory_lock(Path(out_dir).absolute(), program)
 
 
 def slot_envs(jobs, nproc=None):
@@ -210,9 +208,7 @@ def record(job, code, started, seconds, metric, env):
         "status": status,
         "value": result.get(metric) if metric is not None else None,
         "result": result,
-        "tokens_per_s": result.get("tokens_per_s"),
-        "params": result.get("params"),
-        "params_lookup": result.get("params_lookup"),
+        **{k: result.get(k) for k in ("tokens_per_s", "params", "params_lookup")},
         "started_at": started,
         "seconds": seconds,
         "exit_code": code,

@@ -162,12 +162,8 @@ def law_theta(runs, starts=None, fits=FITS):
     if starts is None:
         scores = [law_objective(theta, *data)[0] for theta in GRID]
         starts = GRID[np.argsort(scores)[: fits.starts]]
-    best = None
-    for start in starts:
-        res = minimize(law_objective, start, args=data, **LBFGSB)
-        if best is None or res.fun < best.fun:
-            best = res
-    return best.x
+    results = (minimize(law_objective, start, args=data, **LBFGSB) for start in starts)
+    return min(results, key=lambda res: res.fun).x  # the first of equal lows, as the loop kept
 
 
 def law_params(theta):

@@ -47,11 +47,6 @@ class Forwards(NamedTuple):
     dtype: object = None
 
 
-def _crop(row, row_mask, block_size):
-    """The harness's window: the last block_size + 1 tokens, the model reading all but the last."""
-    return row[-(block_size + 1) :], row_mask[-(block_size + 1) :]
-
-
 @torch.no_grad()
 def score_rows(model, rows, masks, forwards: Forwards, n_vocab=None):
     """Summed and mean cross-entropy over the masked (continuation) tokens of each row, in one forward.
@@ -62,7 +57,8 @@ def score_rows(model, rows, masks, forwards: Forwards, n_vocab=None):
     """
     device, dtype = forwards.device, forwards.dtype
     block_size = model.config.block_size
-    rows, masks = zip(*(_crop(r, m, block_size) for r, m in zip(rows, masks)))
+    # the harness's window: the last block_size + 1 tokens, the model reading all but the last
+    rows, masks = zip(*((r[-(block_size + 1) :], m[-(block_size + 1) :]) for r, m in zip(rows, masks)))
     unique = {}  # model input -> its row in the forward
     for row in rows:
         unique.setdefault(tuple(row[:-1]), len(unique))

@@ -21,7 +21,7 @@ import numpy as np
 
 from gpt2train import chat
 from gpt2train.bpe import open_tokenizer
-from gpt2train.documents import PrepError, expand_inputs, val_files
+from gpt2train.documents import PrepError, describe_files, expand_inputs, val_files
 from gpt2train.files import file_sha256, first_line
 from gpt2train.manifests import (
     fingerprint,
@@ -78,13 +78,10 @@ def plan_sft(args, tokenizer="gpt2", record=None):
         "template": chat.CHAT_TEMPLATE,
         "shard_tokens": shard_tokens,
         "val_tokens": val_tokens,
-        "input": [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+        "input": describe_files(files, None)["files"],
     }
     if val:  # recorded only then: the settings (fingerprint) of a run without it are unchanged
-        settings.update(
-            val_tokens="--val_input",
-            val_input=[[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in val],
-        )
+        settings.update(val_tokens="--val_input", val_input=describe_files(val, None)["files"])
     out_dir = Path(args.out_dir or Path("data") / name)
     return SftPrep(files, val, out_dir, name, tokenizer, record, shard_tokens, val_tokens, settings)
 

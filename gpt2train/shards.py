@@ -48,10 +48,10 @@ class NoShardsError(ShardError):
         self.data_dir = data_dir
 
 
-def shard_header(num_tokens):
-    """The 1024 header bytes of an llm.c shard holding num_tokens tokens."""
+def shard_header(num_tokens, magic=MAGIC):
+    """The 1024 header bytes of an llm.c shard holding num_tokens tokens (of a loss-mask shard: magic MASK_MAGIC)."""
     header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:3] = (MAGIC, VERSION, num_tokens)
+    header[:3] = (magic, VERSION, num_tokens)
     return header.tobytes()
 
 
@@ -84,11 +84,9 @@ def write_shard(path, tokens):
 def write_mask(path, mask):
     """Write a loss-mask shard (0/1 per token) atomically; see the module docstring."""
     mask = np.asarray(mask, dtype=np.uint8)
-    header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:3] = (MASK_MAGIC, VERSION, mask.size)
 
     def write(f):
-        f.write(header.tobytes())
+        f.write(shard_header(mask.size, MASK_MAGIC))
         f.write(mask.data)
 
     atomic_write(Path(path), write)

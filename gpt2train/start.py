@@ -38,7 +38,7 @@ from gpt2train.config import ARCH_KEYS, ConfigError, TrainConfig, make_config, m
 from gpt2train.console import is_rank0, launched_by_torchrun, log
 from gpt2train.documents import prepare_command
 from gpt2train.files import directory_lock
-from gpt2train.manifests import data_tokenizer, read_manifests
+from gpt2train.manifests import data_tokenizer, read_manifests, tokenizer_name
 from gpt2train.parallel import rank_ranges, setup
 from gpt2train.shards import NoShardsError, ShardError
 from gpt2train.tracking import check_tracking_available
@@ -203,14 +203,10 @@ def check_tokenizer(saved, data, data_dir, what):
     shards), or no data yet, is not checked here."""
     saved = saved or {"id": "gpt2", "source": None}
     if data is not None and data["id"] != saved["id"]:
-
-        def name(r):
-            return r["id"] + (f" ({r['source']})" if r.get("source") else "")
-
         raise ConfigError(
-            f"data_dir={data_dir!r} was tokenized with {name(data)}, but {what} with {name(saved)}; "
-            f"prepare the data with the model's tokenizer (prepare_data.py --tokenizer) or start "
-            f"from weights trained with the data's"
+            f"data_dir={data_dir!r} was tokenized with {tokenizer_name(data)}, but {what} with "
+            f"{tokenizer_name(saved)}; prepare the data with the model's tokenizer (prepare_data.py --tokenizer) or "
+            f"start from weights trained with the data's"
         )
 
 
@@ -386,10 +382,8 @@ def check_shared_out_dir(out_dir, resumed_step, problem, env):
     dist.barrier()
     sees = False
     for _ in range(10):  # a shared filesystem may show a new file a moment late
-        try:
+        with contextlib.suppress(OSError):
             sees = marker.read_text() == token[0]
-        except OSError:
-            pass
         if sees or env.master:
             break
         time.sleep(0.5)

@@ -9,6 +9,7 @@ cost per token and the end-of-run summary. train.py makes one Tracker, on rank 0
 Both sinks are optional packages (`pip install wandb tensorboard`); the library runs without them.
 """
 
+import contextlib
 import datetime
 import fcntl
 import json
@@ -43,14 +44,10 @@ class MetricsLog:
         kept = []
         if resume_step is not None and path.exists():
             for line in path.read_text().splitlines():
-                try:
+                with contextlib.suppress(ValueError, KeyError, TypeError):  # a killed run's half-written last line
                     if json.loads(line)["step"] <= resume_step:
                         kept.append(line + "\n")
-                except (ValueError, KeyError, TypeError):
-                    pass  # a half-written last line from a killed run
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, path)  # atomic: a crash here leaves the old file or the new one
+        atomic_write(path, "".join(kept))  # a crash here leaves the old file or the new one
         self.file = open(path, "a")
 
     def write(self, record):
@@ -168,9 +165,7 @@ class Tracker:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.tokens_per_step, self.cost_per_hour = tokens_per_step, run_config["cost_per_hour"]
-        state = dict(state or {})
-        if resume_step is None:
-            state = {}  # a fresh run carries nothing over
+        state = {} if resume_step is None else state or {}  # a fresh run carries nothing over
         self.wall_before = state.get("wall_s", 0.0)  # seconds of the earlier processes of this run
         self.tokens = state.get("tokens", resume_step * tokens_per_step if resume_step else 0)
         # throughput means: every process's first step is left out (torch.compile, warm-up)
@@ -254,16 +249,13 @@ class Tracker:
         has `status` (EXIT_CODES) and `extra` (train.py's params, params_lookup, max_seconds)."""
         records = []
         for line in Path(self.metrics.file.name).read_text().splitlines():
-            try:
+            with contextlib.suppress(ValueError):
                 records.append(json.loads(line))
-            except ValueError:
-                pass
         train = [r for r in records if "train_loss" in r]
         val = [r for r in records if "val_loss" in r]  # the last one's loss is None where it was non-finite
-        finite_val = [r for r in val if r["val_loss"] is not None]
         hellaswag = [r for r in records if "hellaswag_acc_norm" in r]
         mem = [r["peak_mem_mb"] for r in records if r.get("peak_mem_mb") is not None]
-        best = min(finite_val, key=lambda r: r["val_loss"]) if finite_val else None
+        best = min((r for r in val if r["val_loss"] is not None), key=lambda r: r["val_loss"], default=None)
         timed = self.timed_s > 0
         out = {
             "steps": max((r["step"] for r in records), default=0),
@@ -282,10 +274,7 @@ class Tracker:
         if hellaswag:
             h = hellaswag[-1]
             out.update(
-                hellaswag_step=h["step"],
-                hellaswag_acc=h["hellaswag_acc"],
-                hellaswag_acc_norm=h["hellaswag_acc_norm"],
-                hellaswag_n=h["hellaswag_n"],
+                hellaswag_step=h["step"], **{k: h[k] for k in ("hellaswag_acc", "hellaswag_acc_norm", "hellaswag_n")}
             )
         # a mixture's sources: the last validation's val/<name>_loss and _bpb, and the tokens each supplied
         out.update({k: v for k, v in (val[-1] if val else {}).items() if k.startswith("val/")})
@@ -345,9 +334,7 @@ def run_result(summary, records, status="ok", extra=()):
         "val_loss": None,
         **last("val_loss"),
         "train_loss": summary["final_train_loss"],
-        "steps": summary["steps"],
-        "skipped_steps": summary["skipped_steps"],
-        "tokens": summary["tokens"],
+        **{k: summary[k] for k in ("steps", "skipped_steps", "tokens")},
         "tokens_per_s": summary["mean_tokens_per_s"],
         "mfu": summary["mean_mfu"],
         "peak_mem_mb": summary["peak_mem_mb"],
