@@ -245,6 +245,7 @@ def test_transfer_orders_sizes_by_params_and_fits_the_slope():
     assert t["slope"] == pytest.approx(0.4 / math.log(4), rel=0.05) and t["slope_ci95"][0] < t["slope"]
 
 
+@pytest.mark.slow
 def test_an_arm_that_is_bad_input_stops_at_its_first_run(data_dir, tmp_path, capsys):  # noqa: F811
     """A typo'd key: train.py exits 2 at once; compare stops there with train.py's line, exit 2, no more runs."""
     arm = " ".join([*TINY, f"--data_dir={data_dir}", "--max_steps=1"])
@@ -255,6 +256,7 @@ def test_an_arm_that_is_bad_input_stops_at_its_first_run(data_dir, tmp_path, cap
     assert [p.name for p in (tmp_path / "baseline").iterdir() if p.is_dir()] == ["seed1337"]  # seed 1338 not started
 
 
+@pytest.mark.slow
 def test_a_metric_that_is_not_a_number_is_one_line_at_the_first_result(data_dir, tmp_path, capsys):  # noqa: F811
     arm = " ".join([*TINY, f"--data_dir={data_dir}", "--max_steps=1"])
     assert compare.main([arm, arm, "--out_dir", str(tmp_path), "--metric", "status"]) == 2

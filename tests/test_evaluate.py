@@ -830,6 +830,7 @@ def test_a_long_text_is_encoded_in_pieces_cut_at_line_breaks_into_the_same_ids(
     assert ids.tolist() == encode(text) and max(seen) < 300 + 2 * len(BPB_DOCS[0]) and len(seen) > 20
 
 
+@pytest.mark.slow
 def test_bpb_holds_a_few_bytes_a_token_not_python_lists_of_every_window(model, monkeypatch):
     text = "".join(f"{i}: {BPB_DOCS[i % 4]}\n" for i in range(400))  # ~18k tokens
     monkeypatch.setattr(scoring, "PIECE_CHARS", 2000)

@@ -247,7 +247,14 @@ def test_available_memory_on_cpu_is_at_most_the_machine_ram():
     assert what.startswith("cpu: ") and "GiB" in what
 
 
-@pytest.mark.parametrize("dtype, low_params", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
+@pytest.mark.parametrize(  # bf16 GEMMs are emulated on a CPU without AVX512-BF16: seconds each
+    "dtype, low_params",
+    [
+        ("float32", False),
+        pytest.param("bfloat16", False, marks=pytest.mark.slow),
+        pytest.param("bfloat16", True, marks=pytest.mark.slow),
+    ],
+)
 @pytest.mark.parametrize("chunk_rows", [16, 1000])  # 4 chunks (the buffer reused) and one
 def test_loss_bytes_is_the_chunked_loss_peak_of_live_tensors(monkeypatch, dtype, low_params, chunk_rows):
     from torch.profiler import ProfilerActivity, profile

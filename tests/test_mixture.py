@@ -300,6 +300,7 @@ def test_a_resume_with_other_weights_continues_each_source_where_it_was(tmp_path
         DataLoader(data_cfg(a, 8, T, seed=3), "train").load_state_dict(after.state_dict())
 
 
+@pytest.mark.slow
 def test_the_mixture_module_is_imported_only_when_data_dir_names_a_mixture(tmp_path):
     """A run on one dataset (its config, manifests, loader and steps) never imports gpt2train/mixture.py, so the
     feature costs it nothing; a run on a mixture does."""

@@ -2,18 +2,17 @@
 rates, and its bad input."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import train
 from gpt2train import hf as hf_io
 from gpt2train import optim
 from gpt2train.config import ConfigError, make_config, model_config
 from model import GPT, GPTConfig
-from tiny import TINY
+from tiny import TINY, expect_exit
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = dict(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=32)
@@ -125,16 +124,13 @@ def test_bad_parametrization_is_a_config_error():
         config(parametrization="mu_p")
 
 
-def test_train_refuses_a_bad_base_width_in_one_line_exit_2(data_dir, tmp_path):  # noqa: F811
-    run = subprocess.run(
-        [sys.executable, "train.py", *TINY, "--parametrization=mup", "--mup_base_width=100"]
-        + [f"--data_dir={data_dir}", f"--out_dir={tmp_path}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 2 and run.stdout == ""
-    assert len(run.stderr.strip().splitlines()) == 1 and "mup_base_width=100" in run.stderr, run.stderr
+def test_train_refuses_a_bad_base_width_in_one_line_exit_2(data_dir, tmp_path, capsys):  # noqa: F811
+    args = [*TINY, "--parametrization=mup", "--mup_base_width=100", f"--data_dir={data_dir}", f"--out_dir={tmp_path}"]
+    expect_exit(2, train.main, args)
+    said = capsys.readouterr()
+    assert said.out == "" and said.err.startswith("train.py: error: ") and said.err.count("\n") == 1, said
+    assert "mup_base_width=100" in said.err
+    assert not (tmp_path / "metrics.jsonl").exists()  # nothing trained
 
 
 def test_a_mup_model_exports_through_the_gpt2train_route():

@@ -229,6 +229,7 @@ def test_pipeline_parallel_is_ignored_without_torchrun(data_dir, tmp_path, capsy
 # ----------------------------------------------------------------------------- the memory plan of a stage
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
 def test_each_stages_plan_is_within_15_percent_of_its_dry_run(schedule):
     cfg = make_config(
@@ -251,6 +252,7 @@ def test_each_stages_plan_is_within_15_percent_of_its_dry_run(schedule):
         assert 0.85 <= plan.total / sim.total <= 1.15, (stage, plan.total, sim.total)
 
 
+@pytest.mark.slow
 def test_tensor_times_pipeline_dry_run_splits_each_stage_and_its_plan_is_within_15_percent():
     """tensor 2 x pipeline 2 x data 2: a rank of each stage holds its half of the blocks' split weights (the plan's
     parameters are the simulation's) and the plan is within 15% of the simulated step, stage by stage."""

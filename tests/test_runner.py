@@ -185,6 +185,7 @@ def test_sigterm_to_the_runner_stops_the_runs_which_save(stand_in, tmp_path, mon
     assert (tmp_path / "a" / "seed1" / "stopped").read_text() == str(int(signal.SIGTERM))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_run_dies_with_its_runner_even_on_kill_9(stand_in, tmp_path):
     script = (

@@ -185,6 +185,7 @@ def test_empty_prompt_starts_a_new_document(model, enc):
     assert m.idx.tolist() == [[enc.eot_token]]
 
 
+@pytest.mark.slow
 def test_stdin_prompt_via_subprocess(ckpt):
     proc = subprocess.run(
         [sys.executable, "sample.py", "--ckpt", str(ckpt), "--max_new_tokens", "5", "--device", "cpu"],
@@ -219,6 +220,7 @@ def test_bad_checkpoint_is_a_one_line_error(tmp_path, ckpt, kind, capsys):
     assert captured.out == ""
 
 
+@pytest.mark.slow
 def test_bad_checkpoint_from_the_shell_has_no_traceback(tmp_path, ckpt):
     path = _bad_checkpoints(tmp_path, ckpt)["truncated"]
     proc = subprocess.run(

@@ -178,6 +178,7 @@ def json_form(records):
 # ----------------------------------------------------------------------------- the sinks
 
 
+@pytest.mark.slow
 def test_wandb_offline_and_tensorboard_receive_every_metric(tmp_path):
     out, tb = tmp_path / "run", tmp_path / "tb"
     records = loop_records(0, 8)
