@@ -123,6 +123,7 @@ def test_identical_worse_and_diverging_arms_over_three_seeds(data_dir, tmp_path,
     }
 
 
+@pytest.mark.slow
 def test_a_metric_the_result_does_not_have_is_one_line(data_dir, tmp_path, capsys):  # noqa: F811
     arm = " ".join([*TINY, f"--data_dir={data_dir}", "--max_steps=1"])
     assert compare.main([arm, "--out_dir", str(tmp_path), "--seeds", "1", "--metric", "val_accuracy"]) == 2

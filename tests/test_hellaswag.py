@@ -391,6 +391,7 @@ def test_cli_prints_and_writes_what_hellaswag_py_did(hf_dir, model, enc, data_fi
     ]
 
 
+@pytest.mark.slow
 def test_cli_malformed_data_is_a_one_line_error(hf_dir, tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(EXAMPLES[0]) + "\nnot json\n")

@@ -98,6 +98,7 @@ def test_the_law_objective_gradient_is_its_derivative():
     assert np.allclose(grad, numeric, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.slow
 def test_train_does_not_import_scipy():
     """scipy is ladder.py's (its fits), never a training dependency."""
     code = "import sys, train; print('scipy' in sys.modules)"

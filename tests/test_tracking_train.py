@@ -27,6 +27,7 @@ def sinks(tb):
     return ["--wandb_log=True", "--wandb_project=test", f"--tensorboard_dir={tb}"]
 
 
+@pytest.mark.slow
 def test_wandb_and_tensorboard_get_every_metric_of_a_run(data_dir, tmp_path):
     out, tb = tmp_path / "run", tmp_path / "tb"
     assert run(data_dir, out, "--max_steps=8", *sinks(tb)) == 0
