@@ -158,10 +158,13 @@ def test_a_run_that_exits_2_stops_the_others_and_says_its_line(stand_in, tmp_pat
 def test_jobs_run_side_by_side_with_their_share_of_the_threads(stand_in, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-    records = runner.run_jobs(jobs_of(tmp_path, "--sleep=1", seeds=(1, 2, 3)), tmp_path, jobs=2)
-    starts = sorted(r["started_at"] for r in records.values())
+    jobs = jobs_of(tmp_path, "--sleep=1", seeds=(1, 2, 3))
+    records = runner.run_jobs(jobs, tmp_path, jobs=2)
     assert [r["threads"] for r in records.values()] == [2, 2, 2]
-    assert starts[0] == starts[1] or len(set(starts)) < 3  # the first wave started together
+    # when each stand-in started (it writes env first) and ended (its log's last line): the first wave's two runs
+    # overlapped, and the third started once both had ended
+    (s1, e1), (s2, e2), (s3, _) = [((j.out_dir / "env").stat().st_mtime, j.log_path.stat().st_mtime) for j in jobs]
+    assert max(s1, s2) < min(e1, e2) and s3 >= max(e1, e2)
     env = (tmp_path / "a" / "seed1" / "env").read_text()
     assert '"OMP_NUM_THREADS": "2"' in env
 
