@@ -325,9 +325,8 @@ def over_budget(root):
     than CALL_ARGS arguments (call_widths: a splatted dict's keys count), unless it builds a record (a dataclass or
     NamedTuple of the library)."""
     files = [*sorted(root.glob("*.py")), *sorted((root / PACKAGE).glob("*.py"))]
-    trees = {
-        path.relative_to(root).as_posix(): (path.read_text(), *parsed_with_widths(path.read_text())) for path in files
-    }
+    texts = {path.relative_to(root).as_posix(): path.read_text() for path in files}
+    trees = {name: (text, *parsed_with_widths(text)) for name, text in texts.items()}
     records = {
         node.name
         for _, tree, _ in trees.values()
