@@ -1,0 +1,98 @@
+"""Several torchrun scenarios in one world: one `torchrun --nproc_per_node=N tests/worlds.py` whose ranks call
+train.main once per scenario, in order, so that a test file pays a world's start (an agent and N processes of
+~4.5 s of CPU each before their first step) once rather than once per run.
+
+Each scenario is what `tiny.torchrun(*args, nproc=N)` would run, with its own process group: torchrun's agent store
+takes one rendezvous only, so every scenario's group is a fresh TCPStore on rank 0 at its own free port. Before a
+scenario rank 0 makes its copies (a checkpoint an earlier scenario wrote, to resume from) while the others wait;
+each rank writes the scenario's stdout, stderr and exit status to files of its own. A scenario that fails every
+rank (a refusal) goes last: a rank that fails may end the world.
+"""
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tiny import ROOT, free_port, subprocess_env
+
+
+@dataclass
+class Scenario:
+    """One train.py run of a world: its arguments, what rank 0 copies first ((source, target)
+    pairs: a directory or a file), and then what it gave: each rank's exit status, all ranks' stdout and stderr."""
+
+    args: list
+    copies: tuple = ()
+    codes: list = None
+    stdout: str = ""
+    stderr: str = ""
+
+    @property
+    def out_dir(self):
+        return Path(next(str(a) for a in self.args if str(a).startswith("--out_dir="))[len("--out_dir=") :])
+
+
+def world(scenarios, log_dir, nproc=2, timeout=600):
+    """Run the scenarios in order in one torchrun world of nproc ranks; fills in each one's codes, stdout and
+    stderr, and returns them. A world that does not finish fails with its output."""
+    import subprocess
+
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    plan = [{"args": [str(a) for a in s.args], "copies": [list(map(str, c)) for c in s.copies]} for s in scenarios]
+    ports = [free_port() for _ in scenarios]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd += [__file__, str(log_dir), json.dumps(plan), json.dumps(ports)]
+    result = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    for i, s in enumerate(scenarios):
+        read = lambda suffix: [(log_dir / f"{i}.{r}.{suffix}") for r in range(nproc)]  # noqa: E731
+        assert all(p.is_file() for p in read("code")), (i, result.stderr[-3000:])
+        s.codes = [json.loads(p.read_text()) for p in read("code")]
+        s.stdout, s.stderr = ("".join(p.read_text() for p in read(kind)) for kind in ("out", "err"))
+    return scenarios
+
+
+def drive(log_dir, plan, ports):
+    """A rank's part: each scenario's train.main with its output in the scenario's files."""
+    import train
+    from gpt2train.parallel import exit_process
+
+    rank = os.environ["RANK"]
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # the agent's store has had its one rendezvous
+    saved = os.dup(1), os.dup(2)
+    for i, (scenario, port) in enumerate(zip(plan, ports)):
+        ready = log_dir / f"{i}.ready"
+        if rank == "0":
+            for source, target in scenario["copies"]:
+                Path(target).parent.mkdir(parents=True, exist_ok=True)
+                (shutil.copytree if Path(source).is_dir() else shutil.copy)(source, target)
+            ready.touch()
+        while not ready.exists():
+            time.sleep(0.02)
+        os.environ["MASTER_PORT"] = str(port)
+        code = run_redirected(train.main, scenario["args"], log_dir / f"{i}.{rank}", saved)
+        (log_dir / f"{i}.{rank}.code").write_text(json.dumps(code))
+    exit_process(lambda: 0)
+
+
+def run_redirected(main, argv, prefix, saved):
+    """main(argv)'s exit status, its stdout and stderr in PREFIX.out and PREFIX.err."""
+    sys.stdout.flush(), sys.stderr.flush()
+    with open(f"{prefix}.out", "w") as out, open(f"{prefix}.err", "w") as err:
+        os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+    return code
+
+
+if __name__ == "__main__":
+    drive(Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3]))
