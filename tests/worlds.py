@@ -14,7 +14,9 @@ import os
 import shutil
 import sys
 import time
+import traceback
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from tiny import ROOT, free_port, subprocess_env
@@ -22,11 +24,13 @@ from tiny import ROOT, free_port, subprocess_env
 
 @dataclass
 class Scenario:
-    """One train.py run of a world: its arguments, what rank 0 copies first ((source, target)
-    pairs: a directory or a file), and then what it gave: each rank's exit status, all ranks' stdout and stderr."""
+    """One train.py run of a world (or of SCRIPT, a test's script run as torchrun would run it): its arguments,
+    what rank 0 copies first ((source, target) pairs: a directory or a file), and then what it gave: each rank's
+    exit status, all ranks' stdout and stderr."""
 
     args: list
     copies: tuple = ()
+    script: str = None
     codes: list = None
     stdout: str = ""
     stderr: str = ""
@@ -43,7 +47,14 @@ def world(scenarios, log_dir, nproc=2, timeout=600):
 
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    plan = [{"args": [str(a) for a in s.args], "copies": [list(map(str, c)) for c in s.copies]} for s in scenarios]
+    plan = [
+        {
+            "args": [str(a) for a in s.args],
+            "copies": [list(map(str, c)) for c in s.copies],
+            "script": s.script and str(s.script),
+        }
+        for s in scenarios
+    ]
     ports = [free_port() for _ in scenarios]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd += [__file__, str(log_dir), json.dumps(plan), json.dumps(ports)]
@@ -74,9 +85,38 @@ def drive(log_dir, plan, ports):
         while not ready.exists():
             time.sleep(0.02)
         os.environ["MASTER_PORT"] = str(port)
-        code = run_redirected(train.main, scenario["args"], log_dir / f"{i}.{rank}", saved)
+        main = partial(run_script, scenario["script"]) if scenario["script"] else train.main
+        code = run_redirected(main, scenario["args"], log_dir / f"{i}.{rank}", saved)
         (log_dir / f"{i}.{rank}.code").write_text(json.dumps(code))
+        forget_meshes()
     exit_process(lambda: 0)
+
+
+def forget_meshes():
+    """Clear DTensor's caches of sharding decisions: they are keyed by a mesh's ranks and shape, not by its process
+    groups, so the next scenario's mesh of the same shape would reuse specs naming the last one's destroyed groups
+    ("Could not resolve the process group registered under the name 4")."""
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _gen_transform_infos.cache_clear()
+
+
+def run_script(script, argv):
+    """SCRIPT run as `python SCRIPT ARGV` runs it (0, or the status it exits with); its process group, if it
+    started one, is destroyed after it."""
+    import runpy
+
+    import torch.distributed as dist
+
+    sys.argv = [script, *argv]
+    try:
+        runpy.run_path(script, run_name="__main__")
+        return 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run_redirected(main, argv, prefix, saved):
@@ -88,6 +128,9 @@ def run_redirected(main, argv, prefix, saved):
             code = main(argv)
         except SystemExit as e:
             code = e.code
+        except Exception:  # as the interpreter ends a script that raises: the traceback, status 1
+            traceback.print_exc()
+            code = 1
         finally:
             sys.stdout.flush(), sys.stderr.flush()
             os.dup2(saved[0], 1), os.dup2(saved[1], 2)
