@@ -16,7 +16,7 @@ from gpt2train import layout, memory, pipeline
 from gpt2train.checkpoint import load_checkpoint
 from gpt2train.config import ConfigError, make_config, model_config
 from model import GPT, GPTConfig
-from tiny import TINY, metrics, torchrun, train_losses
+from tiny import TINY, metrics, train_losses
 from worlds import Scenario, world
 
 # a tiny NeoX: 4 blocks (2 per stage), 2 ranks x 8 rows of 16 tokens per step, or one process x 2 micro-batches;
@@ -46,21 +46,38 @@ def one_process_run(data_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two_rank_world(data_dir, one_process_run, tmp_path_factory):
-    """One world of 2 ranks (tests/worlds.py), 3 runs: 8 steps of 2 pipeline stages (1F1B), checkpoints at steps 4
-    and 8; its step-4 checkpoint resumed at its config (2 stages) in "two"; one process's single-file checkpoint
-    resumed on two stages in "one" (refused on every rank, so last)."""
+def layout_world(data_dir, one_process_run, tmp_path_factory):
+    """Every multi-rank run of this file in one world of 8 ranks (tests/worlds.py), by name: "eight", 2 stages x 2
+    replicas x 2 tensor-parallel ranks on all 8 (eval_steps=1 per data-parallel rank: the 2 micro-batches one
+    process validates). Then on ranks 0-3: "tp_pp", 8 steps of 2 stages, each split over a tensor-parallel group of
+    2 (the NeoX paper's layout, small; one data-parallel rank, so the rows and validation are one process's),
+    checkpoints at steps 4 and 8; "four", its step-4 checkpoint resumed at its layout. At the same time on ranks 4-7:
+    "replicas", 2 stages x 2 data-parallel replicas, each 4 rows per step in 2 micro-batches of 2 (eval_steps=1);
+    then on ranks 4-5: "pp", 8 steps of 2 pipeline stages (1F1B), checkpoints at steps 4 and 8; "two", its step-4
+    checkpoint resumed at its config (2 stages); "refused", one process's single-file checkpoint resumed on two
+    stages (refused on every rank, so last)."""
     root = tmp_path_factory.mktemp("pp_world")
-    pp, two, one = root / "pp", root / "two", root / "one"
-    single = [(one_process_run / name, one / name) for name in ("ckpt_000004.pt", "ckpt_000004.pt.sha256")]
-    return world(
-        [
-            Scenario([*NEOX, f"--data_dir={data_dir}", f"--out_dir={pp}", "--pipeline_parallel=2"]),
-            Scenario(["--init_from=resume", f"--out_dir={two}"], [(pp / "ckpt_000004", two / "ckpt_000004")]),
-            Scenario(["--init_from=resume", f"--out_dir={one}", "--pipeline_parallel=2"], single),
-        ],
-        root / "logs",
-    )
+    run = lambda name, *more: [*NEOX, f"--data_dir={data_dir}", f"--out_dir={root / name}", *more]  # noqa: E731
+    resume = lambda name, *more: ["--init_from=resume", f"--out_dir={root / name}", *more]  # noqa: E731
+    copy = lambda source, target: [(root / source / "ckpt_000004", root / target / "ckpt_000004")]  # noqa: E731
+    single = [(one_process_run / n, root / "refused" / n) for n in ("ckpt_000004.pt", "ckpt_000004.pt.sha256")]
+    runs = {
+        "eight": Scenario(run("eight", "--pipeline_parallel=2", "--tensor_parallel=2", "--eval_steps=1")),
+        "tp_pp": Scenario(run("tp_pp", "--pipeline_parallel=2", "--tensor_parallel=2"), ranks=range(4)),
+        "replicas": Scenario(run("replicas", "--pipeline_parallel=2", "--eval_steps=1"), ranks=range(4, 8)),
+        "four": Scenario(resume("four"), copy("tp_pp", "four"), ranks=range(4)),
+        "pp": Scenario(run("pp", "--pipeline_parallel=2"), ranks=(4, 5)),
+        "two": Scenario(resume("two"), copy("pp", "two"), ranks=(4, 5)),
+        "refused": Scenario(resume("refused", "--pipeline_parallel=2"), single, ranks=(4, 5)),
+    }
+    world(list(runs.values()), root / "logs", nproc=8)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def two_rank_world(layout_world):
+    """The 2-rank runs: 2 pipeline stages, its step-4 checkpoint resumed, a single file refused."""
+    return [layout_world[name] for name in ("pp", "two", "refused")]
 
 
 @pytest.fixture(scope="module")
@@ -90,27 +107,9 @@ def test_two_stages_train_neox_to_one_process_losses(pipeline_run, one_process_r
 
 
 @pytest.fixture(scope="module")
-def four_rank_world(data_dir, tmp_path_factory):
-    """One world of 4 ranks (tests/worlds.py), 3 runs: 8 steps of 2 stages, each split over a tensor-parallel group
-    of 2 (the NeoX paper's layout, small; one data-parallel rank, so the rows and validation are one process's),
-    checkpoints at steps 4 and 8; its step-4 checkpoint resumed at its layout in "four"; 2 stages x 2 data-parallel
-    replicas, each 4 rows per step in 2 micro-batches of 2 (eval_steps is per data-parallel rank: 1 x 2 replicas =
-    the 2 micro-batches one process validates)."""
-    root = tmp_path_factory.mktemp("pp4_world")
-    tp_pp, four, replicas = root / "tp_pp", root / "four", root / "replicas"
-    return world(
-        [
-            Scenario(
-                [*NEOX, f"--data_dir={data_dir}", f"--out_dir={tp_pp}", "--pipeline_parallel=2", "--tensor_parallel=2"]
-            ),
-            Scenario(["--init_from=resume", f"--out_dir={four}"], [(tp_pp / "ckpt_000004", four / "ckpt_000004")]),
-            Scenario(
-                [*NEOX, f"--data_dir={data_dir}", f"--out_dir={replicas}", "--pipeline_parallel=2", "--eval_steps=1"]
-            ),
-        ],
-        root / "logs",
-        nproc=4,
-    )
+def four_rank_world(layout_world):
+    """The 4-rank runs: tensor x pipeline, its step-4 checkpoint resumed at its layout, 2 stages x 2 replicas."""
+    return [layout_world[name] for name in ("tp_pp", "four", "replicas")]
 
 
 @pytest.mark.slow
@@ -139,13 +138,12 @@ def test_two_stages_times_tensor_parallel_two_train_to_one_process_losses(tp_pip
 
 
 @pytest.mark.slow
-def test_tensor_times_pipeline_times_two_replicas_train_to_one_process_losses(data_dir, one_process_run, tmp_path):
+def test_tensor_times_pipeline_times_two_replicas_train_to_one_process_losses(layout_world, one_process_run):
     # 8 ranks: 2 stages x 2 replicas x 2 tensor-parallel ranks; the replicas average DTensor gradients' local parts
-    out = tmp_path / "eight"
-    layout_args = ["--pipeline_parallel=2", "--tensor_parallel=2", "--eval_steps=1"]
-    torchrun(*NEOX, f"--data_dir={data_dir}", f"--out_dir={out}", *layout_args, nproc=8)
+    eight = layout_world["eight"]
+    assert eight.codes == [0] * 8
     for key in ("train_loss", "grad_norm", "val_loss"):
-        assert max_diff(by_step(out, key), by_step(one_process_run, key)) <= 1e-4, key
+        assert max_diff(by_step(eight.out_dir, key), by_step(one_process_run, key)) <= 1e-4, key
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ class Scenario:
     args: list
     copies: tuple = ()
     script: str = None
+    ranks: tuple = None
     codes: list = None
     stdout: str = ""
     stderr: str = ""
@@ -42,7 +43,9 @@ class Scenario:
 
 def world(scenarios, log_dir, nproc=2, timeout=600):
     """Run the scenarios in order in one torchrun world of nproc ranks; fills in each one's codes, stdout and
-    stderr, and returns them. A world that does not finish fails with its output."""
+    stderr, and returns them. A world that does not finish fails with its output. A scenario with ranks runs on
+    those ranks alone (a world of its own: their RANK, WORLD_SIZE, ... are its), at the same time as the next
+    scenarios on the other ranks; on its ranks, after the scenarios before it."""
     import subprocess
 
     log_dir = Path(log_dir)
@@ -52,6 +55,7 @@ def world(scenarios, log_dir, nproc=2, timeout=600):
             "args": [str(a) for a in s.args],
             "copies": [list(map(str, c)) for c in s.copies],
             "script": s.script and str(s.script),
+            "ranks": list(s.ranks or range(nproc)),
         }
         for s in scenarios
     ]
@@ -59,8 +63,8 @@ def world(scenarios, log_dir, nproc=2, timeout=600):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd += [__file__, str(log_dir), json.dumps(plan), json.dumps(ports)]
     result = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
-    for i, s in enumerate(scenarios):
-        read = lambda suffix: [(log_dir / f"{i}.{r}.{suffix}") for r in range(nproc)]  # noqa: E731
+    for i, (s, ranks) in enumerate(zip(scenarios, (p["ranks"] for p in plan))):
+        read = lambda suffix: [(log_dir / f"{i}.{r}.{suffix}") for r in ranks]  # noqa: E731
         assert all(p.is_file() for p in read("code")), (i, result.stderr[-3000:])
         s.codes = [json.loads(p.read_text()) for p in read("code")]
         s.stdout, s.stderr = ("".join(p.read_text() for p in read(kind)) for kind in ("out", "err"))
@@ -72,12 +76,18 @@ def drive(log_dir, plan, ports):
     import train
     from gpt2train.parallel import exit_process
 
-    rank = os.environ["RANK"]
+    rank = int(os.environ["RANK"])
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"  # the agent's store has had its one rendezvous
     saved = os.dup(1), os.dup(2)
     for i, (scenario, port) in enumerate(zip(plan, ports)):
-        ready = log_dir / f"{i}.ready"
-        if rank == "0":
+        ranks, ready = scenario["ranks"], log_dir / f"{i}.ready"
+        if rank not in ranks:
+            continue
+        for key in ("RANK", "LOCAL_RANK", "ROLE_RANK"):
+            os.environ[key] = str(ranks.index(rank))
+        for key in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE"):
+            os.environ[key] = str(len(ranks))
+        if rank == ranks[0]:
             for source, target in scenario["copies"]:
                 Path(target).parent.mkdir(parents=True, exist_ok=True)
                 (shutil.copytree if Path(source).is_dir() else shutil.copy)(source, target)
