@@ -46,40 +46,42 @@ def single_run(data_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two_rank_world(data_dir, single_run, tmp_path_factory):
-    """One world of 2 ranks (tests/worlds.py), 4 runs: 8 steps at tensor_parallel=2 (one data-parallel rank),
-    sharded checkpoints at steps 4 and 8; its step-4 checkpoint resumed at its layout in "tp_resumed"; the one
-    process's step-4 single file resumed at tensor_parallel=2 in "one_resumed"; TP_INIT under 'ddp'."""
+def tp_world(data_dir, single_run, tmp_path_factory):
+    """Every multi-rank run of this file in one world of 4 ranks (tests/worlds.py), by name: "fsdp" and "ddp",
+    8 steps at tensor_parallel=2 under parallel='fsdp' and 'ddp'; "init_fsdp", TP_INIT under 'fsdp'. Then on ranks
+    0-1: "tp", 8 steps at tensor_parallel=2 (one data-parallel rank), sharded checkpoints at steps 4 and 8;
+    "tp_resumed", its step-4 checkpoint resumed at its layout; "one_resumed", the one process's step-4 single file
+    resumed at tensor_parallel=2. At the same time on ranks 2-3: "init_ddp", TP_INIT under 'ddp'."""
     root = tmp_path_factory.mktemp("tp_world")
-    tp, resumed, one = root / "tp", root / "tp_resumed", root / "one_resumed"
-    single = [(single_run / name, one / name) for name in ("ckpt_000004.pt", "ckpt_000004.pt.sha256")]
     (root / "init.py").write_text(TP_INIT)
-    return world(
-        [
-            Scenario([*COMMON, f"--data_dir={data_dir}", f"--out_dir={tp}", "--tensor_parallel=2"]),
-            Scenario(["--init_from=resume", f"--out_dir={resumed}"], [(tp / "ckpt_000004", resumed / "ckpt_000004")]),
-            Scenario(["--init_from=resume", f"--out_dir={one}", "--tensor_parallel=2"], single),
-            Scenario([root / "init_rank", "ddp"], script=root / "init.py"),
-        ],
-        root / "logs",
-    )
+    run = lambda name, *more: [*COMMON, f"--data_dir={data_dir}", f"--out_dir={root / name}", *more]  # noqa: E731
+    resume = lambda name, *more: ["--init_from=resume", f"--out_dir={root / name}", *more]  # noqa: E731
+    single = [(single_run / n, root / "one_resumed" / n) for n in ("ckpt_000004.pt", "ckpt_000004.pt.sha256")]
+    init = lambda parallel, **kw: Scenario([root / f"init_{parallel}_rank", parallel], script=root / "init.py", **kw)  # noqa: E731
+    runs = {
+        **{p: Scenario(run(p, f"--parallel={p}", "--tensor_parallel=2")) for p in ("fsdp", "ddp")},
+        "init_fsdp": init("fsdp"),
+        "tp": Scenario(run("tp", "--tensor_parallel=2"), ranks=(0, 1)),
+        "init_ddp": init("ddp", ranks=(2, 3)),
+        "tp_resumed": Scenario(
+            resume("tp_resumed"), [(root / "tp" / "ckpt_000004", root / "tp_resumed" / "ckpt_000004")], ranks=(0, 1)
+        ),
+        "one_resumed": Scenario(resume("one_resumed", "--tensor_parallel=2"), single, ranks=(0, 1)),
+    }
+    world(list(runs.values()), root / "logs", nproc=4)
+    return runs
 
 
 @pytest.fixture(scope="module")
-def four_rank_world(data_dir, tmp_path_factory):
-    """One world of 4 ranks: 8 steps at tensor_parallel=2 under parallel='fsdp' in "fsdp", under 'ddp' in "ddp";
-    TP_INIT under 'fsdp'."""
-    root = tmp_path_factory.mktemp("tp4_world")
-    (root / "init.py").write_text(TP_INIT)
-    runs = [[*COMMON, f"--data_dir={data_dir}", f"--out_dir={root / p}", f"--parallel={p}"] for p in ("fsdp", "ddp")]
-    return world(
-        [
-            *(Scenario([*args, "--tensor_parallel=2"]) for args in runs),
-            Scenario([root / "init_rank", "fsdp"], script=root / "init.py"),
-        ],
-        root / "logs",
-        nproc=4,
-    )
+def two_rank_world(tp_world):
+    """The 2-rank runs: tensor_parallel 2, both resumes, TP_INIT under 'ddp'."""
+    return [tp_world[name] for name in ("tp", "tp_resumed", "one_resumed", "init_ddp")]
+
+
+@pytest.fixture(scope="module")
+def four_rank_world(tp_world):
+    """The 4-rank runs: fsdp x tp, ddp x tp, TP_INIT under 'fsdp'."""
+    return [tp_world[name] for name in ("fsdp", "ddp", "init_fsdp")]
 
 
 @pytest.fixture(scope="module")
