@@ -2,11 +2,13 @@
 train.main once per scenario, in order, so that a test file pays a world's start (an agent and N processes of
 ~4.5 s of CPU each before their first step) once rather than once per run.
 
-Each scenario is what `tiny.torchrun(*args, nproc=N)` would run, with its own process group: torchrun's agent store
-takes one rendezvous only, so every scenario's group is a fresh TCPStore on rank 0 at its own free port. Before a
-scenario rank 0 makes its copies (a checkpoint an earlier scenario wrote, to resume from) while the others wait;
-each rank writes the scenario's stdout, stderr and exit status to files of its own. A scenario that fails every
-rank (a refusal) goes last: a rank that fails may end the world.
+Each scenario is what `tiny.torchrun(*args, nproc=N)` would run (or `torchrun SCRIPT args`), with its own process
+group: torchrun's agent store takes one rendezvous only, so every scenario's group is a fresh TCPStore on its rank 0
+at its own free port. A scenario may take some of the ranks only (a world of its own size, beside the next scenarios
+on the other ranks). Before a scenario its first rank makes its copies (a checkpoint an earlier scenario wrote, to
+resume from) while its others wait; each rank writes the scenario's stdout, stderr and exit status to files of its
+own, and a rank whose scenario fails (an exit status, an exception's traceback) goes on to its next one. A scenario
+whose script patches modules goes last on its ranks.
 """
 
 import json
@@ -25,8 +27,8 @@ from tiny import ROOT, free_port, subprocess_env
 @dataclass
 class Scenario:
     """One train.py run of a world (or of SCRIPT, a test's script run as torchrun would run it): its arguments,
-    what rank 0 copies first ((source, target) pairs: a directory or a file), and then what it gave: each rank's
-    exit status, all ranks' stdout and stderr."""
+    what its first rank copies first ((source, target) pairs: a directory or a file), the world's ranks it runs on
+    (None: all), and then what it gave: each of its ranks' exit status, all its ranks' stdout and stderr."""
 
     args: list
     copies: tuple = ()
