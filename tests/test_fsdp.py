@@ -4,6 +4,8 @@ world size and survive a kill -9, a sharded model evaluates and samples, and one
 Multi-rank runs are 2 CPU processes under torchrun (gloo) on tests/tiny.py's tiny model and Markov-chain data.
 """
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -28,7 +30,8 @@ from gpt2train.hf import from_pretrained
 from gpt2train.sharded import save_sharded_checkpoint
 from model import GPT, GPTConfig
 from test_hellaswag import EXAMPLES
-from tiny import TINY, free_port, metrics, subprocess_env, torchrun, train_losses
+from tiny import TINY, free_port, metrics, subprocess_env, train_losses
+from worlds import Scenario, world
 
 ROOT = Path(__file__).resolve().parent.parent
 # 2 ranks x 1 micro-batch of 4 x 16 tokens, or 1 process x 2; a clip of 0.5 is below every step's norm here
@@ -45,11 +48,78 @@ COMMON = [
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(data_dir, tmp_path_factory):
+def fsdp_world(data_dir, tmp_path_factory):
+    """One world of 2 ranks (tests/worlds.py) for the file's 2-rank runs, in order: "fsdp", the reference (20 steps
+    on 2 FSDP ranks, sharded checkpoints at steps 10 and 20); "ddp", the same under DDP; "two", its step-10
+    checkpoint resumed at its config; "hsdp", a one-rank FSDP run's step-10 checkpoint (made here, in-process, its
+    stdout kept as "one_rank_stdout") resumed as hsdp with shard groups of one rank; "damaged", both fsdp
+    checkpoints with a flipped byte in the newest's first shard, resumed; "eval", SHARDED_EVAL; "hashed",
+    COUNTING_HASHES resuming a one-process run whose newest checkpoint is damaged (made here: its losses kept as
+    "hashed_losses"; last, as its script patches train's modules)."""
+    root = tmp_path_factory.mktemp("fsdp_world")
+    args = lambda name, *more: [*COMMON, f"--data_dir={data_dir}", f"--out_dir={root / name}", *more]  # noqa: E731
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as m, contextlib.redirect_stdout(printed):
+        for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1").items():
+            m.setenv(key, value)  # as conftest's one_rank_torchrun
+        m.setenv("MASTER_ADDR", "127.0.0.1")
+        m.setenv("MASTER_PORT", str(free_port()))
+        assert train.main(args("hsdp", "--parallel=fsdp", "--max_steps=10")) == 0
+    assert train.main(args("hashed", "--max_steps=4", "--save_interval=2")) == 0
+    hashed_losses = train_losses(root / "hashed")
+    damage(root / "hashed" / "ckpt_000004.pt")
+    (root / "eval.py").write_text(SHARDED_EVAL)
+    (root / "hellaswag.jsonl").write_text("".join(json.dumps(ex) + "\n" for ex in EXAMPLES[:7]))
+    (root / "count.py").write_text(COUNTING_HASHES)
+    (root / "damage.py").write_text(DAMAGE)
+    fsdp, resume = root / "fsdp", ["--init_from=resume"]
+    runs = {
+        "fsdp": Scenario(args("fsdp", "--parallel=fsdp")),
+        "ddp": Scenario(args("ddp", "--parallel=ddp")),
+        "two": Scenario([*resume, f"--out_dir={root / 'two'}"], [(fsdp / "ckpt_000010", root / "two" / "ckpt_000010")]),
+        "hsdp": Scenario(
+            [*resume, f"--out_dir={root / 'hsdp'}", "--max_steps=20", "--parallel=hsdp", "--shard_size=1"]
+        ),
+        "damage": Scenario(
+            [root / "damaged" / "ckpt_000020"],
+            [(fsdp / f"ckpt_{step:06d}", root / "damaged" / f"ckpt_{step:06d}") for step in (10, 20)],
+            script=root / "damage.py",
+        ),
+        "damaged": Scenario([*resume, f"--out_dir={root / 'damaged'}"]),
+        "eval": Scenario([root / "hellaswag.jsonl", root / "rank"], script=root / "eval.py"),
+        "hashed": Scenario(
+            [root / "hashed_", *resume, f"--out_dir={root / 'hashed'}", "--max_steps=4"], script=root / "count.py"
+        ),
+    }
+    world(list(runs.values()), root / "logs")
+    for name, run in runs.items():
+        assert run.codes == [0, 0], (name, run.stderr[-3000:])
+    return {**runs, "one_rank_stdout": printed.getvalue(), "hashed_losses": hashed_losses}
+
+
+def damage(path):
+    """Flip one bit in the middle of the file at PATH."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = """
+import os, sys
+from pathlib import Path
+
+if os.environ["RANK"] == "0":  # damage() of a sharded checkpoint's first shard
+    shard = next(p for p in sorted(Path(sys.argv[1]).iterdir()) if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+"""
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(fsdp_world):
     """The reference: 20 steps on 2 FSDP ranks, sharded checkpoints at steps 10 and 20."""
-    out = tmp_path_factory.mktemp("fsdp")
-    torchrun(*COMMON, f"--data_dir={data_dir}", f"--out_dir={out}", "--parallel=fsdp")
-    return out
+    return fsdp_world["fsdp"].out_dir
 
 
 def close(a, b, tol=1e-5):
@@ -64,12 +134,12 @@ def steps(losses, first, last):
 
 
 @pytest.mark.slow
-def test_fsdp_equals_ddp_and_one_process_with_accumulation(data_dir, fsdp_run, tmp_path):
-    torchrun(*COMMON, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'ddp'}", "--parallel=ddp")
+def test_fsdp_equals_ddp_and_one_process_with_accumulation(data_dir, fsdp_run, fsdp_world, tmp_path):
+    ddp_run = fsdp_world["ddp"].out_dir  # the same 20 steps under DDP
     # one process x 2 accumulation steps; eval_steps counts micro-batches per process: 2 x 2 ranks = 4
     assert train.main([*COMMON, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'single'}", "--eval_steps=4"]) == 0
 
-    fsdp, ddp, single = (metrics(out) for out in (fsdp_run, tmp_path / "ddp", tmp_path / "single"))
+    fsdp, ddp, single = (metrics(out) for out in (fsdp_run, ddp_run, tmp_path / "single"))
     by_step = lambda lines, key: {m["step"]: m[key] for m in lines if key in m}  # noqa: E731
     assert list(by_step(fsdp, "train_loss")) == list(range(1, 21))
     for key in ("train_loss", "grad_norm", "val_loss"):  # val_loss at step 0: the same initial weights
@@ -77,7 +147,7 @@ def test_fsdp_equals_ddp_and_one_process_with_accumulation(data_dir, fsdp_run, t
         assert close(by_step(fsdp, key), by_step(single, key)), key
     assert all(norm > 0.5 for norm in by_step(fsdp, "grad_norm").values())  # clipping was active at every step
     assert sorted(p.name for p in fsdp_run.glob("ckpt_*")) == ["ckpt_000010", "ckpt_000020"]  # directories
-    a, b = load_checkpoint(fsdp_run)["model"], load_checkpoint(tmp_path / "ddp")["model"]
+    a, b = load_checkpoint(fsdp_run)["model"], load_checkpoint(ddp_run)["model"]
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
 
 
@@ -85,34 +155,28 @@ def test_fsdp_equals_ddp_and_one_process_with_accumulation(data_dir, fsdp_run, t
 
 
 @pytest.mark.slow
-def test_sharded_resume_is_bit_exact_on_two_ranks_and_within_1e5_on_one(fsdp_run, tmp_path):
-    for name in ("two", "one"):
-        shutil.copytree(fsdp_run / "ckpt_000010", tmp_path / name / "ckpt_000010")
-    torchrun("--init_from=resume", f"--out_dir={tmp_path / 'two'}")  # the checkpoint's config: fsdp, 20 steps
+def test_sharded_resume_is_bit_exact_on_two_ranks_and_within_1e5_on_one(fsdp_run, fsdp_world, tmp_path):
+    shutil.copytree(fsdp_run / "ckpt_000010", tmp_path / "one" / "ckpt_000010")
+    two = fsdp_world["two"].out_dir  # the step-10 checkpoint resumed at its config: fsdp, 20 steps
     assert train.main(["--init_from=resume", f"--out_dir={tmp_path / 'one'}"]) == 0  # no torchrun: one process
 
     reference = steps(train_losses(fsdp_run), 11, 20)
-    assert train_losses(tmp_path / "two") == reference
+    assert train_losses(two) == reference
     assert close(train_losses(tmp_path / "one"), reference)
-    a, b = load_checkpoint(fsdp_run)["model"], load_checkpoint(tmp_path / "two")["model"]
+    a, b = load_checkpoint(fsdp_run)["model"], load_checkpoint(two)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert (tmp_path / "one" / "ckpt_000020.pt").is_file()  # one process writes the single-file form
 
 
 @pytest.mark.slow
-def test_one_rank_sharded_checkpoint_resumes_on_two_ranks_as_hsdp(
-    data_dir, fsdp_run, tmp_path, one_rank_torchrun, monkeypatch, capsys
-):
-    out = tmp_path / "out"
-    assert train.main([*COMMON, f"--data_dir={data_dir}", f"--out_dir={out}", "--parallel=fsdp", "--max_steps=10"]) == 0
-    assert "world size 1 (fsdp)" in capsys.readouterr().out
-    assert (out / "ckpt_000010" / ".metadata").is_file()
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(key)
+def test_one_rank_sharded_checkpoint_resumes_on_two_ranks_as_hsdp(fsdp_run, fsdp_world):
+    # fsdp_world's in-process run: 10 steps under torchrun's environment for one rank
+    result = fsdp_world["hsdp"]
+    assert "world size 1 (fsdp)" in fsdp_world["one_rank_stdout"]
+    assert (result.out_dir / "ckpt_000010" / ".metadata").is_file()
     # hsdp with shard groups of one rank: a 2 x 1 mesh, gradients all-reduced across the two replicas
-    result = torchrun("--init_from=resume", f"--out_dir={out}", "--max_steps=20", "--parallel=hsdp", "--shard_size=1")
     assert "world size 2 (hsdp)" in result.stdout
-    assert close(train_losses(out), train_losses(fsdp_run))
+    assert close(train_losses(result.out_dir), train_losses(fsdp_run))
 
 
 @pytest.mark.slow
@@ -250,26 +314,16 @@ finally:
 
 
 @pytest.mark.slow
-def test_only_rank_0_hashes_the_checkpoint_and_every_rank_takes_its_choice(data_dir, tmp_path):
+def test_only_rank_0_hashes_the_checkpoint_and_every_rank_takes_its_choice(fsdp_world):
     """A damaged newest checkpoint: rank 0 hashes it, skips it and hashes the one before; rank 1 hashes nothing,
     picks the newest complete one and then resumes from rank 0's choice (issue 24: 18.7 GB x 64 ranks)."""
-    out = tmp_path / "out"
-    assert (
-        train.main([*COMMON, f"--data_dir={data_dir}", f"--out_dir={out}", "--max_steps=4", "--save_interval=2"]) == 0
-    )
-    losses = train_losses(out)
+    result = fsdp_world["hashed"]  # COUNTING_HASHES resuming a 4-step one-process run, its step 4 damaged
+    out = result.out_dir
     newest = out / "ckpt_000004.pt"
-    data = bytearray(newest.read_bytes())
-    data[len(data) // 2] ^= 1
-    newest.write_bytes(bytes(data))
-    (tmp_path / "count.py").write_text(COUNTING_HASHES)
-    result = torchrun(
-        tmp_path / "hashed", "--init_from=resume", f"--out_dir={out}", "--max_steps=4", script=tmp_path / "count.py"
-    )
     assert f"note: skipping {newest}: damaged" in result.stderr and "resumed from step 2" in result.stdout
-    hashed = [json.loads((tmp_path / f"hashed{r}").read_text()) for r in range(2)]
+    hashed = [json.loads(Path(f"{result.args[0]}{r}").read_text()) for r in range(2)]
     assert hashed == [["ckpt_000004.pt", "ckpt_000002.pt", "started"], ["started"]]
-    assert close(train_losses(out), losses)  # steps 3 and 4 again, as the single process did them
+    assert close(train_losses(out), fsdp_world["hashed_losses"])  # steps 3 and 4 again, as the single process did them
     assert load_checkpoint(newest)["step"] == 4  # rewritten, and verifies
 
 
@@ -330,20 +384,14 @@ def test_a_sharded_resume_hashes_the_metadata_first_and_then_each_rank_its_share
 
 
 @pytest.mark.slow
-def test_a_damaged_newest_sharded_checkpoint_is_skipped_on_every_rank_as_one_process_skips_it(fsdp_run, tmp_path):
+def test_a_damaged_newest_sharded_checkpoint_is_skipped_on_every_rank_as_one_process_skips_it(fsdp_run, fsdp_world):
     """Issue 38: torchrun resumes from the newest intact checkpoint, with the note one process gives, rather than
     stopping (an automatic restart, torchrun --max-restarts or a SLURM requeue, would fail every time)."""
-    for step in (10, 20):
-        shutil.copytree(fsdp_run / f"ckpt_{step:06d}", tmp_path / f"ckpt_{step:06d}")
-    newest = tmp_path / "ckpt_000020"
-    shard = next(p for p in sorted(newest.iterdir()) if p.suffix == ".distcp")
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 1
-    shard.write_bytes(bytes(data))
-    result = torchrun("--init_from=resume", f"--out_dir={tmp_path}")
+    result = fsdp_world["damaged"]  # fsdp_run's checkpoints, a bit flipped in the newest's first shard (DAMAGE)
+    newest = result.out_dir / "ckpt_000020"
     assert result.stderr.count(f"note: skipping {newest}: damaged: its sha256 is ") == 1, result.stderr
     assert "resumed from step 10" in result.stdout
-    assert train_losses(tmp_path) == steps(train_losses(fsdp_run), 11, 20)  # both ranks loaded step 10
+    assert train_losses(result.out_dir) == steps(train_losses(fsdp_run), 11, 20)  # both ranks loaded step 10
     assert load_checkpoint(newest)["step"] == 20  # written again, and it verifies
 
 
@@ -389,11 +437,9 @@ with open(out + str(env.rank), "w") as f:
 
 
 @pytest.mark.slow
-def test_sharded_model_starts_from_the_same_weights_evaluates_and_samples(tmp_path):
-    (tmp_path / "eval.py").write_text(SHARDED_EVAL)
-    (tmp_path / "hellaswag.jsonl").write_text("".join(json.dumps(ex) + "\n" for ex in EXAMPLES[:7]))
-    torchrun(tmp_path / "hellaswag.jsonl", tmp_path / "rank", script=tmp_path / "eval.py")
-    ranks = [json.loads((tmp_path / f"rank{r}").read_text()) for r in range(2)]
+def test_sharded_model_starts_from_the_same_weights_evaluates_and_samples(fsdp_world):
+    prefix = fsdp_world["eval"].args[1]  # SHARDED_EVAL on 7 HellaSwag examples: each rank's results in PREFIX{rank}
+    ranks = [json.loads(Path(f"{prefix}{r}").read_text()) for r in range(2)]
     for r in ranks:
         assert r["same_init"] and r["sharded_after"] == "DTensor" and r["trains_after"]
         assert r["hellaswag"]["tasks"] == r["hellaswag_alone"]["tasks"]

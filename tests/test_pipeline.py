@@ -16,7 +16,8 @@ from gpt2train import layout, memory, pipeline
 from gpt2train.checkpoint import load_checkpoint
 from gpt2train.config import ConfigError, make_config, model_config
 from model import GPT, GPTConfig
-from tiny import TINY, metrics, torchrun, train_losses
+from tiny import TINY, metrics, train_losses
+from worlds import Scenario, world
 
 # a tiny NeoX: 4 blocks (2 per stage), 2 ranks x 8 rows of 16 tokens per step, or one process x 2 micro-batches;
 # the 2 micro-batches of 4 rows are the pipeline's 2 pieces
@@ -37,19 +38,53 @@ NEOX = [
 
 
 @pytest.fixture(scope="module")
-def pipeline_run(data_dir, tmp_path_factory):
-    """8 steps of 2 pipeline stages on 2 ranks (1F1B), checkpoints at steps 4 and 8."""
-    out = tmp_path_factory.mktemp("pp")
-    torchrun(*NEOX, f"--data_dir={data_dir}", f"--out_dir={out}", "--pipeline_parallel=2")
-    return out
-
-
-@pytest.fixture(scope="module")
 def one_process_run(data_dir, tmp_path_factory):
     """The reference of every layout here: the same 8 steps in one process (2 micro-batches a step)."""
     out = tmp_path_factory.mktemp("one")
     assert train.main([*NEOX, f"--data_dir={data_dir}", f"--out_dir={out}"]) == 0
     return out
+
+
+@pytest.fixture(scope="module")
+def layout_world(data_dir, one_process_run, tmp_path_factory):
+    """Every multi-rank run of this file in one world of 8 ranks (tests/worlds.py), by name: "eight", 2 stages x 2
+    replicas x 2 tensor-parallel ranks on all 8 (eval_steps=1 per data-parallel rank: the 2 micro-batches one
+    process validates). Then on ranks 0-3: "tp_pp", 8 steps of 2 stages, each split over a tensor-parallel group of
+    2 (the NeoX paper's layout, small; one data-parallel rank, so the rows and validation are one process's),
+    checkpoints at steps 4 and 8; "four", its step-4 checkpoint resumed at its layout. At the same time on ranks 4-7:
+    "replicas", 2 stages x 2 data-parallel replicas, each 4 rows per step in 2 micro-batches of 2 (eval_steps=1);
+    then on ranks 4-5: "pp", 8 steps of 2 pipeline stages (1F1B), checkpoints at steps 4 and 8; "two", its step-4
+    checkpoint resumed at its config (2 stages); "refused", one process's single-file checkpoint resumed on two
+    stages (refused on every rank, so last)."""
+    root = tmp_path_factory.mktemp("pp_world")
+    run = lambda name, *more: [*NEOX, f"--data_dir={data_dir}", f"--out_dir={root / name}", *more]  # noqa: E731
+    resume = lambda name, *more: ["--init_from=resume", f"--out_dir={root / name}", *more]  # noqa: E731
+    copy = lambda source, target: [(root / source / "ckpt_000004", root / target / "ckpt_000004")]  # noqa: E731
+    single = [(one_process_run / n, root / "refused" / n) for n in ("ckpt_000004.pt", "ckpt_000004.pt.sha256")]
+    runs = {
+        "eight": Scenario(run("eight", "--pipeline_parallel=2", "--tensor_parallel=2", "--eval_steps=1")),
+        "tp_pp": Scenario(run("tp_pp", "--pipeline_parallel=2", "--tensor_parallel=2"), ranks=range(4)),
+        "replicas": Scenario(run("replicas", "--pipeline_parallel=2", "--eval_steps=1"), ranks=range(4, 8)),
+        "four": Scenario(resume("four"), copy("tp_pp", "four"), ranks=range(4)),
+        "pp": Scenario(run("pp", "--pipeline_parallel=2"), ranks=(4, 5)),
+        "two": Scenario(resume("two"), copy("pp", "two"), ranks=(4, 5)),
+        "refused": Scenario(resume("refused", "--pipeline_parallel=2"), single, ranks=(4, 5)),
+    }
+    world(list(runs.values()), root / "logs", nproc=8)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def two_rank_world(layout_world):
+    """The 2-rank runs: 2 pipeline stages, its step-4 checkpoint resumed, a single file refused."""
+    return [layout_world[name] for name in ("pp", "two", "refused")]
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(two_rank_world):
+    """8 steps of 2 pipeline stages on 2 ranks (1F1B), checkpoints at steps 4 and 8."""
+    assert two_rank_world[0].codes == [0, 0]
+    return two_rank_world[0].out_dir
 
 
 def by_step(out, key):
@@ -71,29 +106,28 @@ def test_two_stages_train_neox_to_one_process_losses(pipeline_run, one_process_r
     assert sizes[0] == sizes[1]  # a stage's rank reports the whole model's size, as one process does
 
 
+@pytest.fixture(scope="module")
+def four_rank_world(layout_world):
+    """The 4-rank runs: tensor x pipeline, its step-4 checkpoint resumed at its layout, 2 stages x 2 replicas."""
+    return [layout_world[name] for name in ("tp_pp", "four", "replicas")]
+
+
 @pytest.mark.slow
-def test_two_stages_times_two_replicas_train_to_one_process_losses(data_dir, pipeline_run, tmp_path):
-    # 4 ranks: 2 stages x 2 data-parallel replicas, each 4 rows per step in 2 micro-batches of 2; eval_steps is per
-    # data-parallel rank: 1 x 2 replicas = the 2 micro-batches one process validates
-    torchrun(
-        *NEOX, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", "--pipeline_parallel=2", "--eval_steps=1", nproc=4
-    )
+def test_two_stages_times_two_replicas_train_to_one_process_losses(four_rank_world, pipeline_run):
+    replicas = four_rank_world[2]
+    assert replicas.codes == [0] * 4
     for key in ("train_loss", "grad_norm", "val_loss"):
-        assert max_diff(by_step(tmp_path, key), by_step(pipeline_run, key)) <= 1e-4, key
+        assert max_diff(by_step(replicas.out_dir, key), by_step(pipeline_run, key)) <= 1e-4, key
 
 
 # ----------------------------------------------------------------------------- checkpoints at any layout
 
 
 @pytest.fixture(scope="module")
-def tp_pipeline_run(data_dir, tmp_path_factory):
-    """8 steps on 4 ranks: 2 stages, each split over a tensor-parallel group of 2 (the NeoX paper's layout, small);
-    one data-parallel rank, so the rows and validation are one process's. Checkpoints at steps 4 and 8."""
-    out = tmp_path_factory.mktemp("tp_pp")
-    torchrun(
-        *NEOX, f"--data_dir={data_dir}", f"--out_dir={out}", "--pipeline_parallel=2", "--tensor_parallel=2", nproc=4
-    )
-    return out
+def tp_pipeline_run(four_rank_world):
+    """8 steps on 4 ranks: 2 stages, each split over a tensor-parallel group of 2. Checkpoints at steps 4 and 8."""
+    assert four_rank_world[0].codes == [0] * 4
+    return four_rank_world[0].out_dir
 
 
 @pytest.mark.slow
@@ -104,44 +138,44 @@ def test_two_stages_times_tensor_parallel_two_train_to_one_process_losses(tp_pip
 
 
 @pytest.mark.slow
-def test_tensor_times_pipeline_times_two_replicas_train_to_one_process_losses(data_dir, one_process_run, tmp_path):
+def test_tensor_times_pipeline_times_two_replicas_train_to_one_process_losses(layout_world, one_process_run):
     # 8 ranks: 2 stages x 2 replicas x 2 tensor-parallel ranks; the replicas average DTensor gradients' local parts
-    out = tmp_path / "eight"
-    layout_args = ["--pipeline_parallel=2", "--tensor_parallel=2", "--eval_steps=1"]
-    torchrun(*NEOX, f"--data_dir={data_dir}", f"--out_dir={out}", *layout_args, nproc=8)
+    eight = layout_world["eight"]
+    assert eight.codes == [0] * 8
     for key in ("train_loss", "grad_norm", "val_loss"):
-        assert max_diff(by_step(out, key), by_step(one_process_run, key)) <= 1e-4, key
+        assert max_diff(by_step(eight.out_dir, key), by_step(one_process_run, key)) <= 1e-4, key
 
 
 @pytest.mark.slow
-def test_a_tensor_times_pipeline_checkpoint_resumes_at_its_layout_and_in_one_process(tp_pipeline_run, tmp_path):
-    for name in ("four", "one"):
-        shutil.copytree(tp_pipeline_run / "ckpt_000004", tmp_path / name / "ckpt_000004")
-    torchrun("--init_from=resume", f"--out_dir={tmp_path / 'four'}", nproc=4)  # the checkpoint's layout
+def test_a_tensor_times_pipeline_checkpoint_resumes_at_its_layout_and_in_one_process(
+    tp_pipeline_run, four_rank_world, tmp_path
+):
+    shutil.copytree(tp_pipeline_run / "ckpt_000004", tmp_path / "one" / "ckpt_000004")
+    four = four_rank_world[1]  # the step-4 checkpoint resumed at its layout
+    assert four.codes == [0] * 4
     assert train.main(["--init_from=resume", f"--out_dir={tmp_path / 'one'}"]) == 0
     reference = {s: loss for s, loss in train_losses(tp_pipeline_run).items() if s > 4}
-    assert train_losses(tmp_path / "four") == reference
+    assert train_losses(four.out_dir) == reference
     assert max_diff(train_losses(tmp_path / "one"), reference) <= 1e-5
     a, b = load_checkpoint(tp_pipeline_run)["model"], load_checkpoint(tmp_path / "one")["model"]
     assert set(a) == set(b) and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)  # c_attn in GPT-2's order
 
 
 @pytest.mark.slow
-def test_a_two_stage_checkpoint_resumes_on_two_ranks_and_in_one_process(pipeline_run, tmp_path):
-    for name in ("two", "one"):
-        shutil.copytree(pipeline_run / "ckpt_000004", tmp_path / name / "ckpt_000004")
-    torchrun("--init_from=resume", f"--out_dir={tmp_path / 'two'}")  # the checkpoint's config: 2 stages
+def test_a_two_stage_checkpoint_resumes_on_two_ranks_and_in_one_process(pipeline_run, two_rank_world, tmp_path):
+    shutil.copytree(pipeline_run / "ckpt_000004", tmp_path / "one" / "ckpt_000004")
+    two, refused = two_rank_world[1:]  # resumed at the checkpoint's config (2 stages); a single file on 2 stages
+    assert two.codes == [0, 0]
     assert train.main(["--init_from=resume", f"--out_dir={tmp_path / 'one'}"]) == 0  # no torchrun: one process
 
     reference = {s: loss for s, loss in train_losses(pipeline_run).items() if s > 4}
-    assert train_losses(tmp_path / "two") == reference
+    assert train_losses(two.out_dir) == reference
     assert max_diff(train_losses(tmp_path / "one"), reference) <= 1e-5
     a, b = load_checkpoint(pipeline_run)["model"], load_checkpoint(tmp_path / "one")["model"]
     assert set(a) == set(b) and "lm_head.weight" in a  # every stage's tensors, the untied head among them
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
-    # the one process's single-file checkpoint on two stages: a stage's optimizer cannot take the whole model's state
-    refused = torchrun("--init_from=resume", f"--out_dir={tmp_path / 'one'}", "--pipeline_parallel=2", check=False)
-    assert refused.returncode != 0 and refused.stderr.count("which pipeline stages cannot resume yet") == 1
+    # one process's single-file checkpoint on two stages: a stage's optimizer cannot take the whole model's state
+    assert refused.codes != [0, 0] and refused.stderr.count("which pipeline stages cannot resume yet") == 1
 
 
 @pytest.mark.slow

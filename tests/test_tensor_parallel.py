@@ -19,7 +19,8 @@ import train
 from gpt2train.checkpoint import load_checkpoint
 from gpt2train.config import ConfigError, make_config, parse_args
 from gpt2train.tensor_parallel import gpt2_rows, qkv_order
-from tiny import TINY, metrics, torchrun, train_losses
+from tiny import TINY, metrics, train_losses
+from worlds import Scenario, world
 
 ROOT = Path(__file__).resolve().parent.parent
 # 8 steps of 128 tokens: one process x 2 accumulation steps of 4 x 16, or each data-parallel rank its share;
@@ -45,12 +46,51 @@ def single_run(data_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tp_run(data_dir, tmp_path_factory):
+def tp_world(data_dir, single_run, tmp_path_factory):
+    """Every multi-rank run of this file in one world of 4 ranks (tests/worlds.py), by name: "fsdp" and "ddp",
+    8 steps at tensor_parallel=2 under parallel='fsdp' and 'ddp'; "init_fsdp", TP_INIT under 'fsdp'. Then on ranks
+    0-1: "tp", 8 steps at tensor_parallel=2 (one data-parallel rank), sharded checkpoints at steps 4 and 8;
+    "tp_resumed", its step-4 checkpoint resumed at its layout; "one_resumed", the one process's step-4 single file
+    resumed at tensor_parallel=2. At the same time on ranks 2-3: "init_ddp", TP_INIT under 'ddp'."""
+    root = tmp_path_factory.mktemp("tp_world")
+    (root / "init.py").write_text(TP_INIT)
+    run = lambda name, *more: [*COMMON, f"--data_dir={data_dir}", f"--out_dir={root / name}", *more]  # noqa: E731
+    resume = lambda name, *more: ["--init_from=resume", f"--out_dir={root / name}", *more]  # noqa: E731
+    single = [(single_run / n, root / "one_resumed" / n) for n in ("ckpt_000004.pt", "ckpt_000004.pt.sha256")]
+    init = lambda parallel, **kw: Scenario([root / f"init_{parallel}_rank", parallel], script=root / "init.py", **kw)  # noqa: E731
+    runs = {
+        **{p: Scenario(run(p, f"--parallel={p}", "--tensor_parallel=2")) for p in ("fsdp", "ddp")},
+        "init_fsdp": init("fsdp"),
+        "tp": Scenario(run("tp", "--tensor_parallel=2"), ranks=(0, 1)),
+        "init_ddp": init("ddp", ranks=(2, 3)),
+        "tp_resumed": Scenario(
+            resume("tp_resumed"), [(root / "tp" / "ckpt_000004", root / "tp_resumed" / "ckpt_000004")], ranks=(0, 1)
+        ),
+        "one_resumed": Scenario(resume("one_resumed", "--tensor_parallel=2"), single, ranks=(0, 1)),
+    }
+    world(list(runs.values()), root / "logs", nproc=4)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def two_rank_world(tp_world):
+    """The 2-rank runs: tensor_parallel 2, both resumes, TP_INIT under 'ddp'."""
+    return [tp_world[name] for name in ("tp", "tp_resumed", "one_resumed", "init_ddp")]
+
+
+@pytest.fixture(scope="module")
+def four_rank_world(tp_world):
+    """The 4-rank runs: fsdp x tp, ddp x tp, TP_INIT under 'fsdp'."""
+    return [tp_world[name] for name in ("fsdp", "ddp", "init_fsdp")]
+
+
+@pytest.fixture(scope="module")
+def tp_run(two_rank_world):
     """2 ranks at tensor_parallel=2 (one data-parallel rank): sharded checkpoints at steps 4 and 8."""
-    out = tmp_path_factory.mktemp("tp")
-    result = torchrun(*COMMON, f"--data_dir={data_dir}", f"--out_dir={out}", "--tensor_parallel=2")
+    result = two_rank_world[0]
+    assert result.codes == [0, 0]
     assert "world size 2 (ddp, tensor_parallel 2) | 128 tokens/step = 1 data-parallel ranks" in result.stdout
-    return out
+    return result.out_dir
 
 
 def by_step(out_dir, key):
@@ -89,21 +129,20 @@ def test_a_tensor_parallel_checkpoint_resumes_in_one_process_and_consolidates(tp
 
 
 @pytest.mark.slow
-def test_a_tensor_parallel_checkpoint_resumes_bit_exactly_at_its_layout(tp_run, tmp_path):
+def test_a_tensor_parallel_checkpoint_resumes_bit_exactly_at_its_layout(tp_run, two_rank_world):
     """Read back into split weights (c_attn's rows put in rank order again) and split AdamW moments."""
-    shutil.copytree(tp_run / "ckpt_000004", tmp_path / "ckpt_000004")
-    torchrun("--init_from=resume", f"--out_dir={tmp_path}")  # the checkpoint's tensor_parallel=2
-    assert train_losses(tmp_path) == {s: loss for s, loss in train_losses(tp_run).items() if s > 4}
+    resumed = two_rank_world[1]  # the step-4 checkpoint resumed at its tensor_parallel=2
+    assert resumed.codes == [0, 0]
+    assert train_losses(resumed.out_dir) == {s: loss for s, loss in train_losses(tp_run).items() if s > 4}
 
 
 @pytest.mark.slow
-def test_a_one_process_checkpoint_resumes_at_tensor_parallel_2(single_run, tmp_path):
+def test_a_one_process_checkpoint_resumes_at_tensor_parallel_2(single_run, two_rank_world):
     """A fused-AdamW single file: the weights and the AdamW moments split as the ranks hold them (c_attn's rows in
     rank order), and the optimizer steps with the kernel this layout can run."""
-    for name in ("ckpt_000004.pt", "ckpt_000004.pt.sha256"):
-        shutil.copy(single_run / name, tmp_path / name)
-    torchrun("--init_from=resume", f"--out_dir={tmp_path}", "--tensor_parallel=2")
-    assert close(train_losses(tmp_path), {s: loss for s, loss in train_losses(single_run).items() if s > 4})
+    resumed = two_rank_world[2]  # the step-4 single file resumed at tensor_parallel=2
+    assert resumed.codes == [0, 0]
+    assert close(train_losses(resumed.out_dir), {s: loss for s, loss in train_losses(single_run).items() if s > 4})
 
 
 TP_INIT = """
@@ -136,30 +175,28 @@ with open(sys.argv[1] + str(env.rank), "w") as f:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel, nproc", [("ddp", 2), ("fsdp", 4)])
-def test_split_ranks_start_from_one_process_weights_and_gather_them_for_generation(tmp_path, parallel, nproc):
+def test_split_ranks_start_from_one_process_weights_and_gather_them_for_generation(request, parallel, nproc):
     """Built on meta and initialised rank by rank (c_attn's rows drawn whole, then put in rank order), the model
     is the seed's: its forward gives one process's loss, and gathered() gives back GPT-2's layout to generate."""
-    (tmp_path / "init.py").write_text(TP_INIT)
-    torchrun(tmp_path / "rank", parallel, script=tmp_path / "init.py", nproc=nproc)
+    init = request.getfixturevalue("two_rank_world" if nproc == 2 else "four_rank_world")[-1]  # TP_INIT's run
+    assert init.codes == [0] * nproc
     for r in range(nproc):
-        result = json.loads((tmp_path / f"rank{r}").read_text())
+        result = json.loads(Path(f"{init.args[0]}{r}").read_text())
         assert result["same_init"] and result["tokens"] == result["alone_tokens"]
         assert result["loss"] == pytest.approx(result["alone_loss"], abs=1e-5)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
-def test_tensor_parallel_under_data_parallel_on_four_ranks_trains_as_one_process(
-    data_dir, single_run, tmp_path, parallel
-):
+def test_tensor_parallel_under_data_parallel_on_four_ranks_trains_as_one_process(four_rank_world, single_run, parallel):
     """2 data-parallel ranks of 2 tensor-parallel ones: FSDP shards each rank's part (2-D FSDP x TP), 'ddp'
     replicates it (FSDP with shards of one rank, gradients all-reduced)."""
-    args = [*COMMON, f"--data_dir={data_dir}", f"--out_dir={tmp_path}", f"--parallel={parallel}"]
-    result = torchrun(*args, "--tensor_parallel=2", nproc=4)
+    result = four_rank_world[["fsdp", "ddp"].index(parallel)]
+    assert result.codes == [0] * 4
     assert f"world size 4 ({parallel}, tensor_parallel 2) | 128 tokens/step = 2 data-parallel ranks" in result.stdout
     for key in ("train_loss", "grad_norm"):
-        assert close(by_step(tmp_path, key), by_step(single_run, key)), key
-    a, b = load_checkpoint(tmp_path)["model"], load_checkpoint(single_run)["model"]
+        assert close(by_step(result.out_dir, key), by_step(single_run, key)), key
+    a, b = load_checkpoint(result.out_dir)["model"], load_checkpoint(single_run)["model"]
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
 
 
