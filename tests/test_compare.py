@@ -1,8 +1,11 @@
 """compare.py: the paired statistics against scipy's, and whole comparisons of tiny train.py runs: identical arms,
 a clearly worse arm, an arm that diverges."""
 
+import contextlib
+import io
 import json
 import math
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,22 +82,55 @@ def tiny_arm(data_dir, *extra):
     return " ".join([*TINY, f"--data_dir={data_dir}", "--max_steps=6", "--eval_interval=3", *extra])
 
 
+def slow_arm(data_dir):
+    """The tiny arm at a learning rate 300x lower."""
+    return tiny_arm(data_dir, "--learning_rate=1e-5", "--min_lr=1e-6")
+
+
+def compare_quietly(argv, threads):
+    """compare.main(argv), which must exit 0, with torch.get_num_threads() giving `threads` (the runner gives each of
+    --jobs runs its share: a CPU run's sums depend on its thread count); returns what it printed."""
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.setattr(torch, "get_num_threads", lambda: threads)
+        assert compare.main(argv) == 0
+    return printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def compared(data_dir, tmp_path_factory):  # noqa: F811
+    """Four arms over three seeds and the baseline's repeat, one thread a run: the baseline, an identical arm, a
+    learning rate 300x lower (slow) and one that makes every loss NaN. Its directory and what compare printed."""
+    out, base = tmp_path_factory.mktemp("compared"), tiny_arm(data_dir)
+    arms = [
+        base,
+        f"name=same {base}",
+        f"name=slow {slow_arm(data_dir)}",
+        f"name=nan {tiny_arm(data_dir, '--learning_rate=1e30', '--max_skipped_steps=2')}",
+    ]
+    return out, compare_quietly([*arms, "--out_dir", str(out), "--repeat"], threads=1)
+
+
+@pytest.fixture(scope="module")
+def two_jobs(data_dir, tmp_path_factory):  # noqa: F811
+    """The baseline and slow arms of `compared` over two seeds with --jobs 2 (two runs at once, one thread each):
+    its directory and compare.json."""
+    out = tmp_path_factory.mktemp("two_jobs")
+    compare_quietly(
+        [tiny_arm(data_dir), f"name=slow {slow_arm(data_dir)}", "--seeds", "2", "--jobs", "2", "--out_dir", str(out)],
+        threads=2,
+    )
+    return out, json.loads((out / "compare.json").read_text())
+
+
 @pytest.mark.slow
-def test_identical_worse_and_diverging_arms_over_three_seeds(data_dir, tmp_path, capsys):  # noqa: F811
+def test_identical_worse_and_diverging_arms_over_three_seeds(compared):
     """Two identical arms: every delta exactly 0, `identical`, a bit-identical repeat, yet the baseline's values differ
     across seeds (std > 0). A learning rate 300x lower: `worse` at p < 0.05, with scipy's numbers. A learning rate
     that makes every loss NaN: `failed`, its runs `diverged` (exit 3), and compare still finishes. The ledger has
     one line per run."""
-    base = tiny_arm(data_dir)
-    arms = [
-        base,
-        f"name=same {base}",
-        f"name=slow {tiny_arm(data_dir, '--learning_rate=1e-5', '--min_lr=1e-6')}",
-        f"name=nan {tiny_arm(data_dir, '--learning_rate=1e30', '--max_skipped_steps=2')}",
-    ]
-    assert compare.main([*arms, "--out_dir", str(tmp_path), "--repeat"]) == 0
+    tmp_path, out = compared
     report = json.loads((tmp_path / "compare.json").read_text())
-    out = capsys.readouterr().out
     assert out.splitlines()[-1].startswith("compare: ") and "[13/13]" in out
     brief = json.loads(out.splitlines()[-1][len("compare: ") :])
     assert brief["comparisons"] == report["comparisons"] and report["seeds"] == [1337, 1338, 1339]
@@ -133,29 +169,32 @@ def test_a_metric_the_result_does_not_have_is_one_line(data_dir, tmp_path, capsy
 
 
 @pytest.mark.slow
-def test_a_comparison_goes_on_where_it_stopped_and_takes_more_seeds(data_dir, tmp_path, capsys):  # noqa: F811
-    """A comparison killed in its second run: run again, the first run is reused, the unfinished one is moved aside
-    and made again; then --seeds 2 adds the second seed's runs only. Other arms into the same directory: refused."""
-    base = " ".join([*TINY, f"--data_dir={data_dir}", "--max_steps=2", "--eval_interval=2"])
-    arms = [base, f"name=b {base} --learning_rate=1e-3"]
-    assert compare.main([*arms, "--out_dir", str(tmp_path), "--seeds", "1"]) == 0
-    first = json.loads((tmp_path / "compare.json").read_text())
-    # as if killed while b's run was training: compare.json had only the baseline's run, b's directory half made
+def test_a_comparison_goes_on_where_it_stopped_and_takes_more_seeds(two_jobs, data_dir, tmp_path, capsys):  # noqa: F811
+    """A comparison killed in a run (a copy of two_jobs', moved: runs are keyed by arm and seed): run again, the
+    finished runs are reused, the unfinished one is moved aside and made again; --seeds 3 adds the third seed's runs
+    only. Other arms into the same directory: refused."""
+    shutil.copytree(two_jobs[0], tmp_path, dirs_exist_ok=True)
+    first = two_jobs[1]
+    arms = [tiny_arm(data_dir), f"name=slow {slow_arm(data_dir)}"]
+    # as if killed while slow's first run was training: compare.json without it, its directory half made
     partial = json.loads(json.dumps(first))
-    partial["arms"][1]["runs"] = []
+    partial["arms"][1]["runs"] = partial["arms"][1]["runs"][1:]
     (tmp_path / "compare.json").write_text(json.dumps(partial))
-    (tmp_path / "b" / "seed1337" / "stale").write_text("")
+    (tmp_path / "slow" / "seed1337" / "stale").write_text("")
     capsys.readouterr()
-    assert compare.main([*arms, "--out_dir", str(tmp_path), "--seeds", "2"]) == 0
+    with pytest.MonkeyPatch.context() as patch:  # one thread, as two_jobs gave each run
+        patch.setattr(torch, "get_num_threads", lambda: 1)
+        assert compare.main([*arms, "--out_dir", str(tmp_path), "--seeds", "3"]) == 0
     out = capsys.readouterr().out
-    assert "[1/4] baseline seed 1337: ok" in out and "(made before)" in out.splitlines()[1]
-    assert (tmp_path / "b" / "seed1337.unfinished" / "stale").exists()
+    assert "[1/6] baseline seed 1337: ok" in out and "(made before)" in out.splitlines()[1]
+    assert (tmp_path / "slow" / "seed1337.unfinished" / "stale").exists()
     report = json.loads((tmp_path / "compare.json").read_text())
-    assert report["arms"][0]["runs"][0] == first["arms"][0]["runs"][0]  # reused, not made again
-    assert [r["value"] for r in report["arms"][1]["runs"]][:1] == [r["value"] for r in first["arms"][1]["runs"]]
-    assert [len(a["runs"]) for a in report["arms"]] == [2, 2]
-    assert len((tmp_path / "ledger.jsonl").read_text().splitlines()) == 2 + 1 + 2  # one line per run made
-    assert compare.main([base, f"name=c {base}", "--out_dir", str(tmp_path)]) == 2
+    reused, made = report["arms"][0]["runs"][0], first["arms"][0]["runs"][0]  # reused, not made again
+    assert reused == made | {"out_dir": str(tmp_path / "baseline" / "seed1337")}
+    assert [r["value"] for r in report["arms"][1]["runs"]][:2] == [r["value"] for r in first["arms"][1]["runs"]]
+    assert [len(a["runs"]) for a in report["arms"]] == [3, 3]
+    assert len((tmp_path / "ledger.jsonl").read_text().splitlines()) == 4 + 1 + 2  # one line per run made
+    assert compare.main([tiny_arm(data_dir), f"name=c {tiny_arm(data_dir)}", "--out_dir", str(tmp_path)]) == 2
     assert "holds a comparison of other arms or another metric" in capsys.readouterr().err
 
 
@@ -377,13 +416,12 @@ def test_confirm_scores_each_run_on_the_test_split_and_gives_its_verdict(fake_tr
 
 
 @pytest.mark.slow
-def test_two_jobs_at_once_are_bit_identical_to_one(data_dir, tmp_path, monkeypatch):  # noqa: F811
-    base = tiny_arm(data_dir)
-    arms = [base, f"name=slow {tiny_arm(data_dir, '--learning_rate=1e-4', '--min_lr=1e-5')}"]
-    for jobs in (1, 2):  # one thread per run both times: a CPU run's sums depend on its thread count
-        monkeypatch.setattr(torch, "get_num_threads", lambda: jobs)
-        assert compare.main([*arms, "--seeds", "2", "--jobs", str(jobs), "--out_dir", str(tmp_path / str(jobs))]) == 0
-    one, two = (json.loads((tmp_path / j / "compare.json").read_text()) for j in ("1", "2"))
+def test_two_jobs_at_once_are_bit_identical_to_one(compared, two_jobs):
+    """The baseline and slow arms over two seeds with --jobs 2 against the same runs of `compared` (--jobs 1), one
+    thread per run both times (a CPU run's sums depend on its thread count): the same values and train losses."""
+    made = json.loads((compared[0] / "compare.json").read_text())
+    one = {"arms": [{"runs": made["arms"][i]["runs"][:2]} for i in (0, 2)]}  # baseline and slow, seeds 1337, 1338
+    two = two_jobs[1]
     assert [r["threads"] for a in one["arms"] + two["arms"] for r in a["runs"]] == [1] * 8
     assert [[r["value"] for r in a["runs"]] for a in one["arms"]] == [
         [r["value"] for r in a["runs"]] for a in two["arms"]
