@@ -108,11 +108,10 @@ DAMAGE = """
 import os, sys
 from pathlib import Path
 
-if os.environ["RANK"] == "0":  # damage() of a sharded checkpoint's first shard
-    shard = next(p for p in sorted(Path(sys.argv[1]).iterdir()) if p.suffix == ".distcp")
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 1
-    shard.write_bytes(bytes(data))
+from test_fsdp import damage
+
+if os.environ["RANK"] == "0":  # a sharded checkpoint's first shard
+    damage(next(p for p in sorted(Path(sys.argv[1]).iterdir()) if p.suffix == ".distcp"))
 """
 
 

@@ -14,6 +14,7 @@ whose script patches modules goes last on its ranks.
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 import traceback
@@ -48,8 +49,6 @@ def world(scenarios, log_dir, nproc=2, timeout=600):
     stderr, and returns them. A world that does not finish fails with its output. A scenario with ranks runs on
     those ranks alone (a world of its own: their RANK, WORLD_SIZE, ... are its), at the same time as the next
     scenarios on the other ranks; on its ranks, after the scenarios before it."""
-    import subprocess
-
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     plan = [
