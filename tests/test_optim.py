@@ -141,6 +141,12 @@ def test_grad_scaler_unscales_and_steps_both_optimizers():
 SHAPES = [(96, 32), (32, 32), (32, 128), (96, 32), (32, 32), (32, 128)]  # tall, square, wide; two of each
 
 
+@pytest.fixture
+def bf16_products(monkeypatch):
+    """torch.optim.Muon multiplies in bf16 on every CPU; ours does where the CPU does it in hardware (below)."""
+    monkeypatch.setattr(optim, "cpu_has_fast_bf16", lambda: True)
+
+
 def muon_pair(shapes=SHAPES, **keys):
     """torch.optim.Muon and optim.Muon over two copies of the same matrices, with the same arguments."""
     keys = {"lr": 0.02, "momentum": 0.9, "nesterov": True, "weight_decay": 0.0, "adjust_lr_fn": "original", **keys}
@@ -167,7 +173,7 @@ def worst_relative(a, b):
     "keys",
     [{}, {"nesterov": False}, {"weight_decay": 0.1}, {"adjust_lr_fn": "match_rms_adamw", "momentum": 0.95}],
 )
-def test_batched_muon_equals_torch_muon_after_three_steps(keys):
+def test_batched_muon_equals_torch_muon_after_three_steps(keys, bf16_products):
     pairs = muon_pair(**keys)
     for step in range(3):
         step_both(pairs, step)
@@ -176,7 +182,34 @@ def test_batched_muon_equals_torch_muon_after_three_steps(keys):
     assert all(not torch.equal(p, q) for p, q in zip(ours, muon_pair()[1][0]))  # every matrix moved
 
 
-def test_batched_muon_state_dict_is_torch_muons():
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_newton_schulz_multiplies_in_bf16_only_where_the_cpu_does_it_in_hardware(monkeypatch, fast_bf16):
+    """Where the CPU would emulate bf16 matmuls (AVX2: 10-50x slower), each product is taken in fp32 from the bf16
+    values and rounded back; the two ways agree to bf16's rounding, and both return bf16."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Products(TorchDispatchMode):
+        dtypes = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default):
+                self.dtypes.add(args[-1].dtype)
+            return func(*args, **(kwargs or {}))
+
+    stack = torch.randn(3, 96, 32)
+    args = (optim.NS_COEFFICIENTS, optim.NS_STEPS, optim.NS_EPS)
+    monkeypatch.setattr(optim, "cpu_has_fast_bf16", lambda: fast_bf16)
+    with Products() as mode:
+        ortho = optim.newton_schulz(stack, *args)
+    assert mode.dtypes == {torch.bfloat16 if fast_bf16 else torch.float32}
+    assert ortho.dtype == torch.bfloat16 and ortho.shape == stack.shape
+    monkeypatch.setattr(optim, "cpu_has_fast_bf16", lambda: not fast_bf16)
+    other = optim.newton_schulz(stack, *args).float()
+    assert ((ortho.float() - other).norm() / other.norm()).item() < 2e-2
+    assert not torch.equal(ortho.float(), stack)  # it did orthogonalise
+
+
+def test_batched_muon_state_dict_is_torch_muons(bf16_products):
     """The same param_groups keys and one 'momentum_buffer' per matrix: torch.optim.Muon's state loads into it and
     the next steps match (a checkpoint of a run before it resumes), and its state loads into torch.optim.Muon."""
     pairs = muon_pair()
@@ -198,7 +231,7 @@ def test_batched_muon_state_dict_is_torch_muons():
     assert all(torch.equal(m, torch_muon.state[p]["momentum_buffer"]) for m, p in zip(momentum, theirs))
 
 
-def test_batched_muon_skips_matrices_without_a_gradient():
+def test_batched_muon_skips_matrices_without_a_gradient(bf16_products):
     """As torch.optim.Muon: a matrix without a gradient is left alone, its momentum with it, while its shape's others
     step."""
     pairs = muon_pair()
