@@ -189,8 +189,9 @@ def ladder(args):
         run_jobs([job for job, _ in planned], out, jobs=args.jobs, metric=METRIC, done=done, on_run=on_run)
         wall = time.perf_counter() - t0
         report = {**header, "runs": list(runs.values())}
-        # of this call: the runs it made (kept ones cost nothing now)
-        report["cost"] = {"wall_s": wall, "runs_s": sum(made_s), "overhead": wall / sum(made_s) - 1 if made_s else None}
+        # of this call: the runs it made (kept ones cost nothing now), against the wall time of its --jobs slots
+        overhead = wall * args.jobs / sum(made_s) - 1 if made_s else None
+        report["cost"] = {"wall_s": wall, "runs_s": sum(made_s), "jobs": args.jobs, "overhead": overhead}
         atomic_write(path, json.dumps(report, indent=2) + "\n")
         fit = fit_all(fit_runs(report["runs"]))
         report.update({k: fit[k] for k in ("isoflop", "power_laws", "law")})
@@ -295,7 +296,8 @@ def table(report):
     rows.append(f"law L = E + A/N^alpha + B/D^beta: {terms}; R^2 {law['r2']:.4f}")
     cost = report["cost"]
     rows.append(
-        f"cost: {cost['wall_s']:.0f} s wall, the runs {cost['runs_s']:.0f} s, overhead {fmt(cost['overhead'], '.1%')}"
+        f"cost: {cost['wall_s']:.0f} s wall x {cost['jobs']} jobs, the runs {cost['runs_s']:.0f} s, "
+        f"overhead {fmt(cost['overhead'], '.1%')}"
     )
     return "\n".join(rows)
 

@@ -84,9 +84,12 @@ def test_a_ladder_writes_every_field_and_predicts(data_dir, tmp_path, capsys, mo
     monkeypatch.setattr(ladder, "fit_all", lambda runs: scaling.fit_all(runs, scaling.Fits(boot=20)))
     out = tmp_path / "l"
     sizes = "1x64,2x64,3x64,2x128"
-    assert ladder.main([base(data_dir), "--sizes", sizes, "--flops", "2e9,4e9,8e9", "--out_dir", str(out)]) == 0
+    argv = [base(data_dir), "--sizes", sizes, "--flops", "2e9,4e9,8e9", "--jobs", "2", "--out_dir", str(out)]
+    assert ladder.main(argv) == 0
     printed = capsys.readouterr().out.splitlines()
     report = json.loads((out / "ladder.json").read_text())
+    cost = report["cost"]  # 12 runs of 1 s in 2 slots: the wall time of both slots, over the runs' seconds
+    assert cost["runs_s"] == 12.0 and cost["overhead"] == pytest.approx(cost["wall_s"] * 2 / 12.0 - 1)
     assert json.loads(printed[-1].removeprefix("ladder: "))["law"] == report["law"]
     assert len(report["runs"]) == 12
     for run in report["runs"]:
