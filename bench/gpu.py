@@ -65,6 +65,7 @@ import torch
 from gpt2train.config import TrainConfig, make_config, model_config, parse_args
 from gpt2train.devices import autocast, device_type, resolve_device, resolve_dtype, use_cuda_device
 from gpt2train.files import atomic_write, error_message, report_error
+from gpt2train.optim import product_dtype
 from gpt2train.tracking import EXIT_CODES
 from model import GPT
 
@@ -849,6 +850,7 @@ GPT2_1558M = ROOT / "configs" / "gpt2_1558m.py"
 GPT2_124M_MODERN = ROOT / "configs" / "gpt2_124m_modern.py"
 MODERN = ROOT / "configs" / "modern.py"
 MUON_TOL = 1e-3  # the batched Muon's matrices after 3 steps against torch.optim.Muon's: max relative difference
+MUON_TOL_FP32_PRODUCTS = 1e-2  # the same where ours multiplies bf16 values in fp32 (a CPU without bf16 in hardware)
 QUIET = ["--eval_interval=0", "--hellaswag_interval=0", "--sample_interval=0", "--save_interval=0"]  # no tokenizer
 # train.py as the slot runs it: without the checkpoint it writes at the last step (18.7 GB at 1.5B: a minute or more
 # of the slot's 8, and nothing it measures)
@@ -1003,10 +1005,12 @@ def slot_optimizer(report, opts):
         r = found[name]
         launches = f"{r['kernels']} kernels" if r["kernels"] is not None else f"{r['ops']} ops dispatched"
         parts.append(f"{name} {r['muon_ms']:.2f} ms (whole step {r['whole_ms']:.2f}), {launches}")
-    diff = found["max_rel_diff"]
-    status = "PASS" if diff <= MUON_TOL else "FAIL"
+    diff, in_bf16 = found["max_rel_diff"], product_dtype(opts.device) == torch.bfloat16
+    tol = MUON_TOL if in_bf16 else MUON_TOL_FP32_PRODUCTS
+    status = "PASS" if diff <= tol else "FAIL"
     result = "; ".join(parts) + f"; matrices after 3 steps max rel diff {diff:.1e}"
-    report.add("optimizer step", result, f"diff <= {MUON_TOL:g}; review 5: ~8-10 ms vs ~2-3.5 ms", status)
+    products = "" if in_bf16 else " (ours multiplies in fp32 here)"
+    report.add("optimizer step", result, f"diff <= {tol:g}{products}; review 5: ~8-10 ms vs ~2-3.5 ms", status)
     return found
 
 

@@ -155,27 +155,29 @@ def orthogonalised(stack, *args):
     return everyone[: len(stack)]
 
 
+def product_dtype(device):
+    """What newton_schulz multiplies in on `device`: bf16, or fp32 (of bf16 values) on a CPU that would emulate bf16."""
+    return torch.float32 if torch.device(device).type == "cpu" and not cpu_has_fast_bf16() else torch.bfloat16
+
+
 def newton_schulz(stack, coefficients, steps, eps):
     """torch.optim.Muon's orthogonalisation of each (rows, cols) matrix of `stack`, in bf16, as batched matmuls: the
     quintic iteration X <- a X + (b A + c A^2) X, A = X X^T, on the wide side (X^T where rows > cols), from X
     divided by its Frobenius norm (at least eps). On a CPU that would emulate bf16 matmuls (AVX2: 10-50x slower than
-    fp32 at these shapes) each product is taken in fp32 from the bf16 values and rounded back to bf16, as a GPU's
-    bf16 GEMM accumulates in fp32 and rounds once."""
+    fp32 at these shapes) each product is taken in fp32 from bf16 values and rounded back to bf16, as a GPU's bf16
+    GEMM accumulates in fp32 and rounds once."""
     a, b, c = coefficients
-    work = torch.float32 if stack.device.type == "cpu" and not cpu_has_fast_bf16() else torch.bfloat16
-
-    def rounded(op, *tensors, **scales):
-        return op(*(t.to(work) for t in tensors), **scales).bfloat16()
-
+    work = product_dtype(stack.device)
     x = stack.bfloat16()
     tall = stack.size(1) > stack.size(2)
     if tall:
         x = x.mT
     x = x / torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True).clamp(min=eps)
-    for _ in range(steps):
-        gram = rounded(torch.bmm, x, x.mT)  # (n, rows, rows) on the wide side
-        poly = rounded(torch.baddbmm, gram, gram, gram, beta=b, alpha=c)
-        x = rounded(torch.baddbmm, x, poly, x, beta=a)
+    for _ in range(steps):  # .to(work) and .bfloat16() return their tensor where work is bf16
+        x = x.to(work)
+        gram = torch.bmm(x, x.mT).bfloat16().to(work)  # (n, rows, rows) on the wide side
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c).bfloat16().to(work)
+        x = torch.baddbmm(x, poly, x, beta=a).bfloat16()
     return x.mT if tall else x
 
 

@@ -9,10 +9,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from bench import gpu
 from gpt2train import memory
 from gpt2train.config import make_config, model_config, parse_args
+from gpt2train.optim import product_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -265,4 +267,7 @@ def test_the_slot_runs_offline_on_the_cpu_and_writes_one_table_and_one_json(tmp_
     assert "compile False" in rows["124m compiled"][0]  # --tiny: no compile; said so
     assert found["124m modern compiled"]["args"][0].endswith("modern.py")  # the modern recipe on the tiny model
     optimizer = found["optimizer step"]  # the batched Muon dispatches a few ops per shape, torch's ~30 per matrix
-    assert optimizer["batched"]["ops"] < optimizer["torch.optim.Muon"]["ops"] / 4 and optimizer["max_rel_diff"] < 1e-3
+    in_fp32 = product_dtype("cpu") == torch.float32  # then 6 more an iteration: 3 products' ins and outs, 4 shapes
+    tol, more = (gpu.MUON_TOL_FP32_PRODUCTS, 4 * 5 * 6) if in_fp32 else (gpu.MUON_TOL, 0)
+    assert optimizer["batched"]["ops"] < optimizer["torch.optim.Muon"]["ops"] / 4 + more
+    assert optimizer["max_rel_diff"] < tol
