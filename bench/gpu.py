@@ -469,8 +469,9 @@ def losses(records):
 
 def check_sigterm_resume(report, opts, tmp, data_dir):
     """SIGTERM after step 5 (train.py saves after the step and exits 5, interrupted), resume, and compare every step's
-    loss with an uninterrupted run's."""
-    args = [*train_args(opts, data_dir, steps=60), "--dropout=0.1"]
+    loss with an uninterrupted run's. Of 60 steps (--tiny: 20; a step of its 50K-vocab head takes ~0.1 s on one CPU
+    thread, so the signal, sent within 50 ms of step 5, still lands mid-run)."""
+    args = [*train_args(opts, data_dir, steps=20 if opts.tiny else 60), "--dropout=0.1"]
     env, out = train_env(tmp, "sigterm"), Path(tmp) / "sigterm"
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), *args, f"--out_dir={out}"],
@@ -991,7 +992,7 @@ def slot_train(report, opts, tmp, data_dir, out, name, args, timeout):
 
 def slot_optimizer(report, opts):
     """The modern recipe's optimizer step (Muon for the 48 block matrices, AdamW for the rest) at GPT-2 124M's size
-    (--tiny: the 48 matrices at 96 wide), torch.optim.Muon against the batched Muon (bench.muon.compare): ms per
+    (--tiny: the 48 matrices at 32 wide), torch.optim.Muon against the batched Muon (bench.muon.compare): ms per
     step, Muon alone and whole; GPU kernels per step (CUDA; elsewhere the ops dispatched); and the matrices after
     3 steps from the same start, which must agree within MUON_TOL."""
     from bench.muon import compare

@@ -2,7 +2,7 @@
 stacked), side by side in one process, steps interleaved, on the same gradients:
 
     python -m bench.muon                  # GPT-2 124M's modern recipe (configs/gpt2_124m_modern.py), on the CPU
-    python -m bench.muon --tiny           # its 48 block matrices at 96 wide: what is left is per-op dispatch
+    python -m bench.muon --tiny           # its 48 block matrices at 32 wide: what is left is per-op dispatch
     python -m bench.muon --device=cuda    # ms on a GPU, and its kernels per step
 
 Per optimizer: ms per step of Muon alone and of the whole step (Muon + AdamW: the median of --reps), the ops the
@@ -27,7 +27,7 @@ from gpt2train.devices import device_type
 from model import GPT
 
 CONFIG = "configs/gpt2_124m_modern.py"
-TINY = dict(n_embd=96, n_head=2, vocab_size=512, block_size=64, bigram_embeds=100)  # 12 layers still: 48 matrices
+TINY = dict(n_embd=32, n_head=2, vocab_size=512, block_size=64, bigram_embeds=100)  # 12 layers still: 48 matrices
 
 
 class Dispatched(TorchDispatchMode):
@@ -139,7 +139,7 @@ def main(argv=None):
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--tiny", action="store_true", help="the 48 matrices at 96 wide (dispatch, not arithmetic)")
+    p.add_argument("--tiny", action="store_true", help="the 48 matrices at 32 wide (dispatch, not arithmetic)")
     p.add_argument("--reps", type=int, default=5, help="timed steps of each, interleaved (the median is reported)")
     opts = p.parse_args(argv)
     print(f"{machine_line(opts.device)}; {CONFIG}{' (tiny)' if opts.tiny else ''}, {opts.reps} reps")

@@ -23,6 +23,7 @@ from gpt2train.config import ConfigError, make_config, parse_args, read_config_f
 from gpt2train.data import DataLoader, Loader, open_mixture
 from gpt2train.mixture import parse_mixture
 from gpt2train.shards import write_shard
+from worlds import Scenario, world
 
 ROOT = Path(__file__).resolve().parent.parent
 T = 16
@@ -239,24 +240,31 @@ def test_training_on_a_mixture_resumes_bit_exactly(sources, tmp_path, packing):
     ]
 
 
+def ddp_args(sources, packing):
+    args = [*TINY, f"--data_dir={sources[0]}:0.75,{sources[1]}:0.25", f"--packing={packing}", "--dropout=0.0"]
+    return [*args, "--batch_size=4", f"--total_batch_size={8 * T}", "--max_steps=4"]
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(sources, tmp_path_factory):
+    """Both packings' 2-rank DDP runs on the mixture, in one torchrun world (one start, not two): {packing: out_dir}."""
+    root = tmp_path_factory.mktemp("mixture_ddp")
+    runs = {p: Scenario([*ddp_args(sources, p), f"--out_dir={root / p}"]) for p in ("window", "document")}
+    for s in world(list(runs.values()), root / "logs"):
+        assert s.codes == [0, 0], s.stderr[-3000:]
+    return {p: s.out_dir for p, s in runs.items()}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("packing", ["window", "document"])
-def test_ddp_two_processes_equal_one_process_on_a_mixture(sources, tmp_path, packing):
-    args = [*TINY, f"--data_dir={sources[0]}:0.75,{sources[1]}:0.25", f"--packing={packing}", "--dropout=0.0"]
-    args += ["--batch_size=4", f"--total_batch_size={8 * T}", "--max_steps=4"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(ROOT / "train.py")]
-    result = subprocess.run(
-        [*cmd, *args, f"--out_dir={tmp_path / 'ddp'}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert train.main([*args, f"--out_dir={tmp_path / 'single'}"]) == 0  # 1 process x 2 accumulation steps
+def test_ddp_two_processes_equal_one_process_on_a_mixture(sources, ddp_runs, tmp_path, packing):
+    assert train.main([*ddp_args(sources, packing), f"--out_dir={tmp_path}"]) == 0  # 1 process x 2 accumulation steps
 
     def logged(out):
         keys = ("train_loss", "trained_tokens", "tokens/big", "tokens/small")
-        return {m["step"]: [m[k] for k in keys] for m in metrics(tmp_path / out) if "train_loss" in m}
+        return {m["step"]: [m[k] for k in keys] for m in metrics(out) if "train_loss" in m}
 
-    ddp, single = logged("ddp"), logged("single")
+    ddp, single = logged(ddp_runs[packing]), logged(tmp_path)
     assert list(ddp) == [1, 2, 3, 4]
     for step, (loss, *counts) in single.items():
         assert abs(ddp[step][0] - loss) < 1e-5 and ddp[step][1:] == counts, (step, ddp[step], single[step])
