@@ -15,6 +15,7 @@ from gpt2train import hf as hf_io
 from gpt2train.generation import Sampling, generate, generate_stream
 from gpt2train.hf import from_pretrained
 from model import GPT, PRESETS, GPTConfig
+from tiny import torch_threads
 
 CONV1D = hf_io.CONV1D_WEIGHTS
 
@@ -22,10 +23,8 @@ CONV1D = hf_io.CONV1D_WEIGHTS
 @pytest.fixture(autouse=True, scope="module")
 def single_thread():
     """These tensors are tiny: extra intra-op threads only add spin-wait overhead (large on a busy 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(1):
+        yield
 
 
 def small_gpt(seed=0, **overrides) -> GPT:
@@ -432,12 +431,8 @@ def test_greedy_generate_equals_argmax_of_full_forward():
 @pytest.mark.parametrize("vocab, rows", [(96, 1), (97, 3), (2, 1)])  # 97 and 2: a remainder past the blocks
 def test_head_rows_is_the_head_product_over_any_thread_count(threads, vocab, rows):
     w, x = torch.randn(vocab, 16), torch.randn(rows, 16)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         y = generation.head_rows(x, w)
-    finally:
-        torch.set_num_threads(before)
     assert y.shape == (rows, vocab)
     torch.testing.assert_close(y, x @ w.t())
 
@@ -460,14 +455,9 @@ def test_fp32_cpu_decoding_reads_the_head_on_every_thread_and_in_out_contiguous_
             return func(*args, **(kwargs or {}))
 
     stream = generate_stream(model, torch.zeros(1, 3, dtype=torch.long), 5, Sampling(temperature=0.0))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # the vocabulary, 96, splits evenly: no remainder product
-    try:
-        with RecordProducts():
-            next(stream)  # the prompt
-            next(stream)  # one token from the cache
-    finally:
-        torch.set_num_threads(threads)
+    with torch_threads(2), RecordProducts():  # 2 threads: the vocabulary, 96, splits evenly: no remainder product
+        next(stream)  # the prompt
+        next(stream)  # one token from the cache
     assert products == 2 * ([("mm", True)] * (2 * 4) + [("bmm", 2)])  # 2 blocks x 4 linears, then the head
     stream.close()
     assert all(p.is_contiguous() for p in model.parameters())

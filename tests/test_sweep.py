@@ -9,11 +9,10 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 import sweep
 from gpt2train import optimum
-from tiny import TINY
+from tiny import TINY, torch_threads
 
 LRS = [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2]
 SEEDS = [1337, 1338, 1339]
@@ -130,24 +129,17 @@ def run_sweep(argv):
 def jobs_1(data_dir, tmp_path_factory):  # noqa: F811
     """GRID swept with --jobs 1 and one thread (the runner gives each run its share of torch's threads): its
     directory, sweep.json and printed last line. The --jobs 2 test compares with it; --confirm scores its runs."""
-    count, out = torch.get_num_threads(), tmp_path_factory.mktemp("sweep") / "jobs1"
-    torch.set_num_threads(1)
-    try:
+    out = tmp_path_factory.mktemp("sweep") / "jobs1"
+    with torch_threads(1):
         report, printed = run_sweep([tiny_base(data_dir), *GRID, "--jobs", "1", "--out_dir", str(out)])
-    finally:
-        torch.set_num_threads(count)
     return out, report, printed.strip().splitlines()[-1]
 
 
 @pytest.mark.slow
 def test_jobs_2_equals_jobs_1_and_a_rerun_keeps_the_runs(jobs_1, data_dir, tmp_path, capsys):  # noqa: F811
     out, one_report, one_last = jobs_1
-    count = torch.get_num_threads()
-    torch.set_num_threads(2)  # two runs at once: 1 thread each, as --jobs 1 with one thread
-    try:
+    with torch_threads(2):  # two runs at once: 1 thread each, as --jobs 1 with one thread
         two_report, printed = run_sweep([tiny_base(data_dir), *GRID, "--jobs", "2", "--out_dir", str(tmp_path)])
-    finally:
-        torch.set_num_threads(count)
     reports = [one_report, two_report]
     for last in (one_last, printed.strip().splitlines()[-1]):
         assert last.startswith("sweep: ") and json.loads(last[len("sweep: ") :])["optima"]["all"]["key"]

@@ -24,7 +24,18 @@ import train
 from gpt2train.checkpoint import load_checkpoint
 from gpt2train.config import TrainConfig
 from gpt2train.shards import ShardError
-from tiny import ROOT, TINY, expect_exit, metrics, one_line_error, run, subprocess_env, torchrun, train_losses
+from tiny import (
+    ROOT,
+    TINY,
+    expect_exit,
+    metrics,
+    one_line_error,
+    run,
+    subprocess_env,
+    torch_threads,
+    torchrun,
+    train_losses,
+)
 from train import get_lr
 
 # ----------------------------------------------------------------------------- configuration
@@ -312,13 +323,9 @@ def test_sigterm_mid_run_then_resume_matches_uninterrupted(data_dir, tmp_path):
     assert 5 <= stopped_at < 150, "the signal should have arrived mid-run"
     assert "received SIGTERM" in stderr
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         assert train.main(["--init_from=resume", f"--out_dir={out}"]) == 0
         assert train.main([*args, f"--out_dir={tmp_path / 'uninterrupted'}"]) == 0
-    finally:
-        torch.set_num_threads(threads)
     assert train_losses(out) == train_losses(tmp_path / "uninterrupted")
 
 

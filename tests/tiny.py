@@ -4,6 +4,7 @@ it and its loss visibly falls (conftest's data_dir fixture writes it); train.py 
 what its runs write and print.
 """
 
+import contextlib
 import json
 import os
 import socket
@@ -13,10 +14,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def torch_threads(n):
+    """torch's intra-op thread count at n inside (a CPU run's float sums depend on it), restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 TINY = [
